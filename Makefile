@@ -1,0 +1,23 @@
+# Two commands do all set-up on a fresh clone with only python3:
+#   make plan   -> builds .venv once, then runs `plan --model qwen-vl-32b --gpus 16`
+#   make test   -> builds .venv once, then runs the whole test suite
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+PLAN_ARGS ?= --model qwen-vl-32b --gpus 16
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q "torch==2.13.0"
+	$(VENV)/bin/pip install -q -e ".[runtime,notebooks,test]"
+	touch $(STAMP)
+
+.PHONY: venv plan test
+venv: $(STAMP)
+
+plan: $(STAMP)
+	$(VENV)/bin/plan $(PLAN_ARGS)
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q tests

@@ -1,0 +1,215 @@
+"""The Plan: the one versioned JSON document that crosses from the planner to the runtime.
+
+Only pydantic is imported here, so the runtime can validate plans without pulling in the solver.
+Bump ``SCHEMA_VERSION`` on any change a reader of an older version would misread.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SCHEMA_VERSION = 1
+Source = Literal["analytical", "measured", "calibrated"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MemoryBreakdown(_Frozen):
+    """Per-GPU memory in GiB, by what holds it."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffers: float = Field(description="temporary and communication buffers")
+    overhead: float = Field(description="framework / allocator allowance")
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers + self.overhead
+
+
+class ModuleTime(_Frozen):
+    """Seconds one optimizer step spends in a module on one of its GPUs, by cause."""
+
+    forward: float
+    backward: float
+    recompute: float
+    tp_comm: float
+    sp_comm: float
+    cp_comm: float
+    dp_comm: float = Field(description="exposed (not overlapped) data-parallel / ZeRO communication")
+    handoff: float = Field(description="sending this module's output to the next module and its gradient back")
+    per_micro_batch: float = Field(description="forward+backward+recompute+tp/sp/cp comm+handoff of one micro-batch")
+
+
+class ModulePrediction(_Frozen):
+    """The cost model's numbers for one module."""
+
+    time_s: ModuleTime
+    memory_gib: MemoryBreakdown
+    flops_per_step: float = Field(description="model FLOPs of this module per step, all GPUs")
+    sources: dict[str, Source] = Field(description="which source each number came from, by layer or quantity")
+
+
+class ModulePlan(_Frozen):
+    """One module's layout."""
+
+    name: str
+    ranks: list[int] = Field(description="global ranks; rank r of the module is ranks[r], grid dp x cp x sp x tp")
+    dp: int = Field(ge=1)
+    tp: int = Field(ge=1)
+    sp: int = Field(ge=1)
+    cp: int = Field(ge=1)
+    zero: int = Field(ge=0, le=3)
+    recompute: Literal["none", "selective", "full"]
+    micro_batch: int = Field(ge=1)
+    grad_accum: int = Field(ge=1)
+    frozen: bool
+    num_params: int
+    predicted: ModulePrediction
+
+    @model_validator(mode="after")
+    def _ranks_match_degrees(self) -> "ModulePlan":
+        if len(self.ranks) != self.dp * self.tp * self.sp * self.cp:
+            raise ValueError(
+                f"module {self.name}: {len(self.ranks)} ranks but dp*tp*sp*cp = {self.dp * self.tp * self.sp * self.cp}"
+            )
+        return self
+
+
+class ModelInfo(_Frozen):
+    name: str
+    family: str
+    hf_config: dict[str, Any] = Field(description="Hugging Face config the runtime builds the model from")
+    num_params: int
+    module_params: dict[str, int]
+
+
+class DeviceInfo(_Frozen):
+    name: str
+    peak_bf16_flops: float
+    memory_bytes: int
+    memory_bandwidth: float
+    intra_node_bandwidth: float
+    intra_node_latency: float
+    inter_node_bandwidth: float
+    inter_node_latency: float
+    devices_per_node: int
+    source: str
+
+
+class ClusterInfo(_Frozen):
+    device: DeviceInfo
+    num_devices: int
+    devices_per_node: int
+
+
+class WorkloadInfo(_Frozen):
+    image_sizes: list[tuple[int, int]]
+    vision_tokens: int | None
+    text_tokens: int
+    audio_seconds: float
+    global_batch: int
+    module_tokens: dict[str, int] = Field(description="tokens per sample entering each module")
+    llm_image_tokens: int = Field(description="LLM tokens per sample that come from images")
+
+
+class TrainingInfo(_Frozen):
+    precision: Literal["bf16_mixed", "bf16_pure"]
+    optimizer: Literal["adamw"] = "adamw"
+    learning_rate: float = 1e-5
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0
+
+
+class Prediction(_Frozen):
+    """Whole-plan numbers."""
+
+    step_time_s: float
+    tokens_per_s: float = Field(description="LLM tokens (text + image + audio) per second")
+    samples_per_s: float
+    mfu: float = Field(description="model FLOPs per step / (step time * GPUs * peak FLOP/s)")
+    peak_memory_gib: float = Field(description="largest per-GPU memory of any GPU")
+    memory_breakdown_gib: MemoryBreakdown = Field(description="breakdown on the GPU with the peak")
+    binding_constraint: str = Field(description="what limits the plan, in words")
+
+
+class BaselineResult(_Frozen):
+    """A reference strategy costed by the same model, or why it does not fit."""
+
+    description: str
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    peak_memory_gib: float | None = None
+    mfu: float | None = None
+    speedup: float | None = Field(default=None, description="baseline step time / plan step time")
+    modules: dict[str, str] | None = Field(default=None, description="module -> strategy in short form")
+    infeasible: str | None = None
+
+
+class SolverInfo(_Frozen):
+    status: Literal["OPTIMAL", "FEASIBLE", "EVALUATED"]
+    num_candidates: int
+    rank: int = Field(default=1, description="1 for the best plan, k for the k-th of --top-k")
+    fixed: dict[str, str] = Field(default_factory=dict, description="degrees pinned with --fix")
+
+
+class Plan(_Frozen):
+    schema_version: int
+    planner_version: str
+    model: ModelInfo
+    cluster: ClusterInfo
+    workload: WorkloadInfo
+    training: TrainingInfo
+    placement: Literal["colocated", "disjoint"]
+    modules: list[ModulePlan]
+    predicted: Prediction
+    baselines: dict[str, BaselineResult]
+    solver: SolverInfo
+
+    def module(self, name: str) -> ModulePlan:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise KeyError(f"plan has no module {name!r}")
+
+    def to_json(self) -> str:
+        """Canonical JSON text: same plan -> same bytes."""
+        return json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+
+
+class PlanError(ValueError):
+    """A plan file that cannot be used, with a one-line reason."""
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file; raise PlanError with a one-line reason if it cannot be used."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise PlanError(f"cannot read plan file {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise PlanError(f"plan file {path} is not JSON: {e.msg} at line {e.lineno}") from None
+    if not isinstance(data, dict) or "schema_version" not in data:
+        raise PlanError(f"{path} is not a plan: it has no schema_version (write one with `plan --out`)")
+    version = data["schema_version"]
+    if version != SCHEMA_VERSION:
+        raise PlanError(
+            f"plan {path} has schema version {version}, this tool reads version {SCHEMA_VERSION}: "
+            f"re-run `plan` with this version to regenerate it"
+        )
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise PlanError(f"plan {path} is invalid at {where}: {first['msg']}") from None

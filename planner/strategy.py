@@ -1,0 +1,118 @@
+"""Per-module parallel strategies: the degrees the planner chooses and their validity rules.
+
+A module (vision encoder, audio encoder, LLM decoder) runs on ``gpus`` devices arranged as a
+``dp x cp x sp x tp`` grid (tp innermost, so a TP group is a run of consecutive ranks inside a node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Mapping
+
+Recompute = Literal["none", "selective", "full"]
+Placement = Literal["colocated", "disjoint"]
+Precision = Literal["bf16_mixed", "bf16_pure"]
+
+RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("none", "selective", "full")
+PLACEMENTS: tuple[Placement, ...] = ("colocated", "disjoint")
+PRECISIONS: tuple[Precision, ...] = ("bf16_mixed", "bf16_pure")
+DEGREE_FIELDS = ("dp", "tp", "sp", "cp", "zero", "recompute", "micro_batch", "grad_accum")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModuleStrategy:
+    """How one module is parallelised."""
+
+    dp: int
+    """Data-parallel degree (replicas, or ZeRO shards when ``zero`` > 0)."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron column/row split of every linear layer)."""
+    sp: int = 1
+    """Ulysses sequence-parallel degree (all-to-all from sequence- to head-sharding around attention)."""
+    cp: int = 1
+    """Ring / context-parallel degree (KV blocks passed around a ring)."""
+    zero: int = 0
+    """ZeRO stage over the DP group: 0 none, 1 optimizer, 2 +gradients, 3 +parameters (FSDP)."""
+    recompute: Recompute = "none"
+    """Activation recomputation: none, selective (attention core only) or full (whole block)."""
+    micro_batch: int = 1
+    """Samples per micro-batch on one DP replica."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (the same for every module of a plan)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "sp", "cp", "micro_batch", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, got {self.recompute!r}")
+
+    @property
+    def gpus(self) -> int:
+        """Devices the module occupies: dp * cp * sp * tp."""
+        return self.dp * self.cp * self.sp * self.tp
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples one optimizer step consumes: dp * micro_batch * grad_accum."""
+        return self.dp * self.micro_batch * self.grad_accum
+
+    def describe(self) -> str:
+        """Short human-readable form, e.g. ``DP2-TP4-SP1-CP1 ZeRO1 rc=none mb=1 ga=8``."""
+        return (
+            f"DP{self.dp}-TP{self.tp}-SP{self.sp}-CP{self.cp} ZeRO{self.zero} "
+            f"rc={self.recompute} mb={self.micro_batch} ga={self.grad_accum}"
+        )
+
+
+@dataclass(kw_only=True, frozen=True)
+class Strategy:
+    """A whole-model strategy: placement plus one ModuleStrategy per module."""
+
+    placement: Placement
+    """colocated: every module spans all GPUs, run one after another; disjoint: one GPU group per module."""
+    modules: Mapping[str, ModuleStrategy]
+    """Module name -> strategy, in the model's module order."""
+    precision: Precision = "bf16_mixed"
+    """bf16_mixed: bf16 compute, fp32 master weights and Adam states (16 B/param); bf16_pure: all bf16 (8 B/param)."""
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        accums = {s.grad_accum for s in self.modules.values()}
+        if len(accums) > 1:
+            raise ValueError(f"all modules must use the same grad_accum, got {sorted(accums)}")
+        samples = {s.samples_per_step for s in self.modules.values()}
+        if len(samples) > 1:
+            raise ValueError(f"dp * micro_batch * grad_accum must agree across modules, got {sorted(samples)}")
+        if self.placement == "colocated":
+            counts = {s.gpus for s in self.modules.values()}
+            if len(counts) > 1:
+                raise ValueError(f"colocated modules must span the same GPUs, got GPU counts {sorted(counts)}")
+
+    @property
+    def num_gpus(self) -> int:
+        """Total devices: shared (colocated) or summed (disjoint)."""
+        counts = [s.gpus for s in self.modules.values()]
+        return max(counts) if self.placement == "colocated" else sum(counts)
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step."""
+        return next(iter(self.modules.values())).grad_accum
+
+    def module_ranks(self) -> dict[str, list[int]]:
+        """Global ranks of each module: all ranks when colocated, consecutive blocks when disjoint."""
+        ranks: dict[str, list[int]] = {}
+        start = 0
+        for name, s in self.modules.items():
+            if self.placement == "colocated":
+                ranks[name] = list(range(s.gpus))
+            else:
+                ranks[name] = list(range(start, start + s.gpus))
+                start += s.gpus
+        return ranks

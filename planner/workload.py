@@ -1,0 +1,118 @@
+"""What one training sample looks like, and how many tokens each module sees for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import math
+
+from planner.models import ModelSpec
+
+
+@dataclass(kw_only=True, frozen=True)
+class Workload:
+    """Samples of a multimodal training step."""
+
+    image_sizes: tuple[tuple[int, int], ...] = ()
+    """(height, width) in pixels of each image in one sample."""
+    vision_tokens: int | None = None
+    """Vision-tower tokens (patches) per sample given directly; overrides image_sizes (square images assumed)."""
+    text_tokens: int = 0
+    """Text tokens per sample."""
+    audio_seconds: float = 0.0
+    """Seconds of audio per sample."""
+    global_batch: int
+    """Samples per optimizer step."""
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise ValueError(f"global batch must be >= 1, got {self.global_batch}")
+        if self.text_tokens < 0 or self.audio_seconds < 0:
+            raise ValueError("text tokens and audio seconds must be >= 0")
+        for h, w in self.image_sizes:
+            if h <= 0 or w <= 0:
+                raise ValueError(f"image size must be positive, got {h}x{w}")
+        if self.vision_tokens is not None and self.vision_tokens <= 0:
+            raise ValueError(f"vision tokens must be > 0, got {self.vision_tokens}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModuleTokens:
+    """Tokens one sample puts through a module, and how attention segments them."""
+
+    tokens: int
+    """Tokens per sample entering the module (vision: patches; audio: encoder positions; llm: sequence)."""
+    segments: tuple[int, ...]
+    """Lengths of the independent full-attention segments (one per image / clip; one sequence for the LLM)."""
+    windows: int = 0
+    """Attention windows per sample for window-attention blocks (0 when the module has none)."""
+    output_tokens: int = 0
+    """Tokens per sample the module hands to the LLM (after merge / pooling); 0 for the LLM."""
+
+
+def round_to_multiple(pixels: int, factor: int) -> int:
+    """Round an image side to the nearest multiple of ``factor`` (at least one), as Qwen-VL's smart_resize does."""
+    return max(factor, round(pixels / factor) * factor)
+
+
+def image_grid(height: int, width: int, model: ModelSpec) -> tuple[int, int]:
+    """Patch grid (rows, cols) of one image after resizing to multiples of patch_size * spatial_merge_size."""
+    vi = model.vision_input
+    factor = vi.patch_size * vi.spatial_merge_size
+    return round_to_multiple(height, factor) // vi.patch_size, round_to_multiple(width, factor) // vi.patch_size
+
+
+def image_windows(rows: int, cols: int, model: ModelSpec) -> int:
+    """Attention windows covering a patch grid (windows are padded at the edges, as in Qwen2.5-VL)."""
+    vi = model.vision_input
+    if vi.window_size is None:
+        return 0
+    side = vi.window_size // vi.patch_size
+    return math.ceil(rows / side) * math.ceil(cols / side)
+
+
+def vision_tokens(workload: Workload, model: ModelSpec) -> ModuleTokens:
+    """Vision-tower tokens of one sample: (H/14)*(W/14) patches per image (one temporal patch per image)."""
+    vi = model.vision_input
+    merge = vi.spatial_merge_size**2
+    if workload.vision_tokens is not None:
+        side = max(vi.spatial_merge_size, round(math.sqrt(workload.vision_tokens) / vi.spatial_merge_size) * vi.spatial_merge_size)
+        grids = [(side, side)]
+        if side * side != workload.vision_tokens:
+            raise ValueError(
+                f"--vision-tokens {workload.vision_tokens} is not a square grid of merge-aligned patches; "
+                f"try {side * side} (a {side * vi.patch_size}x{side * vi.patch_size} image)"
+            )
+    else:
+        grids = [image_grid(h, w, model) for h, w in workload.image_sizes]
+    segments = tuple(r * c for r, c in grids)
+    return ModuleTokens(
+        tokens=sum(segments),
+        segments=segments,
+        windows=sum(image_windows(r, c, model) for r, c in grids),
+        output_tokens=sum(segments) // merge,
+    )
+
+
+def audio_tokens(workload: Workload, model: ModelSpec) -> ModuleTokens:
+    """Audio-encoder positions of one sample: clips of at most max_seconds, each padded to a whole pass."""
+    ai = model.audio_input
+    if workload.audio_seconds <= 0:
+        return ModuleTokens(tokens=0, segments=(), output_tokens=0)
+    clips = math.ceil(workload.audio_seconds / ai.max_seconds)
+    per_clip = ai.max_seconds * ai.encoder_tokens_per_second
+    segments = (per_clip,) * clips
+    return ModuleTokens(tokens=sum(segments), segments=segments, output_tokens=sum(segments) // ai.pool_stride)
+
+
+def module_tokens(workload: Workload, model: ModelSpec) -> dict[str, ModuleTokens]:
+    """Per-module token counts of one sample; the LLM sequence is text plus every encoder's output tokens."""
+    tokens: dict[str, ModuleTokens] = {}
+    if model.vision_input is not None and "vision" in model.module_names:
+        tokens["vision"] = vision_tokens(workload, model)
+    if model.audio_input is not None and "audio" in model.module_names:
+        tokens["audio"] = audio_tokens(workload, model)
+    llm_len = workload.text_tokens + sum(t.output_tokens for t in tokens.values())
+    if llm_len <= 0:
+        raise ValueError("a sample has no tokens: give --text-tokens, an image size or audio seconds")
+    tokens["llm"] = ModuleTokens(tokens=llm_len, segments=(llm_len,))
+    return tokens
