@@ -7,7 +7,7 @@ model never re-derives them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Mapping
 
 LayerKind = Literal[

@@ -6,7 +6,7 @@ A module (vision encoder, audio encoder, LLM decoder) runs on ``gpus`` devices a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Mapping
 
 Recompute = Literal["none", "selective", "full"]
@@ -105,14 +105,22 @@ class Strategy:
         """Micro-batches per optimizer step."""
         return next(iter(self.modules.values())).grad_accum
 
+    def first_ranks(self) -> dict[str, int]:
+        """First global rank of each module.
+
+        Colocated modules all start at rank 0. Disjoint groups are consecutive blocks with the LLM first, so
+        that its (usually largest) TP groups start on a node boundary; encoders follow in model order.
+        """
+        if self.placement == "colocated":
+            return {name: 0 for name in self.modules}
+        order = sorted(self.modules, key=lambda name: name != "llm")
+        starts, start = {}, 0
+        for name in order:
+            starts[name] = start
+            start += self.modules[name].gpus
+        return {name: starts[name] for name in self.modules}
+
     def module_ranks(self) -> dict[str, list[int]]:
-        """Global ranks of each module: all ranks when colocated, consecutive blocks when disjoint."""
-        ranks: dict[str, list[int]] = {}
-        start = 0
-        for name, s in self.modules.items():
-            if self.placement == "colocated":
-                ranks[name] = list(range(s.gpus))
-            else:
-                ranks[name] = list(range(start, start + s.gpus))
-                start += s.gpus
-        return ranks
+        """Global ranks of each module (see first_ranks)."""
+        firsts = self.first_ranks()
+        return {name: list(range(firsts[name], firsts[name] + s.gpus)) for name, s in self.modules.items()}
