@@ -1,0 +1,27 @@
+"""The planner plans without torch/ray/transformers; the runtime runs without ortools."""
+
+import subprocess
+import sys
+
+import pytest
+
+BLOCK = "import sys\nfor name in {blocked!r}:\n    sys.modules[name] = None\n"
+
+
+def _import_with_blocked(modules: list[str], blocked: list[str]) -> subprocess.CompletedProcess:
+    code = BLOCK.format(blocked=blocked) + "".join(f"import {m}\n" for m in modules)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+
+PLANNER_MODULES = ["planner", "planner.schema", "planner.models", "planner.workload", "planner.strategy", "planner.hardware"]
+
+
+@pytest.mark.parametrize("module", PLANNER_MODULES)
+def test_planner_imports_without_torch_ray_transformers(module):
+    result = _import_with_blocked([module], ["torch", "ray", "transformers"])
+    assert result.returncode == 0, result.stderr
+
+
+def test_plan_schema_imports_without_ortools():
+    result = _import_with_blocked(["planner.schema"], ["ortools"])
+    assert result.returncode == 0, result.stderr
