@@ -1,0 +1,173 @@
+"""Every assumption of the cost model, as named, documented, overridable fields.
+
+Nothing in the formulas is a bare literal that a user might want to change: it lives here. Override with
+``dataclasses.replace(DEFAULT_ASSUMPTIONS, max_matmul_efficiency=0.6)``. The object is hashable, so it can
+key caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+AttentionImplementation = Literal["flash", "sdpa_mem_efficient", "eager"]
+ATTENTION_IMPLEMENTATIONS: tuple[AttentionImplementation, ...] = ("flash", "sdpa_mem_efficient", "eager")
+
+GiB = 1024**3
+MiB = 1024**2
+
+
+@dataclass(kw_only=True, frozen=True)
+class BytesPerParam:
+    """Resident bytes per parameter of one precision recipe, before any ZeRO sharding."""
+
+    weights: float
+    """Bytes of the weights used in forward/backward."""
+    gradients: float
+    """Bytes of the gradient (also the dtype it is reduced in)."""
+    optimizer: float
+    """Bytes of optimizer state, including an fp32 master copy when the recipe keeps one."""
+
+    @property
+    def total(self) -> float:
+        """All three together (16 for bf16 mixed precision with Adam)."""
+        return self.weights + self.gradients + self.optimizer
+
+
+@dataclass(kw_only=True, frozen=True)
+class CostAssumptions:
+    """Knobs of the analytical cost model. ``DEFAULT_ASSUMPTIONS`` holds the defaults."""
+
+    # --- precision recipes (Rajbhandari et al. 2020, ZeRO, Sec. 3.1: 2 + 2 + 12 bytes per parameter) ---
+    bf16_mixed: BytesPerParam = BytesPerParam(weights=2, gradients=2, optimizer=12)
+    """bf16 weights and gradients, fp32 master weights + Adam m + v (4 + 4 + 4): 16 B/param."""
+    bf16_pure: BytesPerParam = BytesPerParam(weights=2, gradients=2, optimizer=4)
+    """bf16 weights, gradients and Adam m + v (2 + 2), no master copy: 8 B/param."""
+    activation_bytes: int = 2
+    """Bytes per stored activation element (bf16)."""
+
+    # --- compute roofline ---
+    max_matmul_efficiency: float = 0.70
+    """Fraction of peak bf16 FLOP/s a large, well-shaped GEMM reaches."""
+    matmul_half_saturation_dim: float = 128.0
+    """Smallest GEMM dimension at which a GEMM reaches half of max_matmul_efficiency (one tensor-core tile)."""
+    memory_bandwidth_efficiency: float = 0.80
+    """Fraction of the HBM bandwidth a streaming kernel reaches."""
+    elementwise_traffic_factor: float = 3.0
+    """HBM traffic of unfused eager elementwise ops (norms, rotary, activation, residual) relative to one read
+    of every input and one write of every output (HF eager RMSNorm upcasts to fp32 in several kernels)."""
+    backward_to_forward_flops: float = 2.0
+    """Backward FLOPs of a GEMM relative to its forward: input gradient + weight gradient (Narayanan et al.
+    2021, Sec. 5.1, eq. 3 accounting)."""
+
+    # --- attention ---
+    attention_implementation: AttentionImplementation = "flash"
+    """flash / sdpa_mem_efficient keep only logsumexp per head and token; eager stores the s x s scores."""
+    flash_attention_efficiency: float = 0.55
+    """Fraction of peak FLOP/s a FlashAttention kernel reaches on long segments."""
+    mem_efficient_attention_efficiency: float = 0.40
+    """Fraction of peak FLOP/s the SDPA memory-efficient kernel reaches on long segments."""
+    eager_attention_efficiency: float = 0.60
+    """Fraction of peak FLOP/s the two batched GEMMs of eager attention reach (their score traffic is costed
+    separately as memory-bound)."""
+    attention_half_saturation_tokens: float = 128.0
+    """Key length per segment (window) at which attention reaches half its efficiency (short windows idle
+    tensor cores: a 64-patch window is one partial tile)."""
+    flash_backward_to_forward_flops: float = 2.5
+    """Backward/forward FLOPs of flash-style attention: 5 GEMMs (S recomputed) vs 2 (Dao 2023,
+    FlashAttention-2, Sec. 3.1.2). Eager backward uses 4 GEMMs vs 2, i.e. backward_to_forward_flops."""
+    causal_attention_flops_fraction: float = 0.5
+    """Fraction of the full s x s attention FLOPs a causal kernel executes (it skips masked blocks)."""
+    softmax_stat_bytes: int = 4
+    """Bytes per head and token of the fp32 logsumexp flash-style kernels save for backward."""
+    eager_score_bytes_per_element: float = 6.0
+    """Bytes stored per score element by eager attention: fp32 softmax output (kept for its backward) plus
+    its bf16 cast (kept for the P @ V GEMM), as in HF ``eager_attention_forward``."""
+    eager_score_traffic_bytes_per_element: float = 16.0
+    """HBM bytes moved per score element in the eager forward: write/read bf16 scores, write/read fp32
+    probabilities, write/read the bf16 cast."""
+
+    # --- memory beyond states and activations ---
+    megatron_sequence_parallel: bool = False
+    """Megatron sequence parallelism with TP (Korthikanti et al. 2022, Sec. 4.2.2): when False (the
+    runtime's DTensor TP plan), norm inputs and block inputs are replicated on every TP rank."""
+    zero_shards_over_sequence_ranks: bool = True
+    """ZeRO/FSDP shards (and gradients are reduced) over dp x cp x sp ranks, as torchtitan's ``dp_shard_cp``
+    mesh does; False shards over dp only (gradients still reduced over dp x cp x sp)."""
+    zero3_prefetch_layers: int = 1
+    """Layers whose parameters ZeRO-3 gathers ahead of use (FSDP2 default: 1), on top of the current one."""
+    communication_bucket_bytes: int = 25 * MiB
+    """Gradient bucket size of DDP / ZeRO-1/2 reduction (PyTorch DDP ``bucket_cap_mb`` default 25)."""
+    communication_buckets_in_flight: int = 2
+    """Buckets held at once: one being filled, one being reduced."""
+    loss_logits_saved_bytes: float = 4.0
+    """Bytes per (token, vocab/TP) logit kept for the cross-entropy backward (fp32 log-softmax)."""
+    loss_logits_transient_bytes: float = 6.0
+    """Bytes per (token, vocab/TP) logit alive only while the loss is formed (bf16 logits + fp32 upcast)."""
+    framework_overhead_bytes: int = 3 * GiB
+    """Per-GPU allowance for the CUDA context, cuBLAS/NCCL workspaces and communicator buffers."""
+    usable_memory_fraction: float = 0.92
+    """Fraction of HBM the allocator can hand out before fragmentation makes allocations fail."""
+
+    # --- communication (alpha-beta, Hockney 1994; ring algorithms, Thakur et al. 2005) ---
+    intra_node_bus_efficiency: float = 0.80
+    """Fraction of the NVLink unidirectional bandwidth a collective achieves (NCCL bus bandwidth)."""
+    inter_node_bus_efficiency: float = 0.80
+    """Fraction of the NIC unidirectional bandwidth a collective achieves."""
+    dp_comm_overlap: float = 0.90
+    """Fraction of the backward (ZeRO-3 all-gathers: forward+backward) compute that can hide DP/ZeRO
+    communication; the last bucket is always exposed."""
+    tp_comm_overlap: float = 0.0
+    """Fraction of TP all-reduce time hidden behind compute (0: Megatron-style TP comm is on the critical path)."""
+    sp_comm_overlap: float = 0.0
+    """Fraction of Ulysses all-to-all time hidden behind compute."""
+    cp_comm_overlap: float = 0.90
+    """Fraction of the attention compute that can hide ring-attention KV passing (Liu et al. 2023, Sec. 3)."""
+
+    def __post_init__(self) -> None:
+        if self.attention_implementation not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attention_implementation must be one of {ATTENTION_IMPLEMENTATIONS}, "
+                f"got {self.attention_implementation!r}"
+            )
+        for name in (
+            "max_matmul_efficiency",
+            "memory_bandwidth_efficiency",
+            "flash_attention_efficiency",
+            "mem_efficient_attention_efficiency",
+            "eager_attention_efficiency",
+            "causal_attention_flops_fraction",
+            "usable_memory_fraction",
+            "intra_node_bus_efficiency",
+            "inter_node_bus_efficiency",
+        ):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        for name in ("dp_comm_overlap", "tp_comm_overlap", "sp_comm_overlap", "cp_comm_overlap"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+    def bytes_per_param(self, precision: str) -> BytesPerParam:
+        """The recipe called ``precision`` (``bf16_mixed`` or ``bf16_pure``)."""
+        if precision == "bf16_mixed":
+            return self.bf16_mixed
+        if precision == "bf16_pure":
+            return self.bf16_pure
+        raise ValueError(f"unknown precision {precision!r}; use bf16_mixed or bf16_pure")
+
+    def attention_efficiency(self) -> float:
+        """Peak fraction of the configured attention kernel on long segments."""
+        return {
+            "flash": self.flash_attention_efficiency,
+            "sdpa_mem_efficient": self.mem_efficient_attention_efficiency,
+            "eager": self.eager_attention_efficiency,
+        }[self.attention_implementation]
+
+    def attention_backward_ratio(self) -> float:
+        """Backward/forward FLOPs of the attention core for the configured kernel."""
+        if self.attention_implementation == "eager":
+            return self.backward_to_forward_flops
+        return self.flash_backward_to_forward_flops
+
+
+DEFAULT_ASSUMPTIONS = CostAssumptions()

@@ -1,0 +1,202 @@
+"""Public entry points: per-module cost under one ModuleStrategy, and its combination into a plan estimate.
+
+The combination rules are linear in per-module quantities (sums, and one max per quantity), so a CP-SAT model
+with one boolean per (module, candidate) reproduces ``combine`` exactly:
+
+* colocated: ``step = sum_m (grad_accum * per_micro_batch_m + dp_comm_m)``;
+  ``memory = sum_m (weights + gradients + optimizer + buffers)_m + sum_m activations_per_micro_batch_m *
+  in_flight_m + overhead``.
+* disjoint (encoders -> LLM, 1F1B over grad_accum micro-batches):
+  ``step = sum_m per_micro_batch_m + (grad_accum - 1) * max_m per_micro_batch_m + max_m dp_comm_m``;
+  each group's memory is its own module's plus the overhead.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
+from planner.cost.layer_costs import LayerCostSource
+from planner.cost.module import analytical_module_cost
+from planner.cost.results import GIB, Estimate, MemoryBreakdown, ModuleCost
+from planner.cost.validity import check_strategy
+from planner.hardware import Cluster
+from planner.models import ModelSpec
+from planner.strategy import ModuleStrategy, Placement, Precision, Strategy
+from planner.workload import Workload, module_tokens
+
+__all__ = ["Estimate", "MemoryBreakdown", "ModuleCost", "combine", "estimate", "module_cost"]
+
+
+def module_cost(
+    model: ModelSpec,
+    module: str,
+    cluster: Cluster,
+    workload: Workload,
+    strategy: ModuleStrategy,
+    *,
+    placement: Placement,
+    precision: Precision,
+    first_rank: int,
+    num_stages: int = 1,
+    stage_index: int = 0,
+    assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
+    layer_costs: LayerCostSource | None = None,
+) -> ModuleCost:
+    """Cost of ``module`` under ``strategy``, per GPU of the module, for one optimizer step.
+
+    Args:
+        model: The model.
+        module: Which of its modules.
+        cluster: Devices and nodes.
+        workload: Sample shape and global batch.
+        strategy: The module's degrees.
+        placement: colocated (hand-off is a re-layout) or disjoint (hand-off is point-to-point).
+        precision: bf16_mixed or bf16_pure.
+        first_rank: Global rank of the module's rank 0 (``Strategy.first_ranks()``); decides the links.
+        num_stages: Pipeline stages of the chain (disjoint: 2, colocated: 1).
+        stage_index: This module's stage (encoders 0, LLM num_stages - 1).
+        assumptions: Cost-model knobs.
+        layer_costs: Optional measured per-layer source; analytical where it returns None.
+    """
+    return analytical_module_cost(
+        model,
+        module,
+        cluster,
+        workload,
+        strategy,
+        placement=placement,
+        precision=precision,
+        first_rank=first_rank,
+        num_stages=num_stages,
+        stage_index=stage_index,
+        assumptions=assumptions,
+        layer_costs=layer_costs,
+    )
+
+
+def combine(
+    model: ModelSpec,
+    cluster: Cluster,
+    workload: Workload,
+    placement: Placement,
+    costs: Mapping[str, ModuleCost],
+    assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
+) -> Estimate:
+    """Combine per-module costs into a plan estimate with the linear rules of this module's docstring."""
+    grad_accum = next(iter(costs.values())).strategy.grad_accum
+    if placement == "colocated":
+        step = sum(grad_accum * c.per_micro_batch_s + c.dp_comm_s for c in costs.values())
+        groups = {"all": _group_memory(list(costs.values()), assumptions)}
+        num_gpus = max(c.strategy.gpus for c in costs.values())
+    elif placement == "disjoint":
+        per_mb = [c.per_micro_batch_s for c in costs.values()]
+        step = sum(per_mb) + (grad_accum - 1) * max(per_mb) + max(c.dp_comm_s for c in costs.values())
+        groups = {name: _group_memory([c], assumptions) for name, c in costs.items()}
+        num_gpus = sum(c.strategy.gpus for c in costs.values())
+    else:
+        raise ValueError(f"placement must be colocated or disjoint, got {placement!r}")
+    peak_group = max(groups, key=lambda g: groups[g].total)
+    peak = groups[peak_group]
+    usable = int(cluster.device.memory_bytes * assumptions.usable_memory_fraction)
+    llm_tokens = module_tokens(workload, model)["llm"].tokens
+    flops = sum(c.flops_per_step for c in costs.values())
+    fits = peak.total <= usable
+    return Estimate(
+        placement=placement,
+        step_time_s=step,
+        tokens_per_s=workload.global_batch * llm_tokens / step,
+        samples_per_s=workload.global_batch / step,
+        mfu=flops / (step * num_gpus * cluster.device.peak_bf16_flops),
+        num_gpus=num_gpus,
+        peak_memory_bytes=peak.total,
+        peak_group=peak_group,
+        peak_breakdown=peak,
+        memory_per_group=groups,
+        usable_memory_bytes=usable,
+        fits=fits,
+        binding_constraint=_binding_constraint(placement, costs, peak_group, peak, usable, fits),
+        modules=dict(costs),
+    )
+
+
+def _group_memory(costs: list[ModuleCost], assumptions: CostAssumptions) -> MemoryBreakdown:
+    """Per-GPU memory of a group running ``costs``' modules, plus the overhead once."""
+    total = MemoryBreakdown(
+        weights=0, gradients=0, optimizer=0, activations=0, buffers=0, overhead=assumptions.framework_overhead_bytes
+    )
+    for c in costs:
+        total = total + c.memory()
+    return total
+
+
+def _binding_constraint(
+    placement: Placement,
+    costs: Mapping[str, ModuleCost],
+    peak_group: str,
+    peak: MemoryBreakdown,
+    usable: int,
+    fits: bool,
+) -> str:
+    """One line naming what limits the plan: memory if it does not fit, else the largest time component."""
+    if not fits:
+        return f"memory: {peak_group} GPUs need {peak.total / GIB:.1f} GiB of {usable / GIB:.1f} GiB usable"
+    if placement == "disjoint":
+        name = max(costs, key=lambda m: costs[m].per_micro_batch_s)
+        lead = f"pipeline: {name} stage is the slowest ({costs[name].per_micro_batch_s * 1e3:.1f} ms per micro-batch)"
+    else:
+        name = max(costs, key=lambda m: sum(costs[m].time_parts().values()))
+        lead = f"time: {name} takes the most of the step"
+    parts = costs[name].time_parts()
+    part = max(parts, key=parts.get)
+    share = parts[part] / max(sum(parts.values()), 1e-30)
+    return f"{lead}; {part} is {share:.0%} of its time"
+
+
+def estimate(
+    model: ModelSpec,
+    cluster: Cluster,
+    workload: Workload,
+    strategy: Strategy,
+    assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
+    layer_costs: LayerCostSource | None = None,
+) -> Estimate:
+    """Cost a whole-model strategy: validate it, cost every module, combine.
+
+    Raises:
+        ValueError: With one line per broken rule when the strategy is invalid for this model and cluster.
+    """
+    if set(strategy.modules) != set(model.module_names):
+        raise ValueError(
+            f"strategy covers modules {sorted(strategy.modules)} but model {model.name} has "
+            f"{sorted(model.module_names)}"
+        )
+    if strategy.num_gpus > cluster.num_devices:
+        raise ValueError(f"strategy uses {strategy.num_gpus} GPUs but the cluster has {cluster.num_devices}")
+    problems = [
+        f"{name}: {reason}"
+        for name, s in strategy.modules.items()
+        for reason in check_strategy(model, name, s, cluster, workload)
+    ]
+    if problems:
+        raise ValueError("; ".join(problems))
+    firsts = strategy.first_ranks()
+    num_stages = 2 if strategy.placement == "disjoint" else 1
+    costs = {
+        name: module_cost(
+            model,
+            name,
+            cluster,
+            workload,
+            s,
+            placement=strategy.placement,
+            precision=strategy.precision,
+            first_rank=firsts[name],
+            num_stages=num_stages,
+            stage_index=num_stages - 1 if name == "llm" else 0,
+            assumptions=assumptions,
+            layer_costs=layer_costs,
+        )
+        for name, s in strategy.modules.items()
+    }
+    return combine(model, cluster, workload, strategy.placement, costs, assumptions)

@@ -1,0 +1,153 @@
+"""Result types of the cost model: per-module costs, memory breakdowns and whole-plan estimates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from planner.strategy import ModuleStrategy, Placement
+
+GIB = 1024**3
+
+
+@dataclass(kw_only=True, frozen=True)
+class MemoryBreakdown:
+    """Per-GPU bytes by what holds them."""
+
+    weights: int
+    """Parameters resident on the GPU (after TP split and ZeRO-3 sharding)."""
+    gradients: int
+    """Gradients resident on the GPU."""
+    optimizer: int
+    """Optimizer states (incl. fp32 master weights) resident on the GPU."""
+    activations: int
+    """Activations kept for backward, for every micro-batch in flight."""
+    buffers: int
+    """Temporary and communication buffers (gathered ZeRO-3 layers, gradient buckets, loss logits)."""
+    overhead: int
+    """Framework allowance (CUDA context, workspaces); counted once per GPU."""
+
+    @property
+    def total(self) -> int:
+        """Sum of all parts."""
+        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers + self.overhead
+
+    def __add__(self, other: "MemoryBreakdown") -> "MemoryBreakdown":
+        return MemoryBreakdown(
+            weights=self.weights + other.weights,
+            gradients=self.gradients + other.gradients,
+            optimizer=self.optimizer + other.optimizer,
+            activations=self.activations + other.activations,
+            buffers=self.buffers + other.buffers,
+            overhead=self.overhead + other.overhead,
+        )
+
+    def describe(self) -> str:
+        """``weights 10.0 + grads ... = total 60.0 GiB``."""
+        parts = ("weights", "gradients", "optimizer", "activations", "buffers", "overhead")
+        return " + ".join(f"{p} {getattr(self, p) / GIB:.1f}" for p in parts) + f" = {self.total / GIB:.1f} GiB"
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModuleCost:
+    """One module under one ModuleStrategy, per GPU of that module, for one optimizer step."""
+
+    module: str
+    """Module name."""
+    strategy: ModuleStrategy
+    """The strategy costed."""
+    forward_s: float
+    """Forward compute per step (all micro-batches)."""
+    backward_s: float
+    """Backward compute per step (without recomputation)."""
+    recompute_s: float
+    """Recomputation compute per step."""
+    tp_comm_s: float
+    """Exposed tensor-parallel all-reduce time per step."""
+    sp_comm_s: float
+    """Exposed Ulysses all-to-all time per step."""
+    cp_comm_s: float
+    """Exposed ring-attention KV passing per step."""
+    dp_comm_s: float
+    """Exposed (not overlapped) DP/ZeRO communication per step."""
+    handoff_s: float
+    """Per step: sending this encoder's output to the LLM layout and its gradient back (0 for the LLM)."""
+    per_micro_batch_s: float
+    """forward + backward + recompute + tp/sp/cp comm + handoff of ONE micro-batch."""
+    weights_bytes: int
+    """Resident weights per GPU."""
+    gradients_bytes: int
+    """Resident gradients per GPU."""
+    optimizer_bytes: int
+    """Resident optimizer state per GPU."""
+    buffers_bytes: int
+    """Temporary/communication buffers per GPU."""
+    activations_per_micro_batch_bytes: int
+    """Activations one micro-batch keeps for backward (incl. the full-recompute working layer)."""
+    in_flight_micro_batches: int
+    """Micro-batches whose activations are alive at once (colocated 1; 1F1B stage k of S: min(S-k, grad_accum))."""
+    flops_per_step: float
+    """Model FLOPs of this module per step over ALL its GPUs (no recomputation)."""
+    sources: Mapping[str, str]
+    """Where each number came from, e.g. ``{"window_block.forward": "analytical"}``."""
+
+    @property
+    def activations_bytes(self) -> int:
+        """Activations of all micro-batches in flight."""
+        return self.activations_per_micro_batch_bytes * self.in_flight_micro_batches
+
+    def memory(self) -> MemoryBreakdown:
+        """This module's share of a GPU, without the framework overhead."""
+        return MemoryBreakdown(
+            weights=self.weights_bytes,
+            gradients=self.gradients_bytes,
+            optimizer=self.optimizer_bytes,
+            activations=self.activations_bytes,
+            buffers=self.buffers_bytes,
+            overhead=0,
+        )
+
+    def time_parts(self) -> dict[str, float]:
+        """Per-step seconds by cause."""
+        return {
+            "compute": self.forward_s + self.backward_s + self.recompute_s,
+            "tp_comm": self.tp_comm_s,
+            "sp_comm": self.sp_comm_s,
+            "cp_comm": self.cp_comm_s,
+            "dp_comm": self.dp_comm_s,
+            "handoff": self.handoff_s,
+        }
+
+
+@dataclass(kw_only=True, frozen=True)
+class Estimate:
+    """Whole-plan prediction."""
+
+    placement: Placement
+    """colocated or disjoint."""
+    step_time_s: float
+    """Seconds per optimizer step."""
+    tokens_per_s: float
+    """LLM tokens (text + encoder outputs) per second."""
+    samples_per_s: float
+    """Samples per second."""
+    mfu: float
+    """Model FLOPs per step / (step time * GPUs * peak bf16 FLOP/s)."""
+    num_gpus: int
+    """GPUs the strategy uses."""
+    peak_memory_bytes: int
+    """Largest per-GPU memory of any GPU group."""
+    peak_group: str
+    """Group holding the peak (``all`` when colocated, else a module name)."""
+    peak_breakdown: MemoryBreakdown
+    """Breakdown on the peak GPU."""
+    memory_per_group: Mapping[str, MemoryBreakdown]
+    """Per-GPU memory of every group (``all`` when colocated)."""
+    usable_memory_bytes: int
+    """Device memory * usable_memory_fraction."""
+    fits: bool
+    """Whether every group fits in the usable memory."""
+    binding_constraint: str
+    """What limits the plan, in words."""
+    modules: Mapping[str, ModuleCost]
+    """Per-module costs."""

@@ -1,0 +1,77 @@
+"""Validity rules of one module's strategy: one-line reasons, empty when valid."""
+
+from __future__ import annotations
+
+from planner.hardware import Cluster
+from planner.models import ENCODER_MODULES, ModelSpec
+from planner.strategy import ModuleStrategy
+from planner.workload import Workload, module_tokens
+
+
+def heads_rule(degree: int, axis: str, num_heads: int, num_kv_heads: int, layer: str) -> str | None:
+    """A TP or Ulysses degree must divide the query heads and divide, or be a multiple of, the KV heads.
+
+    When the degree is a multiple of the KV heads, each KV head is replicated degree/num_kv_heads times
+    (Megatron-LM GQA handling); the cost model charges the replicated K/V weights and activations.
+    """
+    if num_heads % degree:
+        return f"{axis}={degree} does not divide the {num_heads} attention heads of {layer}"
+    if num_kv_heads % degree and degree % num_kv_heads:
+        return f"{axis}={degree} neither divides nor is a multiple of the {num_kv_heads} KV heads of {layer}"
+    return None
+
+
+def check_strategy(
+    model: ModelSpec,
+    module: str,
+    strategy: ModuleStrategy,
+    cluster: Cluster,
+    workload: Workload,
+    *,
+    allow_cross_node_tp: bool = False,
+) -> list[str]:
+    """Why ``strategy`` cannot run ``module`` on ``cluster`` for ``workload``; [] when it can.
+
+    Rules: TP and Ulysses SP divide the attention heads (KV heads divided or replicated); the module fits the
+    cluster; TP stays inside a node unless allowed; SP leaves at least one attention window per rank on
+    window-attention blocks; encoders use TP or SP but not both, and no CP; the LLM uses no Ulysses SP (the
+    runtime implements Ulysses for encoders and TP/CP for the LLM); dp * micro_batch * grad_accum equals the
+    global batch.
+    """
+    spec = model.module(module)
+    s = strategy
+    reasons: list[str] = []
+    if s.gpus > cluster.num_devices:
+        reasons.append(f"dp*cp*sp*tp = {s.gpus} GPUs but the cluster has {cluster.num_devices}")
+    if s.samples_per_step != workload.global_batch:
+        reasons.append(
+            f"dp*micro_batch*grad_accum = {s.dp}*{s.micro_batch}*{s.grad_accum} = {s.samples_per_step} "
+            f"but the global batch is {workload.global_batch}"
+        )
+    if not allow_cross_node_tp and (s.tp > cluster.devices_per_node or cluster.devices_per_node % s.tp):
+        reasons.append(f"tp={s.tp} does not fit inside a node of {cluster.devices_per_node} GPUs")
+    for layer in spec.layers:
+        if layer.attention is None:
+            continue
+        for degree, axis in ((s.tp, "tp"), (s.sp, "sp")):
+            if degree > 1:
+                problem = heads_rule(degree, axis, layer.attention.num_heads, layer.attention.num_kv_heads, layer.name)
+                if problem:
+                    reasons.append(problem)
+    if module in ENCODER_MODULES:
+        if s.tp > 1 and s.sp > 1:
+            reasons.append(f"{module} uses tp={s.tp} and sp={s.sp}; an encoder uses TP or Ulysses SP, not both")
+        if s.cp > 1:
+            reasons.append(f"{module} uses cp={s.cp}; context parallelism is implemented for the LLM only")
+    elif s.sp > 1:
+        reasons.append(f"llm uses sp={s.sp}; Ulysses SP is implemented for encoders only (use cp for the LLM)")
+    tokens = module_tokens(workload, model)[module]
+    has_windows = any(l.attention is not None and l.attention.window_patches for l in spec.layers)
+    if s.sp > 1 and has_windows and tokens.windows * s.micro_batch < s.sp:
+        reasons.append(
+            f"sp={s.sp} but a micro-batch has only {tokens.windows * s.micro_batch} attention windows; "
+            f"each SP rank needs at least one"
+        )
+    if s.cp > 1 and tokens.tokens < 2 * s.cp:
+        reasons.append(f"cp={s.cp} needs at least {2 * s.cp} tokens per sample, got {tokens.tokens}")
+    return reasons
