@@ -1,0 +1,466 @@
+"""Model catalog: Hugging Face ``config.json`` dicts of supported architectures become ``ModelSpec``s.
+
+Catalog entries and a user's ``config.json`` go through the same ``model_from_hf_config``. Keys a config omits
+take the transformers 5.x class defaults (``*_DEFAULTS`` below), as ``from_pretrained`` would. Both layouts are
+read: the flat hub layout (decoder keys at the top level) and the nested ``text_config`` layout of transformers 5.
+Each parameter formula mirrors one Hugging Face module; ``tests/test_catalog.py`` checks every entry against the
+transformers model built on the meta device. This module imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from planner import hf_configs
+from planner.models import (
+    AttentionSpec,
+    AudioInputSpec,
+    LayerSpec,
+    MlpSpec,
+    ModelSpec,
+    ModuleSpec,
+    VisionInputSpec,
+)
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen2_5_vl", "qwen2_vl", "qwen2_audio")
+
+QWEN2_5_VL_VISION_DEFAULTS: dict[str, Any] = {
+    "depth": 32, "hidden_size": 3584, "intermediate_size": 3420, "num_heads": 16, "in_channels": 3,
+    "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+    "out_hidden_size": 3584, "fullatt_block_indexes": [7, 15, 23, 31],
+}
+"""transformers ``Qwen2_5_VLVisionConfig`` defaults."""
+QWEN2_VL_VISION_DEFAULTS: dict[str, Any] = {
+    "depth": 32, "embed_dim": 1280, "hidden_size": 3584, "mlp_ratio": 4, "num_heads": 16, "in_channels": 3,
+    "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+}
+"""transformers ``Qwen2VLVisionConfig`` defaults (``hidden_size`` is the merger's output width)."""
+QWEN_VL_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 152064, "hidden_size": 8192, "intermediate_size": 29568, "num_hidden_layers": 80,
+    "num_attention_heads": 64, "num_key_value_heads": 8,
+}
+"""transformers ``Qwen2_5_VLTextConfig`` / ``Qwen2VLTextConfig`` defaults (identical)."""
+QWEN2_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32,
+}
+"""transformers ``Qwen2Config`` defaults (the decoder of Qwen2-Audio)."""
+QWEN2_AUDIO_ENCODER_DEFAULTS: dict[str, Any] = {
+    "num_mel_bins": 128, "encoder_layers": 32, "encoder_attention_heads": 20, "encoder_ffn_dim": 5120,
+    "d_model": 1280, "max_source_positions": 1500,
+}
+"""transformers ``Qwen2AudioEncoderConfig`` defaults."""
+
+WHISPER_MEL_FRAMES_PER_SECOND = 100
+"""Mel frames per second of audio (WhisperFeatureExtractor: 16 kHz, hop length 160)."""
+WHISPER_CONV_STRIDE = 2
+"""Stride of the encoder's second conv (mel frames per encoder position)."""
+QWEN2_AUDIO_POOL_STRIDE = 2
+"""Encoder positions per LLM token (``Qwen2AudioEncoder.avg_pooler``, AvgPool1d(2, stride=2))."""
+
+
+# --- Parameter counts, one function per Hugging Face module ---------------------------------------------------
+
+
+def linear_params(in_features: int, out_features: int, bias: bool) -> int:
+    """``nn.Linear``."""
+    return in_features * out_features + (out_features if bias else 0)
+
+
+def rms_norm_params(dim: int) -> int:
+    """``Qwen2RMSNorm`` / ``Qwen2_5_VLRMSNorm``: a weight, no bias."""
+    return dim
+
+
+def layer_norm_params(dim: int) -> int:
+    """``nn.LayerNorm``: weight and bias."""
+    return 2 * dim
+
+
+def patch_embed_params(in_channels: int, temporal_patch_size: int, patch_size: int, embed_dim: int) -> int:
+    """``Qwen2_5_VisionPatchEmbed`` / Qwen2-VL ``PatchEmbed``: a Conv3d without bias."""
+    return in_channels * temporal_patch_size * patch_size**2 * embed_dim
+
+
+def vision_attention_params(dim: int) -> int:
+    """``Qwen2_5_VLVisionAttention`` / Qwen2-VL ``VisionAttention``: fused qkv and proj, both with bias."""
+    return linear_params(dim, 3 * dim, bias=True) + linear_params(dim, dim, bias=True)
+
+
+def qwen2_5_vision_block_params(dim: int, intermediate_size: int) -> int:
+    """``Qwen2_5_VLVisionBlock``: two RMSNorms, attention, SwiGLU ``Qwen2_5_VLMLP(bias=True)``."""
+    mlp = 2 * linear_params(dim, intermediate_size, bias=True) + linear_params(intermediate_size, dim, bias=True)
+    return 2 * rms_norm_params(dim) + vision_attention_params(dim) + mlp
+
+
+def qwen2_vl_vision_block_params(dim: int, mlp_hidden: int) -> int:
+    """``Qwen2VLVisionBlock``: two LayerNorms, attention, ``VisionMlp`` (fc1/fc2 with bias)."""
+    mlp = linear_params(dim, mlp_hidden, bias=True) + linear_params(mlp_hidden, dim, bias=True)
+    return 2 * layer_norm_params(dim) + vision_attention_params(dim) + mlp
+
+
+def patch_merger_params(context_dim: int, out_dim: int, merge: int, norm_params: int) -> int:
+    """``Qwen2_5_VLPatchMerger`` (RMSNorm ln_q) / Qwen2-VL ``PatchMerger`` (LayerNorm ln_q): norm + 2-layer MLP."""
+    merged = context_dim * merge**2
+    return norm_params + linear_params(merged, merged, bias=True) + linear_params(merged, out_dim, bias=True)
+
+
+def whisper_conv_params(num_mel_bins: int, d_model: int, max_source_positions: int) -> int:
+    """``Qwen2AudioEncoder`` conv1 + conv2 (kernel 3, bias) + ``embed_positions`` (frozen, but a parameter)."""
+    conv1 = num_mel_bins * d_model * 3 + d_model
+    conv2 = d_model * d_model * 3 + d_model
+    return conv1 + conv2 + max_source_positions * d_model
+
+
+def qwen2_audio_layer_params(d_model: int, ffn_dim: int) -> int:
+    """``Qwen2AudioEncoderLayer``: q/v/out_proj with bias, k_proj without, fc1/fc2, two LayerNorms."""
+    attention = 3 * linear_params(d_model, d_model, bias=True) + linear_params(d_model, d_model, bias=False)
+    mlp = linear_params(d_model, ffn_dim, bias=True) + linear_params(ffn_dim, d_model, bias=True)
+    return attention + mlp + 2 * layer_norm_params(d_model)
+
+
+def qwen2_audio_projector_params(d_model: int, llm_hidden: int) -> int:
+    """``Qwen2AudioEncoder.layer_norm`` + ``Qwen2AudioMultiModalProjector`` (Linear with bias)."""
+    return layer_norm_params(d_model) + linear_params(d_model, llm_hidden, bias=True)
+
+
+def embedding_params(vocab_size: int, hidden: int) -> int:
+    """``nn.Embedding`` (``embed_tokens``)."""
+    return vocab_size * hidden
+
+
+def qwen2_decoder_layer_params(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> int:
+    """``Qwen2DecoderLayer`` / ``Qwen2_5_VLDecoderLayer``: q/k/v with bias, o without, SwiGLU MLP, two RMSNorms."""
+    attention = (
+        linear_params(hidden, heads * head_dim, bias=True)
+        + 2 * linear_params(hidden, kv_heads * head_dim, bias=True)
+        + linear_params(heads * head_dim, hidden, bias=False)
+    )
+    mlp = 3 * linear_params(hidden, intermediate, bias=False)
+    return attention + mlp + 2 * rms_norm_params(hidden)
+
+
+def lm_head_params(hidden: int, vocab_size: int, tied: bool) -> int:
+    """``lm_head`` (Linear without bias); 0 when it shares the embedding matrix."""
+    return 0 if tied else linear_params(hidden, vocab_size, bias=False)
+
+
+# --- Config sections --------------------------------------------------------------------------------------------
+
+
+def _with_defaults(section: Any, defaults: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``section`` with the transformers defaults for the keys it omits."""
+    if not isinstance(section, Mapping):
+        raise ValueError(f"{where} must be a JSON object, got {type(section).__name__}")
+    return {**defaults, **section}
+
+
+def _section(config: Mapping[str, Any], key: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The nested sub-config ``config[key]``, defaults filled in."""
+    return _with_defaults(config.get(key) or {}, defaults, key)
+
+
+def _text_section(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The decoder's settings: nested ``text_config`` (transformers 5) or the flat top level (hub files)."""
+    return _with_defaults(config.get("text_config") or config, defaults, "text_config")
+
+
+def _positive_int(section: Mapping[str, Any], key: str, where: str) -> int:
+    """``section[key]`` as a positive int, or a one-line error naming the field."""
+    value = section.get(key)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{where}.{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _ints(section: Mapping[str, Any], keys: str, where: str) -> list[int]:
+    """Several positive ints from a whitespace-separated key list."""
+    return [_positive_int(section, key, where) for key in keys.split()]
+
+
+def _heads_divide(width: int, heads: int, where: str) -> int:
+    """Head width ``width // heads``; transformers rejects widths that heads do not divide."""
+    if width % heads:
+        raise ValueError(f"{where}: hidden size {width} is not divisible by {heads} attention heads")
+    return width // heads
+
+
+# --- Modules ----------------------------------------------------------------------------------------------------
+
+
+def _patch_embed_layer(v: Mapping[str, Any], dim: int) -> LayerSpec:
+    """The Conv3d patchifier; ``v`` is a vision section."""
+    channels = _positive_int(v, "in_channels", "vision_config")
+    temporal, patch = _ints(v, "temporal_patch_size patch_size", "vision_config")
+    return LayerSpec(
+        kind="patch_embed", name="patch_embed", count=1, params=patch_embed_params(channels, temporal, patch, dim),
+        hidden_size=dim, in_features=channels * temporal * patch**2,
+    )
+
+
+def _merger_layer(dim: int, out_dim: int, merge: int, norm_params: int) -> LayerSpec:
+    """The spatial merge + MLP into the LLM width."""
+    return LayerSpec(
+        kind="patch_merger", name="patch_merger", count=1,
+        params=patch_merger_params(dim, out_dim, merge, norm_params),
+        hidden_size=dim, in_features=dim * merge**2, out_features=out_dim, token_reduction=merge**2,
+    )
+
+
+def _full_attention_blocks(v: Mapping[str, Any], depth: int) -> set[int]:
+    """Indexes of the full-attention blocks (``fullatt_block_indexes`` beyond the depth are ignored, as in HF)."""
+    indexes = v["fullatt_block_indexes"]
+    if not isinstance(indexes, (list, tuple)) or not all(isinstance(i, int) for i in indexes):
+        raise ValueError(f"vision_config.fullatt_block_indexes must be a list of integers, got {indexes!r}")
+    return {i for i in indexes if 0 <= i < depth}
+
+
+def qwen2_5_vision_module(v: Mapping[str, Any]) -> ModuleSpec:
+    """Qwen2.5-VL vision tower: patch embed, window- and full-attention blocks, merger."""
+    depth, dim, inter, heads, merge, out_dim, patch, window = _ints(
+        v, "depth hidden_size intermediate_size num_heads spatial_merge_size out_hidden_size patch_size window_size",
+        "vision_config",
+    )
+    num_full = len(_full_attention_blocks(v, depth))
+    head_dim = _heads_divide(dim, heads, "vision_config")
+    block = dict(kind="vision_block", params=qwen2_5_vision_block_params(dim, inter), hidden_size=dim,
+                 mlp=MlpSpec(intermediate_size=inter, gated=True))
+    windowed = AttentionSpec(num_heads=heads, num_kv_heads=heads, head_dim=head_dim, causal=False,
+                             window_patches=(window // patch) ** 2)
+    blocks = [
+        LayerSpec(name="window_block", count=depth - num_full, attention=windowed, **block),
+        LayerSpec(name="full_block", count=num_full, attention=AttentionSpec(
+            num_heads=heads, num_kv_heads=heads, head_dim=head_dim, causal=False), **block),
+    ]
+    layers = [_patch_embed_layer(v, dim), *(b for b in blocks if b.count), _merger_layer(dim, out_dim, merge, dim)]
+    return ModuleSpec(name="vision", layers=tuple(layers))
+
+
+def qwen2_vl_vision_module(v: Mapping[str, Any]) -> ModuleSpec:
+    """Qwen2-VL vision tower: patch embed, full-attention LayerNorm/GELU blocks, merger."""
+    depth, dim, heads, merge, out_dim = _ints(v, "depth embed_dim num_heads spatial_merge_size hidden_size",
+                                              "vision_config")
+    ratio = v["mlp_ratio"]
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or ratio <= 0:
+        raise ValueError(f"vision_config.mlp_ratio must be a positive number, got {ratio!r}")
+    mlp_hidden = int(dim * ratio)
+    attention = AttentionSpec(num_heads=heads, num_kv_heads=heads, head_dim=_heads_divide(dim, heads, "vision_config"),
+                              causal=False)
+    block = LayerSpec(
+        kind="vision_block", name="full_block", count=depth, params=qwen2_vl_vision_block_params(dim, mlp_hidden),
+        hidden_size=dim, attention=attention, mlp=MlpSpec(intermediate_size=mlp_hidden, gated=False),
+    )
+    merger = _merger_layer(dim, out_dim, merge, layer_norm_params(dim))
+    return ModuleSpec(name="vision", layers=(_patch_embed_layer(v, dim), block, merger))
+
+
+def qwen2_audio_module(a: Mapping[str, Any], llm_hidden: int) -> ModuleSpec:
+    """Qwen2-Audio's Whisper-style encoder: conv front end, encoder layers, final norm + pooling + projector."""
+    mels, layers, heads, ffn, dim, positions = _ints(
+        a, "num_mel_bins encoder_layers encoder_attention_heads encoder_ffn_dim d_model max_source_positions",
+        "audio_config",
+    )
+    attention = AttentionSpec(num_heads=heads, num_kv_heads=heads, head_dim=_heads_divide(dim, heads, "audio_config"),
+                              causal=False)
+    return ModuleSpec(name="audio", layers=(
+        LayerSpec(kind="audio_conv", name="audio_conv", count=1, params=whisper_conv_params(mels, dim, positions),
+                  hidden_size=dim, in_features=mels, token_reduction=WHISPER_CONV_STRIDE),
+        LayerSpec(kind="audio_block", name="audio_block", count=layers, params=qwen2_audio_layer_params(dim, ffn),
+                  hidden_size=dim, attention=attention, mlp=MlpSpec(intermediate_size=ffn, gated=False)),
+        LayerSpec(kind="audio_projector", name="audio_projector", count=1,
+                  params=qwen2_audio_projector_params(dim, llm_hidden), hidden_size=dim, out_features=llm_hidden,
+                  token_reduction=QWEN2_AUDIO_POOL_STRIDE),
+    ))
+
+
+def llm_module(t: Mapping[str, Any], tied: bool, head_dim_key: bool) -> ModuleSpec:
+    """The GQA + SwiGLU decoder: embedding, decoder layers, final RMSNorm, lm_head.
+
+    ``head_dim_key``: whether the architecture honours a ``head_dim`` key (Qwen2) or always uses hidden/heads.
+    """
+    vocab, hidden, inter, layers, heads = _ints(
+        t, "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads", "text_config"
+    )
+    kv_heads = _positive_int({"kv": t.get("num_key_value_heads") or heads}, "kv", "text_config.num_key_value_heads")
+    if heads % kv_heads:
+        raise ValueError(f"text_config: {heads} attention heads are not a multiple of {kv_heads} key/value heads")
+    if head_dim_key and t.get("head_dim") is not None:
+        head_dim = _positive_int(t, "head_dim", "text_config")
+    else:
+        head_dim = _heads_divide(hidden, heads, "text_config")
+    attention = AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, causal=True)
+    return ModuleSpec(name="llm", layers=(
+        LayerSpec(kind="embedding", name="embedding", count=1, params=embedding_params(vocab, hidden),
+                  hidden_size=hidden),
+        LayerSpec(kind="decoder_layer", name="decoder_layer", count=layers,
+                  params=qwen2_decoder_layer_params(hidden, heads, kv_heads, head_dim, inter), hidden_size=hidden,
+                  attention=attention, mlp=MlpSpec(intermediate_size=inter, gated=True)),
+        LayerSpec(kind="final_norm", name="final_norm", count=1, params=rms_norm_params(hidden), hidden_size=hidden),
+        LayerSpec(kind="lm_head", name="lm_head", count=1, params=lm_head_params(hidden, vocab, tied),
+                  hidden_size=hidden, out_features=vocab),
+    ))
+
+
+# --- Config -> ModelSpec ----------------------------------------------------------------------------------------
+
+
+def _vision_input(v: Mapping[str, Any], window: bool) -> VisionInputSpec:
+    """How images become patches, from a (defaults-filled) vision section."""
+    patch, temporal, merge = _ints(v, "patch_size temporal_patch_size spatial_merge_size", "vision_config")
+    window_size = _positive_int(v, "window_size", "vision_config") if window else None
+    return VisionInputSpec(patch_size=patch, temporal_patch_size=temporal, spatial_merge_size=merge,
+                           window_size=window_size)
+
+
+def _vision_language_spec(config: Mapping[str, Any], name: str, family: str) -> ModelSpec:
+    """Qwen2.5-VL or Qwen2-VL: vision tower + decoder (tied when the root or text_config says so)."""
+    text = _text_section(config, QWEN_VL_TEXT_DEFAULTS)
+    tied = bool(config.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
+    if family == "qwen2_5_vl":
+        v = _section(config, "vision_config", QWEN2_5_VL_VISION_DEFAULTS)
+        vision, vision_input = qwen2_5_vision_module(v), _vision_input(v, window=True)
+    else:
+        v = _section(config, "vision_config", QWEN2_VL_VISION_DEFAULTS)
+        vision, vision_input = qwen2_vl_vision_module(v), _vision_input(v, window=False)
+    return ModelSpec(
+        name=name, family=family, hf_config=copy.deepcopy(dict(config)), vision_input=vision_input,
+        modules=(vision, llm_module(text, tied, head_dim_key=False)), tie_word_embeddings=tied,
+    )
+
+
+def _audio_language_spec(config: Mapping[str, Any], name: str) -> ModelSpec:
+    """Qwen2-Audio: audio encoder + Qwen2 decoder (transformers never ties its lm_head)."""
+    text = _section(config, "text_config", QWEN2_TEXT_DEFAULTS)
+    audio = _section(config, "audio_config", QWEN2_AUDIO_ENCODER_DEFAULTS)
+    llm = llm_module(text, tied=False, head_dim_key=True)
+    tokens_per_second = WHISPER_MEL_FRAMES_PER_SECOND // WHISPER_CONV_STRIDE
+    positions = _positive_int(audio, "max_source_positions", "audio_config")
+    audio_input = AudioInputSpec(encoder_tokens_per_second=tokens_per_second, pool_stride=QWEN2_AUDIO_POOL_STRIDE,
+                                 max_seconds=positions // tokens_per_second)
+    return ModelSpec(
+        name=name, family="qwen2_audio", hf_config=copy.deepcopy(dict(config)), audio_input=audio_input,
+        modules=(qwen2_audio_module(audio, llm.layer("embedding").hidden_size), llm),
+    )
+
+
+def model_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec:
+    """Build the ModelSpec of any supported Hugging Face ``config.json`` dict.
+
+    Args:
+        config: the parsed ``config.json`` (flat hub layout or nested transformers-5 layout).
+        name: the name the spec carries (catalog name, or one derived from the file's path).
+
+    Raises:
+        ValueError: unsupported ``model_type`` or an invalid field, in one line.
+    """
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{name}: a config must be a JSON object, got {type(config).__name__}")
+    family = config.get("model_type")
+    if family in ("qwen2_5_vl", "qwen2_vl"):
+        return _vision_language_spec(config, name, family)
+    if family == "qwen2_audio":
+        return _audio_language_spec(config, name)
+    raise ValueError(f"{name}: unsupported model_type {family!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+# --- Catalog ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, frozen=True)
+class CatalogEntry:
+    """One named model of the catalog."""
+
+    config: Mapping[str, Any]
+    """Its Hugging Face config.json contents."""
+    aliases: tuple[str, ...]
+    """Other names it answers to (matched case-insensitively)."""
+    description: str
+    """One line for ``plan --list-models``."""
+
+
+def _entry(name: str, config: Mapping[str, Any], description: str, *aliases: str) -> tuple[str, CatalogEntry]:
+    """A catalog item; each hub id ``Qwen/X`` among ``aliases`` also adds its bare lower-cased ``x``."""
+    expanded = [a for alias in aliases for a in ((alias.split("/")[1].lower(), alias) if "/" in alias else (alias,))]
+    unique = tuple(dict.fromkeys(a for a in expanded if a.lower() != name))
+    return name, CatalogEntry(config=config, aliases=unique, description=description)
+
+
+CATALOG: dict[str, CatalogEntry] = dict([
+    _entry("qwen2.5-vl-3b", hf_configs.QWEN2_5_VL_3B, "Qwen2.5-VL 3B Instruct (tied embeddings)",
+           "Qwen/Qwen2.5-VL-3B-Instruct", "qwen-vl-3b"),
+    _entry("qwen2.5-vl-7b", hf_configs.QWEN2_5_VL_7B, "Qwen2.5-VL 7B Instruct",
+           "Qwen/Qwen2.5-VL-7B-Instruct", "qwen-vl-7b"),
+    _entry("qwen2.5-vl-32b", hf_configs.QWEN2_5_VL_32B, "Qwen2.5-VL 32B Instruct",
+           "Qwen/Qwen2.5-VL-32B-Instruct", "qwen-vl-32b"),
+    _entry("qwen2.5-vl-72b", hf_configs.QWEN2_5_VL_72B, "Qwen2.5-VL 72B Instruct",
+           "Qwen/Qwen2.5-VL-72B-Instruct", "qwen-vl-72b"),
+    _entry("qwen2-vl-2b", hf_configs.QWEN2_VL_2B, "Qwen2-VL 2B Instruct (tied embeddings, no window attention)",
+           "Qwen/Qwen2-VL-2B-Instruct"),
+    _entry("qwen2-vl-7b", hf_configs.QWEN2_VL_7B, "Qwen2-VL 7B Instruct (no window attention)",
+           "Qwen/Qwen2-VL-7B-Instruct"),
+    _entry("qwen2-vl-72b", hf_configs.QWEN2_VL_72B, "Qwen2-VL 72B Instruct (no window attention)",
+           "Qwen/Qwen2-VL-72B-Instruct"),
+    _entry("qwen2-audio-7b", hf_configs.QWEN2_AUDIO_7B, "Qwen2-Audio 7B: Whisper-style audio encoder + Qwen 7B decoder",
+           "Qwen/Qwen2-Audio-7B", "Qwen/Qwen2-Audio-7B-Instruct", "qwen-audio-7b"),
+    _entry("qwen2.5-vl-tiny", hf_configs.QWEN2_5_VL_TINY, "Toy Qwen2.5-VL for CPU tests and demos (~1.2M params)",
+           "qwen-vl-tiny", "tiny"),
+])
+"""Catalog name -> entry."""
+
+_BY_NAME: dict[str, str] = {
+    key.lower(): name for name, entry in CATALOG.items() for key in (name, *entry.aliases)
+}
+"""Lower-cased name or alias -> catalog name."""
+
+
+def _load_config_file(path: str) -> tuple[dict[str, Any], str]:
+    """Parse ``path`` (a config.json or a folder holding one); also returns the name the model is given."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read model config {file}: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"model config {file} is not valid JSON: {e}") from None
+    folder = os.path.basename(os.path.dirname(os.path.abspath(file)))
+    return config, folder or os.path.splitext(os.path.basename(file))[0]
+
+
+def _unknown_model(name: str) -> ValueError:
+    """One-line error with the closest catalog names."""
+    close = difflib.get_close_matches(name.lower(), list(_BY_NAME), n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    return ValueError(
+        f"unknown model {name!r}; {hint}(`plan --list-models` lists all; a path to a config.json also works)"
+    )
+
+
+def get_model(name_or_path: str) -> ModelSpec:
+    """The ModelSpec of a catalog name or alias, or of a config.json file (or a folder holding one).
+
+    Raises:
+        ValueError: unknown name (with suggestions), unreadable file or unsupported config, in one line.
+    """
+    name = _BY_NAME.get(name_or_path.strip().lower())
+    if name is not None:
+        return model_from_hf_config(CATALOG[name].config, name)
+    if os.path.exists(name_or_path) or name_or_path.endswith(".json"):
+        config, derived_name = _load_config_file(name_or_path)
+        return model_from_hf_config(config, derived_name)
+    raise _unknown_model(name_or_path)
+
+
+def list_models() -> list[tuple[str, tuple[str, ...], int, str]]:
+    """(name, aliases, exact parameter count, description) of every catalog entry."""
+    return [
+        (name, entry.aliases, model_from_hf_config(entry.config, name).num_params, entry.description)
+        for name, entry in CATALOG.items()
+    ]

@@ -1,0 +1,259 @@
+"""The model catalog against the real transformers models (built on the meta device: no memory, no weights)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+from planner import catalog
+from planner.catalog import CATALOG, get_model, list_models, model_from_hf_config
+
+HF_CLASSES = {
+    "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration),
+    "qwen2_vl": (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration),
+    "qwen2_audio": (transformers.Qwen2AudioConfig, transformers.Qwen2AudioForConditionalGeneration),
+}
+
+
+def hf_config(config: dict) -> transformers.PreTrainedConfig:
+    """The transformers config object of a config.json dict."""
+    config_class, _ = HF_CLASSES[config["model_type"]]
+    return config_class.from_dict(copy.deepcopy(config))
+
+
+@functools.cache
+def hf_model(name: str) -> torch.nn.Module:
+    """The transformers model of a catalog entry, on the meta device."""
+    config = CATALOG[name].config
+    _, model_class = HF_CLASSES[config["model_type"]]
+    with torch.device("meta"):
+        return model_class(hf_config(config))
+
+
+def count(module: torch.nn.Module) -> int:
+    """Parameters of a module (shared tensors once)."""
+    return sum(p.numel() for p in module.parameters())
+
+
+def is_tied(model: torch.nn.Module) -> bool:
+    """Whether lm_head shares the embedding tensor."""
+    return model.lm_head.weight is model.model.language_model.embed_tokens.weight
+
+
+def hf_module_counts(model: torch.nn.Module) -> dict[str, int]:
+    """Per planner module, the transformers count (encoder incl. merger/projector; llm without lm_head)."""
+    counts = {"llm": count(model.model.language_model), "lm_head": 0 if is_tied(model) else count(model.lm_head)}
+    if hasattr(model.model, "visual"):
+        counts["vision"] = count(model.model.visual)
+    else:
+        counts["audio"] = count(model.model.audio_tower) + count(model.model.multi_modal_projector)
+    counts["total"] = count(model)
+    return counts
+
+
+def planner_module_counts(spec) -> dict[str, int]:
+    """The same breakdown from a ModelSpec."""
+    lm_head = spec.module("llm").layer("lm_head").params
+    counts = {m.name: m.num_params for m in spec.modules}
+    counts["llm"] -= lm_head
+    return {**counts, "lm_head": lm_head, "total": spec.num_params}
+
+
+@pytest.mark.parametrize("name", list(CATALOG))
+def test_module_counts_match_transformers(name):
+    model, spec = hf_model(name), get_model(name)
+    assert planner_module_counts(spec) == hf_module_counts(model)
+    assert spec.tie_word_embeddings == is_tied(model)
+
+
+def hf_layer_counts(model: torch.nn.Module) -> dict[str, int]:
+    """One instance of each planner layer type, counted on the transformers model."""
+    lm = model.model.language_model
+    counts = {"embedding": count(lm.embed_tokens), "decoder_layer": count(lm.layers[0]), "final_norm": count(lm.norm)}
+    if hasattr(model.model, "visual"):
+        visual = model.model.visual
+        full = set(getattr(visual, "fullatt_block_indexes", range(len(visual.blocks))))
+        window = [i for i in range(len(visual.blocks)) if i not in full]
+        counts |= {"patch_embed": count(visual.patch_embed), "full_block": count(visual.blocks[min(full)]),
+                   "patch_merger": count(visual.merger)}
+        if window:
+            counts["window_block"] = count(visual.blocks[window[0]])
+    else:
+        audio = model.model.audio_tower
+        counts |= {
+            "audio_conv": count(audio.conv1) + count(audio.conv2) + count(audio.embed_positions),
+            "audio_block": count(audio.layers[0]),
+            "audio_projector": count(audio.layer_norm) + count(model.model.multi_modal_projector),
+        }
+    return counts
+
+
+@pytest.mark.parametrize("name", list(CATALOG))
+def test_layer_counts_match_transformers(name):
+    model, spec = hf_model(name), get_model(name)
+    ours = {layer.name: layer.params for m in spec.modules for layer in m.layers if layer.kind != "lm_head"}
+    assert ours == hf_layer_counts(model)
+
+
+def test_qwen2_5_vl_32b_published_counts():
+    spec = get_model("qwen-vl-32b")
+    assert spec.module("vision").num_params == 688_841_984
+    assert spec.module("llm").num_params - spec.module("llm").layer("lm_head").params == 31_985_308_672
+    assert spec.module("llm").layer("lm_head").params == 778_567_680
+    assert spec.num_params == 33_452_718_336
+
+
+def test_qwen2_5_vl_vision_blocks_split_into_window_and_full():
+    vision = get_model("qwen2.5-vl-32b").module("vision")
+    assert [(layer.name, layer.count) for layer in vision.layers] == [
+        ("patch_embed", 1), ("window_block", 28), ("full_block", 4), ("patch_merger", 1)
+    ]
+    assert vision.layer("window_block").attention.window_patches == (112 // 14) ** 2
+    assert vision.layer("full_block").attention.window_patches is None
+    assert vision.layer("window_block").mlp.gated
+    assert vision.layer("patch_merger").token_reduction == 4
+    assert vision.layer("patch_merger").out_features == 5120
+
+
+def test_qwen2_vl_has_only_full_attention_gelu_blocks():
+    spec = get_model("qwen2-vl-7b")
+    assert [layer.name for layer in spec.module("vision").layers] == ["patch_embed", "full_block", "patch_merger"]
+    block = spec.module("vision").layer("full_block")
+    assert block.count == 32 and not block.mlp.gated and block.mlp.intermediate_size == 5120
+    assert spec.vision_input.window_size is None
+
+
+def test_input_specs():
+    vision = get_model("qwen2.5-vl-7b").vision_input
+    assert (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size, vision.window_size) == (
+        14, 2, 2, 112
+    )
+    audio = get_model("qwen2-audio-7b")
+    assert audio.vision_input is None and audio.module_names == ("audio", "llm")
+    assert (audio.audio_input.encoder_tokens_per_second, audio.audio_input.pool_stride) == (50, 2)
+    assert audio.audio_input.max_seconds == 30
+
+
+@pytest.mark.parametrize(
+    ("ours", "config_class"),
+    [
+        (catalog.QWEN2_5_VL_VISION_DEFAULTS, transformers.Qwen2_5_VLVisionConfig),
+        (catalog.QWEN2_VL_VISION_DEFAULTS, transformers.Qwen2VLVisionConfig),
+        (catalog.QWEN_VL_TEXT_DEFAULTS, transformers.Qwen2_5_VLTextConfig),
+        (catalog.QWEN_VL_TEXT_DEFAULTS, transformers.Qwen2VLTextConfig),
+        (catalog.QWEN2_TEXT_DEFAULTS, transformers.Qwen2Config),
+        (catalog.QWEN2_AUDIO_ENCODER_DEFAULTS, transformers.Qwen2AudioEncoderConfig),
+    ],
+)
+def test_defaults_are_the_transformers_defaults(ours, config_class):
+    theirs = config_class()
+    assert {key: list(v) if isinstance(v, tuple) else v for key in ours if (v := getattr(theirs, key)) is not None} == ours
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-vl-7b", "qwen2-vl-2b", "qwen2-audio-7b", "qwen2.5-vl-32b"])
+def test_transformers_saved_layout_gives_the_same_spec(name):
+    """transformers 5 writes text_config/vision_config nested and every default spelled out."""
+    saved = hf_config(CATALOG[name].config).to_dict()
+    assert "text_config" in saved
+    assert planner_module_counts(model_from_hf_config(saved, name)) == planner_module_counts(get_model(name))
+
+
+def test_config_json_path_and_folder(tmp_path):
+    folder = tmp_path / "Qwen2.5-VL-7B-Instruct"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(CATALOG["qwen2.5-vl-7b"].config))
+    for path in (folder, folder / "config.json"):
+        spec = get_model(str(path))
+        assert spec.name == "Qwen2.5-VL-7B-Instruct"
+        assert spec.modules == get_model("qwen2.5-vl-7b").modules
+        assert spec.hf_config == CATALOG["qwen2.5-vl-7b"].config
+
+
+@pytest.mark.parametrize("alias", ["qwen-vl-32b", "Qwen/Qwen2.5-VL-32B-Instruct", "QWEN2.5-VL-32B-INSTRUCT", " qwen2.5-vl-32b "])
+def test_aliases(alias):
+    assert get_model(alias).name == "qwen2.5-vl-32b"
+
+
+def test_list_models_lists_every_entry_with_exact_counts():
+    listed = {name: (aliases, params) for name, aliases, params, _ in list_models()}
+    assert list(listed) == list(CATALOG)
+    assert "qwen-vl-32b" in listed["qwen2.5-vl-32b"][0]
+    assert all(params == get_model(name).num_params for name, (_, params) in listed.items())
+
+
+def assert_one_line_error(match: str, call, *args):
+    with pytest.raises(ValueError, match=match) as info:
+        call(*args)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_model_suggests_close_names():
+    assert_one_line_error(r"unknown model 'qwen-vl-33b'; did you mean .*qwen-vl-32b", get_model, "qwen-vl-33b")
+    assert_one_line_error(r"unknown model 'gpt-5'; \(", get_model, "gpt-5")
+
+
+def test_unsupported_model_type_names_the_supported_ones():
+    assert_one_line_error("unsupported model_type 'llama'.*qwen2_5_vl, qwen2_vl, qwen2_audio",
+                          model_from_hf_config, {"model_type": "llama"}, "x")
+
+
+def test_bad_config_files(tmp_path):
+    assert_one_line_error("cannot read model config", get_model, str(tmp_path / "missing.json"))
+    (tmp_path / "broken.json").write_text("{not json")
+    assert_one_line_error("not valid JSON", get_model, str(tmp_path / "broken.json"))
+    bad = copy.deepcopy(CATALOG["qwen2.5-vl-7b"].config)
+    bad["vision_config"]["depth"] = "32"
+    assert_one_line_error(r"vision_config.depth must be a positive integer, got '32'", model_from_hf_config, bad, "x")
+    bad = {**CATALOG["qwen2.5-vl-7b"].config, "num_attention_heads": 24}
+    assert_one_line_error("hidden size 3584 is not divisible by 24", model_from_hf_config, bad, "x")
+
+
+def tiny_batch(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """One 112x224 image (8x16 patches: two attention windows, 32 merged tokens) and some text."""
+    config = model.config
+    grid = torch.tensor([[1, 8, 16]])
+    patch_width = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
+    image_tokens = int(grid.prod()) // config.vision_config.spatial_merge_size**2
+    text = torch.randint(0, 1000, (8,))
+    ids = torch.cat([
+        torch.tensor([config.vision_start_token_id]), torch.full((image_tokens,), config.image_token_id),
+        torch.tensor([config.vision_end_token_id]), text,
+    ]).unsqueeze(0)
+    return {"input_ids": ids, "labels": ids.clone(), "image_grid_thw": grid,
+            "pixel_values": torch.randn(int(grid.prod()), patch_width)}
+
+
+def test_tiny_model_runs_a_training_step():
+    spec = get_model("qwen2.5-vl-tiny")
+    vision = spec.module("vision")
+    assert (vision.layer("window_block").count, vision.layer("full_block").count) == (2, 2)
+    assert spec.module("llm").layer("decoder_layer").attention.num_kv_heads == 2
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(hf_config(spec.hf_config))
+    assert count(model) == spec.num_params
+    loss = model(**tiny_batch(model)).loss
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert model.model.visual.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+    assert model.model.language_model.layers[-1].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_catalog_imports_neither_torch_nor_transformers():
+    code = (
+        "import sys\n"
+        "for blocked in ('torch', 'transformers', 'ray'):\n"
+        "    sys.modules[blocked] = None\n"
+        "from planner.catalog import get_model, list_models\n"
+        "assert get_model('qwen-vl-32b').num_params == 33_452_718_336\n"
+        "assert len(list_models()) >= 9\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
