@@ -26,6 +26,20 @@ from planner.models import (
     ModuleSpec,
     VisionInputSpec,
 )
+from planner.param_counts import (
+    embedding_params,
+    layer_norm_params,
+    lm_head_params,
+    patch_embed_params,
+    patch_merger_params,
+    qwen2_5_vision_block_params,
+    qwen2_audio_layer_params,
+    qwen2_audio_projector_params,
+    qwen2_decoder_layer_params,
+    qwen2_vl_vision_block_params,
+    rms_norm_params,
+    whisper_conv_params,
+)
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen2_5_vl", "qwen2_vl", "qwen2_audio")
 
@@ -62,92 +76,6 @@ WHISPER_CONV_STRIDE = 2
 """Stride of the encoder's second conv (mel frames per encoder position)."""
 QWEN2_AUDIO_POOL_STRIDE = 2
 """Encoder positions per LLM token (``Qwen2AudioEncoder.avg_pooler``, AvgPool1d(2, stride=2))."""
-
-
-# --- Parameter counts, one function per Hugging Face module ---------------------------------------------------
-
-
-def linear_params(in_features: int, out_features: int, bias: bool) -> int:
-    """``nn.Linear``."""
-    return in_features * out_features + (out_features if bias else 0)
-
-
-def rms_norm_params(dim: int) -> int:
-    """``Qwen2RMSNorm`` / ``Qwen2_5_VLRMSNorm``: a weight, no bias."""
-    return dim
-
-
-def layer_norm_params(dim: int) -> int:
-    """``nn.LayerNorm``: weight and bias."""
-    return 2 * dim
-
-
-def patch_embed_params(in_channels: int, temporal_patch_size: int, patch_size: int, embed_dim: int) -> int:
-    """``Qwen2_5_VisionPatchEmbed`` / Qwen2-VL ``PatchEmbed``: a Conv3d without bias."""
-    return in_channels * temporal_patch_size * patch_size**2 * embed_dim
-
-
-def vision_attention_params(dim: int) -> int:
-    """``Qwen2_5_VLVisionAttention`` / Qwen2-VL ``VisionAttention``: fused qkv and proj, both with bias."""
-    return linear_params(dim, 3 * dim, bias=True) + linear_params(dim, dim, bias=True)
-
-
-def qwen2_5_vision_block_params(dim: int, intermediate_size: int) -> int:
-    """``Qwen2_5_VLVisionBlock``: two RMSNorms, attention, SwiGLU ``Qwen2_5_VLMLP(bias=True)``."""
-    mlp = 2 * linear_params(dim, intermediate_size, bias=True) + linear_params(intermediate_size, dim, bias=True)
-    return 2 * rms_norm_params(dim) + vision_attention_params(dim) + mlp
-
-
-def qwen2_vl_vision_block_params(dim: int, mlp_hidden: int) -> int:
-    """``Qwen2VLVisionBlock``: two LayerNorms, attention, ``VisionMlp`` (fc1/fc2 with bias)."""
-    mlp = linear_params(dim, mlp_hidden, bias=True) + linear_params(mlp_hidden, dim, bias=True)
-    return 2 * layer_norm_params(dim) + vision_attention_params(dim) + mlp
-
-
-def patch_merger_params(context_dim: int, out_dim: int, merge: int, norm_params: int) -> int:
-    """``Qwen2_5_VLPatchMerger`` (RMSNorm ln_q) / Qwen2-VL ``PatchMerger`` (LayerNorm ln_q): norm + 2-layer MLP."""
-    merged = context_dim * merge**2
-    return norm_params + linear_params(merged, merged, bias=True) + linear_params(merged, out_dim, bias=True)
-
-
-def whisper_conv_params(num_mel_bins: int, d_model: int, max_source_positions: int) -> int:
-    """``Qwen2AudioEncoder`` conv1 + conv2 (kernel 3, bias) + ``embed_positions`` (frozen, but a parameter)."""
-    conv1 = num_mel_bins * d_model * 3 + d_model
-    conv2 = d_model * d_model * 3 + d_model
-    return conv1 + conv2 + max_source_positions * d_model
-
-
-def qwen2_audio_layer_params(d_model: int, ffn_dim: int) -> int:
-    """``Qwen2AudioEncoderLayer``: q/v/out_proj with bias, k_proj without, fc1/fc2, two LayerNorms."""
-    attention = 3 * linear_params(d_model, d_model, bias=True) + linear_params(d_model, d_model, bias=False)
-    mlp = linear_params(d_model, ffn_dim, bias=True) + linear_params(ffn_dim, d_model, bias=True)
-    return attention + mlp + 2 * layer_norm_params(d_model)
-
-
-def qwen2_audio_projector_params(d_model: int, llm_hidden: int) -> int:
-    """``Qwen2AudioEncoder.layer_norm`` + ``Qwen2AudioMultiModalProjector`` (Linear with bias)."""
-    return layer_norm_params(d_model) + linear_params(d_model, llm_hidden, bias=True)
-
-
-def embedding_params(vocab_size: int, hidden: int) -> int:
-    """``nn.Embedding`` (``embed_tokens``)."""
-    return vocab_size * hidden
-
-
-def qwen2_decoder_layer_params(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int) -> int:
-    """``Qwen2DecoderLayer`` / ``Qwen2_5_VLDecoderLayer``: q/k/v with bias, o without, SwiGLU MLP, two RMSNorms."""
-    attention = (
-        linear_params(hidden, heads * head_dim, bias=True)
-        + 2 * linear_params(hidden, kv_heads * head_dim, bias=True)
-        + linear_params(heads * head_dim, hidden, bias=False)
-    )
-    mlp = 3 * linear_params(hidden, intermediate, bias=False)
-    return attention + mlp + 2 * rms_norm_params(hidden)
-
-
-def lm_head_params(hidden: int, vocab_size: int, tied: bool) -> int:
-    """``lm_head`` (Linear without bias); 0 when it shares the embedding matrix."""
-    return 0 if tied else linear_params(hidden, vocab_size, bias=False)
 
 
 # --- Config sections --------------------------------------------------------------------------------------------
@@ -232,8 +160,9 @@ def qwen2_5_vision_module(v: Mapping[str, Any]) -> ModuleSpec:
     head_dim = _heads_divide(dim, heads, "vision_config")
     block = dict(kind="vision_block", params=qwen2_5_vision_block_params(dim, inter), hidden_size=dim,
                  mlp=MlpSpec(intermediate_size=inter, gated=True))
+    window_side = window // merge // patch * merge  # in patches, whole merge units (vit_merger_window_size)
     windowed = AttentionSpec(num_heads=heads, num_kv_heads=heads, head_dim=head_dim, causal=False,
-                             window_patches=(window // patch) ** 2)
+                             window_patches=window_side**2)
     blocks = [
         LayerSpec(name="window_block", count=depth - num_full, attention=windowed, **block),
         LayerSpec(name="full_block", count=num_full, attention=AttentionSpec(
@@ -288,7 +217,7 @@ def llm_module(t: Mapping[str, Any], tied: bool, head_dim_key: bool) -> ModuleSp
     vocab, hidden, inter, layers, heads = _ints(
         t, "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads", "text_config"
     )
-    kv_heads = _positive_int({"kv": t.get("num_key_value_heads") or heads}, "kv", "text_config.num_key_value_heads")
+    kv_heads = heads if t.get("num_key_value_heads") is None else _positive_int(t, "num_key_value_heads", "text_config")
     if heads % kv_heads:
         raise ValueError(f"text_config: {heads} attention heads are not a multiple of {kv_heads} key/value heads")
     if head_dim_key and t.get("head_dim") is not None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+import json
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any, Mapping
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -52,3 +56,240 @@ class Cluster:
     def num_nodes(self) -> int:
         """Nodes spanned (the last one may be partly used)."""
         return -(-self.num_devices // self.devices_per_node)
+
+
+# --- Device catalog ---------------------------------------------------------------------------------------------
+
+GiB = 2**30
+"""Datasheet "GB" of HBM is taken as GiB: the driver reports within 1% of it (H100: 81,559 MiB of 81,920)."""
+NCCL_NVLINK_HOP_LATENCY = 3.4e-6
+"""Per-hop latency of NCCL's tuning model, ring/Simple over NVLink (nccl src/graph/tuning.cc hwLat, NVLS-era)."""
+NCCL_NET_HOP_LATENCY = 14.0e-6
+"""Per-hop latency of NCCL's tuning model for ring/Simple over the network (same table)."""
+_LATENCY_SOURCE = "latencies: NCCL tuning model ring/Simple hwLat (NVLink 3.4 us, NET 14 us per hop)"
+
+
+@dataclass(kw_only=True, frozen=True)
+class DeviceEntry:
+    """One catalog device."""
+
+    spec: DeviceSpec
+    """Its numbers."""
+    aliases: tuple[str, ...]
+    """Other names it answers to (case-insensitive; '_' and ' ' read as '-')."""
+    description: str
+    """One line for listings."""
+
+
+DEVICE_CATALOG: dict[str, DeviceEntry] = {
+    "h100-80gb": DeviceEntry(
+        spec=DeviceSpec(
+            name="h100-80gb", peak_bf16_flops=1979e12 / 2, memory_bytes=80 * GiB, memory_bandwidth=3.35e12,
+            intra_node_bandwidth=900e9 / 2, intra_node_latency=NCCL_NVLINK_HOP_LATENCY,
+            inter_node_bandwidth=400e9 / 8, inter_node_latency=NCCL_NET_HOP_LATENCY, devices_per_node=8,
+            source="NVIDIA H100 Tensor Core GPU datasheet (2023), SXM: bf16 1,979 TFLOPS with sparsity (/2 dense), "
+            "80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional (/2); NVIDIA DGX H100 datasheet (2023): "
+            f"8x ConnectX-7 400 Gb/s, one per GPU; {_LATENCY_SOURCE}",
+        ),
+        aliases=("h100", "h100-sxm", "h100-sxm5", "h100-sxm-80gb", "h100-sxm5-80gb", "h100-80g"),
+        description="NVIDIA H100 SXM5 80GB HBM3, NVLink 4, 8 per node (DGX H100)",
+    ),
+    "h200-141gb": DeviceEntry(
+        spec=DeviceSpec(
+            name="h200-141gb", peak_bf16_flops=1979e12 / 2, memory_bytes=141 * GiB, memory_bandwidth=4.8e12,
+            intra_node_bandwidth=900e9 / 2, intra_node_latency=NCCL_NVLINK_HOP_LATENCY,
+            inter_node_bandwidth=400e9 / 8, inter_node_latency=NCCL_NET_HOP_LATENCY, devices_per_node=8,
+            source="NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: bf16 1,979 TFLOPS with sparsity (/2 dense), "
+            "141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional (/2); NVIDIA DGX H200 datasheet (2024): "
+            f"8x ConnectX-7 400 Gb/s, one per GPU; {_LATENCY_SOURCE}",
+        ),
+        aliases=("h200", "h200-sxm", "h200-sxm-141gb", "h200-141g"),
+        description="NVIDIA H200 SXM 141GB HBM3e, NVLink 4, 8 per node (DGX H200)",
+    ),
+    "a100-80gb": DeviceEntry(
+        spec=DeviceSpec(
+            name="a100-80gb", peak_bf16_flops=312e12, memory_bytes=80 * GiB, memory_bandwidth=2.039e12,
+            intra_node_bandwidth=600e9 / 2, intra_node_latency=NCCL_NVLINK_HOP_LATENCY,
+            inter_node_bandwidth=200e9 / 8, inter_node_latency=NCCL_NET_HOP_LATENCY, devices_per_node=8,
+            source="NVIDIA A100 Tensor Core GPU datasheet (2021), 80GB SXM: bf16 312 TFLOPS dense, 80 GB HBM2e at "
+            "2,039 GB/s, NVLink 600 GB/s bidirectional (/2); NVIDIA DGX A100 datasheet (2020): 8x ConnectX-6 "
+            f"200 Gb/s HDR InfiniBand, one per GPU; {_LATENCY_SOURCE}",
+        ),
+        aliases=("a100", "a100-sxm", "a100-sxm4", "a100-sxm-80gb", "a100-sxm4-80gb", "a100-80g"),
+        description="NVIDIA A100 SXM4 80GB HBM2e, NVLink 3, 8 per node (DGX A100)",
+    ),
+    "b200": DeviceEntry(
+        spec=DeviceSpec(
+            name="b200", peak_bf16_flops=36e15 / 8 / 2, memory_bytes=180 * GiB, memory_bandwidth=64e12 / 8,
+            intra_node_bandwidth=1.8e12 / 2, intra_node_latency=NCCL_NVLINK_HOP_LATENCY,
+            inter_node_bandwidth=400e9 / 8, inter_node_latency=NCCL_NET_HOP_LATENCY, devices_per_node=8,
+            source="NVIDIA HGX B200 specifications (2024): bf16 36 PFLOPS with sparsity per 8 GPUs (/8, /2 dense), "
+            "NVLink 5 1.8 TB/s per GPU bidirectional (/2); NVIDIA DGX B200 datasheet (2024): 1,440 GB HBM3e and "
+            f"64 TB/s per 8 GPUs, 8x ConnectX-7 400 Gb/s, one per GPU; {_LATENCY_SOURCE}",
+        ),
+        aliases=("b200-180gb", "b200-sxm", "hgx-b200", "dgx-b200"),
+        description="NVIDIA B200 180GB HBM3e, NVLink 5, 8 per node (DGX/HGX B200)",
+    ),
+    "cpu": DeviceEntry(
+        spec=DeviceSpec(
+            name="cpu", peak_bf16_flops=100e9, memory_bytes=16 * GiB, memory_bandwidth=20e9,
+            intra_node_bandwidth=5e9, intra_node_latency=50e-6, inter_node_bandwidth=1.25e9,
+            inter_node_latency=100e-6, devices_per_node=8,
+            source="PLACEHOLDER, not measured: round numbers for one CPU worker process (100 GFLOP/s, 16 GiB, "
+            "20 GB/s memory, 5 GB/s / 50 us gloo between local ranks, 10 GbE between hosts); a profile of this "
+            "machine replaces them",
+        ),
+        aliases=("host", "cpu-gloo"),
+        description="CPU worker processes over gloo (placeholder numbers until profiled)",
+    ),
+}
+"""Catalog name -> device."""
+
+_DEVICE_BY_NAME: dict[str, str] = {
+    key: name for name, entry in DEVICE_CATALOG.items() for key in (name, *entry.aliases)
+}
+"""Normalised name or alias -> catalog name."""
+
+
+def _normalise(name: str) -> str:
+    """Lower case; '_' and spaces read as '-'."""
+    return name.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+def get_device(name: str) -> DeviceSpec:
+    """The catalog device called ``name`` (or an alias such as ``h100`` or ``H100-SXM-80GB``).
+
+    Raises:
+        ValueError: unknown name, with the closest known names, in one line.
+    """
+    key = _DEVICE_BY_NAME.get(_normalise(name))
+    if key is None:
+        close = difflib.get_close_matches(_normalise(name), list(_DEVICE_BY_NAME), n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise ValueError(f"unknown device {name!r}; {hint}known: {', '.join(DEVICE_CATALOG)}")
+    return DEVICE_CATALOG[key].spec
+
+
+def list_devices() -> list[tuple[str, tuple[str, ...], str]]:
+    """(name, aliases, description) of every catalog device."""
+    return [(name, entry.aliases, entry.description) for name, entry in DEVICE_CATALOG.items()]
+
+
+def make_cluster(device: DeviceSpec | str, num_devices: int, devices_per_node: int | None = None) -> Cluster:
+    """``num_devices`` of ``device`` (a spec or a catalog name), by default as many per node as the device has."""
+    spec = get_device(device) if isinstance(device, str) else device
+    return Cluster(device=spec, num_devices=num_devices, devices_per_node=devices_per_node or spec.devices_per_node)
+
+
+# --- Cluster files ----------------------------------------------------------------------------------------------
+
+_FIELD_TYPES: dict[str, str] = {f.name: str(f.type) for f in fields(DeviceSpec)}
+"""DeviceSpec field -> its annotation ("int", "float" or "str")."""
+
+
+def _number(key: str, value: Any, origin: str) -> float:
+    """A finite number, also from a string such as "25e9"; positive, except that a latency may be 0."""
+    lowest = "non-negative" if key.endswith("latency") else "positive"
+    error = ValueError(f"{origin}: {key} must be a {lowest} number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise error
+    try:
+        number = float(value)
+    except ValueError:
+        raise error from None
+    if not math.isfinite(number) or number < 0 or (number == 0 and lowest == "positive"):
+        raise error
+    return number
+
+
+def _field_value(key: str, value: Any, origin: str) -> int | float | str:
+    """A cluster-file value checked against the DeviceSpec field's type."""
+    kind = _FIELD_TYPES[key]
+    if kind == "str":
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{origin}: {key} must be a non-empty string, got {value!r}")
+        return value
+    number = _number(key, value, origin)
+    if kind == "int":
+        if not number.is_integer():
+            raise ValueError(f"{origin}: {key} must be a whole number, got {value!r}")
+        return int(number)
+    return number
+
+
+def _check_fields(values: Mapping[str, Any], origin: str) -> dict[str, Any]:
+    """Typed values of known DeviceSpec fields; an unknown key is an error that suggests the closest field."""
+    checked = {}
+    for key, value in values.items():
+        if key not in _FIELD_TYPES:
+            close = difflib.get_close_matches(str(key), list(_FIELD_TYPES), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ValueError(f"{origin}: unknown field {key!r}; {hint}fields: device, {', '.join(_FIELD_TYPES)}")
+        checked[key] = _field_value(key, value, origin)
+    return checked
+
+
+def override_device(device: DeviceSpec, overrides: Mapping[str, Any], origin: str) -> DeviceSpec:
+    """``device`` with some fields replaced; ``source`` records ``origin`` unless the overrides set it.
+
+    Raises:
+        ValueError: unknown field or bad value, in one line.
+    """
+    checked = _check_fields(overrides, origin)
+    if not checked:
+        return device
+    checked.setdefault("source", f"{device.source}; overridden by {origin}: {', '.join(sorted(checked))}")
+    return replace(device, **checked)
+
+
+def _new_device(values: Mapping[str, Any], origin: str) -> DeviceSpec:
+    """A device defined entirely by a cluster file (every field but ``source`` given)."""
+    checked = _check_fields(values, origin)
+    checked.setdefault("source", f"user-defined in {origin}")
+    missing = [key for key in _FIELD_TYPES if key not in checked]
+    if missing:
+        raise ValueError(f"{origin}: give \"device\" (one of {', '.join(DEVICE_CATALOG)}) to start from, "
+                         f"or every field of a new device; missing: {', '.join(missing)}")
+    return DeviceSpec(**checked)
+
+
+def _read_mapping(path: str) -> dict[str, Any]:
+    """A JSON (``.json``) or YAML (anything else) file holding one mapping."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read cluster file {path}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        if path.endswith(".json"):
+            data = json.loads(text)
+        else:
+            import yaml  # pyyaml; only cluster files need it
+
+            data = yaml.safe_load(text)
+    except Exception as e:  # json.JSONDecodeError or yaml.YAMLError
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cluster file {path} does not parse: {first_line}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"cluster file {path} must hold a mapping of fields, got {type(data).__name__}")
+    return data
+
+
+def load_cluster_file(path: str) -> tuple[DeviceSpec, dict[str, Any]]:
+    """The device described by a JSON/YAML cluster file, and the fields the file set.
+
+    The file either names a catalog ``device`` and overrides some of its fields, e.g.
+    ``{"device": "h100-80gb", "inter_node_bandwidth": 25e9, "devices_per_node": 8}``, or gives every DeviceSpec
+    field of a new device. Numbers may be written as strings (YAML reads ``25e9`` as one).
+
+    Raises:
+        ValueError: unreadable file, parse error, unknown device or field, or a bad value, in one line.
+    """
+    data = _read_mapping(path)
+    base = data.pop("device", None)
+    overrides = _check_fields(data, path)
+    if base is None:
+        return _new_device(overrides, path), overrides
+    if not isinstance(base, str):
+        raise ValueError(f"{path}: device must be a catalog name such as h100-80gb, got {base!r}")
+    return override_device(get_device(base), overrides, path), overrides

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from planner import catalog
+from planner import catalog, param_counts
 from planner.catalog import CATALOG, get_model, list_models, model_from_hf_config
 
 HF_CLASSES = {
@@ -111,6 +111,18 @@ def test_qwen2_5_vl_32b_published_counts():
     assert spec.num_params == 33_452_718_336
 
 
+def test_param_formulas_by_hand():
+    """Qwen2.5-VL-32B shapes, summed by hand from the module printout."""
+    qkv, proj = 1280 * 3840 + 3840, 1280 * 1280 + 1280
+    mlp = 2 * (1280 * 3456 + 3456) + 3456 * 1280 + 1280
+    assert param_counts.qwen2_5_vision_block_params(1280, 3456) == qkv + proj + mlp + 2 * 1280 == 19_840_512
+    q, kv, o = 5120 * 5120 + 5120, 5120 * 1024 + 1024, 5120 * 5120
+    layer = q + 2 * kv + o + 3 * 5120 * 27648 + 2 * 5120
+    assert param_counts.qwen2_decoder_layer_params(5120, 40, 8, 128, 27648) == layer == 487_605_248
+    assert param_counts.patch_merger_params(1280, 5120, 2, 1280) == 1280 + 2 * (5120 * 5120 + 5120)
+    assert param_counts.lm_head_params(2048, 151936, tied=True) == 0
+
+
 def test_qwen2_5_vl_vision_blocks_split_into_window_and_full():
     vision = get_model("qwen2.5-vl-32b").module("vision")
     assert [(layer.name, layer.count) for layer in vision.layers] == [
@@ -155,7 +167,8 @@ def test_input_specs():
 )
 def test_defaults_are_the_transformers_defaults(ours, config_class):
     theirs = config_class()
-    assert {key: list(v) if isinstance(v, tuple) else v for key in ours if (v := getattr(theirs, key)) is not None} == ours
+    theirs = {key: getattr(theirs, key) for key in ours}
+    assert {key: list(v) if isinstance(v, tuple) else v for key, v in theirs.items()} == ours
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-vl-7b", "qwen2-vl-2b", "qwen2-audio-7b", "qwen2.5-vl-32b"])
@@ -177,7 +190,9 @@ def test_config_json_path_and_folder(tmp_path):
         assert spec.hf_config == CATALOG["qwen2.5-vl-7b"].config
 
 
-@pytest.mark.parametrize("alias", ["qwen-vl-32b", "Qwen/Qwen2.5-VL-32B-Instruct", "QWEN2.5-VL-32B-INSTRUCT", " qwen2.5-vl-32b "])
+@pytest.mark.parametrize(
+    "alias", ["qwen-vl-32b", "Qwen/Qwen2.5-VL-32B-Instruct", "QWEN2.5-VL-32B-INSTRUCT", " qwen2.5-vl-32b "]
+)
 def test_aliases(alias):
     assert get_model(alias).name == "qwen2.5-vl-32b"
 
