@@ -290,13 +290,13 @@ def model_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec:
         ValueError: unsupported ``model_type`` or an invalid field, in one line.
     """
     if not isinstance(config, Mapping):
-        raise ValueError(f"{name}: a config must be a JSON object, got {type(config).__name__}")
+        raise ValueError(f"a model config must be a JSON object, got {type(config).__name__}")
     family = config.get("model_type")
     if family in ("qwen2_5_vl", "qwen2_vl"):
         return _vision_language_spec(config, name, family)
     if family == "qwen2_audio":
         return _audio_language_spec(config, name)
-    raise ValueError(f"{name}: unsupported model_type {family!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    raise ValueError(f"unsupported model_type {family!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
 # --- Catalog ----------------------------------------------------------------------------------------------------
@@ -383,7 +383,10 @@ def get_model(name_or_path: str) -> ModelSpec:
         return model_from_hf_config(CATALOG[name].config, name)
     if os.path.exists(name_or_path) or name_or_path.endswith(".json"):
         config, derived_name = _load_config_file(name_or_path)
-        return model_from_hf_config(config, derived_name)
+        try:
+            return model_from_hf_config(config, derived_name)
+        except ValueError as e:
+            raise ValueError(f"{name_or_path}: {e}") from None
     raise _unknown_model(name_or_path)
 
 

@@ -224,6 +224,9 @@ def test_bad_config_files(tmp_path):
     assert_one_line_error("cannot read model config", get_model, str(tmp_path / "missing.json"))
     (tmp_path / "broken.json").write_text("{not json")
     assert_one_line_error("not valid JSON", get_model, str(tmp_path / "broken.json"))
+    (tmp_path / "llama.json").write_text(json.dumps({"model_type": "llama"}))
+    assert_one_line_error(f"{tmp_path / 'llama.json'}: unsupported model_type 'llama'", get_model,
+                          str(tmp_path / "llama.json"))
     bad = copy.deepcopy(CATALOG["qwen2.5-vl-7b"].config)
     bad["vision_config"]["depth"] = "32"
     assert_one_line_error(r"vision_config.depth must be a positive integer, got '32'", model_from_hf_config, bad, "x")
