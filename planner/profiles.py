@@ -1,0 +1,429 @@
+"""Measured profiles: the file schema, reading, interpolation, and the cost source the planner plugs in.
+
+A profile is what ``python -m runtime.profile`` measured on one device type for one model: per-layer shard times
+(forward, backward, recompute), memory and FLOPs over a grid of sequence lengths and micro-batch sizes, collective
+times over message sizes, device microbenchmarks, FakeTensor memory breakdowns, and the efficiency parameters a
+calibration refitted from real runs. This module is pure Python (pydantic only) so the planner can read profiles
+without torch.
+
+Conventions: times in seconds, memory in bytes, FLOPs as counts. ``seq_len`` is the tokens of ONE sample entering
+the module before any sequence-parallel split (the plan's own variable); the shard shape the TP/SP degrees imply is
+what was measured.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from planner.hardware import DeviceSpec
+
+PROFILE_SCHEMA_VERSION = 1
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
+COLLECTIVE_OPS: tuple[CollectiveOp, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Provenance(_Strict):
+    """Where and how a profile was measured."""
+
+    device_name: str = Field(description="catalog name of the hardware, e.g. cpu or h100-80gb")
+    device_detail: str = Field(description="what the machine reports (CPU model / GPU name)")
+    torch_version: str
+    cuda_version: str | None
+    date: str = Field(description="ISO date-time of the last write")
+    command: str = Field(description="command line that produced the profile")
+    num_threads: int = Field(description="torch intra-op threads during measurement")
+    dtype: str = Field(description="parameter/activation dtype measured")
+
+
+class Spread(_Strict):
+    """Distribution of repeated timings of one quantity."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    repeats: int
+
+
+class LayerPoint(_Strict):
+    """One layer shard measured at one (seq_len, micro_batch)."""
+
+    module: str
+    layer: str = Field(description="LayerSpec.name, e.g. window_block, decoder_layer")
+    tp: int = Field(ge=1)
+    sp: int = Field(ge=1)
+    seq_len: int = Field(ge=1, description="tokens per sample before the SP split")
+    micro_batch: int = Field(ge=1)
+    forward: Spread
+    backward: Spread
+    recompute: Spread = Field(description="extra backward time when the forward ran under torch.utils.checkpoint")
+    forward_flops: float
+    backward_flops: float
+    saved_activation_bytes: int = Field(description="tensors autograd saved for backward, parameters excluded")
+    peak_bytes: int = Field(description="peak of activations + temporaries + gradients during fwd+bwd, params excluded")
+
+    @property
+    def key(self) -> tuple[str, str, int, int, int, int]:
+        return (self.module, self.layer, self.tp, self.sp, self.seq_len, self.micro_batch)
+
+
+class CollectivePoint(_Strict):
+    """One collective at one message size and group size."""
+
+    op: CollectiveOp
+    group_size: int = Field(ge=2)
+    message_bytes: int = Field(ge=1, description="bytes of the per-rank input buffer")
+    time: Spread
+    backend: str = Field(description="gloo or nccl")
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.op, self.group_size, self.message_bytes)
+
+
+class MatmulPoint(_Strict):
+    """Achieved FLOP/s of an n x n x n matmul."""
+
+    n: int
+    flops_per_s: float
+
+
+class DeviceMeasurements(_Strict):
+    """Microbenchmarks of the device itself."""
+
+    matmul: list[MatmulPoint]
+    memory_bandwidth: float = Field(description="bytes/s of a large copy (read + write counted)")
+
+    @property
+    def peak_matmul_flops(self) -> float:
+        """Best achieved matmul FLOP/s over the sizes measured."""
+        return max(p.flops_per_s for p in self.matmul)
+
+
+class MemoryPoint(_Strict):
+    """FakeTensor memory breakdown of one layer shard (no memory allocated)."""
+
+    module: str
+    layer: str
+    tp: int = Field(ge=1)
+    sp: int = Field(ge=1)
+    seq_len: int = Field(ge=1)
+    micro_batch: int = Field(ge=1)
+    param_bytes: int
+    saved_activation_bytes: int
+    peak_bytes: int = Field(description="peak fwd+bwd memory beyond the parameters")
+    peak_breakdown: dict[str, int] = Field(description="MemTracker categories at the peak")
+
+    @property
+    def key(self) -> tuple[str, str, int, int, int, int]:
+        return (self.module, self.layer, self.tp, self.sp, self.seq_len, self.micro_batch)
+
+
+class Calibration(_Strict):
+    """Efficiency parameters refitted from real runs: measured step = scale * predicted step + overhead_s."""
+
+    scale: float = Field(gt=0)
+    overhead_s: float
+    num_samples: int
+    rms_error_before: float = Field(description="relative RMS error of the predictions before the refit")
+    rms_error_after: float
+    sources: list[str] = Field(description="metrics files the fit used")
+
+
+class Profile(_Strict):
+    """Everything measured for one (hardware, model)."""
+
+    schema_version: int
+    hardware: str
+    model: str
+    provenance: Provenance
+    layers: list[LayerPoint] = Field(default_factory=list)
+    collectives: list[CollectivePoint] = Field(default_factory=list)
+    device: DeviceMeasurements | None = None
+    memory: list[MemoryPoint] = Field(default_factory=list)
+    calibration: Calibration | None = None
+
+    def to_json(self) -> str:
+        """Canonical text: points sorted by key so re-runs give small diffs."""
+        data = self.model_dump(mode="json")
+        data["layers"].sort(key=_shard_key)
+        data["memory"].sort(key=_shard_key)
+        data["collectives"].sort(key=lambda p: (p["op"], p["group_size"], p["message_bytes"]))
+        return json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+
+def _shard_key(point: dict) -> tuple:
+    return (point["module"], point["layer"], point["tp"], point["sp"], point["seq_len"], point["micro_batch"])
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and validate a profile file; raise ValueError with a one-line reason if it cannot be used."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read profile {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"profile {path} is not JSON: {e.msg} at line {e.lineno}") from None
+    if not isinstance(data, dict) or "schema_version" not in data:
+        raise ValueError(f"{path} is not a profile: it has no schema_version (write one with `python -m runtime.profile`)")
+    if data["schema_version"] != PROFILE_SCHEMA_VERSION:
+        raise ValueError(
+            f"profile {path} has schema version {data['schema_version']}, this tool reads version "
+            f"{PROFILE_SCHEMA_VERSION}: re-run `python -m runtime.profile` to regenerate it"
+        )
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"profile {path} is invalid at {where}: {first['msg']}") from None
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    """Write a profile atomically (a partial file never replaces a good one)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(profile.to_json())
+    tmp.replace(path)
+
+
+def profile_path(device_name: str, model_name: str, root: Path = PROFILES_DIR) -> Path:
+    """Where the profile of ``model_name`` on ``device_name`` lives: ``profiles/<hardware>/<model>.json``."""
+    return root / device_name / f"{model_name}.json"
+
+
+def find_profile(device_name: str, model_name: str, root: Path = PROFILES_DIR) -> Path | None:
+    """The committed profile for this hardware and model, or None when there is none."""
+    path = profile_path(device_name, model_name, root)
+    return path if path.is_file() else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Interpolation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def interp_loglog(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise power-law interpolation: linear in (log x, log y), extrapolating with the nearest segment's slope.
+
+    Exact for y = c * x**p (any p), which covers linear (MLP, p=1) and quadratic (attention, p=2) scaling; a mix is
+    approximated segment by segment. A single point scales linearly (p=1). ``xs`` must be increasing and ``ys``
+    positive.
+    """
+    assert len(xs) == len(ys) and len(xs) >= 1, "need at least one point"
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], max(ys[i - 1], 1e-30), max(ys[i], 1e-30)
+    slope = math.log(y1 / y0) / math.log(x1 / x0)
+    return y0 * math.exp(slope * math.log(x / x0))
+
+
+def interp_grid(points: dict[tuple[int, int], float], seq_len: float, micro_batch: float) -> float:
+    """Interpolate a value measured on a (seq_len, micro_batch) grid: along seq_len at each measured micro-batch,
+    then along micro-batch (both with ``interp_loglog``)."""
+    by_mb: dict[int, list[tuple[int, float]]] = {}
+    for (seq, mb), value in points.items():
+        by_mb.setdefault(mb, []).append((seq, value))
+    mbs = sorted(by_mb)
+    at_seq = []
+    for mb in mbs:
+        row = sorted(by_mb[mb])
+        at_seq.append(interp_loglog([s for s, _ in row], [v for _, v in row], seq_len))
+    return interp_loglog(mbs, at_seq, micro_batch)
+
+
+@dataclass(kw_only=True, frozen=True)
+class LayerCost:
+    """Interpolated measurements of one layer shard at one (seq_len, micro_batch)."""
+
+    forward_s: float
+    """Forward seconds of one instance."""
+    backward_s: float
+    """Backward seconds of one instance."""
+    recompute_s: float
+    """Extra seconds full recomputation adds to the backward."""
+    forward_flops: float
+    """FLOPs of the forward."""
+    backward_flops: float
+    """FLOPs of the backward."""
+    saved_activation_bytes: float
+    """Bytes autograd keeps for the backward."""
+    peak_bytes: float
+    """Peak fwd+bwd bytes beyond the parameters."""
+    exact: bool
+    """True when (seq_len, micro_batch) was a measured grid point, False when interpolated."""
+
+
+_LAYER_FIELDS = {
+    "forward_s": lambda p: p.forward.median_s,
+    "backward_s": lambda p: p.backward.median_s,
+    "recompute_s": lambda p: p.recompute.median_s,
+    "forward_flops": lambda p: p.forward_flops,
+    "backward_flops": lambda p: p.backward_flops,
+    "saved_activation_bytes": lambda p: p.saved_activation_bytes,
+    "peak_bytes": lambda p: p.peak_bytes,
+}
+
+
+class ProfileIndex:
+    """Fast lookups into a Profile: layer costs by shard, collective times by op/group/size."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self._layers: dict[tuple[str, str, int, int], dict[tuple[int, int], LayerPoint]] = {}
+        for p in profile.layers:
+            self._layers.setdefault((p.module, p.layer, p.tp, p.sp), {})[(p.seq_len, p.micro_batch)] = p
+        self._collectives: dict[tuple[str, int], list[tuple[int, float]]] = {}
+        for c in profile.collectives:
+            self._collectives.setdefault((c.op, c.group_size), []).append((c.message_bytes, c.time.median_s))
+        for row in self._collectives.values():
+            row.sort()
+
+    def has_layer(self, module: str, layer: str, tp: int, sp: int) -> bool:
+        """Whether this shard (any sequence length) was measured."""
+        return (module, layer, tp, sp) in self._layers
+
+    def layer_cost(self, module: str, layer: str, *, tp: int, sp: int, seq_len: int, micro_batch: int) -> LayerCost | None:
+        """Measured cost of one layer instance, interpolated over seq_len and micro_batch; None if never measured."""
+        grid = self._layers.get((module, layer, tp, sp))
+        if not grid:
+            return None
+        exact = (seq_len, micro_batch) in grid
+        values = {
+            name: interp_grid({k: get(p) for k, p in grid.items()}, seq_len, micro_batch)
+            for name, get in _LAYER_FIELDS.items()
+        }
+        return LayerCost(**values, exact=exact)
+
+    def collective_time(self, op: str, group_size: int, message_bytes: float) -> float | None:
+        """Measured seconds of a collective, interpolated over message size; None if this op/group was not measured."""
+        row = self._collectives.get((op, group_size))
+        if not row:
+            return None
+        return interp_collective([b for b, _ in row], [t for _, t in row], message_bytes)
+
+
+def interp_collective(sizes: Sequence[float], times: Sequence[float], message_bytes: float) -> float:
+    """Collective time at ``message_bytes``: linear between measured sizes (the alpha-beta model is linear in size),
+    flat at the smallest size below it (latency floor) and extrapolated with the last segment's bandwidth above."""
+    if message_bytes <= sizes[0] or len(sizes) == 1:
+        return times[0] if message_bytes <= sizes[0] else times[0] * message_bytes / sizes[0]
+    i = min(bisect.bisect_left(sizes, message_bytes), len(sizes) - 1)
+    x0, x1, y0, y1 = sizes[i - 1], sizes[i], times[i - 1], times[i]
+    return y0 + (y1 - y0) * (message_bytes - x0) / (x1 - x0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Device entry from a profile
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
+    """Least-squares fit of t = alpha + bytes / beta (Hockney's alpha-beta model, Hockney 1994, eq. 1).
+
+    Returns (alpha seconds, beta bytes/s); alpha is clipped at 0.
+    """
+    n = len(sizes)
+    assert n >= 2, "need two message sizes to fit alpha and beta"
+    mx, my = sum(sizes) / n, sum(times) / n
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sxx
+    alpha = max(my - slope * mx, 0.0)
+    return alpha, 1.0 / slope
+
+
+def device_from_profile(base: DeviceSpec, profile: Profile) -> DeviceSpec:
+    """``base`` with the numbers the profile measured: matmul peak, memory bandwidth and the send/recv link model.
+
+    Fields the profile did not measure keep the catalog's value; ``source`` names the profile.
+    """
+    changes: dict[str, float | str] = {}
+    if profile.device is not None:
+        changes["peak_bf16_flops"] = profile.device.peak_matmul_flops
+        changes["memory_bandwidth"] = profile.device.memory_bandwidth
+    p2p = sorted((c.message_bytes, c.time.median_s) for c in profile.collectives if c.op == "send_recv")
+    if len(p2p) >= 2:
+        alpha, beta = fit_alpha_beta([b for b, _ in p2p], [t for _, t in p2p])
+        changes["intra_node_latency"] = alpha
+        changes["intra_node_bandwidth"] = beta
+    if not changes:
+        return base
+    changes["source"] = f"measured: profile {profile.hardware}/{profile.model} ({profile.provenance.date})"
+    return replace(base, **changes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Calibration refit
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def fit_scale_overhead(predicted: Sequence[float], measured: Sequence[float]) -> tuple[float, float]:
+    """Least squares of measured = scale * predicted + overhead (ordinary least squares, closed form).
+
+    With a single distinct prediction the overhead is not identifiable; then overhead = 0 and
+    scale = sum(m*p) / sum(p*p).
+    """
+    n = len(predicted)
+    assert n == len(measured) and n >= 1, "need matching, non-empty samples"
+    mp, mm = sum(predicted) / n, sum(measured) / n
+    sxx = sum((p - mp) ** 2 for p in predicted)
+    if sxx <= 1e-12 * max(mp * mp, 1e-30):
+        return sum(m * p for p, m in zip(predicted, measured)) / sum(p * p for p in predicted), 0.0
+    scale = sum((p - mp) * (m - mm) for p, m in zip(predicted, measured)) / sxx
+    return scale, mm - scale * mp
+
+
+def relative_rms(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Root-mean-square of (predicted - measured) / measured."""
+    return math.sqrt(sum(((p - m) / m) ** 2 for p, m in zip(predicted, measured)) / len(measured))
+
+
+def refit_calibration(
+    predicted: Sequence[float], measured: Sequence[float], *, sources: Sequence[str], prior: Calibration | None = None
+) -> Calibration:
+    """Refit scale/overhead from (predicted, measured) step times.
+
+    ``predicted`` are the RAW predictions (before any calibration); if they were made with ``prior`` applied, pass
+    them through ``uncalibrate`` first. A non-positive fitted scale (noise on near-identical predictions) falls back
+    to the scale-only fit.
+    """
+    scale, overhead = fit_scale_overhead(predicted, measured)
+    if scale <= 0:
+        scale, overhead = sum(m * p for p, m in zip(predicted, measured)) / sum(p * p for p in predicted), 0.0
+    after = [scale * p + overhead for p in predicted]
+    return Calibration(
+        scale=scale,
+        overhead_s=overhead,
+        num_samples=len(predicted),
+        rms_error_before=relative_rms(predicted, measured),
+        rms_error_after=relative_rms(after, measured),
+        sources=list(sources) + ([] if prior is None else prior.sources),
+    )
+
+
+def calibrate(step_time_s: float, calibration: Calibration | None) -> float:
+    """A raw predicted step time with the calibration applied."""
+    if calibration is None:
+        return step_time_s
+    return calibration.scale * step_time_s + calibration.overhead_s
+
+
+def uncalibrate(step_time_s: float, calibration: Calibration | None) -> float:
+    """Inverse of ``calibrate``: the raw prediction behind a calibrated one."""
+    if calibration is None:
+        return step_time_s
+    return (step_time_s - calibration.overhead_s) / calibration.scale

@@ -1,0 +1,1 @@
+"""Profiler: measured per-layer shard times, memory and FLOPs, collectives, device microbenchmarks, calibration."""

@@ -1,0 +1,133 @@
+"""What ``python -m runtime.profile`` does with its arguments: open (or resume) a profile, measure, save."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from planner.catalog import get_model
+from planner.models import ModelSpec
+from planner.profiles import (
+    PROFILE_SCHEMA_VERSION,
+    PROFILES_DIR,
+    Profile,
+    Provenance,
+    load_profile,
+    profile_path,
+    save_profile,
+)
+from runtime.profile.device import device_detail, measure_device
+from runtime.profile.layers import Grid, grid_points, measure_point, memory_point, sweep
+from runtime.profile.measure import TimingConfig
+
+FAKE_HARDWARE = "fake"
+"""Hardware directory of FakeTensor memory profiles (memory does not depend on the device)."""
+
+
+def _dtype(args: argparse.Namespace) -> torch.dtype:
+    name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    return getattr(torch, name)
+
+
+def provenance(*, hardware: str, device: torch.device, dtype: torch.dtype) -> Provenance:
+    """Where, when and how this process measures."""
+    return Provenance(
+        device_name=hardware,
+        device_detail=device_detail(device) if device.type == "cuda" or hardware != FAKE_HARDWARE else "FakeTensorMode",
+        torch_version=torch.__version__,
+        cuda_version=torch.version.cuda,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=" ".join(shlex.quote(a) for a in ["python", "-m", "runtime.profile", *sys.argv[1:]]),
+        num_threads=torch.get_num_threads(),
+        dtype=str(dtype).removeprefix("torch."),
+    )
+
+
+def open_profile(path: Path, *, hardware: str, model: ModelSpec, prov: Provenance) -> Profile:
+    """The profile at ``path`` to resume (provenance refreshed), or a new empty one."""
+    if not path.exists():
+        return Profile(schema_version=PROFILE_SCHEMA_VERSION, hardware=hardware, model=model.name, provenance=prov)
+    profile = load_profile(path)
+    if profile.hardware != hardware or profile.model != model.name:
+        raise ValueError(
+            f"{path} profiles {profile.model} on {profile.hardware}, not {model.name} on {hardware}: pick another --out"
+        )
+    old = profile.provenance
+    if (old.dtype, old.num_threads, old.device_detail) != (prov.dtype, prov.num_threads, prov.device_detail):
+        raise ValueError(
+            f"{path} was measured with {old.dtype}, {old.num_threads} threads on {old.device_detail}; this run uses "
+            f"{prov.dtype}, {prov.num_threads} threads on {prov.device_detail}: pick another --out or match them"
+        )
+    profile.provenance = prov
+    return profile
+
+
+def _grid(args: argparse.Namespace) -> Grid:
+    return Grid(
+        seq_lens={"vision": args.vision_seq, "llm": args.llm_seq},
+        micro_batches=args.micro_batches,
+        tps=args.tp,
+        sps=args.sp,
+        layers=tuple(x for x in args.layers.split(",") if x),
+    )
+
+
+def _hardware(args: argparse.Namespace, device: torch.device) -> str:
+    if args.memory:
+        return FAKE_HARDWARE
+    if args.hardware:
+        return args.hardware
+    if device.type == "cuda":
+        raise ValueError("--hardware is required on CUDA (the hardware catalog name of this GPU, e.g. h100-80gb)")
+    return "cpu"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch on the mode flags; returns the exit status."""
+    if args.calibrate:
+        from runtime.profile.calibrate import calibrate_main
+
+        return calibrate_main(args.calibrate, args.plan or [], out=args.out)
+    if not args.model:
+        raise ValueError("--model is required (a catalog name such as qwen2.5-vl-tiny, or a config.json)")
+    model = get_model(args.model)
+    if args.compare:
+        from runtime.profile.compare import compare_main
+
+        return compare_main(model, Path(args.out) if args.out else profile_path(FAKE_HARDWARE, model.name))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), _dtype(args)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but torch sees no GPU")
+    hardware = _hardware(args, device)
+    path = Path(args.out) if args.out else profile_path(hardware, model.name, PROFILES_DIR)
+    profile = open_profile(path, hardware=hardware, model=model, prov=provenance(hardware=hardware, device=device, dtype=dtype))
+    points = list(grid_points(model, _grid(args)))
+
+    def save(p: Profile) -> None:
+        save_profile(p, path)
+
+    if args.memory:
+        done, left = sweep(profile, points, lambda pt: memory_point(model, pt, dtype), field="memory", save=save,
+                           time_budget_s=args.time_budget)
+    elif args.collectives:
+        from runtime.profile.collectives import measure_collectives
+
+        profile.collectives = measure_collectives(device=device, group_sizes=args.group_sizes, existing=profile.collectives)
+        done, left = len(profile.collectives), 0
+    else:
+        if not args.no_device_bench and profile.device is None:
+            profile.device = measure_device(dtype=dtype, device=device)
+        cfg = TimingConfig(warmup=args.warmup, repeats=args.repeats, dtype=dtype, device=args.device)
+        done, left = sweep(profile, points, lambda pt: measure_point(model, pt, cfg), field="layers", save=save,
+                           time_budget_s=args.time_budget)
+    save(profile)
+    note = f"; {left} left for lack of time (re-run to resume)" if left else ""
+    print(f"wrote {path}: {done} new point(s){note}")
+    return 0

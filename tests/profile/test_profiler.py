@@ -1,0 +1,98 @@
+"""The measurement side: shards, FLOP formula, fake memory, and a small real profiling run of the tiny model."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from planner.catalog import get_model
+from planner.profiles import load_profile
+from runtime.profile.__main__ import main
+from runtime.profile.flops import flop_counter
+from runtime.profile.measure import analyze_fake
+from runtime.profile.shards import build_shard, hf_config
+
+TINY = get_model("qwen2.5-vl-tiny")
+CONFIG = hf_config(TINY.hf_config)
+
+
+def layer(module: str, name: str):
+    return TINY.module(module).layer(name)
+
+
+def fake(module: str, name: str, *, tp=1, sp=1, seq=128, mb=1):
+    return analyze_fake(lambda: build_shard(CONFIG, layer(module, name), tp=tp, sp=sp), seq, mb, dtype=torch.float32)
+
+
+def test_cpu_sdpa_flops_by_hand():
+    # b=2, h=4, s=64, d=16: QK^T and PV are each 2*b*h*s*s*d = 1,048,576 FLOPs; backward is 2.5x (five matmuls).
+    q, k, v = (torch.randn(2, 4, 64, 16, requires_grad=True) for _ in range(3))
+    with FlopCounterMode(display=False) as stock:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert stock.get_total_flops() == 0  # why the formula has to be registered
+    with flop_counter() as fwd:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    with flop_counter() as bwd:
+        out.sum().backward()
+    assert fwd.get_total_flops() == 2 * 1_048_576
+    assert bwd.get_total_flops() == 5 * 1_048_576
+
+
+@pytest.mark.parametrize("module, name", [(m.name, l.name) for m in TINY.modules for l in m.layers])
+def test_unsharded_shard_has_the_catalog_parameter_count(module, name):
+    shard = build_shard(CONFIG, layer(module, name), tp=1, sp=1)
+    assert sum(p.numel() for p in shard.parameters()) == layer(module, name).params
+
+
+@pytest.mark.parametrize("module, name", [("llm", "decoder_layer"), ("vision", "full_block"), ("vision", "window_block")])
+@pytest.mark.parametrize("tp, sp", [(2, 1), (1, 2)])
+def test_tp_and_ulysses_shards_do_half_the_flops(module, name, tp, sp):
+    # TP=2 halves every matmul and the heads; SP=2 halves the tokens of the matmuls and, in attention, the heads.
+    whole, half = fake(module, name), fake(module, name, tp=tp, sp=sp)
+    assert half.forward_flops * 2 == whole.forward_flops
+    assert half.backward_flops * 2 == whole.backward_flops
+
+
+def test_window_attention_costs_less_than_full():
+    assert fake("vision", "window_block", seq=256).forward_flops < fake("vision", "full_block", seq=256).forward_flops
+
+
+def test_fake_saved_bytes_of_lm_head_by_hand():
+    # lm_head + loss keeps: its input (mb*s*hidden fp32), log_softmax output (mb*s*vocab fp32), int64 labels and
+    # nll_loss's fp32 total_weight scalar. The weight is a parameter, not counted.
+    mb, s, hidden, vocab = 2, 256, 128, 1024
+    got = fake("llm", "lm_head", seq=s, mb=mb)
+    assert got.saved_activation_bytes == mb * s * hidden * 4 + mb * s * vocab * 4 + mb * s * 8 + 4
+    assert got.param_bytes == hidden * vocab * 4
+    half = fake("llm", "lm_head", seq=s, mb=mb, tp=2)
+    assert half.saved_activation_bytes == mb * s * hidden * 4 + mb * s * vocab // 2 * 4 + mb * s * 8 + 4
+
+
+def test_fake_memory_scales_with_micro_batch():
+    one, two = fake("llm", "decoder_layer", mb=1), fake("llm", "decoder_layer", mb=2)
+    assert two.saved_activation_bytes == 2 * one.saved_activation_bytes
+    assert one.peak_bytes >= one.saved_activation_bytes > 0
+
+
+@pytest.mark.slow
+def test_tiny_profile_run_and_resume(tmp_path, capsys):
+    out = tmp_path / "tiny.json"
+    args = ["--model", "qwen2.5-vl-tiny", "--out", str(out), "--vision-seq", "256", "--llm-seq", "128",
+            "--micro-batches", "1", "--tp", "1", "--sp", "1,2", "--repeats", "2", "--warmup", "0", "--no-device-bench"]
+    assert main(args) == 0
+    profile = load_profile(out)
+    names = {(p.module, p.layer) for p in profile.layers}
+    assert {("vision", "window_block"), ("vision", "full_block"), ("vision", "patch_merger"), ("llm", "decoder_layer"),
+            ("llm", "embedding"), ("llm", "lm_head")} <= names
+    assert {p.sp for p in profile.layers} == {1, 2}
+    for p in profile.layers:
+        assert p.forward.min_s <= p.forward.median_s <= p.forward.max_s and p.forward.repeats == 2
+    assert profile.provenance.torch_version == torch.__version__ and profile.provenance.command.startswith("python -m")
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "0 new point(s)" in capsys.readouterr().out
+
+
+def test_cli_errors_are_one_line(capsys):
+    assert main(["--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1

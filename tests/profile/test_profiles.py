@@ -1,0 +1,160 @@
+"""Profile schema, reader, interpolation and refit: pure Python, hand-calculated expectations."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from planner.hardware import DeviceSpec
+from planner.profiles import (
+    PROFILE_SCHEMA_VERSION,
+    CollectivePoint,
+    DeviceMeasurements,
+    LayerPoint,
+    MatmulPoint,
+    Profile,
+    ProfileIndex,
+    Provenance,
+    Spread,
+    calibrate,
+    device_from_profile,
+    find_profile,
+    fit_alpha_beta,
+    fit_scale_overhead,
+    interp_collective,
+    interp_grid,
+    interp_loglog,
+    load_profile,
+    refit_calibration,
+    save_profile,
+    uncalibrate,
+)
+
+PROV = Provenance(device_name="cpu", device_detail="test", torch_version="x", cuda_version=None, date="2026-01-01",
+                  command="test", num_threads=2, dtype="float32")
+
+
+def spread(t: float) -> Spread:
+    return Spread(median_s=t, min_s=t, max_s=t, repeats=1)
+
+
+def layer_point(seq: int, mb: int, fwd: float, tp: int = 1) -> LayerPoint:
+    return LayerPoint(module="llm", layer="decoder_layer", tp=tp, sp=1, seq_len=seq, micro_batch=mb,
+                      forward=spread(fwd), backward=spread(2 * fwd), recompute=spread(fwd), forward_flops=1e9 * fwd,
+                      backward_flops=2e9 * fwd, saved_activation_bytes=int(1000 * fwd), peak_bytes=int(3000 * fwd))
+
+
+def profile(**fields) -> Profile:
+    return Profile(schema_version=PROFILE_SCHEMA_VERSION, hardware="cpu", model="m", provenance=PROV, **fields)
+
+
+def test_import_without_torch():
+    code = "import sys\nfor n in ('torch','ray','transformers'):\n    sys.modules[n] = None\nimport planner.profiles\n"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_loglog_exact_on_power_laws():
+    # y = 3 x^2 sampled at 100, 200, 400: interpolation at 300 is 3 * 9e4 = 2.7e5; extrapolation at 800 is 1.92e6.
+    xs, ys = [100, 200, 400], [3e4, 1.2e5, 4.8e5]
+    assert interp_loglog(xs, ys, 300) == pytest.approx(2.7e5)
+    assert interp_loglog(xs, ys, 800) == pytest.approx(1.92e6)
+    assert interp_loglog(xs, ys, 50) == pytest.approx(7.5e3)
+    # One point scales linearly.
+    assert interp_loglog([10], [4.0], 25) == pytest.approx(10.0)
+
+
+def test_grid_interpolates_seq_then_micro_batch():
+    # f(s, b) = s * b measured at s in {100, 200}, b in {1, 2}; at (150, 1.5) the answer is 225.
+    pts = {(100, 1): 100.0, (200, 1): 200.0, (100, 2): 200.0, (200, 2): 400.0}
+    assert interp_grid(pts, 150, 1.5) == pytest.approx(225.0)
+    assert interp_grid(pts, 400, 4) == pytest.approx(1600.0)
+
+
+def test_index_layer_cost_marks_exact_points():
+    idx = ProfileIndex(profile(layers=[layer_point(128, 1, 1.0), layer_point(256, 1, 2.0)]))
+    exact = idx.layer_cost("llm", "decoder_layer", tp=1, sp=1, seq_len=128, micro_batch=1)
+    assert exact.exact and exact.forward_s == 1.0 and exact.backward_s == 2.0
+    mid = idx.layer_cost("llm", "decoder_layer", tp=1, sp=1, seq_len=192, micro_batch=1)
+    assert not mid.exact and mid.forward_s == pytest.approx(1.5)  # slope 1 between (128,1) and (256,2)
+    assert idx.layer_cost("llm", "decoder_layer", tp=2, sp=1, seq_len=128, micro_batch=1) is None
+
+
+def test_collective_interpolation_and_floor():
+    sizes, times = [1000, 3000], [1.0, 2.0]
+    assert interp_collective(sizes, times, 2000) == pytest.approx(1.5)
+    assert interp_collective(sizes, times, 10) == pytest.approx(1.0)  # latency floor
+    assert interp_collective(sizes, times, 5000) == pytest.approx(3.0)  # last segment's slope
+
+
+def test_alpha_beta_fit():
+    # t = 1e-5 + bytes / 1e9 exactly.
+    sizes = [1e3, 1e6, 1e7]
+    alpha, beta = fit_alpha_beta(sizes, [1e-5 + s / 1e9 for s in sizes])
+    assert alpha == pytest.approx(1e-5) and beta == pytest.approx(1e9)
+
+
+def test_scale_overhead_fit_by_hand():
+    # measured = 2 * predicted + 0.5 exactly.
+    assert fit_scale_overhead([1.0, 2.0, 3.0], [2.5, 4.5, 6.5]) == pytest.approx((2.0, 0.5))
+    # One distinct prediction: scale only, sum(m p) / sum(p^2) = (1*1.1 + 1*0.9 + 1*1.3) / 3 = 1.1.
+    assert fit_scale_overhead([1.0, 1.0, 1.0], [1.1, 0.9, 1.3]) == pytest.approx((1.1, 0.0))
+
+
+def test_refit_reduces_error_and_round_trips():
+    cal = refit_calibration([1.0, 2.0], [1.5, 2.5], sources=["m.jsonl"])
+    assert (cal.scale, cal.overhead_s) == pytest.approx((1.0, 0.5))
+    assert cal.rms_error_before == pytest.approx(math.sqrt(((0.5 / 1.5) ** 2 + (0.5 / 2.5) ** 2) / 2))
+    assert cal.rms_error_after == pytest.approx(0.0, abs=1e-12)
+    assert calibrate(3.0, cal) == pytest.approx(3.5) and uncalibrate(3.5, cal) == pytest.approx(3.0)
+
+
+def test_device_from_profile_replaces_measured_fields():
+    base = DeviceSpec(name="cpu", peak_bf16_flops=1.0, memory_bytes=8, memory_bandwidth=1.0, intra_node_bandwidth=1.0,
+                      intra_node_latency=1.0, inter_node_bandwidth=1.0, inter_node_latency=1.0, devices_per_node=2,
+                      source="placeholder")
+    sizes = [1e3, 1e6]
+    p2p = [CollectivePoint(op="send_recv", group_size=2, message_bytes=int(s), time=spread(2e-6 + s / 4e9),
+                           backend="gloo") for s in sizes]
+    dev = DeviceMeasurements(matmul=[MatmulPoint(n=256, flops_per_s=5e10), MatmulPoint(n=512, flops_per_s=7e10)],
+                             memory_bandwidth=2e10)
+    spec = device_from_profile(base, profile(device=dev, collectives=p2p))
+    assert spec.peak_bf16_flops == 7e10 and spec.memory_bandwidth == 2e10
+    assert spec.intra_node_bandwidth == pytest.approx(4e9) and spec.intra_node_latency == pytest.approx(2e-6)
+    assert spec.inter_node_bandwidth == 1.0 and spec.source.startswith("measured")
+
+
+def test_save_load_round_trip_and_lookup(tmp_path):
+    p = profile(layers=[layer_point(256, 1, 2.0), layer_point(128, 1, 1.0)])
+    path = tmp_path / "cpu" / "m.json"
+    save_profile(p, path)
+    assert load_profile(path) == profile(layers=[layer_point(128, 1, 1.0), layer_point(256, 1, 2.0)])
+    assert find_profile("cpu", "m", root=tmp_path) == path
+    assert find_profile("h100-80gb", "m", root=tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "cannot read profile"),
+        ("{", "is not JSON"),
+        ("[]", "has no schema_version"),
+        ('{"schema_version": 99}', "schema version 99"),
+        ('{"schema_version": 1, "hardware": "cpu"}', "is invalid at model"),
+    ],
+)
+def test_load_errors_are_one_line(tmp_path, content, message):
+    path = tmp_path / "p.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=message) as err:
+        load_profile(path)
+    assert "\n" not in str(err.value)
+
+
+def test_to_json_is_canonical():
+    a = profile(layers=[layer_point(256, 1, 2.0), layer_point(128, 1, 1.0)])
+    b = profile(layers=[layer_point(128, 1, 1.0), layer_point(256, 1, 2.0)])
+    assert a.to_json() == b.to_json()
+    assert json.loads(a.to_json())["layers"][0]["seq_len"] == 128
