@@ -81,9 +81,9 @@ class ModuleCost:
     optimizer_bytes: int
     """Resident optimizer state per GPU."""
     buffers_bytes: int
-    """Temporary/communication buffers per GPU."""
+    """Temporary/communication buffers per GPU (ZeRO-3 gathers, buckets, loss logits, full-recompute working layer)."""
     activations_per_micro_batch_bytes: int
-    """Activations one micro-batch keeps for backward (incl. the full-recompute working layer)."""
+    """Activations one micro-batch keeps for backward."""
     in_flight_micro_batches: int
     """Micro-batches whose activations are alive at once (colocated 1; 1F1B stage k of S: min(S-k, grad_accum))."""
     flops_per_step: float

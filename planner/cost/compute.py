@@ -1,0 +1,106 @@
+"""Compute time of one op on one GPU: roofline with a small-GEMM efficiency curve.
+
+Each op's time is ``max(FLOPs / (peak * efficiency), bytes / (HBM bandwidth * efficiency))`` -- the roofline
+of Williams, Waterman & Patterson (2009), "Roofline: an insightful visual performance model", eq. 1.
+"""
+
+from __future__ import annotations
+
+from planner.cost.assumptions import CostAssumptions
+from planner.hardware import DeviceSpec
+
+
+def gemm_flops(m: float, n: float, k: float) -> float:
+    """FLOPs of an (m x k) @ (k x n) GEMM: ``2mnk`` (one multiply + one add per term).
+
+    Source: Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+    Megatron-LM", Sec. 5.1 / eq. 3 (which counts every linear layer this way).
+    """
+    return 2.0 * m * n * k
+
+
+def gemm_bytes(m: float, n: float, k: float, element_bytes: float) -> float:
+    """HBM bytes a GEMM moves at least once: read A (m x k) and B (k x n), write C (m x n)."""
+    return element_bytes * (m * k + k * n + m * n)
+
+
+def matmul_efficiency(m: float, n: float, k: float, assumptions: CostAssumptions) -> float:
+    """Achieved fraction of peak of a GEMM: ``max_eff * d / (d + d_half)``, d = smallest GEMM dimension.
+
+    A saturating (Michaelis-Menten-shaped) curve: a GEMM narrower than a tensor-core tile leaves most of it
+    idle, so a 1280-wide vision GEMM split 8 ways (160 wide) runs markedly below a 1280-wide one. Source: the
+    tile-quantisation and wave-quantisation effects in NVIDIA's "Matrix Multiplication Background User's
+    Guide" (2023), Sec. "Dimension Quantization Effects"; the curve shape and ``d_half`` are assumptions.
+    """
+    d = min(m, n, k)
+    if d <= 0:
+        return 0.0
+    return assumptions.max_matmul_efficiency * d / (d + assumptions.matmul_half_saturation_dim)
+
+
+def roofline_time(flops: float, num_bytes: float, flops_per_s: float, bytes_per_s: float) -> float:
+    """``max(flops / flops_per_s, bytes / bytes_per_s)`` (Williams et al. 2009, eq. 1)."""
+    return max(flops / flops_per_s if flops else 0.0, num_bytes / bytes_per_s if num_bytes else 0.0)
+
+
+def gemm_time(m: float, n: float, k: float, device: DeviceSpec, assumptions: CostAssumptions) -> float:
+    """Seconds of one bf16 GEMM on ``device``: roofline of 2mnk FLOPs at the shape's efficiency vs its bytes."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    return roofline_time(
+        gemm_flops(m, n, k),
+        gemm_bytes(m, n, k, assumptions.activation_bytes),
+        device.peak_bf16_flops * matmul_efficiency(m, n, k, assumptions),
+        device.memory_bandwidth * assumptions.memory_bandwidth_efficiency,
+    )
+
+
+def attention_flops(segment_tokens: float, num_segments: float, attention_width: float, causal_fraction: float) -> float:
+    """Forward FLOPs of the attention core over ``num_segments`` independent segments of equal length.
+
+    ``4 * s^2 * width`` per segment: QK^T and P@V are each ``2 * s * s * width`` (Narayanan et al. 2021,
+    eq. 3, the ``2 * 2 * s^2 * h`` attention term per layer in forward), times ``causal_fraction`` when a causal
+    kernel skips masked blocks. Window attention is the same with s = window length, per window; a
+    block-diagonal (per-image) mask is one segment per image.
+    """
+    return 4.0 * segment_tokens * segment_tokens * attention_width * num_segments * causal_fraction
+
+
+def attention_efficiency(key_tokens: float, assumptions: CostAssumptions) -> float:
+    """Achieved fraction of peak of the attention kernel: ``eff_impl * L / (L + L_half)``, L = keys per segment.
+
+    Same saturating shape as ``matmul_efficiency``: a 64-patch window fills one partial tile. Source: Dao 2023,
+    FlashAttention-2, Sec. 4.1 (throughput rises with sequence length); the constants are assumptions.
+    """
+    if key_tokens <= 0:
+        return 0.0
+    eff = assumptions.attention_efficiency()
+    return eff * key_tokens / (key_tokens + assumptions.attention_half_saturation_tokens)
+
+
+def attention_core_time(
+    flops: float, key_tokens: float, score_elements: float, device: DeviceSpec, assumptions: CostAssumptions
+) -> float:
+    """Seconds of the attention core (QK^T, softmax, P@V) forward on one GPU.
+
+    Flash / memory-efficient kernels are compute-bound at ``attention_efficiency``; eager attention adds the
+    memory-bound traffic of its ``score_elements`` materialised scores (Dao et al. 2022, FlashAttention,
+    Sec. 3.2: standard attention needs Theta(N^2) HBM accesses), run as separate kernels after the GEMMs.
+    """
+    if flops <= 0:
+        return 0.0
+    compute = flops / (device.peak_bf16_flops * attention_efficiency(key_tokens, assumptions))
+    if assumptions.attention_implementation != "eager":
+        return compute
+    traffic = score_elements * assumptions.eager_score_traffic_bytes_per_element
+    return compute + traffic / (device.memory_bandwidth * assumptions.memory_bandwidth_efficiency)
+
+
+def elementwise_time(elements_moved: float, device: DeviceSpec, assumptions: CostAssumptions) -> float:
+    """Seconds of memory-bound elementwise ops that read + write ``elements_moved`` bf16 elements in total.
+
+    Roofline with zero arithmetic intensity (Williams et al. 2009): bytes / achieved HBM bandwidth, times the
+    ``elementwise_traffic_factor`` of unfused eager kernels.
+    """
+    num_bytes = elements_moved * assumptions.activation_bytes * assumptions.elementwise_traffic_factor
+    return num_bytes / (device.memory_bandwidth * assumptions.memory_bandwidth_efficiency)

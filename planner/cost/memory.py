@@ -1,0 +1,145 @@
+"""Per-GPU memory formulas: model states by precision recipe and ZeRO stage, activations per layer, buffers.
+
+All sizes are bytes. "Per token" means per token entering the layer on one rank.
+"""
+
+from __future__ import annotations
+
+from planner.cost.assumptions import BytesPerParam, CostAssumptions
+from planner.models import LayerSpec
+
+TP_SPLIT_KINDS = frozenset({"vision_block", "audio_block", "decoder_layer", "patch_merger", "embedding", "lm_head"})
+"""Layer kinds whose weights TP splits (Megatron column/row linears, vocab-parallel embedding and lm_head);
+the patchifier, audio convolutions, audio projector and final norm are replicated on every TP rank."""
+
+
+def kv_heads_per_rank(num_kv_heads: int, degree: int) -> float:
+    """KV heads one rank holds when heads are split ``degree`` ways: ``max(kv / degree, 1)``.
+
+    When the degree exceeds the KV heads each KV head is replicated ``degree / kv`` times (Megatron-LM GQA with
+    tensor_model_parallel_size > num_query_groups; Shoeybi et al. 2019 Sec. 3 splits heads across ranks).
+    """
+    return max(num_kv_heads / degree, 1.0)
+
+
+def kv_params(layer: LayerSpec) -> float:
+    """Parameters of the K and V projections (weights + biases) of a block layer: ``2 * (h + 1) * kv * d``."""
+    a = layer.attention
+    if a is None:
+        return 0.0
+    return 2.0 * (layer.hidden_size + 1) * a.num_kv_heads * a.head_dim
+
+
+def layer_params_per_rank(layer: LayerSpec, tp: int) -> float:
+    """Parameters of ONE instance of ``layer`` held by one TP rank.
+
+    TP-split kinds hold ``params / tp``, except that K/V projections are replicated when tp exceeds the KV
+    heads (``kv_heads_per_rank``); other kinds are replicated. Norm weights and row-parallel biases (a few
+    thousand parameters per layer) are counted as split, a < 0.1% approximation.
+    """
+    if layer.kind not in TP_SPLIT_KINDS or tp == 1:
+        return float(layer.params)
+    kv = kv_params(layer)
+    if kv == 0.0:
+        return layer.params / tp
+    kv_share = kv_heads_per_rank(layer.attention.num_kv_heads, tp) / layer.attention.num_kv_heads
+    return (layer.params - kv) / tp + kv * kv_share
+
+
+def model_state_bytes(
+    params: float, recipe: BytesPerParam, *, zero: int, shards: int, frozen: bool
+) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per GPU for ``params`` parameters on each rank before ZeRO.
+
+    Source: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+    Sec. 5.1 and Fig. 1: baseline ``(2 + 2 + K) * Psi``; P_os ``2Psi + 2Psi + K*Psi/N``; P_os+g
+    ``2Psi + (2 + K)*Psi/N``; P_os+g+p ``(2 + 2 + K)*Psi/N`` with N = ``shards``. A frozen module keeps its
+    weights only (no gradients, no optimizer state); ZeRO-3 still shards them.
+    """
+    weights = params * recipe.weights / (shards if zero >= 3 else 1)
+    if frozen:
+        return weights, 0.0, 0.0
+    gradients = params * recipe.gradients / (shards if zero >= 2 else 1)
+    optimizer = params * recipe.optimizer / (shards if zero >= 1 else 1)
+    return weights, gradients, optimizer
+
+
+def block_saved_bytes_per_token(
+    *,
+    hidden: float,
+    q_width: float,
+    kv_width: float,
+    mlp_width: float,
+    gated: bool,
+    heads: float,
+    tp: int,
+    recompute: str,
+    assumptions: CostAssumptions,
+) -> float:
+    """Bytes a transformer block keeps for backward per token, excluding any s x s score matrix.
+
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 4.1-4.2,
+    eq. 1-2, without dropout (Qwen trains with dropout 0), generalised:
+
+    * replicated on every TP rank (divided by tp only with Megatron sequence parallelism): the two norm inputs,
+      the QKV input and the MLP input, ``4h`` elements;
+    * attention (TP-split, per rank widths): q, k, v after rotary and the core output (= out-proj input),
+      ``2 q_width + 2 kv_width`` (GQA shrinks K/V); flash / memory-efficient kernels add an fp32 logsumexp per
+      head (``heads`` per rank), unless selective recomputation re-runs the core;
+    * MLP: SwiGLU keeps gate, up, act(gate) and the product (down-proj input), ``4 f`` per rank; a plain MLP
+      keeps the activation input and output, ``2 f`` (Korthikanti's ``16sbh/t`` for f = 4h).
+
+    Full recomputation keeps only the block input, ``h`` (or ``h/tp`` with sequence parallelism).
+    For a GPT layer (q = kv = h, f = 4h, eager) this gives Korthikanti eq. 2 without dropout:
+    ``sbh(8 + 24/t)`` plus the score term.
+    """
+    replicated = hidden / tp if assumptions.megatron_sequence_parallel else hidden
+    e = assumptions.activation_bytes
+    if recompute == "full":
+        return replicated * e
+    attention = 2 * q_width + 2 * kv_width
+    mlp = (4 if gated else 2) * mlp_width
+    saved = (4 * replicated + attention + mlp) * e
+    if recompute == "none" and assumptions.attention_implementation != "eager":
+        saved += heads * assumptions.softmax_stat_bytes
+    return saved
+
+
+def score_matrix_bytes(score_elements: float, recompute: str, assumptions: CostAssumptions) -> float:
+    """Bytes of attention scores kept for backward: only eager attention without recomputation stores them.
+
+    Korthikanti et al. 2022, eq. 1: the ``5as^2b`` term (softmax output + dropout mask + dropout output);
+    without dropout, eager keeps the softmax output (and, in HF, its fp32 original) per score element.
+    Flash-style kernels keep no s^2 matrix (Dao et al. 2022, Sec. 3.1); selective recomputation drops it
+    (Korthikanti Sec. 4.2.2).
+    """
+    if assumptions.attention_implementation != "eager" or recompute != "none":
+        return 0.0
+    return score_elements * assumptions.eager_score_bytes_per_element
+
+
+def loss_logits_bytes(tokens: float, vocab_per_rank: float, assumptions: CostAssumptions) -> tuple[float, float]:
+    """(saved, transient) bytes of the cross-entropy over ``tokens x vocab_per_rank`` logits.
+
+    Saved: the fp32 log-softmax the loss backward reads; transient: bf16 logits + fp32 upcast alive while
+    the loss is formed. With TP the logits stay vocab-parallel (``loss_parallel``; Shoeybi et al. 2019,
+    Sec. 3, fused parallel cross-entropy), so ``vocab_per_rank = vocab / tp``.
+    """
+    logits = tokens * vocab_per_rank
+    return logits * assumptions.loss_logits_saved_bytes, logits * assumptions.loss_logits_transient_bytes
+
+
+def zero3_gather_bytes(largest_layer_params: float, recipe: BytesPerParam, *, prefetch: int, frozen: bool) -> float:
+    """ZeRO-3 temporary buffers: the current + prefetched layers' full parameters, and one layer's gradients.
+
+    Rajbhandari et al. 2020, Sec. 5.3 / 7.2.2: parameters are all-gathered layer by layer ahead of use and
+    released after; each layer's gradients exist unsharded until reduce-scattered. FSDP2 prefetches
+    ``prefetch`` layers.
+    """
+    gathered = (1 + prefetch) * largest_layer_params * recipe.weights
+    return gathered if frozen else gathered + largest_layer_params * recipe.gradients
+
+
+def bucket_bytes(gradient_bytes: float, assumptions: CostAssumptions) -> float:
+    """Gradient-reduction buckets in flight (Li et al. 2020, PyTorch DDP, Sec. 3.2.3), capped at all gradients."""
+    return min(gradient_bytes, assumptions.communication_buckets_in_flight * assumptions.communication_bucket_bytes)
