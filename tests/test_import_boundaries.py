@@ -13,7 +13,17 @@ def _import_with_blocked(modules: list[str], blocked: list[str]) -> subprocess.C
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
 
 
-PLANNER_MODULES = ["planner", "planner.schema", "planner.models", "planner.workload", "planner.strategy", "planner.hardware"]
+PLANNER_MODULES = [
+    "planner",
+    "planner.schema",
+    "planner.models",
+    "planner.workload",
+    "planner.strategy",
+    "planner.hardware",
+    "planner.catalog",
+    "planner.cost",
+    "planner.profiles",
+]
 
 
 @pytest.mark.parametrize("module", PLANNER_MODULES)
