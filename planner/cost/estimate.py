@@ -145,7 +145,7 @@ def _binding_constraint(
         name = max(costs, key=lambda m: costs[m].per_micro_batch_s)
         lead = f"pipeline: {name} stage is the slowest ({costs[name].per_micro_batch_s * 1e3:.1f} ms per micro-batch)"
     else:
-        name = max(costs, key=lambda m: sum(costs[m].time_parts().values()))
+        name = max(costs, key=lambda m: costs[m].strategy.grad_accum * costs[m].per_micro_batch_s + costs[m].dp_comm_s)
         lead = f"time: {name} takes the most of the step"
     parts = costs[name].time_parts()
     part = max(parts, key=parts.get)

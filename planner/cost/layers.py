@@ -206,7 +206,9 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     elem_s = elementwise_time(m * (10 * replicated + 2 * (q_width + kv_width) + activation_elems), s.device, asm)
 
     mem_kv = max(a.num_kv_heads, s.tp * s.sp) / s.tp * d
-    per_token = dict(hidden=h, q_width=q_width, kv_width=mem_kv, mlp_width=f, gated=mlp.gated, heads=heads, tp=s.tp)
+    per_token = dict(
+        hidden=h, q_width=q_width, kv_width=mem_kv, mlp_width=f, gated=mlp.gated, heads=a.num_heads / s.tp, tp=s.tp
+    )
     saved = m * block_saved_bytes_per_token(**per_token, recompute=s.recompute, assumptions=asm)
     saved += score_matrix_bytes(scores, s.recompute, asm)
     working = m * block_saved_bytes_per_token(**per_token, recompute="none", assumptions=asm)

@@ -1,0 +1,94 @@
+"""Roofline, small-GEMM efficiency and attention FLOPs against hand calculations."""
+
+from dataclasses import replace
+
+import pytest
+
+from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
+from planner.cost.compute import (
+    attention_core_time,
+    attention_efficiency,
+    attention_flops,
+    elementwise_time,
+    gemm_bytes,
+    gemm_flops,
+    gemm_time,
+    matmul_efficiency,
+    roofline_time,
+)
+from cost_toys import TOY_DEVICE
+
+A = DEFAULT_ASSUMPTIONS
+
+
+def test_gemm_flops_and_bytes():
+    assert gemm_flops(2, 3, 4) == 48  # 2 * 2 * 3 * 4
+    assert gemm_bytes(2, 3, 4, 2) == 2 * (8 + 12 + 6)
+
+
+def test_matmul_efficiency_curve():
+    # at d = d_half the GEMM reaches half of max efficiency
+    assert matmul_efficiency(4096, 128, 4096, A) == pytest.approx(A.max_matmul_efficiency / 2)
+    # 1280-wide: 0.7 * 1280 / 1408; split 8 ways (160): 0.7 * 160 / 288
+    wide = matmul_efficiency(9216, 1280, 1280, A)
+    split = matmul_efficiency(9216, 160, 1280, A)
+    assert wide == pytest.approx(0.7 * 1280 / 1408)
+    assert split == pytest.approx(0.7 * 160 / 288)
+    assert split < 0.65 * wide  # markedly slower per FLOP
+    assert matmul_efficiency(0, 10, 10, A) == 0.0
+
+
+def test_roofline_takes_the_larger():
+    assert roofline_time(1e12, 1e9, 1e15, 1e12) == pytest.approx(1e-3)  # compute 1 ms vs memory 1 ms
+    assert roofline_time(1e12, 4e9, 1e15, 1e12) == pytest.approx(4e-3)  # memory-bound
+
+
+def test_gemm_time_compute_bound():
+    # 8192^3: 2*8192^3 = 1.0995e12 FLOPs at 1e15 * 0.7 * 8192/8320
+    m = 8192
+    expected = 2 * m**3 / (1e15 * 0.7 * m / (m + 128))
+    assert gemm_time(m, m, m, TOY_DEVICE, A) == pytest.approx(expected)
+
+
+def test_gemm_time_memory_bound_for_skinny_gemm():
+    # m=1 vector-matrix: bytes 2*(4096 + 4096*4096 + 4096) dominate at 2e12 * 0.8
+    expected = 2 * (4096 + 4096 * 4096 + 4096) / (2e12 * 0.8)
+    assert gemm_time(1, 4096, 4096, TOY_DEVICE, A) == pytest.approx(expected)
+
+
+def test_gemm_time_of_split_vision_gemm_is_slower_per_flop():
+    whole = gemm_time(9216, 1280, 1280, TOY_DEVICE, A) / gemm_flops(9216, 1280, 1280)
+    split = gemm_time(9216, 160, 1280, TOY_DEVICE, A) / gemm_flops(9216, 160, 1280)
+    assert split > 1.5 * whole
+
+
+def test_attention_flops():
+    # 4 s^2 width: s=1024, width=2048 (16 heads x 128) -> 4 * 2^20 * 2^11 = 2^33
+    assert attention_flops(1024, 1, 2048, 1.0) == 2**33
+    # causal kernel skipping masked blocks: half
+    assert attention_flops(1024, 1, 2048, 0.5) == 2**32
+    # 144 windows of 64 tokens vs one 9216 segment: 144 * 64^2 vs 9216^2 -> 144x fewer FLOPs
+    assert attention_flops(9216, 1, 1280, 1) / attention_flops(64, 144, 1280, 1) == pytest.approx(144)
+
+
+def test_attention_efficiency_saturates():
+    assert attention_efficiency(128, A) == pytest.approx(A.flash_attention_efficiency / 2)
+    assert attention_efficiency(64, A) < attention_efficiency(9216, A)
+    eager = replace(A, attention_implementation="eager")
+    assert attention_efficiency(128, eager) == pytest.approx(A.eager_attention_efficiency / 2)
+
+
+def test_attention_core_time_flash_vs_eager():
+    flops, keys, scores = 1e12, 4096, 1e9
+    flash = attention_core_time(flops, keys, scores, TOY_DEVICE, A)
+    assert flash == pytest.approx(1e12 / (1e15 * 0.55 * 4096 / (4096 + 128)))
+    eager_a = replace(A, attention_implementation="eager")
+    eager = attention_core_time(flops, keys, scores, TOY_DEVICE, eager_a)
+    compute = 1e12 / (1e15 * 0.6 * 4096 / 4224)
+    traffic = 1e9 * 16 / (2e12 * 0.8)
+    assert eager == pytest.approx(compute + traffic)
+
+
+def test_elementwise_time():
+    # 1e9 elements * 2 B * factor 3 / (2e12 * 0.8)
+    assert elementwise_time(1e9, TOY_DEVICE, A) == pytest.approx(6e9 / 1.6e12)

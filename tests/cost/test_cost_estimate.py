@@ -1,0 +1,222 @@
+"""module_cost / combine / estimate: the linear combination rules, memory accounting and the profile seam."""
+
+from dataclasses import replace
+
+import pytest
+
+from planner.cost import DEFAULT_ASSUMPTIONS, LayerMeasurement, ModuleCost, combine, estimate, module_cost
+from planner.strategy import ModuleStrategy, Strategy
+from cost_toys import GiB, TOY_DEVICE, colocated, toy_cluster, toy_model, toy_workload
+
+A = DEFAULT_ASSUMPTIONS
+MODEL = toy_model()
+CLUSTER = toy_cluster(8)
+WORKLOAD = toy_workload(global_batch=8)
+
+
+def fake_cost(module, *, per_mb, dp_comm, states, act, buffers, in_flight=1, gpus=4, ga=2, flops=1e12):
+    strategy = ModuleStrategy(dp=gpus, micro_batch=8 // (gpus * ga), grad_accum=ga)
+    return ModuleCost(
+        module=module, strategy=strategy, forward_s=0, backward_s=0, recompute_s=0, tp_comm_s=0, sp_comm_s=0,
+        cp_comm_s=0, dp_comm_s=dp_comm, handoff_s=0, per_micro_batch_s=per_mb, weights_bytes=states,
+        gradients_bytes=states, optimizer_bytes=2 * states, buffers_bytes=buffers,
+        activations_per_micro_batch_bytes=act, in_flight_micro_batches=in_flight, flops_per_step=flops, sources={},
+    )
+
+
+def test_combine_colocated_is_a_sum():
+    costs = {
+        "vision": fake_cost("vision", per_mb=1.0, dp_comm=0.5, states=1 * GiB, act=2 * GiB, buffers=GiB),
+        "llm": fake_cost("llm", per_mb=3.0, dp_comm=0.25, states=2 * GiB, act=5 * GiB, buffers=GiB),
+    }
+    e = combine(MODEL, CLUSTER, WORKLOAD, "colocated", costs, A)
+    # step = sum (ga * per_mb + dp) = 2*1 + 0.5 + 2*3 + 0.25
+    assert e.step_time_s == pytest.approx(8.75)
+    # memory = sum (w + g + o + buffers) + sum act * in_flight + overhead = (4+1) + (8+1) + 2 + 5 + 3 GiB
+    assert e.peak_memory_bytes == 24 * GiB
+    assert e.peak_breakdown.activations == 7 * GiB
+    assert e.peak_breakdown.overhead == A.framework_overhead_bytes
+    assert e.peak_group == "all"
+    # 8 samples x 64 LLM tokens / 8.75 s; MFU = 2e12 / (8.75 * 4 GPUs * 1e15)
+    assert e.tokens_per_s == pytest.approx(8 * 64 / 8.75)
+    assert e.samples_per_s == pytest.approx(8 / 8.75)
+    assert e.mfu == pytest.approx(2e12 / (8.75 * 4 * 1e15))
+    assert e.fits
+    assert e.binding_constraint.startswith("time: llm")
+
+
+def test_combine_disjoint_is_a_pipeline():
+    costs = {
+        "vision": fake_cost("vision", per_mb=1.0, dp_comm=0.5, states=GiB, act=2 * GiB, buffers=0, in_flight=2),
+        "llm": fake_cost("llm", per_mb=3.0, dp_comm=0.25, states=2 * GiB, act=5 * GiB, buffers=0),
+    }
+    e = combine(MODEL, CLUSTER, WORKLOAD, "disjoint", costs, A)
+    # step = sum per_mb + (ga - 1) * max per_mb + max dp = 4 + 1 * 3 + 0.5
+    assert e.step_time_s == pytest.approx(7.5)
+    # vision group: 4 + 2*2 + 3 = 11 GiB; llm group: 8 + 5 + 3 = 16 GiB
+    assert e.memory_per_group["vision"].total == 11 * GiB
+    assert e.memory_per_group["llm"].total == 16 * GiB
+    assert e.peak_group == "llm"
+    assert e.num_gpus == 8
+    assert e.binding_constraint.startswith("pipeline: llm stage is the slowest")
+
+
+def test_combine_reports_memory_binding():
+    costs = {"llm": fake_cost("llm", per_mb=1.0, dp_comm=0, states=20 * GiB, act=5 * GiB, buffers=0)}
+    e = combine(MODEL, CLUSTER, WORKLOAD, "colocated", costs, A)
+    assert not e.fits
+    assert e.binding_constraint.startswith("memory: all GPUs need 88.0 GiB")
+
+
+def _estimate(vision, llm, **kw):
+    return estimate(MODEL, CLUSTER, WORKLOAD, colocated(vision, llm, **kw))
+
+
+def test_estimate_breakdown_sums_and_reproduces_combine():
+    e = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8))
+    b = e.peak_breakdown
+    assert b.total == b.weights + b.gradients + b.optimizer + b.activations + b.buffers + b.overhead
+    assert e.peak_memory_bytes == b.total
+    assert sum(c.weights_bytes for c in e.modules.values()) == b.weights
+    assert e.step_time_s == pytest.approx(sum(c.per_micro_batch_s + c.dp_comm_s for c in e.modules.values()))
+
+
+def test_states_by_precision_and_zero():
+    vision_params = MODEL.module("vision").num_params
+    e = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8))
+    v = e.modules["vision"]
+    assert (v.weights_bytes, v.gradients_bytes, v.optimizer_bytes) == (2 * vision_params, 2 * vision_params, 12 * vision_params)
+    pure = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8), precision="bf16_pure").modules["vision"]
+    assert pure.optimizer_bytes == 4 * vision_params
+    z3 = _estimate(ModuleStrategy(dp=8, zero=3), ModuleStrategy(dp=8)).modules["vision"]
+    assert z3.weights_bytes == pytest.approx(2 * vision_params / 8, abs=1)
+    assert z3.optimizer_bytes == pytest.approx(12 * vision_params / 8, abs=1)
+
+
+def test_tp_halves_llm_weights():
+    one = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=4, tp=2, micro_batch=2))
+    llm_params = MODEL.module("llm").num_params
+    # decoder KV heads (2) split 2 ways, embedding / lm_head vocab-parallel; final norm replicated
+    norm = MODEL.module("llm").layer("final_norm").params
+    assert one.modules["llm"].weights_bytes == pytest.approx(2 * ((llm_params - norm) / 2 + norm), abs=2)
+
+
+def test_frozen_vision_keeps_weights_only_and_runs_no_backward():
+    model = toy_model(frozen=("vision",))
+    e = estimate(model, CLUSTER, WORKLOAD, colocated(ModuleStrategy(dp=8), ModuleStrategy(dp=8)))
+    v = e.modules["vision"]
+    assert v.gradients_bytes == 0 and v.optimizer_bytes == 0
+    assert v.backward_s == 0 and v.activations_per_micro_batch_bytes == 0 and v.dp_comm_s == 0
+    # model FLOPs: forward only; trainable = 3x forward, except the patchifier's input gradient
+    # (8 samples x 2 x 64 patches x 64 x 1176)
+    trainable = estimate(MODEL, CLUSTER, WORKLOAD, colocated(ModuleStrategy(dp=8), ModuleStrategy(dp=8)))
+    patch_embed = 8 * 2 * 64 * 64 * 1176
+    assert trainable.modules["vision"].flops_per_step == pytest.approx(3 * v.flops_per_step - patch_embed)
+
+
+def test_frozen_llm_still_passes_input_gradients():
+    model = toy_model(frozen=("llm",))
+    e = estimate(model, CLUSTER, WORKLOAD, colocated(ModuleStrategy(dp=8), ModuleStrategy(dp=8)))
+    llm = e.modules["llm"]
+    assert llm.optimizer_bytes == 0 and llm.backward_s > 0
+    assert llm.backward_s < estimate(
+        MODEL, CLUSTER, WORKLOAD, colocated(ModuleStrategy(dp=8), ModuleStrategy(dp=8))
+    ).modules["llm"].backward_s
+
+
+def test_recompute_trades_memory_for_time():
+    none = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8)).modules["llm"]
+    full = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8, recompute="full")).modules["llm"]
+    assert full.activations_per_micro_batch_bytes < none.activations_per_micro_batch_bytes
+    assert full.recompute_s > 0 and none.recompute_s == 0
+
+
+def test_grad_accum_scales_per_step_times():
+    one = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8)).modules["llm"]
+    two = estimate(MODEL, CLUSTER, toy_workload(16), colocated(ModuleStrategy(dp=8, grad_accum=2), ModuleStrategy(dp=8, grad_accum=2))).modules["llm"]
+    assert two.forward_s == pytest.approx(2 * one.forward_s)
+    assert two.per_micro_batch_s == pytest.approx(one.per_micro_batch_s)
+
+
+def test_colocated_handoff_gathers_within_sp_group():
+    sp1 = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8)).modules["vision"]
+    sp2 = _estimate(ModuleStrategy(dp=4, sp=2, micro_batch=2), ModuleStrategy(dp=4, tp=2, micro_batch=2))
+    sp2 = sp2.modules["vision"]
+    assert sp1.handoff_s == 0
+    # 2 samples x 16 tokens x 128 x 2 B all-gathered over 2 ranks on NVLink, and reduce-scattered back
+    link_bw = TOY_DEVICE.intra_node_bandwidth * A.intra_node_bus_efficiency
+    one_way = 0.5 * 2 * 16 * 128 * 2 / link_bw + TOY_DEVICE.intra_node_latency
+    assert sp2.handoff_s == pytest.approx(2 * one_way)
+
+
+def test_disjoint_in_flight_and_p2p_handoff():
+    strategy = Strategy(
+        placement="disjoint",
+        modules={"vision": ModuleStrategy(dp=2, grad_accum=4), "llm": ModuleStrategy(dp=2, tp=2, micro_batch=1, grad_accum=4)},
+    )
+    e = estimate(MODEL, CLUSTER, WORKLOAD, strategy)
+    assert e.modules["vision"].in_flight_micro_batches == 2  # stage 0 of 2
+    assert e.modules["llm"].in_flight_micro_batches == 1
+    # LLM on ranks 0-3, vision on 4-5: different nodes -> NIC; per micro-batch 16 x 128 x 2 B each way
+    nic = TOY_DEVICE.inter_node_bandwidth * A.inter_node_bus_efficiency
+    per_mb = 2 * (16 * 128 * 2 / nic + TOY_DEVICE.inter_node_latency)
+    assert e.modules["vision"].handoff_s == pytest.approx(4 * per_mb)
+    assert e.modules["llm"].handoff_s == 0
+
+
+def test_invalid_strategy_raises_one_line():
+    with pytest.raises(ValueError, match="llm: dp\\*micro_batch\\*grad_accum = 4\\*1\\*1 = 4"):
+        _estimate(ModuleStrategy(dp=4), ModuleStrategy(dp=4))
+
+
+def test_strategy_must_cover_the_model():
+    with pytest.raises(ValueError, match="strategy covers modules"):
+        estimate(MODEL, CLUSTER, WORKLOAD, Strategy(placement="colocated", modules={"llm": ModuleStrategy(dp=8)}))
+
+
+class FixedSource:
+    """A fake profile: measures only the decoder layer, with a given forward time and activation size."""
+
+    def __init__(self, forward_s, activation_bytes):
+        self.forward_s, self.activation_bytes = forward_s, activation_bytes
+        self.calls = []
+
+    def layer_cost(self, *, module, layer, tp, sp, cp, seq_len, tokens_per_rank, micro_batch, recompute):
+        self.calls.append((module, layer.name, tp, sp, cp, seq_len, tokens_per_rank, micro_batch, recompute))
+        if layer.name != "decoder_layer":
+            return None
+        return LayerMeasurement(
+            forward_s=self.forward_s, backward_s=0.2, recompute_s=0.0, activation_bytes=self.activation_bytes
+        )
+
+
+def _llm_cost(source):
+    return module_cost(
+        MODEL, "llm", CLUSTER, WORKLOAD, ModuleStrategy(dp=4, tp=2, micro_batch=2), placement="colocated",
+        precision="bf16_mixed", first_rank=0, layer_costs=source,
+    )
+
+
+def test_layer_cost_source_overrides_and_records_sources():
+    fast, slow = FixedSource(0.1, 1000), FixedSource(0.4, 1500)
+    a, b, analytical = _llm_cost(fast), _llm_cost(slow), _llm_cost(None)
+    # 64 tokens per sample, 2 samples per micro-batch, no SP/CP split -> 128 tokens per rank
+    assert ("llm", "decoder_layer", 2, 1, 1, 64, 128, 2, "none") in fast.calls
+    assert a.sources["decoder_layer.time"] == "measured"
+    assert a.sources["decoder_layer.activations"] == "measured"
+    assert a.sources["lm_head.time"] == "analytical"
+    assert analytical.sources["decoder_layer.time"] == "analytical"
+    # 2 decoder layers x 1 micro-batch: forward differs by 2 x 0.3 s, activations by 2 x 500 B
+    assert b.forward_s - a.forward_s == pytest.approx(0.6)
+    assert b.backward_s == pytest.approx(a.backward_s)
+    assert b.activations_per_micro_batch_bytes - a.activations_per_micro_batch_bytes == 1000
+    assert a.tp_comm_s == pytest.approx(analytical.tp_comm_s)  # collectives stay analytical
+
+
+def test_assumption_overrides_change_results():
+    base = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8))
+    slow = estimate(
+        MODEL, CLUSTER, WORKLOAD, colocated(ModuleStrategy(dp=8), ModuleStrategy(dp=8)),
+        assumptions=replace(A, memory_bandwidth_efficiency=0.4),
+    )
+    assert slow.step_time_s > base.step_time_s

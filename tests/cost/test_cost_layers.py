@@ -1,0 +1,162 @@
+"""Per-layer analytical terms against hand calculations on the toy model."""
+
+from dataclasses import replace
+
+import pytest
+
+from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
+from planner.cost.comm import Link, all_reduce_time, all_to_all_time, p2p_time
+from planner.cost.compute import attention_core_time, gemm_time
+from planner.cost.layers import Shard, gemm_backward_factor, layer_terms
+from cost_toys import TOY_DEVICE, toy_model
+
+A = DEFAULT_ASSUMPTIONS
+LINK = Link(bandwidth=1.6e11, latency=1e-5)
+MODEL = toy_model()
+DECODER = MODEL.module("llm").layer("decoder_layer")
+WINDOW = MODEL.module("vision").layer("window_block")
+FULL = MODEL.module("vision").layer("full_block")
+
+
+def shard(*, tp=1, sp=1, cp=1, mb=1, seq=64, windows=0, recompute="none", backward="full", assumptions=A):
+    return Shard(
+        tp=tp, sp=sp, cp=cp, micro_batch=mb, tokens=mb * seq / (sp * cp), segment_tokens=seq, segments=1,
+        window_tokens=seq / windows if windows else 0.0, windows=windows, recompute=recompute, backward=backward,
+        tp_link=LINK, sp_link=LINK, cp_link=LINK, device=TOY_DEVICE, assumptions=assumptions,
+    )
+
+
+# decoder, 64 tokens, tp=1: q 128x128, k,v 32x128, o 128x128, gate/up 256x128, down 128x256
+DECODER_GEMM_FLOPS = 2 * 64 * (128 * 128 + 2 * 32 * 128 + 128 * 128 + 2 * 256 * 128 + 128 * 256)
+DECODER_ATTN_FLOPS = 4 * 64 * 64 * 128 * 0.5  # causal half
+
+
+def test_gemm_backward_factor():
+    assert gemm_backward_factor("full", A) == 2
+    assert gemm_backward_factor("input", A) == 1
+    assert gemm_backward_factor("none", A) == 0
+
+
+def test_decoder_flops():
+    t = layer_terms(DECODER, shard())
+    assert DECODER_GEMM_FLOPS == 17825792
+    assert t.flops == pytest.approx(DECODER_GEMM_FLOPS + DECODER_ATTN_FLOPS)
+    assert t.backward_flops == pytest.approx(2 * (DECODER_GEMM_FLOPS + DECODER_ATTN_FLOPS))
+
+
+def test_frozen_backward_modes():
+    full = layer_terms(DECODER, shard())
+    inputs = layer_terms(DECODER, shard(backward="input"))
+    none = layer_terms(DECODER, shard(backward="none"))
+    assert inputs.backward_flops == pytest.approx(DECODER_GEMM_FLOPS + 2 * DECODER_ATTN_FLOPS)
+    assert inputs.backward_s < full.backward_s
+    assert none.backward_s == 0.0 and none.saved_bytes == 0.0 and none.tp_comm_s == 0.0
+    assert none.forward_s == pytest.approx(full.forward_s)
+
+
+def test_decoder_saved_activations():
+    # per token: 4h + 2q + 2kv + 4f = 512 + 256 + 64 + 1024 = 1856 elements * 2 B + 8 heads * 4 B lse
+    assert layer_terms(DECODER, shard()).saved_bytes == pytest.approx(64 * (1856 * 2 + 32))
+
+
+def test_gemm_time_sums_the_shapes():
+    expected = sum(
+        gemm_time(64, n, k, TOY_DEVICE, A)
+        for n, k in ((128, 128), (32, 128), (32, 128), (128, 128), (256, 128), (256, 128), (128, 256))
+    )
+    none = layer_terms(DECODER, shard(backward="none"))
+    attention = attention_core_time(DECODER_ATTN_FLOPS, 64, 0, TOY_DEVICE, A)
+    assert none.forward_s > expected + attention  # plus elementwise traffic
+    assert none.forward_s < expected + attention + 1e-5
+
+
+def test_tp_all_reduces_two_forward_two_backward():
+    # 4 all-reduces of 64 tokens x 128 x 2 B over the TP group
+    t = layer_terms(DECODER, shard(tp=2))
+    assert t.tp_comm_s == pytest.approx(4 * all_reduce_time(64 * 128 * 2, 2, LINK))
+
+
+def test_full_recompute_reruns_forward_and_its_all_reduces():
+    t = layer_terms(DECODER, shard(tp=2, recompute="full"))
+    assert t.recompute_s == pytest.approx(t.forward_s)
+    assert t.tp_comm_s == pytest.approx(6 * all_reduce_time(64 * 128 * 2, 2, LINK))
+    # only the block input (h per token, replicated under TP without sequence parallelism) is kept
+    assert t.saved_bytes == pytest.approx(64 * 128 * 2)
+
+
+def test_selective_recompute_reruns_attention_core():
+    t = layer_terms(DECODER, shard(recompute="selective"))
+    assert t.recompute_s == pytest.approx(attention_core_time(DECODER_ATTN_FLOPS, 64, 0, TOY_DEVICE, A))
+
+
+def test_tp_splits_decoder_flops():
+    # tp=2 splits every GEMM and the heads: 2 KV heads -> 1 per rank, no replication
+    assert layer_terms(DECODER, shard(tp=2)).flops == pytest.approx((DECODER_GEMM_FLOPS + DECODER_ATTN_FLOPS) / 2)
+
+
+def test_window_attention_flops():
+    # 4 windows of 16 patches, width 64: 4 * 16^2 * 64 * 4 windows; full block: 4 * 64^2 * 64
+    gemm = 2 * 64 * (64 * 192 + 64 * 64 + 2 * 128 * 64 + 64 * 128)
+    assert layer_terms(WINDOW, shard(windows=4)).flops == pytest.approx(gemm + 4 * 16 * 16 * 64 * 4)
+    assert layer_terms(FULL, shard(windows=4)).flops == pytest.approx(gemm + 4 * 64 * 64 * 64)
+
+
+def test_ulysses_exchanges_nothing_on_window_blocks():
+    assert layer_terms(WINDOW, shard(sp=2, windows=4)).sp_comm_s == 0.0
+
+
+def test_ulysses_all_to_alls_on_full_attention():
+    # 32 tokens per rank; q, k, v, out each 32 x 64 x 2 B; 4 all-to-alls forward + 4 backward
+    t = layer_terms(FULL, shard(sp=2, windows=4))
+    assert t.sp_comm_s == pytest.approx(8 * all_to_all_time(32 * 64 * 2, 2, LINK))
+
+
+def test_ulysses_divides_activations():
+    one = layer_terms(FULL, shard(windows=4)).saved_bytes
+    two = layer_terms(FULL, shard(sp=2, windows=4)).saved_bytes
+    assert two == pytest.approx(one / 2)
+
+
+def test_ring_cp_passes_kv_blocks():
+    # cp=2: 32 tokens per rank, KV block 32 x (2 x 32) x 2 B; forward 1 pass, backward KV + dKV
+    no_overlap = replace(A, cp_comm_overlap=0.0)
+    t = layer_terms(DECODER, shard(cp=2, assumptions=no_overlap))
+    assert t.cp_comm_s == pytest.approx(3 * p2p_time(32 * 64 * 2, LINK))
+    hidden = layer_terms(DECODER, shard(cp=2))
+    assert hidden.cp_comm_s < t.cp_comm_s
+
+
+def test_eager_stores_score_matrix():
+    eager = replace(A, attention_implementation="eager")
+    flash = layer_terms(FULL, shard(windows=4)).saved_bytes
+    t = layer_terms(FULL, shard(windows=4, assumptions=eager))
+    # 64^2 scores x 4 heads x 6 B (fp32 softmax + bf16 copy), minus 4 heads x 4 B x 64 tokens of logsumexp
+    assert t.saved_bytes - flash == pytest.approx(64 * 64 * 4 * 6 - 64 * 4 * 4)
+
+
+def test_patch_embed_backward_is_weight_gradient_only():
+    patch = MODEL.module("vision").layer("patch_embed")
+    t = layer_terms(patch, shard())
+    assert t.backward_s == pytest.approx(t.forward_s)
+    assert t.saved_bytes == 64 * 1176 * 2  # pixels kept for the weight gradient
+    assert layer_terms(patch, shard(backward="input")).backward_s == 0.0
+
+
+def test_lm_head_logits():
+    head = MODEL.module("llm").layer("lm_head")
+    t = layer_terms(head, shard(tp=2))
+    # input 64 x 128 x 2 B + fp32 log-softmax 64 x 500 x 4 B; transient 64 x 500 x 6 B
+    assert t.saved_bytes == pytest.approx(64 * 128 * 2 + 64 * 500 * 4)
+    assert t.buffer_bytes == pytest.approx(64 * 500 * 6)
+
+
+def test_merger_reduces_tokens():
+    merger = MODEL.module("vision").layer("patch_merger")
+    # 64 patches -> 16 tokens: (16 x 256 x 256) and (16 x 128 x 256) GEMMs
+    assert layer_terms(merger, shard()).flops == pytest.approx(2 * 16 * 256 * 256 + 2 * 16 * 128 * 256)
+
+
+def test_frozen_embedding_has_no_backward():
+    emb = MODEL.module("llm").layer("embedding")
+    assert layer_terms(emb, shard(backward="input")).backward_s == 0.0
+    assert layer_terms(emb, shard()).backward_s > 0.0

@@ -1,0 +1,79 @@
+"""check_strategy: one-line reasons for each broken rule, [] when valid."""
+
+from planner.cost import check_strategy
+from planner.cost.validity import heads_rule
+from planner.strategy import ModuleStrategy
+from planner.workload import Workload
+from cost_toys import toy_cluster, toy_model, toy_workload
+
+MODEL = toy_model()
+CLUSTER = toy_cluster(8)
+WORKLOAD = toy_workload(global_batch=8)
+
+
+def check(module, **degrees):
+    return check_strategy(MODEL, module, ModuleStrategy(**degrees), CLUSTER, WORKLOAD)
+
+
+def test_valid_strategies():
+    assert check("llm", dp=4, tp=2, micro_batch=2) == []
+    assert check("llm", dp=2, tp=2, cp=2, micro_batch=4) == []
+    assert check("vision", dp=2, sp=4, micro_batch=4) == []
+    assert check("vision", dp=8) == []
+
+
+def test_heads_rule():
+    assert heads_rule(4, "tp", 8, 2, "x") is None  # KV heads replicated 2x
+    assert heads_rule(3, "tp", 8, 2, "x").startswith("tp=3 does not divide the 8 attention heads")
+    assert "neither divides nor is a multiple" in heads_rule(4, "tp", 12, 6, "x")
+
+
+def test_tp_must_divide_heads():
+    reasons = check_strategy(
+        MODEL, "vision", ModuleStrategy(dp=1, tp=8, micro_batch=8), CLUSTER, WORKLOAD, allow_cross_node_tp=True
+    )
+    assert reasons == [
+        "tp=8 does not divide the 4 attention heads of window_block",
+        "tp=8 does not divide the 4 attention heads of full_block",
+    ]
+
+
+def test_tp_inside_node():
+    reasons = check("llm", dp=1, tp=8, micro_batch=8)
+    assert any("does not fit inside a node of 4 GPUs" in r for r in reasons)
+    assert not check_strategy(
+        MODEL, "llm", ModuleStrategy(dp=1, tp=8, micro_batch=8), CLUSTER, WORKLOAD, allow_cross_node_tp=True
+    )
+
+
+def test_global_batch_must_match():
+    (reason,) = check("llm", dp=4, micro_batch=1)
+    assert reason == "dp*micro_batch*grad_accum = 4*1*1 = 4 but the global batch is 8"
+
+
+def test_too_many_gpus():
+    reasons = check_strategy(MODEL, "llm", ModuleStrategy(dp=16), toy_cluster(8), toy_workload(16))
+    assert reasons == ["dp*cp*sp*tp = 16 GPUs but the cluster has 8"]
+
+
+def test_encoder_rules():
+    assert any("TP or Ulysses SP, not both" in r for r in check("vision", dp=1, tp=2, sp=2, micro_batch=8))
+    assert any("context parallelism is implemented for the LLM only" in r for r in check("vision", dp=4, cp=2, micro_batch=2))
+
+
+def test_llm_has_no_ulysses():
+    assert any("Ulysses SP is implemented for encoders only" in r for r in check("llm", dp=4, sp=2, micro_batch=2))
+
+
+def test_sp_needs_a_window_per_rank():
+    one_window = Workload(image_sizes=((56, 56),), text_tokens=48, global_batch=2)  # 4x4 patches: 1 window
+    reasons = check_strategy(MODEL, "vision", ModuleStrategy(dp=2, sp=2), CLUSTER, one_window)
+    assert reasons == ["sp=2 but a micro-batch has only 1 attention windows; each SP rank needs at least one"]
+    # two samples per micro-batch bring two windows
+    assert check_strategy(MODEL, "vision", ModuleStrategy(dp=1, sp=2, micro_batch=2), CLUSTER, one_window) == []
+
+
+def test_cp_needs_tokens():
+    workload = Workload(text_tokens=2, global_batch=8)
+    reasons = check_strategy(MODEL, "llm", ModuleStrategy(dp=2, cp=2, micro_batch=4), CLUSTER, workload)
+    assert reasons == ["cp=2 needs at least 4 tokens per sample, got 2"]
