@@ -427,3 +427,47 @@ def uncalibrate(step_time_s: float, calibration: Calibration | None) -> float:
     if calibration is None:
         return step_time_s
     return (step_time_s - calibration.overhead_s) / calibration.scale
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The cost model's seam: measured per-layer costs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ProfileCostSource:
+    """A ``planner.cost.LayerCostSource`` backed by a profile: measured layer times (and saved activations),
+    interpolated over sequence length and micro-batch; None (-> analytical) for shards the profile lacks.
+
+    Recompute modes: ``none`` uses the measured saved activations and no recompute time; ``full`` adds the
+    measured extra backward time of a checkpointed forward and leaves the (input-only) activation bytes to the
+    formula; ``selective`` (attention core only) was not measured, so it is analytical. Context parallelism was
+    not profiled either.
+    """
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.index = ProfileIndex(profile)
+
+    def layer_cost(self, *, module, layer, tp, sp, cp, seq_len, tokens_per_rank, micro_batch, recompute):
+        from planner.cost.layer_costs import LayerMeasurement
+
+        if cp > 1 or recompute == "selective":
+            return None
+        cost = self.index.layer_cost(module, layer.name, tp=tp, sp=sp, seq_len=seq_len, micro_batch=micro_batch)
+        if cost is None:
+            return None
+        full = recompute == "full"
+        return LayerMeasurement(
+            forward_s=cost.forward_s,
+            backward_s=cost.backward_s,
+            recompute_s=cost.recompute_s if full else 0.0,
+            activation_bytes=None if full else round(cost.saved_activation_bytes),
+        )
+
+    def collective_time(self, op: str, group_size: int, message_bytes: float) -> float | None:
+        """Measured seconds of a collective (None: use the link model)."""
+        return self.index.collective_time(op, group_size, message_bytes)
+
+    def step_time(self, raw_step_time_s: float) -> float:
+        """A predicted step time with this profile's calibration applied (identity without one)."""
+        return calibrate(raw_step_time_s, self.profile.calibration)

@@ -158,3 +158,55 @@ def test_to_json_is_canonical():
     b = profile(layers=[layer_point(128, 1, 1.0), layer_point(256, 1, 2.0)])
     assert a.to_json() == b.to_json()
     assert json.loads(a.to_json())["layers"][0]["seq_len"] == 128
+
+
+def test_profile_cost_source_feeds_the_cost_model():
+    from planner.catalog import get_model
+    from planner.cost import estimate
+    from planner.hardware import make_cluster
+    from planner.profiles import ProfileCostSource
+    from planner.strategy import ModuleStrategy, Strategy
+    from planner.workload import Workload
+
+    model = get_model("qwen2.5-vl-tiny")
+    fwd = {"embedding": 0.001, "decoder_layer": 0.02, "final_norm": 0.002}  # lm_head left unmeasured
+    points = [layer_point(seq, 1, f * seq / 128).model_copy(update={"layer": name})
+              for name, f in fwd.items() for seq in (64, 256)]
+    source = ProfileCostSource(profile(layers=points))
+    workload = Workload(vision_tokens=256, text_tokens=64, global_batch=2)  # LLM sequence: 64 + 256/4 = 128
+    ms = ModuleStrategy(dp=1, micro_batch=1, grad_accum=2)
+    strategy = Strategy(placement="colocated", modules={"vision": ms, "llm": ms})
+    cluster = make_cluster("cpu", 1)
+    llm = estimate(model, cluster, workload, strategy, layer_costs=source).modules["llm"]
+    assert llm.sources["decoder_layer.time"] == "measured" and llm.sources["lm_head.time"] == "analytical"
+    # Interpolated at s=128 between 64 and 256 (linear in s): f, so per micro-batch the LLM forward is
+    # 0.001 + 4 * 0.02 + 0.002 = 0.083 s measured, plus lm_head's analytical forward; 2 micro-batches.
+    measured_per_mb = 0.001 + 4 * 0.02 + 0.002
+    assert llm.forward_s - 2 * measured_per_mb == pytest.approx(_analytical_forward(model, cluster, workload, strategy, "lm_head"))
+
+
+def _analytical_forward(model, cluster, workload, strategy, layer_name):
+    """Forward seconds the analytical model gives ``layer_name`` (count x grad_accum), by costing it alone."""
+    from planner.cost import estimate
+    from planner.cost.layer_costs import LayerMeasurement
+
+    class AllButOne:
+        def layer_cost(self, *, layer, **kw):
+            return None if layer.name == layer_name else LayerMeasurement(forward_s=0.0, backward_s=0.0, recompute_s=0.0)
+
+    return estimate(model, cluster, workload, strategy, layer_costs=AllButOne()).modules["llm"].forward_s
+
+
+def test_profile_cost_source_recompute_modes():
+    from planner.catalog import get_model
+    from planner.profiles import ProfileCostSource
+
+    layer = get_model("qwen2.5-vl-tiny").module("llm").layer("decoder_layer")
+    source = ProfileCostSource(profile(layers=[layer_point(128, 1, 1.0)]))
+    args = dict(module="llm", layer=layer, tp=1, sp=1, cp=1, seq_len=128, tokens_per_rank=128, micro_batch=1)
+    none = source.layer_cost(**args, recompute="none")
+    assert (none.forward_s, none.backward_s, none.recompute_s, none.activation_bytes) == (1.0, 2.0, 0.0, 1000)
+    full = source.layer_cost(**args, recompute="full")
+    assert full.recompute_s == 1.0 and full.activation_bytes is None
+    assert source.layer_cost(**args, recompute="selective") is None
+    assert source.layer_cost(**{**args, "cp": 2}, recompute="none") is None
