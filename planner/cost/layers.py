@@ -78,7 +78,8 @@ class LayerTerms:
     saved_bytes: float
     """Activations kept for backward under the recompute mode."""
     working_bytes: float
-    """Activations the layer holds while its backward runs (what full recomputation re-creates)."""
+    """Activations a recomputable block holds while its backward runs (what full recomputation re-creates);
+    0 for layers that are never recomputed."""
     buffer_bytes: float
     """Transient bytes alive while the layer runs (loss logits, all-to-all and ring buffers)."""
     flops: float
@@ -163,7 +164,7 @@ def _terms(
         sp_comm_s=(sp_fwd + sp_bwd) * (1 - a.sp_comm_overlap),
         cp_comm_s=cp_exposed,
         saved_bytes=saved,
-        working_bytes=saved if working is None else working,
+        working_bytes=(saved if working is None else working) if recomputable else 0.0,
         buffer_bytes=buffers,
         flops=gemm_flops_ + attention_flops_,
         backward_flops=gemm_flops_ * gemm_bwd + attention_flops_ * elem_bwd,

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
 
 from planner.cost.assumptions import CostAssumptions
-from planner.cost.comm import Link, all_gather_time, group_link, p2p_time, span_link, zero_comm_time
-from planner.cost.layer_costs import ANALYTICAL, MEASURED, LayerCostSource
-from planner.cost.layers import LayerTerms, Shard, layer_terms
+from planner.cost.comm import Link, all_gather_time, axis_within_node, link, p2p_time, zero_comm_time
+from planner.cost.layer_costs import ANALYTICAL, MEASURED, LayerCostSource, LayerMeasurement
+from planner.cost.layers import Shard, layer_terms
 from planner.cost.memory import bucket_bytes, layer_params_per_rank, model_state_bytes, zero3_gather_bytes
 from planner.cost.results import ModuleCost
-from planner.hardware import Cluster, DeviceSpec
+from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, LayerSpec, ModelSpec, ModuleSpec
 from planner.strategy import ModuleStrategy, Placement, Precision
 from planner.workload import ModuleTokens, Workload, module_tokens
@@ -53,7 +55,7 @@ class _Static:
 
     model: ModelSpec
     workload: Workload
-    device: DeviceSpec
+    cluster: Cluster
     assumptions: CostAssumptions
     spec: ModuleSpec
     tokens: ModuleTokens
@@ -61,7 +63,11 @@ class _Static:
     segments: float
     backward: str
     handoff_bytes_per_sample: float
-    terms: dict = field(default_factory=dict)
+    links: tuple[Link, Link]
+    """(NVLink, NIC) with bus efficiency, indexed by ``not within_node``."""
+    analytical_sources: Mapping[str, str]
+    """Sources when every number is analytical."""
+    sums: dict = field(default_factory=dict)
     params: dict = field(default_factory=dict)
     flops_per_sample: float | None = None
 
@@ -70,11 +76,11 @@ _STATIC: dict[tuple, _Static] = {}
 _STATIC_LIMIT = 256
 
 
-def _static(model: ModelSpec, module: str, workload: Workload, device: DeviceSpec, assumptions: CostAssumptions) -> _Static:
+def _static(model: ModelSpec, module: str, workload: Workload, cluster: Cluster, assumptions: CostAssumptions) -> _Static:
     """The memoised static data of a module (keyed by object identity; the entry holds the objects)."""
-    key = (id(model), module, id(workload), id(device), id(assumptions))
+    key = (id(model), module, id(workload), id(cluster), id(assumptions))
     entry = _STATIC.get(key)
-    same = entry is not None and entry.model is model and entry.workload is workload and entry.device is device
+    same = entry is not None and entry.model is model and entry.workload is workload and entry.cluster is cluster
     if same and entry.assumptions is assumptions:
         return entry
     if len(_STATIC) >= _STATIC_LIMIT:
@@ -86,7 +92,7 @@ def _static(model: ModelSpec, module: str, workload: Workload, device: DeviceSpe
     entry = _Static(
         model=model,
         workload=workload,
-        device=device,
+        cluster=cluster,
         assumptions=assumptions,
         spec=spec,
         tokens=tokens,
@@ -94,6 +100,17 @@ def _static(model: ModelSpec, module: str, workload: Workload, device: DeviceSpe
         segments=seg_count,
         backward=backward_mode(model, module),
         handoff_bytes_per_sample=tokens.output_tokens * out_width * assumptions.activation_bytes,
+        links=(
+            link(cluster, assumptions, within_node=True),
+            link(cluster, assumptions, within_node=False),
+        ),
+        analytical_sources=MappingProxyType(
+            {
+                **{f"{layer.name}.{what}": ANALYTICAL for layer in spec.layers for what in ("time", "activations")},
+                "collectives": ANALYTICAL,
+                "states": ANALYTICAL,
+            }
+        ),
     )
     _STATIC[key] = entry
     return entry
@@ -118,19 +135,86 @@ def _shard(static: _Static, s: ModuleStrategy, links: tuple[Link, Link, Link], m
         tp_link=links[0],
         sp_link=links[1],
         cp_link=links[2],
-        device=static.device,
+        device=static.cluster.device,
         assumptions=static.assumptions,
     )
 
 
-def _layer(static: _Static, index: int, layer: LayerSpec, s: ModuleStrategy, links: tuple[Link, Link, Link]) -> LayerTerms:
-    """Memoised analytical terms of one layer type under this sharding."""
-    key = (index, s.tp, s.sp, s.cp, s.micro_batch, s.recompute, links)
-    terms = static.terms.get(key)
-    if terms is None:
-        terms = layer_terms(layer, _shard(static, s, links))
-        static.terms[key] = terms
-    return terms
+@dataclass(frozen=True, slots=True)
+class _Sums:
+    """Per-micro-batch sums over a module's layers on one rank."""
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    tp_comm_s: float
+    sp_comm_s: float
+    cp_comm_s: float
+    saved_bytes: float
+    buffer_bytes: float
+    sources: Mapping[str, str]
+
+
+def _layer_sums(
+    static: _Static, s: ModuleStrategy, links: tuple[Link, Link, Link], layer_costs: LayerCostSource | None
+) -> _Sums:
+    """Sum the layers' terms for one micro-batch; measured numbers replace analytical ones where available.
+
+    Buffers are the largest single layer's transient (only one layer runs at a time), plus, under full
+    recomputation, the largest block's re-created activations.
+    """
+    shard = _shard(static, s, links)
+    fwd = bwd = rc = tp_c = sp_c = cp_c = saved = working = buffers = 0.0
+    sources = dict(static.analytical_sources)
+    for layer in static.spec.layers:
+        t = layer_terms(layer, shard)
+        f, b, r, act = t.forward_s, t.backward_s, t.recompute_s, t.saved_bytes
+        measured = None if layer_costs is None else _measure(layer_costs, static, layer, s)
+        if measured is not None:
+            f, b, r = measured.forward_s, measured.backward_s, measured.recompute_s
+            sources[f"{layer.name}.time"] = MEASURED
+            if measured.activation_bytes is not None:
+                act = measured.activation_bytes
+                sources[f"{layer.name}.activations"] = MEASURED
+        n = layer.count
+        fwd, bwd, rc = fwd + n * f, bwd + n * b, rc + n * r
+        tp_c, sp_c, cp_c = tp_c + n * t.tp_comm_s, sp_c + n * t.sp_comm_s, cp_c + n * t.cp_comm_s
+        saved += n * act
+        working = max(working, t.working_bytes)
+        buffers = max(buffers, t.buffer_bytes)
+    if s.recompute == "full":
+        buffers += working
+    final_sources = static.analytical_sources if layer_costs is None else MappingProxyType(sources)
+    return _Sums(fwd, bwd, rc, tp_c, sp_c, cp_c, saved, buffers, final_sources)
+
+
+def _measure(layer_costs: LayerCostSource, static: _Static, layer: LayerSpec, s: ModuleStrategy) -> LayerMeasurement | None:
+    """Ask the measured source about one layer instance under this sharding."""
+    return layer_costs.layer_cost(
+        module=static.spec.name,
+        layer=layer,
+        tp=s.tp,
+        sp=s.sp,
+        cp=s.cp,
+        seq_len=static.tokens.tokens,
+        tokens_per_rank=round(s.micro_batch * static.tokens.tokens / (s.sp * s.cp)),
+        micro_batch=s.micro_batch,
+        recompute=s.recompute,
+    )
+
+
+def _sums(
+    static: _Static, s: ModuleStrategy, within: tuple[bool, bool, bool], layer_costs: LayerCostSource | None
+) -> _Sums:
+    """Layer sums, memoised for the analytical model by the sharding that determines them."""
+    links = tuple(static.links[not w] for w in within)
+    if layer_costs is not None:
+        return _layer_sums(static, s, links, layer_costs)
+    key = (s.tp, s.sp, s.cp, s.micro_batch, s.recompute, within)
+    sums = static.sums.get(key)
+    if sums is None:
+        sums = static.sums[key] = _layer_sums(static, s, links, None)
+    return sums
 
 
 def _params_per_rank(static: _Static, tp: int) -> tuple[float, float]:
@@ -160,8 +244,6 @@ def _flops_per_sample(static: _Static) -> float:
 def handoff_per_micro_batch(
     static: _Static,
     s: ModuleStrategy,
-    cluster: Cluster,
-    assumptions: CostAssumptions,
     *,
     placement: Placement,
     first_rank: int,
@@ -182,8 +264,8 @@ def handoff_per_micro_batch(
     directions = 2 if static.backward == "full" else 1
     if placement == "colocated":
         return directions * all_gather_time(per_mb, s.sp, sp_link)
-    link = span_link(cluster, assumptions, first_rank=0, last_rank=first_rank + s.gpus - 1)
-    return directions * p2p_time(per_mb / s.sp, link)
+    same_node = (first_rank + s.gpus - 1) // static.cluster.devices_per_node == 0
+    return directions * p2p_time(per_mb / s.sp, static.links[not same_node])
 
 
 def analytical_module_cost(
@@ -203,46 +285,15 @@ def analytical_module_cost(
 ) -> ModuleCost:
     """Compose per-layer terms, model states, DP/ZeRO communication and the hand-off into a ModuleCost."""
     s = strategy
-    static = _static(model, module, workload, cluster.device, assumptions)
-    grid = dict(first_rank=first_rank, num_ranks=s.gpus)
-    links = (
-        group_link(cluster, assumptions, stride=1, size=s.tp, **grid),
-        group_link(cluster, assumptions, stride=s.tp, size=s.sp, **grid),
-        group_link(cluster, assumptions, stride=s.tp * s.sp, size=s.cp, **grid),
+    static = _static(model, module, workload, cluster, assumptions)
+    dpn = cluster.devices_per_node
+    within = (
+        axis_within_node(first_rank, 1, s.tp, s.gpus, dpn),
+        axis_within_node(first_rank, s.tp, s.sp, s.gpus, dpn),
+        axis_within_node(first_rank, s.tp * s.sp, s.cp, s.gpus, dpn),
     )
-    fwd = bwd = rc = tp_c = sp_c = cp_c = saved = working = buffers = 0.0
-    sources: dict[str, str] = {}
-    for index, layer in enumerate(static.spec.layers):
-        t = _layer(static, index, layer, s, links)
-        f, b, r, act = t.forward_s, t.backward_s, t.recompute_s, t.saved_bytes
-        source = ANALYTICAL
-        if layer_costs is not None:
-            measured = layer_costs.layer_cost(
-                module=module,
-                layer=layer,
-                tp=s.tp,
-                sp=s.sp,
-                cp=s.cp,
-                seq_len=static.tokens.tokens,
-                tokens_per_rank=round(s.micro_batch * static.tokens.tokens / (s.sp * s.cp)),
-                micro_batch=s.micro_batch,
-                recompute=s.recompute,
-            )
-            if measured is not None:
-                f, b, r, source = measured.forward_s, measured.backward_s, measured.recompute_s, MEASURED
-                if measured.activation_bytes is not None:
-                    act = measured.activation_bytes
-                sources[f"{layer.name}.activations"] = MEASURED if measured.activation_bytes is not None else ANALYTICAL
-        sources.setdefault(f"{layer.name}.activations", ANALYTICAL)
-        sources[f"{layer.name}.time"] = source
-        n = layer.count
-        fwd, bwd, rc = fwd + n * f, bwd + n * b, rc + n * r
-        tp_c, sp_c, cp_c = tp_c + n * t.tp_comm_s, sp_c + n * t.sp_comm_s, cp_c + n * t.cp_comm_s
-        saved += n * act
-        working = max(working, t.working_bytes)
-        buffers = max(buffers, t.buffer_bytes)
-    if s.recompute == "full":
-        buffers += working
+    sums = _sums(static, s, within, layer_costs)
+    fwd, bwd, rc, buffers = sums.forward_s, sums.backward_s, sums.recompute_s, sums.buffer_bytes
 
     recipe = assumptions.bytes_per_param(precision)
     params, largest = _params_per_rank(static, s.tp)
@@ -258,9 +309,8 @@ def analytical_module_cost(
         buffers += bucket
         bucket = min(bucket, assumptions.communication_bucket_bytes)
 
-    sp_link = links[1]
     handoff = handoff_per_micro_batch(
-        static, s, cluster, assumptions, placement=placement, first_rank=first_rank, sp_link=sp_link
+        static, s, placement=placement, first_rank=first_rank, sp_link=static.links[not within[1]]
     )
     dp_comm = zero_comm_time(
         zero=s.zero,
@@ -269,7 +319,7 @@ def analytical_module_cost(
         layer_weight_bytes=largest * recipe.weights,
         bucket_bytes=bucket,
         group_size=reduce_group,
-        link=group_link(cluster, assumptions, stride=s.tp, size=reduce_group, **grid),
+        link=static.links[not axis_within_node(first_rank, s.tp, reduce_group, s.gpus, dpn)],
         grad_accum=s.grad_accum,
         forward_s=fwd,
         backward_s=bwd,
@@ -277,9 +327,8 @@ def analytical_module_cost(
         runs_backward=static.backward != "none",
         overlap=assumptions.dp_comm_overlap,
     )
-    sources["collectives"] = ANALYTICAL
-    sources["states"] = ANALYTICAL
     ga = s.grad_accum
+    tp_c, sp_c, cp_c = sums.tp_comm_s, sums.sp_comm_s, sums.cp_comm_s
     per_mb = fwd + bwd + rc + tp_c + sp_c + cp_c + handoff
     in_flight = 1 if placement == "colocated" else min(num_stages - stage_index, ga)
     return ModuleCost(
@@ -298,8 +347,8 @@ def analytical_module_cost(
         gradients_bytes=math.ceil(grads),
         optimizer_bytes=math.ceil(optim),
         buffers_bytes=math.ceil(buffers),
-        activations_per_micro_batch_bytes=math.ceil(saved),
+        activations_per_micro_batch_bytes=math.ceil(sums.saved_bytes),
         in_flight_micro_batches=in_flight,
         flops_per_step=_flops_per_sample(static) * s.samples_per_step,
-        sources=sources,
+        sources=sums.sources,
     )
