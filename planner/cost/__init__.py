@@ -8,6 +8,7 @@ Public API (the CP-SAT solver codes against it):
 * ``check_strategy(...) -> list[str]``: validity rules, one-line reasons.
 * ``CostAssumptions`` / ``DEFAULT_ASSUMPTIONS``: every assumption, named and overridable.
 * ``LayerCostSource``: the seam for measured per-layer costs.
+* ``planner.cost.report``: ``prediction`` / ``module_predictions`` turn an Estimate into Plan schema records.
 """
 
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, BytesPerParam, CostAssumptions

@@ -1,0 +1,61 @@
+"""Convert cost-model results into the Plan schema's prediction records (bytes -> GiB)."""
+
+from __future__ import annotations
+
+from planner.cost.results import GIB, Estimate, MemoryBreakdown, ModuleCost
+from planner.schema import MemoryBreakdown as MemoryGiB
+from planner.schema import ModulePrediction, ModuleTime, Prediction
+
+
+def memory_gib(memory: MemoryBreakdown) -> MemoryGiB:
+    """A byte breakdown in GiB."""
+    return MemoryGiB(
+        weights=memory.weights / GIB,
+        gradients=memory.gradients / GIB,
+        optimizer=memory.optimizer / GIB,
+        activations=memory.activations / GIB,
+        buffers=memory.buffers / GIB,
+        overhead=memory.overhead / GIB,
+    )
+
+
+def module_time(cost: ModuleCost) -> ModuleTime:
+    """Per-step seconds of one module by cause."""
+    return ModuleTime(
+        forward=cost.forward_s,
+        backward=cost.backward_s,
+        recompute=cost.recompute_s,
+        tp_comm=cost.tp_comm_s,
+        sp_comm=cost.sp_comm_s,
+        cp_comm=cost.cp_comm_s,
+        dp_comm=cost.dp_comm_s,
+        handoff=cost.handoff_s,
+        per_micro_batch=cost.per_micro_batch_s,
+    )
+
+
+def module_predictions(estimate: Estimate) -> dict[str, ModulePrediction]:
+    """Each module's numbers; its memory is its own share (disjoint: its whole group, overhead included)."""
+    predictions = {}
+    for name, cost in estimate.modules.items():
+        memory = estimate.memory_per_group[name] if estimate.placement == "disjoint" else cost.memory()
+        predictions[name] = ModulePrediction(
+            time_s=module_time(cost),
+            memory_gib=memory_gib(memory),
+            flops_per_step=cost.flops_per_step,
+            sources=dict(cost.sources),
+        )
+    return predictions
+
+
+def prediction(estimate: Estimate) -> Prediction:
+    """Whole-plan numbers."""
+    return Prediction(
+        step_time_s=estimate.step_time_s,
+        tokens_per_s=estimate.tokens_per_s,
+        samples_per_s=estimate.samples_per_s,
+        mfu=estimate.mfu,
+        peak_memory_gib=estimate.peak_memory_bytes / GIB,
+        memory_breakdown_gib=memory_gib(estimate.peak_breakdown),
+        binding_constraint=estimate.binding_constraint,
+    )
