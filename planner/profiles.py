@@ -392,13 +392,10 @@ def relative_rms(predicted: Sequence[float], measured: Sequence[float]) -> float
     return math.sqrt(sum(((p - m) / m) ** 2 for p, m in zip(predicted, measured)) / len(measured))
 
 
-def refit_calibration(
-    predicted: Sequence[float], measured: Sequence[float], *, sources: Sequence[str], prior: Calibration | None = None
-) -> Calibration:
+def refit_calibration(predicted: Sequence[float], measured: Sequence[float], *, sources: Sequence[str]) -> Calibration:
     """Refit scale/overhead from (predicted, measured) step times.
 
-    ``predicted`` are the RAW predictions (before any calibration); if they were made with ``prior`` applied, pass
-    them through ``uncalibrate`` first. A non-positive fitted scale (noise on near-identical predictions) falls back
+    ``predicted`` are the RAW predictions (before any calibration; ``uncalibrate`` undoes one). A non-positive fitted scale (noise on near-identical predictions) falls back
     to the scale-only fit.
     """
     scale, overhead = fit_scale_overhead(predicted, measured)
@@ -411,7 +408,7 @@ def refit_calibration(
         num_samples=len(predicted),
         rms_error_before=relative_rms(predicted, measured),
         rms_error_after=relative_rms(after, measured),
-        sources=list(sources) + ([] if prior is None else prior.sources),
+        sources=list(sources),
     )
 
 
