@@ -120,20 +120,6 @@ def link(cluster: Cluster, assumptions: CostAssumptions, *, within_node: bool) -
     )
 
 
-def group_link(
-    cluster: Cluster, assumptions: CostAssumptions, *, first_rank: int, stride: int, size: int, num_ranks: int
-) -> Link:
-    """The link a group along one axis runs over: NVLink if every such group is inside a node, else the NIC."""
-    within = axis_within_node(first_rank, stride, size, num_ranks, cluster.devices_per_node)
-    return link(cluster, assumptions, within_node=within)
-
-
-def span_link(cluster: Cluster, assumptions: CostAssumptions, *, first_rank: int, last_rank: int) -> Link:
-    """The link joining ranks ``first_rank`` and ``last_rank``: NVLink if they share a node, else the NIC."""
-    within = first_rank // cluster.devices_per_node == last_rank // cluster.devices_per_node
-    return link(cluster, assumptions, within_node=within)
-
-
 def zero_comm_time(
     *,
     zero: int,

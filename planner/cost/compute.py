@@ -55,7 +55,9 @@ def gemm_time(m: float, n: float, k: float, device: DeviceSpec, assumptions: Cos
     )
 
 
-def attention_flops(segment_tokens: float, num_segments: float, attention_width: float, causal_fraction: float) -> float:
+def attention_flops(
+    segment_tokens: float, num_segments: float, attention_width: float, causal_fraction: float
+) -> float:
     """Forward FLOPs of the attention core over ``num_segments`` independent segments of equal length.
 
     ``4 * s^2 * width`` per segment: QK^T and P@V are each ``2 * s * s * width`` (Narayanan et al. 2021,

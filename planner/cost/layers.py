@@ -171,62 +171,105 @@ def _terms(
     )
 
 
-def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
-    """A transformer block (ViT/Whisper encoder block or GQA + SwiGLU decoder layer).
+def ulysses_all_to_all_time(tokens: float, q_width: float, kv_width: float, shard: Shard) -> float:
+    """Forward Ulysses exchange of one full-attention layer: all-to-alls of q, k, v (sequence -> head sharded)
+    and of the output (head -> sequence sharded), each holding ``tokens x width`` per rank.
 
-    GEMMs (Narayanan et al. 2021, eq. 3 accounting): QKV (fused for the vision tower, separate q/k/v in the
-    decoder), output projection, MLP (SwiGLU: gate, up, down). Attention core per full segment, per window
-    (window blocks) and causal-halved for the decoder. TP: 2 all-reduces of the block output width in forward
-    and 2 in backward (Shoeybi et al. 2019, Megatron-LM, Sec. 3, Fig. 4). Ulysses: all-to-all of q, k, v before
-    and of the output after full attention, mirrored in backward (Jacobs et al. 2023, DeepSpeed-Ulysses,
-    Sec. 3.1); window blocks keep whole windows on a rank and exchange nothing. Ring CP: cp-1 KV block passes
-    per attention forward, KV + dKV in backward (Liu et al. 2023, Ring Attention, Sec. 3).
+    Source: Jacobs et al. 2023, DeepSpeed-Ulysses, Sec. 3.1-3.2 (four all-to-alls per attention forward, the
+    same in backward). K/V heads fewer than sp are replicated to sp before the exchange.
     """
-    a, mlp, s, asm = layer.attention, layer.mlp, shard, shard.assumptions
-    h, d, m, e = layer.hidden_size, a.head_dim, shard.tokens, asm.activation_bytes
-    q_width = a.num_heads * d / s.tp
-    kv_width = max(a.num_kv_heads, s.tp) / s.tp * d
-    f = mlp.intermediate_size / s.tp
-    if layer.kind == "decoder_layer":
-        qkv = ((m, q_width, h), (m, kv_width, h), (m, kv_width, h))
-    else:
-        qkv = ((m, q_width + 2 * kv_width, h),)
-    mlp_shapes = ((m, f, h), (m, f, h), (m, h, f)) if mlp.gated else ((m, f, h), (m, h, f))
-    gemm_s, gemm_fl = _gemms(qkv + ((m, h, q_width),) + mlp_shapes, s)
+    e = shard.assumptions.activation_bytes
+    q_and_out = 2 * all_to_all_time(tokens * q_width * e, shard.sp, shard.sp_link)
+    k_and_v = 2 * all_to_all_time(tokens * kv_width * e, shard.sp, shard.sp_link)
+    return q_and_out + k_and_v
 
+
+def ring_kv_pass_time(kv_block_bytes: float, shard: Shard) -> float:
+    """Forward ring-attention communication of one layer: cp - 1 point-to-point passes of a KV block.
+
+    Source: Liu et al. 2023, "Ring Attention with Blockwise Transformers", Sec. 3 (each host sends its KV
+    block to the next while computing on the current one); the backward passes KV and dKV, twice this.
+    """
+    return (shard.cp - 1) * p2p_time(kv_block_bytes, shard.cp_link)
+
+
+def _block_gemm_shapes(layer: LayerSpec, shard: Shard) -> tuple[tuple[float, float, float], ...]:
+    """(m, n, k) of every GEMM of a block on one rank: QKV (fused in encoders, separate q/k/v in the decoder,
+    K/V heads replicated when tp exceeds them), output projection, MLP (SwiGLU: gate, up, down)."""
+    a, m, h, tp = layer.attention, shard.tokens, layer.hidden_size, shard.tp
+    q = a.num_heads * a.head_dim / tp
+    kv = max(a.num_kv_heads, tp) / tp * a.head_dim
+    f = layer.mlp.intermediate_size / tp
+    qkv = ((m, q, h), (m, kv, h), (m, kv, h)) if layer.kind == "decoder_layer" else ((m, q + 2 * kv, h),)
+    mlp = ((m, f, h), (m, f, h), (m, h, f)) if layer.mlp.gated else ((m, f, h), (m, h, f))
+    return qkv + ((m, h, q),) + mlp
+
+
+def _block_attention(layer: LayerSpec, shard: Shard) -> tuple[float, float, float, bool]:
+    """(seconds, FLOPs, score elements, windowed) of a block's attention core on one rank.
+
+    Heads are split by tp and sp (Ulysses attends full segments on a head shard), queries by cp; window blocks
+    attend per window, full blocks per segment, causal kernels skip masked blocks (eager computes them all).
+    """
+    a, s, asm = layer.attention, shard, shard.assumptions
     heads = a.num_heads / (s.tp * s.sp)
     windowed = bool(a.window_patches) and s.windows > 0
     seg, num_seg = (s.window_tokens, s.windows) if windowed else (s.segment_tokens, s.segments)
     causal = asm.causal_attention_flops_fraction if a.causal and asm.attention_implementation != "eager" else 1.0
-    attn_fl = attention_flops(seg, num_seg * s.micro_batch, heads * d, causal) / s.cp
+    flops = attention_flops(seg, num_seg * s.micro_batch, heads * a.head_dim, causal) / s.cp
     scores = seg * seg * num_seg * s.micro_batch * heads / s.cp
-    attn_s = attention_core_time(attn_fl, seg / s.cp, scores, s.device, asm)
+    return attention_core_time(flops, seg / s.cp, scores, s.device, asm), flops, scores, windowed
 
-    replicated = h / s.tp if asm.megatron_sequence_parallel else h
-    activation_elems = (3 if mlp.gated else 2) * f
-    elem_s = elementwise_time(m * (10 * replicated + 2 * (q_width + kv_width) + activation_elems), s.device, asm)
 
-    mem_kv = max(a.num_kv_heads, s.tp * s.sp) / s.tp * d
-    per_token = dict(
-        hidden=h, q_width=q_width, kv_width=mem_kv, mlp_width=f, gated=mlp.gated, heads=a.num_heads / s.tp, tp=s.tp
+def _block_saved(layer: LayerSpec, shard: Shard, scores: float, recompute: str) -> float:
+    """Bytes a block keeps for backward on one rank (``block_saved_bytes_per_token`` x tokens + scores).
+    Inside Ulysses attention a rank holds all tokens of heads/sp, i.e. the same count per token of its shard;
+    K/V heads fewer than tp*sp are replicated."""
+    a, s = layer.attention, shard
+    per_token = block_saved_bytes_per_token(
+        hidden=layer.hidden_size,
+        q_width=a.num_heads * a.head_dim / s.tp,
+        kv_width=max(a.num_kv_heads, s.tp * s.sp) / s.tp * a.head_dim,
+        mlp_width=layer.mlp.intermediate_size / s.tp,
+        gated=layer.mlp.gated,
+        heads=a.num_heads / s.tp,
+        tp=s.tp,
+        recompute=recompute,
+        assumptions=s.assumptions,
     )
-    saved = m * block_saved_bytes_per_token(**per_token, recompute=s.recompute, assumptions=asm)
-    saved += score_matrix_bytes(scores, s.recompute, asm)
-    working = m * block_saved_bytes_per_token(**per_token, recompute="none", assumptions=asm)
-    working += score_matrix_bytes(scores, "none", asm)
+    return s.tokens * per_token + score_matrix_bytes(scores, recompute, s.assumptions)
 
-    tp_ar = 2 * all_reduce_time(m * h * e, s.tp, s.tp_link)
-    sp_fwd = 0.0
-    buffers = 0.0
+
+def block_elementwise_elements(layer: LayerSpec, shard: Shard) -> float:
+    """Elements read + written by a block's memory-bound ops on one rank: 2 norms (2h each), 2 residual adds
+    (3h each), rotary on q and k (read + write), the MLP activation (SwiGLU: read gate and up, write one)."""
+    a, tp = layer.attention, shard.tp
+    h = layer.hidden_size / tp if shard.assumptions.megatron_sequence_parallel else layer.hidden_size
+    rotary = 2 * (a.num_heads + max(a.num_kv_heads, tp)) * a.head_dim / tp
+    activation = (3 if layer.mlp.gated else 2) * layer.mlp.intermediate_size / tp
+    return shard.tokens * (10 * h + rotary + activation)
+
+
+def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
+    """A transformer block (ViT/Whisper encoder block or GQA + SwiGLU decoder layer).
+
+    GEMMs per Narayanan et al. 2021 (eq. 3 accounting), attention core per segment/window, elementwise
+    traffic, Korthikanti activations. TP: 2 all-reduces of the block output in forward and 2 in backward
+    (Shoeybi et al. 2019, Megatron-LM, Sec. 3, Fig. 4). Ulysses exchanges only around full attention; window
+    blocks keep whole windows on a rank. Ring CP passes KV blocks (KV + dKV in backward).
+    """
+    s, e, a = shard, shard.assumptions.activation_bytes, layer.attention
+    gemm_s, gemm_fl = _gemms(_block_gemm_shapes(layer, s), s)
+    attn_s, attn_fl, scores, windowed = _block_attention(layer, s)
+    tp_ar = 2 * all_reduce_time(s.tokens * layer.hidden_size * e, s.tp, s.tp_link)
+    sp_fwd = buffers = cp_fwd = 0.0
     if s.sp > 1 and not windowed:
-        per_rank = (2 * a.num_heads * d, 2 * max(a.num_kv_heads, s.sp) * d)
-        sp_fwd = 2 * all_to_all_time(m * per_rank[0] / 2 * e, s.sp, s.sp_link)
-        sp_fwd += 2 * all_to_all_time(m * per_rank[1] / 2 * e, s.sp, s.sp_link)
-        buffers = m * (per_rank[0] + per_rank[1]) * e
-    cp_fwd = 0.0
+        q, kv = a.num_heads * a.head_dim, max(a.num_kv_heads, s.sp) * a.head_dim
+        sp_fwd = ulysses_all_to_all_time(s.tokens, q, kv, s)
+        buffers = s.tokens * 2 * (q + kv) * e
     if s.cp > 1:
-        kv_block = m * 2 * kv_width * e
-        cp_fwd = (s.cp - 1) * p2p_time(kv_block, s.cp_link)
+        kv_block = s.tokens * 2 * max(a.num_kv_heads, s.tp) / s.tp * a.head_dim * e
+        cp_fwd = ring_kv_pass_time(kv_block, s)
         buffers += 2 * kv_block
     return _terms(
         s,
@@ -234,9 +277,9 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         gemm_flops_=gemm_fl,
         attention_s=attn_s,
         attention_flops_=attn_fl,
-        elementwise_s=elem_s,
-        saved=saved,
-        working=working,
+        elementwise_s=elementwise_time(block_elementwise_elements(layer, s), s.device, s.assumptions),
+        saved=_block_saved(layer, s, scores, s.recompute),
+        working=_block_saved(layer, s, scores, "none"),
         buffers=buffers,
         tp_fwd=tp_ar,
         tp_bwd=tp_ar,
@@ -307,7 +350,9 @@ def final_norm_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     """Final RMSNorm: memory-bound read + write of ``tokens x h``; keeps its input (replicated under TP)."""
     h, m = layer.hidden_size, shard.tokens
     elem_s = elementwise_time(2 * m * h, shard.device, shard.assumptions)
-    return _terms(shard, gemm_s=0.0, gemm_flops_=0.0, elementwise_s=elem_s, saved=m * h * shard.assumptions.activation_bytes)
+    return _terms(
+        shard, gemm_s=0.0, gemm_flops_=0.0, elementwise_s=elem_s, saved=m * h * shard.assumptions.activation_bytes
+    )
 
 
 def lm_head_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:

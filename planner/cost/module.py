@@ -76,7 +76,9 @@ _STATIC: dict[tuple, _Static] = {}
 _STATIC_LIMIT = 256
 
 
-def _static(model: ModelSpec, module: str, workload: Workload, cluster: Cluster, assumptions: CostAssumptions) -> _Static:
+def _static(
+    model: ModelSpec, module: str, workload: Workload, cluster: Cluster, assumptions: CostAssumptions
+) -> _Static:
     """The memoised static data of a module (keyed by object identity; the entry holds the objects)."""
     key = (id(model), module, id(workload), id(cluster), id(assumptions))
     entry = _STATIC.get(key)
@@ -188,7 +190,9 @@ def _layer_sums(
     return _Sums(fwd, bwd, rc, tp_c, sp_c, cp_c, saved, buffers, final_sources)
 
 
-def _measure(layer_costs: LayerCostSource, static: _Static, layer: LayerSpec, s: ModuleStrategy) -> LayerMeasurement | None:
+def _measure(
+    layer_costs: LayerCostSource, static: _Static, layer: LayerSpec, s: ModuleStrategy
+) -> LayerMeasurement | None:
     """Ask the measured source about one layer instance under this sharding."""
     return layer_costs.layer_cost(
         module=static.spec.name,

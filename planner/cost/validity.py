@@ -66,7 +66,7 @@ def check_strategy(
     elif s.sp > 1:
         reasons.append(f"llm uses sp={s.sp}; Ulysses SP is implemented for encoders only (use cp for the LLM)")
     tokens = module_tokens(workload, model)[module]
-    has_windows = any(l.attention is not None and l.attention.window_patches for l in spec.layers)
+    has_windows = any(layer.attention is not None and layer.attention.window_patches for layer in spec.layers)
     if s.sp > 1 and has_windows and tokens.windows * s.micro_batch < s.sp:
         reasons.append(
             f"sp={s.sp} but a micro-batch has only {tokens.windows * s.micro_batch} attention windows; "

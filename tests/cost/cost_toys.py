@@ -35,7 +35,10 @@ def vision_block(name: str, count: int, window: int | None) -> LayerSpec:
         params=3 * h * h + 3 * h + h * h + h + 3 * h * f + 2 * f + h + 2 * h,
         hidden_size=h,
         attention=AttentionSpec(
-            num_heads=VISION_HEADS, num_kv_heads=VISION_HEADS, head_dim=VISION_HEAD_DIM, causal=False,
+            num_heads=VISION_HEADS,
+            num_kv_heads=VISION_HEADS,
+            head_dim=VISION_HEAD_DIM,
+            causal=False,
             window_patches=window,
         ),
         mlp=MlpSpec(intermediate_size=f, gated=True),
@@ -62,12 +65,20 @@ def toy_model(*, frozen: tuple[str, ...] = ()) -> ModelSpec:
     vision = ModuleSpec(
         name="vision",
         layers=(
-            LayerSpec(kind="patch_embed", name="patch_embed", count=1, params=1176 * h, hidden_size=h, in_features=1176),
+            LayerSpec(
+                kind="patch_embed", name="patch_embed", count=1, params=1176 * h, hidden_size=h, in_features=1176
+            ),
             vision_block("window_block", 2, window=16),
             vision_block("full_block", 1, window=None),
             LayerSpec(
-                kind="patch_merger", name="patch_merger", count=1, params=4 * h * 4 * h + 4 * h * lh + h,
-                hidden_size=h, in_features=4 * h, out_features=lh, token_reduction=4,
+                kind="patch_merger",
+                name="patch_merger",
+                count=1,
+                params=4 * h * 4 * h + 4 * h * lh + h,
+                hidden_size=h,
+                in_features=4 * h,
+                out_features=lh,
+                token_reduction=4,
             ),
         ),
     )

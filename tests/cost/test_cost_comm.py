@@ -1,6 +1,7 @@
 """Alpha-beta collectives, link choice and ZeRO communication against hand calculations."""
 
 import pytest
+from cost_toys import toy_cluster
 
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
 from planner.cost.comm import (
@@ -10,13 +11,11 @@ from planner.cost.comm import (
     all_to_all_time,
     axis_within_node,
     exposed_time,
-    group_link,
+    link,
     p2p_time,
     reduce_scatter_time,
-    span_link,
     zero_comm_time,
 )
-from cost_toys import toy_cluster
 
 LINK = Link(bandwidth=1e11, latency=1e-5)
 
@@ -49,7 +48,9 @@ def test_group_of_one_or_empty_message_is_free(fn):
 
 
 def test_all_reduce_is_reduce_scatter_plus_all_gather():
-    assert all_reduce_time(3e8, 6, LINK) == pytest.approx(reduce_scatter_time(3e8, 6, LINK) + all_gather_time(3e8, 6, LINK))
+    assert all_reduce_time(3e8, 6, LINK) == pytest.approx(
+        reduce_scatter_time(3e8, 6, LINK) + all_gather_time(3e8, 6, LINK)
+    )
 
 
 def test_exposed_time():
@@ -72,23 +73,30 @@ def test_axis_within_node():
     assert axis_within_node(3, 1, 1, 1, 4)
 
 
-def test_group_link_picks_nvlink_or_nic():
+def test_link_picks_nvlink_or_nic():
     cluster = toy_cluster(8)
     a = DEFAULT_ASSUMPTIONS
-    intra = group_link(cluster, a, first_rank=0, stride=1, size=4, num_ranks=8)
-    inter = group_link(cluster, a, first_rank=0, stride=4, size=2, num_ranks=8)
-    assert intra.bandwidth == pytest.approx(2e11 * a.intra_node_bus_efficiency)
-    assert intra.latency == 1e-5
-    assert inter.bandwidth == pytest.approx(2.5e10 * a.inter_node_bus_efficiency)
-    assert inter.latency == 5e-5
-    assert span_link(cluster, a, first_rank=0, last_rank=3) == intra
-    assert span_link(cluster, a, first_rank=0, last_rank=4) == inter
+    intra = link(cluster, a, within_node=True)
+    inter = link(cluster, a, within_node=False)
+    assert intra == Link(bandwidth=2e11 * a.intra_node_bus_efficiency, latency=1e-5)
+    assert inter == Link(bandwidth=2.5e10 * a.inter_node_bus_efficiency, latency=5e-5)
 
 
 def _zero(stage, **overrides):
     args = dict(
-        zero=stage, gradient_bytes=1e9, weight_bytes=1e9, layer_weight_bytes=1e8, bucket_bytes=1e7, group_size=4,
-        link=LINK, grad_accum=2, forward_s=0.01, backward_s=0.02, trainable=True, runs_backward=True, overlap=0.5,
+        zero=stage,
+        gradient_bytes=1e9,
+        weight_bytes=1e9,
+        layer_weight_bytes=1e8,
+        bucket_bytes=1e7,
+        group_size=4,
+        link=LINK,
+        grad_accum=2,
+        forward_s=0.01,
+        backward_s=0.02,
+        trainable=True,
+        runs_backward=True,
+        overlap=0.5,
     )
     args.update(overrides)
     return zero_comm_time(**args)

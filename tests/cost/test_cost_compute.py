@@ -3,6 +3,7 @@
 from dataclasses import replace
 
 import pytest
+from cost_toys import TOY_DEVICE
 
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
 from planner.cost.compute import (
@@ -16,7 +17,6 @@ from planner.cost.compute import (
     matmul_efficiency,
     roofline_time,
 )
-from cost_toys import TOY_DEVICE
 
 A = DEFAULT_ASSUMPTIONS
 

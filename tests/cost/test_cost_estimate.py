@@ -3,10 +3,10 @@
 from dataclasses import replace
 
 import pytest
+from cost_toys import TOY_DEVICE, GiB, colocated, toy_cluster, toy_model, toy_workload
 
 from planner.cost import DEFAULT_ASSUMPTIONS, LayerMeasurement, ModuleCost, combine, estimate, module_cost
 from planner.strategy import ModuleStrategy, Strategy
-from cost_toys import GiB, TOY_DEVICE, colocated, toy_cluster, toy_model, toy_workload
 
 A = DEFAULT_ASSUMPTIONS
 MODEL = toy_model()
@@ -17,10 +17,25 @@ WORKLOAD = toy_workload(global_batch=8)
 def fake_cost(module, *, per_mb, dp_comm, states, act, buffers, in_flight=1, gpus=4, ga=2, flops=1e12):
     strategy = ModuleStrategy(dp=gpus, micro_batch=8 // (gpus * ga), grad_accum=ga)
     return ModuleCost(
-        module=module, strategy=strategy, forward_s=0, backward_s=0, recompute_s=0, tp_comm_s=0, sp_comm_s=0,
-        cp_comm_s=0, dp_comm_s=dp_comm, handoff_s=0, per_micro_batch_s=per_mb, weights_bytes=states,
-        gradients_bytes=states, optimizer_bytes=2 * states, buffers_bytes=buffers,
-        activations_per_micro_batch_bytes=act, in_flight_micro_batches=in_flight, flops_per_step=flops, sources={},
+        module=module,
+        strategy=strategy,
+        forward_s=0,
+        backward_s=0,
+        recompute_s=0,
+        tp_comm_s=0,
+        sp_comm_s=0,
+        cp_comm_s=0,
+        dp_comm_s=dp_comm,
+        handoff_s=0,
+        per_micro_batch_s=per_mb,
+        weights_bytes=states,
+        gradients_bytes=states,
+        optimizer_bytes=2 * states,
+        buffers_bytes=buffers,
+        activations_per_micro_batch_bytes=act,
+        in_flight_micro_batches=in_flight,
+        flops_per_step=flops,
+        sources={},
     )
 
 
@@ -85,7 +100,11 @@ def test_states_by_precision_and_zero():
     vision_params = MODEL.module("vision").num_params
     e = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8))
     v = e.modules["vision"]
-    assert (v.weights_bytes, v.gradients_bytes, v.optimizer_bytes) == (2 * vision_params, 2 * vision_params, 12 * vision_params)
+    assert (v.weights_bytes, v.gradients_bytes, v.optimizer_bytes) == (
+        2 * vision_params,
+        2 * vision_params,
+        12 * vision_params,
+    )
     pure = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8), precision="bf16_pure").modules["vision"]
     assert pure.optimizer_bytes == 4 * vision_params
     z3 = _estimate(ModuleStrategy(dp=8, zero=3), ModuleStrategy(dp=8)).modules["vision"]
@@ -119,9 +138,12 @@ def test_frozen_llm_still_passes_input_gradients():
     e = estimate(model, CLUSTER, WORKLOAD, colocated(ModuleStrategy(dp=8), ModuleStrategy(dp=8)))
     llm = e.modules["llm"]
     assert llm.optimizer_bytes == 0 and llm.backward_s > 0
-    assert llm.backward_s < estimate(
-        MODEL, CLUSTER, WORKLOAD, colocated(ModuleStrategy(dp=8), ModuleStrategy(dp=8))
-    ).modules["llm"].backward_s
+    assert (
+        llm.backward_s
+        < estimate(MODEL, CLUSTER, WORKLOAD, colocated(ModuleStrategy(dp=8), ModuleStrategy(dp=8)))
+        .modules["llm"]
+        .backward_s
+    )
 
 
 def test_recompute_trades_memory_for_time():
@@ -133,7 +155,12 @@ def test_recompute_trades_memory_for_time():
 
 def test_grad_accum_scales_per_step_times():
     one = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8)).modules["llm"]
-    two = estimate(MODEL, CLUSTER, toy_workload(16), colocated(ModuleStrategy(dp=8, grad_accum=2), ModuleStrategy(dp=8, grad_accum=2))).modules["llm"]
+    two = estimate(
+        MODEL,
+        CLUSTER,
+        toy_workload(16),
+        colocated(ModuleStrategy(dp=8, grad_accum=2), ModuleStrategy(dp=8, grad_accum=2)),
+    ).modules["llm"]
     assert two.forward_s == pytest.approx(2 * one.forward_s)
     assert two.per_micro_batch_s == pytest.approx(one.per_micro_batch_s)
 
@@ -152,7 +179,10 @@ def test_colocated_handoff_gathers_within_sp_group():
 def test_disjoint_in_flight_and_p2p_handoff():
     strategy = Strategy(
         placement="disjoint",
-        modules={"vision": ModuleStrategy(dp=2, grad_accum=4), "llm": ModuleStrategy(dp=2, tp=2, micro_batch=1, grad_accum=4)},
+        modules={
+            "vision": ModuleStrategy(dp=2, grad_accum=4),
+            "llm": ModuleStrategy(dp=2, tp=2, micro_batch=1, grad_accum=4),
+        },
     )
     e = estimate(MODEL, CLUSTER, WORKLOAD, strategy)
     assert e.modules["vision"].in_flight_micro_batches == 2  # stage 0 of 2
@@ -192,8 +222,15 @@ class FixedSource:
 
 def _llm_cost(source):
     return module_cost(
-        MODEL, "llm", CLUSTER, WORKLOAD, ModuleStrategy(dp=4, tp=2, micro_batch=2), placement="colocated",
-        precision="bf16_mixed", first_rank=0, layer_costs=source,
+        MODEL,
+        "llm",
+        CLUSTER,
+        WORKLOAD,
+        ModuleStrategy(dp=4, tp=2, micro_batch=2),
+        placement="colocated",
+        precision="bf16_mixed",
+        first_rank=0,
+        layer_costs=source,
     )
 
 
@@ -216,7 +253,19 @@ def test_layer_cost_source_overrides_and_records_sources():
 def test_assumption_overrides_change_results():
     base = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8))
     slow = estimate(
-        MODEL, CLUSTER, WORKLOAD, colocated(ModuleStrategy(dp=8), ModuleStrategy(dp=8)),
+        MODEL,
+        CLUSTER,
+        WORKLOAD,
+        colocated(ModuleStrategy(dp=8), ModuleStrategy(dp=8)),
         assumptions=replace(A, memory_bandwidth_efficiency=0.4),
     )
     assert slow.step_time_s > base.step_time_s
+
+
+def test_tp_group_crossing_a_node_uses_the_nic():
+    strategy = ModuleStrategy(dp=1, tp=4, micro_batch=8)
+    args = dict(placement="disjoint", precision="bf16_mixed")
+    aligned = module_cost(MODEL, "llm", CLUSTER, WORKLOAD, strategy, first_rank=0, **args)
+    straddling = module_cost(MODEL, "llm", CLUSTER, WORKLOAD, strategy, first_rank=2, **args)
+    assert straddling.tp_comm_s > aligned.tp_comm_s
+    assert straddling.forward_s == pytest.approx(aligned.forward_s)

@@ -26,7 +26,12 @@ def strategy(llm: ModuleStrategy, vision: ModuleStrategy | None = None, placemen
 
 
 def test_tp8_zero1_with_full_recompute_fits_and_is_sensible():
-    e = estimate(MODEL, CLUSTER, WORKLOAD, strategy(ModuleStrategy(dp=2, tp=8, zero=1, recompute="full", micro_batch=8, grad_accum=4)))
+    e = estimate(
+        MODEL,
+        CLUSTER,
+        WORKLOAD,
+        strategy(ModuleStrategy(dp=2, tp=8, zero=1, recompute="full", micro_batch=8, grad_accum=4)),
+    )
     assert e.fits, e.binding_constraint
     b = e.peak_breakdown
     assert b.total == b.weights + b.gradients + b.optimizer + b.activations + b.buffers + b.overhead
@@ -37,8 +42,12 @@ def test_tp8_zero1_with_full_recompute_fits_and_is_sensible():
 
 
 def test_tp_halves_llm_weight_memory():
-    tp4 = estimate(MODEL, CLUSTER, WORKLOAD, strategy(ModuleStrategy(dp=4, tp=4, recompute="full", micro_batch=4, grad_accum=4)))
-    tp8 = estimate(MODEL, CLUSTER, WORKLOAD, strategy(ModuleStrategy(dp=2, tp=8, recompute="full", micro_batch=8, grad_accum=4)))
+    tp4 = estimate(
+        MODEL, CLUSTER, WORKLOAD, strategy(ModuleStrategy(dp=4, tp=4, recompute="full", micro_batch=4, grad_accum=4))
+    )
+    tp8 = estimate(
+        MODEL, CLUSTER, WORKLOAD, strategy(ModuleStrategy(dp=2, tp=8, recompute="full", micro_batch=8, grad_accum=4))
+    )
     # 8 KV heads: both degrees split them, so the whole decoder halves (the final norm is negligible)
     assert tp8.modules["llm"].weights_bytes == pytest.approx(tp4.modules["llm"].weights_bytes / 2, rel=1e-4)
     # language model + lm_head = 32.76e9 params, 2 B each, over 4 ranks
@@ -54,7 +63,9 @@ def test_plain_data_parallel_does_not_fit():
 
 
 def test_zero3_across_nodes_pays_for_inter_node_gathers():
-    zero3 = estimate(MODEL, CLUSTER, WORKLOAD, strategy(ModuleStrategy(dp=16, zero=3, recompute="full", micro_batch=1, grad_accum=4)))
+    zero3 = estimate(
+        MODEL, CLUSTER, WORKLOAD, strategy(ModuleStrategy(dp=16, zero=3, recompute="full", micro_batch=1, grad_accum=4))
+    )
     assert zero3.modules["llm"].dp_comm_s > 1.0  # 64 GB of bf16 weights gathered twice per micro-batch over the NIC
 
 
@@ -74,6 +85,7 @@ def test_disjoint_placement_runs():
 
 
 def test_cost_package_imports_without_heavy_dependencies():
-    code = "import sys\nfor m in ('torch', 'ray', 'transformers', 'ortools'):\n    sys.modules[m] = None\nimport planner.cost\n"
+    blocked = ("torch", "ray", "transformers", "ortools")
+    code = f"import sys\nfor m in {blocked!r}:\n    sys.modules[m] = None\nimport planner.cost\nimport planner.cost.report\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

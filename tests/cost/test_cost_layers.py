@@ -3,12 +3,19 @@
 from dataclasses import replace
 
 import pytest
+from cost_toys import TOY_DEVICE, toy_model
 
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
 from planner.cost.comm import Link, all_reduce_time, all_to_all_time, p2p_time
 from planner.cost.compute import attention_core_time, gemm_time
-from planner.cost.layers import Shard, gemm_backward_factor, layer_terms
-from cost_toys import TOY_DEVICE, toy_model
+from planner.cost.layers import (
+    Shard,
+    block_elementwise_elements,
+    gemm_backward_factor,
+    layer_terms,
+    ring_kv_pass_time,
+    ulysses_all_to_all_time,
+)
 
 A = DEFAULT_ASSUMPTIONS
 LINK = Link(bandwidth=1.6e11, latency=1e-5)
@@ -20,9 +27,22 @@ FULL = MODEL.module("vision").layer("full_block")
 
 def shard(*, tp=1, sp=1, cp=1, mb=1, seq=64, windows=0, recompute="none", backward="full", assumptions=A):
     return Shard(
-        tp=tp, sp=sp, cp=cp, micro_batch=mb, tokens=mb * seq / (sp * cp), segment_tokens=seq, segments=1,
-        window_tokens=seq / windows if windows else 0.0, windows=windows, recompute=recompute, backward=backward,
-        tp_link=LINK, sp_link=LINK, cp_link=LINK, device=TOY_DEVICE, assumptions=assumptions,
+        tp=tp,
+        sp=sp,
+        cp=cp,
+        micro_batch=mb,
+        tokens=mb * seq / (sp * cp),
+        segment_tokens=seq,
+        segments=1,
+        window_tokens=seq / windows if windows else 0.0,
+        windows=windows,
+        recompute=recompute,
+        backward=backward,
+        tp_link=LINK,
+        sp_link=LINK,
+        cp_link=LINK,
+        device=TOY_DEVICE,
+        assumptions=assumptions,
     )
 
 
@@ -160,3 +180,20 @@ def test_frozen_embedding_has_no_backward():
     emb = MODEL.module("llm").layer("embedding")
     assert layer_terms(emb, shard(backward="input")).backward_s == 0.0
     assert layer_terms(emb, shard()).backward_s > 0.0
+
+
+def test_ulysses_all_to_all_time_formula():
+    # q and out: 2 x a2a(100 tokens x 64 x 2 B); k and v: 2 x a2a(100 x 32 x 2 B)
+    s = shard(sp=4)
+    expected = 2 * all_to_all_time(100 * 64 * 2, 4, LINK) + 2 * all_to_all_time(100 * 32 * 2, 4, LINK)
+    assert ulysses_all_to_all_time(100, 64, 32, s) == pytest.approx(expected)
+
+
+def test_ring_kv_pass_time_formula():
+    # cp=4: 3 passes of a 1 MB block
+    assert ring_kv_pass_time(1e6, shard(cp=4)) == pytest.approx(3 * p2p_time(1e6, LINK))
+
+
+def test_block_elementwise_elements():
+    # decoder, 64 tokens, tp=1: 10h + 2(q + kv) + 3f = 1280 + 2*(128 + 32) + 768 = 2368 per token
+    assert block_elementwise_elements(DECODER, shard()) == 64 * 2368

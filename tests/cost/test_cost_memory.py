@@ -3,6 +3,7 @@
 from dataclasses import replace
 
 import pytest
+from cost_toys import LLM_HEAD_DIM, LLM_HIDDEN, LLM_KV_HEADS, decoder_layer, toy_model
 
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, BytesPerParam
 from planner.cost.memory import (
@@ -16,7 +17,6 @@ from planner.cost.memory import (
     score_matrix_bytes,
     zero3_gather_bytes,
 )
-from cost_toys import LLM_HEAD_DIM, LLM_HIDDEN, LLM_KV_HEADS, decoder_layer, toy_model
 
 A = DEFAULT_ASSUMPTIONS
 MIXED = A.bf16_mixed
@@ -70,8 +70,15 @@ def test_replicated_kinds_are_not_split():
 def _gpt(t, recompute="none", assumptions=A):
     h = 1024
     return block_saved_bytes_per_token(
-        hidden=h, q_width=h / t, kv_width=h / t, mlp_width=4 * h / t, gated=False, heads=16 / t, tp=t,
-        recompute=recompute, assumptions=assumptions,
+        hidden=h,
+        q_width=h / t,
+        kv_width=h / t,
+        mlp_width=4 * h / t,
+        gated=False,
+        heads=16 / t,
+        tp=t,
+        recompute=recompute,
+        assumptions=assumptions,
     )
 
 
@@ -112,7 +119,14 @@ def test_swiglu_and_gqa_per_token():
     # h=128, q=8x16=128, kv=2x16=32, f=256 gated, tp=1:
     # 4h + (2*128 + 2*32) + 4*256 = 512 + 320 + 1024 = 1856 elements * 2 B + 8 heads * 4 B
     got = block_saved_bytes_per_token(
-        hidden=128, q_width=128, kv_width=32, mlp_width=256, gated=True, heads=8, tp=1, recompute="none",
+        hidden=128,
+        q_width=128,
+        kv_width=32,
+        mlp_width=256,
+        gated=True,
+        heads=8,
+        tp=1,
+        recompute="none",
         assumptions=A,
     )
     assert got == 1856 * 2 + 32

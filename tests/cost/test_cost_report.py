@@ -1,11 +1,11 @@
 """Cost results convert into the Plan schema's prediction records."""
 
 import pytest
+from cost_toys import GiB, colocated, toy_cluster, toy_model, toy_workload
 
 from planner.cost import estimate
 from planner.cost.report import module_predictions, prediction
 from planner.strategy import ModuleStrategy, Strategy
-from cost_toys import GiB, colocated, toy_cluster, toy_model, toy_workload
 
 MODEL, CLUSTER, WORKLOAD = toy_model(), toy_cluster(8), toy_workload(8)
 

@@ -1,10 +1,11 @@
 """check_strategy: one-line reasons for each broken rule, [] when valid."""
 
+from cost_toys import toy_cluster, toy_model, toy_workload
+
 from planner.cost import check_strategy
 from planner.cost.validity import heads_rule
 from planner.strategy import ModuleStrategy
 from planner.workload import Workload
-from cost_toys import toy_cluster, toy_model, toy_workload
 
 MODEL = toy_model()
 CLUSTER = toy_cluster(8)
@@ -58,7 +59,9 @@ def test_too_many_gpus():
 
 def test_encoder_rules():
     assert any("TP or Ulysses SP, not both" in r for r in check("vision", dp=1, tp=2, sp=2, micro_batch=8))
-    assert any("context parallelism is implemented for the LLM only" in r for r in check("vision", dp=4, cp=2, micro_batch=2))
+    assert any(
+        "context parallelism is implemented for the LLM only" in r for r in check("vision", dp=4, cp=2, micro_batch=2)
+    )
 
 
 def test_llm_has_no_ulysses():
