@@ -86,6 +86,7 @@ def test_disjoint_placement_runs():
 
 def test_cost_package_imports_without_heavy_dependencies():
     blocked = ("torch", "ray", "transformers", "ortools")
-    code = f"import sys\nfor m in {blocked!r}:\n    sys.modules[m] = None\nimport planner.cost\nimport planner.cost.report\n"
+    code = f"import sys\nfor m in {blocked!r}:\n    sys.modules[m] = None\n"
+    code += "import planner.cost\nimport planner.cost.report\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
