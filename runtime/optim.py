@@ -1,0 +1,66 @@
+"""AdamW per module, one global gradient norm across all modules, linear warm-up (plan.training)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+CLIP_EPS = 1e-6
+"""Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does."""
+
+
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """LR multiplier of optimizer step ``step`` (0-based): linear from 1/warmup to 1 over ``warmup_steps``, then 1."""
+    return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+
+
+def build_optimizer(module: nn.Module, training) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over ``module``'s parameters with the plan's LR, weight decay and warm-up."""
+    optimizer = torch.optim.AdamW(module.parameters(), lr=training.learning_rate, weight_decay=training.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_factor(step, training.warmup_steps))
+    return optimizer, schedule
+
+
+def grad_sq_norm(module: nn.Module) -> torch.Tensor:
+    """Squared L2 norm of all of ``module``'s gradients, reduced over its shards (same value on all its ranks)."""
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in module.parameters():
+        if p.grad is not None:
+            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+            groups[key].append(p.grad)
+    total = torch.zeros((), dtype=torch.float32)
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total = total + norm.float().cpu() ** 2
+    return total
+
+
+@torch.no_grad()
+def clip_grad_norm(
+    modules: dict[str, nn.Module], all_modules: list[str], max_norm: float, device: torch.device
+) -> float:
+    """Scale every module's gradients by min(1, max_norm / (global norm + eps)); returns the global norm.
+
+    Each rank holds some of the modules (all of them when colocated); the squared norms are exchanged with
+    one all-reduce (max: ranks of a module agree, other ranks contribute 0).
+    """
+    sq = torch.zeros(len(all_modules))
+    for i, name in enumerate(all_modules):
+        if name in modules:
+            sq[i] = grad_sq_norm(modules[name])
+    sq = sq.to(device)
+    dist.all_reduce(sq, op=dist.ReduceOp.MAX)
+    total = float(sq.sum().sqrt())
+    coef = min(1.0, max_norm / (total + CLIP_EPS))
+    if coef < 1.0:
+        for module in modules.values():
+            for p in module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return total

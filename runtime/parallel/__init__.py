@@ -1,0 +1,1 @@
+"""One file per parallelism technique, applied to the runtime's modules by runtime.parallelize."""

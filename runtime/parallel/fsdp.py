@@ -1,0 +1,57 @@
+"""Data parallelism and ZeRO over a module's data-parallel ranks, with FSDP2 ``fully_shard``.
+
+What each planned ZeRO stage maps to (ZeRO: Rajbhandari et al. 2020):
+
+- zero 0 — plain data parallelism: weights, gradients and Adam states replicated; gradients summed with one
+  bucketed all-reduce after the last micro-batch (``all_reduce_gradients``, DDP-like, no FSDP).
+- zero 1 — ``fully_shard(reshard_after_forward=False)`` with gradient sync only on the last micro-batch: Adam
+  states and the fp32 master weights are sharded; full gradients accumulate locally across micro-batches and
+  are reduce-scattered once per step, as in ZeRO-1. Unlike textbook ZeRO-1 the weights are all-gathered at the
+  step's first forward instead of being kept whole between steps (same peak, one all-gather per step).
+- zero 2 — as zero 1 but gradients are reduce-scattered after every micro-batch, so they too stay sharded.
+- zero 3 — ``fully_shard(reshard_after_forward=True)``: weights are re-sharded after each block's forward and
+  all-gathered again for its backward.
+
+Sharding is per block, then the module root (torchtitan's order). The vision tower's sequence-parallel ranks
+hold the same weights and each computes part of every gradient, so its data-parallel group is dp x sp
+(torchtitan's "dp_shard_cp"): the gradients are summed over both, and ZeRO shards over both.
+Gradients are summed, not averaged (divide factor 1): the loss is already normalised by the step's token count.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+
+def apply_fsdp(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, *, zero: int) -> None:
+    """Shard ``module`` for ZeRO stage 1-3 over ``mesh`` (1-D data-parallel mesh)."""
+    assert zero in (1, 2, 3), zero
+    reshard = zero == 3
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_gradient_divide_factor(1.0)
+            sub.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+
+
+def set_gradient_sync(module: nn.Module, *, zero: int, last_micro_batch: bool) -> None:
+    """Before a backward: reduce-scatter every micro-batch (ZeRO-2/3) or only the last (ZeRO-1)."""
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(zero >= 2 or last_micro_batch)
+
+
+@torch.no_grad()
+def all_reduce_gradients(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """ZeRO-0: sum every gradient over ``group`` with one flat all-reduce (a single bucket)."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    flat = torch._utils._flatten_dense_tensors(local)
+    dist.all_reduce(flat, group=group)
+    for g, synced in zip(local, torch._utils._unflatten_dense_tensors(flat, local)):
+        g.copy_(synced)

@@ -1,0 +1,91 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) with DTensor ``parallelize_module``.
+
+Per block: q/k/v (or the fused vision ``qkv``) and the MLP's gate/up projections are column-parallel, the output
+projections row-parallel, so each block needs one all-reduce forward and one backward. The LLM's embedding is
+vocab-parallel (row-parallel over the vocabulary) and ``lm_head`` column-parallel with its logits left sharded
+on the vocabulary, for ``loss_parallel``. Norms stay replicated.
+
+The vision ``qkv`` projection is fused as [3, heads, head_dim] rows; before sharding its rows are reordered to
+[tp, 3, heads/tp, head_dim] so that each rank's column slice holds its own q, k and v heads
+(``qkv_to_tp_layout``; ``qkv_from_tp_layout`` undoes it when parameters are gathered to HF layout).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+VISION_MLP_PLANS = {
+    "gate_proj": {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()},
+    "fc1": {"mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()},
+}
+"""Qwen2.5-VL (gated) and Qwen2-VL (fc1/fc2) vision MLPs."""
+
+LLM_BLOCK_PLAN = {
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.o_proj": RowwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(),
+    "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(),
+}
+
+
+def qkv_to_tp_layout(t: torch.Tensor, tp: int) -> torch.Tensor:
+    """Rows [3, tp, h, Dh] -> [tp, 3, h, Dh] (h = heads / tp) of a fused qkv weight or bias."""
+    return t.reshape(3, tp, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def qkv_from_tp_layout(t: torch.Tensor, tp: int) -> torch.Tensor:
+    """Inverse of qkv_to_tp_layout."""
+    return t.reshape(tp, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def _check_divisible(what: str, count: int, tp: int) -> None:
+    if count % tp:
+        raise ValueError(f"tensor-parallel degree {tp} does not divide the {count} {what}")
+
+
+@torch.no_grad()
+def _reorder_qkv(attn: nn.Module, tp: int) -> None:
+    attn.qkv.weight.copy_(qkv_to_tp_layout(attn.qkv.weight, tp))
+    attn.qkv.bias.copy_(qkv_to_tp_layout(attn.qkv.bias, tp))
+    attn.num_heads //= tp
+
+
+def parallelize_vision_tp(visual: nn.Module, mesh: DeviceMesh) -> None:
+    """Shard every vision block and the merger's MLP over the ``tp`` mesh."""
+    tp = mesh.size()
+    _check_divisible("vision attention heads", visual.config.num_heads, tp)
+    for block in visual.blocks:
+        _reorder_qkv(block.attn, tp)
+        mlp_plan = VISION_MLP_PLANS["gate_proj" if hasattr(block.mlp, "gate_proj") else "fc1"]
+        plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(), **mlp_plan}
+        parallelize_module(block, mesh, plan)
+    parallelize_module(visual.merger, mesh, {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
+
+
+def parallelize_llm_tp(llm: nn.Module, mesh: DeviceMesh) -> None:
+    """Shard the decoder blocks, the embedding (vocab-parallel) and lm_head (logits sharded on vocab)."""
+    tp = mesh.size()
+    config = llm.language_model.config
+    _check_divisible("LLM attention heads", config.num_attention_heads, tp)
+    _check_divisible("LLM key/value heads", config.num_key_value_heads, tp)
+    _check_divisible("vocabulary entries", config.vocab_size, tp)
+    tied = llm.lm_head.weight is llm.language_model.embed_tokens.weight
+    parallelize_module(
+        llm,
+        mesh,
+        {
+            "language_model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        },
+    )
+    if tied:  # both are sharded on the vocabulary dim, so the shards can stay shared
+        llm.lm_head.weight = llm.language_model.embed_tokens.weight
+    for block in llm.language_model.layers:
+        parallelize_module(block, mesh, LLM_BLOCK_PLAN)

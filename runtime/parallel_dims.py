@@ -1,0 +1,119 @@
+"""Per-module parallel degrees read from the Plan, and the device mesh each module runs on.
+
+A module's ranks form a ``dp x cp x sp x tp`` grid (tp innermost), as the planner lays them out; the mesh has
+those four named axes, plus ``dp_cp_sp`` (flattened) for the module's data-parallel / gradient-sum group.
+The runtime never re-decides any of these numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from planner.schema import ModulePlan
+
+AXES = ("dp", "cp", "sp", "tp")
+"""Mesh axis names, outermost first."""
+
+BATCH_AXIS = "dp_cp_sp"
+"""Flattened axis over which a module's gradients are summed and ZeRO shards."""
+
+
+@dataclass(kw_only=True)
+class ParallelDims:
+    """Degrees of one module and, once built, its mesh."""
+
+    name: str
+    """Module name in the plan (``vision``, ``llm``)."""
+    ranks: tuple[int, ...]
+    """Global ranks of the module, in grid order."""
+    dp: int
+    """Data-parallel degree."""
+    cp: int
+    """Context-parallel degree."""
+    sp: int
+    """Ulysses sequence-parallel degree."""
+    tp: int
+    """Tensor-parallel degree."""
+    zero: int
+    """ZeRO stage over dp (x sp), see runtime.parallel.fsdp."""
+    recompute: str
+    """none / selective / full."""
+    micro_batch: int
+    """Samples per micro-batch per DP replica."""
+    grad_accum: int
+    """Micro-batches per optimizer step."""
+    mesh: DeviceMesh | None = field(default=None, repr=False)
+    """The module's mesh (``build_mesh``)."""
+
+    def __post_init__(self) -> None:
+        if len(self.ranks) != self.dp * self.cp * self.sp * self.tp:
+            raise ValueError(f"{self.name}: {len(self.ranks)} ranks for dp*cp*sp*tp = {self.num_devices}")
+        if len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"{self.name}: a rank appears twice in {self.ranks}")
+        if self.cp > 1:
+            raise NotImplementedError(
+                f"{self.name}: context parallelism (cp={self.cp}) is not implemented: torch's context_parallel "
+                "shards SDPA through the CUDA flash/efficient kernels with is_causal and no explicit mask, but the "
+                "HF Qwen-VL blocks pass packed per-image segments and explicit masks, and CPU/gloo has no such kernel"
+            )
+        if self.sp > 1 and self.name != "vision":
+            raise NotImplementedError(f"{self.name}: sequence parallelism is implemented for the vision tower only")
+
+    @classmethod
+    def from_plan(cls, module: ModulePlan) -> "ParallelDims":
+        """The degrees a plan gives one module."""
+        return cls(
+            name=module.name, ranks=tuple(module.ranks), dp=module.dp, cp=module.cp, sp=module.sp, tp=module.tp,
+            zero=module.zero, recompute=module.recompute, micro_batch=module.micro_batch,
+            grad_accum=module.grad_accum,
+        )
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.cp * self.sp * self.tp
+
+    @property
+    def batch_degree(self) -> int:
+        """Ranks that share weights and sum gradients: dp * cp * sp."""
+        return self.dp * self.cp * self.sp
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def sp_enabled(self) -> bool:
+        return self.sp > 1
+
+    @property
+    def batch_enabled(self) -> bool:
+        return self.batch_degree > 1
+
+    def coordinate(self, rank: int) -> dict[str, int]:
+        """Grid position of a global rank of this module, e.g. ``{"dp": 1, "cp": 0, "sp": 0, "tp": 1}``."""
+        index = self.ranks.index(rank)
+        coord = {}
+        for axis, size in zip(reversed(AXES), reversed([self.dp, self.cp, self.sp, self.tp])):
+            coord[axis] = index % size
+            index //= size
+        return {axis: coord[axis] for axis in AXES}
+
+    def ranks_where(self, **fixed: int) -> list[int]:
+        """Global ranks whose grid coordinates match ``fixed`` (e.g. ``dp=0, tp=0``)."""
+        return [r for r in self.ranks if all(self.coordinate(r)[k] == v for k, v in fixed.items())]
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Create the module's mesh; every rank of the world must call this (for every module) in the same order."""
+        grid = torch.tensor(self.ranks).view(self.dp, self.cp, self.sp, self.tp)
+        self.mesh = DeviceMesh(device_type, grid, mesh_dim_names=AXES)
+        self.mesh[("dp", "cp", "sp")]._flatten(BATCH_AXIS)
+        return self.mesh
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name}: DP{self.dp}-CP{self.cp}-SP{self.sp}-TP{self.tp} ZeRO{self.zero} "
+            f"rc={self.recompute} mb={self.micro_batch} ga={self.grad_accum} ranks={list(self.ranks)}"
+        )

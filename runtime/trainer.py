@@ -1,0 +1,335 @@
+"""The step loop on one rank: data -> vision forward -> hand-off -> LLM forward/backward -> hand-back ->
+vision backward -> optimizer. Colocated and disjoint placements differ only in ``train_step``'s one branch.
+
+Numerics: on CPU everything runs in fp32 (for exact parity with the single-process model). On GPU the plan's
+recipe applies: ``bf16_mixed`` = fp32 weights/grads/Adam with bf16 autocast; ``bf16_pure`` = bf16 everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from planner.schema import Plan
+from runtime.data import IGNORE_INDEX, CaptionData, Sample, SyntheticData, collate, layout_from_plan
+from runtime.handoff import Handoff, build_pieces
+from runtime.model import build_model, hf_config_from_dict, split_model
+from runtime.optim import build_optimizer, clip_grad_norm
+from runtime.parallel import attention
+from runtime.parallel.fsdp import all_reduce_gradients, set_gradient_sync
+from runtime.parallel.tensor_parallel import qkv_from_tp_layout
+from runtime.parallel_dims import BATCH_AXIS, ParallelDims
+from runtime.parallelize import parallelize_llm, parallelize_vision
+from runtime.vision import merged_positions_per_rank, shard_vision_batch, vision_forward
+
+MODULES = ("vision", "llm")
+"""Modules the runtime places; a plan must have exactly these."""
+
+MAX_VISION_IN_FLIGHT = 2
+"""Disjoint placement: micro-batches the vision group runs ahead of its backward (activation memory bound)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunOptions:
+    """What the command line adds to a plan."""
+
+    seed: int = 0
+    """Seed of the random init and of the synthetic data."""
+    data: str | None = None
+    """Image-caption folder or JSONL; synthetic data when None."""
+    checkpoint: str | None = None
+    """save_pretrained folder to start from; random init when None."""
+
+
+def device_for(plan: Plan) -> torch.device:
+    """CPU for a plan made for ``--gpu cpu``, else this worker's GPU."""
+    return torch.device("cpu") if plan.cluster.device.name.lower() == "cpu" else torch.device("cuda", 0)
+
+
+class Trainer:
+    """Everything one rank holds: its modules' shards, optimizers, data and the hand-off routes."""
+
+    def __init__(self, plan: Plan, *, rank: int, options: RunOptions):
+        self.plan, self.rank, self.options = plan, rank, options
+        self.device = device_for(plan)
+        self.dims = {name: ParallelDims.from_plan(plan.module(name)) for name in MODULES}
+        for dims in self.dims.values():
+            dims.build_mesh(self.device.type)
+        config = hf_config_from_dict(plan.model.hf_config)
+        self.layout = layout_from_plan(plan.workload, config)
+        self.vision_config = config.vision_config
+        self.source = (CaptionData(options.data, self.layout) if options.data
+                       else SyntheticData(self.layout, options.seed))
+        self.modules, self.rope_index = self._build_modules(attention.register())
+        self.optimizers = {name: build_optimizer(m, plan.training) for name, m in self.modules.items()}
+        self.handoff = self._build_handoff(config)
+        self.step = 0
+
+    # ---- construction -------------------------------------------------------------------------------
+    def _build_modules(self, attn: str):
+        model = build_model(self.plan.model.hf_config, seed=self.options.seed, checkpoint=self.options.checkpoint,
+                            attention=attn)
+        if self.device.type == "cuda" and self.plan.training.precision == "bf16_pure":
+            model = model.to(torch.bfloat16)
+        model = model.to(self.device)
+        vision, llm, rope_index = split_model(model)
+        modules = {}
+        if self.rank in self.dims["vision"].ranks:
+            parallelize_vision(vision, self.dims["vision"])
+            vision.set_forward(vision_forward)
+            modules["vision"] = vision
+        else:
+            model.model.visual = None
+        if self.rank in self.dims["llm"].ranks:
+            parallelize_llm(llm, self.dims["llm"])
+            modules["llm"] = llm
+        else:
+            model.model.language_model, model.lm_head = None, None
+        return modules, rope_index
+
+    def _build_handoff(self, config) -> Handoff:
+        vision = self.dims["vision"]
+        grid = self._grid(vision.micro_batch)
+        positions = merged_positions_per_rank(grid, self.vision_config, vision.sp)
+        per_sample = sum(self.layout.image_tokens())
+        pieces = build_pieces(vision, positions, vision.micro_batch * per_sample)
+        return Handoff(vision=vision, llm=self.dims["llm"], pieces=pieces, tokens_per_sample=per_sample,
+                       hidden=config.get_text_config().hidden_size, rank=self.rank, dtype=self._handoff_dtype(),
+                       device=self.device)
+
+    def _grid(self, samples: int) -> torch.Tensor:
+        sizes = [(1, h // self.layout.patch_size, w // self.layout.patch_size) for h, w in self.layout.image_sizes]
+        return torch.tensor(sizes * samples)
+
+    def _handoff_dtype(self) -> torch.dtype:
+        return torch.float32 if self.device.type == "cpu" else torch.bfloat16
+
+    def _autocast(self):
+        if self.device.type == "cuda" and self.plan.training.precision == "bf16_mixed":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ---- data ---------------------------------------------------------------------------------------
+    @property
+    def num_micro_batches(self) -> int:
+        return self.dims["llm"].grad_accum
+
+    def _samples(self, micro: int, name: str) -> Sample:
+        """This rank's samples of micro-batch ``micro`` for module ``name`` (its DP replica's slice)."""
+        if (micro, name) not in self._batches:
+            dims = self.dims[name]
+            per_micro = dims.dp * dims.micro_batch
+            first = (self.step * self.num_micro_batches + micro) * per_micro
+            first += dims.coordinate(self.rank)["dp"] * dims.micro_batch
+            batch = collate([self.source.sample(first + i) for i in range(dims.micro_batch)])
+            self._batches[micro, name] = {k: v.to(self.device) for k, v in batch.items()}
+        return self._batches[micro, name]
+
+    def _count_target_tokens(self) -> torch.Tensor:
+        """Tokens the loss averages over in this step, across all LLM replicas."""
+        count = torch.zeros((), dtype=torch.float32, device=self.device)
+        for micro in range(self.num_micro_batches):
+            count += (self._samples(micro, "llm")["labels"][:, 1:] != IGNORE_INDEX).sum()
+        dims = self.dims["llm"]
+        if dims.batch_enabled:
+            dist.all_reduce(count, group=dims.mesh[BATCH_AXIS].get_group())
+        return count
+
+    # ---- the step's named stages -------------------------------------------------------------------------
+    def vision_forward(self, micro: int) -> torch.Tensor:
+        """This rank's merged image tokens of micro-batch ``micro`` (window order)."""
+        dims = self.dims["vision"]
+        batch = self._samples(micro, "vision")
+        sp_group = dims.mesh["sp"].get_group() if dims.sp_enabled else None
+        shard = shard_vision_batch(batch["pixel_values"], batch["image_grid_thw"].cpu(), self.vision_config,
+                                   sp_rank=dims.coordinate(self.rank)["sp"], sp_group=sp_group, sp=dims.sp)
+        shard = _to_device(shard, self.device)
+        with self._timed("vision_forward_s"), self._autocast():
+            return self.modules["vision"](shard)
+
+    def hand_off(self, rows: torch.Tensor, micro: int) -> list:
+        """Post the sends of this rank's vision piece to the LLM ranks that need it."""
+        return self.handoff.send_activations(rows, micro)
+
+    def llm_forward_backward(self, micro: int, num_tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Receive image tokens, run the LLM forward and backward; returns their gradient and the loss share."""
+        batch = self._samples(micro, "llm")
+        embeds = self.handoff.recv_activations(micro)
+        position_ids, _ = self.rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
+                                          image_grid_thw=batch["image_grid_thw"])
+        llm, dims = self.modules["llm"], self.dims["llm"]
+        set_gradient_sync(llm, zero=dims.zero, last_micro_batch=micro == self.num_micro_batches - 1)
+        with loss_parallel() if dims.tp_enabled else contextlib.nullcontext():
+            with self._timed("llm_forward_s"), self._autocast():
+                logits = llm(batch["input_ids"], embeds, position_ids)
+                loss = self._loss(logits, batch["labels"], num_tokens)
+            with self._timed("llm_backward_s"):
+                loss.backward()
+        value = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return embeds.grad, float(value.detach())
+
+    def hand_back(self, grad: torch.Tensor, micro: int) -> list:
+        """Post the image-token gradients back to the vision ranks that produced them."""
+        return self.handoff.send_gradients(grad, micro)
+
+    def vision_backward(self, rows: torch.Tensor, micro: int) -> None:
+        """Receive this rank's piece gradient and backpropagate it through the vision tower."""
+        grad = self.handoff.recv_gradients(micro)
+        dims = self.dims["vision"]
+        set_gradient_sync(self.modules["vision"], zero=dims.zero, last_micro_batch=micro == self.num_micro_batches - 1)
+        with self._timed("vision_backward_s"):
+            rows.backward(grad.to(rows.dtype))
+
+    def optimizer_step(self) -> float:
+        """Sum ZeRO-0 gradients, clip by the global norm over all modules, step AdamW and the LR schedule."""
+        with self._timed("optimizer_s"):
+            for name, module in self.modules.items():
+                dims = self.dims[name]
+                if dims.zero == 0 and dims.batch_enabled:
+                    all_reduce_gradients(module, dims.mesh[BATCH_AXIS].get_group())
+            norm = clip_grad_norm(self.modules, list(MODULES), self.plan.training.grad_clip_norm, self.device)
+            for optimizer, schedule in self.optimizers.values():
+                optimizer.step()
+                schedule.step()
+        return norm
+
+    @staticmethod
+    def _loss(logits: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy summed over this micro-batch, divided by the step's target-token count:
+        the sum over micro-batches and replicas is transformers' mean loss over the whole global batch."""
+        shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="sum")
+        return ce / num_tokens
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step; returns this rank's measurements."""
+        self.timings: dict[str, float] = defaultdict(float)
+        self._batches: dict[tuple[int, str], Sample] = {}
+        self.handoff.comm_seconds = 0.0
+        start = time.perf_counter()
+        for optimizer, _ in self.optimizers.values():
+            optimizer.zero_grad(set_to_none=True)
+        num_tokens = self._count_target_tokens() if "llm" in self.modules else None
+        if self.plan.placement == "colocated":
+            loss = self._colocated_step(num_tokens)
+        else:
+            loss = self._disjoint_step(num_tokens)
+        self.handoff.release()
+        loss = self._reduce_loss(loss)
+        norm = self.optimizer_step()
+        self.step += 1
+        _sync(self.device)
+        return {
+            "rank": self.rank, "modules": sorted(self.modules), "loss": loss, "grad_norm": norm,
+            "lr": self.optimizers[next(iter(self.optimizers))][1].get_last_lr()[0] if self.optimizers else None,
+            "step_time_s": time.perf_counter() - start, "handoff_comm_s": self.handoff.comm_seconds,
+            "peak_memory_bytes": _peak_memory(self.device), **self.timings,
+        }
+
+    def _colocated_step(self, num_tokens: torch.Tensor) -> float:
+        loss = 0.0
+        for micro in range(self.num_micro_batches):
+            rows = self.vision_forward(micro)
+            sends = self.hand_off(rows, micro)
+            grad, share = self.llm_forward_backward(micro, num_tokens)
+            loss += share
+            self.handoff.wait(sends)
+            sends = self.hand_back(grad, micro)
+            self.vision_backward(rows, micro)
+            self.handoff.wait(sends)
+        return loss
+
+    def _disjoint_step(self, num_tokens: torch.Tensor | None) -> float:
+        """1F1B across the two groups: the vision group runs up to MAX_VISION_IN_FLIGHT forwards ahead, then
+        alternates backward / forward; the LLM group alternates receive / forward-backward / send."""
+        loss, sends = 0.0, []
+        if "vision" in self.modules:
+            in_flight = {}
+            for micro in range(min(MAX_VISION_IN_FLIGHT, self.num_micro_batches)):
+                in_flight[micro] = self._forward_and_send(micro)
+            for micro in range(self.num_micro_batches):
+                rows, posted = in_flight.pop(micro)
+                self.vision_backward(rows, micro)
+                sends += posted
+                if micro + MAX_VISION_IN_FLIGHT < self.num_micro_batches:
+                    in_flight[micro + MAX_VISION_IN_FLIGHT] = self._forward_and_send(micro + MAX_VISION_IN_FLIGHT)
+        if "llm" in self.modules:
+            for micro in range(self.num_micro_batches):
+                grad, share = self.llm_forward_backward(micro, num_tokens)
+                loss += share
+                sends += self.hand_back(grad, micro)
+        self.handoff.wait(sends)
+        return loss
+
+    def _forward_and_send(self, micro: int) -> tuple[torch.Tensor, list]:
+        rows = self.vision_forward(micro)
+        return rows, self.hand_off(rows, micro)
+
+    def _reduce_loss(self, loss: float) -> float | None:
+        """The step's mean loss over the global batch (on LLM ranks; None elsewhere)."""
+        dims = self.dims["llm"]
+        if "llm" not in self.modules:
+            return None
+        value = torch.tensor(loss, device=self.device)
+        if dims.batch_enabled:
+            dist.all_reduce(value, group=dims.mesh[BATCH_AXIS].get_group())
+        return float(value)
+
+    # ---- inspection (tests, checkpoints) ---------------------------------------------------------------
+    def full_tensors(self, kind: str) -> dict[str, torch.Tensor]:
+        """Unsharded parameters (``kind="param"``) or gradients (``"grad"``) under their HF names, on CPU.
+
+        Every rank of a module must call this (gathering is collective); the module's first rank returns them.
+        """
+        out = {}
+        for name, module in self.modules.items():
+            dims = self.dims[name]
+            for local_name, param in module.named_parameters():
+                tensor = param if kind == "param" else param.grad
+                if tensor is None:
+                    continue
+                if isinstance(tensor, DTensor):
+                    tensor = tensor.full_tensor()
+                if name == "vision" and dims.tp_enabled and ".attn.qkv." in local_name:
+                    tensor = qkv_from_tp_layout(tensor, dims.tp)
+                if self.rank == dims.ranks[0]:
+                    out[module.hf_name(local_name)] = tensor.detach().float().cpu().clone()
+        return out
+
+    @contextlib.contextmanager
+    def _timed(self, key: str):
+        start = time.perf_counter()
+        yield
+        _sync(self.device)
+        self.timings[key] += time.perf_counter() - start
+
+
+def _to_device(shard, device: torch.device):
+    if device.type == "cpu":
+        return shard
+    fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in shard.__dict__.items()}
+    return type(shard)(**fields)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_memory(device: torch.device) -> int:
+    """Peak bytes: allocated device memory on GPU, the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,112 @@
+"""How one vision rank runs its part of a micro-batch: window split (Ulysses SP) and the block loop.
+
+The forward reuses the tower's own submodules (patch_embed, rotary_pos_emb, blocks, merger) and transformers'
+own index helpers (``get_vision_window_index`` etc.), in the same order as
+``Qwen2_5_VisionTransformerPretrainedModel.forward``; it only restricts every step to this rank's windows.
+Qwen2-VL has no windows: its sequence is split on merge units and every block is a full-attention block.
+
+Shape legend: N patches of the replica, n this rank's patches, M merged tokens, P flattened patch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids, get_vision_window_index
+
+from runtime.parallel.ulysses import UlyssesGroup, split_windows
+
+
+@dataclass(kw_only=True, frozen=True)
+class VisionShard:
+    """This rank's inputs for one vision micro-batch."""
+
+    pixel_values_nP: torch.Tensor
+    """Its patches, in window order."""
+    position_ids_n2: torch.Tensor
+    """(row, col) rotary positions of those patches."""
+    cu_windows: torch.Tensor
+    """Rank-local window boundaries (int32) for window-attention blocks."""
+    cu_full: torch.Tensor
+    """Boundaries for full-attention blocks: per image when the rank holds the whole sequence, else [0, n]."""
+    ulysses: UlyssesGroup | None
+    """The SP group when the sequence is split, else None."""
+    full_blocks: frozenset[int]
+    """Indexes of the full-attention blocks."""
+    merged_positions: torch.Tensor
+    """Replica-order index of each merged token this rank emits (its output rows, in order)."""
+
+
+def window_layout(grid_thw: torch.Tensor, config: Any) -> tuple[torch.Tensor, list[int]]:
+    """Merge-unit window order and window boundaries (in patches) of a replica's images."""
+    unit = config.spatial_merge_size**2
+    if getattr(config, "window_size", None) is None:  # Qwen2-VL: no windows, split anywhere on merge units
+        num_units = int(grid_thw.prod(-1).sum()) // unit
+        return torch.arange(num_units), list(range(0, num_units * unit + 1, unit))
+    window_index, cu_windows = get_vision_window_index(
+        grid_thw, spatial_merge_size=config.spatial_merge_size, window_size=config.window_size,
+        patch_size=config.patch_size,
+    )
+    return window_index, cu_windows.tolist()
+
+
+def full_attention_blocks(config: Any) -> frozenset[int]:
+    """Blocks attending over whole images (all of them in Qwen2-VL)."""
+    full = getattr(config, "fullatt_block_indexes", None)
+    return frozenset(range(config.depth)) if full is None else frozenset(full)
+
+
+def merged_positions_per_rank(grid_thw: torch.Tensor, config: Any, sp: int) -> list[torch.Tensor]:
+    """Replica-order index of the merged tokens each of ``sp`` SP ranks emits (what the hand-off routes)."""
+    unit = config.spatial_merge_size**2
+    window_index, cu_windows = window_layout(grid_thw, config)
+    bounds = split_windows(cu_windows, sp)
+    return [window_index[a // unit : b // unit] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def shard_vision_batch(
+    pixel_values_NP: torch.Tensor, grid_thw: torch.Tensor, config: Any, *, sp_rank: int, sp_group: Any, sp: int
+) -> VisionShard:
+    """The part of a replica's packed images that SP rank ``sp_rank`` of ``sp`` processes."""
+    unit = config.spatial_merge_size**2
+    window_index, cu_windows = window_layout(grid_thw, config)
+    patch_order = (window_index[:, None] * unit + torch.arange(unit)).flatten()
+    bounds = split_windows(cu_windows, sp)
+    start, end = bounds[sp_rank], bounds[sp_rank + 1]
+    local = patch_order[start:end]
+    positions = get_vision_position_ids(grid_thw, config.spatial_merge_size)
+    cu_image, _ = get_vision_attention_seqlens(grid_thw, config)
+    local_windows = [c - start for c in cu_windows if start <= c <= end]
+    segment_lens = tuple((cu_image[1:] - cu_image[:-1]).tolist())
+    ulysses = None
+    if sp > 1:
+        ulysses = UlyssesGroup(
+            group=sp_group, rank=sp_rank, segment_lens=segment_lens,
+            seq_lens=tuple(b - a for a, b in zip(bounds[:-1], bounds[1:])),
+        )
+    return VisionShard(
+        pixel_values_nP=pixel_values_NP[local],
+        position_ids_n2=positions[local],
+        cu_windows=torch.tensor(local_windows, dtype=torch.int32),
+        cu_full=cu_image if sp == 1 else torch.tensor([0, end - start], dtype=torch.int32),
+        ulysses=ulysses,
+        full_blocks=full_attention_blocks(config),
+        merged_positions=window_index[start // unit : end // unit],
+    )
+
+
+def vision_forward(visual: nn.Module, shard: VisionShard) -> torch.Tensor:
+    """Merged tokens [m, D_llm] of this rank's windows, in window order (see ``shard.merged_positions``)."""
+    hidden = visual.patch_embed(shard.pixel_values_nP)
+    position_embeddings = visual.rotary_pos_emb(hidden, shard.position_ids_n2)
+    for index, block in enumerate(visual.blocks):
+        if index in shard.full_blocks:
+            hidden = block(
+                hidden, cu_seqlens=shard.cu_full, position_embeddings=position_embeddings, ulysses_group=shard.ulysses
+            )
+        else:
+            hidden = block(hidden, cu_seqlens=shard.cu_windows, position_embeddings=position_embeddings)
+    return visual.merger(hidden)
