@@ -58,6 +58,9 @@ def module_cost(
         stage_index: This module's stage (encoders 0, LLM num_stages - 1).
         assumptions: Cost-model knobs.
         layer_costs: Optional measured per-layer source; analytical where it returns None.
+
+    Cost: ~20 us per call when the (tp, sp, cp, micro_batch, recompute) sharding was costed before for the same
+    model/workload/cluster/assumptions OBJECTS (memoised by identity: reuse them across calls), ~70 us when not.
     """
     return analytical_module_cost(
         model,
