@@ -50,8 +50,8 @@ def measured_step_time(path: Path, warmup_steps: int = WARMUP_STEPS) -> float:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"metrics file {path} line {number} is not JSON: {e.msg}") from None
-        if not isinstance(row, dict) or "step_time_s" not in row:
-            continue
+        if not isinstance(row, dict) or row.get("summary") or not isinstance(row.get("step_time_s"), (int, float)):
+            continue  # the runtime's closing summary line, or a record of something else
         rank = row.get("rank", 0)
         step = row.get("step", seen.get(rank, 0))
         seen[rank] = step + 1

@@ -96,3 +96,17 @@ def test_cli_errors_are_one_line(capsys):
     assert main(["--model", "no-such-model"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and err.count("\n") == 1
+
+
+def test_compare_with_analytical_memory_model():
+    from runtime.profile.compare import compare, error_by_layer, format_table
+    from runtime.profile.layers import Grid, grid_points, memory_point
+
+    grid = Grid(seq_lens={"llm": (256,)}, micro_batches=(1,), tps=(1, 2), sps=(1,), layers=("llm.lm_head", "llm.decoder_layer"))
+    points = [memory_point(TINY, p, torch.bfloat16) for p in grid_points(TINY, grid)]
+    rows = compare(TINY, points)
+    errors = error_by_layer(rows)
+    # lm_head: the model's input + fp32 log-softmax matches what autograd keeps to within the labels (int64).
+    assert errors[("llm", "lm_head")][0] < 0.01
+    assert all(r.param_error == pytest.approx(0, abs=0.01) for r in rows)
+    assert "llm.decoder_layer" in format_table(rows)
