@@ -1,0 +1,737 @@
+"""The planner as functions: ``plan``, ``top_plans``, ``evaluate``, ``max_seq`` -> ``schema.Plan``.
+
+The ``plan`` command is a thin layer over these. Every function takes the model (a catalog name, a config.json
+path, a ``ModelSpec``) or a ready ``Problem``, plus the inputs of ``make_problem`` as keywords. User mistakes
+raise ``ValueError`` with one line; ``Infeasible`` (a ValueError) explains a request no plan fits.
+
+Workload defaults (``plan --model qwen-vl-32b --gpus 16``): one 1344x1344 image per sample (96 x 96 patches =
+9,216 vision tokens -> 2,304 LLM image tokens after the 2x2 merge), 512 text tokens, 30 s of audio for audio
+models, and a global batch of 4 samples per GPU (64 at 16 GPUs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Any, Iterable, Mapping, Sequence
+
+from planner.baselines import BASELINE_DESCRIPTIONS, BaselineOutcome, baselines
+from planner.candidates import FIX_FIELDS, Candidates, Fixes, Problem, build_candidates, encoder_names, feasible
+from planner.catalog import get_model
+from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, Estimate, estimate
+from planner.cost.results import GIB, MemoryBreakdown as CostMemory
+from planner.hardware import Cluster, get_device, load_cluster_file, make_cluster
+from planner.models import ModelSpec
+from planner.schema import (
+    SCHEMA_VERSION,
+    BaselineResult,
+    ClusterInfo,
+    DeviceInfo,
+    MemoryBreakdown,
+    ModelInfo,
+    ModulePlan,
+    ModulePrediction,
+    ModuleTime,
+    Plan,
+    Prediction,
+    SolverInfo,
+    TrainingInfo,
+    WorkloadInfo,
+    load_plan,
+)
+from planner.strategy import PLACEMENTS, PRECISIONS, RECOMPUTE_CHOICES, ModuleStrategy, Placement, Strategy
+from planner.workload import Workload, module_tokens
+
+__all__ = [
+    "Infeasible", "Problem", "evaluate", "load_plan", "make_problem", "make_workload", "max_seq", "parse_fixes",
+    "plan", "top_plans",
+]
+
+DEFAULT_GPU = "h100-80gb"
+"""Hardware when none is named."""
+DEFAULT_IMAGE_SIZE = (1344, 1344)
+"""(height, width) of the default image: 96 x 96 patches of 14 px = 9,216 vision tokens, 2,304 after merging."""
+DEFAULT_TEXT_TOKENS = 512
+"""Text tokens per sample by default."""
+DEFAULT_AUDIO_SECONDS = 30.0
+"""Seconds of audio per sample by default for audio models (one Whisper window)."""
+DEFAULT_SAMPLES_PER_GPU = 4
+"""Default global batch = this many samples per GPU."""
+PLACEMENT_CHOICES = ("auto", *PLACEMENTS)
+"""What ``placement`` accepts; auto solves both and keeps the faster."""
+MAX_GPU_SEARCH = 65536
+"""Largest GPU count the infeasibility explanation searches."""
+MAX_SEQ_SIDE_PATCHES = 2048
+"""Largest image side (in patches) ``max_seq`` tries: 4M vision tokens."""
+
+
+class Infeasible(ValueError):
+    """No plan fits; the message says which module, by how much, and what would fit."""
+
+
+# --- Inputs -----------------------------------------------------------------------------------------------------
+
+
+def make_workload(
+    model: ModelSpec,
+    num_gpus: int,
+    *,
+    image_sizes: Sequence[tuple[int, int]] | None = None,
+    vision_tokens: int | None = None,
+    text_tokens: int | None = None,
+    images_per_sample: int | None = None,
+    audio_seconds: float | None = None,
+    global_batch: int | None = None,
+) -> Workload:
+    """A workload from user inputs, with the documented defaults for what is not given.
+
+    Raises:
+        ValueError: inputs the model cannot take (images for an audio model, ...), in one line.
+    """
+    has_vision, has_audio = model.vision_input is not None, model.audio_input is not None
+    if not has_vision and (image_sizes or vision_tokens or images_per_sample):
+        raise ValueError(f"{model.name} has no vision encoder: drop --image-size/--vision-tokens/--images-per-sample")
+    if not has_audio and audio_seconds:
+        raise ValueError(f"{model.name} has no audio encoder: drop --audio-seconds")
+    if images_per_sample is not None and images_per_sample < 1:
+        raise ValueError(f"--images-per-sample must be >= 1, got {images_per_sample}")
+    if vision_tokens is not None and images_per_sample not in (None, 1):
+        raise ValueError("--vision-tokens sets a whole sample's vision tokens: drop --images-per-sample")
+    sizes: tuple[tuple[int, int], ...] = ()
+    if has_vision and vision_tokens is None:
+        sizes = tuple(image_sizes or (DEFAULT_IMAGE_SIZE,)) * (images_per_sample or 1)
+    default_audio = DEFAULT_AUDIO_SECONDS if has_audio else 0.0
+    return Workload(
+        image_sizes=sizes,
+        vision_tokens=vision_tokens,
+        text_tokens=DEFAULT_TEXT_TOKENS if text_tokens is None else text_tokens,
+        audio_seconds=default_audio if audio_seconds is None else audio_seconds,
+        global_batch=DEFAULT_SAMPLES_PER_GPU * num_gpus if global_batch is None else global_batch,
+    )
+
+
+def make_cluster_for(
+    num_gpus: int | None, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = None, cluster_file: str | None = None
+) -> Cluster:
+    """The cluster of ``num_gpus`` devices of type ``gpu`` (a cluster file may redefine the device and node size).
+
+    Raises:
+        ValueError: bad GPU count, unknown device, unreadable cluster file, in one line.
+    """
+    if num_gpus is None or num_gpus < 1:
+        raise ValueError(f"--gpus must be a positive number of GPUs, got {num_gpus}")
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+    if cluster_file is not None:
+        device, _ = load_cluster_file(cluster_file)
+    else:
+        device = get_device(gpu)
+    return make_cluster(device, num_gpus, gpus_per_node)
+
+
+def _profile_source(problem_model: ModelSpec, cluster: Cluster, profile: str | None) -> tuple[Cluster, Any]:
+    """The cluster with measured device numbers and a layer-cost source, from ``profile``: a path, ``"auto"``
+    (the committed profile of this device and model, if any) or None (analytical only)."""
+    if profile is None:
+        return cluster, None
+    from planner import profiles
+
+    path = profiles.find_profile(cluster.device.name, problem_model.name) if profile == "auto" else profile
+    if path is None:
+        return cluster, None
+    loaded = profiles.load_profile(path)
+    source_type = getattr(profiles, "ProfileCostSource", None)
+    if source_type is None:
+        raise ValueError(f"profile {path}: this version of planner.profiles cannot supply layer costs yet")
+    device = profiles.device_from_profile(cluster.device, loaded)
+    return replace(cluster, device=device), source_type(loaded)
+
+
+def make_problem(
+    model: str | ModelSpec,
+    gpus: int | None = None,
+    *,
+    gpu: str = DEFAULT_GPU,
+    gpus_per_node: int | None = None,
+    cluster_file: str | None = None,
+    cluster: Cluster | None = None,
+    workload: Workload | None = None,
+    image_sizes: Sequence[tuple[int, int]] | None = None,
+    vision_tokens: int | None = None,
+    text_tokens: int | None = None,
+    images_per_sample: int | None = None,
+    audio_seconds: float | None = None,
+    global_batch: int | None = None,
+    precision: str = "bf16_mixed",
+    frozen: Iterable[str] = (),
+    profile: str | None = "auto",
+    assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
+) -> Problem:
+    """Everything a plan depends on, from user-level inputs.
+
+    Args:
+        model: Catalog name or alias, config.json path, or a ModelSpec.
+        gpus: Number of GPUs (ignored when ``cluster`` is given).
+        gpu: Catalog device name.
+        gpus_per_node: GPUs per node (default: the device's).
+        cluster_file: JSON/YAML file redefining the device (see ``hardware.load_cluster_file``).
+        cluster: A ready cluster instead of gpus/gpu/gpus_per_node/cluster_file.
+        workload: A ready workload instead of the per-field inputs below.
+        image_sizes: (height, width) of each image of a sample (default one 1344x1344).
+        vision_tokens: Vision tokens per sample (a square merge-aligned grid) instead of image sizes.
+        text_tokens: Text tokens per sample (default 512).
+        images_per_sample: Repeat ``image_sizes`` this many times per sample.
+        audio_seconds: Seconds of audio per sample (audio models; default 30).
+        global_batch: Samples per step (default 4 per GPU).
+        precision: bf16_mixed or bf16_pure.
+        frozen: Modules to freeze.
+        profile: Profile file, "auto" (the committed profile of this device/model if any) or None.
+        assumptions: Cost-model knobs.
+
+    Raises:
+        ValueError: any bad input, in one line.
+    """
+    spec = get_model(model) if isinstance(model, str) else model
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    frozen = list(frozen)
+    for name in frozen:
+        if name not in spec.module_names:
+            raise ValueError(f"--frozen {name}: {spec.name} has modules {', '.join(spec.module_names)}")
+    spec = spec.with_frozen(frozen) if frozen else spec
+    cluster = cluster or make_cluster_for(gpus, gpu, gpus_per_node, cluster_file)
+    workload = workload or make_workload(
+        spec, cluster.num_devices, image_sizes=image_sizes, vision_tokens=vision_tokens, text_tokens=text_tokens,
+        images_per_sample=images_per_sample, audio_seconds=audio_seconds, global_batch=global_batch,
+    )
+    module_tokens(workload, spec)  # raises ValueError for samples without tokens or unaligned --vision-tokens
+    cluster, layer_costs = _profile_source(spec, cluster, profile)
+    return Problem(model=spec, cluster=cluster, workload=workload, precision=precision, assumptions=assumptions,
+                   layer_costs=layer_costs)
+
+
+def _as_problem(model: str | ModelSpec | Problem, gpus: int | None, inputs: Mapping[str, Any]) -> Problem:
+    if isinstance(model, Problem):
+        if inputs or gpus is not None:
+            raise TypeError("pass either a Problem or model inputs, not both")
+        return model
+    return make_problem(model, gpus, **inputs)
+
+
+# --- --fix ------------------------------------------------------------------------------------------------------
+
+
+def parse_fixes(items: Iterable[str] | Mapping[str, Any], model: ModelSpec, num_gpus: int) -> tuple[str | None, Fixes]:
+    """``MODULE.FIELD=VALUE`` / ``placement=VALUE`` items (or a {"vision.tp": 2, ...} mapping) into
+    (pinned placement or None, module -> {field: value}).
+
+    Raises:
+        ValueError: unknown module or field, bad value, or fixes that contradict each other, in one line.
+    """
+    pairs = list(items.items()) if isinstance(items, Mapping) else [_split_fix(item) for item in items]
+    placement: str | None = None
+    fixes: dict[str, dict[str, int | str]] = {}
+    for key, raw in pairs:
+        if key == "placement":
+            if raw not in PLACEMENTS:
+                raise ValueError(f"--fix placement={raw}: placement must be one of {', '.join(PLACEMENTS)}")
+            if placement not in (None, raw):
+                raise ValueError(f"contradictory --fix: placement={placement} and placement={raw}")
+            placement = raw
+            continue
+        module, _, fieldname = key.partition(".")
+        if module not in model.module_names:
+            raise ValueError(f"--fix {key}: {model.name} has modules {', '.join(model.module_names)} (or placement=)")
+        if fieldname not in FIX_FIELDS:
+            raise ValueError(f"--fix {key}: field must be one of {', '.join(FIX_FIELDS)}")
+        value = _fix_value(key, fieldname, raw)
+        previous = fixes.setdefault(module, {}).get(fieldname)
+        if previous is not None and previous != value:
+            raise ValueError(f"contradictory --fix: {key}={previous} and {key}={value}")
+        fixes[module][fieldname] = value
+    _check_fix_consistency(placement, fixes, num_gpus)
+    return placement, fixes
+
+
+def _split_fix(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip() or not value.strip():
+        raise ValueError(f"--fix {item!r}: write MODULE.FIELD=VALUE (e.g. llm.tp=8) or placement=disjoint")
+    return key.strip(), value.strip()
+
+
+def _fix_value(key: str, fieldname: str, raw: Any) -> int | str:
+    if fieldname == "recompute":
+        if raw not in RECOMPUTE_CHOICES:
+            raise ValueError(f"--fix {key}={raw}: recompute must be one of {', '.join(RECOMPUTE_CHOICES)}")
+        return raw
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"--fix {key}={raw}: {fieldname} must be a whole number") from None
+    lowest = 0 if fieldname == "zero" else 1
+    if value < lowest or (fieldname == "zero" and value > 3):
+        allowed = "0, 1, 2 or 3" if fieldname == "zero" else ">= 1"
+        raise ValueError(f"--fix {key}={raw}: {fieldname} must be {allowed}")
+    return value
+
+
+def _check_fix_consistency(placement: str | None, fixes: Fixes, num_gpus: int) -> None:
+    """Contradictions visible without costing: grad_accum differs between modules; pinned degrees that do not
+    multiply to a pinned GPU count; colocated modules pinned to fewer GPUs than the cluster; disjoint groups
+    pinned to more GPUs than there are."""
+    accums = {m: f["grad_accum"] for m, f in fixes.items() if "grad_accum" in f}
+    if len(set(accums.values())) > 1:
+        listed = " and ".join(f"{m}.grad_accum={a}" for m, a in accums.items())
+        raise ValueError(f"contradictory --fix: {listed} (all modules share one grad_accum)")
+    for m, f in fixes.items():
+        grid = [f[k] for k in ("dp", "tp", "sp", "cp") if k in f]
+        gpus = f.get("gpus", num_gpus if placement == "colocated" else None)
+        if gpus is not None and len(grid) == 4 and math.prod(grid) != gpus:
+            raise ValueError(f"contradictory --fix: {m}.dp*tp*sp*cp = {math.prod(grid)} but {m} has {gpus} GPUs")
+        if gpus is not None and math.prod(grid) and gpus % math.prod(grid):
+            raise ValueError(f"contradictory --fix: {m} degrees {'*'.join(map(str, grid))} do not divide its {gpus} GPUs")
+        if "gpus" in f and f["gpus"] > num_gpus:
+            raise ValueError(f"--fix {m}.gpus={f['gpus']}: the cluster has {num_gpus} GPUs")
+        if placement == "colocated" and "gpus" in f and f["gpus"] != num_gpus:
+            raise ValueError(f"contradictory --fix: placement=colocated spans all {num_gpus} GPUs but {m}.gpus={f['gpus']}")
+    pinned = [f["gpus"] for f in fixes.values() if "gpus" in f]
+    if placement == "disjoint" and sum(pinned) > num_gpus:
+        raise ValueError(f"contradictory --fix: disjoint groups pinned to {sum(pinned)} GPUs, the cluster has {num_gpus}")
+
+
+def _placements(problem: Problem, requested: str, pinned: str | None) -> list[Placement]:
+    """Placements to solve: the pinned or requested one, or both for auto (disjoint only with one encoder)."""
+    if requested not in PLACEMENT_CHOICES:
+        raise ValueError(f"--placement must be one of {', '.join(PLACEMENT_CHOICES)}, got {requested!r}")
+    if pinned and requested not in ("auto", pinned):
+        raise ValueError(f"contradictory: --placement {requested} and --fix placement={pinned}")
+    choice = pinned or requested
+    if choice != "auto":
+        return [choice]
+    one_encoder = len(encoder_names(problem.model)) == 1 and problem.num_gpus >= 2
+    return ["colocated", "disjoint"] if one_encoder else ["colocated"]
+
+
+# --- Solving ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, frozen=True)
+class _Ranked:
+    """A solved strategy before it becomes a Plan."""
+
+    strategy: Strategy
+    status: str
+    objective_s: float
+    num_candidates: int
+
+
+def _candidates(problem: Problem, placements: list[Placement], fixes: Fixes) -> dict[str, Candidates]:
+    """Candidates of each placement; a module no fix allows is a one-line error."""
+    result = {p: build_candidates(problem, p, fixes) for p in placements}
+    for cands in result.values():
+        for module, reason in cands.invalid.items():
+            if all(module in c.invalid for c in result.values()):
+                prefix = "--fix: " if fixes.get(module) else ""
+                raise ValueError(f"{prefix}no valid {module} strategy: {reason}")
+    return result
+
+
+def _strategy(problem: Problem, placement: Placement, choice: Mapping[str, Any]) -> Strategy:
+    return Strategy(placement=placement, modules={m: choice[m].strategy for m in problem.model.module_names},
+                    precision=problem.precision)
+
+
+def _solve(problem: Problem, placement: str, fix: Any, top_k: int, time_limit_s: float | None) -> tuple[list[_Ranked], dict]:
+    """Ranked strategies (best first) over the requested placements, and the fixes as given."""
+    from planner.solver import DEFAULT_SETTINGS, solve
+
+    pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus)
+    placements = _placements(problem, placement, pinned)
+    all_cands = _candidates(problem, placements, fixes)
+    settings = DEFAULT_SETTINGS if time_limit_s is None else replace(DEFAULT_SETTINGS, time_limit_s=time_limit_s)
+    budget = problem.usable_bytes - problem.overhead_bytes
+    ranked = []
+    for p, cands in all_cands.items():
+        for sol in solve(cands, problem.num_gpus, budget, top_k=top_k, settings=settings):
+            ranked.append(_Ranked(strategy=_strategy(problem, p, sol.choice), status=sol.status,
+                                  objective_s=sol.objective_ns / 1e9, num_candidates=cands.count))
+    if not ranked:
+        raise Infeasible(explain_infeasible(problem, all_cands, fixes))
+    ranked.sort(key=lambda r: (r.objective_s, PLACEMENTS.index(r.strategy.placement)))
+    return ranked[:top_k], _fixed_text(pinned, fixes)
+
+
+def _fixed_text(pinned: str | None, fixes: Fixes) -> dict[str, str]:
+    text = {f"{m}.{k}": str(v) for m, f in fixes.items() for k, v in f.items()}
+    if pinned:
+        text["placement"] = pinned
+    return dict(sorted(text.items()))
+
+
+def _pinned_strategy(problem: Problem, placement: str, fix: Any) -> Strategy | None:
+    """The one strategy the fixes leave, when they pin everything; else None."""
+    pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus)
+    if not fixes:
+        return None
+    placements = _placements(problem, placement, pinned)
+    exact = []
+    for p in placements:
+        strategies = {m: _only_strategy(problem, m, p, fixes.get(m, {})) for m in problem.model.module_names}
+        if all(s is not None for s in strategies.values()):
+            exact.append((p, strategies))
+    if len(exact) != 1:
+        return None
+    p, strategies = exact[0]
+    try:
+        return Strategy(placement=p, modules=strategies, precision=problem.precision)
+    except ValueError:
+        return None
+
+
+def _only_strategy(problem: Problem, module: str, placement: Placement, fixed: Mapping[str, Any]) -> ModuleStrategy | None:
+    """The module's strategy when ``fixed`` determines every field (grad_accum may follow from the batch)."""
+    needed = {"dp", "tp", "sp", "cp", "zero", "recompute", "micro_batch"}
+    if not needed <= set(fixed):
+        return None
+    values = {k: fixed[k] for k in needed}
+    per_step = values["dp"] * values["micro_batch"]
+    if problem.workload.global_batch % per_step:
+        return None
+    ga = fixed.get("grad_accum", problem.workload.global_batch // per_step)
+    s = ModuleStrategy(grad_accum=ga, **values)
+    gpus = problem.num_gpus if placement == "colocated" else fixed.get("gpus", s.gpus)
+    return s if s.gpus == gpus else None
+
+
+# --- Infeasibility ----------------------------------------------------------------------------------------------
+
+
+def explain_infeasible(problem: Problem, all_cands: Mapping[str, Candidates], fixes: Fixes) -> str:
+    """One line: which module does not fit and by how much, and the smallest GPU count / longest image sequence
+    that would fit."""
+    usable = problem.usable_bytes
+    what = _what_does_not_fit(problem, all_cands)
+    hints = []
+    more_gpus = smallest_gpu_count(problem, list(all_cands), fixes)
+    if more_gpus is not None:
+        hints.append(f"the smallest GPU count that fits is {more_gpus} (--gpus {more_gpus})")
+    if problem.model.vision_input is not None:
+        tokens = _longest_fitting_tokens(problem, list(all_cands), fixes)
+        if tokens is not None:
+            hints.append(f"at {problem.num_gpus} GPUs images up to {tokens:,} vision tokens per sample fit "
+                         f"(--vision-tokens {tokens})")
+    if not hints:
+        hints.append(f"no GPU count up to {MAX_GPU_SEARCH} fits; try a smaller --global-batch or "
+                     f"--precision bf16_pure")
+    return f"no plan fits {problem.num_gpus} x {problem.cluster.device.name} ({usable / GIB:.1f} GiB usable per " \
+           f"GPU): {what}; {'; '.join(hints)}"
+
+
+def _what_does_not_fit(problem: Problem, all_cands: Mapping[str, Candidates]) -> str:
+    """The module (or module combination) that does not fit, with its smallest need."""
+    usable, overhead = problem.usable_bytes, problem.overhead_bytes
+    worst = None
+    for module in problem.model.module_names:
+        needs = [c.smallest[module] for c in all_cands.values() if module in c.smallest]
+        if not needs:
+            continue
+        least = min(needs, key=lambda c: c.memory_bytes)
+        need = least.memory_bytes + overhead
+        if need > usable and (worst is None or need - usable > worst[1] - usable):
+            worst = (module, need, least)
+    if worst is not None:
+        module, need, least = worst
+        return (f"{module} does not fit: its smallest need is {need / GIB:.1f} GiB per GPU "
+                f"({least.strategy.describe()} on {least.gpus} GPUs), {(need - usable) / GIB:.1f} GiB over")
+    if "colocated" in all_cands:
+        cands = all_cands["colocated"]
+        need = sum(c.memory_bytes for c in cands.smallest.values()) + overhead
+        names = " + ".join(cands.smallest)
+        return (f"colocated, {names} together need at least {need / GIB:.1f} GiB per GPU, "
+                f"{max(need - usable, 0) / GIB:.1f} GiB over (each fits alone)")
+    return f"no split of the {problem.num_gpus} GPUs gives every module a group it fits in"
+
+
+def _at(problem: Problem, *, num_gpus: int | None = None, workload: Workload | None = None) -> Problem:
+    cluster = problem.cluster if num_gpus is None else replace(problem.cluster, num_devices=num_gpus)
+    return replace(problem, cluster=cluster, workload=workload or problem.workload)
+
+
+def _fits(problem: Problem, placements: list[str], fixes: Fixes) -> bool:
+    for p in placements:
+        try:
+            if feasible(problem, build_candidates(problem, p, fixes)):
+                return True
+        except NotImplementedError:
+            continue
+    return False
+
+
+def _gpu_counts_above(num_gpus: int, node: int) -> list[int]:
+    """Counts to try, ascending: every count up to one node, then whole nodes, up to MAX_GPU_SEARCH."""
+    return [n for n in range(num_gpus + 1, MAX_GPU_SEARCH + 1) if n <= node or n % node == 0]
+
+
+def smallest_gpu_count(problem: Problem, placements: list[str], fixes: Fixes) -> int | None:
+    """Smallest GPU count above the problem's at which some plan fits (same batch; fixes without ``gpus``):
+    doubling finds a fitting count, then the counts below it are scanned upward."""
+    fixes = {m: {k: v for k, v in f.items() if k != "gpus"} for m, f in fixes.items()}
+    counts = _gpu_counts_above(problem.num_gpus, problem.cluster.devices_per_node)
+    if not counts:
+        return None
+    probe_index, lower = 0, 0
+    while True:
+        n = counts[probe_index]
+        if _fits(_at(problem, num_gpus=n), placements, fixes):
+            break
+        lower = probe_index + 1
+        if probe_index == len(counts) - 1:
+            return None
+        probe_index = min(2 * probe_index + 1, len(counts) - 1)
+    for n in counts[lower:probe_index]:
+        if _fits(_at(problem, num_gpus=n), placements, fixes):
+            return n
+    return counts[probe_index]
+
+
+def _vision_workload(problem: Problem, side: int) -> Workload:
+    """The problem's workload with one square image of ``side`` x ``side`` patches per sample."""
+    return replace(problem.workload, image_sizes=(), vision_tokens=side * side)
+
+
+def _longest_side(problem: Problem, placements: list[str], fixes: Fixes) -> int | None:
+    """Largest merge-aligned square side (patches) at which a plan fits, by bisection; None if even the smallest
+    image does not fit."""
+    merge = problem.model.vision_input.spatial_merge_size
+
+    def fits(units: int) -> bool:
+        return _fits(_at(problem, workload=_vision_workload(problem, units * merge)), placements, fixes)
+
+    if not fits(1):
+        return None
+    low, high = 1, 2
+    while high * merge <= MAX_SEQ_SIDE_PATCHES and fits(high):
+        low, high = high, high * 2
+    high = min(high, MAX_SEQ_SIDE_PATCHES // merge + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low * merge
+
+
+def _longest_fitting_tokens(problem: Problem, placements: list[str], fixes: Fixes) -> int | None:
+    side = _longest_side(problem, placements, fixes)
+    return None if side is None else side * side
+
+
+# --- Plan document ----------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def planner_version() -> str:
+    """The installed dhplan version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dhplan")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _gib(m: CostMemory) -> MemoryBreakdown:
+    return MemoryBreakdown(
+        weights=m.weights / GIB, gradients=m.gradients / GIB, optimizer=m.optimizer / GIB,
+        activations=m.activations / GIB, buffers=m.buffers / GIB, overhead=m.overhead / GIB,
+    )
+
+
+def _module_plan(problem: Problem, e: Estimate, strategy: Strategy, name: str) -> ModulePlan:
+    c = e.modules[name]
+    s = strategy.modules[name]
+    spec = problem.model.module(name)
+    memory = e.memory_per_group.get(name) if strategy.placement == "disjoint" else c.memory()
+    return ModulePlan(
+        name=name, ranks=strategy.module_ranks()[name], dp=s.dp, tp=s.tp, sp=s.sp, cp=s.cp, zero=s.zero,
+        recompute=s.recompute, micro_batch=s.micro_batch, grad_accum=s.grad_accum, frozen=spec.frozen,
+        num_params=spec.num_params,
+        predicted=ModulePrediction(
+            time_s=ModuleTime(
+                forward=c.forward_s, backward=c.backward_s, recompute=c.recompute_s, tp_comm=c.tp_comm_s,
+                sp_comm=c.sp_comm_s, cp_comm=c.cp_comm_s, dp_comm=c.dp_comm_s, handoff=c.handoff_s,
+                per_micro_batch=c.per_micro_batch_s,
+            ),
+            memory_gib=_gib(memory),
+            flops_per_step=c.flops_per_step,
+            sources=dict(sorted(c.sources.items())),
+        ),
+    )
+
+
+def _baseline_result(outcome: BaselineOutcome, plan_step_s: float) -> BaselineResult:
+    description = BASELINE_DESCRIPTIONS[outcome.name]
+    e = outcome.estimate
+    if e is None:
+        return BaselineResult(description=description, infeasible=outcome.infeasible)
+    return BaselineResult(
+        description=description, step_time_s=e.step_time_s, tokens_per_s=e.tokens_per_s,
+        peak_memory_gib=e.peak_memory_bytes / GIB, mfu=e.mfu, speedup=e.step_time_s / plan_step_s,
+        modules={m: c.strategy.describe() for m, c in e.modules.items()},
+    )
+
+
+def _binding(e: Estimate) -> str:
+    return (f"{e.binding_constraint}; peak memory {e.peak_memory_bytes / GIB:.1f} of "
+            f"{e.usable_memory_bytes / GIB:.1f} GiB usable")
+
+
+def build_plan(
+    problem: Problem,
+    strategy: Strategy,
+    *,
+    status: str,
+    num_candidates: int,
+    rank: int = 1,
+    fixed: Mapping[str, str] | None = None,
+    reference: Mapping[str, BaselineOutcome] | None = None,
+) -> Plan:
+    """The Plan document of ``strategy``: re-costed with ``cost.estimate``, with the baselines."""
+    e = estimate(problem.model, problem.cluster, problem.workload, strategy, problem.assumptions, problem.layer_costs)
+    model, device, w = problem.model, problem.cluster.device, problem.workload
+    tokens = module_tokens(w, model)
+    reference = baselines(problem) if reference is None else reference
+    return Plan(
+        schema_version=SCHEMA_VERSION,
+        planner_version=planner_version(),
+        model=ModelInfo(name=model.name, family=model.family, hf_config=dict(model.hf_config),
+                        num_params=model.num_params, module_params={m.name: m.num_params for m in model.modules}),
+        cluster=ClusterInfo(
+            device=DeviceInfo(**{k: getattr(device, k) for k in DeviceInfo.model_fields}),
+            num_devices=problem.num_gpus, devices_per_node=problem.cluster.devices_per_node,
+        ),
+        workload=WorkloadInfo(
+            image_sizes=list(w.image_sizes), vision_tokens=w.vision_tokens, text_tokens=w.text_tokens,
+            audio_seconds=w.audio_seconds, global_batch=w.global_batch,
+            module_tokens={m: t.tokens for m, t in tokens.items()},
+            llm_image_tokens=tokens["vision"].output_tokens if "vision" in tokens else 0,
+        ),
+        training=TrainingInfo(precision=problem.precision),
+        placement=strategy.placement,
+        modules=[_module_plan(problem, e, strategy, m) for m in model.module_names],
+        predicted=Prediction(
+            step_time_s=e.step_time_s, tokens_per_s=e.tokens_per_s, samples_per_s=e.samples_per_s, mfu=e.mfu,
+            peak_memory_gib=e.peak_memory_bytes / GIB, memory_breakdown_gib=_gib(e.peak_breakdown),
+            binding_constraint=_binding(e),
+        ),
+        baselines={name: _baseline_result(o, e.step_time_s) for name, o in reference.items()},
+        solver=SolverInfo(status=status, num_candidates=num_candidates, rank=rank, fixed=dict(fixed or {})),
+    )
+
+
+# --- Public functions -------------------------------------------------------------------------------------------
+
+
+def top_plans(
+    model: str | ModelSpec | Problem,
+    gpus: int | None = None,
+    *,
+    k: int = 1,
+    placement: str = "auto",
+    fix: Iterable[str] | Mapping[str, Any] | None = None,
+    time_limit_s: float | None = None,
+    **inputs: Any,
+) -> list[Plan]:
+    """The ``k`` best distinct plans, best first (fewer if fewer exist). Fixes that pin every field evaluate that
+    one strategy (status EVALUATED).
+
+    Raises:
+        ValueError: bad input; Infeasible (a ValueError) when no plan fits, with the explanation.
+    """
+    if k < 1:
+        raise ValueError(f"--top-k must be >= 1, got {k}")
+    problem = _as_problem(model, gpus, inputs)
+    pinned = _pinned_strategy(problem, placement, fix)
+    reference = baselines(problem)
+    if pinned is not None:
+        return [_evaluated(problem, pinned, fix, reference)]
+    ranked, fixed = _solve(problem, placement, fix, k, time_limit_s)
+    return [
+        build_plan(problem, r.strategy, status=r.status, num_candidates=r.num_candidates, rank=i + 1, fixed=fixed,
+                   reference=reference)
+        for i, r in enumerate(ranked)
+    ]
+
+
+def plan(
+    model: str | ModelSpec | Problem,
+    gpus: int | None = None,
+    *,
+    placement: str = "auto",
+    fix: Iterable[str] | Mapping[str, Any] | None = None,
+    time_limit_s: float | None = None,
+    **inputs: Any,
+) -> Plan:
+    """The fastest plan that fits (proven optimal within the strategy space unless the time limit stops CP-SAT).
+
+    Example: ``plan("qwen-vl-32b", 16, fix=["llm.tp=8"])``.
+
+    Raises:
+        ValueError: bad input; Infeasible (a ValueError) when no plan fits, with the explanation.
+    """
+    return top_plans(model, gpus, k=1, placement=placement, fix=fix, time_limit_s=time_limit_s, **inputs)[0]
+
+
+def _evaluated(problem: Problem, strategy: Strategy, fix: Any, reference: Mapping[str, BaselineOutcome]) -> Plan:
+    _check_fits(problem, strategy)
+    fixed = {} if fix is None else _fixed_text(*parse_fixes(fix, problem.model, problem.num_gpus))
+    return build_plan(problem, strategy, status="EVALUATED", num_candidates=1, fixed=fixed, reference=reference)
+
+
+def _check_fits(problem: Problem, strategy: Strategy) -> None:
+    """Raise Infeasible, with the breakdown, when an evaluated strategy does not fit."""
+    e = estimate(problem.model, problem.cluster, problem.workload, strategy, problem.assumptions, problem.layer_costs)
+    if not e.fits:
+        raise Infeasible(
+            f"this strategy does not fit: {e.peak_group} GPUs need {e.peak_memory_bytes / GIB:.1f} GiB "
+            f"({e.peak_breakdown.describe()}) of {e.usable_memory_bytes / GIB:.1f} GiB usable, "
+            f"{(e.peak_memory_bytes - e.usable_memory_bytes) / GIB:.1f} GiB over"
+        )
+
+
+def evaluate(model: str | ModelSpec | Problem, strategy: Strategy, gpus: int | None = None, **inputs: Any) -> Plan:
+    """The Plan of one exact strategy (status EVALUATED), e.g. a hand-made layout.
+
+    Raises:
+        ValueError: the strategy breaks a validity rule; Infeasible when it does not fit in memory.
+    """
+    problem = _as_problem(model, gpus if gpus is not None else (None if isinstance(model, Problem) else strategy.num_gpus), inputs)
+    return _evaluated(problem, strategy, None, baselines(problem))
+
+
+def max_seq(
+    model: str | ModelSpec | Problem,
+    gpus: int | None = None,
+    *,
+    placement: str = "auto",
+    fix: Iterable[str] | Mapping[str, Any] | None = None,
+    time_limit_s: float | None = None,
+    **inputs: Any,
+) -> Plan:
+    """The plan at the longest image sequence (vision tokens per sample, one square merge-aligned image) that any
+    plan fits at the given batch; ``plan.workload.vision_tokens`` holds it.
+
+    Raises:
+        ValueError: not a vision model, or bad input; Infeasible when even the smallest image does not fit.
+    """
+    problem = _as_problem(model, gpus, inputs)
+    if problem.model.vision_input is None:
+        raise ValueError(f"--max-seq searches image sequence lengths; {problem.model.name} has no vision encoder")
+    pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus)
+    placements = _placements(problem, placement, pinned)
+    side = _longest_side(problem, placements, fixes)
+    if side is None:
+        smallest = _at(problem, workload=_vision_workload(problem, problem.model.vision_input.spatial_merge_size))
+        raise Infeasible(explain_infeasible(smallest, _candidates(smallest, placements, fixes), fixes))
+    longest = _at(problem, workload=_vision_workload(problem, side))
+    return plan(longest, placement=placement, fix=fix, time_limit_s=time_limit_s)

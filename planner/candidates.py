@@ -1,0 +1,431 @@
+"""Candidate strategies of each module: enumerate the valid ``ModuleStrategy`` values, cost them, prune.
+
+The CP-SAT model (``planner.solver``) picks one candidate per module, so everything the solver needs is
+computed here, once, as integers: nanoseconds for times and bytes for memory. This is the hot path at
+1,024 GPUs; ``benchmarks/plan_latency.py`` measures it.
+
+Strategy space of one module on ``gpus`` GPUs, for a global batch B:
+
+* ``grad_accum`` divides B; ``dp`` divides B / grad_accum and ``gpus``; ``micro_batch = B / (dp * grad_accum)``;
+* ``tp`` divides the GPUs of a node; ``sp`` (encoders) divides the attention heads; ``cp`` fills the rest
+  (``gpus = dp * tp * sp * cp``); ZeRO 0-3 (only 0 when nothing is reduced); recompute none/selective/full;
+* ``planner.cost.check_strategy`` decides validity (heads, node size, encoder/LLM axes, windows, tokens).
+
+Group sizes: colocated, every module spans all N GPUs. Disjoint (exactly one encoder): the encoder takes
+either less than one node or whole nodes, the LLM the rest; the LLM starts at rank 0, the encoder at
+N - g_encoder (``Strategy.first_ranks``).
+
+Pruning is exact for the solver's objective: per (module, gpus, grad_accum), a candidate is dropped when
+another one is no worse in every quantity the solver sees -- colocated: (its step-time term, its memory);
+disjoint: (per-micro-batch time, exposed DP time), after dropping candidates whose group does not fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, LayerCostSource, ModuleCost, check_strategy, module_cost
+from planner.hardware import Cluster
+from planner.models import ENCODER_MODULES, ModelSpec
+from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Placement, Precision
+from planner.workload import Workload
+
+NS_PER_S = 1_000_000_000
+"""The solver's time unit is the nanosecond: integer coefficients, rounding error <= 0.5 ns per term."""
+FIX_FIELDS = ("dp", "tp", "sp", "cp", "zero", "recompute", "micro_batch", "grad_accum", "gpus")
+"""Fields ``--fix MODULE.FIELD=VALUE`` may pin."""
+
+DENSE_NODE_COUNTS = 16
+"""Disjoint encoder groups may take any whole number of nodes up to this many; beyond, a geometric grid."""
+
+Fixes = Mapping[str, Mapping[str, int | str]]
+"""Module -> {field: pinned value}."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Problem:
+    """Everything a plan depends on, except the choices."""
+
+    model: ModelSpec
+    """The model (frozen modules already marked)."""
+    cluster: Cluster
+    """Devices and nodes."""
+    workload: Workload
+    """Sample shape and global batch."""
+    precision: Precision = "bf16_mixed"
+    """Training precision recipe."""
+    assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS
+    """Cost-model knobs."""
+    layer_costs: LayerCostSource | None = None
+    """Measured per-layer costs (a profile), or None for the analytical model alone."""
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs of the cluster."""
+        return self.cluster.num_devices
+
+    @property
+    def usable_bytes(self) -> int:
+        """Per-GPU memory the allocator can hand out (the same rounding as ``cost.combine``)."""
+        return int(self.cluster.device.memory_bytes * self.assumptions.usable_memory_fraction)
+
+    @property
+    def overhead_bytes(self) -> int:
+        """Framework allowance, once per GPU."""
+        return self.assumptions.framework_overhead_bytes
+
+
+@dataclass(kw_only=True, frozen=True)
+class Candidate:
+    """One module under one strategy, with the integers the solver uses."""
+
+    module: str
+    """Module name."""
+    cost: ModuleCost
+    """The cost model's full answer."""
+    step_ns: int
+    """Colocated step-time term: grad_accum * per_micro_batch + dp_comm."""
+    per_micro_batch_ns: int
+    """One micro-batch through the module."""
+    fill_ns: int
+    """(grad_accum - 1) * per_micro_batch: the pipeline's steady state if this module is the slowest stage."""
+    dp_comm_ns: int
+    """Exposed DP/ZeRO communication per step."""
+    memory_bytes: int
+    """Per-GPU bytes of this module: weights + gradients + optimizer + buffers + activations in flight."""
+
+    @property
+    def strategy(self) -> ModuleStrategy:
+        """The strategy costed."""
+        return self.cost.strategy
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the module occupies."""
+        return self.cost.strategy.gpus
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per step."""
+        return self.cost.strategy.grad_accum
+
+
+@dataclass(kw_only=True)
+class Candidates:
+    """The solver's input for one placement."""
+
+    placement: Placement
+    """colocated or disjoint."""
+    by_module: dict[str, list[Candidate]]
+    """Module -> fitting, non-dominated candidates, in a fixed order (best first)."""
+    smallest: dict[str, Candidate] = field(default_factory=dict)
+    """Module -> its least-memory valid candidate, fitting or not (for explaining infeasibility)."""
+    invalid: dict[str, str] = field(default_factory=dict)
+    """Module -> why no strategy at all is valid (e.g. a --fix value breaks a rule)."""
+    num_costed: int = 0
+    """Strategies costed before pruning."""
+
+    @property
+    def count(self) -> int:
+        """Candidates handed to the solver."""
+        return sum(len(c) for c in self.by_module.values())
+
+    @property
+    def empty(self) -> bool:
+        """Whether some module has no fitting candidate."""
+        return any(not c for c in self.by_module.values())
+
+
+# --- Enumeration ------------------------------------------------------------------------------------------------
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n``, ascending."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def encoder_names(model: ModelSpec) -> list[str]:
+    """The model's encoder modules, in model order."""
+    return [name for name in model.module_names if name in ENCODER_MODULES]
+
+
+def sp_degrees(model: ModelSpec, module: str) -> list[int]:
+    """Ulysses degrees worth trying: divisors of the module's attention heads (1 for the LLM)."""
+    if module not in ENCODER_MODULES:
+        return [1]
+    heads = [l.attention.num_heads for l in model.module(module).layers if l.attention is not None]
+    return divisors(math.gcd(*heads)) if heads else [1]
+
+
+def encoder_node_counts(num_nodes: int) -> list[int]:
+    """Whole-node counts an encoder group may take: every count up to ``DENSE_NODE_COUNTS``, then k * 2^j nodes
+    with k in {1, 3} (24, 32, 48, 64, 96, ...), a grid at most 1.5x apart that keeps 1,024-GPU plans fast."""
+    counts = set(range(1, min(num_nodes, DENSE_NODE_COUNTS + 1)))
+    power = 1
+    while power < num_nodes:
+        counts.update(c for c in (power, 3 * power) if c < num_nodes)
+        power *= 2
+    return sorted(counts)
+
+
+def group_sizes(problem: Problem, module: str, placement: Placement) -> list[int]:
+    """GPU counts the module may occupy: all N colocated; disjoint, the encoder takes any count below one node or
+    whole nodes (``encoder_node_counts``) and the LLM the rest.
+
+    Raises:
+        NotImplementedError: disjoint placement of a model with more than one encoder.
+    """
+    n = problem.num_gpus
+    if placement == "colocated":
+        return [n]
+    encoders = encoder_names(problem.model)
+    if len(encoders) != 1:
+        raise NotImplementedError(
+            f"disjoint placement needs exactly one encoder; {problem.model.name} has {len(encoders)} "
+            f"({', '.join(encoders) or 'none'}): use --placement colocated"
+        )
+    node = problem.cluster.devices_per_node
+    encoder = sorted({g for g in range(1, min(node, n))} | {k * node for k in encoder_node_counts(-(-n // node))
+                                                            if k * node < n})
+    return encoder if module in ENCODER_MODULES else sorted(n - g for g in encoder)
+
+
+def _choices(values: Iterable, fixed: Mapping[str, int | str], name: str) -> list:
+    """``values``, or only the pinned value when ``name`` is fixed."""
+    return [fixed[name]] if name in fixed else list(values)
+
+
+def _layouts(problem: Problem, module: str, gpus: int, fixed: Mapping[str, int | str]) -> list[tuple[int, ...]]:
+    """(dp, tp, sp, cp) grids of ``gpus`` GPUs whose dp divides the global batch, honouring ``fixed``."""
+    batch = problem.workload.global_batch
+    layouts = []
+    for dp in _choices(divisors(batch), fixed, "dp"):
+        for tp in _choices(divisors(problem.cluster.devices_per_node), fixed, "tp"):
+            for sp in _choices(sp_degrees(problem.model, module), fixed, "sp"):
+                if batch % dp or gpus % (dp * tp * sp):
+                    continue
+                cp = gpus // (dp * tp * sp)
+                if fixed.get("cp", cp) == cp:
+                    layouts.append((dp, tp, sp, cp))
+    return layouts
+
+
+Verdicts = dict[tuple[int, int, int, int], list[str]]
+"""(tp, sp, cp, micro_batch) -> check_strategy's reasons (empty: valid)."""
+
+
+def _verdict(problem: Problem, module: str, probe: ModuleStrategy, verdicts: Verdicts) -> list[str]:
+    """``check_strategy`` of ``probe``, memoised: once the GPU count and batch are right (``module_strategies``
+    guarantees both) validity depends on (tp, sp, cp, micro_batch) only."""
+    key = (probe.tp, probe.sp, probe.cp, probe.micro_batch)
+    if key not in verdicts:
+        verdicts[key] = check_strategy(problem.model, module, probe, problem.cluster, problem.workload)
+    return verdicts[key]
+
+
+def module_strategies(
+    problem: Problem, module: str, gpus: int, fixed: Mapping[str, int | str], verdicts: Verdicts
+) -> tuple[list[list[ModuleStrategy]], str | None]:
+    """Every valid strategy of ``module`` on exactly ``gpus`` GPUs that consumes the global batch and honours
+    ``fixed``, as series that differ only in micro-batch size (ascending; grad_accum = batch / (dp * micro_batch));
+    and the first reason ``check_strategy`` gave for rejecting one (None if none was rejected)."""
+    batch = problem.workload.global_batch
+    series, reason = [], None
+    for dp, tp, sp, cp in _layouts(problem, module, gpus, fixed):
+        per_replica = batch // dp
+        accums = []
+        for ga in sorted(_choices(divisors(per_replica), fixed, "grad_accum"), reverse=True):
+            mb = per_replica // ga if per_replica % ga == 0 else 0
+            if not mb or fixed.get("micro_batch", mb) != mb:
+                continue
+            problems = _verdict(problem, module, ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, micro_batch=mb,
+                                                                grad_accum=ga), verdicts)
+            reason = reason or (problems[0] if problems else None)
+            if not problems:
+                accums.append(ga)
+        if not accums:
+            continue
+        zeros = (0, 1, 2, 3) if dp * sp * cp > 1 else (0,)
+        for zero in _choices(zeros, fixed, "zero"):
+            for rc in _choices(RECOMPUTE_CHOICES, fixed, "recompute"):
+                series.append([
+                    ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, zero=zero, recompute=rc,
+                                   micro_batch=per_replica // ga, grad_accum=ga)
+                    for ga in accums
+                ])
+    return series, reason
+
+
+# --- Costing ----------------------------------------------------------------------------------------------------
+
+
+def first_rank(problem: Problem, module: str, gpus: int, placement: Placement) -> int:
+    """Global rank of the module's rank 0: colocated 0; disjoint, LLM 0 and the (single) encoder N - gpus."""
+    if placement == "colocated" or module not in ENCODER_MODULES:
+        return 0
+    return problem.num_gpus - gpus
+
+
+def cost_candidate(problem: Problem, module: str, strategy: ModuleStrategy, placement: Placement) -> Candidate:
+    """Cost ``strategy`` with the cost model and convert to the solver's integers."""
+    num_stages = 2 if placement == "disjoint" else 1
+    cost = module_cost(
+        problem.model,
+        module,
+        problem.cluster,
+        problem.workload,
+        strategy,
+        placement=placement,
+        precision=problem.precision,
+        first_rank=first_rank(problem, module, strategy.gpus, placement),
+        num_stages=num_stages,
+        stage_index=num_stages - 1 if module == "llm" else 0,
+        assumptions=problem.assumptions,
+        layer_costs=problem.layer_costs,
+    )
+    ga = strategy.grad_accum
+    memory = cost.weights_bytes + cost.gradients_bytes + cost.optimizer_bytes + cost.buffers_bytes
+    return Candidate(
+        module=module,
+        cost=cost,
+        step_ns=round((ga * cost.per_micro_batch_s + cost.dp_comm_s) * NS_PER_S),
+        per_micro_batch_ns=round(cost.per_micro_batch_s * NS_PER_S),
+        fill_ns=round((ga - 1) * cost.per_micro_batch_s * NS_PER_S),
+        dp_comm_ns=round(cost.dp_comm_s * NS_PER_S),
+        memory_bytes=memory + cost.activations_bytes,
+    )
+
+
+# --- Pruning ----------------------------------------------------------------------------------------------------
+
+_RECOMPUTE_ORDER = {name: i for i, name in enumerate(RECOMPUTE_CHOICES)}
+
+
+def strategy_key(s: ModuleStrategy) -> tuple:
+    """A total order on strategies, for deterministic tie-breaking (fewer GPUs, less parallelism first)."""
+    return (s.gpus, s.grad_accum, s.tp, s.sp, s.cp, s.dp, s.zero, _RECOMPUTE_ORDER[s.recompute], s.micro_batch)
+
+
+def solver_key(c: Candidate, placement: Placement) -> tuple[int, int]:
+    """The two numbers the solver sees of a candidate besides its GPUs and grad_accum."""
+    if placement == "colocated":
+        return c.step_ns, c.memory_bytes
+    return c.per_micro_batch_ns, c.dp_comm_ns
+
+
+def pareto_front(cands: list[Candidate], placement: Placement) -> list[Candidate]:
+    """Non-dominated candidates of one (module, gpus, grad_accum) group on ``solver_key``; of exact ties the one
+    with less memory, then the smaller ``strategy_key``, is kept."""
+    ordered = sorted(cands, key=lambda c: (*solver_key(c, placement), c.memory_bytes, strategy_key(c.strategy)))
+    front, best_second = [], None
+    for c in ordered:
+        second = solver_key(c, placement)[1]
+        if best_second is None or second < best_second:
+            front.append(c)
+            best_second = second
+    return front
+
+
+def prune(cands: list[Candidate], placement: Placement) -> list[Candidate]:
+    """Pareto-prune per (gpus, grad_accum) group; result ordered best first (by step term or per-micro time)."""
+    groups: dict[tuple[int, int], list[Candidate]] = {}
+    for c in cands:
+        groups.setdefault((c.gpus, c.grad_accum), []).append(c)
+    kept = [c for group in groups.values() for c in pareto_front(group, placement)]
+    return sorted(kept, key=lambda c: (*solver_key(c, placement), c.memory_bytes, strategy_key(c.strategy)))
+
+
+def fits_alone(problem: Problem, c: Candidate) -> bool:
+    """Whether the candidate fits a GPU by itself (plus the framework overhead)."""
+    return c.memory_bytes + problem.overhead_bytes <= problem.usable_bytes
+
+
+# --- Building ---------------------------------------------------------------------------------------------------
+
+
+def cost_series(problem: Problem, module: str, series: list[ModuleStrategy], placement: Placement) -> list[Candidate]:
+    """Cost a series of strategies differing only in micro-batch size, smallest first, stopping at the first whose
+    resident memory plus ONE micro-batch of activations does not fit: every larger micro-batch needs more."""
+    costed = []
+    for s in series:
+        c = cost_candidate(problem, module, s, placement)
+        costed.append(c)
+        one_in_flight = c.memory_bytes - c.cost.activations_bytes + c.cost.activations_per_micro_batch_bytes
+        if one_in_flight + problem.overhead_bytes > problem.usable_bytes:
+            break
+    return costed
+
+
+def module_candidates(
+    problem: Problem, module: str, placement: Placement, fixed: Mapping[str, int | str]
+) -> tuple[list[Candidate], Candidate | None, str | None, int]:
+    """(fitting pruned candidates, least-memory valid candidate, a rejection reason if none is valid, number costed)."""
+    sizes = group_sizes(problem, module, placement)
+    if "gpus" in fixed:
+        sizes = [g for g in sizes if g == fixed["gpus"]]
+    verdicts: Verdicts = {}
+    series, reason = [], None
+    for g in sizes:
+        more, why = module_strategies(problem, module, g, fixed, verdicts)
+        series += more
+        reason = reason or why
+    costed = [c for s in series for c in cost_series(problem, module, s, placement)]
+    smallest = min(costed, key=lambda c: (c.memory_bytes, strategy_key(c.strategy)), default=None)
+    fitting = [c for c in costed if fits_alone(problem, c)]
+    if not series and reason is None:
+        reason = f"no {module} layout on {_sizes_text(sizes)} GPUs consumes the global batch of " \
+                 f"{problem.workload.global_batch}" + "".join(f", {k}={v}" for k, v in sorted(fixed.items()))
+    return prune(fitting, placement), smallest, None if series else reason, len(costed)
+
+
+def _sizes_text(sizes: list[int]) -> str:
+    """``16``, ``8 or 12`` or ``1..15`` for messages."""
+    if not sizes:
+        return "no number of"
+    if len(sizes) <= 3:
+        return " or ".join(map(str, sizes))
+    return f"{sizes[0]}..{sizes[-1]}"
+
+
+def build_candidates(problem: Problem, placement: Placement, fixes: Fixes | None = None) -> Candidates:
+    """The solver's input for ``placement``: every module's fitting, non-dominated candidates.
+
+    Raises:
+        NotImplementedError: disjoint placement of a model with more than one encoder.
+    """
+    fixes = fixes or {}
+    result = Candidates(placement=placement, by_module={})
+    for module in problem.model.module_names:
+        kept, smallest, invalid, costed = module_candidates(problem, module, placement, fixes.get(module, {}))
+        result.by_module[module] = kept
+        result.num_costed += costed
+        if smallest is not None:
+            result.smallest[module] = smallest
+        if invalid is not None:
+            result.invalid[module] = invalid
+    return result
+
+
+def feasible(problem: Problem, cands: Candidates) -> bool:
+    """Whether the solver's constraints can be met, decided directly from the candidates (no search): colocated,
+    some shared grad_accum lets the least-memory candidates of all modules fit together; disjoint, some grad_accum
+    and split of the N GPUs gives every group a fitting candidate."""
+    if cands.empty:
+        return False
+    modules = list(cands.by_module)
+    accums = set.intersection(*({c.grad_accum for c in cands.by_module[m]} for m in modules))
+    if cands.placement == "colocated":
+        budget = problem.usable_bytes - problem.overhead_bytes
+        return any(
+            sum(min(c.memory_bytes for c in cands.by_module[m] if c.grad_accum == ga) for m in modules) <= budget
+            for ga in accums
+        )
+    encoder, llm = modules
+    for ga in accums:
+        llm_sizes = {c.gpus for c in cands.by_module[llm] if c.grad_accum == ga}
+        if any(problem.num_gpus - c.gpus in llm_sizes for c in cands.by_module[encoder] if c.grad_accum == ga):
+            return True
+    return False

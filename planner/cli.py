@@ -1,0 +1,278 @@
+"""``plan``: the per-module parallel layout that trains a VLM fastest on the given GPUs.
+
+A thin layer over ``planner.api``: parse flags, call ``top_plans`` / ``max_seq``, print, write plan.json.
+Bad input and infeasible requests print one line to stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+EXIT_USER_ERROR = 2
+
+DESCRIPTION = """\
+Plan per-module parallelism (DP/TP/SP/CP/ZeRO/recompute/micro-batch, colocated or disjoint GPU groups) for
+training a vision-language model, by CP-SAT over the analytical cost model (or a measured profile).
+
+Workload defaults: one 1344x1344 image per sample (96x96 patches = 9,216 vision tokens -> 2,304 LLM image
+tokens after the 2x2 merge), 512 text tokens (2,816 LLM tokens per sample), 30 s of audio for audio models,
+global batch = 4 samples per GPU (64 at 16 GPUs), bf16 mixed precision with AdamW, H100 80GB, 8 per node.
+
+examples:
+  plan --model qwen-vl-32b --gpus 16
+  plan --model qwen-vl-32b --gpus 16 --fix vision.sp=8 --fix llm.tp=8
+  plan --model qwen-vl-32b --gpus 64 --image-size 2048x2048 --global-batch 256 --top-k 3
+  plan --model qwen-vl-32b --gpus 16 --max-seq
+  plan --model qwen2.5-vl-tiny --gpu cpu --gpus 2 --out tiny.json
+"""
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    """``WxH`` or ``N`` (square) -> (height, width)."""
+    parts = text.lower().split("x")
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"image size must be WxH or N pixels, got {text!r}") from None
+    if len(numbers) == 1:
+        numbers *= 2
+    if len(numbers) != 2 or min(numbers) <= 0:
+        raise argparse.ArgumentTypeError(f"image size must be WxH or N positive pixels, got {text!r}")
+    width, height = numbers
+    return height, width
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line and exit status 2 (argparse's own status, without the usage dump)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        _fail(f"{message} (see plan --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="plan", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = p.add_argument_group("model and hardware")
+    what.add_argument("--model", help="catalog name/alias (plan --list-models) or a path to a config.json")
+    what.add_argument("--gpus", type=int, help="number of GPUs")
+    what.add_argument("--gpu", default="h100-80gb", help="hardware (plan --list-gpus; default h100-80gb)")
+    what.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the hardware's, 8)")
+    what.add_argument("--cluster", metavar="FILE", help="JSON/YAML cluster file overriding the hardware's numbers")
+    what.add_argument("--profile", metavar="FILE",
+                      help="measured profile to cost with (default: profiles/<gpu>/<model>.json if present; "
+                           "'none' for the analytical model only)")
+    data = p.add_argument_group("workload (per sample)")
+    data.add_argument("--image-size", type=_image_size, action="append", metavar="WxH",
+                      help="image size in pixels, repeatable (default one 1344x1344)")
+    data.add_argument("--images-per-sample", type=int, help="repeat the image sizes this many times (default 1)")
+    data.add_argument("--vision-tokens", type=int, help="vision tokens per sample instead of image sizes "
+                      "(a square grid, e.g. 9216)")
+    data.add_argument("--text-tokens", type=int, help="text tokens per sample (default 512)")
+    data.add_argument("--audio-seconds", type=float, help="seconds of audio per sample (audio models; default 30)")
+    data.add_argument("--global-batch", type=int, help="samples per optimizer step (default 4 per GPU)")
+    data.add_argument("--precision", default="bf16_mixed", choices=("bf16_mixed", "bf16_pure"),
+                      help="bf16_mixed (fp32 master + Adam, 16 B/param; default) or bf16_pure (8 B/param)")
+    data.add_argument("--frozen", action="append", default=[], metavar="MODULE", help="freeze a module (repeatable)")
+    search = p.add_argument_group("search")
+    search.add_argument("--placement", default="auto", choices=("auto", "colocated", "disjoint"),
+                        help="colocated: every module on all GPUs; disjoint: one GPU group per module; "
+                             "auto (default): the faster")
+    search.add_argument("--fix", action="append", default=[], metavar="MODULE.FIELD=VALUE",
+                        help="pin a degree (fields: dp tp sp cp zero recompute micro_batch grad_accum gpus; "
+                             "or placement=...); pinning every field evaluates that exact strategy")
+    search.add_argument("--top-k", type=int, default=1, metavar="K", help="show the K best distinct plans")
+    search.add_argument("--max-seq", action="store_true",
+                        help="find the longest image sequence (vision tokens per sample) any plan fits")
+    search.add_argument("--time-limit", type=float, default=None, metavar="S",
+                        help="CP-SAT time limit per solve in seconds (default 20)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the plan JSON on stdout and nothing else")
+    out.add_argument("--out", metavar="PATH", help="where to write the plan (default plan.json; with --json: "
+                     "only when given)")
+    out.add_argument("--list-models", action="store_true", help="list catalog models and exit")
+    out.add_argument("--list-gpus", action="store_true", help="list hardware and exit")
+    return p
+
+
+def _fail(message: str) -> None:
+    print(f"plan: error: {message}", file=sys.stderr)
+    raise SystemExit(EXIT_USER_ERROR)
+
+
+def _list_models() -> None:
+    from planner.catalog import list_models
+
+    for name, aliases, params, description in list_models():
+        print(f"{name:18} {params / 1e9:7.2f}B  {description}  (aliases: {', '.join(aliases) or '-'})")
+
+
+def _list_gpus() -> None:
+    from planner.hardware import list_devices
+
+    for name, aliases, description in list_devices():
+        print(f"{name:12} {description}  (aliases: {', '.join(aliases) or '-'})")
+
+
+def _inputs(args: argparse.Namespace) -> dict:
+    """Keyword inputs of ``api.make_problem``."""
+    return dict(
+        gpu=args.gpu, gpus_per_node=args.gpus_per_node, cluster_file=args.cluster, image_sizes=args.image_size,
+        vision_tokens=args.vision_tokens, text_tokens=args.text_tokens, images_per_sample=args.images_per_sample,
+        audio_seconds=args.audio_seconds, global_batch=args.global_batch, precision=args.precision,
+        frozen=args.frozen, profile=None if (args.profile or "").lower() == "none" else (args.profile or "auto"),
+    )
+
+
+def _run(args: argparse.Namespace) -> list:
+    from planner import api
+
+    if args.model is None or args.gpus is None:
+        raise ValueError("give --model and --gpus (or --list-models / --list-gpus)")
+    problem = api.make_problem(args.model, args.gpus, **_inputs(args))
+    if args.max_seq:
+        return [api.max_seq(problem, placement=args.placement, fix=args.fix, time_limit_s=args.time_limit)]
+    return api.top_plans(problem, k=args.top_k, placement=args.placement, fix=args.fix, time_limit_s=args.time_limit)
+
+
+def _out_paths(out: str, count: int) -> list[Path]:
+    """plan.json, plan-2.json, ... for the ranked plans."""
+    path = Path(out)
+    return [path] + [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(2, count + 1)]
+
+
+def _write(plans: list, out: str) -> list[Path]:
+    paths = _out_paths(out, len(plans))
+    for plan, path in zip(plans, paths):
+        try:
+            path.write_text(plan.to_json())
+        except OSError as e:
+            raise ValueError(f"cannot write {path}: {e.strerror}") from None
+    return paths
+
+
+# --- Report ------------------------------------------------------------------------------------------------------
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``0-15`` for a contiguous block."""
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+
+
+def _workload_line(plan) -> str:
+    w = plan.workload
+    parts = []
+    if w.vision_tokens is not None:
+        parts.append(f"{w.vision_tokens:,} vision tokens")
+    elif w.image_sizes:
+        sizes = sorted({f"{wd}x{h}" for h, wd in w.image_sizes})
+        parts.append(f"{len(w.image_sizes)} image(s) {', '.join(sizes)} ({w.module_tokens.get('vision', 0):,} vision "
+                     f"tokens)")
+    if w.audio_seconds:
+        parts.append(f"{w.audio_seconds:g} s audio ({w.module_tokens.get('audio', 0):,} encoder tokens)")
+    if w.llm_image_tokens:
+        parts.append(f"-> {w.llm_image_tokens:,} LLM image tokens")
+    parts.append(f"+ {w.text_tokens:,} text = {w.module_tokens['llm']:,} LLM tokens/sample")
+    return f"workload   {' '.join(parts)}; global batch {w.global_batch}"
+
+
+def _module_block(m) -> list[str]:
+    t = m.predicted.time_s
+    frozen = " (frozen)" if m.frozen else ""
+    mem = m.predicted.memory_gib
+    return [
+        f"{m.name}{frozen}: {len(m.ranks)} GPUs (ranks {_ranks(m.ranks)}), {m.num_params / 1e9:.2f}B params",
+        f"    DP {m.dp} x TP {m.tp} x SP {m.sp} x CP {m.cp}   ZeRO-{m.zero}   recompute {m.recompute}   "
+        f"micro-batch {m.micro_batch}   grad accum {m.grad_accum}",
+        f"    per step: forward {t.forward:.3f} s, backward {t.backward:.3f} s, recompute {t.recompute:.3f} s, "
+        f"TP {t.tp_comm:.3f} s, SP {t.sp_comm:.3f} s, CP {t.cp_comm:.3f} s, DP exposed {t.dp_comm:.3f} s, "
+        f"hand-off {t.handoff:.3f} s",
+        f"    memory per GPU {mem.total:.1f} GiB (weights {mem.weights:.1f}, grads {mem.gradients:.1f}, "
+        f"optimizer {mem.optimizer:.1f}, activations {mem.activations:.1f}, buffers {mem.buffers:.1f})",
+    ]
+
+
+def _breakdown(b) -> str:
+    return (f"weights {b.weights:.1f} + grads {b.gradients:.1f} + optimizer {b.optimizer:.1f} + activations "
+            f"{b.activations:.1f} + buffers {b.buffers:.1f} + overhead {b.overhead:.1f}")
+
+
+def _baseline_table(plan) -> list[str]:
+    rows = [f"{'':12} {'step time':>10} {'tokens/s':>10} {'MFU':>6} {'peak mem':>9}  plan speed-up",
+            f"{'this plan':12} {plan.predicted.step_time_s:9.3f}s {plan.predicted.tokens_per_s:10,.0f} "
+            f"{plan.predicted.mfu:6.1%} {plan.predicted.peak_memory_gib:6.1f}GiB  1.00x"]
+    for name, label in (("uniform_tp", "uniform TP"), ("zero3", "ZeRO-3")):
+        b = plan.baselines.get(name)
+        if b is None:
+            continue
+        if b.infeasible:
+            rows.append(f"{label:12} {b.infeasible}")
+            continue
+        rows.append(f"{label:12} {b.step_time_s:9.3f}s {b.tokens_per_s:10,.0f} {b.mfu:6.1%} "
+                    f"{b.peak_memory_gib:6.1f}GiB  {b.speedup:.2f}x")
+        rows.append(f"{'':12}   {'; '.join(f'{m}: {s}' for m, s in (b.modules or {}).items())}")
+    return rows
+
+
+def render_plan(plan) -> str:
+    """The readable layout of one plan."""
+    c, s, p = plan.cluster, plan.solver, plan.predicted
+    fixed = f", fixed {' '.join(f'{k}={v}' for k, v in s.fixed.items())}" if s.fixed else ""
+    lines = [
+        f"plan #{s.rank}   {plan.model.name} ({plan.model.num_params / 1e9:.1f}B) on {c.num_devices} x {c.device.name} "
+        f"({c.devices_per_node} per node), {plan.placement}; solver {s.status} over {s.num_candidates} "
+        f"candidates{fixed}",
+        _workload_line(plan),
+        "",
+    ]
+    for m in plan.modules:
+        lines += _module_block(m)
+    lines += [
+        "",
+        f"step time        {p.step_time_s:.3f} s",
+        f"tokens/s         {p.tokens_per_s:,.0f} ({p.samples_per_s:.2f} samples/s)",
+        f"MFU              {p.mfu:.1%}",
+        f"peak memory/GPU  {p.peak_memory_gib:.1f} GiB = {_breakdown(p.memory_breakdown_gib)}",
+        f"binding          {p.binding_constraint}",
+        "",
+        *_baseline_table(plan),
+    ]
+    return "\n".join(lines)
+
+
+def render(plans: list, *, max_seq: bool = False) -> str:
+    """All plans (top-k), best first; with --max-seq a headline with the longest sequence."""
+    head = []
+    if max_seq:
+        w = plans[0].workload
+        side = round(w.vision_tokens ** 0.5) * 14
+        head = [f"longest image sequence that fits: {w.vision_tokens:,} vision tokens per sample "
+                f"(one {side}x{side} image, {w.llm_image_tokens:,} LLM image tokens) at global batch "
+                f"{w.global_batch}", ""]
+    return "\n\n".join(["\n".join(head + [render_plan(plans[0])]), *(render_plan(p) for p in plans[1:])])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``plan`` command."""
+    args = build_parser().parse_args(argv)
+    if args.list_models or args.list_gpus:
+        _list_models() if args.list_models else _list_gpus()
+        return 0
+    out = args.out or (None if args.json else "plan.json")
+    try:
+        plans = _run(args)
+        paths = _write(plans, out) if out else []
+    except (ValueError, NotImplementedError) as e:
+        _fail(str(e))
+    if args.json:
+        text = plans[0].to_json() if len(plans) == 1 else "[\n" + ",\n".join(p.to_json().rstrip() for p in plans) + "\n]\n"
+        sys.stdout.write(text)
+        return 0
+    print(render(plans, max_seq=args.max_seq))
+    print(f"wrote {', '.join(map(str, paths))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

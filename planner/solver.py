@@ -1,0 +1,264 @@
+"""CP-SAT model that picks one candidate strategy per module: minimum step time under the per-GPU memory limit.
+
+Data (``planner.candidates``: integers, ns and bytes) -> ``CpModel`` -> variables -> one function per constraint
+family -> objective -> parameters -> status -> typed ``Solution``s. The objective reproduces
+``planner.cost.combine`` exactly (up to 0.5 ns rounding per term):
+
+* colocated: ``step = sum_m (grad_accum * per_micro_batch_m + dp_comm_m)``; memory on every GPU
+  ``sum_m memory_m + overhead <= usable``.
+* disjoint (one encoder, one LLM, 1F1B over grad_accum micro-batches): ``step = sum_m per_micro_batch_m +
+  (grad_accum - 1) * max_m per_micro_batch_m + max_m dp_comm_m``, linear because grad_accum is one shared
+  choice; each group fits by itself (candidates are filtered); the groups use exactly N GPUs.
+
+Ties are broken deterministically by a second solve that fixes the optimal step time and minimises a
+mixed-radix index of the chosen candidates (each module's list is ordered best first), so the same inputs
+give the same plan with any number of workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Mapping
+
+from ortools.sat.python import cp_model
+
+from planner.candidates import Candidate, Candidates
+
+Status = Literal["OPTIMAL", "FEASIBLE"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class SolverSettings:
+    """CP-SAT parameters."""
+
+    time_limit_s: float = 20.0
+    """Wall-clock limit of each solve; a plan found but not proven optimal by then is reported FEASIBLE."""
+    num_workers: int = 8
+    """Search workers (8 enables CP-SAT's parallel portfolio; it pays off even on 2 cores)."""
+    seed: int = 0
+    """Random seed of the search."""
+
+
+DEFAULT_SETTINGS = SolverSettings()
+
+
+@dataclass(kw_only=True, frozen=True)
+class Solution:
+    """One chosen candidate per module."""
+
+    status: Status
+    """OPTIMAL when proven optimal (for top-k: optimal among plans not yet listed), else FEASIBLE."""
+    choice: Mapping[str, Candidate]
+    """Module -> chosen candidate, in model order."""
+    objective_ns: int
+    """Predicted step time in nanoseconds, as the solver computed it."""
+
+
+class SolverTimeout(ValueError):
+    """No plan was found within the time limit."""
+
+
+Vars = dict[tuple[str, int], cp_model.IntVar]
+"""(module, candidate index) -> boolean."""
+
+
+def weighted(x: Vars, cands: Candidates, attr: str, modules: list[str] | None = None) -> cp_model.LinearExpr:
+    """sum over candidates c of the given modules of attr_c * x[m,c]."""
+    pairs = [
+        (x[m, i], getattr(c, attr))
+        for m in (modules or list(cands.by_module))
+        for i, c in enumerate(cands.by_module[m])
+    ]
+    return cp_model.LinearExpr.weighted_sum([v for v, _ in pairs], [w for _, w in pairs])
+
+
+# --- Constraint families ----------------------------------------------------------------------------------------
+
+
+def add_shared_grad_accum(model: cp_model.CpModel, x: Vars, cands: Candidates) -> None:
+    """For every module m and grad-accum value a: sum_{c in C_m, ga_c = a} x[m,c] == y[a]; sum_a y[a] == 1.
+
+    This also makes every module choose exactly one candidate.
+    """
+    accums = sorted({c.grad_accum for cs in cands.by_module.values() for c in cs})
+    y = {a: model.new_bool_var(f"ga_{a}") for a in accums}
+    model.add_exactly_one(y.values())
+    for m, cs in cands.by_module.items():
+        for a in accums:
+            model.add(cp_model.LinearExpr.sum([x[m, i] for i, c in enumerate(cs) if c.grad_accum == a]) == y[a])
+
+
+def add_colocated_memory(model: cp_model.CpModel, x: Vars, cands: Candidates, budget_bytes: int) -> None:
+    """Every GPU holds every module: sum_m sum_c x[m,c] * memory_c <= usable - overhead."""
+    model.add(weighted(x, cands, "memory_bytes") <= budget_bytes)
+
+
+def add_disjoint_gpus(model: cp_model.CpModel, x: Vars, cands: Candidates, num_gpus: int) -> None:
+    """The groups tile the cluster: sum_m sum_c x[m,c] * gpus_c == N; with one bool z[g] per split (encoder on
+    g GPUs, LLM on N - g): sum_{c in C_enc, gpus_c = g} x == z[g] == sum_{c in C_llm, gpus_c = N - g} x, which
+    tightens the relaxation (a two-module model is what disjoint placement supports)."""
+    model.add(weighted(x, cands, "gpus") == num_gpus)
+    encoder, llm = list(cands.by_module)
+    splits = sorted({c.gpus for c in cands.by_module[encoder]})
+    z = {g: model.new_bool_var(f"split_{g}") for g in splits}
+    model.add_exactly_one(z.values())
+    for module, size in ((encoder, lambda g: g), (llm, lambda g: num_gpus - g)):
+        for g in splits:
+            chosen = [x[module, i] for i, c in enumerate(cands.by_module[module]) if c.gpus == size(g)]
+            model.add(cp_model.LinearExpr.sum(chosen) == z[g])
+
+
+def add_max_over_modules(model: cp_model.CpModel, x: Vars, cands: Candidates, attr: str, name: str) -> cp_model.IntVar:
+    """A variable t with t >= sum_c x[m,c] * attr_c for every module m (the objective pushes it down to the max)."""
+    top = max(getattr(c, attr) for cs in cands.by_module.values() for c in cs)
+    t = model.new_int_var(0, top, name)
+    for m in cands.by_module:
+        model.add(t >= weighted(x, cands, attr, [m]))
+    return t
+
+
+def add_no_good_cuts(model: cp_model.CpModel, x: Vars, cuts: list[Mapping[str, int]]) -> None:
+    """Exclude plans already listed: for each, sum_m x[m, chosen_m] <= M - 1."""
+    for cut in cuts:
+        model.add(cp_model.LinearExpr.sum([x[m, i] for m, i in cut.items()]) <= len(cut) - 1)
+
+
+# --- Model ------------------------------------------------------------------------------------------------------
+
+
+def build_model(
+    cands: Candidates, num_gpus: int, memory_budget_bytes: int, cuts: list[Mapping[str, int]]
+) -> tuple[cp_model.CpModel, Vars, cp_model.LinearExpr]:
+    """The CP-SAT model of one placement, and its step-time expression (ns), not yet minimised."""
+    model = cp_model.CpModel()
+    x: Vars = {
+        (m, i): model.new_bool_var(f"x_{m}_{i}") for m, cs in cands.by_module.items() for i in range(len(cs))
+    }
+    add_shared_grad_accum(model, x, cands)
+    add_no_good_cuts(model, x, cuts)
+    if cands.placement == "colocated":
+        add_colocated_memory(model, x, cands, memory_budget_bytes)
+        step = weighted(x, cands, "step_ns")
+    else:
+        add_disjoint_gpus(model, x, cands, num_gpus)
+        fill = add_max_over_modules(model, x, cands, "fill_ns", "pipeline_fill")
+        dp_comm = add_max_over_modules(model, x, cands, "dp_comm_ns", "dp_comm_max")
+        step = weighted(x, cands, "per_micro_batch_ns") + fill + dp_comm
+    return model, x, step
+
+
+def mixed_radix_index(x: Vars, cands: Candidates) -> cp_model.LinearExpr:
+    """sum_m R_m * (index chosen in m), R_m = product of the list lengths after m: unique per plan."""
+    variables, weights, radix = [], [], 1
+    for m in reversed(list(cands.by_module)):
+        count = len(cands.by_module[m])
+        variables += [x[m, i] for i in range(1, count)]
+        weights += [radix * i for i in range(1, count)]
+        radix *= count
+    return cp_model.LinearExpr.weighted_sum(variables, weights)
+
+
+def _solver(settings: SolverSettings) -> cp_model.CpSolver:
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = settings.time_limit_s
+    solver.parameters.num_workers = settings.num_workers
+    solver.parameters.random_seed = settings.seed
+    return solver
+
+
+def _run(model: cp_model.CpModel, settings: SolverSettings) -> tuple[cp_model.CpSolver, str]:
+    """Solve; return the solver and its status name. MODEL_INVALID is a bug here, not a user error."""
+    solver = _solver(settings)
+    status = solver.solve(model)
+    name = solver.status_name(status)
+    assert status != cp_model.MODEL_INVALID, f"invalid CP-SAT model: {model.validate()}"
+    return solver, name
+
+
+def _chosen(solver: cp_model.CpSolver, x: Vars, cands: Candidates) -> dict[str, int]:
+    return {m: next(i for i in range(len(cs)) if solver.boolean_value(x[m, i])) for m, cs in cands.by_module.items()}
+
+
+def solve_one(
+    cands: Candidates,
+    num_gpus: int,
+    memory_budget_bytes: int,
+    cuts: list[Mapping[str, int]],
+    settings: SolverSettings,
+) -> tuple[Status, dict[str, int], int] | None:
+    """Best plan not among ``cuts``: (status, module -> candidate index, step ns), or None if there is none.
+
+    Raises:
+        SolverTimeout: neither a plan nor a proof that none exists within the time limit.
+    """
+    if cands.empty:
+        return None
+    model, x, step = build_model(cands, num_gpus, memory_budget_bytes, cuts)
+    model.minimize(step)
+    solver, status = _run(model, settings)
+    if status == "INFEASIBLE":
+        return None
+    if status == "UNKNOWN":
+        raise SolverTimeout(
+            f"CP-SAT found no {cands.placement} plan within {settings.time_limit_s:g} s; raise --time-limit"
+        )
+    chosen, best = _chosen(solver, x, cands), round(solver.objective_value)
+    if status != "OPTIMAL":
+        return "FEASIBLE", chosen, best
+    return "OPTIMAL", _break_ties(cands, num_gpus, memory_budget_bytes, cuts, best, chosen, settings), best
+
+
+def _break_ties(
+    cands: Candidates,
+    num_gpus: int,
+    memory_budget_bytes: int,
+    cuts: list[Mapping[str, int]],
+    best: int,
+    chosen: dict[str, int],
+    settings: SolverSettings,
+) -> dict[str, int]:
+    """Among plans of step time ``best``, the one with the smallest mixed-radix index."""
+    model, x, step = build_model(cands, num_gpus, memory_budget_bytes, cuts)
+    model.add(step == best)
+    model.minimize(mixed_radix_index(x, cands))
+    for m, i in chosen.items():
+        for j in range(len(cands.by_module[m])):
+            model.add_hint(x[m, j], j == i)
+    solver, status = _run(model, settings)
+    assert status in ("OPTIMAL", "FEASIBLE"), f"tie-break lost the optimum: {status}"
+    return _chosen(solver, x, cands)
+
+
+def solve(
+    cands: Candidates,
+    num_gpus: int,
+    memory_budget_bytes: int,
+    *,
+    top_k: int = 1,
+    settings: SolverSettings = DEFAULT_SETTINGS,
+) -> list[Solution]:
+    """Up to ``top_k`` distinct plans of one placement, best first; [] when none fits.
+
+    Args:
+        cands: Candidates of one placement.
+        num_gpus: GPUs of the cluster (disjoint groups must use exactly this many).
+        memory_budget_bytes: Usable memory minus the framework overhead (colocated constraint; disjoint
+            candidates are already filtered).
+        top_k: How many distinct plans (no-good cuts between them).
+        settings: CP-SAT parameters.
+
+    Raises:
+        SolverTimeout: the first plan could not be found within the time limit.
+    """
+    solutions: list[Solution] = []
+    cuts: list[Mapping[str, int]] = []
+    for _ in range(top_k):
+        found = solve_one(cands, num_gpus, memory_budget_bytes, cuts, settings)
+        if found is None:
+            break
+        status, chosen, step = found
+        solutions.append(Solution(
+            status=status, choice={m: cands.by_module[m][i] for m, i in chosen.items()}, objective_ns=step
+        ))
+        cuts.append(chosen)
+    return solutions
