@@ -175,3 +175,20 @@ def start(plan: Plan, options: RunOptions) -> Job:
     plan_json = plan.model_dump_json()
     ray.get([w.setup.remote(plan_json, address, options) for w in workers])
     return Job(plan=plan, workers=workers, group=group)
+
+
+def run(plan: Plan, options: RunOptions, *, steps: int, metrics_path: str | None = None) -> dict[str, Any]:
+    """Train ``steps`` optimizer steps with one JSON line per step; returns the summary (also printed)."""
+    from runtime.metrics import MetricsLog, format_summary
+
+    job = start(plan, options)
+    try:
+        layout = layout_from_plan(plan.workload, hf_config_from_dict(plan.model.hf_config))
+        log = MetricsLog(plan, steps=steps, path=metrics_path, tokens_per_sample=layout.seq_len)
+        for step in range(steps):
+            log.log(step, job.step())
+        summary = log.summary()
+    finally:
+        job.shutdown()
+    print(format_summary(summary, "peak RSS per worker" if is_cpu_plan(plan) else "max allocated per GPU"))
+    return summary

@@ -1,8 +1,11 @@
 """Per-module parallel degrees read from the Plan, and the device mesh each module runs on.
 
-A module's ranks form a ``dp x cp x sp x tp`` grid (tp innermost), as the planner lays them out; the mesh has
-those four named axes, plus ``dp_cp_sp`` (flattened) for the module's data-parallel / gradient-sum group.
-The runtime never re-decides any of these numbers.
+A module's ranks form a ``dp x cp x sp x tp`` grid (tp innermost), as the planner lays them out. Two meshes are
+built over it: ``mesh`` with axes (``dp_cp_sp``, ``tp``) — the root that FSDP (on ``dp_cp_sp``, the module's
+data-parallel / gradient-sum group) and TP (on ``tp``) share, as 2-D FSDP+TP requires — and ``grid_mesh`` with
+the four named axes, for the SP and DP groups. (Both are built directly rather than by flattening a slice:
+flattening creates process groups that every rank of the world, including ranks outside a disjoint module,
+would have to join.) The runtime never re-decides any of these numbers.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ class ParallelDims:
     grad_accum: int
     """Micro-batches per optimizer step."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
-    """The module's mesh (``build_mesh``)."""
+    """(dp_cp_sp, tp) mesh, the root of FSDP and TP (``build_mesh``)."""
+    grid_mesh: DeviceMesh | None = field(default=None, repr=False)
+    """(dp, cp, sp, tp) mesh (``build_mesh``)."""
 
     def __post_init__(self) -> None:
         if len(self.ranks) != self.dp * self.cp * self.sp * self.tp:
@@ -105,12 +110,12 @@ class ParallelDims:
         """Global ranks whose grid coordinates match ``fixed`` (e.g. ``dp=0, tp=0``)."""
         return [r for r in self.ranks if all(self.coordinate(r)[k] == v for k, v in fixed.items())]
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the module's mesh; every rank of the world must call this (for every module) in the same order."""
+    def build_mesh(self, device_type: str) -> None:
+        """Create the module's meshes; every rank of the world must call this, for every module, in the same
+        order (creating a process group is collective), and only the module's ranks may slice them."""
         grid = torch.tensor(self.ranks).view(self.dp, self.cp, self.sp, self.tp)
-        self.mesh = DeviceMesh(device_type, grid, mesh_dim_names=AXES)
-        self.mesh[("dp", "cp", "sp")]._flatten(BATCH_AXIS)
-        return self.mesh
+        self.mesh = DeviceMesh(device_type, grid.view(self.batch_degree, self.tp), mesh_dim_names=(BATCH_AXIS, "tp"))
+        self.grid_mesh = DeviceMesh(device_type, grid, mesh_dim_names=AXES)
 
     def __str__(self) -> str:
         return (

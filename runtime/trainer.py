@@ -150,7 +150,7 @@ class Trainer:
         """This rank's merged image tokens of micro-batch ``micro`` (window order)."""
         dims = self.dims["vision"]
         batch = self._samples(micro, "vision")
-        sp_group = dims.mesh["sp"].get_group() if dims.sp_enabled else None
+        sp_group = dims.grid_mesh["sp"].get_group() if dims.sp_enabled else None
         shard = shard_vision_batch(batch["pixel_values"], batch["image_grid_thw"].cpu(), self.vision_config,
                                    sp_rank=dims.coordinate(self.rank)["sp"], sp_group=sp_group, sp=dims.sp)
         shard = _to_device(shard, self.device)
@@ -228,12 +228,13 @@ class Trainer:
             loss = self._disjoint_step(num_tokens)
         self.handoff.release()
         loss = self._reduce_loss(loss)
+        lr = self.optimizers[next(iter(self.optimizers))][1].get_last_lr()[0]
         norm = self.optimizer_step()
         self.step += 1
         _sync(self.device)
         return {
             "rank": self.rank, "modules": sorted(self.modules), "loss": loss, "grad_norm": norm,
-            "lr": self.optimizers[next(iter(self.optimizers))][1].get_last_lr()[0] if self.optimizers else None,
+            "lr": lr,
             "step_time_s": time.perf_counter() - start, "handoff_comm_s": self.handoff.comm_seconds,
             "peak_memory_bytes": _peak_memory(self.device), **self.timings,
         }

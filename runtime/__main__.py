@@ -1,0 +1,52 @@
+"""``python -m runtime plan.json [--steps N] [--metrics FILE] [--checkpoint DIR] [--data PATH] [--seed S]``
+
+Runs locally (starts Ray) or on the Ray cluster at RAY_ADDRESS / under ``ray job submit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from planner.schema import PlanError, load_plan
+
+USER_ERRORS = (PlanError, ValueError, NotImplementedError)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m runtime", description="Train a model as a plan says, on Ray.")
+    parser.add_argument("plan", help="plan JSON written by `plan --out`")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps to run (default 10)")
+    parser.add_argument("--metrics", help="write one JSON line per step, then a summary line, to this file")
+    parser.add_argument("--checkpoint", help="save_pretrained folder to start from (default: random init)")
+    parser.add_argument("--data", help="image-caption folder or JSONL (default: synthetic data)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random init and synthetic data")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from ray.exceptions import RayTaskError
+
+    from runtime.launcher import run
+    from runtime.trainer import RunOptions
+
+    options = RunOptions(seed=args.seed, data=args.data, checkpoint=args.checkpoint)
+    try:
+        run(load_plan(args.plan), options, steps=args.steps, metrics_path=args.metrics)
+    except USER_ERRORS as e:
+        print(f"runtime: error: {e}", file=sys.stderr)
+        return 2
+    except RayTaskError as e:
+        if isinstance(e.cause, USER_ERRORS):
+            print(f"runtime: error: {e.cause}", file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

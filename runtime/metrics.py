@@ -1,0 +1,95 @@
+"""Per-step measurements: one JSON line per step to a file, a progress bar, and a final summary beside the
+plan's predictions.
+
+Each rank measures itself; a step's line takes, per quantity, the slowest rank holding the module (the step
+waits for it). Communication that is measurable from the step loop is the hand-off / hand-back wait time;
+TP, SP and FSDP collectives run inside forward/backward and are counted there.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+from planner.schema import Plan
+
+GIB = 1024**3
+TIMED = ("vision_forward_s", "vision_backward_s", "llm_forward_s", "llm_backward_s", "optimizer_s", "handoff_comm_s")
+"""Per-rank timers reported as the max over ranks."""
+
+
+def step_record(step: int, results: list[dict[str, Any]], plan: Plan, tokens_per_sample: int) -> dict[str, Any]:
+    """One step's JSON record from every rank's measurements."""
+    step_time = max(r["step_time_s"] for r in results)
+    record: dict[str, Any] = {
+        "step": step,
+        "loss": next(r["loss"] for r in results if r["loss"] is not None),
+        "grad_norm": results[0]["grad_norm"],
+        "lr": next(r["lr"] for r in results if r["lr"] is not None),
+        "step_time_s": step_time,
+        "tokens_per_s": plan.workload.global_batch * tokens_per_sample / step_time,
+    }
+    for key in TIMED:
+        record[key] = max(r.get(key, 0.0) for r in results)
+    record["peak_memory_gib"] = max(r["peak_memory_bytes"] for r in results) / GIB
+    return record
+
+
+class MetricsLog:
+    """Writes step records (JSON lines) and drives the progress bar; ``summary`` compares with the plan."""
+
+    def __init__(self, plan: Plan, *, steps: int, path: str | None, tokens_per_sample: int):
+        self.plan, self.tokens_per_sample = plan, tokens_per_sample
+        self.records: list[dict[str, Any]] = []
+        self.file: TextIO | None = open(path, "w") if path else None
+        self.bar = tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+        record = step_record(step, results, self.plan, self.tokens_per_sample)
+        self.records.append(record)
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", step_s=f"{record['step_time_s']:.3f}")
+        self.bar.update(1)
+        return record
+
+    def summary(self) -> dict[str, Any]:
+        """Measured median step time (after the first, warm-up step) and peak memory beside the prediction."""
+        self.bar.close()
+        timed = self.records[1:] or self.records
+        measured_step = statistics.median(r["step_time_s"] for r in timed)
+        measured_mem = max(r["peak_memory_gib"] for r in self.records)
+        predicted = self.plan.predicted
+        result = {
+            "summary": True,
+            "steps": len(self.records),
+            "final_loss": self.records[-1]["loss"],
+            "step_time_s": {"measured": measured_step, "predicted": predicted.step_time_s,
+                            "ratio": measured_step / predicted.step_time_s},
+            "peak_memory_gib": {"measured": measured_mem, "predicted": predicted.peak_memory_gib,
+                                "ratio": measured_mem / predicted.peak_memory_gib},
+            "tokens_per_s": {"measured": statistics.median(r["tokens_per_s"] for r in timed),
+                             "predicted": predicted.tokens_per_s},
+        }
+        if self.file:
+            self.file.write(json.dumps(result) + "\n")
+            self.file.close()
+        return result
+
+
+def format_summary(summary: dict[str, Any], memory_note: str) -> str:
+    """A small table for the terminal."""
+    rows = [("", "measured", "predicted", "ratio")]
+    for key, label in (("step_time_s", "step time (s)"), ("peak_memory_gib", f"peak memory (GiB, {memory_note})")):
+        s = summary[key]
+        rows.append((label, f"{s['measured']:.4g}", f"{s['predicted']:.4g}", f"{s['ratio']:.2f}"))
+    t = summary["tokens_per_s"]
+    rows.append(("tokens/s", f"{t['measured']:.4g}", f"{t['predicted']:.4g}", ""))
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{r[0]:<{width}}  {r[1]:>10}  {r[2]:>10}  {r[3]:>6}" for r in rows]
+    return "\n".join([f"{summary['steps']} steps, final loss {summary['final_loss']:.4f}", *lines])

@@ -1,0 +1,14 @@
+"""Shared fixtures. Keep additions additive: several areas of the project put fixtures here."""
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Ray, started once per test session (~10 s here) with 4 CPU slots, so runtime tests can place up to 4
+    single-CPU workers on this 2-core machine."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,72 @@
+"""Build Plan objects for runtime tests directly (no solver): one small factory, explicit degrees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from planner.schema import (
+    SCHEMA_VERSION, ClusterInfo, DeviceInfo, MemoryBreakdown, ModelInfo, ModulePlan, ModulePrediction, ModuleTime,
+    Plan, Prediction, SolverInfo, TrainingInfo, WorkloadInfo,
+)
+
+IMAGE_SIZE = (112, 168)
+"""8 x 12 patches: two windows of 64 and 32 patches (uneven SP split), 24 merged tokens."""
+TEXT_TOKENS = 40
+
+
+def tiny_hf_config() -> dict[str, Any]:
+    """The catalog's tiny Qwen2.5-VL (4 vision blocks, 2 of them full attention; 4 decoder layers)."""
+    from planner.catalog import get_model
+
+    return dict(get_model("qwen2.5-vl-tiny").hf_config)
+
+
+def _memory() -> MemoryBreakdown:
+    return MemoryBreakdown(weights=0.01, gradients=0.01, optimizer=0.02, activations=0.01, buffers=0.0, overhead=0.0)
+
+
+def _prediction() -> ModulePrediction:
+    time = ModuleTime(forward=0.01, backward=0.02, recompute=0.0, tp_comm=0.0, sp_comm=0.0, cp_comm=0.0,
+                      dp_comm=0.0, handoff=0.0, per_micro_batch=0.03)
+    return ModulePrediction(time_s=time, memory_gib=_memory(), flops_per_step=1e9, sources={})
+
+
+def module(name: str, ranks: list[int], *, dp=1, tp=1, sp=1, cp=1, zero=0, recompute="none", micro_batch=1,
+           grad_accum=1) -> ModulePlan:
+    return ModulePlan(name=name, ranks=ranks, dp=dp, tp=tp, sp=sp, cp=cp, zero=zero, recompute=recompute,
+                      micro_batch=micro_batch, grad_accum=grad_accum, frozen=False, num_params=1,
+                      predicted=_prediction())
+
+
+def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAGE_SIZE, text_tokens=TEXT_TOKENS,
+              learning_rate=1e-3, warmup_steps=2, grad_clip_norm=1.0, hf_config=None) -> Plan:
+    """A CPU plan for the tiny model; ``vision``/``llm`` are module() keyword arguments (ranks defaulted)."""
+    hf_config = hf_config or tiny_hf_config()
+    v_size, l_size = (d.get("dp", 1) * d.get("tp", 1) * d.get("sp", 1) * d.get("cp", 1) for d in (vision, llm))
+    if placement == "colocated":
+        v_ranks, l_ranks = list(range(v_size)), list(range(l_size))
+    else:
+        l_ranks, v_ranks = list(range(l_size)), list(range(l_size, l_size + v_size))
+    modules = [module("vision", vision.pop("ranks", v_ranks), **vision), module("llm", llm.pop("ranks", l_ranks), **llm)]
+    n = len({r for m in modules for r in m.ranks})
+    samples = modules[1].dp * modules[1].micro_batch * modules[1].grad_accum
+    patches = (image_size[0] // 14) * (image_size[1] // 14)
+    device = DeviceInfo(name="cpu", peak_bf16_flops=1e11, memory_bytes=8 << 30, memory_bandwidth=2e10,
+                        intra_node_bandwidth=5e9, intra_node_latency=1e-5, inter_node_bandwidth=1e9,
+                        inter_node_latency=1e-4, devices_per_node=n, source="test")
+    return Plan(
+        schema_version=SCHEMA_VERSION, planner_version="test",
+        model=ModelInfo(name="qwen2.5-vl-tiny", family="qwen2_5_vl", hf_config=hf_config, num_params=1,
+                        module_params={"vision": 1, "llm": 1}),
+        cluster=ClusterInfo(device=device, num_devices=n, devices_per_node=n),
+        workload=WorkloadInfo(image_sizes=[image_size], vision_tokens=None, text_tokens=text_tokens,
+                              audio_seconds=0.0, global_batch=samples,
+                              module_tokens={"vision": patches, "llm": text_tokens + patches // 4},
+                              llm_image_tokens=patches // 4),
+        training=TrainingInfo(precision="bf16_mixed", learning_rate=learning_rate, warmup_steps=warmup_steps,
+                              grad_clip_norm=grad_clip_norm),
+        placement=placement, modules=modules,
+        predicted=Prediction(step_time_s=0.1, tokens_per_s=1.0, samples_per_s=1.0, mfu=0.1, peak_memory_gib=0.1,
+                             memory_breakdown_gib=_memory(), binding_constraint="test"),
+        baselines={}, solver=SolverInfo(status="EVALUATED", num_candidates=1),
+    )

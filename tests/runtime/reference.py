@@ -1,0 +1,36 @@
+"""The unmodified single-process transformers model trained on the same samples: the parity reference."""
+
+from __future__ import annotations
+
+import torch
+
+from planner.schema import Plan
+from runtime.data import SyntheticData, collate, layout_from_plan
+from runtime.model import build_model
+from runtime.optim import warmup_factor
+
+
+def reference_run(plan: Plan, *, seed: int, steps: int) -> dict:
+    """Loss of each step, gradients after the first step, parameters after the last, as HF names -> tensors."""
+    torch.set_num_threads(1)
+    model = build_model(plan.model.hf_config, seed=seed)
+    layout = layout_from_plan(plan.workload, model.config)
+    data = SyntheticData(layout, seed)
+    training = plan.training
+    optimizer = torch.optim.AdamW(model.parameters(), lr=training.learning_rate, weight_decay=training.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_factor(s, training.warmup_steps))
+    batch_size = plan.workload.global_batch
+    losses, grads = [], None
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        batch = collate([data.sample(step * batch_size + i) for i in range(batch_size)])
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip_norm)
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        schedule.step()
+        losses.append(float(loss.detach()))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params}
