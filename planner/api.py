@@ -20,7 +20,8 @@ from planner.baselines import BASELINE_DESCRIPTIONS, BaselineOutcome, baselines
 from planner.candidates import FIX_FIELDS, Candidates, Fixes, Problem, build_candidates, encoder_names, feasible
 from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, Estimate, estimate
-from planner.cost.results import GIB, MemoryBreakdown as CostMemory
+from planner.cost.report import module_predictions, prediction
+from planner.cost.results import GIB
 from planner.hardware import Cluster, get_device, load_cluster_file, make_cluster
 from planner.models import ModelSpec
 from planner.schema import (
@@ -28,13 +29,11 @@ from planner.schema import (
     BaselineResult,
     ClusterInfo,
     DeviceInfo,
-    MemoryBreakdown,
     ModelInfo,
     ModulePlan,
     ModulePrediction,
-    ModuleTime,
-    Plan,
     Prediction,
+    Plan,
     SolverInfo,
     TrainingInfo,
     WorkloadInfo,
@@ -540,45 +539,49 @@ def planner_version() -> str:
         return "unknown"
 
 
-def _gib(m: CostMemory) -> MemoryBreakdown:
-    return MemoryBreakdown(
-        weights=m.weights / GIB, gradients=m.gradients / GIB, optimizer=m.optimizer / GIB,
-        activations=m.activations / GIB, buffers=m.buffers / GIB, overhead=m.overhead / GIB,
-    )
-
-
-def _module_plan(problem: Problem, e: Estimate, strategy: Strategy, name: str) -> ModulePlan:
-    c = e.modules[name]
+def _module_plan(problem: Problem, strategy: Strategy, name: str, prediction: ModulePrediction) -> ModulePlan:
     s = strategy.modules[name]
     spec = problem.model.module(name)
-    memory = e.memory_per_group.get(name) if strategy.placement == "disjoint" else c.memory()
     return ModulePlan(
         name=name, ranks=strategy.module_ranks()[name], dp=s.dp, tp=s.tp, sp=s.sp, cp=s.cp, zero=s.zero,
         recompute=s.recompute, micro_batch=s.micro_batch, grad_accum=s.grad_accum, frozen=spec.frozen,
-        num_params=spec.num_params,
-        predicted=ModulePrediction(
-            time_s=ModuleTime(
-                forward=c.forward_s, backward=c.backward_s, recompute=c.recompute_s, tp_comm=c.tp_comm_s,
-                sp_comm=c.sp_comm_s, cp_comm=c.cp_comm_s, dp_comm=c.dp_comm_s, handoff=c.handoff_s,
-                per_micro_batch=c.per_micro_batch_s,
-            ),
-            memory_gib=_gib(memory),
-            flops_per_step=c.flops_per_step,
-            sources=dict(sorted(c.sources.items())),
-        ),
+        num_params=spec.num_params, predicted=prediction,
     )
 
 
-def _baseline_result(outcome: BaselineOutcome, plan_step_s: float) -> BaselineResult:
+def _baseline_result(problem: Problem, outcome: BaselineOutcome, plan_step_s: float) -> BaselineResult:
+    """A baseline in the plan file, its step time calibrated like the plan's."""
     description = BASELINE_DESCRIPTIONS[outcome.name]
     e = outcome.estimate
     if e is None:
         return BaselineResult(description=description, infeasible=outcome.infeasible)
+    step = calibrated_step_time(problem, e.step_time_s)
+    ratio = e.step_time_s / step
     return BaselineResult(
-        description=description, step_time_s=e.step_time_s, tokens_per_s=e.tokens_per_s,
-        peak_memory_gib=e.peak_memory_bytes / GIB, mfu=e.mfu, speedup=e.step_time_s / plan_step_s,
+        description=description, step_time_s=step, tokens_per_s=e.tokens_per_s * ratio,
+        peak_memory_gib=e.peak_memory_bytes / GIB, mfu=e.mfu * ratio, speedup=step / plan_step_s,
         modules={m: c.strategy.describe() for m, c in e.modules.items()},
     )
+
+
+def calibrated_step_time(problem: Problem, raw_step_s: float) -> float:
+    """A raw predicted step time with the profile's calibration (measured = scale * predicted + overhead) applied;
+    unchanged without a calibrated profile. The solver ranks raw times: the map is increasing."""
+    step_time = getattr(problem.layer_costs, "step_time", None)
+    return raw_step_s if step_time is None else step_time(raw_step_s)
+
+
+def _calibrated(problem: Problem, p: Prediction, modules: dict[str, ModulePrediction]) -> tuple[Prediction, dict]:
+    """Prediction and module records with the calibrated step time (rates scaled to match)."""
+    step = calibrated_step_time(problem, p.step_time_s)
+    if step == p.step_time_s:
+        return p, modules
+    ratio = p.step_time_s / step
+    p = p.model_copy(update={"step_time_s": step, "tokens_per_s": p.tokens_per_s * ratio,
+                             "samples_per_s": p.samples_per_s * ratio, "mfu": p.mfu * ratio})
+    modules = {m: mp.model_copy(update={"sources": {**mp.sources, "step_time": "calibrated"}})
+               for m, mp in modules.items()}
+    return p, modules
 
 
 def _binding(e: Estimate) -> str:
@@ -601,6 +604,9 @@ def build_plan(
     model, device, w = problem.model, problem.cluster.device, problem.workload
     tokens = module_tokens(w, model)
     reference = baselines(problem) if reference is None else reference
+    predicted, predictions = _calibrated(
+        problem, prediction(e).model_copy(update={"binding_constraint": _binding(e)}), module_predictions(e)
+    )
     return Plan(
         schema_version=SCHEMA_VERSION,
         planner_version=planner_version(),
@@ -618,13 +624,9 @@ def build_plan(
         ),
         training=TrainingInfo(precision=problem.precision),
         placement=strategy.placement,
-        modules=[_module_plan(problem, e, strategy, m) for m in model.module_names],
-        predicted=Prediction(
-            step_time_s=e.step_time_s, tokens_per_s=e.tokens_per_s, samples_per_s=e.samples_per_s, mfu=e.mfu,
-            peak_memory_gib=e.peak_memory_bytes / GIB, memory_breakdown_gib=_gib(e.peak_breakdown),
-            binding_constraint=_binding(e),
-        ),
-        baselines={name: _baseline_result(o, e.step_time_s) for name, o in reference.items()},
+        modules=[_module_plan(problem, strategy, m, predictions[m]) for m in model.module_names],
+        predicted=predicted,
+        baselines={name: _baseline_result(problem, o, predicted.step_time_s) for name, o in reference.items()},
         solver=SolverInfo(status=status, num_candidates=num_candidates, rank=rank, fixed=dict(fixed or {})),
     )
 

@@ -1,0 +1,91 @@
+"""Shared helpers of the planner tests: small problems and a brute-force optimum to cross-check CP-SAT."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from planner.candidates import Problem, divisors
+from planner.catalog import get_model
+from planner.cost import DEFAULT_ASSUMPTIONS, check_strategy, estimate
+from planner.hardware import get_device, make_cluster
+from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Strategy
+from planner.workload import Workload
+
+GiB = 1024**3
+
+
+def problem(
+    model: str = "qwen2.5-vl-tiny",
+    gpus: int = 4,
+    *,
+    device: str = "cpu",
+    memory_gib: float | None = None,
+    batch: int = 4,
+    image: int = 224,
+    text: int = 64,
+    precision: str = "bf16_mixed",
+    overhead_gib: float | None = None,
+) -> Problem:
+    """A small problem; ``memory_gib`` shrinks the device so that the memory limit binds."""
+    spec = get_device(device)
+    if memory_gib is not None:
+        spec = replace(spec, memory_bytes=int(memory_gib * GiB))
+    assumptions = DEFAULT_ASSUMPTIONS
+    if overhead_gib is not None:
+        assumptions = replace(assumptions, framework_overhead_bytes=int(overhead_gib * GiB))
+    return Problem(
+        model=get_model(model),
+        cluster=make_cluster(spec, gpus),
+        workload=Workload(image_sizes=((image, image),), text_tokens=text, global_batch=batch),
+        precision=precision,
+        assumptions=assumptions,
+    )
+
+
+def all_strategies(p: Problem, module: str, gpus: int) -> list[ModuleStrategy]:
+    """Every valid strategy of ``module`` on ``gpus`` GPUs: all integer grids, ZeRO 0-3, every recompute mode
+    and micro-batch, filtered by ``check_strategy`` only (independent of planner.candidates' enumeration)."""
+    batch = p.workload.global_batch
+    found = []
+    for dp in divisors(gpus):
+        if batch % dp:
+            continue
+        for ga in divisors(batch // dp):
+            for tp in divisors(gpus // dp):
+                for sp in divisors(gpus // (dp * tp)):
+                    cp = gpus // (dp * tp * sp)
+                    for zero in range(4):
+                        for rc in RECOMPUTE_CHOICES:
+                            s = ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, zero=zero, recompute=rc,
+                                               micro_batch=batch // (dp * ga), grad_accum=ga)
+                            if not check_strategy(p.model, module, s, p.cluster, p.workload):
+                                found.append(s)
+    return found
+
+
+def brute_force(p: Problem, placement: str) -> tuple[float, Strategy] | None:
+    """The fastest fitting strategy of ``placement`` by trying every combination with ``cost.estimate``
+    (disjoint: every split of the GPUs between the encoder and the LLM)."""
+    n = p.num_gpus
+    encoder, llm = p.model.module_names
+    splits = [(n, n)] if placement == "colocated" else [(g, n - g) for g in range(1, n)]
+    best = None
+    for g_enc, g_llm in splits:
+        llm_by_ga: dict[int, list[ModuleStrategy]] = {}
+        for s in all_strategies(p, llm, g_llm):
+            llm_by_ga.setdefault(s.grad_accum, []).append(s)
+        for s_enc in all_strategies(p, encoder, g_enc):
+            for s_llm in llm_by_ga.get(s_enc.grad_accum, []):
+                strategy = Strategy(placement=placement, modules={encoder: s_enc, llm: s_llm},
+                                    precision=p.precision)
+                e = estimate(p.model, p.cluster, p.workload, strategy, p.assumptions)
+                if e.fits and (best is None or e.step_time_s < best[0]):
+                    best = (e.step_time_s, strategy)
+    return best
+
+
+def with_usable_memory(p: Problem, usable_bytes: int) -> Problem:
+    """``p`` on a device whose usable memory is ``usable_bytes``."""
+    memory = int(usable_bytes / p.assumptions.usable_memory_fraction) + 1
+    device = replace(p.cluster.device, memory_bytes=memory)
+    return replace(p, cluster=replace(p.cluster, device=device))

@@ -1,0 +1,87 @@
+"""CP-SAT (with candidate pruning) finds the same optimum as trying every strategy combination.
+
+Coverage: the tiny model on 2, 4 and 8 CPU "GPUs" and Qwen2.5-VL-32B on 4 H200 (bf16 pure) and 8 H100, both
+placements, with the memory limit loose and tightened below the unconstrained optimum's peak (so that memory
+binds). Brute force enumerates every integer grid, ZeRO stage, recompute mode and micro-batch that
+``check_strategy`` accepts (and, disjoint, every split of the GPUs) and costs each pair with ``cost.estimate``.
+"""
+
+from functools import lru_cache
+
+import pytest
+from plan_helpers import brute_force, problem, with_usable_memory
+
+from planner.candidates import build_candidates
+from planner.cost import estimate
+from planner.solver import solve
+
+ROUNDING_S = 2e-9
+"""The solver's integer nanoseconds round each of at most four terms by 0.5 ns."""
+
+TINY = dict(model="qwen2.5-vl-tiny", device="cpu", overhead_gib=0.0)
+CASES = {
+    "tiny-2gpu": dict(TINY, gpus=2, batch=4),
+    "tiny-4gpu": dict(TINY, gpus=4, batch=4),
+    "tiny-8gpu": dict(TINY, gpus=8, batch=8),
+    "32b-h200-4gpu-pure": dict(model="qwen-vl-32b", device="h200-141gb", gpus=4, batch=4, image=448, text=128,
+                               precision="bf16_pure"),
+    "32b-h100-8gpu": dict(model="qwen-vl-32b", device="h100-80gb", gpus=8, batch=8, image=896, text=256),
+}
+FAST = ["tiny-2gpu", "tiny-4gpu", "32b-h200-4gpu-pure"]
+SLOW = ["tiny-8gpu", "32b-h100-8gpu"]
+
+
+@lru_cache(maxsize=None)
+def _unconstrained(case, placement):
+    p = problem(**CASES[case])
+    return p, brute_force(p, placement)
+
+
+def _check(p, placement, expected):
+    sols = solve(build_candidates(p, placement), p.num_gpus, p.usable_bytes - p.overhead_bytes)
+    if expected is None:
+        assert sols == []
+        return
+    assert sols, f"brute force found {expected[0]} s but the solver found nothing"
+    assert sols[0].objective_ns / 1e9 == pytest.approx(expected[0], abs=ROUNDING_S)
+
+
+def _check_tightened(case, placement, fraction):
+    """Usable memory set to ``fraction`` of the unconstrained optimum's peak, so that memory binds."""
+    p, best = _unconstrained(case, placement)
+    assert best is not None
+    peak = estimate(p.model, p.cluster, p.workload, best[1], p.assumptions).peak_memory_bytes
+    tight = with_usable_memory(p, int(peak * fraction))
+    expected = brute_force(tight, placement)
+    if expected is not None:
+        assert expected[0] >= best[0]
+    _check(tight, placement, expected)
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+@pytest.mark.parametrize("case", FAST)
+def test_same_optimum_as_brute_force(case, placement):
+    p, expected = _unconstrained(case, placement)
+    assert expected is not None
+    _check(p, placement, expected)
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+@pytest.mark.parametrize("case,fraction", [("tiny-4gpu", 0.6), ("32b-h200-4gpu-pure", 0.9)])
+def test_same_optimum_when_memory_binds(case, placement, fraction):
+    _check_tightened(case, placement, fraction)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+@pytest.mark.parametrize("case", SLOW)
+def test_same_optimum_as_brute_force_larger(case, placement):
+    p, expected = _unconstrained(case, placement)
+    _check(p, placement, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+@pytest.mark.parametrize("case,fraction", [("tiny-4gpu", 0.9), ("tiny-8gpu", 0.7), ("32b-h200-4gpu-pure", 0.6)])
+def test_same_optimum_when_memory_binds_more(case, placement, fraction):
+    _check_tightened(case, placement, fraction)
