@@ -469,16 +469,3 @@ class ProfileCostSource:
         """A predicted step time with this profile's calibration applied (identity without one)."""
         return calibrate(raw_step_time_s, self.profile.calibration)
 
-
-def calibrated_estimate(estimate, calibration: Calibration | None):
-    """A ``planner.cost.Estimate`` with the calibration applied to its step time and the rates derived from it.
-
-    The map is positive-affine, so the ranking of strategies (and the solver's choice) does not change: applying
-    it to the final plan's numbers is exact.
-    """
-    if calibration is None:
-        return estimate
-    step = calibrate(estimate.step_time_s, calibration)
-    ratio = estimate.step_time_s / step
-    return replace(estimate, step_time_s=step, tokens_per_s=estimate.tokens_per_s * ratio,
-                   samples_per_s=estimate.samples_per_s * ratio, mfu=estimate.mfu * ratio)

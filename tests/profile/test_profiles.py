@@ -211,20 +211,3 @@ def test_profile_cost_source_recompute_modes():
     assert source.layer_cost(**args, recompute="selective") is None
     assert source.layer_cost(**{**args, "cp": 2}, recompute="none") is None
 
-
-def test_calibrated_estimate_scales_time_and_rates():
-    from dataclasses import dataclass
-
-    from planner.profiles import Calibration, calibrated_estimate
-
-    @dataclass(frozen=True)
-    class Est:
-        step_time_s: float
-        tokens_per_s: float
-        samples_per_s: float
-        mfu: float
-
-    cal = Calibration(scale=2.0, overhead_s=1.0, num_samples=2, rms_error_before=0.5, rms_error_after=0.0, sources=[])
-    got = calibrated_estimate(Est(step_time_s=1.0, tokens_per_s=300.0, samples_per_s=3.0, mfu=0.3), cal)
-    assert got == Est(step_time_s=3.0, tokens_per_s=100.0, samples_per_s=1.0, mfu=pytest.approx(0.1))
-    assert calibrated_estimate(got, None) is got
