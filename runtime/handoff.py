@@ -58,8 +58,9 @@ class Handoff:
     """Routes one micro-batch's vision pieces to LLM ranks and their gradients back; tracks time spent waiting."""
 
     def __init__(self, *, vision: ParallelDims, llm: ParallelDims, pieces: list[Piece], tokens_per_sample: int,
-                 hidden: int, rank: int, dtype: torch.dtype, device: torch.device):
+                 gradients: bool, hidden: int, rank: int, dtype: torch.dtype, device: torch.device):
         self.rank = rank
+        self.gradients = gradients
         self.hidden = hidden
         self.dtype = dtype
         self.device = device
@@ -114,7 +115,8 @@ class Handoff:
         return [w for dst in self.llm_ranks if self._touches(piece, dst) for w in self._send(rows_mD, dst, FORWARD_TAG + micro)]
 
     def recv_activations(self, micro: int) -> torch.Tensor:
-        """LLM side: this replica's image tokens [B_l*T, D] in sample order, as a leaf that collects the gradient."""
+        """LLM side: this replica's image tokens [B_l*T, D] in sample order (a leaf; set requires_grad to collect
+        its gradient)."""
         start, end = self._llm_range(self.rank)
         buffers = {p.producer: torch.empty(len(p.positions), self.hidden, dtype=self.dtype, device=self.device)
                    for p in self.pieces if self._touches(p, self.rank)}
@@ -124,11 +126,11 @@ class Handoff:
             if piece.producer in buffers:
                 keep = (piece.positions >= start) & (piece.positions < end)
                 embeds[piece.positions[keep] - start] = buffers[piece.producer][keep]
-        return embeds.requires_grad_()
+        return embeds
 
     def send_gradients(self, grad_MD: torch.Tensor, micro: int) -> list[dist.Work]:
         """LLM side: post the gradient of every piece this replica used back to the piece's owners."""
-        if not self._is_gradient_sender(self.rank):
+        if not self.gradients or not self._is_gradient_sender(self.rank):
             return []
         start, end = self._llm_range(self.rank)
         works = []

@@ -46,6 +46,8 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
         raise NotImplementedError(f"the runtime runs plans with modules {list(MODULES)}, this one has {names}")
     dims = {name: ParallelDims.from_plan(plan.module(name)) for name in MODULES}
     vision, llm = dims["vision"], dims["llm"]
+    if vision.frozen and llm.frozen:
+        raise ValueError("every module of the plan is frozen: nothing to train")
     if vision.grad_accum != llm.grad_accum or vision.dp * vision.micro_batch != llm.dp * llm.micro_batch:
         raise ValueError("vision and llm must agree on grad_accum and on samples per micro-batch (dp * micro_batch)")
     ranks = {name: set(d.ranks) for name, d in dims.items()}

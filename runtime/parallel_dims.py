@@ -48,6 +48,8 @@ class ParallelDims:
     """Samples per micro-batch per DP replica."""
     grad_accum: int
     """Micro-batches per optimizer step."""
+    frozen: bool = False
+    """Weights are not trained: no gradients, no optimizer (the module still passes gradients through)."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
     """(dp_cp_sp, tp) mesh, the root of FSDP and TP (``build_mesh``)."""
     grid_mesh: DeviceMesh | None = field(default=None, repr=False)
@@ -73,7 +75,7 @@ class ParallelDims:
         return cls(
             name=module.name, ranks=tuple(module.ranks), dp=module.dp, cp=module.cp, sp=module.sp, tp=module.tp,
             zero=module.zero, recompute=module.recompute, micro_batch=module.micro_batch,
-            grad_accum=module.grad_accum,
+            grad_accum=module.grad_accum, frozen=module.frozen,
         )
 
     @property

@@ -71,7 +71,8 @@ class Trainer:
         self.source = (CaptionData(options.data, self.layout) if options.data
                        else SyntheticData(self.layout, options.seed))
         self.modules, self.rope_index = self._build_modules(attention.register())
-        self.optimizers = {name: build_optimizer(m, plan.training) for name, m in self.modules.items()}
+        self.trainable = {name: m for name, m in self.modules.items() if not self.dims[name].frozen}
+        self.optimizers = {name: build_optimizer(m, plan.training) for name, m in self.trainable.items()}
         self.handoff = self._build_handoff(config)
         self.step = 0
 
@@ -84,6 +85,8 @@ class Trainer:
         model = model.to(self.device)
         vision, llm, rope_index = split_model(model)
         modules = {}
+        for name, module in (("vision", vision), ("llm", llm)):
+            module.requires_grad_(not self.dims[name].frozen)
         if self.rank in self.dims["vision"].ranks:
             parallelize_vision(vision, self.dims["vision"])
             vision.set_forward(vision_forward)
@@ -104,6 +107,7 @@ class Trainer:
         per_sample = sum(self.layout.image_tokens())
         pieces = build_pieces(vision, positions, vision.micro_batch * per_sample)
         return Handoff(vision=vision, llm=self.dims["llm"], pieces=pieces, tokens_per_sample=per_sample,
+                       gradients=not vision.frozen,
                        hidden=config.get_text_config().hidden_size, rank=self.rank, dtype=self._handoff_dtype(),
                        device=self.device)
 
@@ -154,7 +158,7 @@ class Trainer:
         shard = shard_vision_batch(batch["pixel_values"], batch["image_grid_thw"].cpu(), self.vision_config,
                                    sp_rank=dims.coordinate(self.rank)["sp"], sp_group=sp_group, sp=dims.sp)
         shard = _to_device(shard, self.device)
-        with self._timed("vision_forward_s"), self._autocast():
+        with self._timed("vision_forward_s"), self._autocast(), torch.set_grad_enabled(not dims.frozen):
             return self.modules["vision"](shard)
 
     def hand_off(self, rows: torch.Tensor, micro: int) -> list:
@@ -168,6 +172,7 @@ class Trainer:
         position_ids, _ = self.rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
                                           image_grid_thw=batch["image_grid_thw"])
         llm, dims = self.modules["llm"], self.dims["llm"]
+        embeds.requires_grad_(not self.dims["vision"].frozen)
         set_gradient_sync(llm, zero=dims.zero, last_micro_batch=micro == self.num_micro_batches - 1)
         with loss_parallel() if dims.tp_enabled else contextlib.nullcontext():
             with self._timed("llm_forward_s"), self._autocast():
@@ -183,9 +188,11 @@ class Trainer:
         return self.handoff.send_gradients(grad, micro)
 
     def vision_backward(self, rows: torch.Tensor, micro: int) -> None:
-        """Receive this rank's piece gradient and backpropagate it through the vision tower."""
-        grad = self.handoff.recv_gradients(micro)
+        """Receive this rank's piece gradient and backpropagate it through the vision tower (unless frozen)."""
         dims = self.dims["vision"]
+        if dims.frozen:
+            return
+        grad = self.handoff.recv_gradients(micro)
         set_gradient_sync(self.modules["vision"], zero=dims.zero, last_micro_batch=micro == self.num_micro_batches - 1)
         with self._timed("vision_backward_s"):
             rows.backward(grad.to(rows.dtype))
@@ -193,11 +200,11 @@ class Trainer:
     def optimizer_step(self) -> float:
         """Sum ZeRO-0 gradients, clip by the global norm over all modules, step AdamW and the LR schedule."""
         with self._timed("optimizer_s"):
-            for name, module in self.modules.items():
+            for name, module in self.trainable.items():
                 dims = self.dims[name]
                 if dims.zero == 0 and dims.batch_enabled:
                     all_reduce_gradients(module, dims.mesh[BATCH_AXIS].get_group())
-            norm = clip_grad_norm(self.modules, list(MODULES), self.plan.training.grad_clip_norm, self.device)
+            norm = clip_grad_norm(self.trainable, list(MODULES), self.plan.training.grad_clip_norm, self.device)
             for optimizer, schedule in self.optimizers.values():
                 optimizer.step()
                 schedule.step()
@@ -228,7 +235,7 @@ class Trainer:
             loss = self._disjoint_step(num_tokens)
         self.handoff.release()
         loss = self._reduce_loss(loss)
-        lr = self.optimizers[next(iter(self.optimizers))][1].get_last_lr()[0]
+        lr = next(iter(self.optimizers.values()))[1].get_last_lr()[0] if self.optimizers else None
         norm = self.optimizer_step()
         self.step += 1
         _sync(self.device)

@@ -32,9 +32,9 @@ def _prediction() -> ModulePrediction:
 
 
 def module(name: str, ranks: list[int], *, dp=1, tp=1, sp=1, cp=1, zero=0, recompute="none", micro_batch=1,
-           grad_accum=1) -> ModulePlan:
+           grad_accum=1, frozen=False) -> ModulePlan:
     return ModulePlan(name=name, ranks=ranks, dp=dp, tp=tp, sp=sp, cp=cp, zero=zero, recompute=recompute,
-                      micro_batch=micro_batch, grad_accum=grad_accum, frozen=False, num_params=1,
+                      micro_batch=micro_batch, grad_accum=grad_accum, frozen=frozen, num_params=1,
                       predicted=_prediction())
 
 

@@ -14,6 +14,9 @@ def reference_run(plan: Plan, *, seed: int, steps: int) -> dict:
     """Loss of each step, gradients after the first step, parameters after the last, as HF names -> tensors."""
     torch.set_num_threads(1)
     model = build_model(plan.model.hf_config, seed=seed)
+    model.model.visual.requires_grad_(not plan.module("vision").frozen)
+    model.model.language_model.requires_grad_(not plan.module("llm").frozen)
+    model.lm_head.requires_grad_(not plan.module("llm").frozen)
     layout = layout_from_plan(plan.workload, model.config)
     data = SyntheticData(layout, seed)
     training = plan.training
@@ -28,7 +31,7 @@ def reference_run(plan: Plan, *, seed: int, steps: int) -> dict:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip_norm)
         if step == 0:
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
         schedule.step()
         losses.append(float(loss.detach()))

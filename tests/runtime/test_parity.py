@@ -43,6 +43,7 @@ PLANS = {
 
 SLOW_PLANS = {
     "zero1_zero2_grad_accum2": dict(vision=dict(dp=2, zero=1, grad_accum=2), llm=dict(dp=2, zero=2, grad_accum=2)),
+    "frozen_vision_sp2__llm_tp2": dict(vision=dict(sp=2, frozen=True), llm=dict(tp=2)),
     "disjoint_vision_sp2__llm_tp2__3_micro_batches": dict(
         vision=dict(sp=2, grad_accum=3), llm=dict(tp=2, grad_accum=3), placement="disjoint"
     ),

@@ -1,0 +1,72 @@
+"""``python -m runtime``: user errors are one line with exit status 2; a plan written by ``plan`` trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from runtime import launcher
+from runtime.trainer import RunOptions
+from tests.runtime.plans import make_plan
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runtime", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, text: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and text in lines[0], result.stderr
+
+
+def test_missing_plan_file(tmp_path):
+    assert_one_line_error(run_cli(str(tmp_path / "nope.json")), "cannot read plan file")
+
+
+def test_plan_of_another_schema_version(tmp_path):
+    data = json.loads(make_plan({}, {}).to_json())
+    data["schema_version"] = 999
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    assert_one_line_error(run_cli(str(tmp_path / "plan.json")), "schema version 999")
+
+
+def test_context_parallel_plan_is_refused_before_ray(tmp_path):
+    (tmp_path / "plan.json").write_text(make_plan(dict(cp=2), dict(cp=2)).to_json())
+    assert_one_line_error(run_cli(str(tmp_path / "plan.json")), "context parallelism (cp=2) is not implemented")
+
+
+@pytest.mark.slow
+def test_too_few_cpu_slots_is_refused_before_any_actor_starts(ray_cluster):
+    plan = make_plan(dict(dp=8), dict(dp=8))
+    with pytest.raises(ValueError, match="needs 8 CPU slots but the Ray cluster has 4"):
+        launcher.start(plan, RunOptions())
+    assert all(pg["state"] == "REMOVED" for pg in ray_cluster.util.placement_group_table().values())
+
+
+@pytest.mark.slow
+def test_plan_written_by_the_planner_runs_end_to_end(tmp_path, ray_cluster):
+    planner = shutil.which("plan", path=os.path.dirname(sys.executable))
+    if planner is None:
+        pytest.skip("the `plan` command is not installed")
+    plan_path, metrics = tmp_path / "plan.json", tmp_path / "metrics.jsonl"
+    made = subprocess.run(
+        [planner, "--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--image-size", "168x112",
+         "--text-tokens", "40", "--global-batch", "4", "--out", str(plan_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert made.returncode == 0, made.stderr
+    address = ray_cluster.get_runtime_context().gcs_address
+    result = run_cli(str(plan_path), "--steps", "2", "--metrics", str(metrics), env={"RAY_ADDRESS": address})
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r.get("step") for r in records[:2]] == [0, 1] and records[2]["summary"]
+    assert all(5.0 < r["loss"] < 9.0 for r in records[:2])
+    assert "step time" in result.stdout and "predicted" in result.stdout

@@ -1,0 +1,190 @@
+"""Runtime pieces that need no Ray: window split, qkv layout, rank grid, data layout, vision forward, checks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from runtime.data import IGNORE_INDEX, CaptionData, SyntheticData, collate, layout_from_plan
+from runtime.launcher import check_resources, validate_plan
+from runtime.model import build_model
+from runtime.optim import warmup_factor
+from runtime.parallel import attention
+from runtime.parallel.tensor_parallel import qkv_from_tp_layout, qkv_to_tp_layout
+from runtime.parallel.ulysses import split_windows
+from runtime.parallel_dims import ParallelDims
+from runtime.trainer import RunOptions
+from runtime.vision import shard_vision_batch, vision_forward
+from tests.runtime.plans import make_plan, tiny_hf_config
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return build_model(tiny_hf_config(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def layout(tiny_model):
+    return layout_from_plan(make_plan({}, {}).workload, tiny_model.config)
+
+
+def test_split_windows_cuts_on_window_boundaries_near_equal():
+    assert split_windows([0, 64, 96, 160, 192], 2) == [0, 96, 192]
+    assert split_windows([0, 64, 96, 160, 192], 4) == [0, 64, 96, 160, 192]
+    assert split_windows([0, 64, 96], 2) == [0, 64, 96]  # uneven: windows are never cut
+
+
+def test_split_windows_refuses_more_ranks_than_windows():
+    with pytest.raises(ValueError, match="2 attention windows"):
+        split_windows([0, 64, 96], 3)
+
+
+def test_qkv_tp_layout_gives_each_rank_its_own_q_k_v_heads():
+    heads, head_dim, tp = 4, 2, 2
+    rows = torch.arange(3 * heads * head_dim)  # row r belongs to (which = r // 8, head = r % 8 // 2)
+    shards = qkv_to_tp_layout(rows, tp).chunk(tp)
+    for rank, shard in enumerate(shards):
+        which, head = shard // (heads * head_dim), shard % (heads * head_dim) // head_dim
+        assert which.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+        assert set(head.tolist()) == {2 * rank, 2 * rank + 1}
+    assert torch.equal(qkv_from_tp_layout(qkv_to_tp_layout(rows, tp), tp), rows)
+
+
+def _dims(**kw) -> ParallelDims:
+    base = dict(name="vision", ranks=tuple(range(8)), dp=2, cp=1, sp=2, tp=2, zero=0, recompute="none",
+                micro_batch=1, grad_accum=1)
+    return ParallelDims(**{**base, **kw})
+
+
+def test_parallel_dims_grid_is_dp_cp_sp_tp_with_tp_innermost():
+    dims = _dims()
+    assert dims.coordinate(0) == {"dp": 0, "cp": 0, "sp": 0, "tp": 0}
+    assert dims.coordinate(1) == {"dp": 0, "cp": 0, "sp": 0, "tp": 1}
+    assert dims.coordinate(2) == {"dp": 0, "cp": 0, "sp": 1, "tp": 0}
+    assert dims.coordinate(5) == {"dp": 1, "cp": 0, "sp": 0, "tp": 1}
+    assert dims.ranks_where(dp=1, sp=1) == [6, 7]
+    assert dims.batch_degree == 4
+
+
+def test_parallel_dims_validation():
+    with pytest.raises(ValueError, match="4 ranks"):
+        _dims(ranks=(0, 1, 2, 3))
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        _dims(sp=1, cp=2)
+    with pytest.raises(NotImplementedError, match="vision tower only"):
+        _dims(name="llm")
+
+
+def test_synthetic_sample_matches_the_planned_layout(layout):
+    sample = SyntheticData(layout, seed=0).sample(3)
+    num_image_tokens = (112 // 14) * (168 // 14) // 4
+    assert sample["pixel_values"].shape == (num_image_tokens * 4, 3 * 2 * 14 * 14)
+    assert sample["image_grid_thw"].tolist() == [[1, 8, 12]]
+    assert sample["input_ids"].shape == (layout.seq_len,) == (40 + num_image_tokens,)
+    image = sample["input_ids"] == layout.image_token_id
+    assert int(image.sum()) == num_image_tokens
+    assert torch.equal(sample["mm_token_type_ids"].bool(), image)
+    assert (sample["labels"][image] == IGNORE_INDEX).all()
+    assert (sample["labels"][~image][2:] == sample["input_ids"][~image][2:]).all()
+
+
+def test_synthetic_samples_are_fixed_by_seed_and_index(layout):
+    a, b = SyntheticData(layout, seed=0), SyntheticData(layout, seed=0)
+    assert torch.equal(a.sample(5)["pixel_values"], b.sample(5)["pixel_values"])
+    assert not torch.equal(a.sample(5)["input_ids"], a.sample(6)["input_ids"])
+
+
+def test_synthetic_batch_trains_the_hf_model(tiny_model, layout):
+    data = SyntheticData(layout, seed=0)
+    loss = tiny_model(**collate([data.sample(0), data.sample(1)])).loss
+    assert 5.0 < float(loss.detach()) < 9.0  # ~ln(1024) for a random init
+
+
+def _write_image(path, rng):
+    Image.fromarray(rng.integers(0, 256, (50, 70, 3), dtype=np.uint8)).save(path)
+
+
+def test_caption_data_from_jsonl_and_folder(tmp_path, layout):
+    rng = np.random.default_rng(0)
+    _write_image(tmp_path / "a.png", rng)
+    (tmp_path / "a.txt").write_text("a cat")
+    (tmp_path / "data.jsonl").write_text(json.dumps({"image": "a.png", "text": "a cat"}) + "\n")
+    from_jsonl = CaptionData(tmp_path / "data.jsonl", layout).sample(0)
+    from_folder = CaptionData(tmp_path, layout).sample(7)  # indices wrap around
+    for key in from_jsonl:
+        assert torch.equal(from_jsonl[key], from_folder[key]), key
+    assert from_jsonl["pixel_values"].shape[0] == layout.num_patches
+    text = from_jsonl["labels"][from_jsonl["labels"] != IGNORE_INDEX]
+    assert bytes(text[2:].tolist()) == b"a cat"  # after the vision start / end markers
+
+
+def test_caption_data_bad_input(tmp_path, layout):
+    (tmp_path / "bad.jsonl").write_text('{"img": "x"}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        CaptionData(tmp_path / "bad.jsonl", layout)
+    with pytest.raises(ValueError, match="does not exist"):
+        CaptionData(tmp_path / "missing", layout)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen2_vl"])
+def test_vision_forward_on_whole_sequence_equals_hf_tower(model_type, layout):
+    config = tiny_hf_config() if model_type == "qwen2_5_vl" else tiny_qwen2_vl_config()
+    reference = build_model(config, seed=0)
+    model = build_model(config, seed=0, attention=attention.register())
+    batch = collate([SyntheticData(layout, seed=0).sample(i) for i in range(2)])
+    expected = reference.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output
+    shard = shard_vision_batch(batch["pixel_values"], batch["image_grid_thw"], model.config.vision_config,
+                               sp_rank=0, sp_group=None, sp=1)
+    rows = vision_forward(model.model.visual, shard)
+    got = torch.empty_like(rows)
+    got[shard.merged_positions] = rows
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def tiny_qwen2_vl_config() -> dict:
+    """A Qwen2-VL of the tiny model's size (no windows: every vision block attends over whole images)."""
+    config = tiny_hf_config()
+    config["model_type"] = "qwen2_vl"
+    config["text_config"] = {**config["text_config"], "model_type": "qwen2_vl_text"}
+    config["vision_config"] = {"model_type": "qwen2_vl", "depth": 2, "embed_dim": 64, "hidden_size": 128,
+                               "num_heads": 4, "mlp_ratio": 2, "patch_size": 14, "spatial_merge_size": 2,
+                               "temporal_patch_size": 2, "in_channels": 3}
+    return config
+
+
+def test_warmup_is_linear_then_flat():
+    assert [warmup_factor(s, 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert warmup_factor(0, 0) == 1.0
+
+
+def test_check_resources_says_what_is_missing():
+    plan = make_plan(dict(dp=2), dict(dp=2))
+    with pytest.raises(ValueError, match=r"needs 2 CPU slots but the Ray cluster has 1 \(missing 1 CPU slots\)"):
+        check_resources(plan, {"CPU": 1.0})
+    check_resources(plan, {"CPU": 2.0})
+
+
+@pytest.mark.parametrize(
+    "vision, llm, placement, message",
+    [
+        (dict(tp=4), dict(tp=4), "colocated", "does not divide"),
+        (dict(dp=2), dict(dp=2, micro_batch=2), "colocated", "samples per micro-batch"),
+        (dict(dp=2, frozen=True), dict(dp=2, frozen=True), "colocated", "frozen"),
+        (dict(dp=2, ranks=[0, 1]), dict(dp=2, ranks=[0, 1]), "disjoint", "different ranks"),
+    ],
+)
+def test_validate_plan_refuses_in_one_line(vision, llm, placement, message):
+    plan = make_plan(vision, llm, placement=placement)
+    with pytest.raises(ValueError, match=message) as info:
+        validate_plan(plan, RunOptions())
+    assert "\n" not in str(info.value)
+
+
+def test_validate_plan_refuses_more_sp_ranks_than_windows():
+    plan = make_plan(dict(sp=2), dict(tp=2), image_size=(112, 112))  # 8x8 patches: a single window
+    with pytest.raises(ValueError, match="1 attention windows cannot be split over 2"):
+        validate_plan(plan, RunOptions())
