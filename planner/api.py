@@ -17,7 +17,16 @@ from functools import lru_cache
 from typing import Any, Iterable, Mapping, Sequence
 
 from planner.baselines import BASELINE_DESCRIPTIONS, BaselineOutcome, baselines
-from planner.candidates import FIX_FIELDS, Candidates, Fixes, Problem, build_candidates, encoder_names, feasible
+from planner.candidates import (
+    FIX_FIELDS,
+    Candidates,
+    Fixes,
+    Problem,
+    build_candidates,
+    encoder_names,
+    feasible,
+    module_strategies,
+)
 from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, Estimate, estimate
 from planner.cost.report import module_predictions, prediction
@@ -332,9 +341,28 @@ def _candidates(problem: Problem, placements: list[Placement], fixes: Fixes) -> 
     for cands in result.values():
         for module, reason in cands.invalid.items():
             if all(module in c.invalid for c in result.values()):
-                prefix = "--fix: " if fixes.get(module) else ""
-                raise ValueError(f"{prefix}no valid {module} strategy: {reason}")
+                if fixes.get(module):
+                    raise ValueError(f"--fix: no valid {module} strategy: {reason}")
+                raise ValueError(f"no valid {module} strategy on {problem.num_gpus} GPUs ({reason}); "
+                                 f"{_usable_counts_hint(problem)}")
     return result
+
+
+def _usable(problem: Problem, num_gpus: int) -> bool:
+    """Whether every module has a valid colocated layout on ``num_gpus`` GPUs (memory aside)."""
+    at = _at(problem, num_gpus=num_gpus)
+    return all(module_strategies(at, m, num_gpus, {}, {})[0] for m in problem.model.module_names)
+
+
+def _usable_counts_hint(problem: Problem) -> str:
+    """``usable GPU counts nearby: 6, 8`` (or a hint about the batch)."""
+    n = problem.num_gpus
+    below = next((k for k in range(n - 1, 0, -1) if _usable(problem, k)), None)
+    above = next((k for k in range(n + 1, 4 * n + 1) if _usable(problem, k)), None)
+    nearby = [str(k) for k in (below, above) if k is not None]
+    if not nearby:
+        return f"try a global batch with more divisors than {problem.workload.global_batch}"
+    return f"usable GPU counts nearby: {' or '.join(nearby)} (or a global batch divisible by {n})"
 
 
 def _strategy(problem: Problem, placement: Placement, choice: Mapping[str, Any]) -> Strategy:
@@ -370,38 +398,37 @@ def _fixed_text(pinned: str | None, fixes: Fixes) -> dict[str, str]:
 
 
 def _pinned_strategy(problem: Problem, placement: str, fix: Any) -> Strategy | None:
-    """The one strategy the fixes leave, when they pin everything; else None."""
+    """The one strategy the fixes leave when they pin every field of every module (grad_accum may follow from
+    the batch; the placement from the GPU counts), else None."""
     pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus)
-    if not fixes:
+    modules = {m: _only_strategy(problem, fixes.get(m, {})) for m in problem.model.module_names}
+    if any(s is None for s in modules.values()):
         return None
-    placements = _placements(problem, placement, pinned)
-    exact = []
-    for p in placements:
-        strategies = {m: _only_strategy(problem, m, p, fixes.get(m, {})) for m in problem.model.module_names}
-        if all(s is not None for s in strategies.values()):
-            exact.append((p, strategies))
+    gpus = [s.gpus for s in modules.values()]
+    total = {"colocated": max(gpus) if len(set(gpus)) == 1 else None, "disjoint": sum(gpus)}
+    exact = [p for p in _placements(problem, placement, pinned) if total[p] == problem.num_gpus]
     if len(exact) != 1:
         return None
-    p, strategies = exact[0]
+    for m, f in fixes.items():
+        if "gpus" in f and f["gpus"] != modules[m].gpus:
+            raise ValueError(f"contradictory --fix: {m}.gpus={f['gpus']} but its degrees use {modules[m].gpus} GPUs")
     try:
-        return Strategy(placement=p, modules=strategies, precision=problem.precision)
-    except ValueError:
-        return None
+        return Strategy(placement=exact[0], modules=modules, precision=problem.precision)
+    except ValueError as e:
+        raise ValueError(f"contradictory --fix: {e}") from None
 
 
-def _only_strategy(problem: Problem, module: str, placement: Placement, fixed: Mapping[str, Any]) -> ModuleStrategy | None:
+def _only_strategy(problem: Problem, fixed: Mapping[str, Any]) -> ModuleStrategy | None:
     """The module's strategy when ``fixed`` determines every field (grad_accum may follow from the batch)."""
-    needed = {"dp", "tp", "sp", "cp", "zero", "recompute", "micro_batch"}
-    if not needed <= set(fixed):
+    needed = ("dp", "tp", "sp", "cp", "zero", "recompute", "micro_batch")
+    if not all(k in fixed for k in needed):
         return None
-    values = {k: fixed[k] for k in needed}
-    per_step = values["dp"] * values["micro_batch"]
-    if problem.workload.global_batch % per_step:
-        return None
-    ga = fixed.get("grad_accum", problem.workload.global_batch // per_step)
-    s = ModuleStrategy(grad_accum=ga, **values)
-    gpus = problem.num_gpus if placement == "colocated" else fixed.get("gpus", s.gpus)
-    return s if s.gpus == gpus else None
+    per_step = fixed["dp"] * fixed["micro_batch"]
+    batch = problem.workload.global_batch
+    ga = fixed.get("grad_accum", batch // per_step if batch % per_step == 0 else None)
+    if ga is None or per_step * ga != batch:
+        raise ValueError(f"contradictory --fix: dp*micro_batch*grad_accum must equal the global batch of {batch}")
+    return ModuleStrategy(grad_accum=ga, **{k: fixed[k] for k in needed})
 
 
 # --- Infeasibility ----------------------------------------------------------------------------------------------

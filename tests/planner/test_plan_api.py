@@ -1,0 +1,241 @@
+"""planner.api: workload defaults, --fix, evaluation, infeasibility explanations, --max-seq, baselines, the Plan."""
+
+import json
+
+import pytest
+
+from planner import api
+from planner.api import Infeasible, evaluate, make_problem, max_seq, parse_fixes, plan, top_plans
+from planner.catalog import get_model
+from planner.cost import estimate
+from planner.schema import load_plan
+from planner.strategy import ModuleStrategy, Strategy
+
+M32 = "qwen-vl-32b"
+FULL_PIN = [
+    "vision.dp=2", "vision.tp=1", "vision.sp=8", "vision.cp=1", "vision.zero=1", "vision.recompute=none",
+    "vision.micro_batch=1", "llm.dp=2", "llm.tp=4", "llm.sp=1", "llm.cp=2", "llm.zero=1", "llm.recompute=none",
+    "llm.micro_batch=1",
+]
+
+
+@pytest.fixture(scope="module")
+def best32():
+    return plan(M32, 16)
+
+
+def test_default_workload():
+    w = api.make_workload(get_model(M32), 16)
+    assert w.image_sizes == ((1344, 1344),)
+    assert w.text_tokens == 512 and w.global_batch == 64 and w.audio_seconds == 0
+    audio = api.make_workload(get_model("qwen2-audio-7b"), 8)
+    assert audio.audio_seconds == 30 and audio.image_sizes == () and audio.global_batch == 32
+
+
+def test_default_plan_tokens(best32):
+    w = best32.workload
+    assert w.module_tokens == {"vision": 9216, "llm": 2816}
+    assert w.llm_image_tokens == 2304
+
+
+def test_images_per_sample_repeats_sizes():
+    w = api.make_workload(get_model(M32), 8, image_sizes=[(448, 672)], images_per_sample=3)
+    assert w.image_sizes == ((448, 672),) * 3
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(audio_seconds=10), "no audio encoder"),
+    (dict(vision_tokens=9216, images_per_sample=2), "drop --images-per-sample"),
+    (dict(images_per_sample=0), ">= 1"),
+])
+def test_workload_input_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        api.make_workload(get_model(M32), 8, **kwargs)
+
+
+def test_best_plan_matches_cost_model(best32):
+    assert best32.solver.status == "OPTIMAL"
+    strategy = Strategy(placement=best32.placement, modules={
+        m.name: ModuleStrategy(dp=m.dp, tp=m.tp, sp=m.sp, cp=m.cp, zero=m.zero, recompute=m.recompute,
+                               micro_batch=m.micro_batch, grad_accum=m.grad_accum) for m in best32.modules})
+    p = make_problem(M32, 16)
+    e = estimate(p.model, p.cluster, p.workload, strategy)
+    assert best32.predicted.step_time_s == e.step_time_s
+    assert best32.predicted.peak_memory_gib * 2**30 == pytest.approx(e.peak_memory_bytes)
+    assert e.fits
+
+
+def test_plan_is_faster_than_or_equal_to_both_baselines(best32):
+    """Both baseline families lie inside the planner's strategy space, so the optimum cannot be slower."""
+    for name in ("uniform_tp", "zero3"):
+        b = best32.baselines[name]
+        if b.infeasible is None:
+            assert b.speedup >= 1 - 1e-9
+            assert b.speedup == pytest.approx(b.step_time_s / best32.predicted.step_time_s)
+
+
+def test_baselines_have_their_shape(best32):
+    u = best32.baselines["uniform_tp"].modules
+    assert len({s.split("-")[1] for s in u.values()}) == 1  # the same TP degree everywhere
+    z = best32.baselines["zero3"].modules
+    assert all(s.startswith("DP16-TP1-SP1-CP1 ZeRO3") for s in z.values())
+
+
+def test_infeasible_baseline_says_why():
+    p = plan(M32, 8)
+    assert p.baselines["zero3"].infeasible.startswith("does not fit: needs at least")
+    assert p.baselines["zero3"].step_time_s is None
+
+
+def test_plan_roundtrips_through_the_schema(best32, tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(best32.to_json())
+    assert load_plan(path) == best32
+    ranks = sorted(r for m in best32.modules for r in m.ranks)
+    assert ranks == sorted(list(range(16)) * 2) if best32.placement == "colocated" else list(range(16))
+
+
+def test_same_inputs_same_bytes(best32):
+    assert plan(M32, 16).to_json() == best32.to_json()
+
+
+def test_tiny_cpu_plan_for_the_runtime(tmp_path):
+    p = plan("qwen2.5-vl-tiny", 2, gpu="cpu")
+    path = tmp_path / "tiny.json"
+    path.write_text(p.to_json())
+    loaded = load_plan(path)
+    assert loaded.cluster.device.name == "cpu" and loaded.cluster.num_devices == 2
+    assert {r for m in loaded.modules for r in m.ranks} == {0, 1}
+
+
+# --- --fix -------------------------------------------------------------------------------------------------------
+
+
+def test_fixes_are_honoured():
+    p = plan(M32, 16, fix=["vision.sp=8", "llm.tp=8"])
+    assert p.module("vision").sp == 8 and p.module("llm").tp == 8
+    assert p.solver.fixed == {"llm.tp": "8", "vision.sp": "8"}
+    assert p.predicted.step_time_s >= plan(M32, 16).predicted.step_time_s
+
+
+def test_fix_placement_and_group_size():
+    p = plan(M32, 16, fix=["placement=disjoint", "vision.gpus=4"])
+    assert p.placement == "disjoint"
+    assert p.module("vision").ranks == [12, 13, 14, 15] and p.module("llm").ranks == list(range(12))
+
+
+def test_pinning_everything_evaluates_that_strategy():
+    p = plan(M32, 16, fix=FULL_PIN)
+    assert p.solver.status == "EVALUATED"
+    assert (p.module("llm").tp, p.module("llm").cp, p.module("llm").grad_accum) == (4, 2, 32)
+
+
+@pytest.mark.parametrize("fix,match", [
+    (["llm.tp=8", "llm.tp=4"], "contradictory --fix: llm.tp=8 and llm.tp=4"),
+    (["vision.grad_accum=2", "llm.grad_accum=4"], "share one grad_accum"),
+    (["placement=colocated", "vision.gpus=4"], "colocated spans all 16 GPUs"),
+    (["placement=disjoint", "vision.gpus=8", "llm.gpus=12"], "pinned to 20 GPUs"),
+    (["llm.dp=2", "llm.tp=2", "llm.sp=1", "llm.cp=2", "llm.gpus=16"], "dp\\*tp\\*sp\\*cp = 8"),
+    (["audio.tp=2"], "has modules vision, llm"),
+    (["llm.width=2"], "field must be one of"),
+    (["llm.tp=two"], "must be a whole number"),
+    (["llm.zero=4"], "0, 1, 2 or 3"),
+    (["llm.recompute=some"], "recompute must be one of"),
+    (["llm.tp"], "MODULE.FIELD=VALUE"),
+    (["placement=everywhere"], "placement must be one of"),
+])
+def test_bad_fixes_are_one_line_errors(fix, match):
+    with pytest.raises(ValueError, match=match):
+        parse_fixes(fix, get_model(M32), 16)
+
+
+def test_fix_that_breaks_a_rule_names_the_rule():
+    with pytest.raises(ValueError, match="Ulysses SP is implemented for encoders only"):
+        plan(M32, 16, fix=["llm.sp=2"])
+
+
+def test_fix_placement_contradicting_placement_flag():
+    with pytest.raises(ValueError, match="contradictory"):
+        plan(M32, 16, placement="colocated", fix=["placement=disjoint"])
+
+
+def test_evaluate_a_hand_made_strategy():
+    s = ModuleStrategy(dp=2, tp=4, cp=2, zero=1, micro_batch=1, grad_accum=32)
+    v = ModuleStrategy(dp=2, sp=8, zero=1, micro_batch=1, grad_accum=32)
+    p = evaluate(M32, Strategy(placement="colocated", modules={"vision": v, "llm": s}))
+    assert p.solver.status == "EVALUATED" and p.cluster.num_devices == 16
+
+
+def test_evaluating_a_strategy_that_does_not_fit_explains():
+    s = ModuleStrategy(dp=16, zero=0, micro_batch=4, grad_accum=1)
+    with pytest.raises(Infeasible, match="does not fit: all GPUs need .* GiB over"):
+        evaluate(M32, Strategy(placement="colocated", modules={"vision": s, "llm": s}))
+
+
+# --- infeasible / --max-seq --------------------------------------------------------------------------------------
+
+
+def test_infeasible_names_module_need_and_smallest_gpu_count():
+    with pytest.raises(Infeasible) as info:
+        plan(M32, 4, placement="colocated")
+    message = str(info.value)
+    assert "llm does not fit: its smallest need is" in message and "GiB over" in message
+    assert "\n" not in message
+    gpus = int(message.split("--gpus ")[1].split(")")[0])
+    plan(M32, gpus, placement="colocated", global_batch=16)  # fits at that count (same batch)
+    with pytest.raises(ValueError):  # Infeasible, or a count the model cannot use
+        plan(M32, gpus - 1, placement="colocated", global_batch=16)
+
+
+def test_unusable_gpu_count_suggests_usable_ones():
+    with pytest.raises(ValueError, match=r"no valid vision strategy on 7 GPUs .*usable GPU counts nearby: 4 or 8"):
+        plan(M32, 7, global_batch=64, placement="colocated")
+
+
+def test_infeasible_suggests_a_sequence_that_fits():
+    with pytest.raises(Infeasible) as info:
+        plan(M32, 16, image_sizes=[(8000, 8000)], images_per_sample=4)
+    tokens = int(str(info.value).split("--vision-tokens ")[1].split(")")[0])
+    assert plan(M32, 16, vision_tokens=tokens).workload.vision_tokens == tokens
+
+
+@pytest.mark.slow
+def test_max_seq_is_the_longest_fitting_square_image():
+    p = max_seq(M32, 16)
+    tokens = p.workload.vision_tokens
+    side = round(tokens**0.5)
+    assert side * side == tokens and side % 2 == 0
+    with pytest.raises(Infeasible):
+        plan(M32, 16, vision_tokens=(side + 2) ** 2)
+
+
+def test_max_seq_small_model_cpu():
+    p = max_seq("qwen2.5-vl-tiny", 2, gpu="cpu", global_batch=2)
+    side = round(p.workload.vision_tokens**0.5)
+    if side * 2 < api.MAX_SEQ_SIDE_PATCHES:
+        with pytest.raises(Infeasible):
+            plan("qwen2.5-vl-tiny", 2, gpu="cpu", global_batch=2, vision_tokens=(side + 2) ** 2)
+
+
+def test_max_seq_needs_a_vision_model():
+    with pytest.raises(ValueError, match="no vision encoder"):
+        max_seq("qwen2-audio-7b", 8)
+
+
+def test_top_plans_ranked_with_both_placements():
+    plans = top_plans(M32, 16, k=3)
+    assert [p.solver.rank for p in plans] == [1, 2, 3]
+    times = [p.predicted.step_time_s for p in plans]
+    assert times == sorted(times)
+    assert len({json.dumps([m.model_dump() for m in p.modules]) for p in plans}) == 3
+
+
+def test_disjoint_placement_of_three_modules_is_refused():
+    from planner.models import ModelSpec
+
+    vl, audio = get_model("qwen2.5-vl-tiny"), get_model("qwen2-audio-7b")
+    three = ModelSpec(name="three", family="qwen2_5_vl", hf_config={}, vision_input=vl.vision_input,
+                      audio_input=audio.audio_input,
+                      modules=(vl.module("vision"), audio.module("audio"), vl.module("llm")))
+    with pytest.raises(NotImplementedError, match="exactly one encoder"):
+        plan(three, 4, gpu="cpu", placement="disjoint", profile=None)

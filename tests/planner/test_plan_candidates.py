@@ -1,0 +1,149 @@
+"""Candidate enumeration, validity, pruning and the direct feasibility check."""
+
+from dataclasses import replace
+
+import pytest
+from plan_helpers import problem, with_usable_memory
+
+from planner.candidates import (
+    Candidates,
+    build_candidates,
+    cost_candidate,
+    cost_series,
+    divisors,
+    encoder_node_counts,
+    feasible,
+    fits_alone,
+    group_sizes,
+    module_candidates,
+    module_strategies,
+    pareto_front,
+)
+from planner.catalog import get_model
+from planner.cost import check_strategy
+from planner.models import ModelSpec
+
+
+def test_divisors():
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert divisors(1) == [1]
+    assert divisors(49) == [1, 7, 49]
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+def test_every_candidate_is_valid_and_consumes_the_batch(placement):
+    p = problem("qwen-vl-32b", 16, device="h100-80gb", batch=64, image=1344, text=512)
+    cands = build_candidates(p, placement)
+    assert not cands.empty
+    for module, cs in cands.by_module.items():
+        for c in cs:
+            s = c.strategy
+            assert check_strategy(p.model, module, s, p.cluster, p.workload) == []
+            assert s.dp * s.micro_batch * s.grad_accum == 64
+            if placement == "colocated":
+                assert s.gpus == 16
+            assert c.memory_bytes + p.overhead_bytes <= p.usable_bytes
+
+
+def test_disjoint_sizes_pair_up_and_respect_nodes():
+    p = problem("qwen-vl-32b", 64, device="h100-80gb", batch=64)
+    encoder = group_sizes(p, "vision", "disjoint")
+    llm = group_sizes(p, "llm", "disjoint")
+    assert sorted(64 - g for g in encoder) == llm
+    assert all(g < 8 or g % 8 == 0 for g in encoder)
+    assert group_sizes(p, "llm", "colocated") == [64]
+
+
+def test_encoder_node_grid_is_dense_then_geometric():
+    counts = encoder_node_counts(128)
+    assert counts[:16] == list(range(1, 17))
+    assert [c for c in counts if c > 16] == [24, 32, 48, 64, 96]
+    assert encoder_node_counts(4) == [1, 2, 3]
+
+
+def test_disjoint_with_two_encoders_is_not_implemented():
+    vl, audio = get_model("qwen2.5-vl-tiny"), get_model("qwen2-audio-7b")
+    three = ModelSpec(name="three", family="qwen2_5_vl", hf_config={}, vision_input=vl.vision_input,
+                      audio_input=audio.audio_input, modules=(vl.module("vision"), audio.module("audio"), vl.module("llm")))
+    p = replace(problem(), model=three)
+    with pytest.raises(NotImplementedError, match="exactly one encoder"):
+        group_sizes(p, "llm", "disjoint")
+
+
+def test_fixes_restrict_every_candidate():
+    p = problem("qwen-vl-32b", 16, device="h100-80gb", batch=64)
+    cands = build_candidates(p, "colocated", {"llm": {"tp": 8, "zero": 1}, "vision": {"sp": 4}})
+    assert all(c.strategy.tp == 8 and c.strategy.zero == 1 for c in cands.by_module["llm"])
+    assert all(c.strategy.sp == 4 for c in cands.by_module["vision"])
+
+
+def test_invalid_fix_reports_the_rule():
+    p = problem("qwen-vl-32b", 16, device="h100-80gb", batch=64)
+    cands = build_candidates(p, "colocated", {"llm": {"sp": 2}})
+    assert "Ulysses SP is implemented for encoders only" in cands.invalid["llm"]
+    assert cands.by_module["llm"] == []
+
+
+def test_unusable_gpu_count_is_reported():
+    p = problem("qwen-vl-32b", 7, device="h100-80gb", batch=64)
+    _, _, reason, _ = module_candidates(p, "vision", "colocated", {})
+    assert reason == "vision uses cp=7; context parallelism is implemented for the LLM only"
+
+
+def _with(c, **ints):
+    return replace(c, **ints)
+
+
+def test_pareto_front_keeps_exactly_the_non_dominated():
+    p = problem()
+    base = build_candidates(p, "colocated").by_module["llm"][0]
+    points = {"a": (10, 50), "b": (20, 40), "c": (20, 60), "d": (30, 40), "e": (5, 90), "f": (10, 50)}
+    cands = [_with(base, step_ns=t, memory_bytes=m) for t, m in points.values()]
+    front = pareto_front(cands, "colocated")
+    assert sorted((c.step_ns, c.memory_bytes) for c in front) == [(5, 90), (10, 50), (20, 40)]
+
+
+def test_disjoint_pareto_uses_time_terms_only():
+    p = problem()
+    base = build_candidates(p, "disjoint").by_module["llm"][0]
+    cands = [
+        _with(base, per_micro_batch_ns=10, dp_comm_ns=5, memory_bytes=100),
+        _with(base, per_micro_batch_ns=10, dp_comm_ns=5, memory_bytes=50),
+        _with(base, per_micro_batch_ns=12, dp_comm_ns=1, memory_bytes=10),
+        _with(base, per_micro_batch_ns=12, dp_comm_ns=6, memory_bytes=1),
+    ]
+    front = pareto_front(cands, "disjoint")
+    assert [(c.per_micro_batch_ns, c.dp_comm_ns, c.memory_bytes) for c in front] == [(10, 5, 50), (12, 1, 10)]
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+def test_micro_batch_early_stop_drops_no_fitting_candidate(placement):
+    p = problem("qwen-vl-32b", 8, device="h100-80gb", batch=64, image=1344, text=512)
+    truncated = 0
+    for module in p.model.module_names:
+        for g in group_sizes(p, module, placement):
+            series, _ = module_strategies(p, module, g, {}, {})
+            for strategies in series:
+                every = [cost_candidate(p, module, s, placement) for s in strategies]
+                kept = cost_series(p, module, strategies, placement)
+                assert [c for c in every if fits_alone(p, c)] == [c for c in kept if fits_alone(p, c)]
+                truncated += len(kept) < len(every)
+    assert truncated > 0
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+def test_feasible_agrees_with_the_solver(placement):
+    from planner.solver import solve
+
+    p = problem(overhead_gib=0.0)
+    loose = build_candidates(p, placement)
+    memories = sorted({c.memory_bytes for cs in loose.by_module.values() for c in cs})
+    for usable in memories[:: max(1, len(memories) // 6)]:
+        q = with_usable_memory(p, int(usable * 1.5))
+        cands = build_candidates(q, placement)
+        assert feasible(q, cands) == bool(solve(cands, q.num_gpus, q.usable_bytes - q.overhead_bytes))
+
+
+def test_empty_candidates_are_infeasible():
+    p = problem()
+    assert not feasible(p, Candidates(placement="colocated", by_module={"vision": [], "llm": []}))
