@@ -1,0 +1,156 @@
+"""The ``plan`` command: readable output, --json, files, and one-line errors with exit status 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from planner.cli import main
+from planner.schema import load_plan
+
+
+def _run(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _fails(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert info.value.code == 2
+    assert err.startswith("plan: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and out == ""
+    return err
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    result = subprocess.run([sys.executable, "-m", "planner.cli", "--model", "qwen-vl-32b", "--gpus", "16",
+                             "--out", str(out)], capture_output=True, text=True)
+    return result, out
+
+
+def test_default_command_prints_the_layout(default_run):
+    result, out = default_run
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    for expected in ("vision: 16 GPUs", "llm: 16 GPUs", "DP ", "ZeRO-", "recompute", "micro-batch", "grad accum",
+                     "step time", "tokens/s", "MFU", "peak memory/GPU", "binding", "uniform TP", "ZeRO-3",
+                     "solver OPTIMAL", f"wrote {out}"):
+        assert expected in text
+    assert load_plan(out).model.name == "qwen2.5-vl-32b"
+
+
+def test_same_command_same_bytes(default_run, tmp_path):
+    _, first = default_run
+    again = tmp_path / "again.json"
+    subprocess.run([sys.executable, "-m", "planner.cli", "--model", "qwen-vl-32b", "--gpus", "16", "--out",
+                    str(again)], check=True, capture_output=True)
+    assert again.read_bytes() == first.read_bytes()
+
+
+def test_json_is_the_plan_and_nothing_else(capsys, tmp_path):
+    code, out, err = _run(["--model", "qwen-vl-32b", "--gpus", "16", "--json"], capsys)
+    assert code == 0 and err == ""
+    doc = json.loads(out)
+    assert doc["predicted"]["step_time_s"] > 0
+    assert doc["predicted"]["tokens_per_s"] > 0
+    assert doc["predicted"]["peak_memory_gib"] > 0
+    for name in ("uniform_tp", "zero3"):
+        b = doc["baselines"][name]
+        assert (b["step_time_s"] is not None) != (b["infeasible"] is not None)
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_json_baseline_infeasible_reason(capsys):
+    _, out, _ = _run(["--model", "qwen-vl-32b", "--gpus", "8", "--json"], capsys)
+    assert json.loads(out)["baselines"]["zero3"]["infeasible"].startswith("does not fit")
+
+
+def test_top_k_writes_ranked_files(capsys, tmp_path):
+    out = tmp_path / "p.json"
+    code, text, _ = _run(["--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--top-k", "2",
+                          "--out", str(out)], capsys)
+    assert code == 0 and "plan #1" in text and "plan #2" in text
+    assert load_plan(out).solver.rank == 1 and load_plan(tmp_path / "p-2.json").solver.rank == 2
+
+
+def test_fix_and_workload_flags(capsys, tmp_path):
+    out = tmp_path / "p.json"
+    code, text, _ = _run(["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "vision.sp=8", "--fix", "llm.tp=8",
+                          "--image-size", "896x448", "--image-size", "448", "--text-tokens", "256",
+                          "--global-batch", "32", "--frozen", "vision", "--out", str(out)], capsys)
+    assert code == 0 and "fixed llm.tp=8 vision.sp=8" in text and "vision (frozen)" in text
+    p = load_plan(out)
+    assert p.workload.image_sizes == [(448, 896), (448, 448)] and p.workload.global_batch == 32
+    assert p.module("vision").sp == 8 and p.module("llm").tp == 8 and p.module("vision").frozen
+
+
+def test_max_seq_headline(capsys, tmp_path):
+    code, text, _ = _run(["--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--global-batch", "2",
+                          "--max-seq", "--out", str(tmp_path / "m.json")], capsys)
+    assert code == 0 and text.startswith("longest image sequence that fits:")
+
+
+def test_list_models_and_gpus(capsys):
+    code, out, _ = _run(["--list-models"], capsys)
+    assert code == 0 and "qwen2.5-vl-32b" in out and "qwen2.5-vl-tiny" in out
+    code, out, _ = _run(["--list-gpus"], capsys)
+    assert code == 0 and "h100-80gb" in out and "cpu" in out
+
+
+def test_help_documents_the_defaults(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0
+    assert "1344x1344" in out and "9,216 vision tokens" in out and "512 text tokens" in out and "4 samples per GPU" in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--model", "qwen-vl-23b", "--gpus", "8"], "unknown model 'qwen-vl-23b'; did you mean"),
+    (["--model", "qwen-vl-32b", "--gpus", "0"], "--gpus must be a positive number"),
+    (["--model", "qwen-vl-32b", "--gpus", "-4"], "--gpus must be a positive number"),
+    (["--model", "qwen-vl-32b", "--gpus", "7", "--placement", "colocated", "--global-batch", "64"],
+     "usable GPU counts nearby"),
+    (["--model", "qwen-vl-32b", "--gpus", "8", "--gpu", "h300"], "unknown device 'h300'"),
+    (["--model", "qwen-vl-32b", "--gpus", "8", "--fix", "llm.tp=8", "--fix", "llm.tp=2"], "contradictory --fix"),
+    (["--model", "qwen-vl-32b", "--gpus", "8", "--fix", "llm.sp=2"], "Ulysses SP"),
+    (["--model", "qwen-vl-32b", "--gpus", "8", "--cluster", "/nonexistent/cluster.yaml"], "cannot read cluster file"),
+    (["--model", "qwen-vl-32b", "--gpus", "8", "--profile", "/nonexistent/profile.json"], "cannot read profile"),
+    (["--model", "qwen-vl-72b", "--gpus", "2"], "no plan fits 2 x h100-80gb"),
+    (["--model", "qwen-vl-32b", "--gpus", "8", "--image-size", "12x"], "image size must be WxH"),
+    (["--model", "qwen-vl-32b", "--gpus", "8", "--top-k", "0"], "--top-k must be >= 1"),
+    (["--model", "qwen-vl-32b", "--gpus", "8", "--vision-tokens", "1000"], "not a square grid"),
+    (["--gpus", "8"], "give --model and --gpus"),
+    (["--model", "qwen2-audio-7b", "--gpus", "8", "--max-seq"], "no vision encoder"),
+    (["--model", "qwen-vl-32b", "--gpus", "many"], "invalid int value"),
+])
+def test_errors_are_one_line_exit_2(argv, match, capsys):
+    assert match in _fails(argv, capsys)
+
+
+def test_bad_cluster_file_content(tmp_path, capsys):
+    path = tmp_path / "cluster.json"
+    path.write_text('{"device": "h100-80gb", "inter_node_bandwidth": "fast"}')
+    assert "inter_node_bandwidth must be a positive number" in _fails(
+        ["--model", "qwen-vl-32b", "--gpus", "8", "--cluster", str(path)], capsys)
+
+
+def test_cluster_file_changes_the_device(tmp_path, capsys):
+    path = tmp_path / "cluster.json"
+    path.write_text('{"device": "h100-80gb", "memory_bytes": 150000000000}')
+    out = tmp_path / "p.json"
+    code, _, _ = _run(["--model", "qwen-vl-32b", "--gpus", "8", "--cluster", str(path), "--out", str(out)], capsys)
+    assert code == 0 and load_plan(out).cluster.device.memory_bytes == 150000000000
+
+
+def test_error_from_a_subprocess_has_no_traceback():
+    result = subprocess.run([sys.executable, "-m", "planner.cli", "--model", "nope", "--gpus", "8"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("plan: error: unknown model 'nope'") and result.stderr.count("\n") == 1
