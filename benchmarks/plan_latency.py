@@ -1,0 +1,85 @@
+"""Latency of the planner: the whole ``plan`` process, and candidate building + CP-SAT alone per cluster size.
+
+    .venv/bin/python benchmarks/plan_latency.py [--repeats 5] [--sizes 8 16 64 256 1024]
+
+Whole process: ``plan --model qwen-vl-32b --gpus N --out <tmp>`` as a fresh process (Python start-up, imports,
+candidates, both placements, tie-break, baselines, report), median of ``--repeats`` runs, at 16 and 1024 GPUs.
+Solver alone: for each N and placement, in one process, the time to enumerate/cost/prune the candidates and the
+CP-SAT time (first solve plus the tie-break solve). Workload: the ``plan`` defaults (one 1344x1344 image, 512 text
+tokens, 4 samples per GPU). Targets (issue 3): whole process <= 1.5 s at 16 GPUs, <= 10 s at 1024 GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODEL = "qwen-vl-32b"
+
+
+def plan_command() -> list[str]:
+    """The installed ``plan`` entry point next to this interpreter, else ``python -m planner.cli``."""
+    script = Path(sys.executable).with_name("plan")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "planner.cli"]
+
+
+def whole_process_s(num_gpus: int, repeats: int) -> float:
+    """Median wall time of ``plan --model MODEL --gpus num_gpus``."""
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            subprocess.run([*plan_command(), "--model", MODEL, "--gpus", str(num_gpus), "--out", f"{tmp}/p.json"],
+                           check=True, capture_output=True)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def solver_row(num_gpus: int, placement: str) -> dict:
+    """Candidate and CP-SAT timings of one placement at ``num_gpus`` GPUs."""
+    from planner.api import make_problem
+    from planner.candidates import build_candidates
+    from planner.solver import solve
+
+    problem = make_problem(MODEL, num_gpus, profile=None)
+    start = time.perf_counter()
+    cands = build_candidates(problem, placement)
+    built = time.perf_counter()
+    solutions = solve(cands, num_gpus, problem.usable_bytes - problem.overhead_bytes)
+    solved = time.perf_counter()
+    best = solutions[0] if solutions else None
+    return dict(
+        gpus=num_gpus, placement=placement, costed=cands.num_costed, kept=cands.count,
+        candidates_s=built - start, cp_sat_s=solved - built,
+        status=best.status if best else "INFEASIBLE", step_s=best.objective_ns / 1e9 if best else float("nan"),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5, help="runs of the whole process (median)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 64, 256, 1024])
+    args = parser.parse_args()
+
+    print(f"{'GPUs':>5} {'placement':>10} {'costed':>7} {'kept':>5} {'candidates':>10} {'CP-SAT':>7} "
+          f"{'status':>10} {'step time':>9}")
+    from planner.solver import cp_model  # noqa: F401  (import cost is not solver time)
+
+    for n in args.sizes:
+        for placement in ("colocated", "disjoint"):
+            r = solver_row(n, placement)
+            print(f"{r['gpus']:5d} {r['placement']:>10} {r['costed']:7d} {r['kept']:5d} {r['candidates_s']:9.2f}s "
+                  f"{r['cp_sat_s']:6.2f}s {r['status']:>10} {r['step_s']:8.3f}s")
+    print()
+    for n, target in ((16, 1.5), (1024, 10.0)):
+        seconds = whole_process_s(n, args.repeats if n <= 64 else max(1, args.repeats // 2))
+        print(f"whole process `plan --model {MODEL} --gpus {n}`: median {seconds:.2f} s (target <= {target:g} s)")
+
+
+if __name__ == "__main__":
+    main()
