@@ -7,6 +7,7 @@ Bad input and infeasible requests print one line to stderr and exit with status 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -160,17 +161,24 @@ def _ranks(ranks: list[int]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
 
 
+def _count(n: float) -> str:
+    """1.2M, 33.5B."""
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
 def _workload_line(plan) -> str:
     w = plan.workload
     parts = []
     if w.vision_tokens is not None:
         parts.append(f"{w.vision_tokens:,} vision tokens")
     elif w.image_sizes:
-        sizes = sorted({f"{wd}x{h}" for h, wd in w.image_sizes})
-        parts.append(f"{len(w.image_sizes)} image(s) {', '.join(sizes)} ({w.module_tokens.get('vision', 0):,} vision "
-                     f"tokens)")
+        sizes = ", ".join(dict.fromkeys(f"{wd}x{h}" for h, wd in w.image_sizes))
+        images = "1 image" if len(w.image_sizes) == 1 else f"{len(w.image_sizes)} images"
+        parts.append(f"{images} {sizes} ({w.module_tokens.get('vision', 0):,} vision tokens)")
     if w.audio_seconds:
-        parts.append(f"{w.audio_seconds:g} s audio ({w.module_tokens.get('audio', 0):,} encoder tokens)")
+        audio_llm = w.module_tokens["llm"] - w.text_tokens - w.llm_image_tokens
+        parts.append(f"{w.audio_seconds:g} s audio ({w.module_tokens.get('audio', 0):,} encoder tokens -> "
+                     f"{audio_llm:,} LLM audio tokens)")
     if w.llm_image_tokens:
         parts.append(f"-> {w.llm_image_tokens:,} LLM image tokens")
     parts.append(f"+ {w.text_tokens:,} text = {w.module_tokens['llm']:,} LLM tokens/sample")
@@ -182,7 +190,7 @@ def _module_block(m) -> list[str]:
     frozen = " (frozen)" if m.frozen else ""
     mem = m.predicted.memory_gib
     return [
-        f"{m.name}{frozen}: {len(m.ranks)} GPUs (ranks {_ranks(m.ranks)}), {m.num_params / 1e9:.2f}B params",
+        f"{m.name}{frozen}: {len(m.ranks)} GPUs (ranks {_ranks(m.ranks)}), {_count(m.num_params)} params",
         f"    DP {m.dp} x TP {m.tp} x SP {m.sp} x CP {m.cp}   ZeRO-{m.zero}   recompute {m.recompute}   "
         f"micro-batch {m.micro_batch}   grad accum {m.grad_accum}",
         f"    per step: forward {t.forward:.3f} s, backward {t.backward:.3f} s, recompute {t.recompute:.3f} s, "
@@ -220,7 +228,7 @@ def render_plan(plan) -> str:
     c, s, p = plan.cluster, plan.solver, plan.predicted
     fixed = f", fixed {' '.join(f'{k}={v}' for k, v in s.fixed.items())}" if s.fixed else ""
     lines = [
-        f"plan #{s.rank}   {plan.model.name} ({plan.model.num_params / 1e9:.1f}B) on {c.num_devices} x {c.device.name} "
+        f"plan #{s.rank}   {plan.model.name} ({_count(plan.model.num_params)}) on {c.num_devices} x {c.device.name} "
         f"({c.devices_per_node} per node), {plan.placement}; solver {s.status} over {s.num_candidates} "
         f"candidates{fixed}",
         _workload_line(plan),
@@ -246,7 +254,8 @@ def render(plans: list, *, max_seq: bool = False) -> str:
     head = []
     if max_seq:
         w = plans[0].workload
-        side = round(w.vision_tokens ** 0.5) * 14
+        patch = plans[0].model.hf_config.get("vision_config", {}).get("patch_size", 14)
+        side = round(w.vision_tokens**0.5) * patch
         head = [f"longest image sequence that fits: {w.vision_tokens:,} vision tokens per sample "
                 f"(one {side}x{side} image, {w.llm_image_tokens:,} LLM image tokens) at global batch "
                 f"{w.global_batch}", ""]
@@ -267,10 +276,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(str(e))
     if args.json:
         text = plans[0].to_json() if len(plans) == 1 else "[\n" + ",\n".join(p.to_json().rstrip() for p in plans) + "\n]\n"
+    else:
+        text = f"{render(plans, max_seq=args.max_seq)}\nwrote {', '.join(map(str, paths))}\n"
+    try:
         sys.stdout.write(text)
-        return 0
-    print(render(plans, max_seq=args.max_seq))
-    print(f"wrote {', '.join(map(str, paths))}")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `plan ... | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
