@@ -11,22 +11,12 @@ models, and a global batch of 4 samples per GPU (64 at 16 GPUs).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Iterable, Mapping, Sequence
 
 from planner.baselines import BASELINE_DESCRIPTIONS, BaselineOutcome, baselines
-from planner.candidates import (
-    FIX_FIELDS,
-    Candidates,
-    Fixes,
-    Problem,
-    build_candidates,
-    encoder_names,
-    feasible,
-    module_strategies,
-)
+from planner.candidates import Problem
 from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, Estimate, estimate
 from planner.cost.report import module_predictions, prediction
@@ -48,7 +38,16 @@ from planner.schema import (
     WorkloadInfo,
     load_plan,
 )
-from planner.strategy import PLACEMENTS, PRECISIONS, RECOMPUTE_CHOICES, ModuleStrategy, Placement, Strategy
+from planner.solver.explain import (
+    Infeasible,
+    candidates_or_error,
+    explain_infeasible,
+    longest_side,
+    variant,
+    vision_workload,
+)
+from planner.solver.fixes import fixed_text, parse_fixes, pinned_strategy, placements_to_solve
+from planner.strategy import PLACEMENTS, PRECISIONS, Placement, Strategy
 from planner.workload import Workload, module_tokens
 
 __all__ = [
@@ -66,16 +65,6 @@ DEFAULT_AUDIO_SECONDS = 30.0
 """Seconds of audio per sample by default for audio models (one Whisper window)."""
 DEFAULT_SAMPLES_PER_GPU = 4
 """Default global batch = this many samples per GPU."""
-PLACEMENT_CHOICES = ("auto", *PLACEMENTS)
-"""What ``placement`` accepts; auto solves both and keeps the faster."""
-MAX_GPU_SEARCH = 65536
-"""Largest GPU count the infeasibility explanation searches."""
-MAX_SEQ_SIDE_PATCHES = 2048
-"""Largest image side (in patches) ``max_seq`` tries: 4M vision tokens."""
-
-
-class Infeasible(ValueError):
-    """No plan fits; the message says which module, by how much, and what would fit."""
 
 
 # --- Inputs -----------------------------------------------------------------------------------------------------
@@ -227,101 +216,6 @@ def _as_problem(model: str | ModelSpec | Problem, gpus: int | None, inputs: Mapp
     return make_problem(model, gpus, **inputs)
 
 
-# --- --fix ------------------------------------------------------------------------------------------------------
-
-
-def parse_fixes(items: Iterable[str] | Mapping[str, Any], model: ModelSpec, num_gpus: int) -> tuple[str | None, Fixes]:
-    """``MODULE.FIELD=VALUE`` / ``placement=VALUE`` items (or a {"vision.tp": 2, ...} mapping) into
-    (pinned placement or None, module -> {field: value}).
-
-    Raises:
-        ValueError: unknown module or field, bad value, or fixes that contradict each other, in one line.
-    """
-    pairs = list(items.items()) if isinstance(items, Mapping) else [_split_fix(item) for item in items]
-    placement: str | None = None
-    fixes: dict[str, dict[str, int | str]] = {}
-    for key, raw in pairs:
-        if key == "placement":
-            if raw not in PLACEMENTS:
-                raise ValueError(f"--fix placement={raw}: placement must be one of {', '.join(PLACEMENTS)}")
-            if placement not in (None, raw):
-                raise ValueError(f"contradictory --fix: placement={placement} and placement={raw}")
-            placement = raw
-            continue
-        module, _, fieldname = key.partition(".")
-        if module not in model.module_names:
-            raise ValueError(f"--fix {key}: {model.name} has modules {', '.join(model.module_names)} (or placement=)")
-        if fieldname not in FIX_FIELDS:
-            raise ValueError(f"--fix {key}: field must be one of {', '.join(FIX_FIELDS)}")
-        value = _fix_value(key, fieldname, raw)
-        previous = fixes.setdefault(module, {}).get(fieldname)
-        if previous is not None and previous != value:
-            raise ValueError(f"contradictory --fix: {key}={previous} and {key}={value}")
-        fixes[module][fieldname] = value
-    _check_fix_consistency(placement, fixes, num_gpus)
-    return placement, fixes
-
-
-def _split_fix(item: str) -> tuple[str, str]:
-    key, sep, value = item.partition("=")
-    if not sep or not key.strip() or not value.strip():
-        raise ValueError(f"--fix {item!r}: write MODULE.FIELD=VALUE (e.g. llm.tp=8) or placement=disjoint")
-    return key.strip(), value.strip()
-
-
-def _fix_value(key: str, fieldname: str, raw: Any) -> int | str:
-    if fieldname == "recompute":
-        if raw not in RECOMPUTE_CHOICES:
-            raise ValueError(f"--fix {key}={raw}: recompute must be one of {', '.join(RECOMPUTE_CHOICES)}")
-        return raw
-    try:
-        value = int(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"--fix {key}={raw}: {fieldname} must be a whole number") from None
-    lowest = 0 if fieldname == "zero" else 1
-    if value < lowest or (fieldname == "zero" and value > 3):
-        allowed = "0, 1, 2 or 3" if fieldname == "zero" else ">= 1"
-        raise ValueError(f"--fix {key}={raw}: {fieldname} must be {allowed}")
-    return value
-
-
-def _check_fix_consistency(placement: str | None, fixes: Fixes, num_gpus: int) -> None:
-    """Contradictions visible without costing: grad_accum differs between modules; pinned degrees that do not
-    multiply to a pinned GPU count; colocated modules pinned to fewer GPUs than the cluster; disjoint groups
-    pinned to more GPUs than there are."""
-    accums = {m: f["grad_accum"] for m, f in fixes.items() if "grad_accum" in f}
-    if len(set(accums.values())) > 1:
-        listed = " and ".join(f"{m}.grad_accum={a}" for m, a in accums.items())
-        raise ValueError(f"contradictory --fix: {listed} (all modules share one grad_accum)")
-    for m, f in fixes.items():
-        grid = [f[k] for k in ("dp", "tp", "sp", "cp") if k in f]
-        gpus = f.get("gpus", num_gpus if placement == "colocated" else None)
-        if gpus is not None and len(grid) == 4 and math.prod(grid) != gpus:
-            raise ValueError(f"contradictory --fix: {m}.dp*tp*sp*cp = {math.prod(grid)} but {m} has {gpus} GPUs")
-        if gpus is not None and math.prod(grid) and gpus % math.prod(grid):
-            raise ValueError(f"contradictory --fix: {m} degrees {'*'.join(map(str, grid))} do not divide its {gpus} GPUs")
-        if "gpus" in f and f["gpus"] > num_gpus:
-            raise ValueError(f"--fix {m}.gpus={f['gpus']}: the cluster has {num_gpus} GPUs")
-        if placement == "colocated" and "gpus" in f and f["gpus"] != num_gpus:
-            raise ValueError(f"contradictory --fix: placement=colocated spans all {num_gpus} GPUs but {m}.gpus={f['gpus']}")
-    pinned = [f["gpus"] for f in fixes.values() if "gpus" in f]
-    if placement == "disjoint" and sum(pinned) > num_gpus:
-        raise ValueError(f"contradictory --fix: disjoint groups pinned to {sum(pinned)} GPUs, the cluster has {num_gpus}")
-
-
-def _placements(problem: Problem, requested: str, pinned: str | None) -> list[Placement]:
-    """Placements to solve: the pinned or requested one, or both for auto (disjoint only with one encoder)."""
-    if requested not in PLACEMENT_CHOICES:
-        raise ValueError(f"--placement must be one of {', '.join(PLACEMENT_CHOICES)}, got {requested!r}")
-    if pinned and requested not in ("auto", pinned):
-        raise ValueError(f"contradictory: --placement {requested} and --fix placement={pinned}")
-    choice = pinned or requested
-    if choice != "auto":
-        return [choice]
-    one_encoder = len(encoder_names(problem.model)) == 1 and problem.num_gpus >= 2
-    return ["colocated", "disjoint"] if one_encoder else ["colocated"]
-
-
 # --- Solving ----------------------------------------------------------------------------------------------------
 
 
@@ -335,36 +229,6 @@ class _Ranked:
     num_candidates: int
 
 
-def _candidates(problem: Problem, placements: list[Placement], fixes: Fixes) -> dict[str, Candidates]:
-    """Candidates of each placement; a module no fix allows is a one-line error."""
-    result = {p: build_candidates(problem, p, fixes) for p in placements}
-    for cands in result.values():
-        for module, reason in cands.invalid.items():
-            if all(module in c.invalid for c in result.values()):
-                if fixes.get(module):
-                    raise ValueError(f"--fix: no valid {module} strategy: {reason}")
-                raise ValueError(f"no valid {module} strategy on {problem.num_gpus} GPUs ({reason}); "
-                                 f"{_usable_counts_hint(problem)}")
-    return result
-
-
-def _usable(problem: Problem, num_gpus: int) -> bool:
-    """Whether every module has a valid colocated layout on ``num_gpus`` GPUs (memory aside)."""
-    at = _at(problem, num_gpus=num_gpus)
-    return all(module_strategies(at, m, num_gpus, {}, {})[0] for m in problem.model.module_names)
-
-
-def _usable_counts_hint(problem: Problem) -> str:
-    """``usable GPU counts nearby: 6, 8`` (or a hint about the batch)."""
-    n = problem.num_gpus
-    below = next((k for k in range(n - 1, 0, -1) if _usable(problem, k)), None)
-    above = next((k for k in range(n + 1, 4 * n + 1) if _usable(problem, k)), None)
-    nearby = [str(k) for k in (below, above) if k is not None]
-    if not nearby:
-        return f"try a global batch with more divisors than {problem.workload.global_batch}"
-    return f"usable GPU counts nearby: {' or '.join(nearby)} (or a global batch divisible by {n})"
-
-
 def _strategy(problem: Problem, placement: Placement, choice: Mapping[str, Any]) -> Strategy:
     return Strategy(placement=placement, modules={m: choice[m].strategy for m in problem.model.module_names},
                     precision=problem.precision)
@@ -372,11 +236,11 @@ def _strategy(problem: Problem, placement: Placement, choice: Mapping[str, Any])
 
 def _solve(problem: Problem, placement: str, fix: Any, top_k: int, time_limit_s: float | None) -> tuple[list[_Ranked], dict]:
     """Ranked strategies (best first) over the requested placements, and the fixes as given."""
-    from planner.solver import DEFAULT_SETTINGS, solve
+    from planner.solver.cp_sat import DEFAULT_SETTINGS, solve
 
     pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus)
-    placements = _placements(problem, placement, pinned)
-    all_cands = _candidates(problem, placements, fixes)
+    placements = placements_to_solve(problem, placement, pinned)
+    all_cands = candidates_or_error(problem, placements, fixes)
     settings = DEFAULT_SETTINGS if time_limit_s is None else replace(DEFAULT_SETTINGS, time_limit_s=time_limit_s)
     budget = problem.usable_bytes - problem.overhead_bytes
     ranked = []
@@ -387,169 +251,7 @@ def _solve(problem: Problem, placement: str, fix: Any, top_k: int, time_limit_s:
     if not ranked:
         raise Infeasible(explain_infeasible(problem, all_cands, fixes))
     ranked.sort(key=lambda r: (r.objective_s, PLACEMENTS.index(r.strategy.placement)))
-    return ranked[:top_k], _fixed_text(pinned, fixes)
-
-
-def _fixed_text(pinned: str | None, fixes: Fixes) -> dict[str, str]:
-    text = {f"{m}.{k}": str(v) for m, f in fixes.items() for k, v in f.items()}
-    if pinned:
-        text["placement"] = pinned
-    return dict(sorted(text.items()))
-
-
-def _pinned_strategy(problem: Problem, placement: str, fix: Any) -> Strategy | None:
-    """The one strategy the fixes leave when they pin every field of every module (grad_accum may follow from
-    the batch; the placement from the GPU counts), else None."""
-    pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus)
-    modules = {m: _only_strategy(problem, fixes.get(m, {})) for m in problem.model.module_names}
-    if any(s is None for s in modules.values()):
-        return None
-    gpus = [s.gpus for s in modules.values()]
-    total = {"colocated": max(gpus) if len(set(gpus)) == 1 else None, "disjoint": sum(gpus)}
-    exact = [p for p in _placements(problem, placement, pinned) if total[p] == problem.num_gpus]
-    if len(exact) != 1:
-        return None
-    for m, f in fixes.items():
-        if "gpus" in f and f["gpus"] != modules[m].gpus:
-            raise ValueError(f"contradictory --fix: {m}.gpus={f['gpus']} but its degrees use {modules[m].gpus} GPUs")
-    try:
-        return Strategy(placement=exact[0], modules=modules, precision=problem.precision)
-    except ValueError as e:
-        raise ValueError(f"contradictory --fix: {e}") from None
-
-
-def _only_strategy(problem: Problem, fixed: Mapping[str, Any]) -> ModuleStrategy | None:
-    """The module's strategy when ``fixed`` determines every field (grad_accum may follow from the batch)."""
-    needed = ("dp", "tp", "sp", "cp", "zero", "recompute", "micro_batch")
-    if not all(k in fixed for k in needed):
-        return None
-    per_step = fixed["dp"] * fixed["micro_batch"]
-    batch = problem.workload.global_batch
-    ga = fixed.get("grad_accum", batch // per_step if batch % per_step == 0 else None)
-    if ga is None or per_step * ga != batch:
-        raise ValueError(f"contradictory --fix: dp*micro_batch*grad_accum must equal the global batch of {batch}")
-    return ModuleStrategy(grad_accum=ga, **{k: fixed[k] for k in needed})
-
-
-# --- Infeasibility ----------------------------------------------------------------------------------------------
-
-
-def explain_infeasible(problem: Problem, all_cands: Mapping[str, Candidates], fixes: Fixes) -> str:
-    """One line: which module does not fit and by how much, and the smallest GPU count / longest image sequence
-    that would fit."""
-    usable = problem.usable_bytes
-    what = _what_does_not_fit(problem, all_cands)
-    hints = []
-    more_gpus = smallest_gpu_count(problem, list(all_cands), fixes)
-    if more_gpus is not None:
-        hints.append(f"the smallest GPU count that fits is {more_gpus} (--gpus {more_gpus})")
-    if problem.model.vision_input is not None:
-        tokens = _longest_fitting_tokens(problem, list(all_cands), fixes)
-        if tokens is not None:
-            hints.append(f"at {problem.num_gpus} GPUs images up to {tokens:,} vision tokens per sample fit "
-                         f"(--vision-tokens {tokens})")
-    if not hints:
-        hints.append(f"no GPU count up to {MAX_GPU_SEARCH} fits; try a smaller --global-batch or "
-                     f"--precision bf16_pure")
-    return f"no plan fits {problem.num_gpus} x {problem.cluster.device.name} ({usable / GIB:.1f} GiB usable per " \
-           f"GPU): {what}; {'; '.join(hints)}"
-
-
-def _what_does_not_fit(problem: Problem, all_cands: Mapping[str, Candidates]) -> str:
-    """The module (or module combination) that does not fit, with its smallest need."""
-    usable, overhead = problem.usable_bytes, problem.overhead_bytes
-    worst = None
-    for module in problem.model.module_names:
-        needs = [c.smallest[module] for c in all_cands.values() if module in c.smallest]
-        if not needs:
-            continue
-        least = min(needs, key=lambda c: c.memory_bytes)
-        need = least.memory_bytes + overhead
-        if need > usable and (worst is None or need - usable > worst[1] - usable):
-            worst = (module, need, least)
-    if worst is not None:
-        module, need, least = worst
-        return (f"{module} does not fit: its smallest need is {need / GIB:.1f} GiB per GPU "
-                f"({least.strategy.describe()} on {least.gpus} GPUs), {(need - usable) / GIB:.1f} GiB over")
-    if "colocated" in all_cands:
-        cands = all_cands["colocated"]
-        need = sum(c.memory_bytes for c in cands.smallest.values()) + overhead
-        names = " + ".join(cands.smallest)
-        return (f"colocated, {names} together need at least {need / GIB:.1f} GiB per GPU, "
-                f"{max(need - usable, 0) / GIB:.1f} GiB over (each fits alone)")
-    return f"no split of the {problem.num_gpus} GPUs gives every module a group it fits in"
-
-
-def _at(problem: Problem, *, num_gpus: int | None = None, workload: Workload | None = None) -> Problem:
-    cluster = problem.cluster if num_gpus is None else replace(problem.cluster, num_devices=num_gpus)
-    return replace(problem, cluster=cluster, workload=workload or problem.workload)
-
-
-def _fits(problem: Problem, placements: list[str], fixes: Fixes) -> bool:
-    for p in placements:
-        try:
-            if feasible(problem, build_candidates(problem, p, fixes)):
-                return True
-        except NotImplementedError:
-            continue
-    return False
-
-
-def _gpu_counts_above(num_gpus: int, node: int) -> list[int]:
-    """Counts to try, ascending: every count up to one node, then whole nodes, up to MAX_GPU_SEARCH."""
-    return [n for n in range(num_gpus + 1, MAX_GPU_SEARCH + 1) if n <= node or n % node == 0]
-
-
-def smallest_gpu_count(problem: Problem, placements: list[str], fixes: Fixes) -> int | None:
-    """Smallest GPU count above the problem's at which some plan fits (same batch; fixes without ``gpus``):
-    doubling finds a fitting count, then the counts below it are scanned upward."""
-    fixes = {m: {k: v for k, v in f.items() if k != "gpus"} for m, f in fixes.items()}
-    counts = _gpu_counts_above(problem.num_gpus, problem.cluster.devices_per_node)
-    if not counts:
-        return None
-    probe_index, lower = 0, 0
-    while True:
-        n = counts[probe_index]
-        if _fits(_at(problem, num_gpus=n), placements, fixes):
-            break
-        lower = probe_index + 1
-        if probe_index == len(counts) - 1:
-            return None
-        probe_index = min(2 * probe_index + 1, len(counts) - 1)
-    for n in counts[lower:probe_index]:
-        if _fits(_at(problem, num_gpus=n), placements, fixes):
-            return n
-    return counts[probe_index]
-
-
-def _vision_workload(problem: Problem, side: int) -> Workload:
-    """The problem's workload with one square image of ``side`` x ``side`` patches per sample."""
-    return replace(problem.workload, image_sizes=(), vision_tokens=side * side)
-
-
-def _longest_side(problem: Problem, placements: list[str], fixes: Fixes) -> int | None:
-    """Largest merge-aligned square side (patches) at which a plan fits, by bisection; None if even the smallest
-    image does not fit."""
-    merge = problem.model.vision_input.spatial_merge_size
-
-    def fits(units: int) -> bool:
-        return _fits(_at(problem, workload=_vision_workload(problem, units * merge)), placements, fixes)
-
-    if not fits(1):
-        return None
-    low, high = 1, 2
-    while high * merge <= MAX_SEQ_SIDE_PATCHES and fits(high):
-        low, high = high, high * 2
-    high = min(high, MAX_SEQ_SIDE_PATCHES // merge + 1)
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low * merge
-
-
-def _longest_fitting_tokens(problem: Problem, placements: list[str], fixes: Fixes) -> int | None:
-    side = _longest_side(problem, placements, fixes)
-    return None if side is None else side * side
+    return ranked[:top_k], fixed_text(pinned, fixes)
 
 
 # --- Plan document ----------------------------------------------------------------------------------------------
@@ -680,7 +382,7 @@ def top_plans(
     if k < 1:
         raise ValueError(f"--top-k must be >= 1, got {k}")
     problem = _as_problem(model, gpus, inputs)
-    pinned = _pinned_strategy(problem, placement, fix)
+    pinned = pinned_strategy(problem, placement, fix)
     reference = baselines(problem)
     if pinned is not None:
         return [_evaluated(problem, pinned, fix, reference)]
@@ -713,7 +415,7 @@ def plan(
 
 def _evaluated(problem: Problem, strategy: Strategy, fix: Any, reference: Mapping[str, BaselineOutcome]) -> Plan:
     _check_fits(problem, strategy)
-    fixed = {} if fix is None else _fixed_text(*parse_fixes(fix, problem.model, problem.num_gpus))
+    fixed = {} if fix is None else fixed_text(*parse_fixes(fix, problem.model, problem.num_gpus))
     return build_plan(problem, strategy, status="EVALUATED", num_candidates=1, fixed=fixed, reference=reference)
 
 
@@ -757,10 +459,10 @@ def max_seq(
     if problem.model.vision_input is None:
         raise ValueError(f"--max-seq searches image sequence lengths; {problem.model.name} has no vision encoder")
     pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus)
-    placements = _placements(problem, placement, pinned)
-    side = _longest_side(problem, placements, fixes)
+    placements = placements_to_solve(problem, placement, pinned)
+    side = longest_side(problem, placements, fixes)
     if side is None:
-        smallest = _at(problem, workload=_vision_workload(problem, problem.model.vision_input.spatial_merge_size))
-        raise Infeasible(explain_infeasible(smallest, _candidates(smallest, placements, fixes), fixes))
-    longest = _at(problem, workload=_vision_workload(problem, side))
+        smallest = variant(problem, workload=vision_workload(problem, problem.model.vision_input.spatial_merge_size))
+        raise Infeasible(explain_infeasible(smallest, candidates_or_error(smallest, placements, fixes), fixes))
+    longest = variant(problem, workload=vision_workload(problem, side))
     return plan(longest, placement=placement, fix=fix, time_limit_s=time_limit_s)

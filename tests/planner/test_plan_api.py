@@ -9,6 +9,7 @@ from planner.api import Infeasible, evaluate, make_problem, max_seq, parse_fixes
 from planner.catalog import get_model
 from planner.cost import estimate
 from planner.schema import load_plan
+from planner.solver.explain import MAX_SEQ_SIDE_PATCHES
 from planner.strategy import ModuleStrategy, Strategy
 
 M32 = "qwen-vl-32b"
@@ -212,7 +213,7 @@ def test_max_seq_is_the_longest_fitting_square_image():
 def test_max_seq_small_model_cpu():
     p = max_seq("qwen2.5-vl-tiny", 2, gpu="cpu", global_batch=2)
     side = round(p.workload.vision_tokens**0.5)
-    if side * 2 < api.MAX_SEQ_SIDE_PATCHES:
+    if side * 2 < MAX_SEQ_SIDE_PATCHES:
         with pytest.raises(Infeasible):
             plan("qwen2.5-vl-tiny", 2, gpu="cpu", global_batch=2, vision_tokens=(side + 2) ** 2)
 

@@ -13,7 +13,7 @@ from plan_helpers import brute_force, problem, with_usable_memory
 
 from planner.candidates import build_candidates
 from planner.cost import estimate
-from planner.solver import solve
+from planner.solver.cp_sat import solve
 
 ROUNDING_S = 2e-9
 """The solver's integer nanoseconds round each of at most four terms by 0.5 ns."""

@@ -133,7 +133,7 @@ def test_micro_batch_early_stop_drops_no_fitting_candidate(placement):
 
 @pytest.mark.parametrize("placement", ["colocated", "disjoint"])
 def test_feasible_agrees_with_the_solver(placement):
-    from planner.solver import solve
+    from planner.solver.cp_sat import solve
 
     p = problem(overhead_gib=0.0)
     loose = build_candidates(p, placement)

@@ -7,7 +7,7 @@ from plan_helpers import problem
 
 from planner.candidates import build_candidates
 from planner.cost import estimate
-from planner.solver import SolverSettings, solve
+from planner.solver.cp_sat import SolverSettings, solve
 from planner.strategy import Strategy
 
 ROUNDING_S = 2e-9

@@ -1,0 +1,173 @@
+"""Why no plan fits, and what would: the module over the limit and by how much, the smallest GPU count, the longest
+image sequence. The searches decide feasibility straight from the candidates (``candidates.feasible``), exactly
+as the CP-SAT model would, without solving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Mapping
+
+from planner.candidates import Candidates, Fixes, Problem, build_candidates, feasible, module_strategies
+from planner.cost.results import GIB
+from planner.strategy import Placement
+from planner.workload import Workload
+
+MAX_GPU_SEARCH = 65536
+"""Largest GPU count the infeasibility explanation searches."""
+MAX_SEQ_SIDE_PATCHES = 2048
+"""Largest image side (in patches) the sequence search tries: 4M vision tokens."""
+
+
+class Infeasible(ValueError):
+    """No plan fits; the message says which module, by how much, and what would fit."""
+
+
+def candidates_or_error(problem: Problem, placements: list[Placement], fixes: Fixes) -> dict[str, Candidates]:
+    """Candidates of each placement; a module no fix allows is a one-line error."""
+    result = {p: build_candidates(problem, p, fixes) for p in placements}
+    for cands in result.values():
+        for module, reason in cands.invalid.items():
+            if all(module in c.invalid for c in result.values()):
+                if fixes.get(module):
+                    raise ValueError(f"--fix: no valid {module} strategy: {reason}")
+                raise ValueError(f"no valid {module} strategy on {problem.num_gpus} GPUs ({reason}); "
+                                 f"{_usable_counts_hint(problem)}")
+    return result
+
+
+def _usable(problem: Problem, num_gpus: int) -> bool:
+    """Whether every module has a valid colocated layout on ``num_gpus`` GPUs (memory aside)."""
+    there = variant(problem, num_gpus=num_gpus)
+    return all(module_strategies(there, m, num_gpus, {}, {})[0] for m in problem.model.module_names)
+
+
+def _usable_counts_hint(problem: Problem) -> str:
+    """``usable GPU counts nearby: 6, 8`` (or a hint about the batch)."""
+    n = problem.num_gpus
+    below = next((k for k in range(n - 1, 0, -1) if _usable(problem, k)), None)
+    above = next((k for k in range(n + 1, 4 * n + 1) if _usable(problem, k)), None)
+    nearby = [str(k) for k in (below, above) if k is not None]
+    if not nearby:
+        return f"try a global batch with more divisors than {problem.workload.global_batch}"
+    return f"usable GPU counts nearby: {' or '.join(nearby)} (or a global batch divisible by {n})"
+
+
+def explain_infeasible(problem: Problem, all_cands: Mapping[str, Candidates], fixes: Fixes) -> str:
+    """One line: which module does not fit and by how much, and the smallest GPU count / longest image sequence
+    that would fit."""
+    usable = problem.usable_bytes
+    what = _what_does_not_fit(problem, all_cands)
+    hints = []
+    more_gpus = smallest_gpu_count(problem, list(all_cands), fixes)
+    if more_gpus is not None:
+        hints.append(f"the smallest GPU count that fits is {more_gpus} (--gpus {more_gpus})")
+    if problem.model.vision_input is not None:
+        tokens = _longest_fitting_tokens(problem, list(all_cands), fixes)
+        if tokens is not None:
+            hints.append(f"at {problem.num_gpus} GPUs images up to {tokens:,} vision tokens per sample fit "
+                         f"(--vision-tokens {tokens})")
+    if not hints:
+        hints.append(f"no GPU count up to {MAX_GPU_SEARCH} fits; try a smaller --global-batch or "
+                     f"--precision bf16_pure")
+    return f"no plan fits {problem.num_gpus} x {problem.cluster.device.name} ({usable / GIB:.1f} GiB usable per " \
+           f"GPU): {what}; {'; '.join(hints)}"
+
+
+def _what_does_not_fit(problem: Problem, all_cands: Mapping[str, Candidates]) -> str:
+    """The module (or module combination) that does not fit, with its smallest need."""
+    usable, overhead = problem.usable_bytes, problem.overhead_bytes
+    worst = None
+    for module in problem.model.module_names:
+        needs = [c.smallest[module] for c in all_cands.values() if module in c.smallest]
+        if not needs:
+            continue
+        least = min(needs, key=lambda c: c.memory_bytes)
+        need = least.memory_bytes + overhead
+        if need > usable and (worst is None or need - usable > worst[1] - usable):
+            worst = (module, need, least)
+    if worst is not None:
+        module, need, least = worst
+        return (f"{module} does not fit: its smallest need is {need / GIB:.1f} GiB per GPU "
+                f"({least.strategy.describe()} on {least.gpus} GPUs), {(need - usable) / GIB:.1f} GiB over")
+    if "colocated" in all_cands:
+        cands = all_cands["colocated"]
+        need = sum(c.memory_bytes for c in cands.smallest.values()) + overhead
+        names = " + ".join(cands.smallest)
+        return (f"colocated, {names} together need at least {need / GIB:.1f} GiB per GPU, "
+                f"{max(need - usable, 0) / GIB:.1f} GiB over (each fits alone)")
+    return f"no split of the {problem.num_gpus} GPUs gives every module a group it fits in"
+
+
+def variant(problem: Problem, *, num_gpus: int | None = None, workload: Workload | None = None) -> Problem:
+    """The same problem on another number of GPUs or with another workload."""
+    cluster = problem.cluster if num_gpus is None else replace(problem.cluster, num_devices=num_gpus)
+    return replace(problem, cluster=cluster, workload=workload or problem.workload)
+
+
+def _fits(problem: Problem, placements: list[str], fixes: Fixes) -> bool:
+    """Whether some plan of one of ``placements`` fits (no solve: ``candidates.feasible``)."""
+    for p in placements:
+        try:
+            if feasible(problem, build_candidates(problem, p, fixes)):
+                return True
+        except NotImplementedError:
+            continue
+    return False
+
+
+def _gpu_counts_above(num_gpus: int, node: int) -> list[int]:
+    """Counts to try, ascending: every count up to one node, then whole nodes, up to MAX_GPU_SEARCH."""
+    return [n for n in range(num_gpus + 1, MAX_GPU_SEARCH + 1) if n <= node or n % node == 0]
+
+
+def smallest_gpu_count(problem: Problem, placements: list[str], fixes: Fixes) -> int | None:
+    """Smallest GPU count above the problem's at which some plan fits (same batch; fixes without ``gpus``):
+    doubling finds a fitting count, then the counts below it are scanned upward."""
+    fixes = {m: {k: v for k, v in f.items() if k != "gpus"} for m, f in fixes.items()}
+    counts = _gpu_counts_above(problem.num_gpus, problem.cluster.devices_per_node)
+    if not counts:
+        return None
+    probe_index, lower = 0, 0
+    while True:
+        n = counts[probe_index]
+        if _fits(variant(problem, num_gpus=n), placements, fixes):
+            break
+        lower = probe_index + 1
+        if probe_index == len(counts) - 1:
+            return None
+        probe_index = min(2 * probe_index + 1, len(counts) - 1)
+    for n in counts[lower:probe_index]:
+        if _fits(variant(problem, num_gpus=n), placements, fixes):
+            return n
+    return counts[probe_index]
+
+
+def vision_workload(problem: Problem, side: int) -> Workload:
+    """The problem's workload with one square image of ``side`` x ``side`` patches per sample."""
+    return replace(problem.workload, image_sizes=(), vision_tokens=side * side)
+
+
+def longest_side(problem: Problem, placements: list[str], fixes: Fixes) -> int | None:
+    """Largest merge-aligned square side (patches) at which a plan fits, by bisection; None if even the smallest
+    image does not fit."""
+    merge = problem.model.vision_input.spatial_merge_size
+
+    def fits(units: int) -> bool:
+        return _fits(variant(problem, workload=vision_workload(problem, units * merge)), placements, fixes)
+
+    if not fits(1):
+        return None
+    low, high = 1, 2
+    while high * merge <= MAX_SEQ_SIDE_PATCHES and fits(high):
+        low, high = high, high * 2
+    high = min(high, MAX_SEQ_SIDE_PATCHES // merge + 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low * merge
+
+
+def _longest_fitting_tokens(problem: Problem, placements: list[str], fixes: Fixes) -> int | None:
+    side = longest_side(problem, placements, fixes)
+    return None if side is None else side * side
