@@ -65,6 +65,8 @@ DEFAULT_AUDIO_SECONDS = 30.0
 """Seconds of audio per sample by default for audio models (one Whisper window)."""
 DEFAULT_SAMPLES_PER_GPU = 4
 """Default global batch = this many samples per GPU."""
+OBJECTIVE_TOLERANCE_S = 5e-9
+"""The solver's integer step time (ns, at most four rounded terms) vs the cost model's float step time."""
 
 
 # --- Inputs -----------------------------------------------------------------------------------------------------
@@ -142,7 +144,8 @@ def _profile_source(problem_model: ModelSpec, cluster: Cluster, profile: str | N
     if source_type is None:
         raise ValueError(f"profile {path}: this version of planner.profiles cannot supply layer costs yet")
     device = profiles.device_from_profile(cluster.device, loaded)
-    return replace(cluster, device=device), source_type(loaded)
+    # (profiler) devices sharing a host slow each other; the source scales layer times by the measured factor
+    return replace(cluster, device=device), source_type(loaded, concurrent_devices=cluster.num_devices)
 
 
 def make_problem(
@@ -327,9 +330,14 @@ def build_plan(
     rank: int = 1,
     fixed: Mapping[str, str] | None = None,
     reference: Mapping[str, BaselineOutcome] | None = None,
+    objective_s: float | None = None,
 ) -> Plan:
-    """The Plan document of ``strategy``: re-costed with ``cost.estimate``, with the baselines."""
+    """The Plan document of ``strategy``: re-costed with ``cost.estimate``, with the baselines. ``objective_s``,
+    the solver's step time, must agree with the re-costed one up to the solver's nanosecond rounding."""
     e = estimate(problem.model, problem.cluster, problem.workload, strategy, problem.assumptions, problem.layer_costs)
+    assert objective_s is None or abs(objective_s - e.step_time_s) <= OBJECTIVE_TOLERANCE_S, (
+        f"solver objective {objective_s} s != cost model {e.step_time_s} s"
+    )
     model, device, w = problem.model, problem.cluster.device, problem.workload
     tokens = module_tokens(w, model)
     reference = baselines(problem) if reference is None else reference
@@ -389,7 +397,7 @@ def top_plans(
     ranked, fixed = _solve(problem, placement, fix, k, time_limit_s)
     return [
         build_plan(problem, r.strategy, status=r.status, num_candidates=r.num_candidates, rank=i + 1, fixed=fixed,
-                   reference=reference)
+                   reference=reference, objective_s=r.objective_s)
         for i, r in enumerate(ranked)
     ]
 
