@@ -240,3 +240,9 @@ def test_disjoint_placement_of_three_modules_is_refused():
                       modules=(vl.module("vision"), audio.module("audio"), vl.module("llm")))
     with pytest.raises(NotImplementedError, match="exactly one encoder"):
         plan(three, 4, gpu="cpu", placement="disjoint", profile=None)
+
+
+def test_evaluating_an_invalid_strategy_names_the_rule():
+    s = ModuleStrategy(dp=8, sp=2, zero=1, micro_batch=1, grad_accum=4)
+    with pytest.raises(ValueError, match="llm: llm uses sp=2"):
+        evaluate(M32, Strategy(placement="colocated", modules={"vision": s, "llm": s}))

@@ -154,3 +154,9 @@ def test_error_from_a_subprocess_has_no_traceback():
                             capture_output=True, text=True)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("plan: error: unknown model 'nope'") and result.stderr.count("\n") == 1
+
+
+def test_json_top_k_is_a_ranked_list(capsys):
+    _, out, _ = _run(["--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--top-k", "2", "--json"], capsys)
+    docs = json.loads(out)
+    assert [d["solver"]["rank"] for d in docs] == [1, 2]

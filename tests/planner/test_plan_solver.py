@@ -114,3 +114,23 @@ def test_no_plan_when_nothing_fits_together():
     smallest = sum(min(c.memory_bytes for c in cs) for cs in cands.by_module.values())
     assert solve(cands, p.num_gpus, smallest - 1) == []
     assert solve(cands, p.num_gpus, 10 * smallest)
+
+
+def test_statuses_without_proof_are_reported(monkeypatch):
+    """FEASIBLE (time limit hit with a plan) skips the tie-break; UNKNOWN (no plan yet) is a one-line error."""
+    from planner.solver import cp_sat
+
+    p = problem()
+    cands = build_candidates(p, "colocated")
+    budget = p.usable_bytes - p.overhead_bytes
+    real_run = cp_sat._run
+
+    def feasible_only(model, settings):
+        solver, _ = real_run(model, settings)
+        return solver, "FEASIBLE"
+
+    monkeypatch.setattr(cp_sat, "_run", feasible_only)
+    assert [s.status for s in solve(cands, p.num_gpus, budget, top_k=2)] == ["FEASIBLE", "FEASIBLE"]
+    monkeypatch.setattr(cp_sat, "_run", lambda model, settings: (None, "UNKNOWN"))
+    with pytest.raises(cp_sat.SolverTimeout, match="no colocated plan within 20 s; raise --time-limit"):
+        solve(cands, p.num_gpus, budget)
