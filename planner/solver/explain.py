@@ -122,8 +122,12 @@ def _gpu_counts_above(num_gpus: int, node: int) -> list[int]:
 
 
 def smallest_gpu_count(problem: Problem, placements: list[str], fixes: Fixes) -> int | None:
-    """Smallest GPU count above the problem's at which some plan fits (same batch; fixes without ``gpus``):
-    doubling finds a fitting count, then the counts below it are scanned upward."""
+    """Smallest GPU count above the problem's at which some plan fits (same batch; fixes without ``gpus``).
+
+    Probes at doubling positions of ``_gpu_counts_above`` until one fits, then scans upward from just above the
+    last probe that did not; counts between two probes that do not fit are assumed not to fit either (memory per
+    GPU falls as GPUs are added, up to the batch's divisibility).
+    """
     fixes = {m: {k: v for k, v in f.items() if k != "gpus"} for m, f in fixes.items()}
     counts = _gpu_counts_above(problem.num_gpus, problem.cluster.devices_per_node)
     if not counts:
