@@ -1,0 +1,338 @@
+"""Write the notebooks of this folder (without outputs) from the cell sources below.
+
+    .venv/bin/python notebooks/make_notebooks.py          # (re)write compare_plans, scaling, fidelity .ipynb
+    .venv/bin/python notebooks/make_notebooks.py --check  # exit 1 if a committed notebook differs
+
+Edit the cells here, not in Jupyter, so the committed notebooks stay output-free and reviewable as code.
+``tests/test_notebooks.py`` executes them and checks their figures and conclusions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parent
+
+SETUP = """\
+%matplotlib inline
+import matplotlib.pyplot as plt
+import pandas as pd
+from IPython.display import Markdown, display
+
+pd.set_option("display.width", 200)
+pd.set_option("display.max_columns", 30)"""
+
+COMPARE_PLANS = [
+    new_markdown_cell("""\
+# Per-module plans vs uniform baselines for Qwen2.5-VL-32B
+
+**Question:** when Qwen2.5-VL-32B is trained on 8 or 16 H100s, how much faster is the planner's per-module plan
+(its own degrees for the vision encoder and the LLM, colocated or disjoint) than the two layouts people use
+today -- uniform tensor parallelism (Megatron-style, the same TP for every module) and ZeRO-3 (FSDP) -- as the
+image grows from 448x448 (1,024 vision tokens) to 3584x3584 (65,536 vision tokens), where does each one's
+memory go, and at which image size does each stop fitting? Every number is the planner's cost-model prediction
+(`planner.analysis.sweep`, baselines costed by the same model), with the default batch of 4 samples per GPU and
+512 text tokens per sample."""),
+    new_code_cell(SETUP + """
+from planner.analysis import (STRATEGY_LABELS, longest_sequences, plot_longest_sequences, plot_memory,
+                              plot_throughput, sweep)
+
+MODEL, GPUS = "qwen-vl-32b", [8, 16]
+SIDES = [448, 896, 1344, 1792, 2688, 3584]  # square images: 1,024 ... 65,536 vision tokens
+table = sweep(MODEL, gpus=GPUS, image_sizes=SIDES, baselines=True)
+table[["num_gpus", "image", "vision_tokens", "strategy", "feasible", "placement", "vision_sp", "llm_tp", "llm_cp",
+       "llm_zero", "llm_recompute", "step_time_s", "tokens_per_s", "mfu", "peak_memory_gib",
+       "speedup_vs_best_baseline"]].round(3)"""),
+    new_markdown_cell("""\
+## Throughput
+LLM tokens per second of each strategy (an x marks a baseline's last image size that fits)."""),
+    new_code_cell("""\
+fig, axes = plt.subplots(1, len(GPUS), figsize=(12, 4), sharey=True)
+for ax, n in zip(axes, GPUS):
+    plot_throughput(table[table.num_gpus == n], ax)
+    ax.set_title(f"Qwen2.5-VL-32B on {n} x H100")
+plt.show()"""),
+    new_markdown_cell("""\
+## Speed-up of the planner's plan
+Baseline step time / plan step time, at every image size where the baseline fits."""),
+    new_code_cell("""\
+auto = table[(table.strategy == "auto") & table.feasible]
+speedup = auto.pivot(index="vision_tokens", columns="num_gpus",
+                     values=["speedup_vs_uniform_tp", "speedup_vs_zero3"])
+speedup.columns = [f"vs {STRATEGY_LABELS[c.removeprefix('speedup_vs_')]}, {n} GPUs" for c, n in speedup.columns]
+ax = speedup.plot.bar(figsize=(10, 4), rot=0)
+ax.axhline(1.0, color="black", linewidth=0.8)
+ax.set_xlabel("vision tokens per sample")
+ax.set_ylabel("speed-up over baseline")
+plt.show()
+speedup.round(2)"""),
+    new_markdown_cell("""\
+## Memory per GPU
+Breakdown on the GPU with the peak, for every strategy that fits (weights, gradients and optimizer states
+are the model states; activations grow with the image)."""),
+    new_code_cell("""\
+fig, axes = plt.subplots(1, len(GPUS), figsize=(14, 5), sharey=True)
+for ax, n in zip(axes, GPUS):
+    plot_memory(table[table.num_gpus == n], ax,
+                label=lambda r: f"{r.vision_tokens // 1024}K {STRATEGY_LABELS[r.strategy]}")
+    ax.set_title(f"{n} x H100")
+axes[0].get_legend().remove()
+axes[-1].legend(loc="upper left", bbox_to_anchor=(1, 1))
+plt.tight_layout()
+plt.show()"""),
+    new_markdown_cell("""\
+## Where each strategy stops fitting
+The points no strategy member fits, with the planner's reason, and the longest square image (vision tokens per
+sample) each strategy fits at this batch: `planner.api.max_seq` for the planner, a bisection over each baseline's
+family for the baselines."""),
+    new_code_cell("""\
+display(table[~table.feasible][["num_gpus", "image", "strategy", "reason"]])
+longest = longest_sequences(MODEL, GPUS)
+fig, ax = plt.subplots(figsize=(6, 4))
+plot_longest_sequences(longest, ax)
+plt.show()
+longest"""),
+    new_markdown_cell("## Conclusion"),
+    new_code_cell("""\
+def speedup_span(n):
+    s = auto[auto.num_gpus == n].speedup_vs_best_baseline.dropna()
+    verb = "faster" if s.min() >= 1 else "between slower and faster"
+    return f"{s.min():.2f}x to {s.max():.2f}x {verb} (median {s.median():.2f}x)"
+
+def only_auto(n):
+    rows = table[table.num_gpus == n]
+    fits = rows[rows.feasible].groupby("vision_tokens").strategy.apply(set)
+    sizes = [t for t, s in fits.items() if s == {"auto"}]
+    return f"{', '.join(f'{t:,}' for t in sizes)} vision tokens" if sizes else "no image size"
+
+def longest_text(n):
+    rows = longest[longest.num_gpus == n].set_index("strategy").vision_tokens
+    return ", ".join(f"{STRATEGY_LABELS[s]} {t:,.0f}" if t == t else f"{STRATEGY_LABELS[s]} none"
+                     for s, t in rows.items())
+
+def nothing_fits(n):
+    rows = table[table.num_gpus == n]
+    sizes = sorted(set(rows.vision_tokens) - set(rows[rows.feasible].vision_tokens))
+    return f"{', '.join(f'{t:,}' for t in sizes)} vision tokens" if sizes else "no image size"
+
+states = auto[["weights_gib", "gradients_gib", "optimizer_gib"]].sum(axis=1) / auto.peak_memory_gib
+display(Markdown(
+    f"Over the best baseline that fits, the planner's plan for Qwen2.5-VL-32B is {speedup_span(16)} on 16 H100s "
+    f"and {speedup_span(8)} on 8 H100s. Only the planner's plan fits at {only_auto(8)} on 8 GPUs and at "
+    f"{only_auto(16)} on 16 GPUs; nothing fits at {nothing_fits(8)} on 8 GPUs and at {nothing_fits(16)} on 16. "
+    f"The longest square image per sample that fits is, on 16 GPUs: {longest_text(16)} vision tokens; on 8 GPUs: "
+    f"{longest_text(8)}. Model states (weights, gradients, optimizer) take {states.min():.0%} to {states.max():.0%} "
+    f"of the planner's peak-GPU memory."
+))"""),
+]
+
+SCALING = [
+    new_markdown_cell("""\
+# Scaling: 8 to 1024 GPUs, Qwen2.5-VL 3B to 72B
+
+**Question:** how do predicted throughput and MFU of the planner's best plan change from 8 to 1024 H100s for
+Qwen2.5-VL 3B, 7B, 32B and 72B (default workload: one 1344x1344 image + 512 text tokens per sample, 4 samples per
+GPU, so the batch grows with the cluster), is it better to run the vision encoder and the LLM on the same GPUs
+(colocated) or on disjoint GPU groups (a two-stage pipeline), and which module binds the step time?"""),
+    new_code_cell(SETUP + """
+from planner.analysis import sweep
+
+MODELS = ["qwen-vl-3b", "qwen-vl-7b", "qwen-vl-32b", "qwen-vl-72b"]
+GPUS = [8, 64, 1024]
+table = sweep(MODELS, gpus=GPUS, placements=["colocated", "disjoint"])
+table["tokens_per_s_per_gpu"] = table.tokens_per_s / table.num_gpus
+table[["model", "num_gpus", "requested_placement", "feasible", "vision_gpus", "llm_gpus", "llm_tp", "llm_cp",
+       "llm_zero", "tokens_per_s", "mfu", "binding_module", "peak_memory_gib"]].round(3)"""),
+    new_markdown_cell("## Throughput and MFU (solid: colocated, dashed: disjoint)"),
+    new_code_cell("""\
+fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+fitting = table[table.feasible]
+colors = {model: f"C{i}" for i, model in enumerate(table.model.unique())}
+for (model, placement), rows in fitting.groupby(["model", "requested_placement"], sort=False):
+    style = "-" if placement == "colocated" else "--"
+    left.plot(rows.num_gpus, rows.tokens_per_s, style, marker="o", color=colors[model], label=f"{model} {placement}")
+    right.plot(rows.num_gpus, 100 * rows.mfu, style, marker="o", color=colors[model])
+left.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="LLM tokens / s")
+right.set(xscale="log", xlabel="GPUs", ylabel="MFU (%)", ylim=(0, None))
+left.legend(fontsize="small")
+for ax in (left, right):
+    ax.grid(True, alpha=0.3)
+plt.show()"""),
+    new_markdown_cell("""\
+## Colocated vs disjoint
+Throughput of the colocated plan over the disjoint plan (>1: colocated is faster), and the module that binds
+each plan's step time."""),
+    new_code_cell("""\
+ratio = fitting.pivot(index="model", columns=["num_gpus", "requested_placement"], values="tokens_per_s")
+colocated_gain = (ratio.xs("colocated", axis=1, level=1) / ratio.xs("disjoint", axis=1, level=1))
+ax = colocated_gain.plot.bar(figsize=(8, 4), rot=0)
+ax.axhline(1.0, color="black", linewidth=0.8)
+ax.set_ylabel("colocated / disjoint throughput")
+plt.show()
+display(colocated_gain.round(2))
+display(table.pivot(index="model", columns=["num_gpus", "requested_placement"], values="binding_module"))
+table[~table.feasible][["model", "num_gpus", "requested_placement", "reason"]]"""),
+    new_markdown_cell("## Conclusion"),
+    new_code_cell("""\
+def weak_scaling(model):
+    rows = fitting[(fitting.model == model) & (fitting.requested_placement == "colocated")].sort_values("num_gpus")
+    first, last = rows.iloc[0], rows.iloc[-1]
+    return (f"{model} {last.tokens_per_s / first.tokens_per_s:.0f}x from {first.num_gpus} to {last.num_gpus} GPUs "
+            f"(per-GPU throughput x{last.tokens_per_s_per_gpu / first.tokens_per_s_per_gpu:.2f})")
+
+gains = colocated_gain.stack().dropna()
+binding = fitting.binding_module.value_counts()
+missing = table[~table.feasible]
+display(Markdown(
+    f"From the smallest GPU count that fits to the largest, the colocated plan's throughput grows: "
+    f"{'; '.join(weak_scaling(model) for model in colors)}. "
+    f"MFU stays between {fitting.mfu.min():.0%} and {fitting.mfu.max():.0%} over all {len(fitting)} plans that fit. "
+    f"Colocated beats disjoint at {(gains > 1).sum()} of {len(gains)} points where both fit "
+    f"(throughput ratio {gains.min():.2f}x to {gains.max():.2f}x, median {gains.median():.2f}x). "
+    f"The binding module is {', '.join(f'{m} in {c}' for m, c in binding.items())} of the {len(fitting)} plans. "
+    f"{len(missing)} points do not fit: "
+    f"{'; '.join(f'{r.model} on {r.num_gpus} GPUs {r.requested_placement}' for r in missing.itertuples())}."
+))"""),
+]
+
+FIDELITY = [
+    new_markdown_cell("""\
+# Fidelity: the cost model against measurements
+
+**Question:** how close are the planner's analytical predictions to what was measured? Layer by layer, the
+committed profiles give measured forward + backward time of every layer shard of the small CPU fidelity model
+(`profiles/cpu/qwen2.5-vl-cpu-small.json`, one thread, fp32) and the bytes autograd saves for backward (that CPU
+profile, and the FakeTensor memory profile of Qwen2.5-VL-32B, `profiles/fake/qwen2.5-vl-32b.json`); we put the
+analytical model at the same shard next to each (`planner.analysis.layer_fidelity`). End to end, the fidelity
+benchmark (`benchmarks/fidelity_cpu.py --json benchmarks/results/fidelity_cpu.json`) plans pinned strategies with
+the CPU profile, trains them with the runtime, and records predicted vs measured step time; it is shown when its
+results file is present. Error = predicted / measured - 1."""),
+    new_code_cell(SETUP + """
+import numpy as np
+from planner.analysis import layer_fidelity, load_fidelity_results
+from planner.profiles import PROFILES_DIR
+
+ROOT = PROFILES_DIR.parent
+RESULTS = ROOT / "benchmarks" / "results" / "fidelity_cpu.json"
+layers = pd.concat([
+    layer_fidelity(PROFILES_DIR / "cpu" / "qwen2.5-vl-cpu-small.json", str(ROOT / "benchmarks" / "qwen2.5-vl-cpu-small")),
+    layer_fidelity(PROFILES_DIR / "fake" / "qwen2.5-vl-32b.json"),
+], ignore_index=True)
+layers = layers[layers.measured > 0]  # layers that save nothing have no relative error
+layers.groupby(["quantity", "source", "layer"]).error.agg(["count", "median", "min", "max"]).round(3)"""),
+    new_markdown_cell("""\
+## Predicted vs measured, per layer shard
+Log-log, with the y = x line; a point with a zero prediction (a layer the model says saves nothing) cannot be
+drawn on a log axis and is counted in the histograms only."""),
+    new_code_cell("""\
+colors = {layer: f"C{i}" for i, layer in enumerate(sorted(layers.layer.unique()))}
+
+def scatter(ax, rows, title, unit):
+    drawn = rows[rows.predicted > 0]
+    for name, group in drawn.groupby("layer"):
+        ax.scatter(group.measured, group.predicted, s=12, color=colors[name], label=name)
+    low, high = drawn[["measured", "predicted"]].min().min(), drawn[["measured", "predicted"]].max().max()
+    ax.plot([low, high], [low, high], color="black", linewidth=0.8, label="y = x")
+    ax.set(xscale="log", yscale="log", xlabel=f"measured ({unit})", ylabel=f"predicted ({unit})", title=title)
+    ax.legend(fontsize="x-small")
+
+timed = layers[layers.quantity == "time_s"]
+saved = layers[layers.quantity == "activation_bytes"]
+fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+scatter(axes[0], timed, "layer fwd+bwd time, CPU profile", "s")
+for ax, (source, rows) in zip(axes[1:], saved.groupby("source")):
+    scatter(ax, rows, f"saved activations, {source}", "bytes")
+plt.tight_layout()
+plt.show()"""),
+    new_markdown_cell("## Error histograms"),
+    new_code_cell("""\
+fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+axes[0].hist(100 * timed.error, bins=30)
+axes[0].set(xlabel="time error (%)", ylabel="layer shards", title="layer time, CPU profile")
+for source, rows in saved.groupby("source"):
+    axes[1].hist(100 * rows.error, bins=30, alpha=0.6, label=source)
+axes[1].set(xlabel="saved-activation error (%)", title="saved activations")
+axes[1].legend(fontsize="small")
+plt.show()"""),
+    new_markdown_cell("""\
+## End to end: the fidelity benchmark
+Predicted vs measured step time of each planned-and-run configuration, when
+`benchmarks/results/fidelity_cpu.json` exists."""),
+    new_code_cell("""\
+steps = load_fidelity_results(RESULTS) if RESULTS.is_file() else None
+if steps is None:
+    display(Markdown(f"No results file at `{RESULTS.relative_to(ROOT)}`: run "
+                     "`benchmarks/fidelity_cpu.py --json benchmarks/results/fidelity_cpu.json` to add this part."))
+else:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    left.scatter(steps.measured_s, steps.predicted_s)
+    high = max(steps.measured_s.max(), steps.predicted_s.max())
+    left.plot([0, high], [0, high], color="black", linewidth=0.8, label="y = x")
+    left.set(xlabel="measured step time (s)", ylabel="predicted step time (s)", title="fidelity benchmark")
+    left.legend()
+    right.hist(100 * steps.error, bins=10)
+    right.set(xlabel="step-time error (%)", ylabel="configurations")
+    plt.show()
+    display(steps)"""),
+    new_markdown_cell("## Conclusion"),
+    new_code_cell("""\
+def summary(rows):
+    errors = rows.error.abs()
+    by_layer = rows.groupby("layer").error.median()
+    worst = by_layer.abs().idxmax()
+    return (f"median |error| {errors.median():.0%} over {len(rows)} shards, {(errors <= 0.25).mean():.0%} within 25%; "
+            f"the worst layer type is {worst} (median error {by_layer[worst]:+.0%})")
+
+parts = [f"Layer times on the CPU profile: {summary(timed)}."]
+parts += [f"Saved activations, {source}: {summary(rows)}." for source, rows in saved.groupby("source")]
+if steps is not None:
+    parts.append(f"End to end, the fidelity benchmark's {len(steps)} configurations have median |step-time error| "
+                 f"{steps.error.abs().median():.0%} (worst {steps.error.abs().max():.0%}).")
+else:
+    parts.append("The end-to-end fidelity results file is not there yet, so only layer-level fidelity is shown.")
+display(Markdown(" ".join(parts)))"""),
+]
+
+NOTEBOOKS = {"compare_plans.ipynb": COMPARE_PLANS, "scaling.ipynb": SCALING, "fidelity.ipynb": FIDELITY}
+"""File name -> cells."""
+
+
+def build(cells: list) -> nbformat.NotebookNode:
+    """A notebook of ``cells`` with this venv's Python 3 kernel."""
+    nb = new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    for i, cell in enumerate(nb.cells):
+        cell["id"] = f"cell-{i}"  # stable ids: regenerating gives the same bytes
+    return nb
+
+
+def text(nb: nbformat.NotebookNode) -> str:
+    return nbformat.writes(nb) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 if a notebook differs from its cells here")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, cells in NOTEBOOKS.items():
+        path, wanted = HERE / name, text(build(cells))
+        if args.check:
+            if not path.is_file() or path.read_text() != wanted:
+                stale.append(name)
+        else:
+            path.write_text(wanted)
+    if stale:
+        print(f"out of date: {', '.join(stale)}; run notebooks/make_notebooks.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
