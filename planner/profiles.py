@@ -104,11 +104,24 @@ class DeviceMeasurements(_Strict):
 
     matmul: list[MatmulPoint]
     memory_bandwidth: float = Field(description="bytes/s of a large copy (read + write counted)")
+    concurrency: dict[int, float] = Field(
+        default_factory=dict,
+        description="devices computing at once -> per-device slowdown of a layer's fwd+bwd vs one alone (CPU)",
+    )
 
     @property
     def peak_matmul_flops(self) -> float:
         """Best achieved matmul FLOP/s over the sizes measured."""
         return max(p.flops_per_s for p in self.matmul)
+
+
+def concurrency_slowdown(profile: "Profile", devices: int) -> float:
+    """Measured per-device slowdown when ``devices`` compute at once (1.0 when not measured)."""
+    measured = profile.device.concurrency if profile.device is not None else {}
+    if devices <= 1 or not measured:
+        return 1.0
+    fitting = [n for n in measured if n <= devices]
+    return measured[max(fitting)] if fitting else 1.0
 
 
 class MemoryPoint(_Strict):
@@ -333,21 +346,43 @@ def interp_collective(sizes: Sequence[float], times: Sequence[float], message_by
 
 
 def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
-    """Least-squares fit of t = alpha + bytes / beta (Hockney's alpha-beta model, Hockney 1994, eq. 1).
+    """Fit of t = alpha + bytes / beta (Hockney's alpha-beta model, Hockney 1994, eq. 1) minimising the RELATIVE
+    error sum(((alpha + b/beta) - t) / t)^2, so small latency-bound messages weigh as much as large ones
+    (weighted least squares, weights 1/t^2, closed form).
 
     Returns (alpha seconds, beta bytes/s); alpha is clipped at 0.
     """
-    n = len(sizes)
-    assert n >= 2, "need two message sizes to fit alpha and beta"
-    mx, my = sum(sizes) / n, sum(times) / n
-    sxx = sum((x - mx) ** 2 for x in sizes)
-    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sxx
-    alpha = max(my - slope * mx, 0.0)
-    return alpha, 1.0 / slope
+    assert len(sizes) >= 2, "need two message sizes to fit alpha and beta"
+    w = [1.0 / (t * t) for t in times]
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, sizes)) / sw
+    my = sum(wi * y for wi, y in zip(w, times)) / sw
+    sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, sizes))
+    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, sizes, times)) / sxx
+    return max(my - slope * mx, 0.0), 1.0 / slope
 
 
-def device_from_profile(base: DeviceSpec, profile: Profile) -> DeviceSpec:
-    """``base`` with the numbers the profile measured: matmul peak, memory bandwidth and the send/recv link model.
+LINK_FIT_OP = "all_reduce"
+"""The collective whose measured curve sets the link model: the one TP and DP put on the critical path."""
+
+
+def link_from_collectives(profile: Profile, bus_efficiency: float) -> tuple[float, float] | None:
+    """(latency alpha, device bandwidth) such that the cost model's ring all-reduce over 2 devices,
+    ``B / (bandwidth * bus_efficiency) + 2 alpha`` (Thakur et al. 2005, Sec. 4.4 with n = 2), fits the measured
+    2-device all-reduce curve; else the send/recv curve (``B / bw + alpha``); None without either."""
+    for op, latency_terms in ((LINK_FIT_OP, 2), ("send_recv", 1)):
+        curve = sorted((c.message_bytes, c.time.median_s) for c in profile.collectives
+                       if c.op == op and c.group_size == 2)
+        if len(curve) >= 2:
+            alpha, beta = fit_alpha_beta([b for b, _ in curve], [t for _, t in curve])
+            return alpha / latency_terms, beta / bus_efficiency
+    return None
+
+
+def device_from_profile(base: DeviceSpec, profile: Profile, *, intra_node_bus_efficiency: float = 0.8) -> DeviceSpec:
+    """``base`` with the numbers the profile measured: matmul peak, memory bandwidth and the link model fitted to
+    the measured collectives (``link_from_collectives``; ``intra_node_bus_efficiency`` must be the cost model's,
+    CostAssumptions' default 0.8, so that it reproduces the measured curve).
 
     Fields the profile did not measure keep the catalog's value; ``source`` names the profile.
     """
@@ -355,11 +390,9 @@ def device_from_profile(base: DeviceSpec, profile: Profile) -> DeviceSpec:
     if profile.device is not None:
         changes["peak_bf16_flops"] = profile.device.peak_matmul_flops
         changes["memory_bandwidth"] = profile.device.memory_bandwidth
-    p2p = sorted((c.message_bytes, c.time.median_s) for c in profile.collectives if c.op == "send_recv")
-    if len(p2p) >= 2:
-        alpha, beta = fit_alpha_beta([b for b, _ in p2p], [t for _, t in p2p])
-        changes["intra_node_latency"] = alpha
-        changes["intra_node_bandwidth"] = beta
+    fitted = link_from_collectives(profile, intra_node_bus_efficiency)
+    if fitted is not None:
+        changes["intra_node_latency"], changes["intra_node_bandwidth"] = fitted
     if not changes:
         return base
     changes["source"] = f"measured: profile {profile.hardware}/{profile.model} ({profile.provenance.date})"
@@ -431,19 +464,28 @@ def uncalibrate(step_time_s: float, calibration: Calibration | None) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+RECOMPUTED_KINDS = frozenset({"vision_block", "audio_block", "decoder_layer"})
+"""Layer kinds activation recomputation re-runs (transformer blocks, as the runtime and the cost model do)."""
+
+
 class ProfileCostSource:
     """A ``planner.cost.LayerCostSource`` backed by a profile: measured layer times (and saved activations),
     interpolated over sequence length and micro-batch; None (-> analytical) for shards the profile lacks.
 
-    Recompute modes: ``none`` uses the measured saved activations and no recompute time; ``full`` adds the
-    measured extra backward time of a checkpointed forward and leaves the (input-only) activation bytes to the
-    formula; ``selective`` (attention core only) was not measured, so it is analytical. Context parallelism was
-    not profiled either.
+    Recompute modes: ``none`` uses the measured saved activations and no recompute time; ``full`` adds, for
+    transformer blocks, the measured extra backward time of a checkpointed forward and leaves their (input-only)
+    activation bytes to the formula; other layers are not recomputed. ``selective`` (attention core only) was not
+    measured, so it is analytical; so is context parallelism.
+
+    ``concurrent_devices``: devices computing at once. Where the profile measured that devices slow each other
+    down (CPU "devices" are processes sharing one host's cores, caches and memory bandwidth), layer times are
+    multiplied by the measured slowdown for that many devices (the largest measured count beyond it).
     """
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, *, concurrent_devices: int = 1) -> None:
         self.profile = profile
         self.index = ProfileIndex(profile)
+        self.slowdown = concurrency_slowdown(profile, concurrent_devices)
 
     def layer_cost(self, *, module, layer, tp, sp, cp, seq_len, tokens_per_rank, micro_batch, recompute):
         from planner.cost.layer_costs import LayerMeasurement
@@ -453,11 +495,11 @@ class ProfileCostSource:
         cost = self.index.layer_cost(module, layer.name, tp=tp, sp=sp, seq_len=seq_len, micro_batch=micro_batch)
         if cost is None:
             return None
-        full = recompute == "full"
+        full = recompute == "full" and layer.kind in RECOMPUTED_KINDS
         return LayerMeasurement(
-            forward_s=cost.forward_s,
-            backward_s=cost.backward_s,
-            recompute_s=cost.recompute_s if full else 0.0,
+            forward_s=cost.forward_s * self.slowdown,
+            backward_s=cost.backward_s * self.slowdown,
+            recompute_s=cost.recompute_s * self.slowdown if full else 0.0,
             activation_bytes=None if full else round(cost.saved_activation_bytes),
         )
 

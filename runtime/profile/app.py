@@ -87,6 +87,17 @@ def _hardware(args: argparse.Namespace, device: torch.device) -> str:
     return "cpu"
 
 
+def cpu_concurrency(model_arg: str, model: ModelSpec, llm_seq: tuple[int, ...]) -> dict[int, float]:
+    """Slowdown of the LLM decoder layer (at the middle measured sequence length) when worker processes share
+    this machine's cores."""
+    from runtime.profile.concurrency import measure_concurrency
+
+    seq = sorted(llm_seq)[len(llm_seq) // 2]
+    print(f"measuring how {model.name} decoder layers slow down when workers share the CPU ...", file=sys.stderr)
+    return measure_concurrency(model_arg, module="llm", layer="decoder_layer", seq_len=seq,
+                               threads=torch.get_num_threads())
+
+
 def run(args: argparse.Namespace) -> int:
     """Dispatch on the mode flags; returns the exit status."""
     if args.calibrate:
@@ -124,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not args.no_device_bench and profile.device is None:
             profile.device = measure_device(dtype=dtype, device=device)
+        if not args.no_device_bench and device.type == "cpu" and not profile.device.concurrency:
+            profile.device.concurrency = cpu_concurrency(args.model, model, args.llm_seq)
+            save(profile)
         cfg = TimingConfig(warmup=args.warmup, repeats=args.repeats, dtype=dtype, device=args.device)
         done, left = sweep(profile, points, lambda pt: measure_point(model, pt, cfg), field="layers", save=save,
                            time_budget_s=args.time_budget)

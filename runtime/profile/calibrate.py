@@ -87,7 +87,8 @@ def plan_inputs(plan: Plan):
 def raw_prediction(plan: Plan, profile: Profile) -> float:
     """The cost model's step time for the plan's strategy with the profile's layers, before calibration."""
     model, cluster, workload, strategy = plan_inputs(plan)
-    return estimate(model, cluster, workload, strategy, layer_costs=ProfileCostSource(profile)).step_time_s
+    source = ProfileCostSource(profile, concurrent_devices=cluster.num_devices)
+    return estimate(model, cluster, workload, strategy, layer_costs=source).step_time_s
 
 
 @dataclass(kw_only=True, frozen=True)

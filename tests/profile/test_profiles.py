@@ -93,6 +93,9 @@ def test_alpha_beta_fit():
     sizes = [1e3, 1e6, 1e7]
     alpha, beta = fit_alpha_beta(sizes, [1e-5 + s / 1e9 for s in sizes])
     assert alpha == pytest.approx(1e-5) and beta == pytest.approx(1e9)
+    # Relative weighting: a 2x outlier at the large size barely moves the small-message latency.
+    alpha, _ = fit_alpha_beta(sizes + [1e8], [1e-5 + s / 1e9 for s in sizes] + [2 * (1e-5 + 1e8 / 1e9)])
+    assert alpha == pytest.approx(1e-5, rel=0.3)
 
 
 def test_scale_overhead_fit_by_hand():
@@ -119,10 +122,16 @@ def test_device_from_profile_replaces_measured_fields():
                            backend="gloo") for s in sizes]
     dev = DeviceMeasurements(matmul=[MatmulPoint(n=256, flops_per_s=5e10), MatmulPoint(n=512, flops_per_s=7e10)],
                              memory_bandwidth=2e10)
-    spec = device_from_profile(base, profile(device=dev, collectives=p2p))
+    spec = device_from_profile(base, profile(device=dev, collectives=p2p), intra_node_bus_efficiency=0.8)
     assert spec.peak_bf16_flops == 7e10 and spec.memory_bandwidth == 2e10
-    assert spec.intra_node_bandwidth == pytest.approx(4e9) and spec.intra_node_latency == pytest.approx(2e-6)
+    # send/recv: t = alpha + B / (bw * 0.8) -> bw = 4e9 / 0.8.
+    assert spec.intra_node_bandwidth == pytest.approx(5e9) and spec.intra_node_latency == pytest.approx(2e-6)
     assert spec.inter_node_bandwidth == 1.0 and spec.source.startswith("measured")
+    # A 2-device all-reduce curve takes precedence: ring formula t = B / (bw * 0.8) + 2 alpha with alpha = 3e-6.
+    ar = [CollectivePoint(op="all_reduce", group_size=2, message_bytes=int(s), time=spread(6e-6 + s / 1e9),
+                          backend="gloo") for s in sizes]
+    spec = device_from_profile(base, profile(collectives=p2p + ar), intra_node_bus_efficiency=0.8)
+    assert spec.intra_node_bandwidth == pytest.approx(1.25e9) and spec.intra_node_latency == pytest.approx(3e-6)
 
 
 def test_save_load_round_trip_and_lookup(tmp_path):
@@ -211,3 +220,23 @@ def test_profile_cost_source_recompute_modes():
     assert source.layer_cost(**args, recompute="selective") is None
     assert source.layer_cost(**{**args, "cp": 2}, recompute="none") is None
 
+
+
+def test_concurrency_slowdown_scales_measured_layers():
+    from planner.catalog import get_model
+    from planner.profiles import ProfileCostSource, concurrency_slowdown
+
+    dev = DeviceMeasurements(matmul=[MatmulPoint(n=256, flops_per_s=1e9)], memory_bandwidth=1e9,
+                             concurrency={1: 1.0, 2: 1.5})
+    p = profile(device=dev, layers=[layer_point(128, 1, 1.0)])
+    assert [concurrency_slowdown(p, n) for n in (1, 2, 8)] == [1.0, 1.5, 1.5]
+    assert concurrency_slowdown(profile(), 2) == 1.0
+    layer = get_model("qwen2.5-vl-tiny").module("llm").layer("decoder_layer")
+    cost = ProfileCostSource(p, concurrent_devices=2).layer_cost(
+        module="llm", layer=layer, tp=1, sp=1, cp=1, seq_len=128, tokens_per_rank=128, micro_batch=1, recompute="full")
+    assert (cost.forward_s, cost.backward_s, cost.recompute_s) == (1.5, 3.0, 1.5)
+    head = get_model("qwen2.5-vl-tiny").module("llm").layer("lm_head")
+    p = profile(layers=[layer_point(128, 1, 1.0).model_copy(update={"layer": "lm_head"})])
+    cost = ProfileCostSource(p).layer_cost(module="llm", layer=head, tp=1, sp=1, cp=1, seq_len=128,
+                                           tokens_per_rank=128, micro_batch=1, recompute="full")
+    assert cost.recompute_s == 0.0 and cost.activation_bytes == 1000  # only blocks are recomputed

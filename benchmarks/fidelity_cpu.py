@@ -1,0 +1,215 @@
+"""Closed-loop fidelity on this CPU: profile a small Qwen2.5-VL, plan pinned strategies with it, run them, compare.
+
+    .venv/bin/python benchmarks/fidelity_cpu.py [--steps 6] [--configs NAME,...] [--json FILE]
+
+1. Profiles ``benchmarks/qwen2.5-vl-cpu-small`` (real Qwen2.5-VL structure, ~9.5 M parameters) into
+   ``profiles/cpu/qwen2.5-vl-cpu-small.json`` with one torch thread, as each runtime worker uses; resumable, so
+   with the committed profile nothing is re-measured.
+2. For each configuration, ``plan`` (the CLI, with ``--fix`` pinning placement and degrees) writes a plan costed
+   with that profile.
+3. The runtime (``runtime.launcher.run``, Ray started once) trains it for ``--steps`` steps; the measured step time
+   is the median over steps after the first (the slowest rank, as the runtime's metrics file records it).
+4. Prints predicted vs measured step time, the error of each (predicted / measured - 1) and the median |error|.
+   The last column is a leave-one-out calibration (``measured = scale * predicted + overhead`` fitted on the other
+   configurations), which is what ``python -m runtime.profile --calibrate`` would give the next plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = str(ROOT / "benchmarks" / "qwen2.5-vl-cpu-small")
+THREADS = 1
+"""torch threads of each runtime worker (runtime.launcher gives every worker one CPU)."""
+PROFILE_ARGS = ["--threads", str(THREADS), "--vision-seq", "256,576,1024", "--llm-seq", "128,256,512,1024",
+                "--micro-batches", "1,2,4", "--tp", "1,2", "--sp", "1,2"]
+"""The grid the committed profile was measured on; covers every configuration below."""
+TARGET_MEDIAN, TARGET_MAX = 0.10, 0.25
+
+
+@dataclass(kw_only=True, frozen=True)
+class Config:
+    """One planned-and-run configuration."""
+
+    name: str
+    """Short label."""
+    gpus: int
+    """Workers (one CPU each)."""
+    vision_tokens: int
+    """Vision patches per sample (one square image)."""
+    text_tokens: int
+    """Text tokens per sample."""
+    global_batch: int
+    """Samples per step."""
+    fixes: tuple[str, ...]
+    """``plan --fix`` items pinning the strategy."""
+
+
+def _both(**fields: object) -> tuple[str, ...]:
+    return tuple(f"{m}.{k}={v}" for m in ("vision", "llm") for k, v in fields.items())
+
+
+CONFIGS = (
+    Config(name="1w colocated mb2", gpus=1, vision_tokens=576, text_tokens=128, global_batch=4,
+           fixes=("placement=colocated", *_both(micro_batch=2))),
+    Config(name="1w colocated mb4 short", gpus=1, vision_tokens=256, text_tokens=128, global_batch=8,
+           fixes=("placement=colocated", *_both(micro_batch=4))),
+    Config(name="1w colocated recompute long", gpus=1, vision_tokens=1024, text_tokens=256, global_batch=2,
+           fixes=("placement=colocated", *_both(micro_batch=1, recompute="full"))),
+    Config(name="2w colocated DP2", gpus=2, vision_tokens=576, text_tokens=128, global_batch=4,
+           fixes=("placement=colocated", *_both(dp=2, tp=1, sp=1, zero=0, micro_batch=1))),
+    Config(name="2w colocated TP2", gpus=2, vision_tokens=576, text_tokens=256, global_batch=2,
+           fixes=("placement=colocated", *_both(dp=1, tp=2, sp=1, micro_batch=1))),
+    Config(name="2w colocated vSP2 lDP2 long", gpus=2, vision_tokens=1024, text_tokens=256, global_batch=2,
+           fixes=("placement=colocated", "vision.sp=2", "vision.dp=1", "vision.tp=1", "vision.micro_batch=2",
+                  "llm.dp=2", "llm.tp=1", "llm.micro_batch=1")),
+    Config(name="2w disjoint mb1", gpus=2, vision_tokens=576, text_tokens=128, global_batch=4,
+           fixes=("placement=disjoint", *_both(dp=1, tp=1, sp=1, micro_batch=1))),
+    Config(name="2w disjoint mb2 long", gpus=2, vision_tokens=1024, text_tokens=256, global_batch=4,
+           fixes=("placement=disjoint", *_both(dp=1, tp=1, sp=1, micro_batch=2))),
+)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Result:
+    """Predicted and measured step time of one configuration."""
+
+    name: str
+    strategy: str
+    predicted_s: float
+    measured_s: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted_s / self.measured_s - 1
+
+
+def ensure_profile() -> Path:
+    """Profile the model on this machine (resumable: only missing points are measured)."""
+    from planner.catalog import get_model
+    from planner.profiles import profile_path
+    from runtime.profile.__main__ import main as profile_main
+
+    name = get_model(MODEL).name
+    for extra in ([], ["--collectives"]):
+        if profile_main(["--model", MODEL, *PROFILE_ARGS, *extra]) != 0:
+            raise SystemExit("profiling failed")
+    return profile_path("cpu", name)
+
+
+def make_plan(config: Config, profile: Path, out: Path) -> Path:
+    """``plan`` with the configuration pinned; returns the plan file."""
+    from planner.cli import main as plan_main
+
+    args = ["--model", MODEL, "--gpu", "cpu", "--gpus", str(config.gpus), "--vision-tokens", str(config.vision_tokens),
+            "--text-tokens", str(config.text_tokens), "--global-batch", str(config.global_batch),
+            "--profile", str(profile), "--out", str(out), "--json"]
+    for fix in config.fixes:
+        args += ["--fix", fix]
+    with open(out.with_suffix(".stdout"), "w") as sink:
+        stdout, sys.stdout = sys.stdout, sink
+        try:
+            status = plan_main(args)
+        finally:
+            sys.stdout = stdout
+    if status != 0:
+        raise SystemExit(f"plan failed for {config.name}")
+    return out
+
+
+def run_plan(plan_file: Path, steps: int, metrics: Path) -> float:
+    """Train the plan for ``steps`` steps; the median step time after the first."""
+    from planner.schema import load_plan
+    from runtime.launcher import run
+    from runtime.profile.calibrate import measured_step_time
+    from runtime.trainer import RunOptions
+
+    run(load_plan(plan_file), RunOptions(), steps=steps, metrics_path=str(metrics))
+    return measured_step_time(metrics)
+
+
+def describe(plan_file: Path) -> str:
+    from planner.schema import load_plan
+
+    plan = load_plan(plan_file)
+    parts = [f"{m.name[0]}:dp{m.dp}tp{m.tp}sp{m.sp} mb{m.micro_batch}x{m.grad_accum}"
+             + ("" if m.recompute == "none" else f" rc={m.recompute}") for m in plan.modules]
+    return f"{plan.placement[:5]} " + " ".join(parts)
+
+
+def leave_one_out(results: list[Result]) -> list[float]:
+    """Each configuration's error after calibrating on all the others."""
+    from planner.profiles import fit_scale_overhead
+
+    errors = []
+    for i, r in enumerate(results):
+        rest = [x for j, x in enumerate(results) if j != i]
+        scale, overhead = fit_scale_overhead([x.predicted_s for x in rest], [x.measured_s for x in rest])
+        errors.append((scale * r.predicted_s + overhead) / r.measured_s - 1)
+    return errors
+
+
+def format_table(results: list[Result], calibrated: list[float] | None) -> str:
+    lines = [f"{'configuration':<30} {'strategy':<46} {'predicted':>9} {'measured':>9} {'error':>7}"
+             + (f" {'LOO-cal':>8}" if calibrated else "")]
+    for i, r in enumerate(results):
+        line = (f"{r.name:<30} {r.strategy:<46} {r.predicted_s:>8.3f}s {r.measured_s:>8.3f}s "
+                f"{100 * r.error:>+6.1f}%")
+        lines.append(line + (f" {100 * calibrated[i]:>+7.1f}%" if calibrated else ""))
+    errors = [abs(r.error) for r in results]
+    lines.append(f"median |error| {100 * statistics.median(errors):.1f}% (target <= {100 * TARGET_MEDIAN:.0f}%), "
+                 f"max |error| {100 * max(errors):.1f}% (target <= {100 * TARGET_MAX:.0f}%)")
+    if calibrated:
+        cal = [abs(e) for e in calibrated]
+        lines.append(f"leave-one-out calibrated: median |error| {100 * statistics.median(cal):.1f}%, "
+                     f"max {100 * max(cal):.1f}%")
+    return "\n".join(lines)
+
+
+def fidelity(configs: tuple[Config, ...], *, steps: int, workdir: Path) -> list[Result]:
+    """Profile, then plan and run every configuration."""
+    profile = ensure_profile()
+    results = []
+    for i, config in enumerate(configs):
+        plan_file = make_plan(config, profile, workdir / f"plan{i}.json")
+        measured = run_plan(plan_file, steps, workdir / f"metrics{i}.jsonl")
+        from planner.schema import load_plan
+
+        predicted = load_plan(plan_file).predicted.step_time_s
+        results.append(Result(name=config.name, strategy=describe(plan_file), predicted_s=predicted,
+                              measured_s=measured))
+        print(f"[{i + 1}/{len(configs)}] {config.name}: predicted {predicted:.3f}s, measured {measured:.3f}s",
+              file=sys.stderr)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=6, help="training steps per configuration (the first is dropped)")
+    p.add_argument("--configs", default="", help="comma-separated configuration names (default: all)")
+    p.add_argument("--json", help="also write the results to this file")
+    args = p.parse_args(argv)
+    wanted = [c for c in CONFIGS if not args.configs or c.name in args.configs.split(",")]
+    if not wanted:
+        print(f"error: no configuration named {args.configs!r}; have {', '.join(c.name for c in CONFIGS)}",
+              file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        results = fidelity(tuple(wanted), steps=args.steps, workdir=Path(tmp))
+    calibrated = leave_one_out(results) if len(results) >= 3 else None
+    print(format_table(results, calibrated))
+    if args.json:
+        rows = [{**asdict(r), "error": r.error} for r in results]
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
