@@ -1,5 +1,5 @@
 """The notebooks are committed without outputs, match their generator, and run: each draws its figures and ends
-with a conclusion computed from its own output."""
+with a conclusion computed from its own output. The README figure's script runs."""
 
 import re
 import subprocess
@@ -56,3 +56,13 @@ def test_notebook_runs_draws_its_figures_and_concludes(name):
     assert len(conclusions) == 1
     assert len(re.findall(r"\d", conclusions[0])) >= 5, conclusions[0]
     assert "nan" not in conclusions[0].lower(), conclusions[0]
+
+
+@pytest.mark.slow
+def test_readme_figure_script_writes_the_png(tmp_path):
+    script = NOTEBOOKS.parent / "scripts" / "make_figures.py"
+    result = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    png = tmp_path / "compare_plans_32b.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (NOTEBOOKS.parent / "docs" / "figures" / png.name).is_file(), "commit the README figure"
