@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,106 +55,125 @@ def build_pieces(vision: ParallelDims, positions_per_rank: list[torch.Tensor], t
     return pieces
 
 
+@dataclass
+class Posted:
+    """Messages in flight for one micro-batch in one direction; ``Handoff.wait`` completes them."""
+
+    works: list
+    """Outstanding point-to-point operations."""
+    finish: Callable[[], torch.Tensor | None]
+    """Assembles what was received (None when this rank receives nothing)."""
+
+
 class Handoff:
-    """Routes one micro-batch's vision pieces to LLM ranks and their gradients back; tracks time spent waiting."""
+    """Routes one micro-batch's vision pieces to LLM ranks and their gradients back; tracks time spent waiting.
+
+    Each direction has its own process group, and a rank posts all its sends and receives of one direction
+    and micro-batch in one ``batch_isend_irecv``: with NCCL (which ignores tags and runs a pair's messages in
+    order on one stream) this keeps forward sends from queueing behind backward receives, and a colocated
+    rank's simultaneous send and receive with the same peer from deadlocking.
+    """
 
     def __init__(self, *, vision: ParallelDims, llm: ParallelDims, pieces: list[Piece], tokens_per_sample: int,
-                 gradients: bool, hidden: int, rank: int, dtype: torch.dtype, device: torch.device):
-        self.rank = rank
-        self.gradients = gradients
-        self.hidden = hidden
-        self.dtype = dtype
-        self.device = device
+                 vision_trainable: bool, hidden: int, rank: int, dtype: torch.dtype, device: torch.device):
+        self.rank, self.hidden, self.dtype, self.device = rank, hidden, dtype, device
+        self.vision_trainable = vision_trainable
         self.pieces = pieces
         self.span = llm.micro_batch * tokens_per_sample
-        self.llm_ranks = llm.ranks
         self.llm = llm
+        self.groups = {FORWARD_TAG: dist.new_group(), BACKWARD_TAG: dist.new_group()}
+        if device.type == "cuda":  # create the NCCL communicators now, on every rank together
+            for group in self.groups.values():
+                dist.barrier(group=group, device_ids=[device.index or 0])
         self._mailbox: dict[int, torch.Tensor] = {}
-        self._in_flight: list[torch.Tensor] = []
         self.comm_seconds = 0.0
 
     def _llm_range(self, llm_rank: int) -> tuple[int, int]:
         start = self.llm.coordinate(llm_rank)["dp"] * self.span
         return start, start + self.span
 
-    def _touches(self, piece: Piece, llm_rank: int) -> bool:
+    def _kept(self, piece: Piece, llm_rank: int) -> torch.Tensor:
+        """Mask of the piece's rows that LLM rank ``llm_rank`` uses."""
         start, end = self._llm_range(llm_rank)
-        return bool(((piece.positions >= start) & (piece.positions < end)).any())
+        return (piece.positions >= start) & (piece.positions < end)
 
     def _is_gradient_sender(self, llm_rank: int) -> bool:
         coord = self.llm.coordinate(llm_rank)
         return coord["cp"] == 0 and coord["sp"] == 0 and coord["tp"] == 0
 
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> list[dist.Work]:
-        if dst == self.rank:
-            self._mailbox[tag] = tensor.detach().clone()
-            return []
-        tensor = tensor.detach().contiguous()
-        self._in_flight.append(tensor)  # kept alive until the send is waited on
-        return [dist.isend(tensor, dst, tag=tag)]
-
-    def _recv(self, buffer: torch.Tensor, src: int, tag: int) -> list[dist.Work]:
-        if src == self.rank:
-            buffer.copy_(self._mailbox.pop(tag))
-            return []
-        return [dist.irecv(buffer, src, tag=tag)]
-
-    def _wait(self, works: list[dist.Work]) -> None:
-        start = time.perf_counter()
-        for work in works:
-            work.wait()
-        self.comm_seconds += time.perf_counter() - start
-
     def _my_piece(self) -> Piece:
         return next(p for p in self.pieces if self.rank in p.owners)
 
-    def send_activations(self, rows_mD: torch.Tensor, micro: int) -> list[dist.Work]:
-        """Vision side: post the sends of this rank's piece (only its producer sends). Returns works to wait on."""
-        piece = self._my_piece()
-        if self.rank != piece.producer:
-            return []
-        return [w for dst in self.llm_ranks if self._touches(piece, dst) for w in self._send(rows_mD, dst, FORWARD_TAG + micro)]
+    def _buffer(self, rows: int) -> torch.Tensor:
+        return torch.empty(rows, self.hidden, dtype=self.dtype, device=self.device)
 
-    def recv_activations(self, micro: int) -> torch.Tensor:
-        """LLM side: this replica's image tokens [B_l*T, D] in sample order (a leaf; set requires_grad to collect
-        its gradient)."""
-        start, end = self._llm_range(self.rank)
-        buffers = {p.producer: torch.empty(len(p.positions), self.hidden, dtype=self.dtype, device=self.device)
-                   for p in self.pieces if self._touches(p, self.rank)}
-        self._wait([w for src, buf in buffers.items() for w in self._recv(buf, src, FORWARD_TAG + micro)])
-        embeds = torch.empty(self.span, self.hidden, dtype=self.dtype, device=self.device)
-        for piece in self.pieces:
-            if piece.producer in buffers:
-                keep = (piece.positions >= start) & (piece.positions < end)
-                embeds[piece.positions[keep] - start] = buffers[piece.producer][keep]
-        return embeds
+    def _post(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], direction: int,
+              micro: int) -> list:
+        """Messages to oneself are copies; the rest go out in one batch on the direction's group."""
+        group, tag, ops = self.groups[direction], direction + micro, []
+        for tensor, dst in sends:
+            if dst == self.rank:
+                self._mailbox[tag] = tensor.detach().clone()
+            else:
+                ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(), dst, group=group, tag=tag))
+        for buffer, src in recvs:
+            if src == self.rank:
+                buffer.copy_(self._mailbox.pop(tag))
+            else:
+                ops.append(dist.P2POp(dist.irecv, buffer, src, group=group, tag=tag))
+        return dist.batch_isend_irecv(ops) if ops else []
 
-    def send_gradients(self, grad_MD: torch.Tensor, micro: int) -> list[dist.Work]:
-        """LLM side: post the gradient of every piece this replica used back to the piece's owners."""
-        if not self.gradients or not self._is_gradient_sender(self.rank):
-            return []
-        start, end = self._llm_range(self.rank)
-        works = []
-        for piece in self.pieces:
-            keep = (piece.positions >= start) & (piece.positions < end)
-            if keep.any():
-                grad = torch.zeros(len(piece.positions), self.hidden, dtype=grad_MD.dtype, device=grad_MD.device)
-                grad[keep] = grad_MD[piece.positions[keep] - start]
-                works += [w for dst in piece.owners for w in self._send(grad, dst, BACKWARD_TAG + micro)]
-        return works
+    def activations(self, rows_mD: torch.Tensor | None, micro: int) -> Posted:
+        """Post this rank's part of the hand-off: its piece's rows if it produces one (``rows_mD``), and the
+        receives of the pieces its LLM replica needs if it holds the LLM. ``finish`` gives the replica's image
+        tokens [B_l*T, D] in sample order (a leaf; set requires_grad to collect its gradient)."""
+        sends, recvs = [], []
+        if rows_mD is not None and self.rank == self._my_piece().producer:
+            sends = [(rows_mD, dst) for dst in self.llm.ranks if self._kept(self._my_piece(), dst).any()]
+        receive = self.rank in self.llm.ranks
+        if receive:
+            recvs = [(self._buffer(len(p.positions)), p.producer) for p in self.pieces if self._kept(p, self.rank).any()]
+        works = self._post(sends, recvs, FORWARD_TAG, micro)
 
-    def recv_gradients(self, micro: int) -> torch.Tensor:
-        """Vision side: the summed gradient of this rank's piece [m, D]."""
-        piece = self._my_piece()
-        senders = [r for r in self.llm_ranks if self._is_gradient_sender(r) and self._touches(piece, r)]
-        buffers = [torch.empty(len(piece.positions), self.hidden, dtype=self.dtype, device=self.device) for _ in senders]
-        self._wait([w for src, buf in zip(senders, buffers) for w in self._recv(buf, src, BACKWARD_TAG + micro)])
-        return torch.stack(buffers).sum(0)
+        def finish() -> torch.Tensor | None:
+            if not receive:
+                return None
+            start = self._llm_range(self.rank)[0]
+            embeds = self._buffer(self.span)
+            received = dict((src, buf) for buf, src in recvs)
+            for piece in self.pieces:
+                if piece.producer in received:
+                    keep = self._kept(piece, self.rank)
+                    embeds[(piece.positions[keep] - start).to(self.device)] = received[piece.producer][keep.to(self.device)]
+            return embeds
 
-    def wait(self, works: list[dist.Work]) -> None:
-        """Wait for posted sends, counting the time as communication."""
-        self._wait(works)
+        return Posted(works=works, finish=finish)
 
-    def release(self) -> None:
-        """Drop the buffers of sends already waited on (call once per step, after all waits)."""
-        self._in_flight.clear()
+    def gradients(self, grad_MD: torch.Tensor | None, micro: int) -> Posted:
+        """Post this rank's part of the hand-back: the gradient of every piece its LLM replica used (from the
+        replica's gradient sender, ``grad_MD``), and, on vision ranks, the receives of its own piece's
+        gradient. ``finish`` gives that gradient [m, D], summed over senders."""
+        sends, recvs = [], []
+        if self.vision_trainable and grad_MD is not None and self._is_gradient_sender(self.rank):
+            start = self._llm_range(self.rank)[0]
+            for piece in self.pieces:
+                keep = self._kept(piece, self.rank)
+                if keep.any():
+                    grad = torch.zeros(len(piece.positions), self.hidden, dtype=grad_MD.dtype, device=grad_MD.device)
+                    grad[keep.to(self.device)] = grad_MD[(piece.positions[keep] - start).to(self.device)]
+                    sends += [(grad, dst) for dst in piece.owners]
+        receive = self.vision_trainable and any(self.rank in p.owners for p in self.pieces)
+        if receive:
+            piece = self._my_piece()
+            senders = [r for r in self.llm.ranks if self._is_gradient_sender(r) and self._kept(piece, r).any()]
+            recvs = [(self._buffer(len(piece.positions)), src) for src in senders]
+        works = self._post(sends, recvs, BACKWARD_TAG, micro)
+        return Posted(works=works, finish=lambda: torch.stack([b for b, _ in recvs]).sum(0) if receive else None)
+
+    def wait(self, posted: Posted) -> torch.Tensor | None:
+        """Complete posted messages (timed as communication) and return what was received."""
+        start = time.perf_counter()
+        for work in posted.works:
+            work.wait()
+        self.comm_seconds += time.perf_counter() - start
+        return posted.finish()

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from planner.schema import Plan
 from runtime.data import IGNORE_INDEX, CaptionData, Sample, SyntheticData, collate, layout_from_plan
-from runtime.handoff import Handoff, build_pieces
+from runtime.handoff import Handoff, Posted, build_pieces
 from runtime.model import build_model, hf_config_from_dict, split_model
 from runtime.optim import build_optimizer, clip_grad_norm
 from runtime.parallel import attention
@@ -107,7 +107,7 @@ class Trainer:
         per_sample = sum(self.layout.image_tokens())
         pieces = build_pieces(vision, positions, vision.micro_batch * per_sample)
         return Handoff(vision=vision, llm=self.dims["llm"], pieces=pieces, tokens_per_sample=per_sample,
-                       gradients=not vision.frozen,
+                       vision_trainable=not vision.frozen,
                        hidden=config.get_text_config().hidden_size, rank=self.rank, dtype=self._handoff_dtype(),
                        device=self.device)
 
@@ -161,14 +161,13 @@ class Trainer:
         with self._timed("vision_forward_s"), self._autocast(), torch.set_grad_enabled(not dims.frozen):
             return self.modules["vision"](shard)
 
-    def hand_off(self, rows: torch.Tensor, micro: int) -> list:
-        """Post the sends of this rank's vision piece to the LLM ranks that need it."""
-        return self.handoff.send_activations(rows, micro)
+    def hand_off(self, rows: torch.Tensor | None, micro: int) -> Posted:
+        """Post the sends of this rank's vision piece and, on LLM ranks, the receives of the replica's image tokens."""
+        return self.handoff.activations(rows, micro)
 
-    def llm_forward_backward(self, micro: int, num_tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """Receive image tokens, run the LLM forward and backward; returns their gradient and the loss share."""
+    def llm_forward_backward(self, micro: int, embeds: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+        """LLM forward and backward on the received image tokens; returns their gradient and the loss share."""
         batch = self._samples(micro, "llm")
-        embeds = self.handoff.recv_activations(micro)
         position_ids, _ = self.rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
                                           image_grid_thw=batch["image_grid_thw"])
         llm, dims = self.modules["llm"], self.dims["llm"]
@@ -183,16 +182,15 @@ class Trainer:
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss
         return embeds.grad, float(value.detach())
 
-    def hand_back(self, grad: torch.Tensor, micro: int) -> list:
-        """Post the image-token gradients back to the vision ranks that produced them."""
-        return self.handoff.send_gradients(grad, micro)
+    def hand_back(self, grad: torch.Tensor | None, micro: int) -> Posted:
+        """Post the image-token gradients back to the vision ranks and, on those, the receives of their own."""
+        return self.handoff.gradients(grad, micro)
 
-    def vision_backward(self, rows: torch.Tensor, micro: int) -> None:
-        """Receive this rank's piece gradient and backpropagate it through the vision tower (unless frozen)."""
+    def vision_backward(self, rows: torch.Tensor, grad: torch.Tensor | None, micro: int) -> None:
+        """Backpropagate this rank's piece gradient through the vision tower (nothing when it is frozen)."""
         dims = self.dims["vision"]
         if dims.frozen:
             return
-        grad = self.handoff.recv_gradients(micro)
         set_gradient_sync(self.modules["vision"], zero=dims.zero, last_micro_batch=micro == self.num_micro_batches - 1)
         with self._timed("vision_backward_s"):
             rows.backward(grad.to(rows.dtype))
@@ -233,7 +231,6 @@ class Trainer:
             loss = self._colocated_step(num_tokens)
         else:
             loss = self._disjoint_step(num_tokens)
-        self.handoff.release()
         loss = self._reduce_loss(loss)
         lr = next(iter(self.optimizers.values()))[1].get_last_lr()[0] if self.optimizers else None
         norm = self.optimizer_step()
@@ -250,38 +247,37 @@ class Trainer:
         loss = 0.0
         for micro in range(self.num_micro_batches):
             rows = self.vision_forward(micro)
-            sends = self.hand_off(rows, micro)
-            grad, share = self.llm_forward_backward(micro, num_tokens)
+            embeds = self.handoff.wait(self.hand_off(rows, micro))
+            grad, share = self.llm_forward_backward(micro, embeds, num_tokens)
             loss += share
-            self.handoff.wait(sends)
-            sends = self.hand_back(grad, micro)
-            self.vision_backward(rows, micro)
-            self.handoff.wait(sends)
+            self.vision_backward(rows, self.handoff.wait(self.hand_back(grad, micro)), micro)
         return loss
 
     def _disjoint_step(self, num_tokens: torch.Tensor | None) -> float:
         """1F1B across the two groups: the vision group runs up to MAX_VISION_IN_FLIGHT forwards ahead, then
         alternates backward / forward; the LLM group alternates receive / forward-backward / send."""
-        loss, sends = 0.0, []
+        loss, posted = 0.0, []
         if "vision" in self.modules:
             in_flight = {}
             for micro in range(min(MAX_VISION_IN_FLIGHT, self.num_micro_batches)):
                 in_flight[micro] = self._forward_and_send(micro)
             for micro in range(self.num_micro_batches):
-                rows, posted = in_flight.pop(micro)
-                self.vision_backward(rows, micro)
-                sends += posted
+                rows, sent = in_flight.pop(micro)
+                self.vision_backward(rows, self.handoff.wait(self.hand_back(None, micro)), micro)
+                posted.append(sent)
                 if micro + MAX_VISION_IN_FLIGHT < self.num_micro_batches:
                     in_flight[micro + MAX_VISION_IN_FLIGHT] = self._forward_and_send(micro + MAX_VISION_IN_FLIGHT)
         if "llm" in self.modules:
             for micro in range(self.num_micro_batches):
-                grad, share = self.llm_forward_backward(micro, num_tokens)
+                embeds = self.handoff.wait(self.hand_off(None, micro))
+                grad, share = self.llm_forward_backward(micro, embeds, num_tokens)
                 loss += share
-                sends += self.hand_back(grad, micro)
-        self.handoff.wait(sends)
+                posted.append(self.hand_back(grad, micro))
+        for sent in posted:
+            self.handoff.wait(sent)
         return loss
 
-    def _forward_and_send(self, micro: int) -> tuple[torch.Tensor, list]:
+    def _forward_and_send(self, micro: int) -> tuple[torch.Tensor, Posted]:
         rows = self.vision_forward(micro)
         return rows, self.hand_off(rows, micro)
 
