@@ -129,6 +129,8 @@ def test_help_documents_the_defaults(capsys):
     (["--gpus", "8"], "give --model and --gpus"),
     (["--model", "qwen2-audio-7b", "--gpus", "8", "--max-seq"], "no vision encoder"),
     (["--model", "qwen-vl-32b", "--gpus", "many"], "invalid int value"),
+    (["--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--out", "/nonexistent/dir/p.json"],
+     "cannot write /nonexistent/dir/p.json"),
 ])
 def test_errors_are_one_line_exit_2(argv, match, capsys):
     assert match in _fails(argv, capsys)
