@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--time-limit", type=float, default=None, metavar="S",
                         help="CP-SAT time limit per solve in seconds (default 20)")
     out = p.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print the plan JSON on stdout and nothing else")
+    out.add_argument("--json", action="store_true",
+                     help="print the plan JSON on stdout and nothing else (a JSON list with --top-k > 1)")
     out.add_argument("--out", metavar="PATH", help="where to write the plan (default plan.json; with --json: "
                      "only when given)")
     out.add_argument("--list-models", action="store_true", help="list catalog models and exit")
