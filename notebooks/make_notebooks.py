@@ -213,14 +213,14 @@ benchmark (`benchmarks/fidelity_cpu.py --json benchmarks/results/fidelity_cpu.js
 the CPU profile, trains them with the runtime, and records predicted vs measured step time; it is shown when its
 results file is present. Error = predicted / measured - 1."""),
     new_code_cell(SETUP + """
-import numpy as np
 from planner.analysis import layer_fidelity, load_fidelity_results
 from planner.profiles import PROFILES_DIR
 
 ROOT = PROFILES_DIR.parent
 RESULTS = ROOT / "benchmarks" / "results" / "fidelity_cpu.json"
 layers = pd.concat([
-    layer_fidelity(PROFILES_DIR / "cpu" / "qwen2.5-vl-cpu-small.json", str(ROOT / "benchmarks" / "qwen2.5-vl-cpu-small")),
+    layer_fidelity(PROFILES_DIR / "cpu" / "qwen2.5-vl-cpu-small.json",
+                   str(ROOT / "benchmarks" / "qwen2.5-vl-cpu-small")),
     layer_fidelity(PROFILES_DIR / "fake" / "qwen2.5-vl-32b.json"),
 ], ignore_index=True)
 layers = layers[layers.measured > 0]  # layers that save nothing have no relative error

@@ -31,7 +31,7 @@ from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.comm import Link
 from planner.cost.layers import Shard, layer_terms
-from planner.hardware import get_device
+from planner.hardware import DeviceSpec, get_device
 from planner.models import ModelSpec
 from planner.profiles import LayerPoint, MemoryPoint, Profile, device_from_profile, load_profile
 from planner.schema import Plan
@@ -39,9 +39,9 @@ from planner.strategy import Strategy
 from planner.workload import Workload, module_tokens
 
 __all__ = [
-    "BASELINES", "MEMORY_PARTS", "STRATEGIES", "baseline_plans", "binding_module", "compare", "layer_fidelity",
-    "load_fidelity_results", "longest_sequence", "longest_sequences", "plan_row", "plot_longest_sequences",
-    "plot_memory", "plot_throughput", "sweep",
+    "BASELINES", "MEMORY_PARTS", "MODULE_FIELDS", "STRATEGIES", "STRATEGY_LABELS", "baseline_plans",
+    "binding_module", "compare", "layer_fidelity", "load_fidelity_results", "longest_sequence", "longest_sequences",
+    "plan_row", "plot_longest_sequences", "plot_memory", "plot_throughput", "sweep",
 ]
 
 BASELINES = {"uniform_tp": uniform_tp_family, "zero3": zero3_family}
@@ -313,7 +313,7 @@ def longest_sequences(
 # --- fidelity ---------------------------------------------------------------------------------------------------
 
 
-def _profile_device(profile: Profile):
+def _profile_device(profile: Profile) -> DeviceSpec:
     """The device the analytical model uses for this profile: the catalog entry of its hardware with the
     profile's measured numbers (FakeTensor profiles, which time nothing, use the default GPU)."""
     try:
@@ -323,7 +323,9 @@ def _profile_device(profile: Profile):
     return device_from_profile(base, profile)
 
 
-def _shard(model: ModelSpec, point: LayerPoint | MemoryPoint, device, assumptions: CostAssumptions) -> Shard:
+def _shard(
+    model: ModelSpec, point: LayerPoint | MemoryPoint, device: DeviceSpec, assumptions: CostAssumptions
+) -> Shard:
     """The cost model's view of a profiled shard: one square image / one sequence of ``seq_len`` tokens per
     sample, no recomputation, full backward (what the profiler runs)."""
     layer = model.module(point.module).layer(point.layer)
@@ -429,7 +431,8 @@ def plot_throughput(frame: pd.DataFrame, ax, *, x: str = "vision_tokens", y: str
 
 
 def plot_memory(frame: pd.DataFrame, ax, *, label: Callable[[pd.Series], str]) -> None:
-    """Per-GPU memory breakdown of each feasible row as a stacked bar (the GPU with the peak), named by ``label(row)``."""
+    """Per-GPU memory breakdown of each feasible row as a stacked bar (on the GPU with the peak), each bar named by
+    ``label(row)``."""
     rows = frame[frame["feasible"]] if "feasible" in frame else frame
     names = [label(r) for _, r in rows.iterrows()]
     bottom = [0.0] * len(rows)
@@ -443,7 +446,8 @@ def plot_memory(frame: pd.DataFrame, ax, *, label: Callable[[pd.Series], str]) -
 
 
 def plot_longest_sequences(frame: pd.DataFrame, ax) -> None:
-    """Grouped bars: longest vision sequence per sample for each strategy at each GPU count (``longest_sequences``)."""
+    """Grouped bars: the longest vision sequence per sample of each strategy at each GPU count (from
+    ``longest_sequences``)."""
     table = frame.pivot(index="num_gpus", columns="strategy", values="vision_tokens")
     table = table[[s for s in STRATEGIES if s in table.columns]].rename(columns=STRATEGY_LABELS)
     table.plot.bar(ax=ax, logy=True, rot=0)
