@@ -23,7 +23,7 @@ import torch
 
 from runtime import launcher
 from runtime.trainer import RunOptions
-from tests.runtime.plans import make_plan
+from tests.runtime.plans import make_plan, tiny_hf_config
 from tests.runtime.reference import reference_run
 
 STEPS = 3
@@ -41,9 +41,18 @@ PLANS = {
     ),
 }
 
+def tied_embeddings_config() -> dict:
+    """The tiny model with lm_head tied to the embedding (as Qwen2.5-VL-3B and Qwen2-VL-2B are)."""
+    return {**tiny_hf_config(), "tie_word_embeddings": True}
+
+
 SLOW_PLANS = {
     "zero1_zero2_grad_accum2": dict(vision=dict(dp=2, zero=1, grad_accum=2), llm=dict(dp=2, zero=2, grad_accum=2)),
     "frozen_vision_sp2__llm_tp2": dict(vision=dict(sp=2, frozen=True), llm=dict(tp=2)),
+    "tied_embeddings_uniform_tp2": dict(vision=dict(tp=2), llm=dict(tp=2), hf_config=tied_embeddings_config()),
+    "vision_sp2xtp2_zero2__llm_dp2xtp2_zero1": dict(
+        vision=dict(sp=2, tp=2, micro_batch=2, zero=2), llm=dict(dp=2, tp=2, zero=1)
+    ),
     "disjoint_vision_sp2__llm_tp2__3_micro_batches": dict(
         vision=dict(sp=2, grad_accum=3), llm=dict(tp=2, grad_accum=3), placement="disjoint"
     ),
