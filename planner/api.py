@@ -241,6 +241,8 @@ def _solve(problem: Problem, placement: str, fix: Any, top_k: int, time_limit_s:
     """Ranked strategies (best first) over the requested placements, and the fixes as given."""
     from planner.solver.cp_sat import DEFAULT_SETTINGS, solve
 
+    if time_limit_s is not None and time_limit_s <= 0:
+        raise ValueError(f"--time-limit must be > 0 seconds, got {time_limit_s:g}")
     pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus)
     placements = placements_to_solve(problem, placement, pinned)
     all_cands = candidates_or_error(problem, placements, fixes)

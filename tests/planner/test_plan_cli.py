@@ -129,6 +129,7 @@ def test_help_documents_the_defaults(capsys):
     (["--gpus", "8"], "give --model and --gpus"),
     (["--model", "qwen2-audio-7b", "--gpus", "8", "--max-seq"], "no vision encoder"),
     (["--model", "qwen-vl-32b", "--gpus", "many"], "invalid int value"),
+    (["--model", "qwen-vl-32b", "--gpus", "8", "--time-limit", "0"], "--time-limit must be > 0"),
     (["--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--out", "/nonexistent/dir/p.json"],
      "cannot write /nonexistent/dir/p.json"),
 ])
