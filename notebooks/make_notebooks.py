@@ -101,30 +101,27 @@ longest"""),
     new_code_cell("""\
 def speedup_span(n):
     s = auto[auto.num_gpus == n].speedup_vs_best_baseline.dropna()
-    verb = "faster" if s.min() >= 1 else "between slower and faster"
+    verb = "faster" if s.min() >= 1 else "slower" if s.max() < 1 else "slower to faster"
     return f"{s.min():.2f}x to {s.max():.2f}x {verb} (median {s.median():.2f}x)"
 
-def only_auto(n):
+def fit_note(n):
     rows = table[table.num_gpus == n]
-    fits = rows[rows.feasible].groupby("vision_tokens").strategy.apply(set)
-    sizes = [t for t, s in fits.items() if s == {"auto"}]
-    return f"{', '.join(f'{t:,}' for t in sizes)} vision tokens" if sizes else "no image size"
+    fitting = rows[rows.feasible].groupby("vision_tokens").strategy.apply(set)
+    only = [t for t, strategies in fitting.items() if strategies == {"auto"}]
+    nothing = sorted(set(rows.vision_tokens) - set(fitting.index))
+    notes = [f"{what} at {', '.join(f'{t:,}' for t in sizes)} vision tokens"
+             for what, sizes in (("only the planner's plan fits", only), ("nothing fits", nothing)) if sizes]
+    return f"On {n} GPUs {' and '.join(notes)}." if notes else f"On {n} GPUs a baseline fits at every image size."
 
 def longest_text(n):
     rows = longest[longest.num_gpus == n].set_index("strategy").vision_tokens
     return ", ".join(f"{STRATEGY_LABELS[s]} {t:,.0f}" if t == t else f"{STRATEGY_LABELS[s]} none"
                      for s, t in rows.items())
 
-def nothing_fits(n):
-    rows = table[table.num_gpus == n]
-    sizes = sorted(set(rows.vision_tokens) - set(rows[rows.feasible].vision_tokens))
-    return f"{', '.join(f'{t:,}' for t in sizes)} vision tokens" if sizes else "no image size"
-
 states = auto[["weights_gib", "gradients_gib", "optimizer_gib"]].sum(axis=1) / auto.peak_memory_gib
 display(Markdown(
     f"Over the best baseline that fits, the planner's plan for Qwen2.5-VL-32B is {speedup_span(16)} on 16 H100s "
-    f"and {speedup_span(8)} on 8 H100s. Only the planner's plan fits at {only_auto(8)} on 8 GPUs and at "
-    f"{only_auto(16)} on 16 GPUs; nothing fits at {nothing_fits(8)} on 8 GPUs and at {nothing_fits(16)} on 16. "
+    f"and {speedup_span(8)} on 8 H100s. {fit_note(8)} {fit_note(16)} "
     f"The longest square image per sample that fits is, on 16 GPUs: {longest_text(16)} vision tokens; on 8 GPUs: "
     f"{longest_text(8)}. Model states (weights, gradients, optimizer) take {states.min():.0%} to {states.max():.0%} "
     f"of the planner's peak-GPU memory."
@@ -207,8 +204,10 @@ FIDELITY = [
 **Question:** how close are the planner's analytical predictions to what was measured? Layer by layer, the
 committed profiles give measured forward + backward time of every layer shard of the small CPU fidelity model
 (`profiles/cpu/qwen2.5-vl-cpu-small.json`, one thread, fp32) and the bytes autograd saves for backward (that CPU
-profile, and the FakeTensor memory profile of Qwen2.5-VL-32B, `profiles/fake/qwen2.5-vl-32b.json`); we put the
-analytical model at the same shard next to each (`planner.analysis.layer_fidelity`). End to end, the fidelity
+profile, and the FakeTensor memory profile of Qwen2.5-VL-32B, `profiles/fake/qwen2.5-vl-32b.json`); next to each
+we put the analytical model at the same shard, on the device numbers the profile measured (matmul FLOP/s, memory
+bandwidth) and at the profile's dtype (`planner.analysis.layer_fidelity`) -- the error of the formulas alone, which
+a profile replaces when the planner has one. End to end, the fidelity
 benchmark (`benchmarks/fidelity_cpu.py --json benchmarks/results/fidelity_cpu.json`) plans pinned strategies with
 the CPU profile, trains them with the runtime, and records predicted vs measured step time; it is shown when its
 results file is present. Error = predicted / measured - 1."""),
