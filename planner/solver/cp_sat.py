@@ -12,7 +12,8 @@ family -> objective -> parameters -> status -> typed ``Solution``s. The objectiv
 
 Ties are broken deterministically by a second solve that fixes the optimal step time and minimises a
 mixed-radix index of the chosen candidates (each module's list is ordered best first), so the same inputs
-give the same plan with any number of workers.
+give the same plan with any number of workers. (Only a solve cut short by the time limit -- status FEASIBLE, or
+a tie-break left unproven -- can depend on thread timing.)
 """
 
 from __future__ import annotations
