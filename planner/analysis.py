@@ -215,7 +215,7 @@ def sweep(
 
     Args:
         model: A catalog name / config path / ModelSpec, or a list of them.
-        gpus: GPU counts.
+        gpus: GPU counts (each grid argument may also be a single value).
         image_sizes: One image per sample of each size: a square side in pixels, (height, width), or None for
             the planner's default (1344x1344).
         global_batches: Samples per step; None is the planner's default (4 per GPU).
@@ -229,13 +229,12 @@ def sweep(
         ValueError: a bad input (unknown model or GPU, unaligned vision tokens), in one line.
     """
     rows = []
-    for spec, gpu, n, size, batch in itertools.product(
-        _as_list(model), gpu_types, gpus, image_sizes, global_batches
-    ):
+    grid = (_as_list(v) for v in (model, gpu_types, gpus, image_sizes, global_batches))
+    for spec, gpu, n, size, batch in itertools.product(*grid):
         image = _image(size)
         sizes = None if image is None else [image]
         problem = make_problem(spec, n, gpu=gpu, image_sizes=sizes, global_batch=batch, **workload)
-        for requested in placements:
+        for requested in _as_list(placements):
             point = _point_row(problem, image, requested)
             rows.append(_outcome_row(point, "auto", _planned(problem, requested, time_limit_s)))
         if baselines:
