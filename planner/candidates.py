@@ -15,7 +15,9 @@ Group sizes: colocated, every module spans all N GPUs. Disjoint (exactly one enc
 either less than one node or whole nodes, the LLM the rest; the LLM starts at rank 0, the encoder at
 N - g_encoder (``Strategy.first_ranks``).
 
-Pruning is exact for the solver's objective: per (module, gpus, grad_accum), a candidate is dropped when
+Disjoint, the encoder is costed first and the LLM only on the GPU counts and grad_accum values a fitting encoder
+candidate complements. Pruning is exact for the solver's objective: per (module, gpus, grad_accum), a candidate
+is dropped when
 another one is no worse in every quantity the solver sees -- colocated: (its step-time term, its memory);
 disjoint: (per-micro-batch time, exposed DP time), after dropping candidates whose group does not fit.
 """
@@ -227,17 +229,25 @@ def _verdict(problem: Problem, module: str, probe: ModuleStrategy, verdicts: Ver
 
 
 def module_strategies(
-    problem: Problem, module: str, gpus: int, fixed: Mapping[str, int | str], verdicts: Verdicts
+    problem: Problem,
+    module: str,
+    gpus: int,
+    fixed: Mapping[str, int | str],
+    verdicts: Verdicts,
+    accums: set[int] | None = None,
 ) -> tuple[list[list[ModuleStrategy]], str | None]:
     """Every valid strategy of ``module`` on exactly ``gpus`` GPUs that consumes the global batch and honours
-    ``fixed``, as series that differ only in micro-batch size (ascending; grad_accum = batch / (dp * micro_batch));
-    and the first reason ``check_strategy`` gave for rejecting one (None if none was rejected)."""
+    ``fixed`` (and uses one of ``accums`` when given), as series that differ only in micro-batch size (ascending;
+    grad_accum = batch / (dp * micro_batch)); and the first reason ``check_strategy`` gave for rejecting one (None
+    if none was rejected)."""
     batch = problem.workload.global_batch
     series, reason = [], None
     for dp, tp, sp, cp in _layouts(problem, module, gpus, fixed):
         per_replica = batch // dp
-        accums = []
+        usable_accums = []
         for ga in sorted(_choices(divisors(per_replica), fixed, "grad_accum"), reverse=True):
+            if accums is not None and ga not in accums:
+                continue
             mb = per_replica // ga if per_replica % ga == 0 else 0
             if not mb or fixed.get("micro_batch", mb) != mb:
                 continue
@@ -245,8 +255,8 @@ def module_strategies(
                                                                 grad_accum=ga), verdicts)
             reason = reason or (problems[0] if problems else None)
             if not problems:
-                accums.append(ga)
-        if not accums:
+                usable_accums.append(ga)
+        if not usable_accums:
             continue
         zeros = (0, 1, 2, 3) if dp * sp * cp > 1 else (0,)
         for zero in _choices(zeros, fixed, "zero"):
@@ -254,7 +264,7 @@ def module_strategies(
                 series.append([
                     ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, zero=zero, recompute=rc,
                                    micro_batch=per_replica // ga, grad_accum=ga)
-                    for ga in accums
+                    for ga in usable_accums
                 ])
     return series, reason
 
@@ -360,18 +370,33 @@ def cost_series(problem: Problem, module: str, series: list[ModuleStrategy], pla
 
 
 def module_candidates(
-    problem: Problem, module: str, placement: Placement, fixed: Mapping[str, int | str]
+    problem: Problem,
+    module: str,
+    placement: Placement,
+    fixed: Mapping[str, int | str],
+    partners: Mapping[int, set[int]] | None = None,
 ) -> tuple[list[Candidate], Candidate | None, str | None, int]:
-    """(fitting pruned candidates, least-memory valid candidate, a rejection reason if none is valid, number costed)."""
+    """(fitting pruned candidates, least-memory valid candidate, a rejection reason if none is valid, number costed).
+
+    ``partners`` (disjoint LLM): GPU count -> the grad_accum values the other group can match on the rest of the
+    GPUs; other sizes and values cannot be part of a plan and are not costed.
+    """
     sizes = group_sizes(problem, module, placement)
     if "gpus" in fixed:
         sizes = [g for g in sizes if g == fixed["gpus"]]
     verdicts: Verdicts = {}
     series, reason = [], None
     for g in sizes:
-        more, why = module_strategies(problem, module, g, fixed, verdicts)
+        if partners is not None and g not in partners:
+            continue
+        more, why = module_strategies(problem, module, g, fixed, verdicts, None if partners is None else partners[g])
         series += more
         reason = reason or why
+    if partners is not None and not series:
+        everywhere = [module_strategies(problem, module, g, fixed, verdicts) for g in sizes]
+        if any(found for found, _ in everywhere):
+            return [], None, None, 0  # valid, but on no size the other group complements: infeasible, not invalid
+        reason = next((why for _, why in everywhere if why), reason)
     costed = [c for s in series for c in cost_series(problem, module, s, placement)]
     smallest = min(costed, key=lambda c: (c.memory_bytes, strategy_key(c.strategy)), default=None)
     fitting = [c for c in costed if fits_alone(problem, c)]
@@ -393,19 +418,30 @@ def _sizes_text(sizes: list[int]) -> str:
 def build_candidates(problem: Problem, placement: Placement, fixes: Fixes | None = None) -> Candidates:
     """The solver's input for ``placement``: every module's fitting, non-dominated candidates.
 
+    Disjoint: the encoder is costed first; the LLM only on GPU counts and grad_accum values that some fitting
+    encoder candidate complements (the groups must tile the cluster with one shared grad_accum), which is exact
+    and skips most of the LLM's sizes (e.g. the encoder cannot use 24 or 48 nodes when the batch is a power of 2).
+
     Raises:
         NotImplementedError: disjoint placement of a model with more than one encoder.
     """
     fixes = fixes or {}
     result = Candidates(placement=placement, by_module={})
-    for module in problem.model.module_names:
-        kept, smallest, invalid, costed = module_candidates(problem, module, placement, fixes.get(module, {}))
+    partners = None
+    for module in sorted(problem.model.module_names, key=lambda m: m not in ENCODER_MODULES):
+        if placement == "disjoint" and module not in ENCODER_MODULES:
+            partners = {}
+            for c in result.by_module[encoder_names(problem.model)[0]]:
+                partners.setdefault(problem.num_gpus - c.gpus, set()).add(c.grad_accum)
+        kept, smallest, invalid, costed = module_candidates(problem, module, placement, fixes.get(module, {}),
+                                                            partners)
         result.by_module[module] = kept
         result.num_costed += costed
         if smallest is not None:
             result.smallest[module] = smallest
         if invalid is not None:
             result.invalid[module] = invalid
+    result.by_module = {m: result.by_module[m] for m in problem.model.module_names}
     return result
 
 
