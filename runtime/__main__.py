@@ -37,14 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     options = RunOptions(seed=args.seed, data=args.data, checkpoint=args.checkpoint)
     try:
         run(load_plan(args.plan), options, steps=args.steps, metrics_path=args.metrics)
-    except USER_ERRORS as e:
-        print(f"runtime: error: {e}", file=sys.stderr)
+    except USER_ERRORS + (RayTaskError,) as e:
+        cause = e.cause if isinstance(e, RayTaskError) else e  # a worker's error arrives wrapped by Ray
+        if not isinstance(cause, USER_ERRORS):
+            raise
+        print(f"runtime: error: {cause}", file=sys.stderr)
         return 2
-    except RayTaskError as e:
-        if isinstance(e.cause, USER_ERRORS):
-            print(f"runtime: error: {e.cause}", file=sys.stderr)
-            return 2
-        raise
     return 0
 
 

@@ -132,7 +132,8 @@ class Handoff:
             sends = [(rows_mD, dst) for dst in self.llm.ranks if self._kept(self._my_piece(), dst).any()]
         receive = self.rank in self.llm.ranks
         if receive:
-            recvs = [(self._buffer(len(p.positions)), p.producer) for p in self.pieces if self._kept(p, self.rank).any()]
+            needed = [p for p in self.pieces if self._kept(p, self.rank).any()]
+            recvs = [(self._buffer(len(p.positions)), p.producer) for p in needed]
         works = self._post(sends, recvs, FORWARD_TAG, micro)
 
         def finish() -> torch.Tensor | None:
@@ -144,7 +145,8 @@ class Handoff:
             for piece in self.pieces:
                 if piece.producer in received:
                     keep = self._kept(piece, self.rank)
-                    embeds[(piece.positions[keep] - start).to(self.device)] = received[piece.producer][keep.to(self.device)]
+                    rows = received[piece.producer][keep.to(self.device)]
+                    embeds[(piece.positions[keep] - start).to(self.device)] = rows
             return embeds
 
         return Posted(works=works, finish=finish)

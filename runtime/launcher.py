@@ -28,6 +28,9 @@ from runtime.vision import merged_positions_per_rank
 PLACEMENT_TIMEOUT_S = 120
 """How long to wait for the placement group's bundles once resources were found sufficient."""
 
+SHUTDOWN_TIMEOUT_S = 30
+"""How long actors get to leave the process group before they are killed."""
+
 
 def is_cpu_plan(plan: Plan) -> bool:
     """A plan made for ``--gpu cpu`` runs on CPU workers."""
@@ -62,7 +65,9 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
     if vc.num_heads % (vision.tp * vision.sp):
         raise ValueError(f"vision tp*sp = {vision.tp * vision.sp} does not divide its {vc.num_heads} heads")
     if tc.num_attention_heads % llm.tp or tc.num_key_value_heads % llm.tp:
-        raise ValueError(f"llm tp = {llm.tp} does not divide its {tc.num_attention_heads} q / {tc.num_key_value_heads} kv heads")
+        raise ValueError(
+            f"llm tp = {llm.tp} does not divide its {tc.num_attention_heads} q / {tc.num_key_value_heads} kv heads"
+        )
     layout = layout_from_plan(plan.workload, config)
     grid = torch.tensor([(1, h // layout.patch_size, w // layout.patch_size) for h, w in layout.image_sizes])
     merged_positions_per_rank(grid.repeat(vision.micro_batch, 1), vc, vision.sp)  # enough windows for SP
@@ -145,10 +150,15 @@ class Job:
         return merged
 
     def shutdown(self) -> None:
-        ray.get([w.close.remote() for w in self.workers])
-        for w in self.workers:
-            ray.kill(w)
-        remove_placement_group(self.group)
+        """Leave the process group where possible (a rank stuck after a peer failed cannot), then stop the actors."""
+        try:
+            ray.get([w.close.remote() for w in self.workers], timeout=SHUTDOWN_TIMEOUT_S)
+        except ray.exceptions.RayError:
+            pass
+        finally:
+            for w in self.workers:
+                ray.kill(w)
+            remove_placement_group(self.group)
 
 
 def ensure_ray() -> None:
@@ -173,9 +183,15 @@ def start(plan: Plan, options: RunOptions) -> Job:
         ).remote(rank, n, 1)
         for rank in range(n)
     ]
-    address = ray.get(workers[0].rendezvous_address.remote())
-    plan_json = plan.model_dump_json()
-    ray.get([w.setup.remote(plan_json, address, options) for w in workers])
+    try:
+        address = ray.get(workers[0].rendezvous_address.remote())
+        plan_json = plan.model_dump_json()
+        ray.get([w.setup.remote(plan_json, address, options) for w in workers])
+    except BaseException:  # one rank failed: the others may be blocked in the rendezvous, stop them all
+        for w in workers:
+            ray.kill(w)
+        remove_placement_group(group)
+        raise
     return Job(plan=plan, workers=workers, group=group)
 
 
@@ -187,8 +203,11 @@ def run(plan: Plan, options: RunOptions, *, steps: int, metrics_path: str | None
     try:
         layout = layout_from_plan(plan.workload, hf_config_from_dict(plan.model.hf_config))
         log = MetricsLog(plan, steps=steps, path=metrics_path, tokens_per_sample=layout.seq_len)
-        for step in range(steps):
-            log.log(step, job.step())
+        try:
+            for step in range(steps):
+                log.log(step, job.step())
+        finally:
+            log.close()
         summary = log.summary()
     finally:
         job.shutdown()

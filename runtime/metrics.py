@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import statistics
-from pathlib import Path
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -45,6 +44,7 @@ class MetricsLog:
     def __init__(self, plan: Plan, *, steps: int, path: str | None, tokens_per_sample: int):
         self.plan, self.tokens_per_sample = plan, tokens_per_sample
         self.records: list[dict[str, Any]] = []
+        self.path = path
         self.file: TextIO | None = open(path, "w") if path else None
         self.bar = tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True)
 
@@ -58,9 +58,15 @@ class MetricsLog:
         self.bar.update(1)
         return record
 
+    def close(self) -> None:
+        """End the progress bar's line (also when a step failed) and the metrics file."""
+        self.bar.close()
+        if self.file:
+            self.file.close()
+            self.file = None
+
     def summary(self) -> dict[str, Any]:
         """Measured median step time (after the first, warm-up step) and peak memory beside the prediction."""
-        self.bar.close()
         timed = self.records[1:] or self.records
         measured_step = statistics.median(r["step_time_s"] for r in timed)
         measured_mem = max(r["peak_memory_gib"] for r in self.records)
@@ -76,9 +82,9 @@ class MetricsLog:
             "tokens_per_s": {"measured": statistics.median(r["tokens_per_s"] for r in timed),
                              "predicted": predicted.tokens_per_s},
         }
-        if self.file:
-            self.file.write(json.dumps(result) + "\n")
-            self.file.close()
+        if self.path:
+            with open(self.path, "a") as file:
+                file.write(json.dumps(result) + "\n")
         return result
 
 

@@ -14,7 +14,12 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+from transformers import (
+    AutoConfig,
+    PretrainedConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLForConditionalGeneration,
+)
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
@@ -115,7 +120,11 @@ class LanguageModel(nn.Module):
         return "model." + name
 
 
-def split_model(model: nn.Module) -> tuple[VisionTower, LanguageModel, Callable[..., tuple[torch.Tensor, torch.Tensor]]]:
+RopeIndex = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""The model's ``get_rope_index``: (input_ids, mm_token_type_ids, image_grid_thw) -> (3-D positions, deltas)."""
+
+
+def split_model(model: nn.Module) -> tuple[VisionTower, LanguageModel, RopeIndex]:
     """The vision tower, the language model, and the model's own M-RoPE position function (``get_rope_index``)."""
     vision = VisionTower(model.model.visual)
     llm = LanguageModel(model.model.language_model, model.lm_head, model.config.image_token_id)

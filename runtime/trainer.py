@@ -165,7 +165,9 @@ class Trainer:
         """Post the sends of this rank's vision piece and, on LLM ranks, the receives of the replica's image tokens."""
         return self.handoff.activations(rows, micro)
 
-    def llm_forward_backward(self, micro: int, embeds: torch.Tensor, num_tokens: torch.Tensor) -> tuple[torch.Tensor | None, float]:
+    def llm_forward_backward(
+        self, micro: int, embeds: torch.Tensor, num_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor | None, float]:
         """LLM forward and backward on the received image tokens; returns their gradient and the loss share."""
         batch = self._samples(micro, "llm")
         position_ids, _ = self.rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],

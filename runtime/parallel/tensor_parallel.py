@@ -19,7 +19,11 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 VISION_MLP_PLANS = {
-    "gate_proj": {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()},
+    "gate_proj": {
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    },
     "fc1": {"mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()},
 }
 """Qwen2.5-VL (gated) and Qwen2-VL (fc1/fc2) vision MLPs."""

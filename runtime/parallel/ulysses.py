@@ -98,7 +98,10 @@ def attention(
     ug: UlyssesGroup,
     **kwargs,
 ) -> torch.Tensor:
-    """Full attention of a sequence-sharded block: heads all-to-all, ``core`` (SDPA) per image, back. -> [1, s, H, Dh]."""
+    """Full attention of a sequence-sharded block: heads all-to-all, ``core`` (SDPA) per image, all-to-all back.
+
+    Returns [1, s, H, Dh], the layout transformers' SDPA function returns.
+    """
     q, k, v = (SeqToHeads.apply(t[0], ug).unsqueeze(0) for t in (q_1HsD, k_1HsD, v_1HsD))
     segments = list(ug.segment_lens)
     outs = [

@@ -49,7 +49,8 @@ def provenance(*, hardware: str, device: torch.device, dtype: torch.dtype) -> Pr
 
 
 def open_profile(path: Path, *, hardware: str, model: ModelSpec, prov: Provenance) -> Profile:
-    """The profile at ``path`` to resume (provenance refreshed), or a new empty one."""
+    """The profile at ``path`` to resume, or a new empty one. ``save_profile`` refreshes the provenance (date,
+    command) only when something new was measured, so a re-run that measures nothing leaves the file untouched."""
     if not path.exists():
         return Profile(schema_version=PROFILE_SCHEMA_VERSION, hardware=hardware, model=model.name, provenance=prov)
     profile = load_profile(path)
@@ -63,7 +64,6 @@ def open_profile(path: Path, *, hardware: str, model: ModelSpec, prov: Provenanc
             f"{path} was measured with {old.dtype}, {old.num_threads} threads on {old.device_detail}; this run uses "
             f"{prov.dtype}, {prov.num_threads} threads on {prov.device_detail}: pick another --out or match them"
         )
-    profile.provenance = prov
     return profile
 
 
@@ -118,30 +118,38 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--device cuda but torch sees no GPU")
     hardware = _hardware(args, device)
     path = Path(args.out) if args.out else profile_path(hardware, model.name, PROFILES_DIR)
-    profile = open_profile(path, hardware=hardware, model=model, prov=provenance(hardware=hardware, device=device, dtype=dtype))
+    fresh = provenance(hardware=hardware, device=device, dtype=dtype)
+    existed = path.exists()
+    profile = open_profile(path, hardware=hardware, model=model, prov=fresh)
     points = list(grid_points(model, _grid(args)))
 
     def save(p: Profile) -> None:
+        p.provenance = fresh
         save_profile(p, path)
 
+    extra = 0  # device-level measurements added this run
     if args.memory:
         done, left = sweep(profile, points, lambda pt: memory_point(model, pt, dtype), field="memory", save=save,
                            time_budget_s=args.time_budget)
     elif args.collectives:
         from runtime.profile.collectives import measure_collectives
 
+        before = len(profile.collectives)
         profile.collectives = measure_collectives(device=device, group_sizes=args.group_sizes, existing=profile.collectives)
-        done, left = len(profile.collectives), 0
+        done, left = len(profile.collectives) - before, 0
     else:
         if not args.no_device_bench and profile.device is None:
             profile.device = measure_device(dtype=dtype, device=device)
+            extra += 1
         if not args.no_device_bench and device.type == "cpu" and not profile.device.concurrency:
             profile.device.concurrency = cpu_concurrency(args.model, model, args.llm_seq)
+            extra += 1
             save(profile)
         cfg = TimingConfig(warmup=args.warmup, repeats=args.repeats, dtype=dtype, device=args.device)
         done, left = sweep(profile, points, lambda pt: measure_point(model, pt, cfg), field="layers", save=save,
                            time_budget_s=args.time_budget)
-    save(profile)
+    if done or extra or not existed:
+        save(profile)
     note = f"; {left} left for lack of time (re-run to resume)" if left else ""
     print(f"wrote {path}: {done} new point(s){note}")
     return 0

@@ -47,7 +47,10 @@ def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAG
         v_ranks, l_ranks = list(range(v_size)), list(range(l_size))
     else:
         l_ranks, v_ranks = list(range(l_size)), list(range(l_size, l_size + v_size))
-    modules = [module("vision", vision.pop("ranks", v_ranks), **vision), module("llm", llm.pop("ranks", l_ranks), **llm)]
+    modules = [
+        module("vision", vision.pop("ranks", v_ranks), **vision),
+        module("llm", llm.pop("ranks", l_ranks), **llm),
+    ]
     n = len({r for m in modules for r in m.ranks})
     samples = modules[1].dp * modules[1].micro_batch * modules[1].grad_accum
     patches = (image_size[0] // 14) * (image_size[1] // 14)

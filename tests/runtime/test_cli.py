@@ -23,8 +23,9 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> subproce
 def assert_one_line_error(result: subprocess.CompletedProcess, text: str) -> None:
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and text in lines[0], result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("runtime: error:")]
+    assert len(errors) == 1 and text in errors[0], result.stderr
+    assert result.stderr.strip().endswith(errors[0]), result.stderr
 
 
 def test_missing_plan_file(tmp_path):
@@ -49,6 +50,16 @@ def test_too_few_cpu_slots_is_refused_before_any_actor_starts(ray_cluster):
     with pytest.raises(ValueError, match="needs 8 CPU slots but the Ray cluster has 4"):
         launcher.start(plan, RunOptions())
     assert all(pg["state"] == "REMOVED" for pg in ray_cluster.util.placement_group_table().values())
+
+
+@pytest.mark.slow
+def test_bad_caption_data_found_by_a_worker_is_a_one_line_error(tmp_path, ray_cluster):
+    (tmp_path / "plan.json").write_text(make_plan({}, {}).to_json())
+    (tmp_path / "data.jsonl").write_text('{"image": "missing.png", "text": "a cat"}\n')
+    address = ray_cluster.get_runtime_context().gcs_address
+    result = run_cli(str(tmp_path / "plan.json"), "--data", str(tmp_path / "data.jsonl"), "--steps", "1",
+                     env={"RAY_ADDRESS": address})
+    assert_one_line_error(result, "cannot read image")
 
 
 @pytest.mark.slow
