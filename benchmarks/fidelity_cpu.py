@@ -53,6 +53,8 @@ class Config:
 
 
 def _both(**fields: object) -> tuple[str, ...]:
+    """Fixes applied to both modules; ZeRO off, no context parallelism and no recomputation unless given."""
+    fields = {"zero": 0, "cp": 1, "recompute": "none", **fields}
     return tuple(f"{m}.{k}={v}" for m in ("vision", "llm") for k, v in fields.items())
 
 
@@ -64,12 +66,12 @@ CONFIGS = (
     Config(name="1w colocated recompute long", gpus=1, vision_tokens=1024, text_tokens=256, global_batch=2,
            fixes=("placement=colocated", *_both(micro_batch=1, recompute="full"))),
     Config(name="2w colocated DP2", gpus=2, vision_tokens=576, text_tokens=128, global_batch=4,
-           fixes=("placement=colocated", *_both(dp=2, tp=1, sp=1, zero=0, micro_batch=1))),
+           fixes=("placement=colocated", *_both(dp=2, tp=1, sp=1, micro_batch=1))),
     Config(name="2w colocated TP2", gpus=2, vision_tokens=576, text_tokens=256, global_batch=2,
            fixes=("placement=colocated", *_both(dp=1, tp=2, sp=1, micro_batch=1))),
     Config(name="2w colocated vSP2 lDP2 long", gpus=2, vision_tokens=1024, text_tokens=256, global_batch=2,
-           fixes=("placement=colocated", "vision.sp=2", "vision.dp=1", "vision.tp=1", "vision.micro_batch=2",
-                  "llm.dp=2", "llm.tp=1", "llm.micro_batch=1")),
+           fixes=("placement=colocated", *_both(), "vision.sp=2", "vision.dp=1", "vision.tp=1",
+                  "vision.micro_batch=2", "llm.dp=2", "llm.tp=1", "llm.micro_batch=1")),
     Config(name="2w disjoint mb1", gpus=2, vision_tokens=576, text_tokens=128, global_batch=4,
            fixes=("placement=disjoint", *_both(dp=1, tp=1, sp=1, micro_batch=1))),
     Config(name="2w disjoint mb2 long", gpus=2, vision_tokens=1024, text_tokens=256, global_batch=4,
@@ -126,7 +128,6 @@ def make_plan(config: Config, profile: Path, out: Path) -> Path:
 
 def run_plan(plan_file: Path, steps: int, metrics: Path) -> float:
     """Train the plan for ``steps`` steps; the median step time after the first."""
-    from planner.schema import load_plan
     from runtime.launcher import run
     from runtime.profile.calibrate import measured_step_time
     from runtime.trainer import RunOptions
@@ -136,8 +137,6 @@ def run_plan(plan_file: Path, steps: int, metrics: Path) -> float:
 
 
 def describe(plan_file: Path) -> str:
-    from planner.schema import load_plan
-
     plan = load_plan(plan_file)
     parts = [f"{m.name[0]}:dp{m.dp}tp{m.tp}sp{m.sp} mb{m.micro_batch}x{m.grad_accum}"
              + ("" if m.recompute == "none" else f" rc={m.recompute}") for m in plan.modules]
@@ -173,15 +172,19 @@ def format_table(results: list[Result], calibrated: list[float] | None) -> str:
     return "\n".join(lines)
 
 
-def fidelity(configs: tuple[Config, ...], *, steps: int, workdir: Path) -> list[Result]:
-    """Profile, then plan and run every configuration."""
-    profile = ensure_profile()
+def load_plan(path: Path):
+    from planner.schema import load_plan as load
+
+    return load(path)
+
+
+def fidelity(configs: tuple[Config, ...], *, steps: int, workdir: Path, profile: Path | None = None) -> list[Result]:
+    """Profile (unless ``profile`` is given), then plan and run every configuration."""
+    profile = profile or ensure_profile()
     results = []
     for i, config in enumerate(configs):
         plan_file = make_plan(config, profile, workdir / f"plan{i}.json")
         measured = run_plan(plan_file, steps, workdir / f"metrics{i}.jsonl")
-        from planner.schema import load_plan
-
         predicted = load_plan(plan_file).predicted.step_time_s
         results.append(Result(name=config.name, strategy=describe(plan_file), predicted_s=predicted,
                               measured_s=measured))
