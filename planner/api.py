@@ -129,23 +129,21 @@ def make_cluster_for(
     return make_cluster(device, num_gpus, gpus_per_node)
 
 
-def _profile_source(problem_model: ModelSpec, cluster: Cluster, profile: str | None) -> tuple[Cluster, Any]:
+def _profile_source(model: ModelSpec, cluster: Cluster, profile: str | None) -> tuple[Cluster, Any]:
     """The cluster with measured device numbers and a layer-cost source, from ``profile``: a path, ``"auto"``
-    (the committed profile of this device and model, if any) or None (analytical only)."""
+    (the committed profile of this device and model, if any) or None (analytical only). Devices sharing a host
+    slow each other; the source scales layer times by the factor the profile measured for this many devices."""
     if profile is None:
         return cluster, None
     from planner import profiles
 
-    path = profiles.find_profile(cluster.device.name, problem_model.name) if profile == "auto" else profile
+    path = profiles.find_profile(cluster.device.name, model.name) if profile == "auto" else profile
     if path is None:
         return cluster, None
     loaded = profiles.load_profile(path)
-    source_type = getattr(profiles, "ProfileCostSource", None)
-    if source_type is None:
-        raise ValueError(f"profile {path}: this version of planner.profiles cannot supply layer costs yet")
     device = profiles.device_from_profile(cluster.device, loaded)
-    # (profiler) devices sharing a host slow each other; the source scales layer times by the measured factor
-    return replace(cluster, device=device), source_type(loaded, concurrent_devices=cluster.num_devices)
+    source = profiles.ProfileCostSource(loaded, concurrent_devices=cluster.num_devices)
+    return replace(cluster, device=device), source
 
 
 def make_problem(
