@@ -188,3 +188,35 @@ def test_validate_plan_refuses_more_sp_ranks_than_windows():
     plan = make_plan(dict(sp=2), dict(tp=2), image_size=(112, 112))  # 8x8 patches: a single window
     with pytest.raises(ValueError, match="1 attention windows cannot be split over 2"):
         validate_plan(plan, RunOptions())
+
+
+def _train_forward_backward(model, layout):
+    batch = collate([SyntheticData(layout, seed=0).sample(i) for i in range(2)])
+    model(**batch).loss.backward()
+
+
+def test_selective_recompute_checkpoints_only_the_attention_core(monkeypatch, layout):
+    from runtime.parallel import recompute
+
+    calls = []
+    real = attention.checkpoint
+    monkeypatch.setattr(attention, "checkpoint", lambda fn, *a, **kw: calls.append(fn) or real(fn, *a, **kw))
+    model = build_model(tiny_hf_config(), seed=0, attention=attention.register())
+    recompute.apply_recompute(model.model.language_model, "selective")
+    _train_forward_backward(model, layout)
+    assert calls and all(fn is attention.sdpa_attention_forward for fn in calls)
+    assert len(calls) == model.config.text_config.num_hidden_layers  # the LLM's layers only, not the vision tower
+
+
+def test_full_recompute_checkpoints_every_block(layout):
+    from runtime.parallel import recompute
+
+    model = build_model(tiny_hf_config(), seed=0, attention=attention.register())
+    recompute.apply_recompute(model.model.visual, "full")
+    calls = []
+    for block in model.model.visual.blocks:
+        real = block._gradient_checkpointing_func
+        block._gradient_checkpointing_func = lambda fn, *a, _real=real, **kw: calls.append(fn) or _real(fn, *a, **kw)
+    _train_forward_backward(model, layout)
+    assert len(calls) == len(model.model.visual.blocks)
+    assert not any(layer.gradient_checkpointing for layer in model.model.language_model.layers)
