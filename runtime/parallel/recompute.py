@@ -17,7 +17,7 @@ from runtime.parallel.attention import RECOMPUTE_FLAG
 def apply_recompute(model: nn.Module, mode: str) -> None:
     """Turn on ``mode`` ("none", "selective", "full") for a transformers PreTrainedModel (tower or decoder)."""
     if mode == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     elif mode == "selective":
         for module in model.modules():
             if type(module).__name__.endswith("Attention"):
