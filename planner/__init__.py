@@ -1,7 +1,8 @@
 """dhplan planner: per-module parallelism plans for multimodal training.
 
-``plan``, ``top_plans``, ``evaluate``, ``max_seq`` (``planner.api``) and ``load_plan`` (``planner.schema``) are
-imported lazily, so ``import planner`` pulls in neither OR-Tools nor pydantic until one is used.
+``plan``, ``top_plans``, ``evaluate``, ``max_seq`` (``planner.api``), ``compare`` and ``sweep``
+(``planner.analysis``, which imports pandas) and ``load_plan`` (``planner.schema``) are imported lazily, so
+``import planner`` pulls in neither OR-Tools, pandas nor pydantic until one is used.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ _EXPORTS = {
     "evaluate": "planner.api",
     "max_seq": "planner.api",
     "make_problem": "planner.api",
+    "compare": "planner.analysis",
+    "sweep": "planner.analysis",
     "load_plan": "planner.schema",
 }
 
