@@ -129,7 +129,8 @@ class Handoff:
         tokens [B_l*T, D] in sample order (a leaf; set requires_grad to collect its gradient)."""
         sends, recvs = [], []
         if rows_mD is not None and self.rank == self._my_piece().producer:
-            sends = [(rows_mD, dst) for dst in self.llm.ranks if self._kept(self._my_piece(), dst).any()]
+            rows = rows_mD.to(self.dtype)  # receivers allocate buffers of the hand-off dtype
+            sends = [(rows, dst) for dst in self.llm.ranks if self._kept(self._my_piece(), dst).any()]
         receive = self.rank in self.llm.ranks
         if receive:
             needed = [p for p in self.pieces if self._kept(p, self.rank).any()]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from runtime import launcher
 from runtime.trainer import RunOptions
@@ -81,3 +82,20 @@ def test_plan_written_by_the_planner_runs_end_to_end(tmp_path, ray_cluster):
     assert [r.get("step") for r in records[:2]] == [0, 1] and records[2]["summary"]
     assert all(5.0 < r["loss"] < 9.0 for r in records[:2])
     assert "step time" in result.stdout and "predicted" in result.stdout
+
+
+@pytest.mark.slow
+def test_workers_start_from_a_checkpoint_folder(tmp_path, ray_cluster):
+    from runtime.model import build_model
+
+    saved = build_model(make_plan({}, {}).model.hf_config, seed=7)
+    saved.save_pretrained(tmp_path)
+    job = launcher.start(make_plan(dict(tp=2), dict(tp=2)), RunOptions(seed=0, checkpoint=str(tmp_path)))
+    try:
+        params = job.gather("param")
+    finally:
+        job.shutdown()
+    expected = dict(saved.named_parameters())
+    assert set(params) == set(expected)
+    for name, value in params.items():
+        assert torch.equal(value, expected[name].detach()), name

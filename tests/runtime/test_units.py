@@ -220,3 +220,13 @@ def test_full_recompute_checkpoints_every_block(layout):
     _train_forward_backward(model, layout)
     assert len(calls) == len(model.model.visual.blocks)
     assert not any(layer.gradient_checkpointing for layer in model.model.language_model.layers)
+
+
+def test_build_model_from_a_save_pretrained_folder(tmp_path):
+    saved = build_model(tiny_hf_config(), seed=7)
+    saved.save_pretrained(tmp_path)
+    loaded = build_model(tiny_hf_config(), seed=0, checkpoint=str(tmp_path), attention=attention.register())
+    assert loaded.config._attn_implementation == attention.ATTENTION
+    expected = dict(saved.named_parameters())
+    for name, param in loaded.named_parameters():
+        assert torch.equal(param, expected[name]), name
