@@ -174,13 +174,15 @@ def start(plan: Plan, options: RunOptions) -> Job:
     check_resources(plan, ray.cluster_resources())
     n = num_devices(plan)
     bundle = {"CPU": 1} if is_cpu_plan(plan) else {"CPU": 1, "GPU": 1}
+    # CPU plans: one thread per worker (one CPU slot each); GPU plans: the node's cores shared by its workers
+    threads = 1 if is_cpu_plan(plan) else max(1, (os.cpu_count() or 1) // plan.cluster.devices_per_node)
     group = placement_group([bundle] * n, strategy="PACK")
     ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
     workers = [
         Worker.options(
             num_cpus=1, num_gpus=bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
-        ).remote(rank, n, 1)
+        ).remote(rank, n, threads)
         for rank in range(n)
     ]
     try:

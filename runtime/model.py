@@ -46,25 +46,36 @@ def hf_config_from_dict(hf_config: dict[str, Any]) -> PretrainedConfig:
 
 
 def build_model(
-    hf_config: dict[str, Any], *, seed: int, checkpoint: str | None = None, attention: str = ATTENTION
+    hf_config: dict[str, Any],
+    *,
+    seed: int,
+    checkpoint: str | None = None,
+    attention: str = ATTENTION,
+    device: torch.device | str = "cpu",
 ) -> nn.Module:
-    """The full conditional-generation model in fp32 on CPU, in training mode.
+    """The full conditional-generation model in fp32 on ``device``, in training mode.
+
+    Every rank builds the whole model before sharding it (no meta-device init yet), so a rank needs the
+    memory of the full fp32 model once, at start-up.
 
     Args:
         hf_config: the plan's ``model.hf_config``.
-        seed: random-init seed; every rank that builds with the same seed gets the same weights.
+        seed: random-init seed; every rank that builds with the same seed on the same device type gets the
+            same weights.
         checkpoint: a local ``save_pretrained`` folder to load weights from instead of random init.
         attention: transformers attention implementation name (``sdpa`` or the runtime's registered one).
+        device: where the weights are created (random init on a GPU is much faster than on CPU).
     """
     config = hf_config_from_dict(hf_config)
     cls = MODEL_CLASSES[config.model_type]
     if checkpoint is not None:
         if not os.path.isdir(checkpoint):
             raise ValueError(f"checkpoint {checkpoint} is not a folder written by save_pretrained")
-        model = cls.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation=attention)
+        model = cls.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation=attention).to(device)
     else:
         torch.manual_seed(seed)
-        model = cls._from_config(config, dtype=torch.float32, attn_implementation=attention)
+        with torch.device(device):
+            model = cls._from_config(config, dtype=torch.float32, attn_implementation=attention)
     return model.train()
 
 

@@ -79,10 +79,9 @@ class Trainer:
     # ---- construction -------------------------------------------------------------------------------
     def _build_modules(self, attn: str):
         model = build_model(self.plan.model.hf_config, seed=self.options.seed, checkpoint=self.options.checkpoint,
-                            attention=attn)
+                            attention=attn, device=self.device)
         if self.device.type == "cuda" and self.plan.training.precision == "bf16_pure":
             model = model.to(torch.bfloat16)
-        model = model.to(self.device)
         vision, llm, rope_index = split_model(model)
         modules = {}
         for name, module in (("vision", vision), ("llm", llm)):
