@@ -4,13 +4,14 @@ What each planned ZeRO stage maps to (ZeRO: Rajbhandari et al. 2020):
 
 - zero 0 — plain data parallelism: weights, gradients and Adam states replicated; gradients summed with one
   bucketed all-reduce after the last micro-batch (``all_reduce_gradients``, DDP-like, no FSDP).
-- zero 1 — ``fully_shard(reshard_after_forward=False)`` with gradient sync only on the last micro-batch: Adam
-  states and the fp32 master weights are sharded; full gradients accumulate locally across micro-batches and
-  are reduce-scattered once per step, as in ZeRO-1. Unlike textbook ZeRO-1 the weights are all-gathered at the
-  step's first forward instead of being kept whole between steps (same peak, one all-gather per step).
+- zero 1 — ``fully_shard(reshard_after_forward=False)``, gradient sync and re-sharding only after the last
+  micro-batch's backward: Adam states and the fp32 master weights are sharded; the whole weights stay
+  gathered and the full gradients accumulate locally through the step's micro-batches, then are
+  reduce-scattered once, as in ZeRO-1. Unlike textbook ZeRO-1 the weights are gathered at the step's first
+  forward instead of being kept whole between steps (same peak, one all-gather per step).
 - zero 2 — as zero 1 but gradients are reduce-scattered after every micro-batch, so they too stay sharded.
 - zero 3 — ``fully_shard(reshard_after_forward=True)``: weights are re-sharded after each block's forward and
-  all-gathered again for its backward.
+  backward and all-gathered again for the next use.
 
 Sharding is per block, then the module root (torchtitan's order). The vision tower's sequence-parallel ranks
 hold the same weights and each computes part of every gradient, so its data-parallel group is dp x sp
@@ -41,9 +42,11 @@ def apply_fsdp(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, *, 
 
 
 def set_gradient_sync(module: nn.Module, *, zero: int, last_micro_batch: bool) -> None:
-    """Before a backward: reduce-scatter every micro-batch (ZeRO-2/3) or only the last (ZeRO-1)."""
+    """Before a backward: reduce-scatter every micro-batch (ZeRO-2/3) or only the last (ZeRO-1); keep the
+    weights gathered until the last micro-batch (ZeRO-1/2) or re-shard them after each backward (ZeRO-3)."""
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(zero >= 2 or last_micro_batch)
+        module.set_reshard_after_backward(zero == 3 or last_micro_batch)
 
 
 @torch.no_grad()
