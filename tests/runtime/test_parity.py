@@ -48,6 +48,7 @@ def tied_embeddings_config() -> dict:
 
 SLOW_PLANS = {
     "zero1_zero2_grad_accum2": dict(vision=dict(dp=2, zero=1, grad_accum=2), llm=dict(dp=2, zero=2, grad_accum=2)),
+    "zero0_dp2_grad_accum2": dict(vision=dict(dp=2, grad_accum=2), llm=dict(dp=2, grad_accum=2)),
     "frozen_vision_sp2__llm_tp2": dict(vision=dict(sp=2, frozen=True), llm=dict(tp=2)),
     "tied_embeddings_uniform_tp2": dict(vision=dict(tp=2), llm=dict(tp=2), hf_config=tied_embeddings_config()),
     "vision_sp2xtp2_zero2__llm_dp2xtp2_zero1": dict(

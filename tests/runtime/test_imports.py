@@ -1,0 +1,17 @@
+"""The runtime runs without OR-Tools and reads only the Plan schema from the planner."""
+
+import subprocess
+import sys
+
+RUNTIME_MODULES = ["runtime.__main__", "runtime.launcher", "runtime.trainer", "runtime.metrics"]
+
+
+def test_runtime_imports_without_ortools_and_only_the_plan_schema():
+    code = (
+        "import sys\nsys.modules['ortools'] = None\n"
+        + "".join(f"import {m}\n" for m in RUNTIME_MODULES)
+        + "print(sorted(m for m in sys.modules if m.startswith('planner')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['planner', 'planner.schema']"
