@@ -7,8 +7,10 @@
    with the committed profile nothing is re-measured.
 2. For each configuration, ``plan`` (the CLI, with ``--fix`` pinning placement and degrees) writes a plan costed
    with that profile.
-3. The runtime (``runtime.launcher.run``, Ray started once) trains it for ``--steps`` steps; the measured step time
-   is the median over steps after the first (the slowest rank, as the runtime's metrics file records it).
+3. The runtime (``runtime.launcher.run``, Ray started once) trains it for ``--steps`` steps; a run's step time is
+   the median over steps after the first (the slowest rank, as the runtime's metrics file records it). With
+   ``--repeats R`` every configuration runs R times, interleaved, and the fastest run counts: the prediction is for
+   an otherwise idle machine, and other processes on a shared one only ever add time.
 4. Prints predicted vs measured step time, the error of each (predicted / measured - 1) and the median |error|.
    The last column is a leave-one-out calibration (``measured = scale * predicted + overhead`` fitted on the other
    configurations), which is what ``python -m runtime.profile --calibrate`` would give the next plan.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -178,24 +181,25 @@ def load_plan(path: Path):
     return load(path)
 
 
-def fidelity(configs: tuple[Config, ...], *, steps: int, workdir: Path, profile: Path | None = None) -> list[Result]:
-    """Profile (unless ``profile`` is given), then plan and run every configuration."""
+def fidelity(configs: tuple[Config, ...], *, steps: int, workdir: Path, profile: Path | None = None,
+             repeats: int = 1) -> list[Result]:
+    """Profile (unless ``profile`` is given), plan every configuration, run each ``repeats`` times (interleaved)."""
     profile = profile or ensure_profile()
-    results = []
-    for i, config in enumerate(configs):
-        plan_file = make_plan(config, profile, workdir / f"plan{i}.json")
-        measured = run_plan(plan_file, steps, workdir / f"metrics{i}.jsonl")
-        predicted = load_plan(plan_file).predicted.step_time_s
-        results.append(Result(name=config.name, strategy=describe(plan_file), predicted_s=predicted,
-                              measured_s=measured))
-        print(f"[{i + 1}/{len(configs)}] {config.name}: predicted {predicted:.3f}s, measured {measured:.3f}s",
-              file=sys.stderr)
-    return results
+    plans = [make_plan(config, profile, workdir / f"plan{i}.json") for i, config in enumerate(configs)]
+    runs: list[list[float]] = [[] for _ in configs]
+    for r in range(repeats):
+        for i, (config, plan_file) in enumerate(zip(configs, plans)):
+            runs[i].append(run_plan(plan_file, steps, workdir / f"metrics{i}_{r}.jsonl"))
+            print(f"[{r + 1}/{repeats}, {i + 1}/{len(configs)}] {config.name}: predicted "
+                  f"{load_plan(plan_file).predicted.step_time_s:.3f}s, measured {runs[i][-1]:.3f}s", file=sys.stderr)
+    return [Result(name=c.name, strategy=describe(p), predicted_s=load_plan(p).predicted.step_time_s,
+                   measured_s=min(times)) for c, p, times in zip(configs, plans, runs)]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=6, help="training steps per configuration (the first is dropped)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per configuration; the fastest counts")
     p.add_argument("--configs", default="", help="comma-separated configuration names (default: all)")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
@@ -204,10 +208,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no configuration named {args.configs!r}; have {', '.join(c.name for c in CONFIGS)}",
               file=sys.stderr)
         return 2
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        results = fidelity(tuple(wanted), steps=args.steps, workdir=Path(tmp))
+        results = fidelity(tuple(wanted), steps=args.steps, workdir=Path(tmp), repeats=args.repeats)
     calibrated = leave_one_out(results) if len(results) >= 3 else None
     print(format_table(results, calibrated))
+    print(f"1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
+          f"{os.cpu_count()} CPUs (anything above the benchmark's own workers inflates 'measured')")
     if args.json:
         rows = [{**asdict(r), "error": r.error} for r in results]
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

@@ -166,6 +166,11 @@ class Profile(_Strict):
     device: DeviceMeasurements | None = None
     memory: list[MemoryPoint] = Field(default_factory=list)
     calibration: Calibration | None = None
+    time_statistic: Literal["median", "min"] = Field(
+        default="median",
+        description="which recorded timing the planner uses: median (a dedicated machine) or min (a shared machine, "
+        "where other processes only ever add time and the fastest repeat is the least disturbed)",
+    )
 
     def to_json(self) -> str:
         """Canonical text: points sorted by key so re-runs give small diffs."""
@@ -281,10 +286,20 @@ class LayerCost:
     """True when (seq_len, micro_batch) was a measured grid point, False when interpolated."""
 
 
+def pick_time(spread: Spread, statistic: str) -> float:
+    """The timing of ``spread`` a profile's ``time_statistic`` says to use."""
+    return spread.min_s if statistic == "min" else spread.median_s
+
+
+def _time_fields(statistic: str) -> dict:
+    return {
+        "forward_s": lambda p: pick_time(p.forward, statistic),
+        "backward_s": lambda p: pick_time(p.backward, statistic),
+        "recompute_s": lambda p: pick_time(p.recompute, statistic),
+    }
+
+
 _LAYER_FIELDS = {
-    "forward_s": lambda p: p.forward.median_s,
-    "backward_s": lambda p: p.backward.median_s,
-    "recompute_s": lambda p: p.recompute.median_s,
     "forward_flops": lambda p: p.forward_flops,
     "backward_flops": lambda p: p.backward_flops,
     "saved_activation_bytes": lambda p: p.saved_activation_bytes,
@@ -297,12 +312,14 @@ class ProfileIndex:
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
+        self._fields = {**_time_fields(profile.time_statistic), **_LAYER_FIELDS}
         self._layers: dict[tuple[str, str, int, int], dict[tuple[int, int], LayerPoint]] = {}
         for p in profile.layers:
             self._layers.setdefault((p.module, p.layer, p.tp, p.sp), {})[(p.seq_len, p.micro_batch)] = p
         self._collectives: dict[tuple[str, int], list[tuple[int, float]]] = {}
         for c in profile.collectives:
-            self._collectives.setdefault((c.op, c.group_size), []).append((c.message_bytes, c.time.median_s))
+            t = pick_time(c.time, profile.time_statistic)
+            self._collectives.setdefault((c.op, c.group_size), []).append((c.message_bytes, t))
         for row in self._collectives.values():
             row.sort()
 
@@ -318,7 +335,7 @@ class ProfileIndex:
         exact = (seq_len, micro_batch) in grid
         values = {
             name: interp_grid({k: get(p) for k, p in grid.items()}, seq_len, micro_batch)
-            for name, get in _LAYER_FIELDS.items()
+            for name, get in self._fields.items()
         }
         return LayerCost(**values, exact=exact)
 
@@ -371,7 +388,7 @@ def link_from_collectives(profile: Profile, bus_efficiency: float) -> tuple[floa
     ``B / (bandwidth * bus_efficiency) + 2 alpha`` (Thakur et al. 2005, Sec. 4.4 with n = 2), fits the measured
     2-device all-reduce curve; else the send/recv curve (``B / bw + alpha``); None without either."""
     for op, latency_terms in ((LINK_FIT_OP, 2), ("send_recv", 1)):
-        curve = sorted((c.message_bytes, c.time.median_s) for c in profile.collectives
+        curve = sorted((c.message_bytes, pick_time(c.time, profile.time_statistic)) for c in profile.collectives
                        if c.op == op and c.group_size == 2)
         if len(curve) >= 2:
             alpha, beta = fit_alpha_beta([b for b, _ in curve], [t for _, t in curve])

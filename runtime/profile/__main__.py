@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", default="", help="only these module.layer names, comma-separated")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per point (median recorded)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per point")
+    p.add_argument("--time-statistic", choices=("median", "min"), default=None,
+                   help="timing the planner uses from this profile: median (dedicated machine, the default) or min "
+                        "(shared machine: other processes only add time); stored in the profile")
     p.add_argument("--time-budget", type=float, default=None, help="stop measuring new points after this many seconds")
     p.add_argument("--no-device-bench", action="store_true", help="skip the matmul / bandwidth microbenchmarks")
     p.add_argument("--collectives", action="store_true", help="measure collectives (gloo on CPU, NCCL on CUDA)")

@@ -127,7 +127,10 @@ def run(args: argparse.Namespace) -> int:
         p.provenance = fresh
         save_profile(p, path)
 
-    extra = 0  # device-level measurements added this run
+    extra = 0  # device-level measurements and settings changed this run
+    if args.time_statistic and args.time_statistic != profile.time_statistic:
+        profile.time_statistic = args.time_statistic
+        extra += 1
     if args.memory:
         done, left = sweep(profile, points, lambda pt: memory_point(model, pt, dtype), field="memory", save=save,
                            time_budget_s=args.time_budget)

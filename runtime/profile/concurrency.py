@@ -1,10 +1,10 @@
 """How much devices that share a host slow each other down (CPU: worker processes share cores, caches, DRAM).
 
 ``n`` processes (spawned, ``threads`` torch threads each, as runtime workers are) time the same layer shard's
-forward+backward over the same wall-clock window; the slowdown for ``n`` is the mean of their median times over
-the median time of one process alone. Each count is measured ``trials`` times and the smallest ratio kept, so that
-an unrelated process sharing the machine for a moment does not count as contention. A layer profile measured
-alone is multiplied by it for plans running ``n`` devices.
+forward+backward over the same wall-clock window; a run's time is the mean of the processes' median times. Runs
+alone and runs of ``n`` alternate ``trials`` times and the fastest of each kind is kept, so that unrelated processes
+sharing the machine (which only ever add time) count as little as possible; the slowdown for ``n`` is the ratio of
+the two. A layer profile measured alone is multiplied by it for plans running ``n`` devices.
 """
 
 from __future__ import annotations
@@ -56,16 +56,16 @@ def _median_times(n: int, args: tuple) -> list[float]:
 
 
 def measure_concurrency(model: str, *, module: str, layer: str, seq_len: int, threads: int,
-                        counts: tuple[int, ...] | None = None, window_s: float = 3.0,
-                        trials: int = 3) -> dict[int, float]:
+                        counts: tuple[int, ...] | None = None, window_s: float = 2.0,
+                        trials: int = 4) -> dict[int, float]:
     """Per-device slowdown for each number of concurrent devices (default 2 .. CPU cores / threads)."""
     counts = counts or tuple(range(2, (os.cpu_count() or 1) // threads + 1))
     args = (model, module, layer, seq_len, threads, window_s)
     slowdown = {}
     for n in counts:
-        ratios = []
+        alone, together = [], []
         for _ in range(trials):
-            alone = _median_times(1, args)[0]
-            ratios.append(statistics.mean(_median_times(n, args)) / alone)
-        slowdown[n] = min(ratios)
+            alone.append(_median_times(1, args)[0])
+            together.append(statistics.mean(_median_times(n, args)))
+        slowdown[n] = min(together) / min(alone)
     return {1: 1.0, **slowdown}

@@ -240,3 +240,12 @@ def test_concurrency_slowdown_scales_measured_layers():
     cost = ProfileCostSource(p).layer_cost(module="llm", layer=head, tp=1, sp=1, cp=1, seq_len=128,
                                            tokens_per_rank=128, micro_batch=1, recompute="full")
     assert cost.recompute_s == 0.0 and cost.activation_bytes == 1000  # only blocks are recomputed
+
+
+def test_time_statistic_min_uses_the_fastest_repeat():
+    point = layer_point(128, 1, 1.0).model_copy(update={"forward": Spread(median_s=1.0, min_s=0.5, max_s=9.0, repeats=5)})
+    by_median = ProfileIndex(profile(layers=[point])).layer_cost("llm", "decoder_layer", tp=1, sp=1, seq_len=128,
+                                                                 micro_batch=1)
+    by_min = ProfileIndex(profile(layers=[point], time_statistic="min")).layer_cost(
+        "llm", "decoder_layer", tp=1, sp=1, seq_len=128, micro_batch=1)
+    assert (by_median.forward_s, by_min.forward_s) == (1.0, 0.5)
