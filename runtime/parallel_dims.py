@@ -62,9 +62,10 @@ class ParallelDims:
             raise ValueError(f"{self.name}: a rank appears twice in {self.ranks}")
         if self.cp > 1:
             raise NotImplementedError(
-                f"{self.name}: context parallelism (cp={self.cp}) is not implemented: torch's context_parallel "
-                "shards SDPA through the CUDA flash/efficient kernels with is_causal and no explicit mask, but the "
-                "HF Qwen-VL blocks pass packed per-image segments and explicit masks, and CPU/gloo has no such kernel"
+                f"{self.name}: context parallelism (cp={self.cp}) is not implemented: torch's context_parallel has "
+                "no sharding rule for the CPU SDPA kernel (aten._scaled_dot_product_flash_attention_for_cpu), and on "
+                "GPU it needs is_causal SDPA without explicit masks, while the HF Qwen-VL blocks pass explicit masks "
+                "and packed per-image segments"
             )
         if self.sp > 1 and self.name != "vision":
             raise NotImplementedError(f"{self.name}: sequence parallelism is implemented for the vision tower only")
