@@ -165,6 +165,7 @@ def make_problem(
     frozen: Iterable[str] = (),
     profile: str | None = "auto",
     assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
+    allow_ring_cp: bool = False,
 ) -> Problem:
     """Everything a plan depends on, from user-level inputs.
 
@@ -186,6 +187,7 @@ def make_problem(
         frozen: Modules to freeze.
         profile: Profile file, "auto" (the committed profile of this device/model if any) or None.
         assumptions: Cost-model knobs.
+        allow_ring_cp: Also search ring context parallelism, which the runtime cannot execute yet.
 
     Raises:
         ValueError: any bad input, in one line.
@@ -206,7 +208,7 @@ def make_problem(
     module_tokens(workload, spec)  # raises ValueError for samples without tokens or unaligned --vision-tokens
     cluster, layer_costs = _profile_source(spec, cluster, profile)
     return Problem(model=spec, cluster=cluster, workload=workload, precision=precision, assumptions=assumptions,
-                   layer_costs=layer_costs)
+                   layer_costs=layer_costs, allow_ring_cp=allow_ring_cp)
 
 
 def _as_problem(model: str | ModelSpec | Problem, gpus: int | None, inputs: Mapping[str, Any]) -> Problem:

@@ -8,7 +8,7 @@ Strategy space of one module on ``gpus`` GPUs, for a global batch B:
 
 * ``grad_accum`` divides B; ``dp`` divides B / grad_accum and ``gpus``; ``micro_batch = B / (dp * grad_accum)``;
 * ``tp`` divides the GPUs of a node; ``sp`` (encoders) divides the attention heads; ``cp`` fills the rest
-  (``gpus = dp * tp * sp * cp``); ZeRO 0-3 (only 0 when nothing is reduced); recompute none/selective/full;
+  (``gpus = dp * tp * sp * cp``) and is searched only with ``Problem.allow_ring_cp`` or a pinned cp; ZeRO 0-3 (only 0 when nothing is reduced); recompute none/selective/full;
 * ``planner.cost.check_strategy`` decides validity (heads, node size, encoder/LLM axes, windows, tokens).
 
 Group sizes: colocated, every module spans all N GPUs. Disjoint (exactly one encoder): the encoder takes
@@ -61,6 +61,9 @@ class Problem:
     """Cost-model knobs."""
     layer_costs: LayerCostSource | None = None
     """Measured per-layer costs (a profile), or None for the analytical model alone."""
+    allow_ring_cp: bool = False
+    """Search ring context parallelism (cp > 1). Off by default: the cost model prices it, but the runtime cannot
+    execute it yet, so a default plan is always one ``python -m runtime`` runs. ``--fix MODULE.cp=N`` pins it."""
 
     @property
     def num_gpus(self) -> int:
@@ -209,6 +212,8 @@ def _layouts(problem: Problem, module: str, gpus: int, fixed: Mapping[str, int |
                 if batch % dp or gpus % (dp * tp * sp):
                     continue
                 cp = gpus // (dp * tp * sp)
+                if cp > 1 and not (problem.allow_ring_cp or "cp" in fixed):
+                    continue
                 if fixed.get("cp", cp) == cp:
                     layouts.append((dp, tp, sp, cp))
     return layouts

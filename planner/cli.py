@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--fix", action="append", default=[], metavar="MODULE.FIELD=VALUE",
                         help="pin a degree (fields: dp tp sp cp zero recompute micro_batch grad_accum gpus; "
                              "or placement=...); pinning every field evaluates that exact strategy")
+    search.add_argument("--allow-cp", action="store_true",
+                        help="also search ring context parallelism (cp > 1): costed, but `python -m runtime` "
+                             "cannot run it yet")
     search.add_argument("--top-k", type=int, default=1, metavar="K", help="show the K best distinct plans")
     search.add_argument("--max-seq", action="store_true",
                         help="find the longest image sequence (vision tokens per sample) any plan fits")
@@ -124,6 +127,7 @@ def _inputs(args: argparse.Namespace) -> dict:
         vision_tokens=args.vision_tokens, text_tokens=args.text_tokens, images_per_sample=args.images_per_sample,
         audio_seconds=args.audio_seconds, global_batch=args.global_batch, precision=args.precision,
         frozen=args.frozen, profile=None if (args.profile or "").lower() == "none" else (args.profile or "auto"),
+        allow_ring_cp=args.allow_cp,
     )
 
 

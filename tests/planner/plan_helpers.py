@@ -25,6 +25,7 @@ def problem(
     text: int = 64,
     precision: str = "bf16_mixed",
     overhead_gib: float | None = None,
+    allow_ring_cp: bool = False,
 ) -> Problem:
     """A small problem; ``memory_gib`` shrinks the device so that the memory limit binds."""
     spec = get_device(device)
@@ -39,12 +40,14 @@ def problem(
         workload=Workload(image_sizes=((image, image),), text_tokens=text, global_batch=batch),
         precision=precision,
         assumptions=assumptions,
+        allow_ring_cp=allow_ring_cp,
     )
 
 
 def all_strategies(p: Problem, module: str, gpus: int) -> list[ModuleStrategy]:
     """Every valid strategy of ``module`` on ``gpus`` GPUs: all integer grids, ZeRO 0-3, every recompute mode
-    and micro-batch, filtered by ``check_strategy`` only (independent of planner.candidates' enumeration)."""
+    and micro-batch, filtered by ``check_strategy`` only (independent of planner.candidates' enumeration); ring CP
+    (cp > 1) only when the problem allows it."""
     batch = p.workload.global_batch
     found = []
     for dp in divisors(gpus):
@@ -54,6 +57,8 @@ def all_strategies(p: Problem, module: str, gpus: int) -> list[ModuleStrategy]:
             for tp in divisors(gpus // dp):
                 for sp in divisors(gpus // (dp * tp)):
                     cp = gpus // (dp * tp * sp)
+                    if cp > 1 and not p.allow_ring_cp:
+                        continue
                     for zero in range(4):
                         for rc in RECOMPUTE_CHOICES:
                             s = ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, zero=zero, recompute=rc,

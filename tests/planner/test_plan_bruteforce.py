@@ -1,6 +1,6 @@
 """CP-SAT (with candidate pruning) finds the same optimum as trying every strategy combination.
 
-Coverage: the tiny model on 2, 4 and 8 CPU "GPUs" and Qwen2.5-VL-32B on 4 H200 (bf16 pure) and 8 H100, both
+Coverage: the tiny model on 2, 4 (with and without ring CP in the space) and 8 CPU "GPUs" and Qwen2.5-VL-32B on 4 H200 (bf16 pure) and 8 H100, both
 placements, with the memory limit loose and tightened below the unconstrained optimum's peak (so that memory
 binds). Brute force enumerates every integer grid, ZeRO stage, recompute mode and micro-batch that
 ``check_strategy`` accepts (and, disjoint, every split of the GPUs) and costs each pair with ``cost.estimate``.
@@ -22,12 +22,13 @@ TINY = dict(model="qwen2.5-vl-tiny", device="cpu", overhead_gib=0.0)
 CASES = {
     "tiny-2gpu": dict(TINY, gpus=2, batch=4),
     "tiny-4gpu": dict(TINY, gpus=4, batch=4),
+    "tiny-4gpu-cp": dict(TINY, gpus=4, batch=4, allow_ring_cp=True),
     "tiny-8gpu": dict(TINY, gpus=8, batch=8),
     "32b-h200-4gpu-pure": dict(model="qwen-vl-32b", device="h200-141gb", gpus=4, batch=4, image=448, text=128,
                                precision="bf16_pure"),
     "32b-h100-8gpu": dict(model="qwen-vl-32b", device="h100-80gb", gpus=8, batch=8, image=896, text=256),
 }
-FAST = ["tiny-2gpu", "tiny-4gpu", "32b-h200-4gpu-pure"]
+FAST = ["tiny-2gpu", "tiny-4gpu", "tiny-4gpu-cp", "32b-h200-4gpu-pure"]
 SLOW = ["tiny-8gpu", "32b-h100-8gpu"]
 
 

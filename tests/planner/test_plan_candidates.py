@@ -85,9 +85,17 @@ def test_invalid_fix_reports_the_rule():
 
 
 def test_unusable_gpu_count_is_reported():
-    p = problem("qwen-vl-32b", 7, device="h100-80gb", batch=64)
+    p = replace(problem("qwen-vl-32b", 7, device="h100-80gb", batch=64), allow_ring_cp=True)
     _, _, reason, _ = module_candidates(p, "vision", "colocated", {})
     assert reason == "vision uses cp=7; context parallelism is implemented for the LLM only"
+
+
+def test_ring_cp_is_searched_only_when_allowed():
+    p = problem("qwen-vl-32b", 16, device="h100-80gb", batch=64)
+    default = build_candidates(p, "colocated").by_module["llm"]
+    allowed = build_candidates(replace(p, allow_ring_cp=True), "colocated").by_module["llm"]
+    assert all(c.strategy.cp == 1 for c in default)
+    assert any(c.strategy.cp > 1 for c in allowed)
 
 
 def _with(c, **ints):
