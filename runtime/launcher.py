@@ -197,8 +197,23 @@ def start(plan: Plan, options: RunOptions) -> Job:
     return Job(plan=plan, workers=workers, group=group)
 
 
-def run(plan: Plan, options: RunOptions, *, steps: int, metrics_path: str | None = None) -> dict[str, Any]:
-    """Train ``steps`` optimizer steps with one JSON line per step; returns the summary (also printed)."""
+def save_checkpoint(job: Job, path: str) -> None:
+    """Gather the trained weights to this process and write them with transformers' ``save_pretrained``."""
+    from runtime.model import build_model
+
+    model = build_model(job.plan.model.hf_config, seed=0, device="meta")
+    model.load_state_dict(job.gather("param"), strict=False, assign=True)
+    model.tie_weights()
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    assert not missing, f"parameters not gathered: {missing[:3]}"
+    model.save_pretrained(path)
+
+
+def run(
+    plan: Plan, options: RunOptions, *, steps: int, metrics_path: str | None = None, save: str | None = None
+) -> dict[str, Any]:
+    """Train ``steps`` optimizer steps with one JSON line per step (then save the weights to ``save``, a
+    folder ``--checkpoint`` can start from); returns the summary (also printed)."""
     from runtime.metrics import MetricsLog, format_summary
 
     job = start(plan, options)
@@ -211,6 +226,8 @@ def run(plan: Plan, options: RunOptions, *, steps: int, metrics_path: str | None
         finally:
             log.close()
         summary = log.summary()
+        if save is not None:
+            save_checkpoint(job, save)
     finally:
         job.shutdown()
     print(format_summary(summary, "peak RSS per worker" if is_cpu_plan(plan) else "max allocated per GPU"))

@@ -85,17 +85,24 @@ def test_plan_written_by_the_planner_runs_end_to_end(tmp_path, ray_cluster):
 
 
 @pytest.mark.slow
-def test_workers_start_from_a_checkpoint_folder(tmp_path, ray_cluster):
+def test_workers_start_from_and_save_a_checkpoint_folder(tmp_path, ray_cluster):
     from runtime.model import build_model
 
     saved = build_model(make_plan({}, {}).model.hf_config, seed=7)
-    saved.save_pretrained(tmp_path)
-    job = launcher.start(make_plan(dict(tp=2), dict(tp=2)), RunOptions(seed=0, checkpoint=str(tmp_path)))
+    saved.save_pretrained(tmp_path / "start")
+    job = launcher.start(make_plan(dict(tp=2), dict(tp=2)), RunOptions(seed=0, checkpoint=str(tmp_path / "start")))
     try:
-        params = job.gather("param")
+        start = job.gather("param")
+        job.step()
+        launcher.save_checkpoint(job, str(tmp_path / "end"))
+        trained = job.gather("param")
     finally:
         job.shutdown()
     expected = dict(saved.named_parameters())
-    assert set(params) == set(expected)
-    for name, value in params.items():
+    assert set(start) == set(expected)
+    for name, value in start.items():
         assert torch.equal(value, expected[name].detach()), name
+    reloaded = dict(build_model(saved.config.to_dict(), seed=0, checkpoint=str(tmp_path / "end")).named_parameters())
+    for name, value in trained.items():
+        assert not torch.equal(value, expected[name].detach()), f"{name} did not train"
+        assert torch.equal(reloaded[name].detach(), value), name
