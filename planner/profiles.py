@@ -445,7 +445,7 @@ def relative_rms(predicted: Sequence[float], measured: Sequence[float]) -> float
 def refit_calibration(predicted: Sequence[float], measured: Sequence[float], *, sources: Sequence[str]) -> Calibration:
     """Refit scale/overhead from (predicted, measured) step times.
 
-    ``predicted`` are the RAW predictions (before any calibration; ``uncalibrate`` undoes one). A non-positive fitted scale (noise on near-identical predictions) falls back
+    ``predicted`` are the RAW predictions (before any calibration). A non-positive fitted scale (noise on near-identical predictions) falls back
     to the scale-only fit.
     """
     scale, overhead = fit_scale_overhead(predicted, measured)
@@ -468,12 +468,6 @@ def calibrate(step_time_s: float, calibration: Calibration | None) -> float:
         return step_time_s
     return calibration.scale * step_time_s + calibration.overhead_s
 
-
-def uncalibrate(step_time_s: float, calibration: Calibration | None) -> float:
-    """Inverse of ``calibrate``: the raw prediction behind a calibrated one."""
-    if calibration is None:
-        return step_time_s
-    return (step_time_s - calibration.overhead_s) / calibration.scale
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -521,7 +515,8 @@ class ProfileCostSource:
         )
 
     def collective_time(self, op: str, group_size: int, message_bytes: float) -> float | None:
-        """Measured seconds of a collective (None: use the link model)."""
+        """Measured seconds of a collective (None: use the link model). ``message_bytes`` is the per-rank input
+        buffer. The seam for the cost model's collectives (they use the fitted link model until they call it)."""
         return self.index.collective_time(op, group_size, message_bytes)
 
     def step_time(self, raw_step_time_s: float) -> float:

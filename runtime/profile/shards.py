@@ -13,7 +13,6 @@ Legend: B micro-batch, S tokens per sample (before SP), L local tokens (S/sp), H
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 
 import torch
@@ -329,4 +328,4 @@ def shard_param_bytes(shard: LayerShard) -> int:
 def tokens_multiple(config: Qwen2_5_VLConfig, layer: LayerSpec, sp: int) -> int:
     """Sequence lengths of this layer must be multiples of this (merge unit and SP)."""
     unit = config.vision_config.spatial_merge_size**2 if layer.kind == "patch_merger" else 1
-    return math.lcm(unit * sp, sp)
+    return unit * sp

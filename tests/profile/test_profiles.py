@@ -29,7 +29,6 @@ from planner.profiles import (
     load_profile,
     refit_calibration,
     save_profile,
-    uncalibrate,
 )
 
 PROV = Provenance(device_name="cpu", device_detail="test", torch_version="x", cuda_version=None, date="2026-01-01",
@@ -110,7 +109,7 @@ def test_refit_reduces_error_and_round_trips():
     assert (cal.scale, cal.overhead_s) == pytest.approx((1.0, 0.5))
     assert cal.rms_error_before == pytest.approx(math.sqrt(((0.5 / 1.5) ** 2 + (0.5 / 2.5) ** 2) / 2))
     assert cal.rms_error_after == pytest.approx(0.0, abs=1e-12)
-    assert calibrate(3.0, cal) == pytest.approx(3.5) and uncalibrate(3.5, cal) == pytest.approx(3.0)
+    assert calibrate(3.0, cal) == pytest.approx(3.5) and calibrate(3.0, None) == 3.0
 
 
 def test_device_from_profile_replaces_measured_fields():
