@@ -234,12 +234,19 @@ def find_profile(device_name: str, model_name: str, root: Path = PROFILES_DIR) -
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def interp_loglog(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    """Piecewise power-law interpolation: linear in (log x, log y), extrapolating with the nearest segment's slope.
+EXTRAPOLATION_SLOPES = (1.0, 2.0)
+"""Power-law exponents allowed when extrapolating beyond the measured sizes: a layer's work grows at least linearly
+(GEMMs, norms) and at most quadratically (attention) in tokens and micro-batch; the measured end segment's slope,
+which noise can make anything, is clamped to this range (downward only the upper bound applies)."""
 
-    Exact for y = c * x**p (any p), which covers linear (MLP, p=1) and quadratic (attention, p=2) scaling; a mix is
-    approximated segment by segment. A single point scales linearly (p=1). ``xs`` must be increasing and ``ys``
-    positive.
+
+def interp_loglog(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise power-law interpolation: linear in (log x, log y); beyond the ends, the end segment's exponent
+    clamped to ``EXTRAPOLATION_SLOPES``.
+
+    Exact for y = c * x**p inside the range (any p) and outside it for 1 <= p <= 2, which covers linear (MLP) and
+    quadratic (attention) scaling; a mix is approximated segment by segment. A single point scales linearly.
+    ``xs`` must be increasing and ``ys`` positive.
     """
     assert len(xs) == len(ys) and len(xs) >= 1, "need at least one point"
     if len(xs) == 1:
@@ -247,6 +254,11 @@ def interp_loglog(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], max(ys[i - 1], 1e-30), max(ys[i], 1e-30)
     slope = math.log(y1 / y0) / math.log(x1 / x0)
+    lo, hi = EXTRAPOLATION_SLOPES
+    if x > xs[-1]:
+        return y1 * math.exp(min(max(slope, lo), hi) * math.log(x / x1))
+    if x < xs[0]:
+        slope = min(max(slope, 0.0), hi)
     return y0 * math.exp(slope * math.log(x / x0))
 
 

@@ -9,8 +9,9 @@ the bus efficiency; ``latency`` is the per-message latency alpha.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Callable
 
 from planner.cost.assumptions import CostAssumptions
 from planner.hardware import Cluster
@@ -24,6 +25,14 @@ class Link:
     """Achieved per-GPU unidirectional bytes/s."""
     latency: float
     """Per-message latency alpha, seconds."""
+    curve: Callable[[str, int, float], float | None] | None = None
+    """(profiler) Measured seconds of (op, group size, per-rank input bytes), None where not measured; the
+    formulas below apply where it has no answer. Set from a profile's collectives (``ProfileCostSource``)."""
+
+
+def _measured(link: Link, op: str, group_size: int, per_rank_bytes: float) -> float | None:
+    """(profiler) The link's measured time for this collective, if it has one."""
+    return None if link.curve is None else link.curve(op, group_size, per_rank_bytes)
 
 
 def all_reduce_time(num_bytes: float, group_size: int, link: Link) -> float:
@@ -35,6 +44,9 @@ def all_reduce_time(num_bytes: float, group_size: int, link: Link) -> float:
     n = group_size
     if n <= 1 or num_bytes <= 0:
         return 0.0
+    measured = _measured(link, "all_reduce", n, num_bytes)
+    if measured is not None:
+        return measured
     return 2 * (n - 1) / n * num_bytes / link.bandwidth + 2 * (n - 1) * link.latency
 
 
@@ -46,6 +58,9 @@ def all_gather_time(num_bytes: float, group_size: int, link: Link) -> float:
     n = group_size
     if n <= 1 or num_bytes <= 0:
         return 0.0
+    measured = _measured(link, "all_gather", n, num_bytes / n)
+    if measured is not None:
+        return measured
     return (n - 1) / n * num_bytes / link.bandwidth + (n - 1) * link.latency
 
 
@@ -54,7 +69,10 @@ def reduce_scatter_time(num_bytes: float, group_size: int, link: Link) -> float:
 
     Source: Thakur, Rabenseifner & Gropp 2005, Sec. 4.3 (the dual of the ring all-gather).
     """
-    return all_gather_time(num_bytes, group_size, link)
+    measured = _measured(link, "reduce_scatter", group_size, num_bytes) if group_size > 1 and num_bytes > 0 else None
+    if measured is not None:
+        return measured
+    return all_gather_time(num_bytes, group_size, replace(link, curve=None))
 
 
 def all_to_all_time(num_bytes: float, group_size: int, link: Link) -> float:
@@ -66,6 +84,9 @@ def all_to_all_time(num_bytes: float, group_size: int, link: Link) -> float:
     n = group_size
     if n <= 1 or num_bytes <= 0:
         return 0.0
+    measured = _measured(link, "all_to_all", n, num_bytes)
+    if measured is not None:
+        return measured
     return (n - 1) / n * num_bytes / link.bandwidth + (n - 1) * link.latency
 
 
@@ -73,6 +94,9 @@ def p2p_time(num_bytes: float, link: Link) -> float:
     """One point-to-point message: ``B/bw + alpha`` (Hockney 1994, the alpha-beta model itself)."""
     if num_bytes <= 0:
         return 0.0
+    measured = _measured(link, "send_recv", 2, num_bytes)
+    if measured is not None:
+        return measured
     return num_bytes / link.bandwidth + link.latency
 
 

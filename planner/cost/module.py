@@ -8,7 +8,7 @@ the sharding that determines them (tp, sp, cp, micro-batch, recompute, links).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
 
@@ -272,6 +272,20 @@ def handoff_per_micro_batch(
     return directions * p2p_time(per_mb / s.sp, static.links[not same_node])
 
 
+def _with_measured_collectives(static: _Static, s: ModuleStrategy, layer_costs: LayerCostSource | None) -> _Static:
+    """(profiler) ``static`` whose intra-node link answers with the profile's measured collective curves where it
+    has them (``collective_time``), and whose sources say "measured" for collectives when the curves cover every
+    process group of ``s``. Inter-node links keep the formula (a single-node profile cannot measure them)."""
+    curve = getattr(layer_costs, "collective_time", None)
+    if curve is None:
+        return static
+    nvlink, nic = static.links
+    groups = [g for g in (s.tp, s.sp, s.cp, s.dp * s.sp * s.cp) if g > 1]
+    covered = bool(groups) and all(curve("all_reduce", g, 1.0) is not None for g in groups)
+    sources = {**static.analytical_sources, "collectives": MEASURED} if covered else static.analytical_sources
+    return replace(static, links=(replace(nvlink, curve=curve), nic), analytical_sources=MappingProxyType(sources))
+
+
 def analytical_module_cost(
     model: ModelSpec,
     module: str,
@@ -289,7 +303,7 @@ def analytical_module_cost(
 ) -> ModuleCost:
     """Compose per-layer terms, model states, DP/ZeRO communication and the hand-off into a ModuleCost."""
     s = strategy
-    static = _static(model, module, workload, cluster, assumptions)
+    static = _with_measured_collectives(_static(model, module, workload, cluster, assumptions), s, layer_costs)
     dpn = cluster.devices_per_node
     within = (
         axis_within_node(first_rank, 1, s.tp, s.gpus, dpn),

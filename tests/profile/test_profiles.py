@@ -64,6 +64,14 @@ def test_loglog_exact_on_power_laws():
     assert interp_loglog([10], [4.0], 25) == pytest.approx(10.0)
 
 
+def test_loglog_extrapolation_exponent_is_clamped():
+    # A noisy end segment (exponent 10, or -1) extrapolates quadratically upward / linearly at least.
+    assert interp_loglog([1, 2], [1.0, 1024.0], 4) == pytest.approx(1024.0 * 4)
+    assert interp_loglog([1, 2], [2.0, 1.0], 4) == pytest.approx(1.0 * 2)
+    # Downward: never growing as x shrinks (exponent >= 0).
+    assert interp_loglog([2, 4], [2.0, 1.0], 1) == pytest.approx(2.0)
+
+
 def test_grid_interpolates_seq_then_micro_batch():
     # f(s, b) = s * b measured at s in {100, 200}, b in {1, 2}; at (150, 1.5) the answer is 225.
     pts = {(100, 1): 100.0, (200, 1): 200.0, (100, 2): 200.0, (200, 2): 400.0}
@@ -248,3 +256,39 @@ def test_time_statistic_min_uses_the_fastest_repeat():
     by_min = ProfileIndex(profile(layers=[point], time_statistic="min")).layer_cost(
         "llm", "decoder_layer", tp=1, sp=1, seq_len=128, micro_batch=1)
     assert (by_median.forward_s, by_min.forward_s) == (1.0, 0.5)
+
+
+def test_measured_collective_curves_replace_the_link_model():
+    from planner.cost.comm import Link, all_gather_time, all_reduce_time, p2p_time, reduce_scatter_time
+
+    def curve(op, n, per_rank_bytes):
+        return {"all_reduce": 1.0, "all_gather": 2.0, "send_recv": 3.0}.get(op) if n == 2 else None
+
+    link = Link(bandwidth=1e9, latency=0.0, curve=curve)
+    assert all_reduce_time(1e6, 2, link) == 1.0 and all_gather_time(1e6, 2, link) == 2.0
+    assert p2p_time(1e6, link) == 3.0
+    # Not measured: the ring formulas, (n-1)/n * B / bw.
+    assert reduce_scatter_time(1e6, 2, link) == pytest.approx(0.5e-3)
+    assert all_reduce_time(1e6, 4, link) == pytest.approx(1.5e-3)
+
+
+def test_plan_says_collectives_are_measured_when_the_profile_covers_its_groups():
+    from planner.catalog import get_model
+    from planner.cost import estimate
+    from planner.hardware import make_cluster
+    from planner.profiles import ProfileCostSource
+    from planner.strategy import ModuleStrategy, Strategy
+    from planner.workload import Workload
+
+    model = get_model("qwen2.5-vl-tiny")
+    ar = [CollectivePoint(op="all_reduce", group_size=2, message_bytes=s, time=spread(0.5), backend="gloo")
+          for s in (1024, 1 << 30)]
+    workload = Workload(vision_tokens=256, text_tokens=64, global_batch=2)
+    ms = ModuleStrategy(dp=2, micro_batch=1, grad_accum=1)
+    strategy = Strategy(placement="colocated", modules={"vision": ms, "llm": ms})
+    cluster = make_cluster("cpu", 2)
+    measured = estimate(model, cluster, workload, strategy, layer_costs=ProfileCostSource(profile(collectives=ar)))
+    plain = estimate(model, cluster, workload, strategy, layer_costs=ProfileCostSource(profile()))
+    assert measured.modules["llm"].sources["collectives"] == "measured"
+    assert plain.modules["llm"].sources["collectives"] == "analytical"
+    assert measured.modules["llm"].dp_comm_s != plain.modules["llm"].dp_comm_s
