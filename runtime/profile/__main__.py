@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-statistic", choices=("median", "min"), default=None,
                    help="timing the planner uses from this profile: median (dedicated machine, the default) or min "
                         "(shared machine: other processes only add time); stored in the profile")
+    p.add_argument("--remeasure-noisy", action="store_true",
+                   help="first drop layer points slower than the same shard at a longer sequence (disturbed by "
+                        "other processes), then measure what is missing")
     p.add_argument("--time-budget", type=float, default=None, help="stop measuring new points after this many seconds")
     p.add_argument("--no-device-bench", action="store_true", help="skip the matmul / bandwidth microbenchmarks")
     p.add_argument("--collectives", action="store_true", help="measure collectives (gloo on CPU, NCCL on CUDA)")

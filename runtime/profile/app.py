@@ -22,7 +22,7 @@ from planner.profiles import (
     save_profile,
 )
 from runtime.profile.device import device_detail, measure_device
-from runtime.profile.layers import Grid, grid_points, measure_point, memory_point, sweep
+from runtime.profile.layers import Grid, grid_points, measure_point, memory_point, noisy_points, sweep
 from runtime.profile.measure import TimingConfig
 
 FAKE_HARDWARE = "fake"
@@ -148,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
             profile.device.concurrency = cpu_concurrency(args.model, model, args.llm_seq)
             extra += 1
             save(profile)
+        if args.remeasure_noisy:
+            noisy = noisy_points(profile.layers)
+            profile.layers = [p for p in profile.layers if p.key not in noisy]
+            print(f"re-measuring {len(noisy)} disturbed point(s)", file=sys.stderr)
         cfg = TimingConfig(warmup=args.warmup, repeats=args.repeats, dtype=dtype, device=args.device)
         done, left = sweep(profile, points, lambda pt: measure_point(model, pt, cfg), field="layers", save=save,
                            time_budget_s=args.time_budget)

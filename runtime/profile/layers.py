@@ -100,6 +100,23 @@ def memory_point(model: ModelSpec, point: GridPoint, dtype: torch.dtype) -> Memo
     )
 
 
+def noisy_points(points: list[LayerPoint], *, tolerance: float = 0.05) -> set[tuple]:
+    """Keys of points slower (forward or backward median, beyond ``tolerance``) than the same shard at the next
+    longer sequence: work never shrinks with more tokens, and other processes only ever add time, so the slower
+    of such a pair is the disturbed one. Re-measuring them is ``--remeasure-noisy``."""
+    series: dict[tuple, list[LayerPoint]] = {}
+    for p in points:
+        series.setdefault((p.module, p.layer, p.tp, p.sp, p.micro_batch), []).append(p)
+    noisy = set()
+    for row in series.values():
+        row.sort(key=lambda p: p.seq_len)
+        for shorter, longer in zip(row, row[1:]):
+            for field in ("forward", "backward"):
+                if getattr(shorter, field).median_s > (1 + tolerance) * getattr(longer, field).median_s:
+                    noisy.add(shorter.key)
+    return noisy
+
+
 def sweep(
     profile: Profile,
     points: list[GridPoint],

@@ -110,3 +110,17 @@ def test_compare_with_analytical_memory_model():
     assert errors[("llm", "lm_head")][0] < 0.01
     assert all(r.param_error == pytest.approx(0, abs=0.01) for r in rows)
     assert "llm.decoder_layer" in format_table(rows)
+
+
+def test_noisy_points_are_the_slower_shorter_ones():
+    from planner.profiles import LayerPoint, Spread
+    from runtime.profile.layers import noisy_points
+
+    def point(seq, fwd):
+        s = Spread(median_s=fwd, min_s=fwd, max_s=fwd, repeats=1)
+        return LayerPoint(module="llm", layer="decoder_layer", tp=1, sp=1, seq_len=seq, micro_batch=1, forward=s,
+                          backward=s, recompute=s, forward_flops=0, backward_flops=0, saved_activation_bytes=0,
+                          peak_bytes=0)
+
+    points = [point(128, 1.0), point(256, 9.0), point(512, 4.0), point(1024, 8.0)]
+    assert noisy_points(points) == {points[1].key}
