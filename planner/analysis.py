@@ -66,9 +66,10 @@ MAX_SIDE_PATCHES = 2048
 
 
 def module_step_time(plan: Plan, name: str) -> float:
-    """Seconds one step keeps a module's GPUs busy: grad_accum micro-batches plus its exposed DP communication."""
+    """Seconds one step keeps a module's GPUs busy: grad_accum micro-batches, exposed DP communication, optimizer."""
     m = plan.module(name)
-    return m.grad_accum * m.predicted.time_s.per_micro_batch + m.predicted.time_s.dp_comm
+    t = m.predicted.time_s
+    return m.grad_accum * t.per_micro_batch + t.dp_comm + t.optimizer
 
 
 def binding_module(plan: Plan) -> str:

@@ -90,13 +90,13 @@ class Candidate:
     cost: ModuleCost
     """The cost model's full answer."""
     step_ns: int
-    """Colocated step-time term: grad_accum * per_micro_batch + dp_comm."""
+    """Colocated step-time term: grad_accum * per_micro_batch + tail (exposed DP comm + optimizer step)."""
     per_micro_batch_ns: int
     """One micro-batch through the module."""
     fill_ns: int
     """(grad_accum - 1) * per_micro_batch: the pipeline's steady state if this module is the slowest stage."""
-    dp_comm_ns: int
-    """Exposed DP/ZeRO communication per step."""
+    tail_ns: int
+    """After the last micro-batch: exposed DP/ZeRO communication + the optimizer step (``step_tail_s``)."""
     memory_bytes: int
     """Per-GPU bytes of this module: weights + gradients + optimizer + buffers + activations in flight."""
 
@@ -305,10 +305,10 @@ def cost_candidate(problem: Problem, module: str, strategy: ModuleStrategy, plac
     return Candidate(
         module=module,
         cost=cost,
-        step_ns=round((ga * cost.per_micro_batch_s + cost.dp_comm_s) * NS_PER_S),
+        step_ns=round((ga * cost.per_micro_batch_s + cost.step_tail_s) * NS_PER_S),
         per_micro_batch_ns=round(cost.per_micro_batch_s * NS_PER_S),
         fill_ns=round((ga - 1) * cost.per_micro_batch_s * NS_PER_S),
-        dp_comm_ns=round(cost.dp_comm_s * NS_PER_S),
+        tail_ns=round(cost.step_tail_s * NS_PER_S),
         memory_bytes=memory + cost.activations_bytes,
     )
 
@@ -327,7 +327,7 @@ def solver_key(c: Candidate, placement: Placement) -> tuple[int, int]:
     """The two numbers the solver sees of a candidate besides its GPUs and grad_accum."""
     if placement == "colocated":
         return c.step_ns, c.memory_bytes
-    return c.per_micro_batch_ns, c.dp_comm_ns
+    return c.per_micro_batch_ns, c.tail_ns
 
 
 def pareto_front(cands: list[Candidate], placement: Placement) -> list[Candidate]:

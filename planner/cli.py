@@ -200,7 +200,7 @@ def _module_block(m) -> list[str]:
         f"micro-batch {m.micro_batch}   grad accum {m.grad_accum}",
         f"    per step: forward {t.forward:.3f} s, backward {t.backward:.3f} s, recompute {t.recompute:.3f} s, "
         f"TP {t.tp_comm:.3f} s, SP {t.sp_comm:.3f} s, CP {t.cp_comm:.3f} s, DP exposed {t.dp_comm:.3f} s, "
-        f"hand-off {t.handoff:.3f} s",
+        f"optimizer {t.optimizer:.3f} s, hand-off {t.handoff:.3f} s",
         f"    memory per GPU {mem.total:.1f} GiB (weights {mem.weights:.1f}, grads {mem.gradients:.1f}, "
         f"optimizer {mem.optimizer:.1f}, activations {mem.activations:.1f}, buffers {mem.buffers:.1f})",
     ]

@@ -45,6 +45,7 @@ class ModuleTime(_Frozen):
     sp_comm: float
     cp_comm: float
     dp_comm: float = Field(description="exposed (not overlapped) data-parallel / ZeRO communication")
+    optimizer: float = Field(description="the optimizer step over this GPU's optimizer shard")
     handoff: float = Field(description="sending this module's output to the next module and its gradient back")
     per_micro_batch: float = Field(description="forward+backward+recompute+tp/sp/cp comm+handoff of one micro-batch")
 

@@ -6,7 +6,7 @@ of Williams, Waterman & Patterson (2009), "Roofline: an insightful visual perfor
 
 from __future__ import annotations
 
-from planner.cost.assumptions import CostAssumptions
+from planner.cost.assumptions import BytesPerParam, CostAssumptions
 from planner.hardware import DeviceSpec
 
 
@@ -96,6 +96,21 @@ def attention_core_time(
         return compute
     traffic = score_elements * assumptions.eager_score_traffic_bytes_per_element
     return compute + traffic / (device.memory_bandwidth * assumptions.memory_bandwidth_efficiency)
+
+
+def optimizer_step_time(
+    params: float, recipe: BytesPerParam, device: DeviceSpec, assumptions: CostAssumptions
+) -> float:
+    """Seconds of one AdamW step over ``params`` locally held parameters (the rank's optimizer shard).
+
+    Adam is memory-bound (a handful of FLOPs per element): each optimizer state, fp32 master copy included, is
+    read and written once, the gradient read once and the weights written (and, without a master copy, read)
+    once -- ``gradients + 2 * optimizer + 2 * weights`` bytes per parameter (Rajbhandari et al. 2020, ZeRO,
+    Sec. 3.1 state sizes; roofline at zero arithmetic intensity, Williams et al. 2009). bf16 mixed: 2 + 24 + 4
+    = 30 B/param.
+    """
+    num_bytes = params * (recipe.gradients + 2 * recipe.optimizer + 2 * recipe.weights)
+    return num_bytes / (device.memory_bandwidth * assumptions.memory_bandwidth_efficiency)
 
 
 def elementwise_time(elements_moved: float, device: DeviceSpec, assumptions: CostAssumptions) -> float:

@@ -3,11 +3,12 @@
 The combination rules are linear in per-module quantities (sums, and one max per quantity), so a CP-SAT model
 with one boolean per (module, candidate) reproduces ``combine`` exactly:
 
-* colocated: ``step = sum_m (grad_accum * per_micro_batch_m + dp_comm_m)``;
+* colocated: ``step = sum_m (grad_accum * per_micro_batch_m + tail_m)`` where ``tail = dp_comm + optimizer``
+  (``ModuleCost.step_tail_s``);
   ``memory = sum_m (weights + gradients + optimizer + buffers)_m + sum_m activations_per_micro_batch_m *
   in_flight_m + overhead``.
 * disjoint (encoders -> LLM, 1F1B over grad_accum micro-batches):
-  ``step = sum_m per_micro_batch_m + (grad_accum - 1) * max_m per_micro_batch_m + max_m dp_comm_m``;
+  ``step = sum_m per_micro_batch_m + (grad_accum - 1) * max_m per_micro_batch_m + max_m tail_m``;
   each group's memory is its own module's plus the overhead.
 """
 
@@ -89,12 +90,12 @@ def combine(
     """Combine per-module costs into a plan estimate with the linear rules of this module's docstring."""
     grad_accum = next(iter(costs.values())).strategy.grad_accum
     if placement == "colocated":
-        step = sum(grad_accum * c.per_micro_batch_s + c.dp_comm_s for c in costs.values())
+        step = sum(grad_accum * c.per_micro_batch_s + c.step_tail_s for c in costs.values())
         groups = {"all": _group_memory(list(costs.values()), assumptions)}
         num_gpus = max(c.strategy.gpus for c in costs.values())
     elif placement == "disjoint":
         per_mb = [c.per_micro_batch_s for c in costs.values()]
-        step = sum(per_mb) + (grad_accum - 1) * max(per_mb) + max(c.dp_comm_s for c in costs.values())
+        step = sum(per_mb) + (grad_accum - 1) * max(per_mb) + max(c.step_tail_s for c in costs.values())
         groups = {name: _group_memory([c], assumptions) for name, c in costs.items()}
         num_gpus = sum(c.strategy.gpus for c in costs.values())
     else:
@@ -148,7 +149,7 @@ def _binding_constraint(
         name = max(costs, key=lambda m: costs[m].per_micro_batch_s)
         lead = f"pipeline: {name} stage is the slowest ({costs[name].per_micro_batch_s * 1e3:.1f} ms per micro-batch)"
     else:
-        name = max(costs, key=lambda m: costs[m].strategy.grad_accum * costs[m].per_micro_batch_s + costs[m].dp_comm_s)
+        name = max(costs, key=lambda m: costs[m].strategy.grad_accum * costs[m].per_micro_batch_s + costs[m].step_tail_s)
         lead = f"time: {name} takes the most of the step"
     parts = costs[name].time_parts()
     part = max(parts, key=parts.get)

@@ -13,6 +13,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from planner.cost.assumptions import CostAssumptions
+from planner.cost.compute import optimizer_step_time
 from planner.cost.comm import Link, all_gather_time, axis_within_node, link, p2p_time, zero_comm_time
 from planner.cost.layer_costs import ANALYTICAL, MEASURED, LayerCostSource, LayerMeasurement
 from planner.cost.layers import Shard, layer_terms
@@ -359,6 +360,8 @@ def analytical_module_cost(
         sp_comm_s=ga * sp_c,
         cp_comm_s=ga * cp_c,
         dp_comm_s=dp_comm,
+        optimizer_s=optimizer_step_time(params / (shards if s.zero >= 1 else 1), recipe, cluster.device, assumptions)
+        if trainable else 0.0,
         handoff_s=ga * handoff,
         per_micro_batch_s=per_mb,
         weights_bytes=math.ceil(weights),

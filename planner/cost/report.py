@@ -29,6 +29,7 @@ def module_time(cost: ModuleCost) -> ModuleTime:
         sp_comm=cost.sp_comm_s,
         cp_comm=cost.cp_comm_s,
         dp_comm=cost.dp_comm_s,
+        optimizer=cost.optimizer_s,
         handoff=cost.handoff_s,
         per_micro_batch=cost.per_micro_batch_s,
     )

@@ -70,6 +70,8 @@ class ModuleCost:
     """Exposed ring-attention KV passing per step."""
     dp_comm_s: float
     """Exposed (not overlapped) DP/ZeRO communication per step."""
+    optimizer_s: float
+    """The optimizer step over this GPU's optimizer shard, once per step."""
     handoff_s: float
     """Per step: sending this encoder's output to the LLM layout and its gradient back (0 for the LLM)."""
     per_micro_batch_s: float
@@ -90,6 +92,11 @@ class ModuleCost:
     """Model FLOPs of this module per step over ALL its GPUs (no recomputation)."""
     sources: Mapping[str, str]
     """Where each number came from, e.g. ``{"window_block.forward": "analytical"}``."""
+
+    @property
+    def step_tail_s(self) -> float:
+        """What follows the last micro-batch's backward: exposed DP/ZeRO communication + the optimizer step."""
+        return self.dp_comm_s + self.optimizer_s
 
     @property
     def activations_bytes(self) -> int:
@@ -115,6 +122,7 @@ class ModuleCost:
             "sp_comm": self.sp_comm_s,
             "cp_comm": self.cp_comm_s,
             "dp_comm": self.dp_comm_s,
+            "optimizer": self.optimizer_s,
             "handoff": self.handoff_s,
         }
 

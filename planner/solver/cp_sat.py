@@ -4,10 +4,10 @@ Data (``planner.candidates``: integers, ns and bytes) -> ``CpModel`` -> variable
 family -> objective -> parameters -> status -> typed ``Solution``s. The objective reproduces
 ``planner.cost.combine`` exactly (up to 0.5 ns rounding per term):
 
-* colocated: ``step = sum_m (grad_accum * per_micro_batch_m + dp_comm_m)``; memory on every GPU
+* colocated: ``step = sum_m (grad_accum * per_micro_batch_m + tail_m)`` (tail = exposed DP comm + optimizer); memory on every GPU
   ``sum_m memory_m + overhead <= usable``.
 * disjoint (one encoder, one LLM, 1F1B over grad_accum micro-batches): ``step = sum_m per_micro_batch_m +
-  (grad_accum - 1) * max_m per_micro_batch_m + max_m dp_comm_m``, linear because grad_accum is one shared
+  (grad_accum - 1) * max_m per_micro_batch_m + max_m tail_m``, linear because grad_accum is one shared
   choice; each group fits by itself (candidates are filtered); the groups use exactly N GPUs.
 
 Ties are broken deterministically by a second solve that fixes the optimal step time and minimises a
@@ -143,8 +143,8 @@ def build_model(
     else:
         add_disjoint_gpus(model, x, cands, num_gpus)
         fill = add_max_over_modules(model, x, cands, "fill_ns", "pipeline_fill")
-        dp_comm = add_max_over_modules(model, x, cands, "dp_comm_ns", "dp_comm_max")
-        step = weighted(x, cands, "per_micro_batch_ns") + fill + dp_comm
+        tail = add_max_over_modules(model, x, cands, "tail_ns", "tail_max")
+        step = weighted(x, cands, "per_micro_batch_ns") + fill + tail
     return model, x, step
 
 

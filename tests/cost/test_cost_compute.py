@@ -15,6 +15,7 @@ from planner.cost.compute import (
     gemm_flops,
     gemm_time,
     matmul_efficiency,
+    optimizer_step_time,
     roofline_time,
 )
 
@@ -87,6 +88,16 @@ def test_attention_core_time_flash_vs_eager():
     compute = 1e12 / (1e15 * 0.6 * 4096 / 4224)
     traffic = 1e9 * 16 / (2e12 * 0.8)
     assert eager == pytest.approx(compute + traffic)
+
+
+def test_optimizer_step_time():
+    # bf16 mixed: 2 (grad) + 2*12 (fp32 master, m, v read + written) + 2*2 (weights) = 30 B/param
+    # 1e9 params * 30 B / (2e12 B/s * 0.8)
+    mixed = A.bytes_per_param("bf16_mixed")
+    assert optimizer_step_time(1e9, mixed, TOY_DEVICE, A) == pytest.approx(30e9 / 1.6e12)
+    # bf16 pure: 2 + 2*4 + 2*2 = 14 B/param
+    pure = A.bytes_per_param("bf16_pure")
+    assert optimizer_step_time(1e9, pure, TOY_DEVICE, A) == pytest.approx(14e9 / 1.6e12)
 
 
 def test_elementwise_time():

@@ -14,7 +14,7 @@ CLUSTER = toy_cluster(8)
 WORKLOAD = toy_workload(global_batch=8)
 
 
-def fake_cost(module, *, per_mb, dp_comm, states, act, buffers, in_flight=1, gpus=4, ga=2, flops=1e12):
+def fake_cost(module, *, per_mb, dp_comm, states, act, buffers, in_flight=1, gpus=4, ga=2, flops=1e12, optimizer=0.0):
     strategy = ModuleStrategy(dp=gpus, micro_batch=8 // (gpus * ga), grad_accum=ga)
     return ModuleCost(
         module=module,
@@ -26,6 +26,7 @@ def fake_cost(module, *, per_mb, dp_comm, states, act, buffers, in_flight=1, gpu
         sp_comm_s=0,
         cp_comm_s=0,
         dp_comm_s=dp_comm,
+        optimizer_s=optimizer,
         handoff_s=0,
         per_micro_batch_s=per_mb,
         weights_bytes=states,
@@ -76,6 +77,16 @@ def test_combine_disjoint_is_a_pipeline():
     assert e.binding_constraint.startswith("pipeline: llm stage is the slowest")
 
 
+def test_optimizer_step_joins_the_tail_of_either_placement():
+    vision = fake_cost("vision", per_mb=1.0, dp_comm=0.5, states=GiB, act=GiB, buffers=0, optimizer=0.1)
+    llm = fake_cost("llm", per_mb=3.0, dp_comm=0.25, states=GiB, act=GiB, buffers=0, optimizer=0.5)
+    costs = {"vision": vision, "llm": llm}
+    # colocated: 2*1 + (0.5 + 0.1) + 2*3 + (0.25 + 0.5)
+    assert combine(MODEL, CLUSTER, WORKLOAD, "colocated", costs, A).step_time_s == pytest.approx(9.35)
+    # disjoint: 1 + 3 + 1 * 3 + max(0.6, 0.75)
+    assert combine(MODEL, CLUSTER, WORKLOAD, "disjoint", costs, A).step_time_s == pytest.approx(7.75)
+
+
 def test_combine_reports_memory_binding():
     costs = {"llm": fake_cost("llm", per_mb=1.0, dp_comm=0, states=20 * GiB, act=5 * GiB, buffers=0)}
     e = combine(MODEL, CLUSTER, WORKLOAD, "colocated", costs, A)
@@ -93,7 +104,7 @@ def test_estimate_breakdown_sums_and_reproduces_combine():
     assert b.total == b.weights + b.gradients + b.optimizer + b.activations + b.buffers + b.overhead
     assert e.peak_memory_bytes == b.total
     assert sum(c.weights_bytes for c in e.modules.values()) == b.weights
-    assert e.step_time_s == pytest.approx(sum(c.per_micro_batch_s + c.dp_comm_s for c in e.modules.values()))
+    assert e.step_time_s == pytest.approx(sum(c.per_micro_batch_s + c.step_tail_s for c in e.modules.values()))
 
 
 def test_states_by_precision_and_zero():
@@ -107,6 +118,11 @@ def test_states_by_precision_and_zero():
     )
     pure = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8), precision="bf16_pure").modules["vision"]
     assert pure.optimizer_bytes == 4 * vision_params
+    # the optimizer step touches 30 B per local parameter (ZeRO-0: all of them) at 0.8 x HBM bandwidth
+    assert e.modules["vision"].optimizer_s == pytest.approx(
+        30 * vision_params / (CLUSTER.device.memory_bandwidth * 0.8))
+    z1 = _estimate(ModuleStrategy(dp=8, zero=1), ModuleStrategy(dp=8)).modules["vision"]
+    assert z1.optimizer_s == pytest.approx(e.modules["vision"].optimizer_s / 8)
     z3 = _estimate(ModuleStrategy(dp=8, zero=3), ModuleStrategy(dp=8)).modules["vision"]
     assert z3.weights_bytes == pytest.approx(2 * vision_params / 8, abs=1)
     assert z3.optimizer_bytes == pytest.approx(12 * vision_params / 8, abs=1)

@@ -43,7 +43,7 @@ def test_metrics_errors_are_one_line(tmp_path):
 def make_plan(model, strategy, workload, device) -> schema.Plan:
     """A schema-valid plan for ``strategy`` (predicted numbers zero: calibration recomputes them)."""
     zero_time = schema.ModuleTime(forward=0, backward=0, recompute=0, tp_comm=0, sp_comm=0, cp_comm=0, dp_comm=0,
-                                  handoff=0, per_micro_batch=0)
+                                  optimizer=0, handoff=0, per_micro_batch=0)
     zero_mem = schema.MemoryBreakdown(weights=0, gradients=0, optimizer=0, activations=0, buffers=0, overhead=0)
     ranks = strategy.module_ranks()
     modules = [

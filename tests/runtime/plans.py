@@ -27,7 +27,7 @@ def _memory() -> MemoryBreakdown:
 
 def _prediction() -> ModulePrediction:
     time = ModuleTime(forward=0.01, backward=0.02, recompute=0.0, tp_comm=0.0, sp_comm=0.0, cp_comm=0.0,
-                      dp_comm=0.0, handoff=0.0, per_micro_batch=0.03)
+                      dp_comm=0.0, optimizer=0.0, handoff=0.0, per_micro_batch=0.03)
     return ModulePrediction(time_s=time, memory_gib=_memory(), flops_per_step=1e9, sources={})
 
 
