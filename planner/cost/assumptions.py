@@ -80,6 +80,15 @@ class CostAssumptions:
     """Fraction of the full s x s attention FLOPs a causal kernel executes (it skips masked blocks)."""
     softmax_stat_bytes: int = 4
     """Bytes per head and token of the fp32 logsumexp flash-style kernels save for backward."""
+    norm_upcast_bytes: float = 4.0
+    """Extra bytes per element each norm keeps for backward: transformers' RMSNorm (Qwen2RMSNorm) casts its
+    input to fp32 before the variance and its backward reads that fp32 copy (measured with FakeTensorMode:
+    6 B/element in all, not 2). 0 models a fused norm kernel."""
+    vision_rotary_upcast_bytes: float = 4.0
+    """Extra bytes per q and k element a vision block keeps: Qwen-VL's ``apply_rotary_pos_emb_vision`` rotates
+    fp32 copies of q and k, which its backward reads. 0 when rotary runs in the activation dtype."""
+    token_id_bytes: int = 8
+    """Bytes per token of the int64 token ids the embedding keeps for its weight gradient."""
     eager_score_bytes_per_element: float = 6.0
     """Bytes stored per score element by eager attention: fp32 softmax output (kept for its backward) plus
     its bf16 cast (kept for the P @ V GEMM), as in HF ``eager_attention_forward``."""

@@ -222,11 +222,15 @@ def _block_attention(layer: LayerSpec, shard: Shard) -> tuple[float, float, floa
 
 
 def _block_saved(layer: LayerSpec, shard: Shard, scores: float, recompute: str) -> float:
-    """Bytes a block keeps for backward on one rank (``block_saved_bytes_per_token`` x tokens + scores).
-    Inside Ulysses attention a rank holds all tokens of heads/sp, i.e. the same count per token of its shard;
-    K/V heads fewer than tp*sp are replicated."""
+    """Bytes a block keeps for backward on one rank (``block_saved_bytes_per_token`` x tokens + scores, plus a
+    vision block's fp32 rotary copies of q and k). Inside Ulysses attention a rank holds all tokens of heads/sp,
+    i.e. the same count per token of its shard; K/V heads fewer than tp*sp are replicated."""
     a, s = layer.attention, shard
-    per_token = block_saved_bytes_per_token(
+    q_width = a.num_heads * a.head_dim / s.tp
+    rotary = 2 * q_width * s.assumptions.vision_rotary_upcast_bytes
+    if layer.kind != "vision_block" or recompute == "full":
+        rotary = 0.0
+    per_token = rotary + block_saved_bytes_per_token(
         hidden=layer.hidden_size,
         q_width=a.num_heads * a.head_dim / s.tp,
         kv_width=max(a.num_kv_heads, s.tp * s.sp) / s.tp * a.head_dim,
@@ -303,6 +307,7 @@ def patch_embed_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
 
 def patch_merger_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     """Qwen-VL PatchMerger: norm, merge ``token_reduction`` tokens, Linear(in, in) -> GELU -> Linear(in, out).
+    It keeps the norm input (with its fp32 copy), the merged MLP input, and the GELU input and output.
 
     The MLP is column- then row-parallel under TP (1 all-reduce forward, 1 backward, Shoeybi et al. 2019
     Sec. 3). Under Ulysses each rank merges its own tokens (merge groups never straddle windows).
@@ -315,7 +320,7 @@ def patch_merger_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     mid = in_f / shard.tp
     gemm_s, gemm_fl = _gemms(((m_out, mid, in_f), (m_out, out, mid)), shard)
     elem_s = elementwise_time(2 * m * h + 2 * m_out * mid, shard.device, asm)
-    saved = (m * h + m_out * in_f + 2 * m_out * mid) * e
+    saved = (m * h + m_out * in_f + 2 * m_out * mid) * e + m * h * asm.norm_upcast_bytes
     return _terms(
         shard,
         gemm_s=gemm_s,
@@ -330,7 +335,7 @@ def patch_merger_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
 def embedding_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     """Token embedding: a memory-bound gather of ``tokens x h``; vocab-parallel under TP, whose partial
     outputs are all-reduced in forward (Shoeybi et al. 2019, Sec. 3). Backward only scatters the weight
-    gradient, so a frozen embedding runs none. It keeps only token ids."""
+    gradient, so a frozen embedding runs none. It keeps only the token ids (``token_id_bytes`` each)."""
     h, m = layer.hidden_size, shard.tokens
     elem_s = elementwise_time(2 * m * h, shard.device, shard.assumptions)
     if shard.backward != "full":
@@ -341,18 +346,18 @@ def embedding_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         gemm_s=0.0,
         gemm_flops_=0.0,
         elementwise_s=elem_s,
-        saved=0.0,
+        saved=0.0 if shard.backward != "full" else m * shard.assumptions.token_id_bytes,
         tp_fwd=all_reduce_time(m * h * e, shard.tp, shard.tp_link),
     )
 
 
 def final_norm_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
-    """Final RMSNorm: memory-bound read + write of ``tokens x h``; keeps its input (replicated under TP)."""
-    h, m = layer.hidden_size, shard.tokens
-    elem_s = elementwise_time(2 * m * h, shard.device, shard.assumptions)
-    return _terms(
-        shard, gemm_s=0.0, gemm_flops_=0.0, elementwise_s=elem_s, saved=m * h * shard.assumptions.activation_bytes
-    )
+    """Final RMSNorm: memory-bound read + write of ``tokens x h``; keeps its input and, unfused, its fp32 copy
+    (``norm_upcast_bytes``), replicated under TP."""
+    h, m, asm = layer.hidden_size, shard.tokens, shard.assumptions
+    elem_s = elementwise_time(2 * m * h, shard.device, asm)
+    saved = m * h * (asm.activation_bytes + asm.norm_upcast_bytes)
+    return _terms(shard, gemm_s=0.0, gemm_flops_=0.0, elementwise_s=elem_s, saved=saved)
 
 
 def lm_head_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:

@@ -90,8 +90,9 @@ def block_saved_bytes_per_token(
       keeps the activation input and output, ``2 f`` (Korthikanti's ``16sbh/t`` for f = 4h).
 
     Full recomputation keeps only the block input, ``h`` (or ``h/tp`` with sequence parallelism).
-    For a GPT layer (q = kv = h, f = 4h, eager) this gives Korthikanti eq. 2 without dropout:
-    ``sbh(8 + 24/t)`` plus the score term.
+    For a GPT layer (q = kv = h, f = 4h, eager, ``norm_upcast_bytes`` 0) this gives Korthikanti eq. 2 without
+    dropout: ``sbh(8 + 24/t)`` plus the score term. Unfused norms add ``norm_upcast_bytes`` per element of
+    each of the two norm inputs (their fp32 copy).
     """
     replicated = hidden / tp if assumptions.megatron_sequence_parallel else hidden
     e = assumptions.activation_bytes
@@ -99,7 +100,7 @@ def block_saved_bytes_per_token(
         return replicated * e
     attention = 2 * q_width + 2 * kv_width
     mlp = (4 if gated else 2) * mlp_width
-    saved = (4 * replicated + attention + mlp) * e
+    saved = (4 * replicated + attention + mlp) * e + 2 * replicated * assumptions.norm_upcast_bytes
     if recompute == "none" and assumptions.attention_implementation != "eager":
         saved += heads * assumptions.softmax_stat_bytes
     return saved

@@ -76,7 +76,8 @@ def test_frozen_backward_modes():
 
 def test_decoder_saved_activations():
     # per token: 4h + 2q + 2kv + 4f = 512 + 256 + 64 + 1024 = 1856 elements * 2 B + 8 heads * 4 B lse
-    assert layer_terms(DECODER, shard()).saved_bytes == pytest.approx(64 * (1856 * 2 + 32))
+    # + the fp32 copies of the two norm inputs, 2 * 128 * 4 B
+    assert layer_terms(DECODER, shard()).saved_bytes == pytest.approx(64 * (1856 * 2 + 32 + 2 * 128 * 4))
 
 
 def test_gemm_time_sums_the_shapes():
@@ -174,6 +175,32 @@ def test_merger_reduces_tokens():
     merger = MODEL.module("vision").layer("patch_merger")
     # 64 patches -> 16 tokens: (16 x 256 x 256) and (16 x 128 x 256) GEMMs
     assert layer_terms(merger, shard()).flops == pytest.approx(2 * 16 * 256 * 256 + 2 * 16 * 128 * 256)
+
+
+def test_embedding_keeps_int64_token_ids():
+    emb = MODEL.module("llm").layer("embedding")
+    assert layer_terms(emb, shard()).saved_bytes == 64 * 8
+    assert layer_terms(emb, shard(backward="input")).saved_bytes == 0
+
+
+def test_vision_blocks_keep_fp32_rotary_copies_of_q_and_k():
+    a = WINDOW.attention
+    no_copy = replace(A, vision_rotary_upcast_bytes=0.0)
+    extra = layer_terms(WINDOW, shard()).saved_bytes - layer_terms(WINDOW, shard(assumptions=no_copy)).saved_bytes
+    # 64 tokens x (q + k) x heads * head_dim x 4 B
+    assert extra == pytest.approx(64 * 2 * a.num_heads * a.head_dim * 4)
+    # decoder layers rotate in the activation dtype; full recomputation keeps only the block input
+    assert layer_terms(DECODER, shard(assumptions=no_copy)).saved_bytes == pytest.approx(
+        layer_terms(DECODER, shard()).saved_bytes)
+    full = shard(recompute="full")
+    assert layer_terms(WINDOW, full).saved_bytes == layer_terms(WINDOW, replace(full, assumptions=no_copy)).saved_bytes
+
+
+def test_merger_keeps_the_fp32_copy_of_its_norm_input():
+    merger = MODEL.module("vision").layer("patch_merger")
+    no_copy = replace(A, norm_upcast_bytes=0.0)
+    extra = layer_terms(merger, shard()).saved_bytes - layer_terms(merger, shard(assumptions=no_copy)).saved_bytes
+    assert extra == pytest.approx(64 * merger.hidden_size * 4)
 
 
 def test_frozen_embedding_has_no_backward():

@@ -18,7 +18,8 @@ from planner.cost.memory import (
     zero3_gather_bytes,
 )
 
-A = DEFAULT_ASSUMPTIONS
+A = replace(DEFAULT_ASSUMPTIONS, norm_upcast_bytes=0.0)
+"""Korthikanti et al. count fused norms; the unfused fp32 copies are tested on their own below."""
 MIXED = A.bf16_mixed
 
 
@@ -89,6 +90,14 @@ def test_korthikanti_eq2_without_dropout():
         assert _gpt(t, assumptions=eager) == pytest.approx(1024 * (8 + 24 / t))
     s, a, t = 2048, 16, 4
     assert score_matrix_bytes(s * s * a / t, "none", eager) == pytest.approx(2 * a * s * s / t)
+
+
+def test_unfused_norms_keep_an_fp32_copy_of_both_norm_inputs():
+    # GPT layer, h = 1024 per token: fused 1024 * 32 B + 64 B logsumexp; unfused adds 2 inputs * 1024 * 4 B
+    unfused = replace(A, norm_upcast_bytes=4.0)
+    assert _gpt(1, assumptions=unfused) == pytest.approx(1024 * 32 + 16 * 4 + 2 * 1024 * 4)
+    # under full recompute only the block input is kept: no norm copies
+    assert _gpt(1, assumptions=unfused, recompute="full") == pytest.approx(_gpt(1, recompute="full"))
 
 
 def test_flash_adds_logsumexp_only():
