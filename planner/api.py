@@ -129,21 +129,30 @@ def make_cluster_for(
     return make_cluster(device, num_gpus, gpus_per_node)
 
 
-def _profile_source(model: ModelSpec, cluster: Cluster, profile: str | None) -> tuple[Cluster, Any]:
-    """The cluster with measured device numbers and a layer-cost source, from ``profile``: a path, ``"auto"``
-    (the committed profile of this device and model, if any) or None (analytical only). Devices sharing a host
-    slow each other; the source scales layer times by the factor the profile measured for this many devices."""
+ACTIVATION_BYTES_BY_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per activation element of the dtypes a profile can be measured in."""
+
+
+def _profile_source(
+    model: ModelSpec, cluster: Cluster, profile: str | None, assumptions: CostAssumptions
+) -> tuple[Cluster, Any, CostAssumptions]:
+    """The cluster with measured device numbers, a layer-cost source and the assumptions in the profile's dtype,
+    from ``profile``: a path, ``"auto"`` (the committed profile of this device and model, if any) or None
+    (analytical only). Devices sharing a host slow each other; the source scales layer times by the factor the
+    profile measured for this many devices. A profile measured in fp32 (the CPU runtime's dtype) makes the
+    activations, messages and hand-offs it does not measure 4 bytes per element too."""
     if profile is None:
-        return cluster, None
+        return cluster, None, assumptions
     from planner import profiles
 
     path = profiles.find_profile(cluster.device.name, model.name) if profile == "auto" else profile
     if path is None:
-        return cluster, None
+        return cluster, None, assumptions
     loaded = profiles.load_profile(path)
     device = profiles.device_from_profile(cluster.device, loaded)
     source = profiles.ProfileCostSource(loaded, concurrent_devices=cluster.num_devices)
-    return replace(cluster, device=device), source
+    element = ACTIVATION_BYTES_BY_DTYPE.get(loaded.provenance.dtype, assumptions.activation_bytes)
+    return replace(cluster, device=device), source, replace(assumptions, activation_bytes=element)
 
 
 def make_problem(
@@ -206,7 +215,7 @@ def make_problem(
         images_per_sample=images_per_sample, audio_seconds=audio_seconds, global_batch=global_batch,
     )
     module_tokens(workload, spec)  # raises ValueError for samples without tokens or unaligned --vision-tokens
-    cluster, layer_costs = _profile_source(spec, cluster, profile)
+    cluster, layer_costs, assumptions = _profile_source(spec, cluster, profile, assumptions)
     return Problem(model=spec, cluster=cluster, workload=workload, precision=precision, assumptions=assumptions,
                    layer_costs=layer_costs, allow_ring_cp=allow_ring_cp)
 
