@@ -2,13 +2,14 @@
 
 One global micro-batch of ``B`` samples, ``T`` merged image tokens each, is split two ways: vision DP replica
 ``d`` (with its SP ranks ``k``) produced the tokens of samples ``[d*mb_v, (d+1)*mb_v)``, window-ordered; LLM
-replica ``e`` needs those of samples ``[e*mb_l, (e+1)*mb_l)`` in sample order. Each piece (d, k) is sent by the
-piece's first TP rank to every LLM rank whose samples it touches; the LLM rank places the rows it needs.
-Gradients go back from one rank of each LLM replica (its first cp/sp/tp rank: the others hold the same values)
-to every TP rank of the piece, which sums what it receives. Works the same for colocated placement (messages
-to oneself are copies) and disjoint placement (vision and LLM on different ranks).
+rank (dp ``e``, sp ``j``) needs, of samples ``[e*mb_l, (e+1)*mb_l)``, the image tokens its sequence slice holds
+(all of them without LLM SP), in sample order (``llm_needs``). Each piece (d, k) is sent by the piece's first TP
+rank to every LLM rank that needs some of its rows, and only those rows. Gradients go back from the first TP
+rank of every LLM (dp, sp) coordinate (its TP ranks hold the same values) to every TP rank of each piece it
+used, which places the rows it receives (every row comes from exactly one sender). Works the same for colocated
+placement (messages to oneself are copies) and disjoint placement (vision and LLM on different ranks).
 
-Shape legend: m rows of one piece, D LLM hidden size.
+Shape legend: m rows of one piece, n image tokens of one LLM rank, D LLM hidden size.
 """
 
 from __future__ import annotations
@@ -55,6 +56,25 @@ def build_pieces(vision: ParallelDims, positions_per_rank: list[torch.Tensor], t
     return pieces
 
 
+def llm_needs(
+    llm: ParallelDims, slots_per_sp_rank: list[torch.Tensor], tokens_per_sample: int
+) -> dict[int, torch.Tensor]:
+    """Global (micro-batch) index of every image token each LLM rank places, in its local order (sample-major).
+
+    Args:
+        llm: the LLM's degrees.
+        slots_per_sp_rank: for each LLM SP rank, which of a sample's ``tokens_per_sample`` image tokens its
+            slice holds (runtime.llm.image_slots_per_rank).
+        tokens_per_sample: merged image tokens per sample.
+    """
+    needs = {}
+    for rank in llm.ranks:
+        coord = llm.coordinate(rank)
+        samples = coord["dp"] * llm.micro_batch + torch.arange(llm.micro_batch)
+        needs[rank] = (samples[:, None] * tokens_per_sample + slots_per_sp_rank[coord["sp"]][None, :]).flatten()
+    return needs
+
+
 @dataclass
 class Posted:
     """Messages in flight for one micro-batch in one direction; ``Handoff.wait`` completes them."""
@@ -74,13 +94,16 @@ class Handoff:
     rank's simultaneous send and receive with the same peer from deadlocking.
     """
 
-    def __init__(self, *, vision: ParallelDims, llm: ParallelDims, pieces: list[Piece], tokens_per_sample: int,
+    def __init__(self, *, llm: ParallelDims, pieces: list[Piece], needs: dict[int, torch.Tensor],
                  vision_trainable: bool, hidden: int, rank: int, dtype: torch.dtype, device: torch.device):
         self.rank, self.hidden, self.dtype, self.device = rank, hidden, dtype, device
         self.vision_trainable = vision_trainable
         self.pieces = pieces
-        self.span = llm.micro_batch * tokens_per_sample
         self.llm = llm
+        self.needs = needs
+        routes = (((i, r), self._route(p, needs[r])) for i, p in enumerate(pieces) for r in llm.ranks)
+        self.routes = {key: route for key, route in routes if route is not None}
+        """(piece index, LLM rank) -> (mask of the piece's rows that rank needs, their index among its own rows)."""
         self.groups = {FORWARD_TAG: dist.new_group(), BACKWARD_TAG: dist.new_group()}
         if device.type == "cuda":  # create the NCCL communicators now, on every rank together
             for group in self.groups.values():
@@ -88,21 +111,19 @@ class Handoff:
         self._mailbox: dict[int, torch.Tensor] = {}
         self.comm_seconds = 0.0
 
-    def _llm_range(self, llm_rank: int) -> tuple[int, int]:
-        start = self.llm.coordinate(llm_rank)["dp"] * self.span
-        return start, start + self.span
-
-    def _kept(self, piece: Piece, llm_rank: int) -> torch.Tensor:
-        """Mask of the piece's rows that LLM rank ``llm_rank`` uses."""
-        start, end = self._llm_range(llm_rank)
-        return (piece.positions >= start) & (piece.positions < end)
+    def _route(self, piece: Piece, needed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Which of the piece's rows an LLM rank needs (mask) and where they go among its own rows; None if none."""
+        keep = torch.isin(piece.positions, needed)
+        if not keep.any():
+            return None
+        return keep.to(self.device), torch.searchsorted(needed, piece.positions[keep]).to(self.device)
 
     def _is_gradient_sender(self, llm_rank: int) -> bool:
         coord = self.llm.coordinate(llm_rank)
-        return coord["cp"] == 0 and coord["sp"] == 0 and coord["tp"] == 0
+        return coord["cp"] == 0 and coord["tp"] == 0
 
-    def _my_piece(self) -> Piece:
-        return next(p for p in self.pieces if self.rank in p.owners)
+    def _my_piece(self) -> int:
+        return next(i for i, p in enumerate(self.pieces) if self.rank in p.owners)
 
     def _buffer(self, rows: int) -> torch.Tensor:
         return torch.empty(rows, self.hidden, dtype=self.dtype, device=self.device)
@@ -124,54 +145,57 @@ class Handoff:
         return dist.batch_isend_irecv(ops) if ops else []
 
     def activations(self, rows_mD: torch.Tensor | None, micro: int) -> Posted:
-        """Post this rank's part of the hand-off: its piece's rows if it produces one (``rows_mD``), and the
-        receives of the pieces its LLM replica needs if it holds the LLM. ``finish`` gives the replica's image
-        tokens [B_l*T, D] in sample order (a leaf; set requires_grad to collect its gradient)."""
+        """Post this rank's part of the hand-off: its piece's rows if it produces one (``rows_mD``), each LLM rank
+        getting the rows it needs, and the receives of the rows this rank needs if it holds the LLM. ``finish``
+        gives this LLM rank's image tokens [n, D] in its local order (a leaf; set requires_grad to collect its
+        gradient)."""
         sends, recvs = [], []
-        if rows_mD is not None and self.rank == self._my_piece().producer:
+        if rows_mD is not None and self.rank == self.pieces[self._my_piece()].producer:
             rows = rows_mD.to(self.dtype)  # receivers allocate buffers of the hand-off dtype
-            sends = [(rows, dst) for dst in self.llm.ranks if self._kept(self._my_piece(), dst).any()]
+            mine = self._my_piece()
+            sends = [(rows[keep], dst) for (i, dst), (keep, _) in self.routes.items() if i == mine]
         receive = self.rank in self.llm.ranks
         if receive:
-            needed = [p for p in self.pieces if self._kept(p, self.rank).any()]
-            recvs = [(self._buffer(len(p.positions)), p.producer) for p in needed]
+            mine = [(i, route) for (i, dst), route in self.routes.items() if dst == self.rank]
+            recvs = [(self._buffer(int(keep.sum())), self.pieces[i].producer) for i, (keep, _) in mine]
         works = self._post(sends, recvs, FORWARD_TAG, micro)
 
         def finish() -> torch.Tensor | None:
             if not receive:
                 return None
-            start = self._llm_range(self.rank)[0]
-            embeds = self._buffer(self.span)
-            received = dict((src, buf) for buf, src in recvs)
-            for piece in self.pieces:
-                if piece.producer in received:
-                    keep = self._kept(piece, self.rank)
-                    rows = received[piece.producer][keep.to(self.device)]
-                    embeds[(piece.positions[keep] - start).to(self.device)] = rows
+            embeds = self._buffer(len(self.needs[self.rank]))
+            for (_, (_, rows)), (buffer, _) in zip(mine, recvs):
+                embeds[rows] = buffer
             return embeds
 
         return Posted(works=works, finish=finish)
 
-    def gradients(self, grad_MD: torch.Tensor | None, micro: int) -> Posted:
-        """Post this rank's part of the hand-back: the gradient of every piece its LLM replica used (from the
-        replica's gradient sender, ``grad_MD``), and, on vision ranks, the receives of its own piece's
-        gradient. ``finish`` gives that gradient [m, D], summed over senders."""
+    def gradients(self, grad_nD: torch.Tensor | None, micro: int) -> Posted:
+        """Post this rank's part of the hand-back: on a gradient sender, the gradient rows (of ``grad_nD``) of
+        every piece it used, to all the piece's ranks; on vision ranks, the receives of their own piece's rows.
+        ``finish`` gives that piece's gradient [m, D]."""
         sends, recvs = [], []
-        if self.vision_trainable and grad_MD is not None and self._is_gradient_sender(self.rank):
-            start = self._llm_range(self.rank)[0]
-            for piece in self.pieces:
-                keep = self._kept(piece, self.rank)
-                if keep.any():
-                    grad = torch.zeros(len(piece.positions), self.hidden, dtype=grad_MD.dtype, device=grad_MD.device)
-                    grad[keep.to(self.device)] = grad_MD[(piece.positions[keep] - start).to(self.device)]
-                    sends += [(grad, dst) for dst in piece.owners]
+        if self.vision_trainable and grad_nD is not None and self._is_gradient_sender(self.rank):
+            for (i, dst), (_, rows) in self.routes.items():
+                if dst == self.rank:
+                    sends += [(grad_nD[rows], owner) for owner in self.pieces[i].owners]
         receive = self.vision_trainable and any(self.rank in p.owners for p in self.pieces)
         if receive:
-            piece = self._my_piece()
-            senders = [r for r in self.llm.ranks if self._is_gradient_sender(r) and self._kept(piece, r).any()]
-            recvs = [(self._buffer(len(piece.positions)), src) for src in senders]
+            mine = self._my_piece()
+            routes = [(r, keep) for (i, r), (keep, _) in self.routes.items()
+                      if i == mine and self._is_gradient_sender(r)]
+            recvs = [(self._buffer(int(keep.sum())), r) for r, keep in routes]
         works = self._post(sends, recvs, BACKWARD_TAG, micro)
-        return Posted(works=works, finish=lambda: torch.stack([b for b, _ in recvs]).sum(0) if receive else None)
+
+        def finish() -> torch.Tensor | None:
+            if not receive:
+                return None
+            grad = torch.zeros(len(self.pieces[mine].positions), self.hidden, dtype=self.dtype, device=self.device)
+            for (_, keep), (buffer, _) in zip(routes, recvs):
+                grad[keep] = buffer
+            return grad
+
+        return Posted(works=works, finish=finish)
 
     def wait(self, posted: Posted) -> torch.Tensor | None:
         """Complete posted messages (timed as communication) and return what was received."""

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from planner.schema import Plan
 from runtime.data import layout_from_plan
 from runtime.model import hf_config_from_dict
+from runtime.parallel.ulysses import split_sequence
 from runtime.parallel_dims import ParallelDims
 from runtime.trainer import MODULES, RunOptions, Trainer
 from runtime.vision import merged_positions_per_rank
@@ -68,7 +69,13 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
         raise ValueError(
             f"llm tp = {llm.tp} does not divide its {tc.num_attention_heads} q / {tc.num_key_value_heads} kv heads"
         )
+    if (tc.num_attention_heads // llm.tp) % llm.sp:
+        raise ValueError(
+            f"llm sp = {llm.sp} does not divide the {tc.num_attention_heads // llm.tp} attention heads of a TP rank "
+            f"(tp = {llm.tp})"
+        )
     layout = layout_from_plan(plan.workload, config)
+    split_sequence(layout.seq_len, llm.sp)  # a token per SP rank at least
     grid = torch.tensor([(1, h // layout.patch_size, w // layout.patch_size) for h, w in layout.image_sizes])
     merged_positions_per_rank(grid.repeat(vision.micro_batch, 1), vc, vision.sp)  # enough windows for SP
     if options.data is not None and not os.path.exists(options.data):

@@ -21,6 +21,8 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
 )
 
+from runtime.parallel.ulysses import UlyssesGroup
+
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
     "qwen2_vl": Qwen2VLForConditionalGeneration,
@@ -114,14 +116,20 @@ class LanguageModel(nn.Module):
         self.image_token_id = image_token_id
 
     def forward(
-        self, input_ids_BL: torch.Tensor, image_embeds_MD: torch.Tensor, position_ids_3BL: torch.Tensor
+        self, input_ids_BL: torch.Tensor, image_embeds_MD: torch.Tensor, position_ids_3BL: torch.Tensor,
+        ulysses_group: UlyssesGroup | None = None,
     ) -> torch.Tensor:
-        """Logits [B, L, V] (a DTensor sharded on V under tensor parallelism), as the HF model computes them."""
+        """Logits [B, L, V] (a DTensor sharded on V under tensor parallelism), as the HF model computes them.
+
+        Under sequence parallelism ``L`` is this rank's slice, ``image_embeds_MD`` the image tokens in it, and
+        ``ulysses_group`` (runtime.parallel.ulysses.UlyssesGroup) reaches every decoder layer's attention kernel.
+        """
         embeds_BLD = self.language_model.embed_tokens(input_ids_BL)
         image_mask_BL1 = (input_ids_BL == self.image_token_id).unsqueeze(-1)
         embeds_BLD = embeds_BLD.masked_scatter(image_mask_BL1, image_embeds_MD.to(embeds_BLD.dtype))
-        hidden_BLD = self.language_model(inputs_embeds=embeds_BLD, position_ids=position_ids_3BL).last_hidden_state
-        return self.lm_head(hidden_BLD)
+        extra = {} if ulysses_group is None else {"ulysses_group": ulysses_group}
+        hidden_BLD = self.language_model(inputs_embeds=embeds_BLD, position_ids=position_ids_3BL, **extra)
+        return self.lm_head(hidden_BLD.last_hidden_state)
 
     @staticmethod
     def hf_name(name: str) -> str:

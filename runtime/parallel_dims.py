@@ -67,8 +67,6 @@ class ParallelDims:
                 "GPU it needs is_causal SDPA without explicit masks, while the HF Qwen-VL blocks pass explicit masks "
                 "and packed per-image segments"
             )
-        if self.sp > 1 and self.name != "vision":
-            raise NotImplementedError(f"{self.name}: sequence parallelism is implemented for the vision tower only")
 
     @classmethod
     def from_plan(cls, module: ModulePlan) -> "ParallelDims":

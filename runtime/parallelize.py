@@ -1,7 +1,8 @@
 """Apply a module's planned parallelism, in torchtitan's order: TP -> recomputation -> FSDP (blocks, then root).
 
-Ulysses SP needs no module change: the vision forward (runtime.vision) splits the sequence and passes the SP
-group to the full-attention blocks' attention kernel.
+Ulysses SP needs no module change: the vision forward (runtime.vision) and the LLM's inputs (runtime.llm) are
+split on the sequence, and the SP group reaches the attention kernel (runtime.parallel.attention) as a call
+argument.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def parallelize_vision(vision: VisionTower, dims: ParallelDims) -> None:
 
 
 def parallelize_llm(llm: LanguageModel, dims: ParallelDims) -> None:
-    """Language model: TP (vocab-parallel embedding and loss), recomputation, ZeRO over ``dp``."""
+    """Language model: TP (vocab-parallel embedding and loss), recomputation, ZeRO over ``dp x sp``."""
     assert dims.mesh is not None, "build_mesh first"
     if dims.tp_enabled:
         parallelize_llm_tp(llm, dims.mesh["tp"])

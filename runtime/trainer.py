@@ -21,8 +21,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from planner.schema import Plan
-from runtime.data import IGNORE_INDEX, CaptionData, Sample, SyntheticData, collate, layout_from_plan
-from runtime.handoff import Handoff, Posted, build_pieces
+from runtime.data import IGNORE_INDEX, CaptionData, Sample, SyntheticData, collate, layout_from_plan, token_sequence
+from runtime.handoff import Handoff, Posted, build_pieces, llm_needs
+from runtime.llm import LLMShard, image_slots_per_rank, shard_llm_batch
 from runtime.model import build_model, hf_config_from_dict, split_model
 from runtime.optim import build_optimizer, clip_grad_norm
 from runtime.parallel import attention
@@ -100,12 +101,14 @@ class Trainer:
         return modules, rope_index
 
     def _build_handoff(self, config) -> Handoff:
-        vision = self.dims["vision"]
+        vision, llm = self.dims["vision"], self.dims["llm"]
         grid = self._grid(vision.micro_batch)
         positions = merged_positions_per_rank(grid, self.vision_config, vision.sp)
         per_sample = sum(self.layout.image_tokens())
         pieces = build_pieces(vision, positions, vision.micro_batch * per_sample)
-        return Handoff(vision=vision, llm=self.dims["llm"], pieces=pieces, tokens_per_sample=per_sample,
+        template = token_sequence([], self.layout)["input_ids"]  # every sample has its image tokens here
+        slots = image_slots_per_rank(template, self.layout.image_token_id, llm.sp)
+        return Handoff(llm=llm, pieces=pieces, needs=llm_needs(llm, slots, per_sample),
                        vision_trainable=not vision.frozen,
                        hidden=config.get_text_config().hidden_size, rank=self.rank, dtype=self._handoff_dtype(),
                        device=self.device)
@@ -138,11 +141,24 @@ class Trainer:
             self._batches[micro, name] = {k: v.to(self.device) for k, v in batch.items()}
         return self._batches[micro, name]
 
+    def _llm_shard(self, micro: int) -> LLMShard:
+        """This rank's slice of micro-batch ``micro`` for the LLM (the whole sequences without SP)."""
+        if micro not in self._llm_shards:
+            dims, batch = self.dims["llm"], self._samples(micro, "llm")
+            position_ids, _ = self.rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
+                                              image_grid_thw=batch["image_grid_thw"])
+            sp_group = dims.grid_mesh["sp"].get_group() if dims.sp_enabled else None
+            self._llm_shards[micro] = shard_llm_batch(
+                batch["input_ids"], position_ids, batch["labels"], sp_rank=dims.coordinate(self.rank)["sp"],
+                sp_group=sp_group, sp=dims.sp,
+            )
+        return self._llm_shards[micro]
+
     def _count_target_tokens(self) -> torch.Tensor:
-        """Tokens the loss averages over in this step, across all LLM replicas."""
+        """Tokens the loss averages over in this step, across all LLM replicas and sequence slices."""
         count = torch.zeros((), dtype=torch.float32, device=self.device)
         for micro in range(self.num_micro_batches):
-            count += (self._samples(micro, "llm")["labels"][:, 1:] != IGNORE_INDEX).sum()
+            count += (self._llm_shard(micro).targets_Bs != IGNORE_INDEX).sum()
         dims = self.dims["llm"]
         if dims.batch_enabled:
             dist.all_reduce(count, group=dims.mesh[BATCH_AXIS].get_group())
@@ -161,23 +177,22 @@ class Trainer:
             return self.modules["vision"](shard)
 
     def hand_off(self, rows: torch.Tensor | None, micro: int) -> Posted:
-        """Post the sends of this rank's vision piece and, on LLM ranks, the receives of the replica's image tokens."""
+        """Post the sends of this rank's vision piece and, on LLM ranks, the receives of the image tokens it places."""
         return self.handoff.activations(rows, micro)
 
     def llm_forward_backward(
         self, micro: int, embeds: torch.Tensor, num_tokens: torch.Tensor
     ) -> tuple[torch.Tensor | None, float]:
-        """LLM forward and backward on the received image tokens; returns their gradient and the loss share."""
-        batch = self._samples(micro, "llm")
-        position_ids, _ = self.rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
-                                          image_grid_thw=batch["image_grid_thw"])
+        """LLM forward and backward of this rank's sequence slice on its received image tokens; returns their
+        gradient and the loss share."""
+        shard = self._llm_shard(micro)
         llm, dims = self.modules["llm"], self.dims["llm"]
         embeds.requires_grad_(not self.dims["vision"].frozen)
         set_gradient_sync(llm, zero=dims.zero, last_micro_batch=micro == self.num_micro_batches - 1)
         with loss_parallel() if dims.tp_enabled else contextlib.nullcontext():
             with self._timed("llm_forward_s"), self._autocast():
-                logits = llm(batch["input_ids"], embeds, position_ids)
-                loss = self._loss(logits, batch["labels"], num_tokens)
+                logits = llm(shard.input_ids_Bs, embeds, shard.position_ids_3Bs, shard.ulysses)
+                loss = self._loss(logits, shard.targets_Bs, num_tokens)
             with self._timed("llm_backward_s"):
                 loss.backward()
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -210,11 +225,10 @@ class Trainer:
         return norm
 
     @staticmethod
-    def _loss(logits: torch.Tensor, labels: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
-        """Next-token cross-entropy summed over this micro-batch, divided by the step's target-token count:
-        the sum over micro-batches and replicas is transformers' mean loss over the whole global batch."""
-        shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
-        ce = F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=IGNORE_INDEX,
+    def _loss(logits: torch.Tensor, targets: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy summed over this rank's positions, divided by the step's target-token count:
+        the sum over micro-batches, replicas and sequence slices is transformers' mean loss over the global batch."""
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
                              reduction="sum")
         return ce / num_tokens
 
@@ -223,6 +237,7 @@ class Trainer:
         """One optimizer step; returns this rank's measurements."""
         self.timings: dict[str, float] = defaultdict(float)
         self._batches: dict[tuple[int, str], Sample] = {}
+        self._llm_shards: dict[int, LLMShard] = {}
         self.handoff.comm_seconds = 0.0
         start = time.perf_counter()
         for optimizer, _ in self.optimizers.values():

@@ -4,8 +4,10 @@ transformers dispatches every attention module of a model to the function named 
 ``config._attn_implementation``; the runtime builds its model with ``ATTENTION`` (below), which is SDPA exactly,
 plus two options the parallel plans switch on per module:
 
-- ``ulysses=UlyssesGroup`` passed as a call kwarg (vision full-attention blocks under sequence parallelism):
-  heads are exchanged by all-to-all around the SDPA call (runtime.parallel.ulysses);
+- ``ulysses_group=UlyssesGroup`` passed as a call kwarg (vision full-attention blocks and every LLM decoder layer
+  under sequence parallelism): heads are exchanged by all-to-all around the SDPA call
+  (runtime.parallel.ulysses). The mask transformers built for the local slice is not used: the SDPA runs per
+  segment of the whole sequence, causal exactly when the module is (the runtime passes no padding masks);
 - ``module.recompute_attention_core = True`` (selective recomputation): the SDPA call runs under
   ``torch.utils.checkpoint``, so only the attention core is recomputed in backward.
 """

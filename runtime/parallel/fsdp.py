@@ -13,9 +13,9 @@ What each planned ZeRO stage maps to (ZeRO: Rajbhandari et al. 2020):
 - zero 3 — ``fully_shard(reshard_after_forward=True)``: weights are re-sharded after each block's forward and
   backward and all-gathered again for the next use.
 
-Sharding is per block, then the module root (torchtitan's order). The vision tower's sequence-parallel ranks
-hold the same weights and each computes part of every gradient, so its data-parallel group is dp x sp
-(torchtitan's "dp_shard_cp"): the gradients are summed over both, and ZeRO shards over both.
+Sharding is per block, then the module root (torchtitan's order). A module's sequence-parallel ranks (vision
+tower or LLM) hold the same weights and each computes part of every gradient, so its data-parallel group is
+dp x sp (torchtitan's "dp_shard_cp"): the gradients are summed over both, and ZeRO shards over both.
 Gradients are summed, not averaged (divide factor 1): the loss is already normalised by the step's token count.
 """
 

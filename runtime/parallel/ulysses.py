@@ -1,21 +1,27 @@
-"""Ulysses sequence parallelism for the Qwen2.5-VL vision tower (DeepSpeed-Ulysses, Jacobs et al. 2023).
+"""Ulysses sequence parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023) for the vision tower and the LLM decoder.
 
-After Qwen2.5-VL's window reordering, a replica's packed patch sequence is a run of attention windows. The SP
-group splits it into contiguous runs of whole windows (uneven lengths allowed), so:
+Each SP rank holds a contiguous part of every sequence (uneven lengths allowed). Attention exchanges heads by
+``all_to_all_single``: sequence-sharded q/k/v [B, H, s, Dh] become head-sharded [B, H/sp, S, Dh], SDPA runs on
+whole sequences (per segment), and the output goes back the same way. Everything else runs on local tokens.
 
-- window-attention blocks run locally with rank-local ``cu_seqlens``, no communication;
-- full-attention blocks exchange heads by ``all_to_all_single``: sequence-sharded q/k/v [H, s_local, Dh] become
-  head-sharded [H/sp, S, Dh], SDPA runs per image, and the output goes back the same way;
-- the merger runs locally (windows are whole merge units), each rank emitting its own merged tokens.
+- Vision: after Qwen2.5-VL's window reordering, a replica's packed patch sequence is a run of attention windows;
+  the SP group splits it into runs of whole windows (``split_windows``), so window-attention blocks run locally
+  with rank-local ``cu_seqlens``, full-attention blocks exchange heads (one segment per image, non-causal), and
+  the merger runs locally (windows are whole merge units), each rank emitting its own merged tokens.
+- LLM: each sample's token sequence is split into near-equal contiguous slices (``split_sequence``); every
+  decoder layer exchanges heads and runs causal SDPA over the whole sequence (one segment). Grouped-query KV heads
+  fewer than (or not divisible by) the SP degree are repeated first (``kv_repeats``), which is exact.
 
 The all-to-all pair is a small autograd Function each way; each is the other's backward, and both return early
 when the degree is 1.
 
-Shape legend: H heads (local after TP), h = H / sp, S replica sequence, s this rank's part, Dh head dim.
+Shape legend: B batch, H heads (local after TP), h = H / sp, S whole sequence, s this rank's part, Dh head dim.
 """
 
 from __future__ import annotations
 
+import math
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,16 +32,16 @@ from torch import nn
 
 @dataclass(kw_only=True, frozen=True)
 class UlyssesGroup:
-    """The SP group of one vision micro-batch, and how its sequence is split."""
+    """The SP group of one micro-batch, and how its sequence is split."""
 
     group: Any
     """Process group of the SP ranks (None when the degree is 1)."""
     seq_lens: tuple[int, ...]
-    """Patches held by each SP rank, in group-rank order."""
+    """Sequence positions held by each SP rank, in group-rank order."""
     rank: int
     """This rank's index in the group."""
     segment_lens: tuple[int, ...]
-    """Lengths of the full-attention segments (one per image) of the whole replica sequence."""
+    """Lengths of the attention segments of the whole sequence (vision: one per image; LLM: the sequence)."""
 
     @property
     def degree(self) -> int:
@@ -48,68 +54,102 @@ def _all_to_all(x: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], g
     return out
 
 
-def _seq_to_heads(x_HsD: torch.Tensor, ug: UlyssesGroup) -> torch.Tensor:
-    """[H, s, Dh] sequence-sharded -> [h, S, Dh] head-sharded."""
-    H, s, D = x_HsD.shape
+def _seq_to_heads(x_BHsD: torch.Tensor, ug: UlyssesGroup) -> torch.Tensor:
+    """[B, H, s, Dh] sequence-sharded -> [B, h, S, Dh] head-sharded."""
+    B, H, s, D = x_BHsD.shape
     h = H // ug.degree
-    send = [h * s * D] * ug.degree
-    recv = [h * n * D for n in ug.seq_lens]
-    parts = _all_to_all(x_HsD, send, recv, ug.group).split(recv)
-    return torch.cat([p.view(h, n, D) for p, n in zip(parts, ug.seq_lens)], dim=1)
+    send = [h * B * s * D] * ug.degree
+    recv = [h * B * n * D for n in ug.seq_lens]
+    parts = _all_to_all(x_BHsD.transpose(0, 1), send, recv, ug.group).split(recv)
+    return torch.cat([p.view(h, B, n, D) for p, n in zip(parts, ug.seq_lens)], dim=2).transpose(0, 1)
 
 
-def _heads_to_seq(y_hSD: torch.Tensor, ug: UlyssesGroup) -> torch.Tensor:
-    """[h, S, Dh] head-sharded -> [H, s, Dh] sequence-sharded (inverse of _seq_to_heads)."""
-    h, S, D = y_hSD.shape
+def _heads_to_seq(y_BhSD: torch.Tensor, ug: UlyssesGroup) -> torch.Tensor:
+    """[B, h, S, Dh] head-sharded -> [B, H, s, Dh] sequence-sharded (inverse of _seq_to_heads)."""
+    B, h, S, D = y_BhSD.shape
     s = ug.seq_lens[ug.rank]
-    send_parts = [p.reshape(-1) for p in y_hSD.split(list(ug.seq_lens), dim=1)]
-    out = _all_to_all(torch.cat(send_parts), [p.numel() for p in send_parts], [h * s * D] * ug.degree, ug.group)
-    return out.view(ug.degree * h, s, D)
+    send_parts = [p.reshape(-1) for p in y_BhSD.transpose(0, 1).split(list(ug.seq_lens), dim=2)]
+    out = _all_to_all(torch.cat(send_parts), [p.numel() for p in send_parts], [h * B * s * D] * ug.degree, ug.group)
+    return out.view(ug.degree * h, B, s, D).transpose(0, 1)
 
 
 class SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_HsD: torch.Tensor, ug: UlyssesGroup) -> torch.Tensor:
+    def forward(ctx, x_BHsD: torch.Tensor, ug: UlyssesGroup) -> torch.Tensor:
         ctx.ug = ug
-        return x_HsD if ug.degree == 1 else _seq_to_heads(x_HsD, ug)
+        return x_BHsD if ug.degree == 1 else _seq_to_heads(x_BHsD, ug)
 
     @staticmethod
-    def backward(ctx, grad_hSD: torch.Tensor):
-        return (grad_hSD if ctx.ug.degree == 1 else _heads_to_seq(grad_hSD.contiguous(), ctx.ug)), None
+    def backward(ctx, grad_BhSD: torch.Tensor):
+        return (grad_BhSD if ctx.ug.degree == 1 else _heads_to_seq(grad_BhSD.contiguous(), ctx.ug)), None
 
 
 class HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_hSD: torch.Tensor, ug: UlyssesGroup) -> torch.Tensor:
+    def forward(ctx, y_BhSD: torch.Tensor, ug: UlyssesGroup) -> torch.Tensor:
         ctx.ug = ug
-        return y_hSD if ug.degree == 1 else _heads_to_seq(y_hSD, ug)
+        return y_BhSD if ug.degree == 1 else _heads_to_seq(y_BhSD, ug)
 
     @staticmethod
-    def backward(ctx, grad_HsD: torch.Tensor):
-        return (grad_HsD if ctx.ug.degree == 1 else _seq_to_heads(grad_HsD.contiguous(), ctx.ug)), None
+    def backward(ctx, grad_BHsD: torch.Tensor):
+        return (grad_BHsD if ctx.ug.degree == 1 else _seq_to_heads(grad_BHsD.contiguous(), ctx.ug)), None
+
+
+def kv_repeats(kv_heads: int, degree: int) -> int:
+    """How often each KV head is repeated before the exchange so that ``degree`` ranks get whole, matching groups.
+
+    Repeating to lcm(kv_heads, degree) heads is exact: query head i of a group of g = H_q / H_kv uses KV head
+    i // g, and that still holds per rank after the split because lcm(kv_heads, degree) divides H_q (both do).
+    """
+    return degree // math.gcd(kv_heads, degree)
+
+
+def _grouped(module: nn.Module, q_heads: int, kv_heads: int) -> Any:
+    """``module`` as SDPA reads it (``is_causal``, ``num_key_value_groups``), with this rank's query/KV ratio."""
+    groups = q_heads // kv_heads
+    if getattr(module, "num_key_value_groups", 1) == groups:
+        return module
+    return types.SimpleNamespace(is_causal=getattr(module, "is_causal", True), num_key_value_groups=groups)
 
 
 def attention(
     core: Callable[..., tuple[torch.Tensor, Any]],
     module: nn.Module,
-    q_1HsD: torch.Tensor,
-    k_1HsD: torch.Tensor,
-    v_1HsD: torch.Tensor,
+    q_BHsD: torch.Tensor,
+    k_BKsD: torch.Tensor,
+    v_BKsD: torch.Tensor,
     ug: UlyssesGroup,
     **kwargs,
 ) -> torch.Tensor:
-    """Full attention of a sequence-sharded block: heads all-to-all, ``core`` (SDPA) per image, all-to-all back.
+    """Attention of a sequence-sharded block: heads all-to-all, ``core`` (SDPA, causal if ``module.is_causal``)
+    per segment of the whole sequence, all-to-all back. K is the number of KV heads (grouped-query attention).
 
-    Returns [1, s, H, Dh], the layout transformers' SDPA function returns.
+    Returns [B, s, H, Dh], the layout transformers' SDPA function returns.
     """
-    q, k, v = (SeqToHeads.apply(t[0], ug).unsqueeze(0) for t in (q_1HsD, k_1HsD, v_1HsD))
+    repeats = kv_repeats(k_BKsD.shape[1], ug.degree)
+    k_BKsD, v_BKsD = (t.repeat_interleave(repeats, dim=1) if repeats > 1 else t for t in (k_BKsD, v_BKsD))
+    q, k, v = (SeqToHeads.apply(t, ug) for t in (q_BHsD, k_BKsD, v_BKsD))
+    grouped = _grouped(module, q.shape[1], k.shape[1])
     segments = list(ug.segment_lens)
     outs = [
-        core(module, qi, ki, vi, None, **kwargs)[0]
+        core(grouped, qi, ki, vi, None, **kwargs)[0]
         for qi, ki, vi in zip(q.split(segments, dim=2), k.split(segments, dim=2), v.split(segments, dim=2))
     ]
-    out_hSD = torch.cat(outs, dim=1)[0].transpose(0, 1)
-    return HeadsToSeq.apply(out_hSD.contiguous(), ug).transpose(0, 1).unsqueeze(0)
+    out_BhSD = torch.cat(outs, dim=1).transpose(1, 2)
+    return HeadsToSeq.apply(out_BhSD.contiguous(), ug).transpose(1, 2)
+
+
+def split_sequence(length: int, degree: int) -> list[int]:
+    """Boundaries of ``degree`` contiguous, near-equal parts of a sequence (the first ``length % degree`` parts
+    one position longer); ``degree + 1`` offsets.
+
+    Raises:
+        ValueError: fewer positions than parts.
+    """
+    if length < degree:
+        raise ValueError(f"a {length}-token sequence cannot be split over {degree} sequence-parallel ranks")
+    base, extra = divmod(length, degree)
+    return [part * base + min(part, extra) for part in range(degree + 1)]
 
 
 def split_windows(cu_window_seqlens: list[int], degree: int) -> list[int]:

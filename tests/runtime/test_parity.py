@@ -39,6 +39,17 @@ PLANS = {
     "recompute_full_vision__selective_llm": dict(
         vision=dict(dp=2, zero=1, recompute="full"), llm=dict(tp=2, micro_batch=2, recompute="selective")
     ),
+    # LLM Ulysses SP. 9 text tokens: a 33-token sequence, slices of 17 and 16 that split the 24 image tokens
+    "vision_sp2__llm_sp2_selective__uneven_slices": dict(
+        vision=dict(sp=2), llm=dict(sp=2, recompute="selective"), text_tokens=9
+    ),
+    # 1 local KV head per TP rank, repeated to 2 for the exchange; 64 tokens: slice 2 holds no image token
+    "vision_dp2xtp2__llm_tp2xsp2_zero1_full": dict(
+        vision=dict(dp=2, tp=2), llm=dict(tp=2, sp=2, micro_batch=2, zero=1, recompute="full")
+    ),
+    "disjoint_1__llm_sp2__2_micro_batches": dict(
+        vision=dict(grad_accum=2), llm=dict(sp=2, grad_accum=2), placement="disjoint", text_tokens=7
+    ),
 }
 
 def tied_embeddings_config() -> dict:

@@ -1,4 +1,5 @@
-"""Runtime pieces that need no Ray: window split, qkv layout, rank grid, data layout, vision forward, checks."""
+"""Runtime pieces that need no Ray: window and sequence splits, qkv layout, rank grid, hand-off routes, data
+layout, vision forward, checks."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import pytest
 import torch
 from PIL import Image
 
-from runtime.data import IGNORE_INDEX, CaptionData, SyntheticData, collate, layout_from_plan
+from runtime.data import IGNORE_INDEX, CaptionData, SyntheticData, collate, layout_from_plan, token_sequence
+from runtime.handoff import llm_needs
 from runtime.launcher import check_resources, validate_plan
 from runtime.model import build_model
 from runtime.optim import warmup_factor
 from runtime.parallel import attention
 from runtime.parallel.tensor_parallel import qkv_from_tp_layout, qkv_to_tp_layout
-from runtime.parallel.ulysses import split_windows
+from runtime.llm import image_slots_per_rank, next_token_targets
+from runtime.parallel.ulysses import kv_repeats, split_sequence, split_windows
 from runtime.parallel_dims import ParallelDims
 from runtime.trainer import RunOptions
 from runtime.vision import shard_vision_batch, vision_forward
@@ -41,6 +44,46 @@ def test_split_windows_cuts_on_window_boundaries_near_equal():
 def test_split_windows_refuses_more_ranks_than_windows():
     with pytest.raises(ValueError, match="2 attention windows"):
         split_windows([0, 64, 96], 3)
+
+
+def test_split_sequence_near_equal_contiguous():
+    assert split_sequence(33, 2) == [0, 17, 33]
+    assert split_sequence(10, 4) == [0, 3, 6, 8, 10]
+    with pytest.raises(ValueError, match="3-token sequence cannot be split over 4"):
+        split_sequence(3, 4)
+
+
+@pytest.mark.parametrize("q_heads, kv_heads, sp", [(4, 1, 2), (2, 1, 2), (8, 2, 4), (6, 3, 2), (4, 2, 2), (4, 4, 4)])
+def test_repeated_kv_heads_split_over_sp_ranks_give_exact_gqa(q_heads, kv_heads, sp):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, q_heads, 5, 4), torch.randn(2, kv_heads, 5, 4), torch.randn(2, kv_heads, 5, 4)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    expected = sdpa(q, k, v, is_causal=True, enable_gqa=True)
+    repeats = kv_repeats(kv_heads, sp)
+    k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+    assert k.shape[1] % sp == 0
+    parts = [sdpa(qj, kj, vj, is_causal=True, enable_gqa=True)
+             for qj, kj, vj in zip(q.chunk(sp, dim=1), k.chunk(sp, dim=1), v.chunk(sp, dim=1))]
+    torch.testing.assert_close(torch.cat(parts, dim=1), expected, rtol=0, atol=0)
+
+
+def test_llm_slices_hold_their_image_tokens_and_next_token_targets(layout):
+    ids = token_sequence([], layout)["input_ids"]  # <start> 24 x <image> <end> then text: 64 tokens
+    slots = image_slots_per_rank(ids, layout.image_token_id, 4)  # slices of 16 tokens
+    assert [s.tolist() for s in slots] == [list(range(15)), list(range(15, 24)), [], []]
+    labels = torch.tensor([[5, 6, IGNORE_INDEX, 7]])
+    assert next_token_targets(labels).tolist() == [[6, IGNORE_INDEX, 7, IGNORE_INDEX]]
+
+
+def test_llm_needs_are_each_ranks_samples_times_its_slots():
+    llm = ParallelDims(name="llm", ranks=(0, 1, 2, 3), dp=2, cp=1, sp=2, tp=1, zero=0, recompute="none",
+                       micro_batch=2, grad_accum=1)
+    slots = [torch.tensor([0, 1, 2]), torch.tensor([3])]  # 4 image tokens per sample, 3 in slice 0
+    needs = llm_needs(llm, slots, tokens_per_sample=4)
+    assert needs[0].tolist() == [0, 1, 2, 4, 5, 6]  # dp 0 (samples 0, 1), sp 0
+    assert needs[1].tolist() == [3, 7]
+    assert needs[3].tolist() == [11, 15]  # dp 1 (samples 2, 3), sp 1
+    assert sorted(torch.cat(list(needs.values())).tolist()) == list(range(16))  # every token exactly once
 
 
 def test_qkv_tp_layout_gives_each_rank_its_own_q_k_v_heads():
@@ -75,8 +118,7 @@ def test_parallel_dims_validation():
         _dims(ranks=(0, 1, 2, 3))
     with pytest.raises(NotImplementedError, match="context parallelism"):
         _dims(sp=1, cp=2)
-    with pytest.raises(NotImplementedError, match="vision tower only"):
-        _dims(name="llm")
+    _dims(name="llm")  # LLM sequence parallelism runs
 
 
 def test_synthetic_sample_matches_the_planned_layout(layout):
@@ -175,6 +217,7 @@ def test_check_resources_says_what_is_missing():
         (dict(dp=2), dict(dp=2, micro_batch=2), "colocated", "samples per micro-batch"),
         (dict(dp=2, frozen=True), dict(dp=2, frozen=True), "colocated", "frozen"),
         (dict(dp=2, ranks=[0, 1]), dict(dp=2, ranks=[0, 1]), "disjoint", "different ranks"),
+        (dict(dp=3), dict(sp=3, micro_batch=3), "colocated", "llm sp = 3 does not divide the 4 attention heads"),
     ],
 )
 def test_validate_plan_refuses_in_one_line(vision, llm, placement, message):
