@@ -7,7 +7,7 @@ computed here, once, as integers: nanoseconds for times and bytes for memory. Th
 Strategy space of one module on ``gpus`` GPUs, for a global batch B:
 
 * ``grad_accum`` divides B; ``dp`` divides B / grad_accum and ``gpus``; ``micro_batch = B / (dp * grad_accum)``;
-* ``tp`` divides the GPUs of a node; ``sp`` (encoders) divides the attention heads; ``cp`` fills the rest
+* ``tp`` divides the GPUs of a node; ``sp`` divides the attention heads of a TP rank; ``cp`` fills the rest
   (``gpus = dp * tp * sp * cp``) and is searched only with ``Problem.allow_ring_cp`` or a pinned cp; ZeRO 0-3 (only 0 when nothing is reduced); recompute none/selective/full;
 * ``planner.cost.check_strategy`` decides validity (heads, node size, encoder/LLM axes, windows, tokens).
 
@@ -157,9 +157,7 @@ def encoder_names(model: ModelSpec) -> list[str]:
 
 
 def sp_degrees(model: ModelSpec, module: str) -> list[int]:
-    """Ulysses degrees worth trying: divisors of the module's attention heads (1 for the LLM)."""
-    if module not in ENCODER_MODULES:
-        return [1]
+    """Ulysses degrees worth trying: divisors of the module's attention heads."""
     heads = [l.attention.num_heads for l in model.module(module).layers if l.attention is not None]
     return divisors(math.gcd(*heads)) if heads else [1]
 

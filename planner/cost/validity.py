@@ -32,11 +32,10 @@ def check_strategy(
 ) -> list[str]:
     """Why ``strategy`` cannot run ``module`` on ``cluster`` for ``workload``; [] when it can.
 
-    Rules: TP and Ulysses SP divide the attention heads (KV heads divided or replicated); the module fits the
-    cluster; TP stays inside a node unless allowed; SP leaves at least one attention window per rank on
-    window-attention blocks; encoders use TP or SP but not both, and no CP; the LLM uses no Ulysses SP (the
-    runtime implements Ulysses for encoders and TP/CP for the LLM); dp * micro_batch * grad_accum equals the
-    global batch.
+    Rules: TP divides the attention heads (KV heads divided or replicated) and Ulysses SP divides the heads of
+    a TP rank (KV heads are repeated as needed); the module fits the cluster; TP stays inside a node unless
+    allowed; SP leaves at least one attention window per rank on window-attention blocks; encoders use no CP
+    (ring attention is priced for the LLM only); dp * micro_batch * grad_accum equals the global batch.
     """
     spec = model.module(module)
     s = strategy
@@ -53,18 +52,18 @@ def check_strategy(
     for layer in spec.layers:
         if layer.attention is None:
             continue
-        for degree, axis in ((s.tp, "tp"), (s.sp, "sp")):
-            if degree > 1:
-                problem = heads_rule(degree, axis, layer.attention.num_heads, layer.attention.num_kv_heads, layer.name)
-                if problem:
-                    reasons.append(problem)
-    if module in ENCODER_MODULES:
-        if s.tp > 1 and s.sp > 1:
-            reasons.append(f"{module} uses tp={s.tp} and sp={s.sp}; an encoder uses TP or Ulysses SP, not both")
-        if s.cp > 1:
-            reasons.append(f"{module} uses cp={s.cp}; context parallelism is implemented for the LLM only")
-    elif s.sp > 1:
-        reasons.append(f"llm uses sp={s.sp}; Ulysses SP is implemented for encoders only (use cp for the LLM)")
+        heads = layer.attention.num_heads
+        if s.tp > 1:
+            problem = heads_rule(s.tp, "tp", heads, layer.attention.num_kv_heads, layer.name)
+            if problem:
+                reasons.append(problem)
+        if s.sp > 1 and heads % (s.tp * s.sp):
+            reasons.append(
+                f"sp={s.sp} does not divide the {heads // s.tp if heads % s.tp == 0 else heads / s.tp:g} attention "
+                f"heads per TP rank of {layer.name} (tp={s.tp})"
+            )
+    if module in ENCODER_MODULES and s.cp > 1:
+        reasons.append(f"{module} uses cp={s.cp}; context parallelism is implemented for the LLM only")
     tokens = module_tokens(workload, model)[module]
     has_windows = any(layer.attention is not None and layer.attention.window_patches for layer in spec.layers)
     if s.sp > 1 and has_windows and tokens.windows * s.micro_batch < s.sp:

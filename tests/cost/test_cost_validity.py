@@ -58,14 +58,17 @@ def test_too_many_gpus():
 
 
 def test_encoder_rules():
-    assert any("TP or Ulysses SP, not both" in r for r in check("vision", dp=1, tp=2, sp=2, micro_batch=8))
     assert any(
         "context parallelism is implemented for the LLM only" in r for r in check("vision", dp=4, cp=2, micro_batch=2)
     )
 
 
-def test_llm_has_no_ulysses():
-    assert any("Ulysses SP is implemented for encoders only" in r for r in check("llm", dp=4, sp=2, micro_batch=2))
+def test_ulysses_divides_the_heads_of_a_tp_rank():
+    heads = MODEL.module("llm").layer("decoder_layer").attention.num_heads
+    assert check("llm", dp=4, sp=2, micro_batch=2) == []
+    assert check("vision", dp=1, tp=2, sp=2, micro_batch=8) == []
+    too_many = check("llm", dp=1, tp=2, sp=heads, micro_batch=8)
+    assert any(f"sp={heads} does not divide the {heads // 2} attention heads per TP rank" in r for r in too_many)
 
 
 def test_sp_needs_a_window_per_rank():

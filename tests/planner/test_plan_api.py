@@ -151,8 +151,8 @@ def test_bad_fixes_are_one_line_errors(fix, match):
 
 
 def test_fix_that_breaks_a_rule_names_the_rule():
-    with pytest.raises(ValueError, match="Ulysses SP is implemented for encoders only"):
-        plan(M32, 16, fix=["llm.sp=2"])
+    with pytest.raises(ValueError, match="sp=2 does not divide the 5 attention heads per TP rank"):
+        plan(M32, 16, fix=["llm.tp=8", "llm.sp=2"])
 
 
 def test_fix_placement_contradicting_placement_flag():
@@ -243,6 +243,7 @@ def test_disjoint_placement_of_three_modules_is_refused():
 
 
 def test_evaluating_an_invalid_strategy_names_the_rule():
-    s = ModuleStrategy(dp=8, sp=2, zero=1, micro_batch=1, grad_accum=4)
-    with pytest.raises(ValueError, match="llm: llm uses sp=2"):
-        evaluate(M32, Strategy(placement="colocated", modules={"vision": s, "llm": s}))
+    llm = ModuleStrategy(dp=1, tp=8, sp=2, zero=1, micro_batch=1, grad_accum=64)
+    vision = ModuleStrategy(dp=1, sp=16, zero=1, micro_batch=1, grad_accum=64)
+    with pytest.raises(ValueError, match="llm: sp=2 does not divide the 5 attention heads per TP rank"):
+        evaluate(M32, Strategy(placement="colocated", modules={"vision": vision, "llm": llm}))

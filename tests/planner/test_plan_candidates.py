@@ -79,8 +79,8 @@ def test_fixes_restrict_every_candidate():
 
 def test_invalid_fix_reports_the_rule():
     p = problem("qwen-vl-32b", 16, device="h100-80gb", batch=64)
-    cands = build_candidates(p, "colocated", {"llm": {"sp": 2}})
-    assert "Ulysses SP is implemented for encoders only" in cands.invalid["llm"]
+    cands = build_candidates(p, "colocated", {"llm": {"tp": 8, "sp": 2}})
+    assert "sp=2 does not divide the 5 attention heads per TP rank" in cands.invalid["llm"]
     assert cands.by_module["llm"] == []
 
 

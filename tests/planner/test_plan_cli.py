@@ -119,7 +119,7 @@ def test_help_documents_the_defaults(capsys):
      "usable GPU counts nearby"),
     (["--model", "qwen-vl-32b", "--gpus", "8", "--gpu", "h300"], "unknown device 'h300'"),
     (["--model", "qwen-vl-32b", "--gpus", "8", "--fix", "llm.tp=8", "--fix", "llm.tp=2"], "contradictory --fix"),
-    (["--model", "qwen-vl-32b", "--gpus", "8", "--fix", "llm.sp=2"], "Ulysses SP"),
+    (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.tp=8", "--fix", "llm.sp=2"], "per TP rank"),
     (["--model", "qwen-vl-32b", "--gpus", "8", "--cluster", "/nonexistent/cluster.yaml"], "cannot read cluster file"),
     (["--model", "qwen-vl-32b", "--gpus", "8", "--profile", "/nonexistent/profile.json"], "cannot read profile"),
     (["--model", "qwen-vl-72b", "--gpus", "2"], "no plan fits 2 x h100-80gb"),
