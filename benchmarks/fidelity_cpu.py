@@ -1,16 +1,20 @@
 """Closed-loop fidelity on this CPU: profile a small Qwen2.5-VL, plan pinned strategies with it, run them, compare.
 
-    .venv/bin/python benchmarks/fidelity_cpu.py [--steps 6] [--configs NAME,...] [--json FILE]
+    .venv/bin/python benchmarks/fidelity_cpu.py [--steps 6] [--repeats 2] [--configs NAME,...]
+        [--json benchmarks/results/fidelity_cpu.json] [--txt benchmarks/results/fidelity_cpu.txt] [--resume DIR]
 
 1. Profiles ``benchmarks/qwen2.5-vl-cpu-small`` (real Qwen2.5-VL structure, ~9.5 M parameters) into
-   ``profiles/cpu/qwen2.5-vl-cpu-small.json`` with one torch thread, as each runtime worker uses; resumable, so
-   with the committed profile nothing is re-measured.
+   ``profiles/cpu/qwen2.5-vl-cpu-small.json`` with one torch thread, as each runtime worker uses: single-process
+   layer shards, gloo collectives, and the TP2 / vision-SP2 layers timed as the runtime runs them (``--as-run``:
+   2 processes, DTensor / Ulysses, collectives included). Resumable, so with the committed profile nothing is
+   re-measured (delete the file, or its points, to re-measure).
 2. For each configuration, ``plan`` (the CLI, with ``--fix`` pinning placement and degrees) writes a plan costed
    with that profile.
 3. The runtime (``runtime.launcher.run``, Ray started once) trains it for ``--steps`` steps; a run's step time is
    the median over steps after the first (the slowest rank, as the runtime's metrics file records it). With
    ``--repeats R`` every configuration runs R times, interleaved, and the fastest run counts: the prediction is for
-   an otherwise idle machine, and other processes on a shared one only ever add time.
+   an otherwise idle machine, and other processes on a shared one only ever add time. Runs are fresh unless
+   ``--resume DIR`` keeps their metrics files in DIR and reuses the finished ones (an interrupted benchmark).
 4. Prints predicted vs measured step time, the error of each (predicted / measured - 1) and the median |error|.
    The last column is a leave-one-out calibration (``measured = scale * predicted + overhead`` fitted on the other
    configurations), which is what ``python -m runtime.profile --calibrate`` would give the next plan.
@@ -19,11 +23,15 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import datetime
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -103,7 +111,7 @@ def ensure_profile() -> Path:
     from runtime.profile.__main__ import main as profile_main
 
     name = get_model(MODEL).name
-    for extra in ([], ["--collectives"]):
+    for extra in ([], ["--collectives"], ["--as-run"]):
         if profile_main(["--model", MODEL, *PROFILE_ARGS, *extra]) != 0:
             raise SystemExit("profiling failed")
     return profile_path("cpu", name)
@@ -129,13 +137,23 @@ def make_plan(config: Config, profile: Path, out: Path) -> Path:
     return out
 
 
+def finished(metrics: Path) -> bool:
+    """Whether ``metrics`` holds a whole run (the runtime writes its summary line last)."""
+    if not metrics.exists():
+        return False
+    return any(json.loads(line).get("summary") for line in metrics.read_text().splitlines() if line.strip())
+
+
 def run_plan(plan_file: Path, steps: int, metrics: Path) -> float:
-    """Train the plan for ``steps`` steps; the median step time after the first."""
+    """Train the plan for ``steps`` steps (unless ``metrics`` already holds a finished run of it); the median step
+    time after the first."""
     from runtime.launcher import run
     from runtime.profile.calibrate import measured_step_time
     from runtime.trainer import RunOptions
 
-    run(load_plan(plan_file), RunOptions(), steps=steps, metrics_path=str(metrics))
+    if not finished(metrics):
+        metrics.unlink(missing_ok=True)
+        run(load_plan(plan_file), RunOptions(), steps=steps, metrics_path=str(metrics))
     return measured_step_time(metrics)
 
 
@@ -181,19 +199,33 @@ def load_plan(path: Path):
     return load(path)
 
 
+def _run_id(plan_file: Path, steps: int) -> str:
+    """Names a run by what it runs: the plan's content (strategy, prediction, profile numbers) and the steps."""
+    return hashlib.sha256(plan_file.read_bytes() + str(steps).encode()).hexdigest()[:12]
+
+
 def fidelity(configs: tuple[Config, ...], *, steps: int, workdir: Path, profile: Path | None = None,
              repeats: int = 1) -> list[Result]:
     """Profile (unless ``profile`` is given), plan every configuration, run each ``repeats`` times (interleaved)."""
     profile = profile or ensure_profile()
+    workdir.mkdir(parents=True, exist_ok=True)
     plans = [make_plan(config, profile, workdir / f"plan{i}.json") for i, config in enumerate(configs)]
     runs: list[list[float]] = [[] for _ in configs]
     for r in range(repeats):
         for i, (config, plan_file) in enumerate(zip(configs, plans)):
-            runs[i].append(run_plan(plan_file, steps, workdir / f"metrics{i}_{r}.jsonl"))
+            runs[i].append(run_plan(plan_file, steps, workdir / f"metrics_{_run_id(plan_file, steps)}_{r}.jsonl"))
             print(f"[{r + 1}/{repeats}, {i + 1}/{len(configs)}] {config.name}: predicted "
                   f"{load_plan(plan_file).predicted.step_time_s:.3f}s, measured {runs[i][-1]:.3f}s", file=sys.stderr)
     return [Result(name=c.name, strategy=describe(p), predicted_s=load_plan(p).predicted.step_time_s,
                    measured_s=min(times)) for c, p, times in zip(configs, plans, runs)]
+
+
+def _commit() -> str:
+    """The checked-out commit (with "+dirty" when the tree has uncommitted changes)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,20 +233,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6, help="training steps per configuration (the first is dropped)")
     p.add_argument("--repeats", type=int, default=2, help="runs per configuration; the fastest counts")
     p.add_argument("--configs", default="", help="comma-separated configuration names (default: all)")
-    p.add_argument("--json", help="also write the results to this file")
+    p.add_argument("--json", help="also write the results to this file (a list of name, strategy, predicted_s, "
+                                  "measured_s, error)")
+    p.add_argument("--txt", help="also write the printed table, with the command, date and commit, to this file")
+    p.add_argument("--resume", metavar="DIR", help="keep plans and run metrics in DIR and reuse finished runs "
+                                                   "(default: fresh runs in a temporary directory)")
     args = p.parse_args(argv)
     wanted = [c for c in CONFIGS if not args.configs or c.name in args.configs.split(",")]
     if not wanted:
         print(f"error: no configuration named {args.configs!r}; have {', '.join(c.name for c in CONFIGS)}",
               file=sys.stderr)
         return 2
-    load_before = os.getloadavg()[0]
+    load_before, start = os.getloadavg()[0], time.monotonic()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory() as tmp:
-        results = fidelity(tuple(wanted), steps=args.steps, workdir=Path(tmp), repeats=args.repeats)
+        workdir = Path(args.resume) if args.resume else Path(tmp)
+        results = fidelity(tuple(wanted), steps=args.steps, workdir=workdir, repeats=args.repeats)
     calibrated = leave_one_out(results) if len(results) >= 3 else None
-    print(format_table(results, calibrated))
-    print(f"1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
-          f"{os.cpu_count()} CPUs (anything above the benchmark's own workers inflates 'measured')")
+    report = "\n".join([
+        format_table(results, calibrated),
+        f"1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
+        f"{os.cpu_count()} CPUs (anything above the benchmark's own workers inflates 'measured')",
+        f"took {(time.monotonic() - start) / 60:.1f} min (profiling what the profile lacks, planning, runs)",
+    ])
+    print(report)
+    if args.txt:
+        header = (f"# .venv/bin/python benchmarks/fidelity_cpu.py {' '.join(argv if argv is not None else sys.argv[1:])}"
+                  f"   ({started}, commit {_commit()})")
+        Path(args.txt).write_text(header + "\n" + report + "\n")
     if args.json:
         rows = [{**asdict(r), "error": r.error} for r in results]
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

@@ -8,7 +8,9 @@ without torch.
 
 Conventions: times in seconds, memory in bytes, FLOPs as counts. ``seq_len`` is the tokens of ONE sample entering
 the module before any sequence-parallel split (the plan's own variable); the shard shape the TP/SP degrees imply is
-what was measured.
+what was measured. A layer point is either one rank's shard timed alone (``includes_comm`` False: the cost model
+adds the TP/SP collectives) or the layer timed as the runtime runs it in tp*sp processes (``includes_comm`` True:
+its collectives, DTensor dispatch and the ranks' contention for the host are in the times).
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.hardware import DeviceSpec
 
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
+"""Versions ``load_profile`` reads: version 1 lacks ``LayerPoint.includes_comm`` (all its points are single-process
+shards, the field's default); it is upgraded to the current version on the next save."""
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
 COLLECTIVE_OPS: tuple[CollectiveOp, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -72,10 +77,16 @@ class LayerPoint(_Strict):
     backward_flops: float
     saved_activation_bytes: int = Field(description="tensors autograd saved for backward, parameters excluded")
     peak_bytes: int = Field(description="peak of activations + temporaries + gradients during fwd+bwd, params excluded")
+    includes_comm: bool = Field(
+        default=False,
+        description="timed as the runtime runs the layer, in tp*sp gloo/NCCL processes sharded by the runtime's own "
+        "functions (slowest rank): the times include its TP/SP collectives, DTensor dispatch and the ranks' "
+        "contention for the host. False: one rank's shard timed alone in one process, collectives excluded",
+    )
 
     @property
-    def key(self) -> tuple[str, str, int, int, int, int]:
-        return (self.module, self.layer, self.tp, self.sp, self.seq_len, self.micro_batch)
+    def key(self) -> tuple[str, str, int, int, int, int, bool]:
+        return (self.module, self.layer, self.tp, self.sp, self.seq_len, self.micro_batch, self.includes_comm)
 
 
 class CollectivePoint(_Strict):
@@ -182,7 +193,8 @@ class Profile(_Strict):
 
 
 def _shard_key(point: dict) -> tuple:
-    return (point["module"], point["layer"], point["tp"], point["sp"], point["seq_len"], point["micro_batch"])
+    return (point["module"], point["layer"], point["tp"], point["sp"], point["seq_len"], point["micro_batch"],
+            point.get("includes_comm", False))
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -196,13 +208,13 @@ def load_profile(path: str | Path) -> Profile:
         raise ValueError(f"profile {path} is not JSON: {e.msg} at line {e.lineno}") from None
     if not isinstance(data, dict) or "schema_version" not in data:
         raise ValueError(f"{path} is not a profile: it has no schema_version (write one with `python -m runtime.profile`)")
-    if data["schema_version"] != PROFILE_SCHEMA_VERSION:
+    if data["schema_version"] not in READABLE_SCHEMA_VERSIONS:
         raise ValueError(
-            f"profile {path} has schema version {data['schema_version']}, this tool reads version "
-            f"{PROFILE_SCHEMA_VERSION}: re-run `python -m runtime.profile` to regenerate it"
+            f"profile {path} has schema version {data['schema_version']}, this tool reads versions "
+            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}: re-run `python -m runtime.profile` to regenerate it"
         )
     try:
-        return Profile.model_validate(data)
+        return Profile.model_validate({**data, "schema_version": PROFILE_SCHEMA_VERSION})
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
@@ -325,9 +337,10 @@ class ProfileIndex:
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
         self._fields = {**_time_fields(profile.time_statistic), **_LAYER_FIELDS}
-        self._layers: dict[tuple[str, str, int, int], dict[tuple[int, int], LayerPoint]] = {}
+        self._layers: dict[tuple[str, str, int, int, bool], dict[tuple[int, int], LayerPoint]] = {}
         for p in profile.layers:
-            self._layers.setdefault((p.module, p.layer, p.tp, p.sp), {})[(p.seq_len, p.micro_batch)] = p
+            key = (p.module, p.layer, p.tp, p.sp, p.includes_comm)
+            self._layers.setdefault(key, {})[(p.seq_len, p.micro_batch)] = p
         self._collectives: dict[tuple[str, int], list[tuple[int, float]]] = {}
         for c in profile.collectives:
             t = pick_time(c.time, profile.time_statistic)
@@ -335,13 +348,16 @@ class ProfileIndex:
         for row in self._collectives.values():
             row.sort()
 
-    def has_layer(self, module: str, layer: str, tp: int, sp: int) -> bool:
-        """Whether this shard (any sequence length) was measured."""
-        return (module, layer, tp, sp) in self._layers
+    def has_layer(self, module: str, layer: str, tp: int, sp: int, *, includes_comm: bool = False) -> bool:
+        """Whether this shard (any sequence length) was measured (as run, with its collectives, if
+        ``includes_comm``)."""
+        return (module, layer, tp, sp, includes_comm) in self._layers
 
-    def layer_cost(self, module: str, layer: str, *, tp: int, sp: int, seq_len: int, micro_batch: int) -> LayerCost | None:
-        """Measured cost of one layer instance, interpolated over seq_len and micro_batch; None if never measured."""
-        grid = self._layers.get((module, layer, tp, sp))
+    def layer_cost(self, module: str, layer: str, *, tp: int, sp: int, seq_len: int, micro_batch: int,
+                   includes_comm: bool = False) -> LayerCost | None:
+        """Measured cost of one layer instance, interpolated over seq_len and micro_batch; None if never measured.
+        ``includes_comm`` picks the points timed as run (collectives included) instead of the single-process shard."""
+        grid = self._layers.get((module, layer, tp, sp, includes_comm))
         if not grid:
             return None
         exact = (seq_len, micro_batch) in grid
@@ -500,9 +516,15 @@ class ProfileCostSource:
     activation bytes to the formula; other layers are not recomputed. ``selective`` (attention core only) was not
     measured, so it is analytical; so is context parallelism.
 
+    Sharded layers (tp * sp > 1) use the points timed as the runtime runs them (``includes_comm``: TP/SP
+    collectives, DTensor dispatch and the ranks' contention included; the measurement says so, and the cost model
+    then adds no collectives of its own for the layer) where the profile has them, else one rank's shard timed
+    alone.
+
     ``concurrent_devices``: devices computing at once. Where the profile measured that devices slow each other
     down (CPU "devices" are processes sharing one host's cores, caches and memory bandwidth), layer times are
-    multiplied by the measured slowdown for that many devices (the largest measured count beyond it).
+    multiplied by the measured slowdown for that many devices (the largest measured count beyond it); a point
+    timed as run with tp*sp processes already contains their slowdown, so it gets only the ratio beyond it.
     """
 
     def __init__(self, profile: Profile, *, concurrent_devices: int = 1) -> None:
@@ -510,20 +532,33 @@ class ProfileCostSource:
         self.index = ProfileIndex(profile)
         self.slowdown = concurrency_slowdown(profile, concurrent_devices)
 
+    def _cost(self, module: str, layer: str, *, tp: int, sp: int, seq_len: int, micro_batch: int
+              ) -> tuple[LayerCost | None, bool, float]:
+        """(cost, whether it was timed as run, slowdown to apply): as-run points first for sharded layers."""
+        if tp * sp > 1:
+            cost = self.index.layer_cost(module, layer, tp=tp, sp=sp, seq_len=seq_len, micro_batch=micro_batch,
+                                         includes_comm=True)
+            if cost is not None:
+                return cost, True, max(self.slowdown / concurrency_slowdown(self.profile, tp * sp), 1.0)
+        cost = self.index.layer_cost(module, layer, tp=tp, sp=sp, seq_len=seq_len, micro_batch=micro_batch)
+        return cost, False, self.slowdown
+
     def layer_cost(self, *, module, layer, tp, sp, cp, seq_len, tokens_per_rank, micro_batch, recompute):
         from planner.cost.layer_costs import LayerMeasurement
 
         if cp > 1 or recompute == "selective":
             return None
-        cost = self.index.layer_cost(module, layer.name, tp=tp, sp=sp, seq_len=seq_len, micro_batch=micro_batch)
+        cost, as_run, slowdown = self._cost(module, layer.name, tp=tp, sp=sp, seq_len=seq_len,
+                                            micro_batch=micro_batch)
         if cost is None:
             return None
         full = recompute == "full" and layer.kind in RECOMPUTED_KINDS
         return LayerMeasurement(
-            forward_s=cost.forward_s * self.slowdown,
-            backward_s=cost.backward_s * self.slowdown,
-            recompute_s=cost.recompute_s * self.slowdown if full else 0.0,
+            forward_s=cost.forward_s * slowdown,
+            backward_s=cost.backward_s * slowdown,
+            recompute_s=cost.recompute_s * slowdown if full else 0.0,
             activation_bytes=None if full else round(cost.saved_activation_bytes),
+            includes_comm=as_run,
         )
 
     def collective_time(self, op: str, group_size: int, message_bytes: float) -> float | None:

@@ -2,8 +2,10 @@
 
 A ``LayerCostSource`` answers, for one layer type under one sharding, the compute time of ONE instance of the
 layer for ONE micro-batch on one GPU -- or ``None`` when it has no measurement, in which case the analytical
-model is used. Collective communication is never part of a measurement: the alpha-beta model adds it, so a
-profile taken on a single GPU composes with any degree of parallelism.
+model is used. Collective communication is normally not part of a measurement: the alpha-beta model (or the
+measured collective curves) adds it, so a profile taken on a single GPU composes with any degree of parallelism.
+A measurement taken as the runtime runs the sharded layer (``includes_comm``) already contains the layer's TP/SP
+collectives; the cost model then adds none for that layer.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ MEASURED = "measured"
 
 @dataclass(kw_only=True, frozen=True)
 class LayerMeasurement:
-    """Measured cost of one layer instance for one micro-batch on one GPU (communication excluded)."""
+    """Measured cost of one layer instance for one micro-batch on one GPU (communication excluded unless
+    ``includes_comm``)."""
 
     forward_s: float
     """Forward compute time."""
@@ -30,6 +33,9 @@ class LayerMeasurement:
     """Extra forward compute the given recompute mode adds to backward."""
     activation_bytes: int | None = None
     """Activation bytes the layer keeps for backward under the given recompute mode; None: use the formula."""
+    includes_comm: bool = False
+    """The measured time already contains the layer's TP/SP collectives (timed as the runtime runs the sharded
+    layer); the cost model must not add its own ``tp_comm_s`` / ``sp_comm_s`` for it."""
 
 
 class LayerCostSource(Protocol):

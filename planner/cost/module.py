@@ -162,6 +162,8 @@ def _layer_sums(
     static: _Static, s: ModuleStrategy, links: tuple[Link, Link, Link], layer_costs: LayerCostSource | None
 ) -> _Sums:
     """Sum the layers' terms for one micro-batch; measured numbers replace analytical ones where available.
+    A measurement that includes the layer's TP/SP collectives replaces their analytical time too (source
+    ``<layer>.tp_sp_collectives: measured``).
 
     Buffers are the largest single layer's transient (only one layer runs at a time), plus, under full
     recomputation, the largest block's re-created activations.
@@ -173,15 +175,19 @@ def _layer_sums(
         t = layer_terms(layer, shard)
         f, b, r, act = t.forward_s, t.backward_s, t.recompute_s, t.saved_bytes
         measured = None if layer_costs is None else _measure(layer_costs, static, layer, s)
+        tp_comm, sp_comm = t.tp_comm_s, t.sp_comm_s
         if measured is not None:
             f, b, r = measured.forward_s, measured.backward_s, measured.recompute_s
             sources[f"{layer.name}.time"] = MEASURED
+            if measured.includes_comm:  # timed as run: its TP/SP collectives are inside f, b, r
+                tp_comm = sp_comm = 0.0
+                sources[f"{layer.name}.tp_sp_collectives"] = MEASURED
             if measured.activation_bytes is not None:
                 act = measured.activation_bytes
                 sources[f"{layer.name}.activations"] = MEASURED
         n = layer.count
         fwd, bwd, rc = fwd + n * f, bwd + n * b, rc + n * r
-        tp_c, sp_c, cp_c = tp_c + n * t.tp_comm_s, sp_c + n * t.sp_comm_s, cp_c + n * t.cp_comm_s
+        tp_c, sp_c, cp_c = tp_c + n * tp_comm, sp_c + n * sp_comm, cp_c + n * t.cp_comm_s
         saved += n * act
         working = max(working, t.working_bytes)
         buffers = max(buffers, t.buffer_bytes)

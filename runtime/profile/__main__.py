@@ -3,6 +3,7 @@
 Examples:
   python -m runtime.profile --model qwen2.5-vl-tiny                       # layers + device -> profiles/cpu/<model>.json
   python -m runtime.profile --model qwen2.5-vl-tiny --collectives         # + gloo/NCCL collectives
+  python -m runtime.profile --model qwen2.5-vl-tiny --as-run              # + TP/SP layers timed in tp*sp processes
   python -m runtime.profile --model qwen2.5-vl-32b --memory               # FakeTensor memory -> profiles/fake/<model>.json
   python -m runtime.profile --model qwen2.5-vl-32b --compare              # memory profile vs the analytical model
   python -m runtime.profile --calibrate metrics.jsonl --plan plan.json    # refit efficiency into the plan's profile
@@ -46,10 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(shared machine: other processes only add time); stored in the profile")
     p.add_argument("--remeasure-noisy", action="store_true",
                    help="first drop layer points slower than the same shard at a longer sequence (disturbed by "
-                        "other processes), then measure what is missing")
+                        "other processes), then measure what is missing (the as-run points with --as-run)")
     p.add_argument("--time-budget", type=float, default=None, help="stop measuring new points after this many seconds")
     p.add_argument("--no-device-bench", action="store_true", help="skip the matmul / bandwidth microbenchmarks")
     p.add_argument("--collectives", action="store_true", help="measure collectives (gloo on CPU, NCCL on CUDA)")
+    p.add_argument("--as-run", action="store_true",
+                   help="time the TP/SP degrees > 1 of the grid as the runtime runs them: tp*sp processes, the "
+                        "runtime's own sharding, collectives included (points flagged includes_comm)")
     p.add_argument("--group-sizes", type=_ints, default=None, help="collective group sizes (default: 2..devices)")
     p.add_argument("--memory", action="store_true", help="FakeTensor memory breakdowns only (nothing allocated)")
     p.add_argument("--compare", action="store_true", help="print the memory profile against the analytical model")
@@ -60,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the provenance's command, also when called in-process
     try:
         return run(args)
     except (ValueError, NotImplementedError) as e:

@@ -24,6 +24,7 @@ from planner.profiles import (
 from runtime.profile.device import device_detail, measure_device
 from runtime.profile.layers import Grid, grid_points, measure_point, memory_point, noisy_points, sweep
 from runtime.profile.measure import TimingConfig
+from runtime.profile.shards import hf_config
 
 FAKE_HARDWARE = "fake"
 """Hardware directory of FakeTensor memory profiles (memory does not depend on the device)."""
@@ -34,15 +35,17 @@ def _dtype(args: argparse.Namespace) -> torch.dtype:
     return getattr(torch, name)
 
 
-def provenance(*, hardware: str, device: torch.device, dtype: torch.dtype) -> Provenance:
-    """Where, when and how this process measures."""
+def provenance(*, hardware: str, device: torch.device, dtype: torch.dtype,
+               argv: list[str] | None = None) -> Provenance:
+    """Where, when and how this process measures; ``argv``: the profiler's arguments (default: this process's)."""
     return Provenance(
         device_name=hardware,
         device_detail=device_detail(device) if device.type == "cuda" or hardware != FAKE_HARDWARE else "FakeTensorMode",
         torch_version=torch.__version__,
         cuda_version=torch.version.cuda,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=" ".join(shlex.quote(a) for a in ["python", "-m", "runtime.profile", *sys.argv[1:]]),
+        command=" ".join(shlex.quote(a) for a in ["python", "-m", "runtime.profile",
+                                                   *(sys.argv[1:] if argv is None else argv)]),
         num_threads=torch.get_num_threads(),
         dtype=str(dtype).removeprefix("torch."),
     )
@@ -98,6 +101,35 @@ def cpu_concurrency(model_arg: str, model: ModelSpec, llm_seq: tuple[int, ...]) 
                                threads=torch.get_num_threads())
 
 
+def drop_noisy(profile: Profile, *, includes_comm: bool) -> None:
+    """Remove the disturbed layer points of one kind (single-process or as run) so the sweep re-measures them."""
+    noisy = {key for key in noisy_points(profile.layers) if key[-1] == includes_comm}
+    profile.layers = [p for p in profile.layers if p.key not in noisy]
+    print(f"re-measuring {len(noisy)} disturbed point(s)", file=sys.stderr)
+
+
+def as_run_points(args: argparse.Namespace, model: ModelSpec, profile: Profile, points: list, path: Path,
+                  dtype: torch.dtype, save) -> tuple[int, int]:
+    """Time the grid's sharded points ``profile`` lacks as the runtime runs them; (measured, left). The ranks'
+    rank 0 appends each point to the file at ``path``, which ``profile`` is first saved to."""
+    from runtime.profile.as_run import available_ranks, can_run_as_run, sweep_as_run
+
+    config = hf_config(model.hf_config)
+    ranks = available_ranks(torch.device(args.device))
+    done = {p.key for p in profile.layers}
+    todo = [p for p in points if can_run_as_run(config, p, ranks) and p.layer_key(includes_comm=True) not in done]
+    if not todo:
+        return 0, 0
+    save(profile)
+    cfg = TimingConfig(warmup=args.warmup, repeats=args.repeats, dtype=dtype, device=args.device)
+
+    def announce(tp: int, sp: int, count: int) -> None:
+        print(f"timing {count} point(s) as run at tp={tp} sp={sp} in {tp * sp} processes ...", file=sys.stderr)
+
+    return sweep_as_run(args.model, todo, profile_path=str(path), cfg=cfg, threads=torch.get_num_threads(),
+                        time_budget_s=args.time_budget, on_degree=announce)
+
+
 def run(args: argparse.Namespace) -> int:
     """Dispatch on the mode flags; returns the exit status."""
     if args.calibrate:
@@ -118,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--device cuda but torch sees no GPU")
     hardware = _hardware(args, device)
     path = Path(args.out) if args.out else profile_path(hardware, model.name, PROFILES_DIR)
-    fresh = provenance(hardware=hardware, device=device, dtype=dtype)
+    fresh = provenance(hardware=hardware, device=device, dtype=dtype, argv=getattr(args, "argv", None))
     existed = path.exists()
     profile = open_profile(path, hardware=hardware, model=model, prov=fresh)
     points = list(grid_points(model, _grid(args)))
@@ -134,6 +166,11 @@ def run(args: argparse.Namespace) -> int:
     if args.memory:
         done, left = sweep(profile, points, lambda pt: memory_point(model, pt, dtype), field="memory", save=save,
                            time_budget_s=args.time_budget)
+    elif args.as_run:
+        if args.remeasure_noisy:
+            drop_noisy(profile, includes_comm=True)
+        done, left = as_run_points(args, model, profile, points, path, dtype, save)
+        profile = load_profile(path) if path.exists() else profile
     elif args.collectives:
         from runtime.profile.collectives import measure_collectives
 
@@ -149,9 +186,7 @@ def run(args: argparse.Namespace) -> int:
             extra += 1
             save(profile)
         if args.remeasure_noisy:
-            noisy = noisy_points(profile.layers)
-            profile.layers = [p for p in profile.layers if p.key not in noisy]
-            print(f"re-measuring {len(noisy)} disturbed point(s)", file=sys.stderr)
+            drop_noisy(profile, includes_comm=False)
         cfg = TimingConfig(warmup=args.warmup, repeats=args.repeats, dtype=dtype, device=args.device)
         done, left = sweep(profile, points, lambda pt: measure_point(model, pt, cfg), field="layers", save=save,
                            time_budget_s=args.time_budget)

@@ -49,7 +49,12 @@ class GridPoint:
 
     @property
     def key(self) -> tuple[str, str, int, int, int, int]:
+        """``MemoryPoint.key`` of this point."""
         return (self.module, self.layer.name, self.tp, self.sp, self.seq_len, self.micro_batch)
+
+    def layer_key(self, *, includes_comm: bool = False) -> tuple[str, str, int, int, int, int, bool]:
+        """``LayerPoint.key`` of this point timed single-process, or as run (``includes_comm``)."""
+        return (*self.key, includes_comm)
 
     def describe(self) -> str:
         return f"{self.module}.{self.layer.name} tp{self.tp} sp{self.sp} s{self.seq_len} mb{self.micro_batch}"
@@ -106,7 +111,7 @@ def noisy_points(points: list[LayerPoint], *, tolerance: float = 0.05) -> set[tu
     of such a pair is the disturbed one. Re-measuring them is ``--remeasure-noisy``."""
     series: dict[tuple, list[LayerPoint]] = {}
     for p in points:
-        series.setdefault((p.module, p.layer, p.tp, p.sp, p.micro_batch), []).append(p)
+        series.setdefault((p.module, p.layer, p.tp, p.sp, p.micro_batch, p.includes_comm), []).append(p)
     noisy = set()
     for row in series.values():
         row.sort(key=lambda p: p.seq_len)
@@ -128,7 +133,7 @@ def sweep(
 ) -> tuple[int, int]:
     """Measure the points ``profile.<field>`` lacks, saving after each; returns (measured, skipped for time)."""
     done = {p.key for p in getattr(profile, field)}
-    todo = [p for p in points if p.key not in done]
+    todo = [p for p in points if (p.layer_key() if field == "layers" else p.key) not in done]
     start, measured = time.monotonic(), 0
     with tqdm(total=len(points), initial=len(points) - len(todo), desc=field, unit="pt") as bar:
         for point in todo:

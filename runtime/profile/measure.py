@@ -70,7 +70,7 @@ def _zero_grads(shard: LayerShard, x: torch.Tensor) -> None:
     x.grad = None
 
 
-def _one_step(shard: LayerShard, inputs, *, recompute: bool, device: torch.device) -> tuple[float, float]:
+def one_step(shard: LayerShard, inputs, *, recompute: bool, device: torch.device) -> tuple[float, float]:
     """Forward then backward once; returns (forward seconds, backward seconds)."""
     _sync(device)
     start = time.perf_counter()
@@ -102,8 +102,8 @@ def time_shard(
         resident = torch.cuda.memory_allocated(device)
     plain, ckpt = [], []
     for i in range(cfg.warmup + cfg.repeats):
-        fb = _one_step(shard, inputs, recompute=False, device=device)
-        rb = _one_step(shard, inputs, recompute=True, device=device)
+        fb = one_step(shard, inputs, recompute=False, device=device)
+        rb = one_step(shard, inputs, recompute=True, device=device)
         if i >= cfg.warmup:
             plain.append(fb)
             ckpt.append(rb)

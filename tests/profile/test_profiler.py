@@ -124,3 +124,37 @@ def test_noisy_points_are_the_slower_shorter_ones():
 
     points = [point(128, 1.0), point(256, 9.0), point(512, 4.0), point(1024, 8.0)]
     assert noisy_points(points) == {points[1].key}
+
+
+def test_as_run_points_only_where_the_runtime_shards():
+    from runtime.profile.as_run import can_run_as_run
+    from runtime.profile.layers import Grid, grid_points
+
+    grid = Grid(seq_lens={"vision": (64, 256), "llm": (64,)}, micro_batches=(1,), tps=(1, 2), sps=(1, 2))
+    chosen = {(p.module, p.layer.name, p.tp, p.sp, p.seq_len) for p in grid_points(TINY, grid)
+              if can_run_as_run(CONFIG, p, max_ranks=2)}
+    assert ("llm", "decoder_layer", 2, 1, 64) in chosen and ("vision", "full_block", 1, 2, 256) in chosen
+    assert all(tp * sp == 2 for _, _, tp, sp, _ in chosen)  # degree 1 is the single-process profile
+    assert not any(m == "llm" and sp > 1 for m, _, _, sp, _ in chosen)  # LLM Ulysses: not timed as run yet
+    assert ("vision", "full_block", 1, 2, 64) not in chosen  # one 8x8 window: the runtime cannot split it over 2
+    assert not any(can_run_as_run(CONFIG, p, max_ranks=1) for p in grid_points(TINY, grid))
+
+
+@pytest.mark.slow
+def test_as_run_profile_of_tp2_and_ulysses2(tmp_path, capsys):
+    out = tmp_path / "as_run.json"
+    args = ["--model", "qwen2.5-vl-tiny", "--out", str(out), "--threads", "1", "--vision-seq", "256", "--llm-seq", "64",
+            "--micro-batches", "1", "--tp", "1,2", "--sp", "1,2", "--layers", "vision.full_block,llm.lm_head",
+            "--repeats", "1", "--warmup", "0", "--as-run"]
+    assert main(args) == 0
+    profile = load_profile(out)
+    assert {(p.layer, p.tp, p.sp) for p in profile.layers} == {("full_block", 2, 1), ("full_block", 1, 2),
+                                                                ("lm_head", 2, 1)}
+    for p in profile.layers:
+        assert p.includes_comm and p.forward.repeats == 1 and p.forward.median_s > 0 and p.backward.median_s > 0
+        # FLOPs are one rank's: those of the single-process shard of the same degree.
+        assert p.forward_flops == fake(p.module, p.layer, tp=p.tp, sp=p.sp, seq=p.seq_len).forward_flops
+    assert profile.provenance.command.endswith("--as-run")  # the arguments given, not pytest's
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "0 new point(s)" in capsys.readouterr().out

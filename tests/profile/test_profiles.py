@@ -292,3 +292,47 @@ def test_plan_says_collectives_are_measured_when_the_profile_covers_its_groups()
     assert measured.modules["llm"].sources["collectives"] == "measured"
     assert plain.modules["llm"].sources["collectives"] == "analytical"
     assert measured.modules["llm"].dp_comm_s != plain.modules["llm"].dp_comm_s
+
+
+def as_run(point: LayerPoint) -> LayerPoint:
+    return point.model_copy(update={"includes_comm": True})
+
+
+def test_version_1_profiles_load_as_single_process_points(tmp_path):
+    path = tmp_path / "v1.json"
+    data = json.loads(profile(layers=[layer_point(128, 1, 1.0)]).to_json())
+    data["schema_version"] = 1
+    del data["layers"][0]["includes_comm"]
+    path.write_text(json.dumps(data))
+    loaded = load_profile(path)
+    assert loaded.schema_version == PROFILE_SCHEMA_VERSION and loaded.layers[0].includes_comm is False
+
+
+def test_as_run_and_single_process_points_are_kept_apart():
+    single, run = layer_point(128, 1, 1.0, tp=2), as_run(layer_point(128, 1, 3.0, tp=2))
+    assert single.key != run.key
+    idx = ProfileIndex(profile(layers=[single, run]))
+    assert idx.layer_cost("llm", "decoder_layer", tp=2, sp=1, seq_len=128, micro_batch=1).forward_s == 1.0
+    assert idx.layer_cost("llm", "decoder_layer", tp=2, sp=1, seq_len=128, micro_batch=1,
+                          includes_comm=True).forward_s == 3.0
+
+
+def test_profile_cost_source_prefers_as_run_points():
+    from planner.catalog import get_model
+    from planner.profiles import ProfileCostSource
+
+    layer = get_model("qwen2.5-vl-tiny").module("llm").layer("decoder_layer")
+    dev = DeviceMeasurements(matmul=[MatmulPoint(n=256, flops_per_s=1e9)], memory_bandwidth=1e9,
+                             concurrency={1: 1.0, 2: 1.5, 4: 2.4})
+    points = [layer_point(128, 1, 1.0, tp=2), as_run(layer_point(128, 1, 3.0, tp=2)), layer_point(128, 1, 1.0, tp=4)]
+    args = dict(module="llm", layer=layer, sp=1, cp=1, seq_len=128, tokens_per_rank=128, micro_batch=1,
+                recompute="none")
+
+    def cost(tp, devices):
+        return ProfileCostSource(profile(device=dev, layers=points), concurrent_devices=devices).layer_cost(tp=tp, **args)
+
+    # As run on 2 processes it already holds the 2-process slowdown: 3.0 s with 2 devices busy, 3.0 * 2.4 / 1.5
+    # with 4; the single-process point gets the whole slowdown and no collectives (the cost model adds them).
+    assert (cost(2, 2).forward_s, cost(2, 2).includes_comm) == (3.0, True)
+    assert cost(2, 4).forward_s == pytest.approx(3.0 * 2.4 / 1.5)
+    assert (cost(4, 4).forward_s, cost(4, 4).includes_comm) == (2.4, False)

@@ -1,0 +1,344 @@
+"""Layer shards timed AS THE RUNTIME RUNS THEM: ``tp * sp`` processes, the runtime's own sharding.
+
+A single-process shard (runtime.profile.shards) times one rank's arithmetic; the cost model then adds the
+collectives from its link model. What a sharded layer really costs also holds DTensor's per-op dispatch, the
+collectives as actually issued (gloo between local processes on CPU, NCCL on GPUs) and, on a CPU, the ranks
+contending for the host's cores. Here each degree spawns ``tp * sp`` ranks (torch.multiprocessing, like the
+collectives benchmark); every rank builds each layer type at FULL size from transformers' own classes with the
+runtime's attention kernel, shards it with the runtime's own functions -- ``parallelize_vision_tp`` /
+``parallelize_llm_tp`` (DTensor ``parallelize_module``) for TP, ``shard_vision_batch`` and the Ulysses all-to-all
+(``ulysses_group``) for vision SP, ``loss_parallel`` for the TP lm_head loss -- and times forward, backward and the
+extra backward of full recomputation. An iteration's time is the slowest rank's; the point records the median
+(and spread) over the repeats after warm-up, flagged ``includes_comm``.
+
+Covered: TP over every layer type, Ulysses SP over the vision tower (LLM sequence parallelism and TP x SP at once
+are still timed single-process). FLOPs and memory are per rank and come from the single-process shard on fake
+tensors (runtime.profile.measure.analyze_fake). Rank 0 appends each point to the profile file as soon as it is
+measured, so an interrupted sweep resumes where it stopped.
+
+Legend: B micro-batch, S tokens per sample, n this rank's packed vision tokens, D hidden width, P patch size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import loss_parallel
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+    Qwen2_5_VisionPatchEmbed,
+    Qwen2_5_VLDecoderLayer,
+    Qwen2_5_VLPatchMerger,
+    Qwen2_5_VLRMSNorm,
+    Qwen2_5_VLVisionBlock,
+)
+
+from planner.catalog import get_model
+from planner.models import LayerSpec
+from planner.profiles import RECOMPUTED_KINDS, LayerPoint, Spread, load_profile, save_profile
+from runtime.parallel import attention
+from runtime.parallel.tensor_parallel import parallelize_llm_tp, parallelize_vision_tp
+from runtime.profile.layers import GridPoint
+from runtime.profile.measure import TimingConfig, one_step, analyze_fake, default_dtype
+from runtime.profile.shards import ShardInputs, build_shard, hf_config
+from runtime.parallel.ulysses import split_windows
+from runtime.vision import shard_vision_batch, window_layout
+
+VISION_KINDS = frozenset({"patch_embed", "vision_block", "patch_merger"})
+LLM_KINDS = frozenset({"embedding", "decoder_layer", "final_norm", "lm_head"})
+
+
+def available_ranks(device: torch.device) -> int:
+    """Processes this machine runs at once: its GPUs, or its CPU cores (one single-threaded rank per core)."""
+    return torch.cuda.device_count() if device.type == "cuda" else (os.cpu_count() or 1)
+
+
+def can_run_as_run(config, point: GridPoint, max_ranks: int) -> bool:
+    """Whether ``point`` is one this module times as run: a sharded degree (tp * sp > 1) the machine has ranks
+    for, TP or vision SP (not both), and a split the runtime accepts (heads, KV heads, vocabulary)."""
+    tp, sp, kind = point.tp, point.sp, point.layer.kind
+    if tp * sp == 1 or tp * sp > max_ranks or (tp > 1 and sp > 1):
+        return False
+    if sp > 1:
+        return kind in VISION_KINDS and _vision_splits(config.vision_config, point.seq_len, point.micro_batch, sp)
+    text = config.text_config
+    if kind in LLM_KINDS:
+        return not (text.num_attention_heads % tp or text.num_key_value_heads % tp or text.vocab_size % tp)
+    return kind in VISION_KINDS and config.vision_config.num_heads % tp == 0
+
+
+class _Visual(nn.Module):
+    """What ``parallelize_vision_tp`` shards of a vision tower: ``config``, ``blocks`` and ``merger``."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.patch_embed = Qwen2_5_VisionPatchEmbed(
+            patch_size=config.patch_size, temporal_patch_size=config.temporal_patch_size,
+            in_channels=config.in_channels, embed_dim=config.hidden_size,
+        )
+        self.blocks = nn.ModuleList([Qwen2_5_VLVisionBlock(config)])
+        self.merger = Qwen2_5_VLPatchMerger(
+            dim=config.out_hidden_size, context_dim=config.hidden_size, spatial_merge_size=config.spatial_merge_size
+        )
+
+
+class _LanguageModel(nn.Module):
+    """The decoder parts ``parallelize_llm_tp`` shards: ``config``, ``embed_tokens``, ``layers``, ``norm``."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([Qwen2_5_VLDecoderLayer(config, layer_idx=0)])
+        self.norm = Qwen2_5_VLRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class _LLM(nn.Module):
+    """What ``parallelize_llm_tp`` shards of the LLM: ``language_model`` and ``lm_head``."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.language_model = _LanguageModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class _Call(nn.Module):
+    """``layer(x, **kwargs)``; for lm_head, the runtime's loss on its logits (sum over tokens / token count)."""
+
+    def __init__(self, layer: nn.Module, *, loss: bool = False) -> None:
+        super().__init__()
+        self.layer, self.loss = layer, loss
+
+    def forward(self, x, **kwargs):
+        if not self.loss:
+            return self.layer(x, **kwargs)
+        labels = kwargs["labels"]
+        logits = self.layer(x)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels, reduction="sum") / labels.numel()
+
+
+def _vision_splits(config, seq_len: int, micro_batch: int, sp: int) -> bool:
+    """Whether the runtime can split B images of ``seq_len`` patches over ``sp`` ranks (whole windows each)."""
+    try:
+        _, cu_windows = window_layout(_grid_thw(config, seq_len, micro_batch), config)
+        split_windows(cu_windows, sp)
+    except (ValueError, NotImplementedError):
+        return False
+    return True
+
+
+def _grid_thw(config, seq_len: int, micro_batch: int) -> torch.Tensor:
+    """(t, rows, cols) of B near-square images of ``seq_len`` patches."""
+    rows, cols = _image_grid(seq_len, config.spatial_merge_size)
+    return torch.tensor([[1, rows, cols]] * micro_batch)
+
+
+def _image_grid(seq_len: int, merge: int) -> tuple[int, int]:
+    """(rows, cols) of patches of a near-square image of ``seq_len`` patches, both multiples of ``merge``."""
+    for rows in range(math.isqrt(seq_len), 0, -1):
+        if seq_len % rows == 0 and rows % merge == 0 and (seq_len // rows) % merge == 0:
+            return rows, seq_len // rows
+    raise NotImplementedError(f"{seq_len} patches do not form an image of whole {merge}x{merge} merge units")
+
+
+@dataclass(kw_only=True)
+class _Rank:
+    """One rank's models, sharded as the runtime shards them at this degree."""
+
+    tp: int
+    sp: int
+    rank: int
+    vision: _Visual
+    llm: _LLM
+    dtype: torch.dtype
+    device: torch.device
+
+    def vision_inputs(self, seq_len: int, micro_batch: int):
+        """This rank's part of B images of ``seq_len`` patches, as ``shard_vision_batch`` splits them."""
+        config = self.vision.config
+        grid_thw = _grid_thw(config, seq_len, micro_batch)
+        in_features = config.in_channels * config.temporal_patch_size * config.patch_size**2
+        pixels_NP = torch.randn(seq_len * micro_batch, in_features, dtype=self.dtype)
+        group = dist.group.WORLD if self.sp > 1 else None
+        return shard_vision_batch(pixels_NP, grid_thw, config, sp_rank=self.rank if self.sp > 1 else 0,
+                                  sp_group=group, sp=self.sp)
+
+    def runner(self, layer: LayerSpec, seq_len: int, micro_batch: int) -> tuple[nn.Module, ShardInputs]:
+        """The sharded layer of ``layer.kind`` and its inputs at (seq_len, micro_batch)."""
+        if layer.kind in VISION_KINDS:
+            return self._vision_runner(layer, seq_len, micro_batch)
+        return self._llm_runner(layer, seq_len, micro_batch)
+
+    def _vision_runner(self, layer: LayerSpec, seq_len: int, micro_batch: int) -> tuple[nn.Module, ShardInputs]:
+        shard = self.vision_inputs(seq_len, micro_batch)
+        pixels_nP = shard.pixel_values_nP.to(self.device)
+        n, width = pixels_nP.shape[0], self.vision.config.hidden_size
+        if layer.kind == "patch_embed":
+            return _Call(self.vision.patch_embed), ShardInputs(x=pixels_nP, kwargs={})
+        x_nD = torch.randn(n, width, dtype=self.dtype, device=self.device, requires_grad=True)
+        if layer.kind == "patch_merger":
+            return _Call(self.vision.merger), ShardInputs(x=x_nD, kwargs={})
+        head_dim = width // self.vision.config.num_heads
+        rope = torch.randn(n, head_dim, dtype=self.dtype, device=self.device)
+        kwargs = {"position_embeddings": (rope.cos(), rope.sin())}
+        full = layer.attention is None or layer.attention.window_patches is None
+        if full:
+            kwargs.update(cu_seqlens=shard.cu_full.to(self.device), ulysses_group=shard.ulysses)
+        else:
+            kwargs.update(cu_seqlens=shard.cu_windows.to(self.device))
+        return _Call(self.vision.blocks[0]), ShardInputs(x=x_nD, kwargs=kwargs)
+
+    def _llm_runner(self, layer: LayerSpec, seq_len: int, micro_batch: int) -> tuple[nn.Module, ShardInputs]:
+        lm = self.llm.language_model
+        config = lm.config
+        shape = (micro_batch, seq_len)
+        if layer.kind == "embedding":
+            ids = torch.randint(0, config.vocab_size, shape, device=self.device)
+            return _Call(lm.embed_tokens), ShardInputs(x=ids, kwargs={})
+        x_BSD = torch.randn(*shape, config.hidden_size, dtype=self.dtype, device=self.device, requires_grad=True)
+        if layer.kind == "final_norm":
+            return _Call(lm.norm), ShardInputs(x=x_BSD, kwargs={})
+        if layer.kind == "lm_head":
+            labels = torch.randint(0, config.vocab_size, (micro_batch * seq_len,), device=self.device)
+            return _Call(self.llm.lm_head, loss=True), ShardInputs(x=x_BSD, kwargs={"labels": labels})
+        head_dim = lm.layers[0].self_attn.head_dim
+        rope = torch.randn(*shape, head_dim, dtype=self.dtype, device=self.device)
+        kwargs = {"position_embeddings": (rope.cos(), rope.sin())}
+        return _Call(lm.layers[0]), ShardInputs(x=x_BSD, kwargs=kwargs)
+
+
+def _with_runtime_attention(config):
+    config = copy.copy(config)
+    config._attn_implementation = attention.register()
+    return config
+
+
+def build_rank(model_arg: str, *, tp: int, sp: int, rank: int, dtype: torch.dtype, device: torch.device) -> _Rank:
+    """Full-size layers of every type on this rank, TP-sharded by the runtime's functions when tp > 1."""
+    config = hf_config(get_model(model_arg).hf_config)
+    torch.manual_seed(0)
+    with default_dtype(dtype), device:
+        vision = _Visual(_with_runtime_attention(config.vision_config)).train()
+        llm = _LLM(_with_runtime_attention(config.text_config)).train()
+    if tp > 1:
+        mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
+        parallelize_vision_tp(vision, mesh["tp"])
+        parallelize_llm_tp(llm, mesh["tp"])
+    return _Rank(tp=tp, sp=sp, rank=rank, vision=vision, llm=llm, dtype=dtype, device=device)
+
+
+def _spread(samples: list[float]) -> Spread:
+    return Spread(median_s=statistics.median(samples), min_s=min(samples), max_s=max(samples), repeats=len(samples))
+
+
+def time_as_run(module: nn.Module, inputs: ShardInputs, cfg: TimingConfig, *, recompute: bool,
+                loss_parallel_: bool) -> tuple[Spread, Spread, Spread]:
+    """(forward, backward, recompute) of the slowest rank per iteration; every rank must call it.
+
+    Ranks start each iteration together (a barrier). recompute is the checkpointed backward minus the plain one of
+    the same iteration, clipped at 0; it is only timed when ``recompute`` (zero otherwise: the planner recomputes
+    transformer blocks only).
+    """
+    device = torch.device(cfg.device)
+    samples = []
+    for i in range(cfg.warmup + cfg.repeats):
+        with loss_parallel() if loss_parallel_ else contextlib.nullcontext():
+            dist.barrier()
+            f, b = one_step(module, inputs, recompute=False, device=device)
+            rb = b
+            if recompute:
+                dist.barrier()
+                _, rb = one_step(module, inputs, recompute=True, device=device)
+        if i >= cfg.warmup:
+            samples.append((f, b, rb))
+    slowest = torch.tensor(samples, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    fwd, bwd, rbwd = (slowest[:, j].tolist() for j in range(3))
+    return _spread(fwd), _spread(bwd), _spread([max(r - b, 0.0) for r, b in zip(rbwd, bwd)])
+
+
+def _point(model_arg: str, point: GridPoint, cfg: TimingConfig, times: tuple[Spread, Spread, Spread]) -> LayerPoint:
+    """The profile entry: as-run times, FLOPs and memory of the single-process shard on fake tensors."""
+    config = hf_config(get_model(model_arg).hf_config)
+    fake = analyze_fake(lambda: build_shard(config, point.layer, tp=point.tp, sp=point.sp), point.seq_len,
+                        point.micro_batch, dtype=cfg.dtype)
+    forward, backward, recompute = times
+    return LayerPoint(
+        module=point.module, layer=point.layer.name, tp=point.tp, sp=point.sp, seq_len=point.seq_len,
+        micro_batch=point.micro_batch, forward=forward, backward=backward, recompute=recompute,
+        forward_flops=fake.forward_flops, backward_flops=fake.backward_flops,
+        saved_activation_bytes=fake.saved_activation_bytes, peak_bytes=fake.peak_bytes, includes_comm=True,
+    )
+
+
+def _keep_going(deadline: float | None, device: torch.device) -> bool:
+    """Rank 0's decision (is there time left?) shared with every rank."""
+    go = torch.tensor([1.0 if deadline is None or time.time() < deadline else 0.0], device=device)
+    dist.broadcast(go, src=0)
+    return bool(go.item())
+
+
+def _worker(rank: int, world: int, port: int, model_arg: str, tp: int, sp: int, points: list[GridPoint],
+            cfg: TimingConfig, threads: int, profile_path: str, deadline: float | None) -> None:
+    device = torch.device(cfg.device, rank) if cfg.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(threads)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        ranked = build_rank(model_arg, tp=tp, sp=sp, rank=rank, dtype=cfg.dtype, device=device)
+        for point in points:
+            if not _keep_going(deadline, device):
+                break
+            module, inputs = ranked.runner(point.layer, point.seq_len, point.micro_batch)
+            times = time_as_run(module, inputs, cfg, recompute=point.layer.kind in RECOMPUTED_KINDS,
+                                loss_parallel_=tp > 1 and point.layer.kind == "lm_head")
+            if rank == 0:
+                profile = load_profile(profile_path)
+                profile.layers.append(_point(model_arg, point, cfg, times))
+                save_profile(profile, profile_path)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sweep_as_run(model_arg: str, points: list[GridPoint], *, profile_path: str, cfg: TimingConfig, threads: int,
+                 time_budget_s: float | None, on_degree: Callable[[int, int, int], None] = lambda tp, sp, n: None
+                 ) -> tuple[int, int]:
+    """Time every point (already filtered by ``can_run_as_run``, missing from the profile at ``profile_path``),
+    one spawn of tp*sp ranks per degree; returns (measured, left for lack of time)."""
+    deadline = None if time_budget_s is None else time.time() + time_budget_s
+    by_degree: dict[tuple[int, int], list[GridPoint]] = {}
+    for p in points:
+        by_degree.setdefault((p.tp, p.sp), []).append(p)
+    before = len(load_profile(profile_path).layers)
+    for (tp, sp), todo in sorted(by_degree.items()):
+        if deadline is not None and time.time() >= deadline:
+            break
+        on_degree(tp, sp, len(todo))
+        world = tp * sp
+        mp.spawn(_worker, args=(world, _free_port(), model_arg, tp, sp, todo, cfg, threads, profile_path, deadline),
+                 nprocs=world, join=True)
+    measured = len(load_profile(profile_path).layers) - before
+    return measured, len(points) - measured
