@@ -6,13 +6,13 @@ collectives as actually issued (gloo between local processes on CPU, NCCL on GPU
 contending for the host's cores. Here each degree spawns ``tp * sp`` ranks (torch.multiprocessing, like the
 collectives benchmark); every rank builds each layer type at FULL size from transformers' own classes with the
 runtime's attention kernel, shards it with the runtime's own functions -- ``parallelize_vision_tp`` /
-``parallelize_llm_tp`` (DTensor ``parallelize_module``) for TP, ``shard_vision_batch`` and the Ulysses all-to-all
-(``ulysses_group``) for vision SP, ``loss_parallel`` for the TP lm_head loss -- and times forward, backward and the
+``parallelize_llm_tp`` (DTensor ``parallelize_module``) for TP, the runtime's sequence split and the Ulysses
+all-to-all (``ulysses_group``) for SP, ``loss_parallel`` for the TP lm_head loss -- and times forward, backward and the
 extra backward of full recomputation. An iteration's time is the slowest rank's; the point records the median
 (and spread) over the repeats after warm-up, flagged ``includes_comm``.
 
-Covered: TP over every layer type, Ulysses SP over the vision tower (LLM sequence parallelism and TP x SP at once
-are still timed single-process). FLOPs and memory are per rank and come from the single-process shard on fake
+Covered: TP over every layer type, Ulysses SP over the vision tower (``shard_vision_batch``) and the LLM
+(``shard_llm_batch``); TP x SP at once is still timed single-process. FLOPs and memory are per rank and come from the single-process shard on fake
 tensors (runtime.profile.measure.analyze_fake). Rank 0 appends each point to the profile file as soon as it is
 measured, so an interrupted sweep resumes where it stopped.
 
@@ -54,6 +54,7 @@ from runtime.parallel.tensor_parallel import parallelize_llm_tp, parallelize_vis
 from runtime.profile.layers import GridPoint
 from runtime.profile.measure import TimingConfig, one_step, analyze_fake, default_dtype
 from runtime.profile.shards import ShardInputs, build_shard, hf_config
+from runtime.llm import shard_llm_batch
 from runtime.parallel.ulysses import split_windows
 from runtime.vision import shard_vision_batch, window_layout
 
@@ -68,13 +69,15 @@ def available_ranks(device: torch.device) -> int:
 
 def can_run_as_run(config, point: GridPoint, max_ranks: int) -> bool:
     """Whether ``point`` is one this module times as run: a sharded degree (tp * sp > 1) the machine has ranks
-    for, TP or vision SP (not both), and a split the runtime accepts (heads, KV heads, vocabulary)."""
+    for, TP or SP (not both), and a split the runtime accepts (heads, KV heads, vocabulary, whole windows)."""
     tp, sp, kind = point.tp, point.sp, point.layer.kind
     if tp * sp == 1 or tp * sp > max_ranks or (tp > 1 and sp > 1):
         return False
+    text = config.text_config
+    if sp > 1 and kind in LLM_KINDS:
+        return text.num_attention_heads % sp == 0 and point.seq_len >= sp
     if sp > 1:
         return kind in VISION_KINDS and _vision_splits(config.vision_config, point.seq_len, point.micro_batch, sp)
-    text = config.text_config
     if kind in LLM_KINDS:
         return not (text.num_attention_heads % tp or text.num_key_value_heads % tp or text.vocab_size % tp)
     return kind in VISION_KINDS and config.vision_config.num_heads % tp == 0
@@ -202,23 +205,34 @@ class _Rank:
             kwargs.update(cu_seqlens=shard.cu_windows.to(self.device))
         return _Call(self.vision.blocks[0]), ShardInputs(x=x_nD, kwargs=kwargs)
 
+    def llm_inputs(self, seq_len: int, micro_batch: int):
+        """This rank's slice of B sequences of ``seq_len`` tokens, as ``shard_llm_batch`` cuts them."""
+        vocab = self.llm.language_model.config.vocab_size
+        ids_BL = torch.randint(0, vocab, (micro_batch, seq_len))
+        positions_3BL = torch.arange(seq_len).expand(3, micro_batch, seq_len)
+        group = dist.group.WORLD if self.sp > 1 else None
+        return shard_llm_batch(ids_BL, positions_3BL, ids_BL, sp_rank=self.rank if self.sp > 1 else 0,
+                               sp_group=group, sp=self.sp)
+
     def _llm_runner(self, layer: LayerSpec, seq_len: int, micro_batch: int) -> tuple[nn.Module, ShardInputs]:
         lm = self.llm.language_model
-        config = lm.config
-        shape = (micro_batch, seq_len)
+        shard = self.llm_inputs(seq_len, micro_batch)
+        ids_Bs = shard.input_ids_Bs.to(self.device)
         if layer.kind == "embedding":
-            ids = torch.randint(0, config.vocab_size, shape, device=self.device)
-            return _Call(lm.embed_tokens), ShardInputs(x=ids, kwargs={})
-        x_BSD = torch.randn(*shape, config.hidden_size, dtype=self.dtype, device=self.device, requires_grad=True)
+            return _Call(lm.embed_tokens), ShardInputs(x=ids_Bs, kwargs={})
+        x_BsD = torch.randn(*ids_Bs.shape, lm.config.hidden_size, dtype=self.dtype, device=self.device,
+                            requires_grad=True)
         if layer.kind == "final_norm":
-            return _Call(lm.norm), ShardInputs(x=x_BSD, kwargs={})
+            return _Call(lm.norm), ShardInputs(x=x_BsD, kwargs={})
         if layer.kind == "lm_head":
-            labels = torch.randint(0, config.vocab_size, (micro_batch * seq_len,), device=self.device)
-            return _Call(self.llm.lm_head, loss=True), ShardInputs(x=x_BSD, kwargs={"labels": labels})
+            labels = shard.targets_Bs.flatten().clamp(min=0).to(self.device)  # the last position's label too
+            return _Call(self.llm.lm_head, loss=True), ShardInputs(x=x_BsD, kwargs={"labels": labels})
         head_dim = lm.layers[0].self_attn.head_dim
-        rope = torch.randn(*shape, head_dim, dtype=self.dtype, device=self.device)
+        rope = torch.randn(*ids_Bs.shape, head_dim, dtype=self.dtype, device=self.device)
         kwargs = {"position_embeddings": (rope.cos(), rope.sin())}
-        return _Call(lm.layers[0]), ShardInputs(x=x_BSD, kwargs=kwargs)
+        if shard.ulysses is not None:
+            kwargs["ulysses_group"] = shard.ulysses
+        return _Call(lm.layers[0]), ShardInputs(x=x_BsD, kwargs=kwargs)
 
 
 def _with_runtime_attention(config):

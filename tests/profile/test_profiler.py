@@ -135,7 +135,7 @@ def test_as_run_points_only_where_the_runtime_shards():
               if can_run_as_run(CONFIG, p, max_ranks=2)}
     assert ("llm", "decoder_layer", 2, 1, 64) in chosen and ("vision", "full_block", 1, 2, 256) in chosen
     assert all(tp * sp == 2 for _, _, tp, sp, _ in chosen)  # degree 1 is the single-process profile
-    assert not any(m == "llm" and sp > 1 for m, _, _, sp, _ in chosen)  # LLM Ulysses: not timed as run yet
+    assert ("llm", "decoder_layer", 1, 2, 64) in chosen  # LLM Ulysses
     assert ("vision", "full_block", 1, 2, 64) not in chosen  # one 8x8 window: the runtime cannot split it over 2
     assert not any(can_run_as_run(CONFIG, p, max_ranks=1) for p in grid_points(TINY, grid))
 
@@ -144,12 +144,13 @@ def test_as_run_points_only_where_the_runtime_shards():
 def test_as_run_profile_of_tp2_and_ulysses2(tmp_path, capsys):
     out = tmp_path / "as_run.json"
     args = ["--model", "qwen2.5-vl-tiny", "--out", str(out), "--threads", "1", "--vision-seq", "256", "--llm-seq", "64",
-            "--micro-batches", "1", "--tp", "1,2", "--sp", "1,2", "--layers", "vision.full_block,llm.lm_head",
+            "--micro-batches", "1", "--tp", "1,2", "--sp", "1,2", "--layers",
+            "vision.full_block,llm.decoder_layer,llm.lm_head",
             "--repeats", "1", "--warmup", "0", "--as-run"]
     assert main(args) == 0
     profile = load_profile(out)
-    assert {(p.layer, p.tp, p.sp) for p in profile.layers} == {("full_block", 2, 1), ("full_block", 1, 2),
-                                                                ("lm_head", 2, 1)}
+    assert {(p.layer, p.tp, p.sp) for p in profile.layers} == {
+        (layer, tp, sp) for layer in ("full_block", "decoder_layer", "lm_head") for tp, sp in ((2, 1), (1, 2))}
     for p in profile.layers:
         assert p.includes_comm and p.forward.repeats == 1 and p.forward.median_s > 0 and p.backward.median_s > 0
         # FLOPs are one rank's: those of the single-process shard of the same degree.
