@@ -18,65 +18,17 @@ from typing import Mapping
 
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.layer_costs import LayerCostSource
-from planner.cost.module import analytical_module_cost
+from planner.cost.module import module_cost
 from planner.cost.results import GIB, Estimate, MemoryBreakdown, ModuleCost
 from planner.cost.validity import check_strategy
 from planner.hardware import Cluster
 from planner.models import ModelSpec
-from planner.strategy import ModuleStrategy, Placement, Precision, Strategy
+from planner.strategy import Placement, Strategy
 from planner.workload import Workload, module_tokens
 
 __all__ = ["Estimate", "MemoryBreakdown", "ModuleCost", "combine", "estimate", "module_cost"]
 
 
-def module_cost(
-    model: ModelSpec,
-    module: str,
-    cluster: Cluster,
-    workload: Workload,
-    strategy: ModuleStrategy,
-    *,
-    placement: Placement,
-    precision: Precision,
-    first_rank: int,
-    num_stages: int = 1,
-    stage_index: int = 0,
-    assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
-    layer_costs: LayerCostSource | None = None,
-) -> ModuleCost:
-    """Cost of ``module`` under ``strategy``, per GPU of the module, for one optimizer step.
-
-    Args:
-        model: The model.
-        module: Which of its modules.
-        cluster: Devices and nodes.
-        workload: Sample shape and global batch.
-        strategy: The module's degrees.
-        placement: colocated (hand-off is a re-layout) or disjoint (hand-off is point-to-point).
-        precision: bf16_mixed or bf16_pure.
-        first_rank: Global rank of the module's rank 0 (``Strategy.first_ranks()``); decides the links.
-        num_stages: Pipeline stages of the chain (disjoint: 2, colocated: 1).
-        stage_index: This module's stage (encoders 0, LLM num_stages - 1).
-        assumptions: Cost-model knobs.
-        layer_costs: Optional measured per-layer source; analytical where it returns None.
-
-    Cost: ~20 us per call when the (tp, sp, cp, micro_batch, recompute) sharding was costed before for the same
-    model/workload/cluster/assumptions OBJECTS (memoised by identity: reuse them across calls), ~70 us when not.
-    """
-    return analytical_module_cost(
-        model,
-        module,
-        cluster,
-        workload,
-        strategy,
-        placement=placement,
-        precision=precision,
-        first_rank=first_rank,
-        num_stages=num_stages,
-        stage_index=stage_index,
-        assumptions=assumptions,
-        layer_costs=layer_costs,
-    )
 
 
 def combine(
