@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal, Sequence
@@ -26,10 +27,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.hardware import DeviceSpec
 
-PROFILE_SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)
+PROFILE_SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 """Versions ``load_profile`` reads: version 1 lacks ``LayerPoint.includes_comm`` (all its points are single-process
-shards, the field's default); it is upgraded to the current version on the next save."""
+shards, the field's default), versions 1-2 lack ``LayerPoint.optimizer`` (None); older files are upgraded to the
+current version on the next save."""
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
 COLLECTIVE_OPS: tuple[CollectiveOp, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -73,6 +75,11 @@ class LayerPoint(_Strict):
     forward: Spread
     backward: Spread
     recompute: Spread = Field(description="extra backward time when the forward ran under torch.utils.checkpoint")
+    optimizer: Spread | None = Field(
+        default=None,
+        description="the runtime's optimizer step over this shard's parameters: gradient norm, clipping scale, AdamW "
+        "(None in profiles older than schema version 3: the cost model's formula is used)",
+    )
     forward_flops: float
     backward_flops: float
     saved_activation_bytes: int = Field(description="tensors autograd saved for backward, parameters excluded")
@@ -308,6 +315,9 @@ class LayerCost:
     """Peak fwd+bwd bytes beyond the parameters."""
     exact: bool
     """True when (seq_len, micro_batch) was a measured grid point, False when interpolated."""
+    optimizer_s: float | None = None
+    """Optimizer-step seconds over one instance's parameters: the median over the shard's points that timed it (it
+    does not depend on the sequence or micro-batch); None if none did."""
 
 
 def pick_time(spread: Spread, statistic: str) -> float:
@@ -331,6 +341,12 @@ _LAYER_FIELDS = {
 }
 
 
+def _median_optimizer_s(points, statistic: str) -> float | None:
+    """The median optimizer-step time over the points of one shard that timed it (None if none did)."""
+    times = [pick_time(p.optimizer, statistic) for p in points if p.optimizer is not None]
+    return statistics.median(times) if times else None
+
+
 class ProfileIndex:
     """Fast lookups into a Profile: layer costs by shard, collective times by op/group/size."""
 
@@ -341,6 +357,8 @@ class ProfileIndex:
         for p in profile.layers:
             key = (p.module, p.layer, p.tp, p.sp, p.includes_comm)
             self._layers.setdefault(key, {})[(p.seq_len, p.micro_batch)] = p
+        self._optimizer = {key: _median_optimizer_s(grid.values(), profile.time_statistic)
+                           for key, grid in self._layers.items()}
         self._collectives: dict[tuple[str, int], list[tuple[int, float]]] = {}
         for c in profile.collectives:
             t = pick_time(c.time, profile.time_statistic)
@@ -365,7 +383,7 @@ class ProfileIndex:
             name: interp_grid({k: get(p) for k, p in grid.items()}, seq_len, micro_batch)
             for name, get in self._fields.items()
         }
-        return LayerCost(**values, exact=exact)
+        return LayerCost(**values, exact=exact, optimizer_s=self._optimizer[(module, layer, tp, sp, includes_comm)])
 
     def collective_time(self, op: str, group_size: int, message_bytes: float) -> float | None:
         """Measured seconds of a collective, interpolated over message size; None if this op/group was not measured."""
@@ -509,7 +527,8 @@ RECOMPUTED_KINDS = frozenset({"vision_block", "audio_block", "decoder_layer"})
 
 class ProfileCostSource:
     """A ``planner.cost.LayerCostSource`` backed by a profile: measured layer times (and saved activations),
-    interpolated over sequence length and micro-batch; None (-> analytical) for shards the profile lacks.
+    interpolated over sequence length and micro-batch, and the optimizer step over each layer's parameters; None
+    (-> analytical) for shards the profile lacks.
 
     Recompute modes: ``none`` uses the measured saved activations and no recompute time; ``full`` adds, for
     transformer blocks, the measured extra backward time of a checkpointed forward and leaves their (input-only)
@@ -559,6 +578,7 @@ class ProfileCostSource:
             recompute_s=cost.recompute_s * slowdown if full else 0.0,
             activation_bytes=None if full else round(cost.saved_activation_bytes),
             includes_comm=as_run,
+            optimizer_s=None if cost.optimizer_s is None else cost.optimizer_s * slowdown,
         )
 
     def collective_time(self, op: str, group_size: int, message_bytes: float) -> float | None:

@@ -2,7 +2,7 @@
 plan's predictions.
 
 Each rank measures itself; a step's line takes, per quantity, the slowest rank holding the module (the step
-waits for it). Communication that is measurable from the step loop is the hand-off / hand-back wait time;
+waits for it), and keeps every rank's own numbers under ``ranks``. Communication that is measurable from the step loop is the hand-off / hand-back wait time;
 TP, SP and FSDP collectives run inside forward/backward and are counted there.
 """
 
@@ -17,8 +17,9 @@ from tqdm import tqdm
 from planner.schema import Plan
 
 GIB = 1024**3
-TIMED = ("vision_forward_s", "vision_backward_s", "llm_forward_s", "llm_backward_s", "optimizer_s", "handoff_comm_s")
-"""Per-rank timers reported as the max over ranks."""
+TIMED = ("vision_forward_s", "vision_backward_s", "llm_forward_s", "llm_backward_s", "grad_sync_s", "optimizer_s",
+         "handoff_comm_s", "data_s")
+"""Per-rank timers reported as the max over ranks (and each rank's own under ``ranks``)."""
 
 
 def step_record(step: int, results: list[dict[str, Any]], plan: Plan, tokens_per_sample: int) -> dict[str, Any]:
@@ -35,6 +36,8 @@ def step_record(step: int, results: list[dict[str, Any]], plan: Plan, tokens_per
     for key in TIMED:
         record[key] = max(r.get(key, 0.0) for r in results)
     record["peak_memory_gib"] = max(r["peak_memory_bytes"] for r in results) / GIB
+    record["ranks"] = [{"rank": r["rank"], "step_time_s": r["step_time_s"], **{k: r[k] for k in TIMED if k in r}}
+                       for r in results]
     return record
 
 

@@ -20,9 +20,21 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
 
 def build_optimizer(module: nn.Module, training) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over ``module``'s parameters with the plan's LR, weight decay and warm-up."""
-    optimizer = torch.optim.AdamW(module.parameters(), lr=training.learning_rate, weight_decay=training.weight_decay)
+    optimizer = adamw(module.parameters(), lr=training.learning_rate, weight_decay=training.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_factor(step, training.warmup_steps))
     return optimizer, schedule
+
+
+def adamw(params, *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """The optimizer every module trains with (torch's AdamW, its default multi-tensor implementation)."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def scale_gradients(module: nn.Module, coef: float) -> None:
+    """Multiply every gradient of ``module`` by ``coef`` in place."""
+    for p in module.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef)
 
 
 def grad_sq_norm(module: nn.Module) -> torch.Tensor:
@@ -60,7 +72,5 @@ def clip_grad_norm(
     coef = min(1.0, max_norm / (total + CLIP_EPS))
     if coef < 1.0:
         for module in modules.values():
-            for p in module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+            scale_gradients(module, coef)
     return total

@@ -131,15 +131,29 @@ class Trainer:
         return self.dims["llm"].grad_accum
 
     def _samples(self, micro: int, name: str) -> Sample:
-        """This rank's samples of micro-batch ``micro`` for module ``name`` (its DP replica's slice)."""
-        if (micro, name) not in self._batches:
-            dims = self.dims[name]
-            per_micro = dims.dp * dims.micro_batch
-            first = (self.step * self.num_micro_batches + micro) * per_micro
-            first += dims.coordinate(self.rank)["dp"] * dims.micro_batch
+        """This rank's samples of micro-batch ``micro`` for module ``name`` (its DP replica's slice); modules that
+        hold the same samples share them."""
+        dims = self.dims[name]
+        first = (self.step * self.num_micro_batches + micro) * dims.dp * dims.micro_batch
+        first += dims.coordinate(self.rank)["dp"] * dims.micro_batch
+        key = (first, dims.micro_batch)
+        if key not in self._batches:
             batch = collate([self.source.sample(first + i) for i in range(dims.micro_batch)])
-            self._batches[micro, name] = {k: v.to(self.device) for k, v in batch.items()}
-        return self._batches[micro, name]
+            self._batches[key] = {k: v.to(self.device) for k, v in batch.items()}
+        return self._batches[key]
+
+    def _prepare_inputs(self) -> float:
+        """Synthesise (or load) this rank's samples of the step and the LLM's token shards before the step's clock
+        starts, as a DataLoader's workers would have; returns the seconds it took (reported as ``data_s``)."""
+        start = time.perf_counter()
+        self._batches: dict[tuple[int, int], Sample] = {}
+        self._llm_shards: dict[int, LLMShard] = {}
+        for micro in range(self.num_micro_batches):
+            for name in self.modules:
+                self._samples(micro, name)
+            if "llm" in self.modules:
+                self._llm_shard(micro)
+        return time.perf_counter() - start
 
     def _llm_shard(self, micro: int) -> LLMShard:
         """This rank's slice of micro-batch ``micro`` for the LLM (the whole sequences without SP)."""
@@ -213,11 +227,12 @@ class Trainer:
 
     def optimizer_step(self) -> float:
         """Sum ZeRO-0 gradients, clip by the global norm over all modules, step AdamW and the LR schedule."""
-        with self._timed("optimizer_s"):
+        with self._timed("grad_sync_s"):
             for name, module in self.trainable.items():
                 dims = self.dims[name]
                 if dims.zero == 0 and dims.batch_enabled:
                     all_reduce_gradients(module, dims.mesh[BATCH_AXIS].get_group())
+        with self._timed("optimizer_s"):
             norm = clip_grad_norm(self.trainable, list(MODULES), self.plan.training.grad_clip_norm, self.device)
             for optimizer, schedule in self.optimizers.values():
                 optimizer.step()
@@ -236,9 +251,8 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step; returns this rank's measurements."""
         self.timings: dict[str, float] = defaultdict(float)
-        self._batches: dict[tuple[int, str], Sample] = {}
-        self._llm_shards: dict[int, LLMShard] = {}
         self.handoff.comm_seconds = 0.0
+        data_s = self._prepare_inputs()
         start = time.perf_counter()
         for optimizer, _ in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
@@ -255,7 +269,7 @@ class Trainer:
         return {
             "rank": self.rank, "modules": sorted(self.modules), "loss": loss, "grad_norm": norm,
             "lr": lr,
-            "step_time_s": time.perf_counter() - start, "handoff_comm_s": self.handoff.comm_seconds,
+            "step_time_s": time.perf_counter() - start, "data_s": data_s, "handoff_comm_s": self.handoff.comm_seconds,
             "peak_memory_bytes": _peak_memory(self.device), **self.timings,
         }
 

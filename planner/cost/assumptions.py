@@ -124,8 +124,12 @@ class CostAssumptions:
     inter_node_bus_efficiency: float = 0.80
     """Fraction of the NIC unidirectional bandwidth a collective achieves."""
     dp_comm_overlap: float = 0.90
-    """Fraction of the backward (ZeRO-3 all-gathers: forward+backward) compute that can hide DP/ZeRO
+    """Fraction of the backward (ZeRO-3 all-gathers: forward+backward) compute that can hide ZeRO-1/2/3 (FSDP)
     communication; the last bucket is always exposed."""
+    zero0_grad_sync_overlap: float = 0.0
+    """Fraction of the backward that hides ZeRO-0's gradient all-reduce. 0: the runtime sums a module's gradients in
+    one flat all-reduce after the last micro-batch's backward (runtime/parallel/fsdp.py ``all_reduce_gradients``),
+    so it is all exposed; a DDP-style bucketed all-reduce during the backward (Li et al. 2020) would allow ~0.9."""
     tp_comm_overlap: float = 0.0
     """Fraction of TP all-reduce time hidden behind compute (0: Megatron-style TP comm is on the critical path)."""
     sp_comm_overlap: float = 0.0
@@ -152,7 +156,8 @@ class CostAssumptions:
         ):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
-        for name in ("dp_comm_overlap", "tp_comm_overlap", "sp_comm_overlap", "cp_comm_overlap"):
+        for name in ("dp_comm_overlap", "zero0_grad_sync_overlap", "tp_comm_overlap", "sp_comm_overlap",
+                     "cp_comm_overlap"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 

@@ -159,6 +159,7 @@ def zero_comm_time(
     trainable: bool,
     runs_backward: bool,
     overlap: float,
+    zero0_overlap: float,
 ) -> float:
     """Exposed DP/ZeRO communication per optimizer step on one rank.
 
@@ -168,7 +169,8 @@ def zero_comm_time(
     and all-gathers weights once; ZeRO-3 all-gathers weights in forward and again in backward and
     reduce-scatters gradients every micro-batch (3 Psi). Gradient reduction overlaps the backward of the
     micro-batch that produces it except the last bucket; weight gathers overlap the forward (FSDP prefetch)
-    except the first layer (``exposed_time``). ``forward_s``/``backward_s`` are one micro-batch's compute.
+    except the first layer (``exposed_time``), ``overlap`` of the compute hiding them; ZeRO-0's all-reduce hides
+    behind ``zero0_overlap`` of the backward instead. ``forward_s``/``backward_s`` are one micro-batch's compute.
     A frozen module only gathers ZeRO-3 weights.
     """
     n = group_size
@@ -185,7 +187,7 @@ def zero_comm_time(
         return grad_accum * per_mb
     if zero == 0:
         reduce = all_reduce_time(gradient_bytes, n, link)
-        return exposed_time(reduce, backward_s, overlap, all_reduce_time(bucket_bytes, n, link))
+        return exposed_time(reduce, backward_s, zero0_overlap, all_reduce_time(bucket_bytes, n, link))
     scatter = reduce_scatter_time(gradient_bytes, n, link)
     last_bucket = reduce_scatter_time(bucket_bytes, n, link)
     if zero == 1:

@@ -36,6 +36,9 @@ class LayerMeasurement:
     includes_comm: bool = False
     """The measured time already contains the layer's TP/SP collectives (timed as the runtime runs the sharded
     layer); the cost model must not add its own ``tp_comm_s`` / ``sp_comm_s`` for it."""
+    optimizer_s: float | None = None
+    """Optimizer step (gradient norm and clipping, AdamW) over the instance's parameters on one TP/SP rank, before
+    any ZeRO sharding; None: use the formula (``optimizer_step_time``)."""
 
 
 class LayerCostSource(Protocol):

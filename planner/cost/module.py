@@ -111,6 +111,7 @@ def _static(
             {
                 **{f"{layer.name}.{what}": ANALYTICAL for layer in spec.layers for what in ("time", "activations")},
                 "collectives": ANALYTICAL,
+                "optimizer": ANALYTICAL,
                 "states": ANALYTICAL,
             }
         ),
@@ -155,6 +156,10 @@ class _Sums:
     cp_comm_s: float
     saved_bytes: float
     buffer_bytes: float
+    optimizer_measured_s: float
+    """Measured optimizer steps of the layers that have one, before ZeRO sharding."""
+    optimizer_formula_params: float
+    """Parameters on this rank (before ZeRO sharding) of the layers whose optimizer step is left to the formula."""
     sources: Mapping[str, str]
 
 
@@ -169,8 +174,9 @@ def _layer_sums(
     recomputation, the largest block's re-created activations.
     """
     shard = _shard(static, s, links)
-    fwd = bwd = rc = tp_c = sp_c = cp_c = saved = working = buffers = 0.0
+    fwd = bwd = rc = tp_c = sp_c = cp_c = saved = working = buffers = optimizer_s = formula_params = 0.0
     sources = dict(static.analytical_sources)
+    optimizer_measured = bool(static.spec.layers)
     for layer in static.spec.layers:
         t = layer_terms(layer, shard)
         f, b, r, act = t.forward_s, t.backward_s, t.recompute_s, t.saved_bytes
@@ -186,6 +192,11 @@ def _layer_sums(
                 act = measured.activation_bytes
                 sources[f"{layer.name}.activations"] = MEASURED
         n = layer.count
+        if measured is not None and measured.optimizer_s is not None:
+            optimizer_s += n * measured.optimizer_s
+        else:
+            formula_params += n * layer_params_per_rank(layer, s.tp)
+            optimizer_measured = False
         fwd, bwd, rc = fwd + n * f, bwd + n * b, rc + n * r
         tp_c, sp_c, cp_c = tp_c + n * tp_comm, sp_c + n * sp_comm, cp_c + n * t.cp_comm_s
         saved += n * act
@@ -193,8 +204,10 @@ def _layer_sums(
         buffers = max(buffers, t.buffer_bytes)
     if s.recompute == "full":
         buffers += working
+    if optimizer_measured:
+        sources["optimizer"] = MEASURED
     final_sources = static.analytical_sources if layer_costs is None else MappingProxyType(sources)
-    return _Sums(fwd, bwd, rc, tp_c, sp_c, cp_c, saved, buffers, final_sources)
+    return _Sums(fwd, bwd, rc, tp_c, sp_c, cp_c, saved, buffers, optimizer_s, formula_params, final_sources)
 
 
 def _measure(
@@ -370,7 +383,12 @@ def module_cost(
         trainable=trainable,
         runs_backward=static.backward != "none",
         overlap=assumptions.dp_comm_overlap,
+        zero0_overlap=assumptions.zero0_grad_sync_overlap,
     )
+    optimizer_time = (
+        sums.optimizer_measured_s
+        + optimizer_step_time(sums.optimizer_formula_params, recipe, cluster.device, assumptions)
+    ) / (shards if s.zero >= 1 else 1)
     ga = s.grad_accum
     tp_c, sp_c, cp_c = sums.tp_comm_s, sums.sp_comm_s, sums.cp_comm_s
     per_mb = fwd + bwd + rc + tp_c + sp_c + cp_c + handoff
@@ -385,8 +403,7 @@ def module_cost(
         sp_comm_s=ga * sp_c,
         cp_comm_s=ga * cp_c,
         dp_comm_s=dp_comm,
-        optimizer_s=optimizer_step_time(params / (shards if s.zero >= 1 else 1), recipe, cluster.device, assumptions)
-        if trainable else 0.0,
+        optimizer_s=optimizer_time if trainable else 0.0,
         handoff_s=ga * handoff,
         per_micro_batch_s=per_mb,
         weights_bytes=math.ceil(weights),

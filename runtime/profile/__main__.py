@@ -46,8 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="timing the planner uses from this profile: median (dedicated machine, the default) or min "
                         "(shared machine: other processes only add time); stored in the profile")
     p.add_argument("--remeasure-noisy", action="store_true",
-                   help="first drop layer points slower than the same shard at a longer sequence (disturbed by "
-                        "other processes), then measure what is missing (the as-run points with --as-run)")
+                   help="first drop layer points other processes visibly disturbed (slower than a longer sequence, "
+                        "above the chord of their neighbours, or a median far above the fastest repeat), then "
+                        "measure what is missing (the as-run points with --as-run)")
     p.add_argument("--time-budget", type=float, default=None, help="stop measuring new points after this many seconds")
     p.add_argument("--no-device-bench", action="store_true", help="skip the matmul / bandwidth microbenchmarks")
     p.add_argument("--collectives", action="store_true", help="measure collectives (gloo on CPU, NCCL on CUDA)")

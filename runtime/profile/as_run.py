@@ -7,8 +7,8 @@ contending for the host's cores. Here each degree spawns ``tp * sp`` ranks (torc
 collectives benchmark); every rank builds each layer type at FULL size from transformers' own classes with the
 runtime's attention kernel, shards it with the runtime's own functions -- ``parallelize_vision_tp`` /
 ``parallelize_llm_tp`` (DTensor ``parallelize_module``) for TP, the runtime's sequence split and the Ulysses
-all-to-all (``ulysses_group``) for SP, ``loss_parallel`` for the TP lm_head loss -- and times forward, backward and the
-extra backward of full recomputation. An iteration's time is the slowest rank's; the point records the median
+all-to-all (``ulysses_group``) for SP, ``loss_parallel`` for the TP lm_head loss -- and times forward, backward, the
+extra backward of full recomputation and the optimizer step over the rank's (DTensor) parameters. An iteration's time is the slowest rank's; the point records the median
 (and spread) over the repeats after warm-up, flagged ``includes_comm``.
 
 Covered: TP over every layer type, Ulysses SP over the vision tower (``shard_vision_batch``) and the LLM
@@ -52,7 +52,7 @@ from planner.profiles import RECOMPUTED_KINDS, LayerPoint, Spread, load_profile,
 from runtime.parallel import attention
 from runtime.parallel.tensor_parallel import parallelize_llm_tp, parallelize_vision_tp
 from runtime.profile.layers import GridPoint
-from runtime.profile.measure import TimingConfig, one_step, analyze_fake, default_dtype
+from runtime.profile.measure import TimingConfig, analyze_fake, default_dtype, one_step, time_optimizer_step
 from runtime.profile.shards import ShardInputs, build_shard, hf_config
 from runtime.llm import shard_llm_batch
 from runtime.parallel.ulysses import split_windows
@@ -285,15 +285,17 @@ def time_as_run(module: nn.Module, inputs: ShardInputs, cfg: TimingConfig, *, re
     return _spread(fwd), _spread(bwd), _spread([max(r - b, 0.0) for r, b in zip(rbwd, bwd)])
 
 
-def _point(model_arg: str, point: GridPoint, cfg: TimingConfig, times: tuple[Spread, Spread, Spread]) -> LayerPoint:
-    """The profile entry: as-run times, FLOPs and memory of the single-process shard on fake tensors."""
+def _point(model_arg: str, point: GridPoint, cfg: TimingConfig, times: tuple[Spread, Spread, Spread],
+           optimizer: Spread) -> LayerPoint:
+    """The profile entry: as-run times (and optimizer step), FLOPs and memory of the single-process shard on fake
+    tensors."""
     config = hf_config(get_model(model_arg).hf_config)
     fake = analyze_fake(lambda: build_shard(config, point.layer, tp=point.tp, sp=point.sp), point.seq_len,
                         point.micro_batch, dtype=cfg.dtype)
     forward, backward, recompute = times
     return LayerPoint(
         module=point.module, layer=point.layer.name, tp=point.tp, sp=point.sp, seq_len=point.seq_len,
-        micro_batch=point.micro_batch, forward=forward, backward=backward, recompute=recompute,
+        micro_batch=point.micro_batch, forward=forward, backward=backward, recompute=recompute, optimizer=optimizer,
         forward_flops=fake.forward_flops, backward_flops=fake.backward_flops,
         saved_activation_bytes=fake.saved_activation_bytes, peak_bytes=fake.peak_bytes, includes_comm=True,
     )
@@ -322,9 +324,10 @@ def _worker(rank: int, world: int, port: int, model_arg: str, tp: int, sp: int, 
             module, inputs = ranked.runner(point.layer, point.seq_len, point.micro_batch)
             times = time_as_run(module, inputs, cfg, recompute=point.layer.kind in RECOMPUTED_KINDS,
                                 loss_parallel_=tp > 1 and point.layer.kind == "lm_head")
+            optimizer = time_optimizer_step(module, cfg, slowest_rank=True)
             if rank == 0:
                 profile = load_profile(profile_path)
-                profile.layers.append(_point(model_arg, point, cfg, times))
+                profile.layers.append(_point(model_arg, point, cfg, times, optimizer))
                 save_profile(profile, profile_path)
             dist.barrier()
     finally:

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from planner.models import LayerSpec, ModelSpec
 from planner.profiles import LayerPoint, MemoryPoint, Profile
-from runtime.profile.measure import TimingConfig, analyze_fake, default_dtype, time_shard
+from runtime.profile.measure import TimingConfig, analyze_fake, default_dtype, time_optimizer_step, time_shard
 from runtime.profile.shards import build_shard, hf_config, tokens_multiple, valid_degree
 
 
@@ -73,7 +73,8 @@ def grid_points(model: ModelSpec, grid: Grid) -> Iterator[GridPoint]:
 
 
 def measure_point(model: ModelSpec, point: GridPoint, cfg: TimingConfig) -> LayerPoint:
-    """Times on the device, FLOPs and memory from a fake pass (plus the CUDA allocator's peak on GPU)."""
+    """Times on the device (forward, backward, recompute, optimizer step), FLOPs and memory from a fake pass (plus
+    the CUDA allocator's peak on GPU)."""
     config = hf_config(model.hf_config)
 
     def factory():
@@ -83,9 +84,10 @@ def measure_point(model: ModelSpec, point: GridPoint, cfg: TimingConfig) -> Laye
     with default_dtype(cfg.dtype):
         shard = factory()
     forward, backward, recompute, cuda_peak = time_shard(shard, point.seq_len, point.micro_batch, cfg)
+    optimizer = time_optimizer_step(shard, cfg)
     return LayerPoint(
         module=point.module, layer=point.layer.name, tp=point.tp, sp=point.sp, seq_len=point.seq_len,
-        micro_batch=point.micro_batch, forward=forward, backward=backward, recompute=recompute,
+        micro_batch=point.micro_batch, forward=forward, backward=backward, recompute=recompute, optimizer=optimizer,
         forward_flops=fake.forward_flops, backward_flops=fake.backward_flops,
         saved_activation_bytes=fake.saved_activation_bytes,
         peak_bytes=cuda_peak if cuda_peak is not None else fake.peak_bytes,
@@ -105,20 +107,36 @@ def memory_point(model: ModelSpec, point: GridPoint, dtype: torch.dtype) -> Memo
     )
 
 
-def noisy_points(points: list[LayerPoint], *, tolerance: float = 0.05) -> set[tuple]:
-    """Keys of points slower (forward or backward median, beyond ``tolerance``) than the same shard at the next
-    longer sequence: work never shrinks with more tokens, and other processes only ever add time, so the slower
-    of such a pair is the disturbed one. Re-measuring them is ``--remeasure-noisy``."""
+def noisy_points(points: list[LayerPoint], *, tolerance: float = 0.05, chord_tolerance: float = 0.15,
+                 spread_limit: float = 1.5) -> set[tuple]:
+    """Keys of points that other processes visibly slowed down (other processes only ever add time), for
+    ``--remeasure-noisy``. Along each shard's sequence lengths, forward or backward median:
+
+    * slower (beyond ``tolerance``) than the same shard at the next longer sequence: work never shrinks with more
+      tokens;
+    * above the chord of its two neighbours (beyond ``chord_tolerance``): a layer's time a + b s + c s^2 (fixed
+      cost, linear layers, attention) is convex in the sequence length s, so a point sticking out above the
+      straight line between its neighbours was disturbed;
+    * a median more than ``spread_limit`` times its fastest repeat: most repeats were disturbed.
+    """
     series: dict[tuple, list[LayerPoint]] = {}
     for p in points:
         series.setdefault((p.module, p.layer, p.tp, p.sp, p.micro_batch, p.includes_comm), []).append(p)
     noisy = set()
     for row in series.values():
         row.sort(key=lambda p: p.seq_len)
-        for shorter, longer in zip(row, row[1:]):
-            for field in ("forward", "backward"):
-                if getattr(shorter, field).median_s > (1 + tolerance) * getattr(longer, field).median_s:
-                    noisy.add(shorter.key)
+        for field in ("forward", "backward"):
+            t = [getattr(p, field).median_s for p in row]
+            for i, p in enumerate(row):
+                if getattr(p, field).median_s > spread_limit * getattr(p, field).min_s:
+                    noisy.add(p.key)
+                if i + 1 < len(row) and t[i] > (1 + tolerance) * t[i + 1]:
+                    noisy.add(p.key)
+                if 0 < i < len(row) - 1:
+                    s0, s1, s2 = row[i - 1].seq_len, p.seq_len, row[i + 1].seq_len
+                    chord = t[i - 1] + (t[i + 1] - t[i - 1]) * (s1 - s0) / (s2 - s0)
+                    if t[i] > (1 + chord_tolerance) * chord:
+                        noisy.add(p.key)
     return noisy
 
 

@@ -1,7 +1,8 @@
 """Measure one layer shard at one (seq_len, micro_batch): times on the real device, FLOPs and memory on fake tensors.
 
-Times: forward, backward, and the extra backward time of full recomputation (the forward re-run inside
-``torch.utils.checkpoint``), each the median of ``repeats`` timed runs after ``warmup`` untimed ones.
+Times: forward, backward, the extra backward time of full recomputation (the forward re-run inside
+``torch.utils.checkpoint``) and the optimizer step over the shard's parameters, each the median of ``repeats`` timed
+runs after ``warmup`` untimed ones.
 FLOPs (FlopCounterMode, CPU SDPA included) and memory (MemTracker + saved-tensor hooks) do not depend on the values,
 so they run under FakeTensorMode: the same code gives full-size numbers without allocating them.
 """
@@ -15,11 +16,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.checkpoint import checkpoint
 
 from planner.profiles import Spread
+from runtime.optim import adamw, grad_sq_norm, scale_gradients
 from runtime.profile.flops import flop_counter
 from runtime.profile.shards import LayerShard, shard_param_bytes
 
@@ -111,6 +115,42 @@ def time_shard(
     extra = [max(rb - b, 0.0) for (_, rb), b in zip(ckpt, backward)]
     peak = torch.cuda.max_memory_allocated(device) - resident if device.type == "cuda" else None
     return _spread([f for f, _ in plain]), _spread(backward), _spread(extra), peak
+
+
+OPTIMIZER_GRAD = 1e-3
+"""Value the gradients are filled with before timing the optimizer step (its time does not depend on values)."""
+
+
+@torch.no_grad()
+def time_optimizer_step(module: nn.Module, cfg: TimingConfig, *, slowest_rank: bool = False) -> Spread:
+    """Seconds of the runtime's optimizer step over ``module``'s parameters (runtime/optim.py): the gradients'
+    squared norm, scaling them by the clipping factor, one AdamW step. Median over ``cfg.repeats`` after
+    ``cfg.warmup`` (Adam's states are allocated at the first). ``slowest_rank``: every rank of the default process
+    group calls this with its shard; an iteration's time is the slowest rank's (DTensor norms communicate)."""
+    device = torch.device(cfg.device)
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.full_like(p, OPTIMIZER_GRAD)
+    optimizer = adamw(params, lr=1e-5, weight_decay=0.1)
+    samples = []
+    for i in range(cfg.warmup + cfg.repeats):
+        if slowest_rank:
+            dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        norm = float(grad_sq_norm(module).sqrt())
+        scale_gradients(module, 1.0 / (norm + 1.0))  # clipping active, as early in training
+        optimizer.step()
+        _sync(device)
+        if i >= cfg.warmup:
+            samples.append(time.perf_counter() - start)
+    for p in params:
+        p.grad = None
+    if slowest_rank:
+        slowest = torch.tensor(samples, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        samples = slowest.tolist()
+    return _spread(samples)
 
 
 @dataclass(kw_only=True, frozen=True)

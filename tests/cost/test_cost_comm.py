@@ -97,6 +97,7 @@ def _zero(stage, **overrides):
         trainable=True,
         runs_backward=True,
         overlap=0.5,
+        zero0_overlap=0.5,
     )
     args.update(overrides)
     return zero_comm_time(**args)
@@ -105,6 +106,9 @@ def _zero(stage, **overrides):
 def test_zero0_all_reduce_once_per_step():
     # AR(1e9, 4) = 2*3/4*1e-2 + 6e-5 = 0.01506; exposed = 0.01506 - 0.5*0.02 = 0.00506
     assert _zero(0) == pytest.approx(0.00506)
+    # the runtime's one all-reduce after the backward (zero0_overlap 0): all of it; ZeRO-1+ keep their overlap
+    assert _zero(0, zero0_overlap=0.0) == pytest.approx(0.01506)
+    assert _zero(1, zero0_overlap=0.0) == pytest.approx(_zero(1))
 
 
 def test_zero1_reduce_scatter_plus_gather_once():

@@ -86,6 +86,7 @@ def test_tiny_profile_run_and_resume(tmp_path, capsys):
     assert {p.sp for p in profile.layers} == {1, 2}
     for p in profile.layers:
         assert p.forward.min_s <= p.forward.median_s <= p.forward.max_s and p.forward.repeats == 2
+        assert p.optimizer is not None and p.optimizer.repeats == 2 and p.optimizer.median_s > 0
     assert profile.provenance.torch_version == torch.__version__ and profile.provenance.command.startswith("python -m")
     capsys.readouterr()
     assert main(args) == 0
@@ -124,6 +125,13 @@ def test_noisy_points_are_the_slower_shorter_ones():
 
     points = [point(128, 1.0), point(256, 9.0), point(512, 4.0), point(1024, 8.0)]
     assert noisy_points(points) == {points[1].key}
+    # 3.0 at 512 lies above the chord of 1.0 at 256 and 4.0 at 1024 (2.0) by more than 15 %; 2.2 does not
+    points = [point(256, 1.0), point(512, 3.0), point(1024, 4.0)]
+    assert noisy_points(points) == {points[1].key}
+    assert noisy_points([point(256, 1.0), point(512, 2.2), point(1024, 4.0)]) == set()
+    # a median far above the fastest repeat: most repeats were disturbed
+    disturbed = point(512, 2.0).model_copy(update={"backward": Spread(median_s=2.0, min_s=1.0, max_s=3.0, repeats=5)})
+    assert noisy_points([point(256, 1.0), disturbed, point(1024, 4.0)]) == {disturbed.key}
 
 
 def test_as_run_points_only_where_the_runtime_shards():
@@ -153,6 +161,7 @@ def test_as_run_profile_of_tp2_and_ulysses2(tmp_path, capsys):
         (layer, tp, sp) for layer in ("full_block", "decoder_layer", "lm_head") for tp, sp in ((2, 1), (1, 2))}
     for p in profile.layers:
         assert p.includes_comm and p.forward.repeats == 1 and p.forward.median_s > 0 and p.backward.median_s > 0
+        assert p.optimizer is not None and p.optimizer.median_s > 0
         # FLOPs are one rank's: those of the single-process shard of the same degree.
         assert p.forward_flops == fake(p.module, p.layer, tp=p.tp, sp=p.sp, seq=p.seq_len).forward_flops
     assert profile.provenance.command.endswith("--as-run")  # the arguments given, not pytest's

@@ -336,3 +336,34 @@ def test_profile_cost_source_prefers_as_run_points():
     assert (cost(2, 2).forward_s, cost(2, 2).includes_comm) == (3.0, True)
     assert cost(2, 4).forward_s == pytest.approx(3.0 * 2.4 / 1.5)
     assert (cost(4, 4).forward_s, cost(4, 4).includes_comm) == (2.4, False)
+
+
+def test_measured_optimizer_step_replaces_the_formula():
+    from planner.catalog import get_model
+    from planner.cost import estimate
+    from planner.hardware import make_cluster
+    from planner.profiles import ProfileCostSource
+    from planner.strategy import ModuleStrategy, Strategy
+    from planner.workload import Workload
+
+    model = get_model("qwen2.5-vl-tiny")
+    llm_layers = {layer.name: layer.count for layer in model.module("llm").layers}
+    # optimizer medians: decoder layer 0.01 s (points disagree: the median is used), every other LLM layer 0.002 s
+    points = [layer_point(seq, 1, 0.01).model_copy(update={"layer": name, "optimizer": spread(t)})
+              for name in llm_layers for seq, t in ((64, 0.01 if name == "decoder_layer" else 0.002),
+                                                    (256, 0.01 if name == "decoder_layer" else 0.002),
+                                                    (512, 0.5 if name == "decoder_layer" else 0.002))]
+    source = ProfileCostSource(profile(layers=points))
+    workload = Workload(vision_tokens=256, text_tokens=64, global_batch=4)
+    cluster = make_cluster("cpu", 2)
+
+    def cost(zero: int):
+        ms = ModuleStrategy(dp=2, micro_batch=1, grad_accum=2, zero=zero)
+        strategy = Strategy(placement="colocated", modules={"vision": ms, "llm": ms})
+        return estimate(model, cluster, workload, strategy, layer_costs=source).modules
+
+    expected = sum(count * (0.01 if name == "decoder_layer" else 0.002) for name, count in llm_layers.items())
+    z0 = cost(0)
+    assert z0["llm"].optimizer_s == pytest.approx(expected) and z0["llm"].sources["optimizer"] == "measured"
+    assert z0["vision"].sources["optimizer"] == "analytical"  # no vision points: the formula
+    assert cost(1)["llm"].optimizer_s == pytest.approx(expected / 2)  # ZeRO-1 steps half the parameters per rank
