@@ -207,8 +207,12 @@ def _run_id(plan_file: Path, steps: int) -> str:
 def fidelity(configs: tuple[Config, ...], *, steps: int, workdir: Path, profile: Path | None = None,
              repeats: int = 1) -> list[Result]:
     """Profile (unless ``profile`` is given), plan every configuration, run each ``repeats`` times (interleaved)."""
+    import ray
+
     profile = profile or ensure_profile()
     workdir.mkdir(parents=True, exist_ok=True)
+    if not ray.is_initialized():  # no dashboard: its processes would take CPU from the two workers
+        ray.init(include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     plans = [make_plan(config, profile, workdir / f"plan{i}.json") for i, config in enumerate(configs)]
     runs: list[list[float]] = [[] for _ in configs]
     for r in range(repeats):

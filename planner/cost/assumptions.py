@@ -130,6 +130,9 @@ class CostAssumptions:
     """Fraction of the backward that hides ZeRO-0's gradient all-reduce. 0: the runtime sums a module's gradients in
     one flat all-reduce after the last micro-batch's backward (runtime/parallel/fsdp.py ``all_reduce_gradients``),
     so it is all exposed; a DDP-style bucketed all-reduce during the backward (Li et al. 2020) would allow ~0.9."""
+    zero0_bucket_copies: int = 2
+    """Passes over the gradients the ZeRO-0 all-reduce adds: the runtime copies them into its flat buffer and back
+    (2); DDP with ``gradient_as_bucket_view`` makes none (0)."""
     tp_comm_overlap: float = 0.0
     """Fraction of TP all-reduce time hidden behind compute (0: Megatron-style TP comm is on the critical path)."""
     sp_comm_overlap: float = 0.0

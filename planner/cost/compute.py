@@ -113,6 +113,13 @@ def optimizer_step_time(
     return num_bytes / (device.memory_bandwidth * assumptions.memory_bandwidth_efficiency)
 
 
+def bucket_copy_time(gradient_bytes: float, copies: int, device: DeviceSpec, assumptions: CostAssumptions) -> float:
+    """Seconds spent copying gradients into a flat all-reduce buffer and back, ``copies`` passes that each read and
+    write every gradient byte once (PyTorch DDP's bucket copies, Li et al. 2020, "PyTorch Distributed", Sec. 3.2.3;
+    its ``gradient_as_bucket_view`` removes them). Roofline at zero arithmetic intensity (Williams et al. 2009)."""
+    return copies * 2 * gradient_bytes / (device.memory_bandwidth * assumptions.memory_bandwidth_efficiency)
+
+
 def elementwise_time(elements_moved: float, device: DeviceSpec, assumptions: CostAssumptions) -> float:
     """Seconds of memory-bound elementwise ops that read + write ``elements_moved`` bf16 elements in total.
 

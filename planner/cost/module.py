@@ -13,7 +13,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
-from planner.cost.compute import optimizer_step_time
+from planner.cost.compute import bucket_copy_time, optimizer_step_time
 from planner.cost.comm import Link, all_gather_time, axis_within_node, link, p2p_time, zero_comm_time
 from planner.cost.layer_costs import ANALYTICAL, MEASURED, LayerCostSource, LayerMeasurement
 from planner.cost.layers import Shard, layer_terms
@@ -385,6 +385,9 @@ def module_cost(
         overlap=assumptions.dp_comm_overlap,
         zero0_overlap=assumptions.zero0_grad_sync_overlap,
     )
+    if s.zero == 0 and trainable and reduce_group > 1:
+        dp_comm += bucket_copy_time(params * recipe.gradients, assumptions.zero0_bucket_copies, cluster.device,
+                                    assumptions)
     optimizer_time = (
         sums.optimizer_measured_s
         + optimizer_step_time(sums.optimizer_formula_params, recipe, cluster.device, assumptions)

@@ -3,7 +3,7 @@
 What each planned ZeRO stage maps to (ZeRO: Rajbhandari et al. 2020):
 
 - zero 0 — plain data parallelism: weights, gradients and Adam states replicated; gradients summed with one
-  bucketed all-reduce after the last micro-batch (``all_reduce_gradients``, DDP-like, no FSDP).
+  flat all-reduce after the last micro-batch (``all_reduce_gradients``, DDP-like buffer, no overlap, no FSDP).
 - zero 1 — ``fully_shard(reshard_after_forward=False)``, gradient sync and re-sharding only after the last
   micro-batch's backward: Adam states and the fp32 master weights are sharded; the whole weights stay
   gathered and the full gradients accumulate locally through the step's micro-batches, then are
@@ -49,12 +49,22 @@ def set_gradient_sync(module: nn.Module, *, zero: int, last_micro_batch: bool) -
         module.set_reshard_after_backward(zero == 3 or last_micro_batch)
 
 
+FLAT_GRADIENTS_ATTR = "_flat_gradient_buffer"
+"""Attribute of a ZeRO-0 module holding its persistent flat gradient buffer."""
+
+
 @torch.no_grad()
 def all_reduce_gradients(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """ZeRO-0: sum every gradient over ``group`` with one flat all-reduce (a single bucket)."""
+    """ZeRO-0: sum every gradient over ``group`` with one flat all-reduce (a single bucket). The flat buffer
+    persists across steps (as DDP's buckets do), so each step copies the gradients in and out of memory that is
+    already mapped."""
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    flat = torch._utils._flatten_dense_tensors(local)
+    numel = sum(g.numel() for g in local)
+    flat = getattr(module, FLAT_GRADIENTS_ATTR, None)
+    if flat is None or flat.numel() != numel or flat.dtype != local[0].dtype or flat.device != local[0].device:
+        flat = torch.empty(numel, dtype=local[0].dtype, device=local[0].device)
+        setattr(module, FLAT_GRADIENTS_ATTR, flat)
+    torch.cat([g.reshape(-1) for g in local], out=flat)
     dist.all_reduce(flat, group=group)
-    for g, synced in zip(local, torch._utils._unflatten_dense_tensors(flat, local)):
-        g.copy_(synced)
+    torch._foreach_copy_(local, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in local]), local)])

@@ -119,21 +119,27 @@ def time_shard(
 
 OPTIMIZER_GRAD = 1e-3
 """Value the gradients are filled with before timing the optimizer step (its time does not depend on values)."""
+CACHE_FLUSH_BYTES = 256 * 2**20
+"""A buffer larger than the last-level cache, overwritten before each timed optimizer step: in a training step the
+whole model's weights, gradients and Adam states stream through the optimizer, so none of a layer's are cached."""
 
 
 @torch.no_grad()
 def time_optimizer_step(module: nn.Module, cfg: TimingConfig, *, slowest_rank: bool = False) -> Spread:
     """Seconds of the runtime's optimizer step over ``module``'s parameters (runtime/optim.py): the gradients'
     squared norm, scaling them by the clipping factor, one AdamW step. Median over ``cfg.repeats`` after
-    ``cfg.warmup`` (Adam's states are allocated at the first). ``slowest_rank``: every rank of the default process
+    ``cfg.warmup`` (Adam's states are allocated at the first), each from cold caches (``CACHE_FLUSH_BYTES``).
+    ``slowest_rank``: every rank of the default process
     group calls this with its shard; an iteration's time is the slowest rank's (DTensor norms communicate)."""
     device = torch.device(cfg.device)
     params = [p for p in module.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.full_like(p, OPTIMIZER_GRAD)
     optimizer = adamw(params, lr=1e-5, weight_decay=0.1)
+    flush = torch.empty(CACHE_FLUSH_BYTES, dtype=torch.uint8, device=device)
     samples = []
     for i in range(cfg.warmup + cfg.repeats):
+        flush.zero_()
         if slowest_rank:
             dist.barrier()
         _sync(device)

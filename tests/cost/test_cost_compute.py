@@ -15,6 +15,7 @@ from planner.cost.compute import (
     gemm_flops,
     gemm_time,
     matmul_efficiency,
+    bucket_copy_time,
     optimizer_step_time,
     roofline_time,
 )
@@ -103,3 +104,9 @@ def test_optimizer_step_time():
 def test_elementwise_time():
     # 1e9 elements * 2 B * factor 3 / (2e12 * 0.8)
     assert elementwise_time(1e9, TOY_DEVICE, A) == pytest.approx(6e9 / 1.6e12)
+
+
+def test_bucket_copy_time():
+    # 2 copies x (read + write) x 1e9 B = 4e9 B at 2e12 * 0.8 B/s
+    assert bucket_copy_time(1e9, 2, TOY_DEVICE, A) == pytest.approx(4e9 / 1.6e12)
+    assert bucket_copy_time(1e9, 0, TOY_DEVICE, A) == 0.0
