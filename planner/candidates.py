@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, LayerCostSource, ModuleCost, check_strategy, module_cost
+from planner.cost.pipeline import path_terms
 from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, ModelSpec
 from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Placement, Precision
@@ -91,10 +92,8 @@ class Candidate:
     """The cost model's full answer."""
     step_ns: int
     """Colocated step-time term: grad_accum * per_micro_batch + tail (exposed DP comm + optimizer step)."""
-    per_micro_batch_ns: int
-    """One micro-batch through the module."""
-    fill_ns: int
-    """(grad_accum - 1) * per_micro_batch: the pipeline's steady state if this module is the slowest stage."""
+    path_ns: tuple[int, ...]
+    """Disjoint placement: this module's term of each critical path of the pipeline (``planner.cost.pipeline``)."""
     tail_ns: int
     """After the last micro-batch: exposed DP/ZeRO communication + the optimizer step (``step_tail_s``)."""
     memory_bytes: int
@@ -304,8 +303,8 @@ def cost_candidate(problem: Problem, module: str, strategy: ModuleStrategy, plac
         module=module,
         cost=cost,
         step_ns=round((ga * cost.per_micro_batch_s + cost.step_tail_s) * NS_PER_S),
-        per_micro_batch_ns=round(cost.per_micro_batch_s * NS_PER_S),
-        fill_ns=round((ga - 1) * cost.per_micro_batch_s * NS_PER_S),
+        path_ns=tuple(round(t * NS_PER_S) for t in path_terms(
+            cost.per_micro_batch_s, cost.forward_per_micro_batch_s, ga, stage="llm" if module == "llm" else "encoder")),
         tail_ns=round(cost.step_tail_s * NS_PER_S),
         memory_bytes=memory + cost.activations_bytes,
     )
@@ -321,23 +320,24 @@ def strategy_key(s: ModuleStrategy) -> tuple:
     return (s.gpus, s.grad_accum, s.tp, s.sp, s.cp, s.dp, s.zero, _RECOMPUTE_ORDER[s.recompute], s.micro_batch)
 
 
-def solver_key(c: Candidate, placement: Placement) -> tuple[int, int]:
-    """The two numbers the solver sees of a candidate besides its GPUs and grad_accum."""
+def solver_key(c: Candidate, placement: Placement) -> tuple[int, ...]:
+    """The numbers the solver sees of a candidate besides its GPUs and grad_accum (all: smaller is better)."""
     if placement == "colocated":
         return c.step_ns, c.memory_bytes
-    return c.per_micro_batch_ns, c.tail_ns
+    return (*c.path_ns, c.tail_ns)
 
 
 def pareto_front(cands: list[Candidate], placement: Placement) -> list[Candidate]:
     """Non-dominated candidates of one (module, gpus, grad_accum) group on ``solver_key``; of exact ties the one
     with less memory, then the smaller ``strategy_key``, is kept."""
     ordered = sorted(cands, key=lambda c: (*solver_key(c, placement), c.memory_bytes, strategy_key(c.strategy)))
-    front, best_second = [], None
-    for c in ordered:
-        second = solver_key(c, placement)[1]
-        if best_second is None or second < best_second:
+    front: list[Candidate] = []
+    keys: list[tuple[int, ...]] = []
+    for c in ordered:  # a candidate can only be dominated by one sorted before it
+        key = solver_key(c, placement)
+        if not any(all(k <= v for k, v in zip(kept, key)) for kept in keys):
             front.append(c)
-            best_second = second
+            keys.append(key)
     return front
 
 

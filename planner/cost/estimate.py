@@ -7,9 +7,10 @@ with one boolean per (module, candidate) reproduces ``combine`` exactly:
   (``ModuleCost.step_tail_s``);
   ``memory = sum_m (weights + gradients + optimizer + buffers)_m + sum_m activations_per_micro_batch_m *
   in_flight_m + overhead``.
-* disjoint (encoders -> LLM, 1F1B over grad_accum micro-batches):
-  ``step = sum_m per_micro_batch_m + (grad_accum - 1) * max_m per_micro_batch_m + max_m tail_m``;
-  each group's memory is its own module's plus the overhead.
+* disjoint (encoders -> LLM, 1F1B over grad_accum micro-batches as the runtime schedules them):
+  ``step = max_k (encoder_term_k + llm_term_k) + max_m tail_m``, the longest of the schedule's critical paths
+  (``planner.cost.pipeline``), each a sum of per-module terms; each group's memory is its own module's plus the
+  overhead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Mapping
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.layer_costs import LayerCostSource
 from planner.cost.module import module_cost
+from planner.cost.pipeline import path_terms, pipeline_step_time
 from planner.cost.results import GIB, Estimate, MemoryBreakdown, ModuleCost
 from planner.cost.validity import check_strategy
 from planner.hardware import Cluster
@@ -46,8 +48,7 @@ def combine(
         groups = {"all": _group_memory(list(costs.values()), assumptions)}
         num_gpus = max(c.strategy.gpus for c in costs.values())
     elif placement == "disjoint":
-        per_mb = [c.per_micro_batch_s for c in costs.values()]
-        step = sum(per_mb) + (grad_accum - 1) * max(per_mb) + max(c.step_tail_s for c in costs.values())
+        step = pipeline_step_time(*stage_terms(costs)) + max(c.step_tail_s for c in costs.values())
         groups = {name: _group_memory([c], assumptions) for name, c in costs.items()}
         num_gpus = sum(c.strategy.gpus for c in costs.values())
     else:
@@ -74,6 +75,15 @@ def combine(
         binding_constraint=_binding_constraint(placement, costs, peak_group, peak, usable, fits),
         modules=dict(costs),
     )
+
+
+def stage_terms(costs: Mapping[str, ModuleCost]) -> tuple[list[float], list[float]]:
+    """(encoder stage, LLM stage) shares of the disjoint pipeline's critical paths (``planner.cost.pipeline``);
+    several encoders form one stage (their terms are summed)."""
+    terms = {name: path_terms(c.per_micro_batch_s, c.forward_per_micro_batch_s, c.strategy.grad_accum,
+                              stage="llm" if name == "llm" else "encoder") for name, c in costs.items()}
+    encoders = [t for name, t in terms.items() if name != "llm"]
+    return [sum(column) for column in zip(*encoders)], list(terms["llm"])
 
 
 def _group_memory(costs: list[ModuleCost], assumptions: CostAssumptions) -> MemoryBreakdown:

@@ -395,6 +395,8 @@ def module_cost(
     ga = s.grad_accum
     tp_c, sp_c, cp_c = sums.tp_comm_s, sums.sp_comm_s, sums.cp_comm_s
     per_mb = fwd + bwd + rc + tp_c + sp_c + cp_c + handoff
+    passes = 1 + (static.backward != "none") + (s.recompute == "full")  # forwards and backwards a collective repeats in
+    forward_per_mb = fwd + (tp_c + sp_c + cp_c) / passes + handoff / (2 if static.backward == "full" else 1)
     in_flight = 1 if placement == "colocated" else min(num_stages - stage_index, ga)
     return ModuleCost(
         module=module,
@@ -409,6 +411,7 @@ def module_cost(
         optimizer_s=optimizer_time if trainable else 0.0,
         handoff_s=ga * handoff,
         per_micro_batch_s=per_mb,
+        forward_per_micro_batch_s=forward_per_mb,
         weights_bytes=math.ceil(weights),
         gradients_bytes=math.ceil(grads),
         optimizer_bytes=math.ceil(optim),

@@ -76,6 +76,9 @@ class ModuleCost:
     """Per step: sending this encoder's output to the LLM layout and its gradient back (0 for the LLM)."""
     per_micro_batch_s: float
     """forward + backward + recompute + tp/sp/cp comm + handoff of ONE micro-batch."""
+    forward_per_micro_batch_s: float
+    """The forward part of ``per_micro_batch_s``: forward compute, the forward's share of the layer collectives and
+    the outbound hand-off (what a disjoint pipeline's next stage waits for)."""
     weights_bytes: int
     """Resident weights per GPU."""
     gradients_bytes: int

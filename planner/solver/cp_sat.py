@@ -6,9 +6,10 @@ family -> objective -> parameters -> status -> typed ``Solution``s. The objectiv
 
 * colocated: ``step = sum_m (grad_accum * per_micro_batch_m + tail_m)`` (tail = exposed DP comm + optimizer); memory on every GPU
   ``sum_m memory_m + overhead <= usable``.
-* disjoint (one encoder, one LLM, 1F1B over grad_accum micro-batches): ``step = sum_m per_micro_batch_m +
-  (grad_accum - 1) * max_m per_micro_batch_m + max_m tail_m``, linear because grad_accum is one shared
-  choice; each group fits by itself (candidates are filtered); the groups use exactly N GPUs.
+* disjoint (one encoder, one LLM, 1F1B over grad_accum micro-batches): ``step = max_k sum_m path_m[k] +
+  max_m tail_m``, the longest critical path of the runtime's schedule (``planner.cost.pipeline``), linear because
+  each candidate carries its own terms for its grad_accum, one shared choice; each group fits by itself
+  (candidates are filtered); the groups use exactly N GPUs.
 
 Ties are broken deterministically by a second solve that fixes the optimal step time and minimises a
 mixed-radix index of the chosen candidates (each module's list is ordered best first), so the same inputs
@@ -24,6 +25,7 @@ from typing import Literal, Mapping
 from ortools.sat.python import cp_model
 
 from planner.candidates import Candidate, Candidates
+from planner.cost.pipeline import NUM_PATHS
 
 Status = Literal["OPTIMAL", "FEASIBLE"]
 
@@ -118,6 +120,17 @@ def add_max_over_modules(model: cp_model.CpModel, x: Vars, cands: Candidates, at
     return t
 
 
+def add_longest_path(model: cp_model.CpModel, x: Vars, cands: Candidates) -> cp_model.IntVar:
+    """A variable p with p >= sum_m sum_c x[m,c] * path_c[k] for every critical path k of the disjoint pipeline
+    (``planner.cost.pipeline``; the objective pushes it down to the longest)."""
+    top = sum(max(max(c.path_ns) for c in cs) for cs in cands.by_module.values())
+    p = model.new_int_var(0, top, "pipeline")
+    for k in range(NUM_PATHS):
+        pairs = [(x[m, i], c.path_ns[k]) for m, cs in cands.by_module.items() for i, c in enumerate(cs)]
+        model.add(p >= cp_model.LinearExpr.weighted_sum([v for v, _ in pairs], [w for _, w in pairs]))
+    return p
+
+
 def add_no_good_cuts(model: cp_model.CpModel, x: Vars, cuts: list[Mapping[str, int]]) -> None:
     """Exclude plans already listed: for each, sum_m x[m, chosen_m] <= M - 1."""
     for cut in cuts:
@@ -142,9 +155,9 @@ def build_model(
         step = weighted(x, cands, "step_ns")
     else:
         add_disjoint_gpus(model, x, cands, num_gpus)
-        fill = add_max_over_modules(model, x, cands, "fill_ns", "pipeline_fill")
+        pipeline = add_longest_path(model, x, cands)
         tail = add_max_over_modules(model, x, cands, "tail_ns", "tail_max")
-        step = weighted(x, cands, "per_micro_batch_ns") + fill + tail
+        step = pipeline + tail
     return model, x, step
 
 

@@ -14,7 +14,8 @@ CLUSTER = toy_cluster(8)
 WORKLOAD = toy_workload(global_batch=8)
 
 
-def fake_cost(module, *, per_mb, dp_comm, states, act, buffers, in_flight=1, gpus=4, ga=2, flops=1e12, optimizer=0.0):
+def fake_cost(module, *, per_mb, dp_comm, states, act, buffers, in_flight=1, gpus=4, ga=2, flops=1e12, optimizer=0.0,
+              forward=None):
     strategy = ModuleStrategy(dp=gpus, micro_batch=8 // (gpus * ga), grad_accum=ga)
     return ModuleCost(
         module=module,
@@ -29,6 +30,7 @@ def fake_cost(module, *, per_mb, dp_comm, states, act, buffers, in_flight=1, gpu
         optimizer_s=optimizer,
         handoff_s=0,
         per_micro_batch_s=per_mb,
+        forward_per_micro_batch_s=per_mb / 3 if forward is None else forward,
         weights_bytes=states,
         gradients_bytes=states,
         optimizer_bytes=2 * states,
@@ -67,8 +69,12 @@ def test_combine_disjoint_is_a_pipeline():
         "llm": fake_cost("llm", per_mb=3.0, dp_comm=0.25, states=2 * GiB, act=5 * GiB, buffers=0),
     }
     e = combine(MODEL, CLUSTER, WORKLOAD, "disjoint", costs, A)
-    # step = sum per_mb + (ga - 1) * max per_mb + max dp = 4 + 1 * 3 + 0.5
+    # LLM-bound, 2 micro-batches: vision P + 2 T + max tail = 1 + 2 * 3 + 0.5
     assert e.step_time_s == pytest.approx(7.5)
+    # vision-bound: P = 3 (F = 1, B = 2), T = 1.5: m P + T - min(F, B) = 6.5 beats P + m T = 6; + tail 0.5
+    costs["vision"] = fake_cost("vision", per_mb=3.0, forward=1.0, dp_comm=0.5, states=GiB, act=0, buffers=0)
+    costs["llm"] = fake_cost("llm", per_mb=1.5, dp_comm=0.25, states=GiB, act=0, buffers=0)
+    assert combine(MODEL, CLUSTER, WORKLOAD, "disjoint", costs, A).step_time_s == pytest.approx(7.0)
     # vision group: 4 + 2*2 + 3 = 11 GiB; llm group: 8 + 5 + 3 = 16 GiB
     assert e.memory_per_group["vision"].total == 11 * GiB
     assert e.memory_per_group["llm"].total == 16 * GiB
@@ -83,7 +89,7 @@ def test_optimizer_step_joins_the_tail_of_either_placement():
     costs = {"vision": vision, "llm": llm}
     # colocated: 2*1 + (0.5 + 0.1) + 2*3 + (0.25 + 0.5)
     assert combine(MODEL, CLUSTER, WORKLOAD, "colocated", costs, A).step_time_s == pytest.approx(9.35)
-    # disjoint: 1 + 3 + 1 * 3 + max(0.6, 0.75)
+    # disjoint (LLM-bound): 1 + 2 * 3 + max(0.6, 0.75)
     assert combine(MODEL, CLUSTER, WORKLOAD, "disjoint", costs, A).step_time_s == pytest.approx(7.75)
 
 

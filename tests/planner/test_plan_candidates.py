@@ -115,13 +115,14 @@ def test_disjoint_pareto_uses_time_terms_only():
     p = problem()
     base = build_candidates(p, "disjoint").by_module["llm"][0]
     cands = [
-        _with(base, per_micro_batch_ns=10, tail_ns=5, memory_bytes=100),
-        _with(base, per_micro_batch_ns=10, tail_ns=5, memory_bytes=50),
-        _with(base, per_micro_batch_ns=12, tail_ns=1, memory_bytes=10),
-        _with(base, per_micro_batch_ns=12, tail_ns=6, memory_bytes=1),
+        _with(base, path_ns=(10, 20, 9, 40), tail_ns=5, memory_bytes=100),
+        _with(base, path_ns=(10, 20, 9, 40), tail_ns=5, memory_bytes=50),
+        _with(base, path_ns=(12, 24, 11, 48), tail_ns=1, memory_bytes=10),
+        _with(base, path_ns=(12, 24, 11, 48), tail_ns=6, memory_bytes=1),
+        _with(base, path_ns=(12, 24, 8, 48), tail_ns=6, memory_bytes=1),  # shorter on one path: kept
     ]
     front = pareto_front(cands, "disjoint")
-    assert [(c.per_micro_batch_ns, c.tail_ns, c.memory_bytes) for c in front] == [(10, 5, 50), (12, 1, 10)]
+    assert [(c.path_ns[2], c.tail_ns, c.memory_bytes) for c in front] == [(9, 5, 50), (8, 6, 1), (11, 1, 10)]
 
 
 @pytest.mark.parametrize("placement", ["colocated", "disjoint"])
