@@ -80,6 +80,12 @@ class LayerPoint(_Strict):
         description="the runtime's optimizer step over this shard's parameters: gradient norm, clipping scale, AdamW "
         "(None in profiles older than schema version 3: the cost model's formula is used)",
     )
+    optimizer_pair: Spread | None = Field(
+        default=None,
+        description="the same step over two instances of the layer in one call: the difference from ``optimizer`` is "
+        "one instance's share, the rest the call's fixed cost (DTensor dispatch, norm reductions), paid once per "
+        "module",
+    )
     forward_flops: float
     backward_flops: float
     saved_activation_bytes: int = Field(description="tensors autograd saved for backward, parameters excluded")
@@ -316,8 +322,9 @@ class LayerCost:
     exact: bool
     """True when (seq_len, micro_batch) was a measured grid point, False when interpolated."""
     optimizer_s: float | None = None
-    """Optimizer-step seconds over one instance's parameters: the median over the shard's points that timed it (it
-    does not depend on the sequence or micro-batch); None if none did."""
+    """One instance's share of the optimizer step (``_optimizer_costs``); None if the shard's points never timed it."""
+    optimizer_call_s: float = 0.0
+    """The optimizer call's fixed cost, paid once per module."""
 
 
 def pick_time(spread: Spread, statistic: str) -> float:
@@ -341,10 +348,18 @@ _LAYER_FIELDS = {
 }
 
 
-def _median_optimizer_s(points, statistic: str) -> float | None:
-    """The median optimizer-step time over the points of one shard that timed it (None if none did)."""
-    times = [pick_time(p.optimizer, statistic) for p in points if p.optimizer is not None]
-    return statistics.median(times) if times else None
+def _optimizer_costs(points, statistic: str) -> tuple[float, float] | None:
+    """(one instance's share, the call's fixed cost) of the optimizer step of one shard, from the medians over its
+    points (the step does not depend on the sequence or micro-batch) of the step over one instance (t1) and over
+    two in one call (t2): share = t2 - t1 (within [0, t1]), fixed = t1 - share. Without two-instance timings the
+    whole t1 is the share. None if no point timed the step."""
+    single = [pick_time(p.optimizer, statistic) for p in points if p.optimizer is not None]
+    if not single:
+        return None
+    t1 = statistics.median(single)
+    pair = [pick_time(p.optimizer_pair, statistic) for p in points if p.optimizer_pair is not None]
+    share = min(max(statistics.median(pair) - t1, 0.0), t1) if pair else t1
+    return share, t1 - share
 
 
 class ProfileIndex:
@@ -357,7 +372,7 @@ class ProfileIndex:
         for p in profile.layers:
             key = (p.module, p.layer, p.tp, p.sp, p.includes_comm)
             self._layers.setdefault(key, {})[(p.seq_len, p.micro_batch)] = p
-        self._optimizer = {key: _median_optimizer_s(grid.values(), profile.time_statistic)
+        self._optimizer = {key: _optimizer_costs(grid.values(), profile.time_statistic)
                            for key, grid in self._layers.items()}
         self._collectives: dict[tuple[str, int], list[tuple[int, float]]] = {}
         for c in profile.collectives:
@@ -383,7 +398,9 @@ class ProfileIndex:
             name: interp_grid({k: get(p) for k, p in grid.items()}, seq_len, micro_batch)
             for name, get in self._fields.items()
         }
-        return LayerCost(**values, exact=exact, optimizer_s=self._optimizer[(module, layer, tp, sp, includes_comm)])
+        optimizer = self._optimizer[(module, layer, tp, sp, includes_comm)]
+        return LayerCost(**values, exact=exact, optimizer_s=None if optimizer is None else optimizer[0],
+                         optimizer_call_s=optimizer[1] if optimizer else 0.0)
 
     def collective_time(self, op: str, group_size: int, message_bytes: float) -> float | None:
         """Measured seconds of a collective, interpolated over message size; None if this op/group was not measured."""
@@ -579,6 +596,7 @@ class ProfileCostSource:
             activation_bytes=None if full else round(cost.saved_activation_bytes),
             includes_comm=as_run,
             optimizer_s=None if cost.optimizer_s is None else cost.optimizer_s * slowdown,
+            optimizer_call_s=cost.optimizer_call_s * slowdown,
         )
 
     def collective_time(self, op: str, group_size: int, message_bytes: float) -> float | None:

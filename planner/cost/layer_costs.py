@@ -37,8 +37,11 @@ class LayerMeasurement:
     """The measured time already contains the layer's TP/SP collectives (timed as the runtime runs the sharded
     layer); the cost model must not add its own ``tp_comm_s`` / ``sp_comm_s`` for it."""
     optimizer_s: float | None = None
-    """Optimizer step (gradient norm and clipping, AdamW) over the instance's parameters on one TP/SP rank, before
-    any ZeRO sharding; None: use the formula (``optimizer_step_time``)."""
+    """The instance's share of the optimizer step (gradient norm and clipping, AdamW) over its parameters on one
+    TP/SP rank, before any ZeRO sharding; None: use the formula (``optimizer_step_time``)."""
+    optimizer_call_s: float = 0.0
+    """Fixed cost of the module's optimizer call (dispatch, norm reductions) this measurement saw; the module pays
+    the largest of its layers' once."""
 
 
 class LayerCostSource(Protocol):

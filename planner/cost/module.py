@@ -157,7 +157,9 @@ class _Sums:
     saved_bytes: float
     buffer_bytes: float
     optimizer_measured_s: float
-    """Measured optimizer steps of the layers that have one, before ZeRO sharding."""
+    """Measured optimizer-step shares of the layers that have one, before ZeRO sharding."""
+    optimizer_call_s: float
+    """The measured fixed cost of the module's optimizer call (the largest its layers saw)."""
     optimizer_formula_params: float
     """Parameters on this rank (before ZeRO sharding) of the layers whose optimizer step is left to the formula."""
     sources: Mapping[str, str]
@@ -174,7 +176,8 @@ def _layer_sums(
     recomputation, the largest block's re-created activations.
     """
     shard = _shard(static, s, links)
-    fwd = bwd = rc = tp_c = sp_c = cp_c = saved = working = buffers = optimizer_s = formula_params = 0.0
+    fwd = bwd = rc = tp_c = sp_c = cp_c = saved = working = buffers = optimizer_s = optimizer_call = 0.0
+    formula_params = 0.0
     sources = dict(static.analytical_sources)
     optimizer_measured = bool(static.spec.layers)
     for layer in static.spec.layers:
@@ -194,6 +197,7 @@ def _layer_sums(
         n = layer.count
         if measured is not None and measured.optimizer_s is not None:
             optimizer_s += n * measured.optimizer_s
+            optimizer_call = max(optimizer_call, measured.optimizer_call_s)
         else:
             formula_params += n * layer_params_per_rank(layer, s.tp)
             optimizer_measured = False
@@ -207,7 +211,8 @@ def _layer_sums(
     if optimizer_measured:
         sources["optimizer"] = MEASURED
     final_sources = static.analytical_sources if layer_costs is None else MappingProxyType(sources)
-    return _Sums(fwd, bwd, rc, tp_c, sp_c, cp_c, saved, buffers, optimizer_s, formula_params, final_sources)
+    return _Sums(fwd, bwd, rc, tp_c, sp_c, cp_c, saved, buffers, optimizer_s, optimizer_call, formula_params,
+                 final_sources)
 
 
 def _measure(
@@ -388,7 +393,7 @@ def module_cost(
     if s.zero == 0 and trainable and reduce_group > 1:
         dp_comm += bucket_copy_time(params * recipe.gradients, assumptions.zero0_bucket_copies, cluster.device,
                                     assumptions)
-    optimizer_time = (
+    optimizer_time = sums.optimizer_call_s + (
         sums.optimizer_measured_s
         + optimizer_step_time(sums.optimizer_formula_params, recipe, cluster.device, assumptions)
     ) / (shards if s.zero >= 1 else 1)

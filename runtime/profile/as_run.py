@@ -286,17 +286,17 @@ def time_as_run(module: nn.Module, inputs: ShardInputs, cfg: TimingConfig, *, re
 
 
 def _point(model_arg: str, point: GridPoint, cfg: TimingConfig, times: tuple[Spread, Spread, Spread],
-           optimizer: Spread) -> LayerPoint:
-    """The profile entry: as-run times (and optimizer step), FLOPs and memory of the single-process shard on fake
-    tensors."""
+           optimizer: tuple[Spread, Spread]) -> LayerPoint:
+    """The profile entry: as-run times (and optimizer steps over one and two instances), FLOPs and memory of the
+    single-process shard on fake tensors."""
     config = hf_config(get_model(model_arg).hf_config)
     fake = analyze_fake(lambda: build_shard(config, point.layer, tp=point.tp, sp=point.sp), point.seq_len,
                         point.micro_batch, dtype=cfg.dtype)
     forward, backward, recompute = times
     return LayerPoint(
         module=point.module, layer=point.layer.name, tp=point.tp, sp=point.sp, seq_len=point.seq_len,
-        micro_batch=point.micro_batch, forward=forward, backward=backward, recompute=recompute, optimizer=optimizer,
-        forward_flops=fake.forward_flops, backward_flops=fake.backward_flops,
+        micro_batch=point.micro_batch, forward=forward, backward=backward, recompute=recompute, optimizer=optimizer[0],
+        optimizer_pair=optimizer[1], forward_flops=fake.forward_flops, backward_flops=fake.backward_flops,
         saved_activation_bytes=fake.saved_activation_bytes, peak_bytes=fake.peak_bytes, includes_comm=True,
     )
 
@@ -324,7 +324,7 @@ def _worker(rank: int, world: int, port: int, model_arg: str, tp: int, sp: int, 
             module, inputs = ranked.runner(point.layer, point.seq_len, point.micro_batch)
             times = time_as_run(module, inputs, cfg, recompute=point.layer.kind in RECOMPUTED_KINDS,
                                 loss_parallel_=tp > 1 and point.layer.kind == "lm_head")
-            optimizer = time_optimizer_step(module, cfg, slowest_rank=True)
+            optimizer = tuple(time_optimizer_step(module, cfg, instances=n, slowest_rank=True) for n in (1, 2))
             if rank == 0:
                 profile = load_profile(profile_path)
                 profile.layers.append(_point(model_arg, point, cfg, times, optimizer))

@@ -84,10 +84,11 @@ def measure_point(model: ModelSpec, point: GridPoint, cfg: TimingConfig) -> Laye
     with default_dtype(cfg.dtype):
         shard = factory()
     forward, backward, recompute, cuda_peak = time_shard(shard, point.seq_len, point.micro_batch, cfg)
-    optimizer = time_optimizer_step(shard, cfg)
+    optimizer, optimizer_pair = (time_optimizer_step(shard, cfg, instances=n) for n in (1, 2))
     return LayerPoint(
         module=point.module, layer=point.layer.name, tp=point.tp, sp=point.sp, seq_len=point.seq_len,
         micro_batch=point.micro_batch, forward=forward, backward=backward, recompute=recompute, optimizer=optimizer,
+        optimizer_pair=optimizer_pair,
         forward_flops=fake.forward_flops, backward_flops=fake.backward_flops,
         saved_activation_bytes=fake.saved_activation_bytes,
         peak_bytes=cuda_peak if cuda_peak is not None else fake.peak_bytes,

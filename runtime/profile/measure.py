@@ -10,6 +10,7 @@ so they run under FakeTensorMode: the same code gives full-size numbers without 
 from __future__ import annotations
 
 import contextlib
+import copy
 import statistics
 import time
 from dataclasses import dataclass
@@ -125,13 +126,16 @@ whole model's weights, gradients and Adam states stream through the optimizer, s
 
 
 @torch.no_grad()
-def time_optimizer_step(module: nn.Module, cfg: TimingConfig, *, slowest_rank: bool = False) -> Spread:
-    """Seconds of the runtime's optimizer step over ``module``'s parameters (runtime/optim.py): the gradients'
-    squared norm, scaling them by the clipping factor, one AdamW step. Median over ``cfg.repeats`` after
-    ``cfg.warmup`` (Adam's states are allocated at the first), each from cold caches (``CACHE_FLUSH_BYTES``).
-    ``slowest_rank``: every rank of the default process
-    group calls this with its shard; an iteration's time is the slowest rank's (DTensor norms communicate)."""
+def time_optimizer_step(module: nn.Module, cfg: TimingConfig, *, instances: int = 1,
+                        slowest_rank: bool = False) -> Spread:
+    """Seconds of the runtime's optimizer step (runtime/optim.py: the gradients' squared norm, scaling them by the
+    clipping factor, one AdamW step) over the parameters of ``instances`` copies of ``module`` in one call: the
+    runtime steps all of a module's layers at once, so one and two instances separate a layer's own share from the
+    call's fixed cost. Median over ``cfg.repeats`` after ``cfg.warmup`` (Adam's states are allocated at the first),
+    each from cold caches (``CACHE_FLUSH_BYTES``). ``slowest_rank``: every rank of the default process group calls
+    this with its shard; an iteration's time is the slowest rank's (DTensor norms communicate)."""
     device = torch.device(cfg.device)
+    module = nn.ModuleList([module, *(copy.deepcopy(module) for _ in range(instances - 1))])
     params = [p for p in module.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.full_like(p, OPTIMIZER_GRAD)

@@ -87,6 +87,7 @@ def test_tiny_profile_run_and_resume(tmp_path, capsys):
     for p in profile.layers:
         assert p.forward.min_s <= p.forward.median_s <= p.forward.max_s and p.forward.repeats == 2
         assert p.optimizer is not None and p.optimizer.repeats == 2 and p.optimizer.median_s > 0
+        assert p.optimizer_pair is not None and p.optimizer_pair.median_s > 0
     assert profile.provenance.torch_version == torch.__version__ and profile.provenance.command.startswith("python -m")
     capsys.readouterr()
     assert main(args) == 0
@@ -161,7 +162,7 @@ def test_as_run_profile_of_tp2_and_ulysses2(tmp_path, capsys):
         (layer, tp, sp) for layer in ("full_block", "decoder_layer", "lm_head") for tp, sp in ((2, 1), (1, 2))}
     for p in profile.layers:
         assert p.includes_comm and p.forward.repeats == 1 and p.forward.median_s > 0 and p.backward.median_s > 0
-        assert p.optimizer is not None and p.optimizer.median_s > 0
+        assert p.optimizer is not None and p.optimizer.median_s > 0 and p.optimizer_pair.median_s > 0
         # FLOPs are one rank's: those of the single-process shard of the same degree.
         assert p.forward_flops == fake(p.module, p.layer, tp=p.tp, sp=p.sp, seq=p.seq_len).forward_flops
     assert profile.provenance.command.endswith("--as-run")  # the arguments given, not pytest's

@@ -367,3 +367,27 @@ def test_measured_optimizer_step_replaces_the_formula():
     assert z0["llm"].optimizer_s == pytest.approx(expected) and z0["llm"].sources["optimizer"] == "measured"
     assert z0["vision"].sources["optimizer"] == "analytical"  # no vision points: the formula
     assert cost(1)["llm"].optimizer_s == pytest.approx(expected / 2)  # ZeRO-1 steps half the parameters per rank
+
+
+def test_optimizer_call_cost_is_paid_once_per_module():
+    from planner.catalog import get_model
+    from planner.cost import estimate
+    from planner.hardware import make_cluster
+    from planner.profiles import ProfileCostSource
+    from planner.strategy import ModuleStrategy, Strategy
+    from planner.workload import Workload
+
+    model = get_model("qwen2.5-vl-tiny")
+    llm_layers = {layer.name: layer.count for layer in model.module("llm").layers}
+    # one instance in one call: 10 ms; two instances in one call: 14 ms -> 4 ms each, 6 ms fixed per call
+    points = [layer_point(128, 1, 0.01).model_copy(update={"layer": name, "optimizer": spread(0.010),
+                                                           "optimizer_pair": spread(0.014)}) for name in llm_layers]
+    index = ProfileIndex(profile(layers=points))
+    cost = index.layer_cost("llm", "decoder_layer", tp=1, sp=1, seq_len=128, micro_batch=1)
+    assert (cost.optimizer_s, cost.optimizer_call_s) == (pytest.approx(0.004), pytest.approx(0.006))
+    ms = ModuleStrategy(dp=2, micro_batch=1, grad_accum=1, zero=1)
+    strategy = Strategy(placement="colocated", modules={"vision": ms, "llm": ms})
+    llm = estimate(model, make_cluster("cpu", 2), Workload(vision_tokens=256, text_tokens=64, global_batch=2),
+                   strategy, layer_costs=ProfileCostSource(profile(layers=points))).modules["llm"]
+    # ZeRO-1 over 2 ranks halves every layer's share, not the call's fixed cost
+    assert llm.optimizer_s == pytest.approx(sum(llm_layers.values()) * 0.004 / 2 + 0.006)
