@@ -1,6 +1,6 @@
 """Closed-loop fidelity on this CPU: profile a small Qwen2.5-VL, plan pinned strategies with it, run them, compare.
 
-    .venv/bin/python benchmarks/fidelity_cpu.py [--steps 6] [--repeats 2] [--configs NAME,...]
+    .venv/bin/python benchmarks/fidelity_cpu.py [--steps 6] [--repeats 3] [--configs NAME,...]
         [--json benchmarks/results/fidelity_cpu.json] [--txt benchmarks/results/fidelity_cpu.txt] [--resume DIR]
 
 1. Profiles ``benchmarks/qwen2.5-vl-cpu-small`` (real Qwen2.5-VL structure, ~9.5 M parameters) into
@@ -235,7 +235,7 @@ def _commit() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=6, help="training steps per configuration (the first is dropped)")
-    p.add_argument("--repeats", type=int, default=2, help="runs per configuration; the fastest counts")
+    p.add_argument("--repeats", type=int, default=3, help="runs per configuration; the fastest counts")
     p.add_argument("--configs", default="", help="comma-separated configuration names (default: all)")
     p.add_argument("--json", help="also write the results to this file (a list of name, strategy, predicted_s, "
                                   "measured_s, error)")
