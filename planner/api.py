@@ -19,6 +19,7 @@ from planner.baselines import BASELINE_DESCRIPTIONS, BaselineOutcome, baselines
 from planner.candidates import Problem
 from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, Estimate, estimate
+from planner.cost.assumptions import FP32_STATES
 from planner.cost.report import module_predictions, prediction
 from planner.cost.results import GIB
 from planner.hardware import Cluster, get_device, load_cluster_file, make_cluster
@@ -140,7 +141,8 @@ def _profile_source(
     from ``profile``: a path, ``"auto"`` (the committed profile of this device and model, if any) or None
     (analytical only). Devices sharing a host slow each other; the source scales layer times by the factor the
     profile measured for this many devices. A profile measured in fp32 (the CPU runtime's dtype) makes the
-    activations, messages and hand-offs it does not measure 4 bytes per element too."""
+    activations, messages and hand-offs it does not measure 4 bytes per element too, and the model states fp32
+    (``FP32_STATES``: weights, gradients, gradient messages and the optimizer step)."""
     if profile is None:
         return cluster, None, assumptions
     from planner import profiles
@@ -152,7 +154,10 @@ def _profile_source(
     device = profiles.device_from_profile(cluster.device, loaded)
     source = profiles.ProfileCostSource(loaded, concurrent_devices=cluster.num_devices)
     element = ACTIVATION_BYTES_BY_DTYPE.get(loaded.provenance.dtype, assumptions.activation_bytes)
-    return replace(cluster, device=device), source, replace(assumptions, activation_bytes=element)
+    assumptions = replace(assumptions, activation_bytes=element)
+    if loaded.provenance.dtype == "float32":  # the runtime trains in fp32 where it was measured so (CPU)
+        assumptions = replace(assumptions, bf16_mixed=FP32_STATES, bf16_pure=FP32_STATES)
+    return replace(cluster, device=device), source, assumptions
 
 
 def make_problem(

@@ -34,6 +34,11 @@ class BytesPerParam:
         return self.weights + self.gradients + self.optimizer
 
 
+FP32_STATES = BytesPerParam(weights=4, gradients=4, optimizer=8)
+"""fp32 training, as the runtime trains on CPU: fp32 weights and gradients, Adam m + v in fp32, no master copy:
+16 B/param."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class CostAssumptions:
     """Knobs of the analytical cost model. ``DEFAULT_ASSUMPTIONS`` holds the defaults."""

@@ -47,6 +47,21 @@ def test_profile_file_supplies_measured_layer_times(tmp_path):
     assert llm.time_s.backward == pytest.approx(2 * 4 * 2.0, rel=0.01)
 
 
+def test_fp32_profile_makes_model_states_fp32(tmp_path):
+    from planner.catalog import get_model
+
+    path = tmp_path / "tiny.json"
+    save_profile(_profile(1.0), path)
+    params = get_model(TINY).module("llm").num_params
+    gib = 1024**3
+    # the CPU runtime trains in fp32: 4 B weights, 4 B gradients, 8 B of Adam moments per parameter (ZeRO-0)
+    fp32 = _fixed(profile=str(path)).module("llm").predicted.memory_gib
+    assert (fp32.weights, fp32.gradients, fp32.optimizer) == pytest.approx((4 * params / gib, 4 * params / gib,
+                                                                            8 * params / gib))
+    bf16 = _fixed(profile=None).module("llm").predicted.memory_gib
+    assert bf16.gradients == pytest.approx(2 * params / gib)
+
+
 def test_profile_is_found_automatically(tmp_path, monkeypatch):
     path = tmp_path / "tiny.json"
     save_profile(_profile(0.5), path)
