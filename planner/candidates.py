@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, LayerCostSource, ModuleCost, check_strategy, module_cost
-from planner.cost.pipeline import path_terms
+from planner.cost.estimate import module_path_terms
 from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, ModelSpec
 from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Placement, Precision
@@ -303,8 +303,7 @@ def cost_candidate(problem: Problem, module: str, strategy: ModuleStrategy, plac
         module=module,
         cost=cost,
         step_ns=round((ga * cost.per_micro_batch_s + cost.step_tail_s) * NS_PER_S),
-        path_ns=tuple(round(t * NS_PER_S) for t in path_terms(
-            cost.per_micro_batch_s, cost.forward_per_micro_batch_s, ga, stage="llm" if module == "llm" else "encoder")),
+        path_ns=tuple(round(t * NS_PER_S) for t in module_path_terms(cost)),
         tail_ns=round(cost.step_tail_s * NS_PER_S),
         memory_bytes=memory + cost.activations_bytes,
     )

@@ -2,8 +2,9 @@
 plan's predictions.
 
 Each rank measures itself; a step's line takes, per quantity, the slowest rank holding the module (the step
-waits for it), and keeps every rank's own numbers under ``ranks``. Communication that is measurable from the step loop is the hand-off / hand-back wait time;
-TP, SP and FSDP collectives run inside forward/backward and are counted there.
+waits for it), and keeps every rank's own numbers under ``ranks``. Communication that is measurable from the step
+loop is the hand-off / hand-back wait time and ZeRO-0's gradient all-reduce (``grad_sync_s``); TP, SP and FSDP
+collectives run inside forward/backward and are counted there.
 """
 
 from __future__ import annotations

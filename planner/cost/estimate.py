@@ -77,11 +77,17 @@ def combine(
     )
 
 
+def module_path_terms(cost: ModuleCost) -> tuple[float, ...]:
+    """The module's terms of the disjoint pipeline's critical paths: the LLM is the second stage, encoders the
+    first (``planner.cost.pipeline.path_terms``)."""
+    stage = "llm" if cost.module == "llm" else "encoder"
+    return path_terms(cost.per_micro_batch_s, cost.forward_per_micro_batch_s, cost.strategy.grad_accum, stage=stage)
+
+
 def stage_terms(costs: Mapping[str, ModuleCost]) -> tuple[list[float], list[float]]:
     """(encoder stage, LLM stage) shares of the disjoint pipeline's critical paths (``planner.cost.pipeline``);
     several encoders form one stage (their terms are summed)."""
-    terms = {name: path_terms(c.per_micro_batch_s, c.forward_per_micro_batch_s, c.strategy.grad_accum,
-                              stage="llm" if name == "llm" else "encoder") for name, c in costs.items()}
+    terms = {name: module_path_terms(c) for name, c in costs.items()}
     encoders = [t for name, t in terms.items() if name != "llm"]
     return [sum(column) for column in zip(*encoders)], list(terms["llm"])
 

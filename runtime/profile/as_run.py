@@ -8,8 +8,9 @@ collectives benchmark); every rank builds each layer type at FULL size from tran
 runtime's attention kernel, shards it with the runtime's own functions -- ``parallelize_vision_tp`` /
 ``parallelize_llm_tp`` (DTensor ``parallelize_module``) for TP, the runtime's sequence split and the Ulysses
 all-to-all (``ulysses_group``) for SP, ``loss_parallel`` for the TP lm_head loss -- and times forward, backward, the
-extra backward of full recomputation and the optimizer step over the rank's (DTensor) parameters. An iteration's time is the slowest rank's; the point records the median
-(and spread) over the repeats after warm-up, flagged ``includes_comm``.
+extra backward of full recomputation and the optimizer step over the rank's (DTensor) parameters. An iteration's
+time is the slowest rank's; the point records the median (and spread) over the repeats after warm-up, flagged
+``includes_comm``.
 
 Covered: TP over every layer type, Ulysses SP over the vision tower (``shard_vision_batch``) and the LLM
 (``shard_llm_batch``); TP x SP at once is still timed single-process. FLOPs and memory are per rank and come from the single-process shard on fake

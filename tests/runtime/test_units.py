@@ -273,3 +273,10 @@ def test_build_model_from_a_save_pretrained_folder(tmp_path):
     expected = dict(saved.named_parameters())
     for name, param in loaded.named_parameters():
         assert torch.equal(param, expected[name]), name
+
+
+def test_disjoint_schedule_is_the_one_the_cost_model_prices():
+    # planner/cost/pipeline.py derives the disjoint step from this schedule: at most two encoder forwards ahead.
+    from runtime.trainer import MAX_VISION_IN_FLIGHT
+
+    assert MAX_VISION_IN_FLIGHT == 2
