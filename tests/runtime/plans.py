@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from planner.schema import (
@@ -19,6 +20,23 @@ def tiny_hf_config() -> dict[str, Any]:
     from planner.catalog import get_model
 
     return dict(get_model("qwen2.5-vl-tiny").hf_config)
+
+
+def tiny_qwen2_vl_config() -> dict[str, Any]:
+    """The catalog's Qwen2-VL-2B config (flat text fields, tied embeddings, no vision windows, fc1/fc2 vision MLP)
+    at the tiny model's width: 2 decoder layers, 2 vision blocks, special token ids inside a 1024-token vocabulary."""
+    from planner.catalog import get_model
+
+    config = copy.deepcopy(dict(get_model("qwen2-vl-2b").hf_config))
+    config.update(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, max_window_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1024, vision_token_id=1000, image_token_id=1001, video_token_id=1002,
+        vision_start_token_id=1003, vision_end_token_id=1004, bos_token_id=1005, eos_token_id=1006,
+        rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]},  # head_dim 32: 16 rotary frequencies
+    )
+    config["vision_config"] = {**config["vision_config"], "depth": 2, "embed_dim": 64, "mlp_ratio": 2, "num_heads": 4,
+                               "hidden_size": 128}
+    return config
 
 
 def _memory() -> MemoryBreakdown:

@@ -11,7 +11,8 @@ from runtime.optim import warmup_factor
 
 
 def reference_run(plan: Plan, *, seed: int, steps: int) -> dict:
-    """Loss of each step, gradients after the first step, parameters after the last, as HF names -> tensors."""
+    """Loss and pre-clip global gradient norm of each step, the first step's gradients before clipping, and the
+    parameters after the last step (HF names -> tensors)."""
     torch.set_num_threads(1)
     model = build_model(plan.model.hf_config, seed=seed)
     model.model.visual.requires_grad_(not plan.module("vision").frozen)
@@ -23,17 +24,17 @@ def reference_run(plan: Plan, *, seed: int, steps: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=training.learning_rate, weight_decay=training.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_factor(s, training.warmup_steps))
     batch_size = plan.workload.global_batch
-    losses, grads = [], None
+    losses, grad_norms, grads = [], [], None
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         batch = collate([data.sample(step * batch_size + i) for i in range(batch_size)])
         loss = model(**batch).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip_norm)
         if step == 0:
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip_norm)))
         optimizer.step()
         schedule.step()
         losses.append(float(loss.detach()))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params}
+    return {"losses": losses, "grad_norms": grad_norms, "grads": grads, "params": params}

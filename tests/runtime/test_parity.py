@@ -23,7 +23,8 @@ import torch
 
 from runtime import launcher
 from runtime.trainer import RunOptions
-from tests.runtime.plans import make_plan, tiny_hf_config
+from tests.runtime import sharding_checks
+from tests.runtime.plans import make_plan, tiny_hf_config, tiny_qwen2_vl_config
 from tests.runtime.reference import reference_run
 
 STEPS = 3
@@ -57,6 +58,12 @@ def tied_embeddings_config() -> dict:
     return {**tiny_hf_config(), "tie_word_embeddings": True}
 
 
+def four_kv_heads_config() -> dict:
+    """The tiny model with as many KV heads as query heads (4), so that LLM TP can be 4."""
+    config = tiny_hf_config()
+    return {**config, "text_config": {**config["text_config"], "num_key_value_heads": 4}}
+
+
 SLOW_PLANS = {
     "zero1_zero2_grad_accum2": dict(vision=dict(dp=2, zero=1, grad_accum=2), llm=dict(dp=2, zero=2, grad_accum=2)),
     "zero0_dp2_grad_accum2": dict(vision=dict(dp=2, grad_accum=2), llm=dict(dp=2, grad_accum=2)),
@@ -68,30 +75,67 @@ SLOW_PLANS = {
     "disjoint_vision_sp2__llm_tp2__3_micro_batches": dict(
         vision=dict(sp=2, grad_accum=3), llm=dict(tp=2, grad_accum=3), placement="disjoint"
     ),
+    "zero3_dp2xtp2__2_micro_batches": dict(
+        vision=dict(dp=2, tp=2, zero=3, grad_accum=2), llm=dict(dp=2, tp=2, zero=3, grad_accum=2)
+    ),
+    "frozen_llm_tp2__vision_dp2_zero3": dict(vision=dict(dp=2, zero=3), llm=dict(tp=2, micro_batch=2, frozen=True)),
+    "disjoint_vision_dp2_zero2__llm_dp2_zero3__2_micro_batches": dict(
+        vision=dict(dp=2, zero=2, grad_accum=2), llm=dict(dp=2, zero=3, grad_accum=2), placement="disjoint"
+    ),
+    # 16 x 12 patches: 4 attention windows, one per vision SP rank
+    "vision_sp4__llm_tp4": dict(
+        vision=dict(sp=4), llm=dict(tp=4), image_size=(224, 168), hf_config=four_kv_heads_config()
+    ),
+    "qwen2_vl_vision_sp2xtp2__llm_tp2xsp2": dict(
+        vision=dict(sp=2, tp=2), llm=dict(tp=2, sp=2), hf_config=tiny_qwen2_vl_config()
+    ),
 }
 
 
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """The factor global-norm clipping multiplies every gradient by (torch.nn.utils.clip_grad_norm_'s formula)."""
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
 def run_runtime(plan) -> dict:
+    """Train STEPS steps on Ray; check the parameters' layouts before the first step and FSDP's resharding during it.
+    Returns each step's loss and every rank's reported pre-clip gradient norm, the first step's gradients
+    un-clipped with that rank's own norm, and the parameters after the last step."""
     job = launcher.start(plan, RunOptions(seed=SEED))
     try:
+        sharding_checks.assert_parameters_sharded_as_planned(
+            plan, sharding_checks.call_on_workers(job, sharding_checks.parameter_summary)
+        )
+        sharding_checks.call_on_workers(job, sharding_checks.install_block_probes)
         results = [job.step()]
+        sharding_checks.assert_reshard_as_planned(
+            plan, sharding_checks.call_on_workers(job, sharding_checks.collect_block_probes)
+        )
         grads = job.gather("grad")
         results += [job.step() for _ in range(STEPS - 1)]
         params = job.gather("param")
     finally:
         job.shutdown()
     losses = [next(r["loss"] for r in step if r["loss"] is not None) for step in results]
-    return {"losses": losses, "grads": grads, "params": params}
+    grad_norms = [[r["grad_norm"] for r in step] for step in results]
+    coef = clip_coefficient(grad_norms[0][0], plan.training.grad_clip_norm)
+    return {"losses": losses, "grad_norms": grad_norms, "grads": {n: g / coef for n, g in grads.items()},
+            "params": params}
 
 
 def assert_parity(plan) -> None:
     ref = reference_run(plan, seed=SEED, steps=STEPS)
     got = run_runtime(plan)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
+    for step, (norms, norm_ref) in enumerate(zip(got["grad_norms"], ref["grad_norms"])):
+        for rank, norm in enumerate(norms):
+            assert abs(norm - norm_ref) <= 1e-5 * norm_ref, (
+                f"step {step}: rank {rank} reports pre-clip gradient norm {norm:.7g}, reference {norm_ref:.7g}"
+            )
     assert set(got["grads"]) == set(ref["grads"]), "runtime and reference disagree on which parameters exist"
     for name, g_ref in ref["grads"].items():
         err = (got["grads"][name] - g_ref).abs().max().item()
-        assert err <= 1e-5 * g_ref.abs().max().item() + 1e-12, f"gradient of {name}: max error {err:.3g}"
+        assert err <= 1e-5 * g_ref.abs().max().item() + 1e-12, f"pre-clip gradient of {name}: max error {err:.3g}"
     for name, p_ref in ref["params"].items():
         err = (got["params"][name] - p_ref).abs().max().item()
         assert err <= 0.1 * LR, f"parameter {name} after {STEPS} steps: max error {err:.3g}"
