@@ -94,9 +94,7 @@ SLOW_PLANS = {
     "disjoint_vision_sp2__llm_tp2__3_micro_batches": dict(
         vision=dict(sp=2, grad_accum=3), llm=dict(tp=2, grad_accum=3), placement="disjoint"
     ),
-    "zero3_dp2xtp2__2_micro_batches": dict(
-        vision=dict(dp=2, tp=2, zero=3, grad_accum=2), llm=dict(dp=2, tp=2, zero=3, grad_accum=2)
-    ),
+    "zero3_dp2xtp2": dict(vision=dict(dp=2, tp=2, zero=3), llm=dict(dp=2, tp=2, zero=3)),
     "frozen_llm_tp2__vision_dp2_zero3": dict(vision=dict(dp=2, zero=3), llm=dict(tp=2, micro_batch=2, frozen=True)),
     "disjoint_vision_dp2_zero2__llm_dp2_zero3__2_micro_batches": dict(
         vision=dict(dp=2, zero=2, grad_accum=2), llm=dict(dp=2, zero=3, grad_accum=2), placement="disjoint"
