@@ -11,11 +11,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
-from planner.schema import PlanError, load_plan
+from planner.schema import Plan, PlanError, load_plan
 from runtime import preflight
 
 USER_ERRORS = (PlanError, ValueError, NotImplementedError, OSError)
+
+REPORT_GRACE_S = 2.0
+"""Under torchrun, how long the other ranks wait before exiting on a mistake every rank found and rank 0 reports:
+torchrun stops the remaining ranks as soon as one exits, which could otherwise stop rank 0 before it printed."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     return _run_under_torchrun(plan, args, env)
 
 
-def _run_on_ray(plan, args: argparse.Namespace) -> int:
+def _run_on_ray(plan: Plan, args: argparse.Namespace) -> int:
     from ray.exceptions import RayTaskError
 
     from runtime.launcher import run
@@ -74,7 +79,7 @@ def _run_on_ray(plan, args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_under_torchrun(plan, args: argparse.Namespace, env: preflight.TorchrunEnv) -> int:
+def _run_under_torchrun(plan: Plan, args: argparse.Namespace, env: preflight.TorchrunEnv) -> int:
     from runtime.driver import validate_plan
     from runtime.torchrun import run
     from runtime.trainer import RunOptions
@@ -117,6 +122,8 @@ def _refuse(error: BaseException | str, *, status: int = 2, report: bool = True)
     """Print ``error`` as the one line ``runtime: error: ...`` (if ``report``) and return the exit status."""
     if report:
         print(f"runtime: error: {error}", file=sys.stderr)
+    else:
+        time.sleep(REPORT_GRACE_S)
     return status
 
 

@@ -29,7 +29,9 @@ def torchrun(nproc: int, *args: str, timeout: int = 300) -> subprocess.Completed
 
 
 def runtime_errors(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("runtime: error:")]
+    """The ranks' error lines (one may follow rank 0's progress bar on the same terminal line)."""
+    marker = "runtime: error:"
+    return [line[line.index(marker):] for line in stderr.splitlines() if marker in line]
 
 
 @pytest.mark.slow
@@ -54,12 +56,30 @@ def test_vision_sp2_llm_tp2_under_torchrun_matches_the_reference(tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_with_fewer_processes_than_the_plans_devices_is_one_line(tmp_path):
+def test_torchrun_with_more_processes_than_the_plans_devices_is_one_line(tmp_path):
     (tmp_path / "plan.json").write_text(make_plan(dict(sp=2), dict(tp=2)).to_json())
-    result = torchrun(1, str(tmp_path / "plan.json"), "--steps", "1")
+    result = torchrun(3, str(tmp_path / "plan.json"), "--steps", "1")
     assert result.returncode != 0
-    assert runtime_errors(result.stderr) == [
-        "runtime: error: torchrun started 1 processes but the plan uses 2 devices: run torchrun with 2 processes "
+    assert runtime_errors(result.stderr) == [  # every rank finds it, rank 0 alone says it
+        "runtime: error: torchrun started 3 processes but the plan uses 2 devices: run torchrun with 2 processes "
         "in all (--nnodes x --nproc-per-node = 2)"
     ], result.stderr
-    assert "[rank0]: Traceback" not in result.stderr  # torchrun's own report follows; the rank printed no stack
+    assert "[rank0]: Traceback" not in result.stderr  # torchrun's own report follows; no rank printed a stack
+
+
+@pytest.mark.slow
+def test_a_failing_rank_under_torchrun_is_its_one_line_and_its_peers_print_no_stack(tmp_path):
+    """Rank 1 of the DP-2 plan reads the missing image; rank 0, waiting in a collective, loses its peer."""
+    from PIL import Image
+
+    (tmp_path / "plan.json").write_text(make_plan(dict(dp=2), dict(dp=2)).to_json())
+    Image.new("RGB", (168, 112)).save(tmp_path / "good.png")
+    rows = [{"image": image, "text": "a cat"} for image in ("good.png", "missing.png")]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = torchrun(2, str(tmp_path / "plan.json"), "--steps", "1", "--data", str(tmp_path / "data.jsonl"))
+    assert result.returncode != 0
+    errors = runtime_errors(result.stderr)
+    assert errors[0].startswith(f"runtime: error: cannot read image {tmp_path}/missing.png"), result.stderr
+    # rank 0 either is stopped by torchrun first (silent) or sees the connection close (one line, no stack)
+    assert all(e.startswith("runtime: error: rank 0 stopped: another rank failed") for e in errors[1:]), errors
+    assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
