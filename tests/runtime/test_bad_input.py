@@ -137,3 +137,38 @@ def test_blocked_imports_do_fail_a_run_that_passes_the_checks(plan_path):
     """The harness can fail: a good plan gets past the checks and then needs torch."""
     result = run_light(plan_path, "--steps", "1")
     assert result.returncode == 1 and "ModuleNotFoundError" in result.stderr, result.stderr
+
+
+def write_config_and_weights(folder: str) -> None:
+    """A stand-in for save_checkpoint: what save_pretrained leaves, or its error."""
+    os.makedirs(folder, exist_ok=True)
+    Path(folder, "config.json").write_text("{}")
+    Path(folder, "model.safetensors").write_bytes(b"")
+
+
+def test_weights_that_cannot_go_to_save_go_to_a_timestamped_folder_here(tmp_path, monkeypatch):
+    from runtime.preflight import SavedElsewhere, save_with_fallback
+
+    monkeypatch.chdir(tmp_path)
+    Path(tmp_path, "taken").write_text("a file where the folder should be")
+    with pytest.raises(SavedElsewhere, match=rf"^cannot save to {tmp_path}/taken \(.*\); the trained weights were "
+                                             rf"written to {tmp_path}/dhplan-weights-\d{{8}}-\d{{6}}$") as caught:
+        save_with_fallback(write_config_and_weights, str(tmp_path / "taken"))
+    folder = str(caught.value).split("written to ")[-1]
+    assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]
+
+
+def test_a_save_that_leaves_no_loadable_folder_falls_back_and_one_that_never_works_says_so(tmp_path, monkeypatch):
+    from runtime.preflight import SavedElsewhere, save_with_fallback
+
+    monkeypatch.chdir(tmp_path)
+    written = []
+    with pytest.raises(SavedElsewhere):  # returned without error but wrote nothing (as save_pretrained onto a file)
+        save_with_fallback(lambda folder: written.append(folder) if not written else write_config_and_weights(folder),
+                           str(tmp_path / "out"))
+
+    def disk_full(folder: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match=r"nor to .*dhplan-weights-.* or .*: the trained weights are lost$"):
+        save_with_fallback(disk_full, str(tmp_path / "out"))
