@@ -19,69 +19,16 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from planner.schema import Plan
-from runtime.data import layout_from_plan
-from runtime.model import hf_config_from_dict
-from runtime.parallel.ulysses import split_sequence
-from runtime.parallel_dims import ParallelDims
-from runtime.trainer import MODULES, RunOptions, Trainer
-from runtime.vision import merged_positions_per_rank
+from runtime.driver import tokens_per_sample, validate_plan, write_pretrained
+from runtime.metrics import MetricsLog, format_summary
+from runtime.preflight import check_outputs, is_cpu_plan, num_devices, save_with_fallback
+from runtime.trainer import RunOptions, Trainer
 
 PLACEMENT_TIMEOUT_S = 120
 """How long to wait for the placement group's bundles once resources were found sufficient."""
 
 SHUTDOWN_TIMEOUT_S = 30
 """How long actors get to leave the process group before they are killed."""
-
-
-def is_cpu_plan(plan: Plan) -> bool:
-    """A plan made for ``--gpu cpu`` runs on CPU workers."""
-    return plan.cluster.device.name.lower() == "cpu"
-
-
-def num_devices(plan: Plan) -> int:
-    """Distinct global ranks the plan uses."""
-    return len({r for m in plan.modules for r in m.ranks})
-
-
-def validate_plan(plan: Plan, options: RunOptions) -> None:
-    """Everything that can be checked without Ray; raises ValueError / NotImplementedError in one line."""
-    names = sorted(m.name for m in plan.modules)
-    if names != sorted(MODULES):
-        raise NotImplementedError(f"the runtime runs plans with modules {list(MODULES)}, this one has {names}")
-    dims = {name: ParallelDims.from_plan(plan.module(name)) for name in MODULES}
-    vision, llm = dims["vision"], dims["llm"]
-    if vision.frozen and llm.frozen:
-        raise ValueError("every module of the plan is frozen: nothing to train")
-    if vision.grad_accum != llm.grad_accum or vision.dp * vision.micro_batch != llm.dp * llm.micro_batch:
-        raise ValueError("vision and llm must agree on grad_accum and on samples per micro-batch (dp * micro_batch)")
-    ranks = {name: set(d.ranks) for name, d in dims.items()}
-    if plan.placement == "colocated" and ranks["vision"] != ranks["llm"]:
-        raise ValueError("a colocated plan must place vision and llm on the same ranks")
-    if plan.placement == "disjoint" and ranks["vision"] & ranks["llm"]:
-        raise ValueError("a disjoint plan must place vision and llm on different ranks")
-    if sorted(ranks["vision"] | ranks["llm"]) != list(range(num_devices(plan))):
-        raise ValueError("the plan's ranks must be 0..N-1")
-    config = hf_config_from_dict(plan.model.hf_config)
-    vc, tc = config.vision_config, config.get_text_config()
-    if vc.num_heads % (vision.tp * vision.sp):
-        raise ValueError(f"vision tp*sp = {vision.tp * vision.sp} does not divide its {vc.num_heads} heads")
-    if tc.num_attention_heads % llm.tp or tc.num_key_value_heads % llm.tp:
-        raise ValueError(
-            f"llm tp = {llm.tp} does not divide its {tc.num_attention_heads} q / {tc.num_key_value_heads} kv heads"
-        )
-    if (tc.num_attention_heads // llm.tp) % llm.sp:
-        raise ValueError(
-            f"llm sp = {llm.sp} does not divide the {tc.num_attention_heads // llm.tp} attention heads of a TP rank "
-            f"(tp = {llm.tp})"
-        )
-    layout = layout_from_plan(plan.workload, config)
-    split_sequence(layout.seq_len, llm.sp)  # a token per SP rank at least
-    grid = torch.tensor([(1, h // layout.patch_size, w // layout.patch_size) for h, w in layout.image_sizes])
-    merged_positions_per_rank(grid.repeat(vision.micro_batch, 1), vc, vision.sp)  # enough windows for SP
-    if options.data is not None and not os.path.exists(options.data):
-        raise ValueError(f"data path {options.data} does not exist")
-    if options.checkpoint is not None and not os.path.isdir(options.checkpoint):
-        raise ValueError(f"checkpoint {options.checkpoint} is not a folder written by save_pretrained")
 
 
 def check_resources(plan: Plan, resources: dict[str, float]) -> None:
@@ -137,6 +84,32 @@ class Worker:
             dist.destroy_process_group()
 
 
+def get_all(refs: list[ray.ObjectRef], workers: list[Any]) -> list[Any]:
+    """The results of one call per rank. When a rank fails, the others are stopped (they wait for it in a
+    collective) and the failed rank's error is raised; the stopped ranks' errors are collected, so that Ray does
+    not print each of them as an "Unhandled error" stack."""
+    pending = list(refs)
+    while pending:
+        (ready,), pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(ready)
+        except ray.exceptions.RayError:
+            for w in workers:
+                ray.kill(w)
+            _drain(pending)
+            raise
+    return ray.get(refs)
+
+
+def _drain(refs: list[ray.ObjectRef]) -> None:
+    """Wait for calls whose results (or errors, once their actors were killed) nobody needs."""
+    for ref in refs:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayError:
+            pass
+
+
 @dataclass
 class Job:
     """A plan's running actors."""
@@ -147,25 +120,23 @@ class Job:
 
     def step(self) -> list[dict[str, Any]]:
         """One optimizer step on every rank; each rank's measurements."""
-        return ray.get([w.train_step.remote() for w in self.workers])
+        return get_all([w.train_step.remote() for w in self.workers], self.workers)
 
     def gather(self, kind: str) -> dict[str, torch.Tensor]:
         """Full parameters (``"param"``) or gradients (``"grad"``) under their HF names."""
         merged: dict[str, torch.Tensor] = {}
-        for part in ray.get([w.full_tensors.remote(kind) for w in self.workers]):
+        for part in get_all([w.full_tensors.remote(kind) for w in self.workers], self.workers):
             merged.update(part)
         return merged
 
     def shutdown(self) -> None:
         """Leave the process group where possible (a rank stuck after a peer failed cannot), then stop the actors."""
-        try:
-            ray.get([w.close.remote() for w in self.workers], timeout=SHUTDOWN_TIMEOUT_S)
-        except ray.exceptions.RayError:
-            pass
-        finally:
-            for w in self.workers:
-                ray.kill(w)
-            remove_placement_group(self.group)
+        closing = [w.close.remote() for w in self.workers]
+        ray.wait(closing, num_returns=len(closing), timeout=SHUTDOWN_TIMEOUT_S)
+        for w in self.workers:
+            ray.kill(w)
+        _drain(closing)
+        remove_placement_group(self.group)
 
 
 def ensure_ray() -> None:
@@ -195,7 +166,7 @@ def start(plan: Plan, options: RunOptions) -> Job:
     try:
         address = ray.get(workers[0].rendezvous_address.remote())
         plan_json = plan.model_dump_json()
-        ray.get([w.setup.remote(plan_json, address, options) for w in workers])
+        get_all([w.setup.remote(plan_json, address, options) for w in workers], workers)
     except BaseException:  # one rank failed: the others may be blocked in the rendezvous, stop them all
         for w in workers:
             ray.kill(w)
@@ -206,36 +177,31 @@ def start(plan: Plan, options: RunOptions) -> Job:
 
 def save_checkpoint(job: Job, path: str) -> None:
     """Gather the trained weights to this process and write them with transformers' ``save_pretrained``."""
-    from runtime.model import build_model
-
-    model = build_model(job.plan.model.hf_config, seed=0, device="meta")
-    model.load_state_dict(job.gather("param"), strict=False, assign=True)
-    model.tie_weights()
-    missing = [name for name, p in model.named_parameters() if p.is_meta]
-    assert not missing, f"parameters not gathered: {missing[:3]}"
-    model.save_pretrained(path)
+    write_pretrained(job.plan, job.gather("param"), path)
 
 
 def run(
     plan: Plan, options: RunOptions, *, steps: int, metrics_path: str | None = None, save: str | None = None
 ) -> dict[str, Any]:
     """Train ``steps`` optimizer steps with one JSON line per step (then save the weights to ``save``, a
-    folder ``--checkpoint`` can start from); returns the summary (also printed)."""
-    from runtime.metrics import MetricsLog, format_summary
+    folder ``--checkpoint`` can start from); returns the summary (also printed).
 
+    Every output path is checked before Ray starts. If saving fails at the end, the weights go to a fallback
+    folder and ``preflight.SavedElsewhere`` says where.
+    """
+    check_outputs(metrics=metrics_path, save=save)
     job = start(plan, options)
     try:
-        layout = layout_from_plan(plan.workload, hf_config_from_dict(plan.model.hf_config))
-        log = MetricsLog(plan, steps=steps, path=metrics_path, tokens_per_sample=layout.seq_len)
+        log = MetricsLog(plan, steps=steps, path=metrics_path, tokens_per_sample=tokens_per_sample(plan))
         try:
             for step in range(steps):
                 log.log(step, job.step())
         finally:
             log.close()
         summary = log.summary()
+        print(format_summary(summary, "peak RSS per worker" if is_cpu_plan(plan) else "max allocated per GPU"))
         if save is not None:
-            save_checkpoint(job, save)
+            save_with_fallback(lambda folder: save_checkpoint(job, folder), save)
     finally:
         job.shutdown()
-    print(format_summary(summary, "peak RSS per worker" if is_cpu_plan(plan) else "max allocated per GPU"))
     return summary

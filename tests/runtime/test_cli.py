@@ -106,3 +106,55 @@ def test_workers_start_from_and_save_a_checkpoint_folder(tmp_path, ray_cluster):
     for name, value in trained.items():
         assert not torch.equal(value, expected[name].detach()), f"{name} did not train"
         assert torch.equal(reloaded[name].detach(), value), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("images", [("good.png", "missing.png"), ("missing.png", "missing-too.png")],
+                         ids=["one_rank_fails", "every_rank_fails"])
+def test_a_failing_rank_is_one_line_without_rays_unhandled_error_stacks(tmp_path, ray_cluster, images):
+    """Rank r of the DP-2 plan reads row r; a rank blocked in a collective on a failed peer is stopped."""
+    from PIL import Image
+
+    (tmp_path / "plan.json").write_text(make_plan(dict(dp=2), dict(dp=2)).to_json())
+    Image.new("RGB", (168, 112)).save(tmp_path / "good.png")
+    rows = [{"image": image, "text": "a cat"} for image in images]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    address = ray_cluster.get_runtime_context().gcs_address
+    result = run_cli(str(tmp_path / "plan.json"), "--data", str(tmp_path / "data.jsonl"), "--steps", "1",
+                     env={"RAY_ADDRESS": address})
+    assert_one_line_error(result, f"cannot read image {tmp_path}/missing")
+    assert "Unhandled error" not in result.stderr and "Error" not in result.stderr.replace("runtime: error", "")
+
+
+@pytest.mark.slow
+def test_weights_go_to_a_fallback_folder_when_the_save_folder_breaks_during_training(
+    tmp_path, ray_cluster, monkeypatch, capsys
+):
+    from runtime.__main__ import main
+    from runtime.model import build_model
+
+    plan = make_plan({}, {})
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    save = tmp_path / "out" / "weights"
+    real_start = launcher.start
+
+    def start_then_break_the_save_folder(*args, **kwargs):  # the folder passed the checks, then became a file
+        job = real_start(*args, **kwargs)
+        assert save.is_dir()
+        save.rmdir()
+        save.write_text("not a folder any more")
+        return job
+
+    monkeypatch.setattr(launcher, "start", start_then_break_the_save_folder)
+    monkeypatch.chdir(tmp_path)
+    assert main([str(tmp_path / "plan.json"), "--steps", "1", "--save", str(save)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    prefix = f"runtime: error: cannot save to {save} ("
+    assert lines[-1].startswith(prefix) and "runtime: error" not in "".join(lines[:-1]), lines
+    fallback = lines[-1].split("the trained weights were written to ")[-1]
+    assert os.path.dirname(fallback) == str(tmp_path) and os.path.basename(fallback).startswith("dhplan-weights-")
+    initial = dict(build_model(plan.model.hf_config, seed=0).named_parameters())
+    trained = dict(build_model(plan.model.hf_config, seed=0, checkpoint=fallback).named_parameters())
+    assert set(trained) == set(initial)
+    for name, value in trained.items():
+        assert not torch.equal(value, initial[name]), f"{name} is not the trained weight"

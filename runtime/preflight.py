@@ -1,0 +1,258 @@
+"""Checks that need neither torch, Ray nor transformers, run before any of them is imported: the plan's
+structure, the input paths (``--data``, ``--checkpoint``), the output paths (``--metrics``, ``--save``) and
+torchrun's environment. A mistake there costs a fraction of a second, not the 5-12 s of importing torch and
+starting Ray. Also the other end of the run: saving the trained weights with a fallback folder, so that a
+path that became unwritable during training never loses them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, TypeVar
+
+from planner.schema import Plan
+
+MODULES = ("vision", "llm")
+"""Modules the runtime places; a plan must have exactly these."""
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+"""Either marks a folder written by ``save_pretrained`` (one file, or shards with their index)."""
+
+SHAPE_KEYS = {
+    "": ("model_type",),
+    "text_config": ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads"),
+    "vision_config": ("depth", "embed_dim", "hidden_size", "intermediate_size", "mlp_ratio", "num_heads",
+                      "out_hidden_size", "in_channels", "patch_size", "spatial_merge_size", "temporal_patch_size"),
+}
+"""Config fields, per section, that fix the shapes of the weights: a checkpoint must agree with the plan on
+every one both of them state."""
+
+FALLBACK_PREFIX = "dhplan-weights-"
+"""Name prefix of the timestamped folder the weights go to when ``--save`` cannot be written."""
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""Environment variables torchrun sets in each process it starts; all of them present means "under torchrun"."""
+
+
+class SavedElsewhere(Exception):
+    """The trained weights could not be written where asked and were written to a fallback folder."""
+
+
+def is_cpu_plan(plan: Plan) -> bool:
+    """A plan made for ``--gpu cpu`` runs on CPU workers."""
+    return plan.cluster.device.name.lower() == "cpu"
+
+
+def num_devices(plan: Plan) -> int:
+    """Distinct global ranks the plan uses."""
+    return len({r for m in plan.modules for r in m.ranks})
+
+
+def check_plan(plan: Plan) -> None:
+    """The plan's structure: its modules, their ranks and how the two modules' batches line up.
+
+    Raises:
+        ValueError, NotImplementedError: in one line.
+    """
+    names = sorted(m.name for m in plan.modules)
+    if names != sorted(MODULES):
+        raise NotImplementedError(f"the runtime runs plans with modules {list(MODULES)}, this one has {names}")
+    vision, llm = plan.module("vision"), plan.module("llm")
+    if vision.frozen and llm.frozen:
+        raise ValueError("every module of the plan is frozen: nothing to train")
+    if vision.grad_accum != llm.grad_accum or vision.dp * vision.micro_batch != llm.dp * llm.micro_batch:
+        raise ValueError("vision and llm must agree on grad_accum and on samples per micro-batch (dp * micro_batch)")
+    if plan.placement == "colocated" and set(vision.ranks) != set(llm.ranks):
+        raise ValueError("a colocated plan must place vision and llm on the same ranks")
+    if plan.placement == "disjoint" and set(vision.ranks) & set(llm.ranks):
+        raise ValueError("a disjoint plan must place vision and llm on different ranks")
+    if sorted(set(vision.ranks) | set(llm.ranks)) != list(range(num_devices(plan))):
+        raise ValueError("the plan's ranks must be 0..N-1")
+
+
+def check_inputs(plan: Plan, *, data: str | None, checkpoint: str | None) -> None:
+    """``--data`` is a readable file or folder; ``--checkpoint`` a ``save_pretrained`` folder of the plan's model."""
+    if data is not None:
+        check_data(data)
+    if checkpoint is not None:
+        check_checkpoint(checkpoint, plan.model.hf_config)
+
+
+def check_data(path: str) -> None:
+    """A JSONL file that reads as UTF-8 text, or a folder that can be listed."""
+    if not os.path.exists(path):
+        raise ValueError(f"data path {path} does not exist")
+    try:
+        if os.path.isdir(path):
+            os.listdir(path)
+        elif os.path.isfile(path):
+            with open(path, "rb") as file:
+                for number, line in enumerate(file, 1):
+                    try:
+                        line.decode("utf-8")
+                    except UnicodeDecodeError:
+                        raise ValueError(f"data file {path} line {number} is not UTF-8 text: expected JSONL") from None
+        else:
+            raise ValueError(f"data path {path} is neither a JSONL file nor a folder of images")
+    except OSError as e:
+        raise ValueError(f"cannot read data path {path}: {e.strerror}") from None
+
+
+def read_checkpoint_config(path: str) -> dict[str, Any]:
+    """The ``config.json`` of a ``save_pretrained`` folder, after checking the folder holds weights too."""
+    if not os.path.exists(path):
+        raise ValueError(f"checkpoint {path} does not exist")
+    if not os.path.isdir(path):
+        raise ValueError(f"checkpoint {path} is not a folder written by save_pretrained")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"checkpoint {path} has no config.json: not a folder written by save_pretrained")
+    try:
+        with open(config_path, encoding="utf-8") as file:
+            config = json.load(file)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint {path}: config.json is not valid JSON ({e})") from None
+    except OSError as e:
+        raise ValueError(f"checkpoint {path}: cannot read config.json ({e.strerror})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"checkpoint {path}: config.json holds a {type(config).__name__}, not a JSON object")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in WEIGHT_FILES):
+        raise ValueError(f"checkpoint {path} has no weights ({' or '.join(WEIGHT_FILES)})")
+    return config
+
+
+def check_checkpoint(path: str, hf_config: dict[str, Any]) -> None:
+    """A ``save_pretrained`` folder whose config gives the plan's model the same weight shapes."""
+    config = read_checkpoint_config(path)
+    for section, keys in SHAPE_KEYS.items():
+        theirs, ours = _config_section(config, section), _config_section(hf_config, section)
+        for key in keys:
+            if key in theirs and key in ours and theirs[key] != ours[key]:
+                where = f"{section}.{key}" if section else key
+                raise ValueError(
+                    f"checkpoint {path} is for another model than the plan's {hf_config.get('model_type')}: "
+                    f"{where} is {theirs[key]!r} there, {ours[key]!r} in the plan"
+                )
+
+
+def _config_section(config: dict[str, Any], section: str) -> dict[str, Any]:
+    """One section of an HF config; text fields may sit at the top level (older Hub configs) or nested."""
+    if section == "":
+        return config
+    nested = config.get(section)
+    nested = nested if isinstance(nested, dict) else {}
+    return {**config, **nested} if section == "text_config" else nested
+
+
+def check_outputs(*, metrics: str | None, save: str | None) -> None:
+    """Every output path can be written, before the first step: the metrics file is created (and removed if it
+    was not there), the save folder is created and a probe file written into it."""
+    if metrics is not None:
+        check_metrics_path(metrics)
+    if save is not None:
+        prepare_save_folder(save)
+
+
+def check_metrics_path(path: str) -> None:
+    """A file that can be opened for writing, in an existing folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--metrics {path}: {folder} is not an existing folder")
+    if os.path.isdir(path):
+        raise ValueError(f"--metrics {path} is a folder, not a file")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--metrics {path} cannot be written: {e.strerror}") from None
+    if not existed:
+        os.remove(path)
+
+
+def prepare_save_folder(path: str) -> None:
+    """Create the ``--save`` folder (and its parents) and check a file can be written into it."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--save {path} is a file, not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"--save {path} cannot be written: {e.strerror or e}") from None
+
+
+@dataclass(kw_only=True, frozen=True)
+class TorchrunEnv:
+    """This process's place in a torchrun job, read from the environment torchrun sets."""
+
+    rank: int
+    """Global rank (``RANK``)."""
+    world_size: int
+    """Processes in the job (``WORLD_SIZE``)."""
+    local_rank: int
+    """Rank on this node (``LOCAL_RANK``): the index of this process's GPU."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> TorchrunEnv | None:
+        """The torchrun environment, or None when the process was not started by torchrun."""
+        if not all(name in environ for name in TORCHRUN_VARIABLES):
+            return None
+        try:
+            return cls(rank=int(environ["RANK"]), world_size=int(environ["WORLD_SIZE"]),
+                       local_rank=int(environ["LOCAL_RANK"]))
+        except ValueError:
+            raise ValueError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (as torchrun sets them)") from None
+
+
+def check_world_size(plan: Plan, env: TorchrunEnv) -> None:
+    """torchrun started one process per device of the plan."""
+    need = num_devices(plan)
+    if env.world_size != need:
+        raise ValueError(
+            f"torchrun started {env.world_size} processes but the plan uses {need} devices: run torchrun with "
+            f"{need} processes in all (--nnodes x --nproc-per-node = {need})"
+        )
+
+
+T = TypeVar("T")
+
+
+def save_with_fallback(write: Callable[[str], None], path: str, *, agree: Callable[[T], T] = lambda value: value
+                       ) -> None:
+    """Write the weights with ``write(folder)`` to ``path``; if that fails or leaves no loadable folder, write
+    them to a timestamped folder in the current directory (else the system temp folder) instead.
+
+    Args:
+        write: writes the trained weights to a folder (collective under torchrun: every rank calls it).
+        path: the folder the user asked for (``--save``).
+        agree: makes every process use one process's value (rank 0's under torchrun); identity on Ray.
+
+    Raises:
+        SavedElsewhere: the weights are in a fallback folder (named in the message).
+        OSError: no folder could be written.
+    """
+    error = agree(_write_error(write, path))
+    if error is None:
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    fallbacks = agree([os.path.join(base, FALLBACK_PREFIX + stamp) for base in (os.getcwd(), tempfile.gettempdir())])
+    for folder in fallbacks:
+        if agree(_write_error(write, folder)) is None:
+            raise SavedElsewhere(f"cannot save to {path} ({error}); the trained weights were written to {folder}")
+    raise OSError(f"cannot save to {path} ({error}) nor to {' or '.join(fallbacks)}: the trained weights are lost")
+
+
+def _write_error(write: Callable[[str], None], folder: str) -> str | None:
+    """None when ``write`` left a loadable folder, else why not (one line)."""
+    try:
+        write(folder)
+        read_checkpoint_config(folder)
+    except Exception as e:  # any failure to write (OSError, safetensors' own errors, ...) must reach the fallback
+        return " ".join(str(e).split()) or type(e).__name__
+    return None
