@@ -1,0 +1,110 @@
+"""Start-up proportional to the shard: every plan materialises only its shards, and the full weights they make
+up are exactly the single-process model's (random init) or the checkpoint's (loading); a checkpoint saved from
+one plan's shards loads exactly under another.
+
+Ranks are plain processes (tests.runtime.ranks); each builds a Trainer, as a Ray actor would.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.model import build_model
+from tests.runtime.plans import make_plan, tiny_hf_config
+from tests.runtime.ranks import SEED, run_scenarios, spawn
+
+
+def merged(results: list[dict], key: tuple) -> tuple[dict, dict]:
+    """One scenario's tensors from every rank (each module's first rank returns its parameters)."""
+    params, buffers = {}, {}
+    for result in results:
+        params.update(result[key][0])
+        buffers.update(result[key][1])
+    return params, buffers
+
+
+def tied_config() -> dict:
+    return {**tiny_hf_config(), "tie_word_embeddings": True}
+
+
+SPECS = {
+    2: {
+        "zero3_dp2": dict(vision=dict(dp=2, zero=3), llm=dict(dp=2, zero=3)),
+        "uniform_tp2": dict(vision=dict(tp=2), llm=dict(tp=2)),
+        "vision_sp2_zero2__llm_tp2": dict(vision=dict(sp=2, zero=2), llm=dict(tp=2)),
+        "disjoint_1_1": dict(vision=dict(), llm=dict(), placement="disjoint"),
+    },
+    4: {
+        "vision_dp2xtp2_zero3__llm_tp2xdp2_zero3": dict(
+            vision=dict(dp=2, tp=2, zero=3), llm=dict(dp=2, tp=2, zero=3)
+        ),
+        "vision_tp4__llm_tp2xsp2_zero1": dict(vision=dict(tp=4, micro_batch=2), llm=dict(tp=2, sp=2, micro_batch=2, zero=1)),
+    },
+}
+"""Plans per world size: TP, SP, DP, ZeRO 1-3, FSDP x TP, colocated and disjoint."""
+
+ROUND_TRIPS = {2: {"uniform_tp2": "zero3_dp2", "zero3_dp2": "uniform_tp2"}, 4: {}}
+"""Saving plan -> loading plan."""
+
+
+def write_hub_checkpoint(model: torch.nn.Module, path) -> None:
+    """``model`` as the Hub serves it: bf16, sharded into several files with an index."""
+    model.to(torch.bfloat16).save_pretrained(path, max_shard_size="200KB")
+    assert len(list(path.glob("model-*-of-*.safetensors"))) >= 2
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2_ranks", "4_ranks"])
+def scenarios(request, tmp_path_factory):
+    """Every scenario on ``world`` spawned ranks (one spawn per world size: starting a process costs seconds)."""
+    world = request.param
+    tied = request.param == 4  # the 4-rank plans run the tied-embedding model (as Qwen2.5-VL-3B has)
+    config = tied_config() if tied else tiny_hf_config()
+    plans = {name: make_plan(dict(s["vision"]), dict(s["llm"]), hf_config=config,
+                             **{k: v for k, v in s.items() if k not in ("vision", "llm")})
+             for name, s in SPECS[world].items()}
+    root = tmp_path_factory.mktemp(f"world{world}")
+    write_hub_checkpoint(build_model(config, seed=11), root / "hub")
+    results = spawn(world, run_scenarios, plans, str(root / "hub"), ROUND_TRIPS[world], str(root / "saved"))
+    return dict(world=world, config=config, plans=plans, root=root, results=results)
+
+
+def _from_pretrained(path) -> dict:
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def assert_same(got: dict, expected: dict, what: str) -> None:
+    assert set(got) == set(expected), f"{what}: parameter names differ"
+    for name, value in got.items():
+        assert torch.equal(value, expected[name]), f"{what}: {name}"
+
+
+@pytest.mark.slow
+def test_sharded_random_init_equals_the_single_process_model(scenarios):
+    reference = build_model(scenarios["config"], seed=SEED)
+    expected = {name: p.detach() for name, p in reference.named_parameters()}
+    for name in scenarios["plans"]:
+        params, buffers = merged(scenarios["results"], ("init", name))
+        assert_same(params, expected, name)
+        for key, value in reference.named_buffers():
+            assert torch.equal(buffers[key], value), f"{name}: buffer {key}"
+
+
+@pytest.mark.slow
+def test_sharded_loading_equals_from_pretrained(scenarios):
+    expected = _from_pretrained(scenarios["root"] / "hub")
+    for name in scenarios["plans"]:
+        assert_same(merged(scenarios["results"], ("load", name))[0], expected, name)
+
+
+@pytest.mark.slow
+def test_save_then_load_through_another_plan_is_exact(scenarios):
+    if not ROUND_TRIPS[scenarios["world"]]:
+        pytest.skip("round trips run on 2 ranks")
+    for saving, loading in ROUND_TRIPS[scenarios["world"]].items():
+        saved = merged(scenarios["results"], ("saved", saving))[0]
+        assert_same(merged(scenarios["results"], ("reloaded", saving))[0], saved, f"{saving} -> {loading}")
+        assert_same(_from_pretrained(scenarios["root"] / "saved" / saving), saved, f"{saving} -> from_pretrained")
