@@ -4,6 +4,10 @@ Nothing here re-implements the architecture: ``VisionTower`` and ``LanguageModel
 submodules (``model.model.visual``; ``model.model.language_model`` + ``model.lm_head``) so that each can be
 parallelised as one unit, and map their parameter names back to the Hugging Face names (``hf_name``).
 
+The model is built on the ``meta`` device (``meta_model``: shapes, no memory); a rank materialises only its
+shards (runtime.checkpoint.materialize), drawing each module's random init on its own (``RandomInit``), so the
+full weights are the same under every plan and in the single-process ``build_model``.
+
 Shape legend: B batch (samples), L LLM sequence, N vision patches, M merged vision tokens, D hidden, V vocab.
 """
 

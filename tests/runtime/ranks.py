@@ -6,10 +6,13 @@ own (``runtime.test_*``) that a child cannot import.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import socket
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -76,4 +79,40 @@ def run_scenarios(rank: int, plans: dict, checkpoint: str, round_trip: dict, sav
         trainer.save_hf_folder(path)
         out["saved", saving] = _gathered(trainer)
         out["reloaded", saving] = _gathered(Trainer(plans[loading], rank=rank, options=RunOptions(checkpoint=path)))
+    return out
+
+
+def _proc_status_bytes(field: str) -> int:
+    """A memory line of /proc/self/status (VmRSS: resident now; VmHWM: peak since the last reset), in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def _measured(build):
+    """``build()`` and its peak resident-memory growth over what this process held before (freed memory is
+    handed back to the OS first, so that a previous phase's heap cannot hide this one's growth)."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    base = _proc_status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    start = time.perf_counter()
+    result = build()
+    return result, {"base": base, "peak_growth": _proc_status_bytes("VmHWM") - base,
+                    "seconds": time.perf_counter() - start}
+
+
+def measure_startup(rank: int, plans: dict, checkpoint: str) -> dict:
+    """Peak RSS growth and seconds of building each plan's Trainer from random init, then from a bf16 Hub-format
+    checkpoint that the first plan saved (its save is measured too)."""
+    out = {"baseline": _proc_status_bytes("VmRSS")}
+    for index, (name, plan) in enumerate(plans.items()):
+        trainer, out["init", name] = _measured(lambda: Trainer(plan, rank=rank, options=RunOptions(seed=SEED)))
+        if index == 0:
+            _, out["save", name] = _measured(lambda: trainer.save_hf_folder(checkpoint, dtype=torch.bfloat16))
+        del trainer
+    for name, plan in plans.items():
+        trainer, out["load", name] = _measured(lambda: Trainer(plan, rank=rank, options=RunOptions(checkpoint=checkpoint)))
+        del trainer
     return out
