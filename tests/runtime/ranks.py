@@ -103,16 +103,12 @@ def _measured(build):
                     "seconds": time.perf_counter() - start}
 
 
-def measure_startup(rank: int, plans: dict, checkpoint: str) -> dict:
-    """Peak RSS growth and seconds of building each plan's Trainer from random init, then from a bf16 Hub-format
-    checkpoint that the first plan saved (its save is measured too)."""
+def measure_startup(rank: int, init_plan, load_plan, checkpoint: str) -> dict:
+    """Peak RSS growth and seconds of building a Trainer under ``init_plan`` from random init, of saving it as a
+    bf16 Hub-format folder, and of building one under ``load_plan`` from that folder."""
     out = {"baseline": _proc_status_bytes("VmRSS")}
-    for index, (name, plan) in enumerate(plans.items()):
-        trainer, out["init", name] = _measured(lambda: Trainer(plan, rank=rank, options=RunOptions(seed=SEED)))
-        if index == 0:
-            _, out["save", name] = _measured(lambda: trainer.save_hf_folder(checkpoint, dtype=torch.bfloat16))
-        del trainer
-    for name, plan in plans.items():
-        trainer, out["load", name] = _measured(lambda: Trainer(plan, rank=rank, options=RunOptions(checkpoint=checkpoint)))
-        del trainer
+    trainer, out["init"] = _measured(lambda: Trainer(init_plan, rank=rank, options=RunOptions(seed=SEED)))
+    _, out["save"] = _measured(lambda: trainer.save_hf_folder(checkpoint, dtype=torch.bfloat16))
+    del trainer
+    _, out["load"] = _measured(lambda: Trainer(load_plan, rank=rank, options=RunOptions(checkpoint=checkpoint)))
     return out
