@@ -152,9 +152,11 @@ def materialize(
         for sub, attr in holders[1:]:
             setattr(sub, attr, first)
     for name, param in module.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if local.numel() == 0:  # a shard of a dimension smaller than the mesh
+            continue
         region = local_region(param)
         rows = row_order(name, param.shape[0]) if row_order is not None else None
-        local = param.to_local() if isinstance(param, DTensor) else param
         local.copy_(read_region(params, hf_name(name), param.shape, region, rows))
     for name, buffer in module.named_buffers():
         buffer.copy_(buffers.read(hf_name(name), local_region(buffer), buffer.shape))

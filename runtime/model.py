@@ -90,6 +90,10 @@ class RandomInit:
         assert value.shape == shape, (hf_name, value.shape, shape)
         return value[index]
 
+    def release(self) -> None:
+        """Drop the module drawn last (once every shard is filled)."""
+        self._cached = None
+
     def _initialized(self, module_name: str) -> nn.Module:
         if self._cached is None or self._cached[0] != module_name:
             self._cached = None  # free the previous module first
@@ -139,6 +143,7 @@ def build_model(
     init = RandomInit(copy.deepcopy(model), seed)
     params = init if checkpoint is None else HFFolder(checkpoint)
     materialize(model, hf_name=lambda name: name, params=params, buffers=init, device=torch.device(device))
+    init.release()
     return model
 
 

@@ -114,6 +114,7 @@ class Trainer:
         for name, module in modules.items():
             materialize(module, hf_name=module.hf_name, params=params, buffers=self._init, device=self.device,
                         row_order=functools.partial(self._row_order, name))
+        self._init.release()
         return modules, rope_index
 
     def _row_order(self, module_name: str, local_name: str, rows: int) -> torch.Tensor | None:
