@@ -58,7 +58,9 @@ def meta_model(hf_config: dict[str, Any], *, attention: str = ATTENTION) -> nn.M
     """The conditional-generation model on the ``meta`` device (shapes only, no memory), in training mode."""
     config = hf_config_from_dict(hf_config)
     with torch.device("meta"):
-        model = MODEL_CLASSES[config.model_type]._from_config(config, dtype=torch.float32, attn_implementation=attention)
+        model = MODEL_CLASSES[config.model_type]._from_config(
+            config, dtype=torch.float32, attn_implementation=attention
+        )
     return model.train()
 
 

@@ -39,7 +39,9 @@ SPECS = {
         "vision_dp2xtp2_zero3__llm_tp2xdp2_zero3": dict(
             vision=dict(dp=2, tp=2, zero=3), llm=dict(dp=2, tp=2, zero=3)
         ),
-        "vision_tp4__llm_tp2xsp2_zero1": dict(vision=dict(tp=4, micro_batch=2), llm=dict(tp=2, sp=2, micro_batch=2, zero=1)),
+        "vision_tp4__llm_tp2xsp2_zero1": dict(
+            vision=dict(tp=4, micro_batch=2), llm=dict(tp=2, sp=2, micro_batch=2, zero=1)
+        ),
     },
 }
 """Plans per world size: TP, SP, DP, ZeRO 1-3, FSDP x TP, colocated and disjoint."""
