@@ -4,12 +4,17 @@ Nothing here re-implements the architecture: ``VisionTower`` and ``LanguageModel
 submodules (``model.model.visual``; ``model.model.language_model`` + ``model.lm_head``) so that each can be
 parallelised as one unit, and map their parameter names back to the Hugging Face names (``hf_name``).
 
+The model is built on the ``meta`` device (``meta_model``: shapes, no memory); a rank materialises only its
+shards (runtime.checkpoint.materialize), drawing each module's random init on its own (``RandomInit``), so the
+full weights are the same under every plan and in the single-process ``build_model``.
+
 Shape legend: B batch (samples), L LLM sequence, N vision patches, M merged vision tokens, D hidden, V vocab.
 """
 
 from __future__ import annotations
 
-import os
+import copy
+import hashlib
 from typing import Any, Callable
 
 import torch
@@ -17,10 +22,12 @@ from torch import nn
 from transformers import (
     AutoConfig,
     PretrainedConfig,
+    PreTrainedModel,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
 )
 
+from runtime.checkpoint import HFFolder, materialize
 from runtime.parallel.ulysses import UlyssesGroup
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -47,6 +54,70 @@ def hf_config_from_dict(hf_config: dict[str, Any]) -> PretrainedConfig:
     return config
 
 
+def meta_model(hf_config: dict[str, Any], *, attention: str = ATTENTION) -> nn.Module:
+    """The conditional-generation model on the ``meta`` device (shapes only, no memory), in training mode."""
+    config = hf_config_from_dict(hf_config)
+    with torch.device("meta"):
+        model = MODEL_CLASSES[config.model_type]._from_config(
+            config, dtype=torch.float32, attn_implementation=attention
+        )
+    return model.train()
+
+
+def module_seed(seed: int, hf_module_name: str) -> int:
+    """Random-init seed of one module: a stable hash of the run's seed and the module's HF name (not Python's
+    per-process salted ``hash``), so every rank and every plan draws the same weights for it."""
+    digest = hashlib.sha256(f"{seed}:{hf_module_name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+class RandomInit:
+    """The model's own Hugging Face init (``_init_weights``), one module at a time, each module from its own seed
+    (``module_seed``): a module's full weights are the same whichever rank draws them and however they are
+    sharded, and drawing one costs one module's full fp32 tensors on CPU, not the model's.
+
+    Also the source of non-persistent buffers (rotary ``inv_freq``), which no checkpoint holds.
+    """
+
+    def __init__(self, meta: nn.Module, seed: int):
+        """``meta``: an unsharded ``meta_model`` (kept as the template of every module)."""
+        self.meta, self.seed = meta, seed
+        self.owners = {name: m for name, m in meta.named_modules() if isinstance(m, PreTrainedModel)}
+        self._cached: tuple[str, nn.Module] | None = None
+
+    def read(self, hf_name: str, index: tuple[slice, ...], shape: torch.Size) -> torch.Tensor:
+        """``index`` of the initial value of parameter or buffer ``hf_name`` (full ``shape``, HF layout)."""
+        module_name, _, attr = hf_name.rpartition(".")
+        value = getattr(self._initialized(module_name), attr)
+        assert value.shape == shape, (hf_name, value.shape, shape)
+        return value[index]
+
+    def release(self) -> None:
+        """Drop the module drawn last (once every shard is filled)."""
+        self._cached = None
+
+    def _initialized(self, module_name: str) -> nn.Module:
+        if self._cached is None or self._cached[0] != module_name:
+            self._cached = None  # free the previous module first
+            template = self.meta.get_submodule(module_name)
+            module = copy.deepcopy(template).to_empty(device="cpu", recurse=False)
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(module_seed(self.seed, module_name))
+                self._owner(module_name)._init_weights(module)
+            self._cached = (module_name, module)
+        return self._cached[1]
+
+    def _owner(self, module_name: str) -> PreTrainedModel:
+        """The innermost HF (sub-)model holding the module: its ``_init_weights`` and config apply, as in HF's
+        own ``initialize_weights``."""
+        parts = module_name.split(".")
+        for end in range(len(parts), -1, -1):
+            owner = self.owners.get(".".join(parts[:end]))
+            if owner is not None:
+                return owner
+        raise AssertionError(f"no PreTrainedModel holds {module_name}")
+
+
 def build_model(
     hf_config: dict[str, Any],
     *,
@@ -55,30 +126,27 @@ def build_model(
     attention: str = ATTENTION,
     device: torch.device | str = "cpu",
 ) -> nn.Module:
-    """The full conditional-generation model in fp32 on ``device``, in training mode.
+    """The whole (unsharded) conditional-generation model in fp32 on ``device``, in training mode.
 
-    Every rank builds the whole model before sharding it (no meta-device init yet), so a rank needs the
-    memory of the full fp32 model once, at start-up.
+    Its weights are exactly the full weights every parallel plan materialises shard by shard (runtime.trainer):
+    the same ``RandomInit`` draws, or the same checkpoint tensors.
 
     Args:
         hf_config: the plan's ``model.hf_config``.
-        seed: random-init seed; every rank that builds with the same seed on the same device type gets the
-            same weights.
-        checkpoint: a local ``save_pretrained`` folder to load weights from instead of random init.
+        seed: random-init seed (``module_seed``).
+        checkpoint: a Hugging Face folder (``save_pretrained`` or as downloaded from the Hub) to load weights
+            from instead of random init.
         attention: transformers attention implementation name (``sdpa`` or the runtime's registered one).
-        device: where the weights are created (random init on a GPU is much faster than on CPU).
+        device: where the weights are placed (``meta``: shapes only, nothing is read or drawn).
     """
-    config = hf_config_from_dict(hf_config)
-    cls = MODEL_CLASSES[config.model_type]
-    if checkpoint is not None:
-        if not os.path.isdir(checkpoint):
-            raise ValueError(f"checkpoint {checkpoint} is not a folder written by save_pretrained")
-        model = cls.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation=attention).to(device)
-    else:
-        torch.manual_seed(seed)
-        with torch.device(device):
-            model = cls._from_config(config, dtype=torch.float32, attn_implementation=attention)
-    return model.train()
+    model = meta_model(hf_config, attention=attention)
+    if torch.device(device).type == "meta":
+        return model
+    init = RandomInit(copy.deepcopy(model), seed)
+    params = init if checkpoint is None else HFFolder(checkpoint)
+    materialize(model, hf_name=lambda name: name, params=params, buffers=init, device=torch.device(device))
+    init.release()
+    return model
 
 
 class VisionTower(nn.Module):

@@ -1,5 +1,8 @@
 """Apply a module's planned parallelism, in torchtitan's order: TP -> recomputation -> FSDP (blocks, then root).
 
+The module arrives on the ``meta`` device and stays there: runtime.checkpoint.materialize then gives this rank's
+shards storage and values.
+
 Ulysses SP needs no module change: the vision forward (runtime.vision) and the LLM's inputs (runtime.llm) are
 split on the sequence, and the SP group reaches the attention kernel (runtime.parallel.attention) as a call
 argument.
@@ -9,26 +12,34 @@ from __future__ import annotations
 
 from runtime.model import LanguageModel, VisionTower
 from runtime.parallel.fsdp import apply_fsdp
+from runtime.parallel.precision import Precision
 from runtime.parallel.recompute import apply_recompute
 from runtime.parallel.tensor_parallel import parallelize_llm_tp, parallelize_vision_tp
 from runtime.parallel_dims import BATCH_AXIS, ParallelDims
 
 
-def parallelize_vision(vision: VisionTower, dims: ParallelDims) -> None:
+def uses_fsdp(dims: ParallelDims) -> bool:
+    """FSDP2 wraps the module: ZeRO >= 1 over more than one rank."""
+    return dims.zero >= 1 and dims.batch_enabled
+
+
+def parallelize_vision(vision: VisionTower, dims: ParallelDims, precision: Precision) -> None:
     """Vision tower: TP over ``tp``, recomputation, ZeRO over ``dp x sp``."""
     assert dims.mesh is not None, "build_mesh first"
     if dims.tp_enabled:
         parallelize_vision_tp(vision.visual, dims.mesh["tp"])
     apply_recompute(vision.visual, dims.recompute)
-    if dims.zero >= 1 and dims.batch_enabled:
-        apply_fsdp(vision, list(vision.visual.blocks), dims.mesh[BATCH_AXIS], zero=dims.zero)
+    if uses_fsdp(dims):
+        apply_fsdp(vision, list(vision.visual.blocks), dims.mesh[BATCH_AXIS], zero=dims.zero,
+                   mp_policy=precision.fsdp_policy)
 
 
-def parallelize_llm(llm: LanguageModel, dims: ParallelDims) -> None:
+def parallelize_llm(llm: LanguageModel, dims: ParallelDims, precision: Precision) -> None:
     """Language model: TP (vocab-parallel embedding and loss), recomputation, ZeRO over ``dp x sp``."""
     assert dims.mesh is not None, "build_mesh first"
     if dims.tp_enabled:
         parallelize_llm_tp(llm, dims.mesh["tp"])
     apply_recompute(llm.language_model, dims.recompute)
-    if dims.zero >= 1 and dims.batch_enabled:
-        apply_fsdp(llm, list(llm.language_model.layers), dims.mesh[BATCH_AXIS], zero=dims.zero)
+    if uses_fsdp(dims):
+        apply_fsdp(llm, list(llm.language_model.layers), dims.mesh[BATCH_AXIS], zero=dims.zero,
+                   mp_policy=precision.fsdp_policy)

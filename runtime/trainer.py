@@ -1,36 +1,45 @@
 """The step loop on one rank: data -> vision forward -> hand-off -> LLM forward/backward -> hand-back ->
 vision backward -> optimizer. Colocated and disjoint placements differ only in ``train_step``'s one branch.
 
-Numerics: on CPU everything runs in fp32 (for exact parity with the single-process model). On GPU the plan's
-recipe applies: ``bf16_mixed`` = fp32 weights/grads/Adam with bf16 autocast; ``bf16_pure`` = bf16 everywhere.
+Start-up holds only this rank's shards: the model is built on ``meta``, sharded there, then each shard is
+materialised and filled (runtime.checkpoint).
+
+Numerics (runtime.parallel.precision): on CPU everything runs in fp32 (for exact parity with the single-process
+model). On GPU ``bf16_mixed`` keeps fp32 weights/grads/Adam and computes in bf16 (FSDP2's MixedPrecisionPolicy
+where FSDP wraps the module, else autocast); ``bf16_pure`` = bf16 everywhere.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import resource
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
+from transformers import PretrainedConfig
 
 from planner.schema import Plan
 from runtime.data import IGNORE_INDEX, CaptionData, Sample, SyntheticData, collate, layout_from_plan, token_sequence
 from runtime.handoff import Handoff, Posted, build_pieces, llm_needs
 from runtime.llm import LLMShard, image_slots_per_rank, shard_llm_batch
-from runtime.model import build_model, hf_config_from_dict, split_model
+from runtime.checkpoint import HFFolder, materialize, save_hf_folder
+from runtime.model import RandomInit, hf_config_from_dict, meta_model, split_model
 from runtime.optim import build_optimizer, clip_grad_norm
 from runtime.parallel import attention
 from runtime.parallel.fsdp import all_reduce_gradients, set_gradient_sync
-from runtime.parallel.tensor_parallel import qkv_from_tp_layout
+from runtime.parallel.precision import module_precision
+from runtime.parallel.tensor_parallel import qkv_from_tp_layout, qkv_row_order
 from runtime.parallel_dims import BATCH_AXIS, ParallelDims
-from runtime.parallelize import parallelize_llm, parallelize_vision
+from runtime.parallelize import parallelize_llm, parallelize_vision, uses_fsdp
 from runtime.vision import merged_positions_per_rank, shard_vision_batch, vision_forward
 
 MODULES = ("vision", "llm")
@@ -49,7 +58,7 @@ class RunOptions:
     data: str | None = None
     """Image-caption folder or JSONL; synthetic data when None."""
     checkpoint: str | None = None
-    """save_pretrained folder to start from; random init when None."""
+    """Hugging Face folder (save_pretrained or Hub download) to start from; random init when None."""
 
 
 def device_for(plan: Plan) -> torch.device:
@@ -66,6 +75,8 @@ class Trainer:
         self.dims = {name: ParallelDims.from_plan(plan.module(name)) for name in MODULES}
         for dims in self.dims.values():
             dims.build_mesh(self.device.type)
+        self.precision = {name: module_precision(plan.training.precision, self.device.type, fsdp=uses_fsdp(dims))
+                          for name, dims in self.dims.items()}
         config = hf_config_from_dict(plan.model.hf_config)
         self.layout = layout_from_plan(plan.workload, config)
         self.vision_config = config.vision_config
@@ -79,26 +90,39 @@ class Trainer:
 
     # ---- construction -------------------------------------------------------------------------------
     def _build_modules(self, attn: str):
-        model = build_model(self.plan.model.hf_config, seed=self.options.seed, checkpoint=self.options.checkpoint,
-                            attention=attn, device=self.device)
-        if self.device.type == "cuda" and self.plan.training.precision == "bf16_pure":
-            model = model.to(torch.bfloat16)
+        """Build the model on ``meta``, split and shard it there, then give this rank's shards (only) storage and
+        their values: the random init or the checkpoint's slices (runtime.checkpoint)."""
+        model = meta_model(self.plan.model.hf_config, attention=attn)
+        self._init = RandomInit(copy.deepcopy(model), self.options.seed)
         vision, llm, rope_index = split_model(model)
         modules = {}
         for name, module in (("vision", vision), ("llm", llm)):
+            module.to(self.precision[name].param_dtype)
             module.requires_grad_(not self.dims[name].frozen)
         if self.rank in self.dims["vision"].ranks:
-            parallelize_vision(vision, self.dims["vision"])
+            parallelize_vision(vision, self.dims["vision"], self.precision["vision"])
             vision.set_forward(vision_forward)
             modules["vision"] = vision
         else:
             model.model.visual = None
         if self.rank in self.dims["llm"].ranks:
-            parallelize_llm(llm, self.dims["llm"])
+            parallelize_llm(llm, self.dims["llm"], self.precision["llm"])
             modules["llm"] = llm
         else:
             model.model.language_model, model.lm_head = None, None
+        params = self._init if self.options.checkpoint is None else HFFolder(self.options.checkpoint)
+        for name, module in modules.items():
+            materialize(module, hf_name=module.hf_name, params=params, buffers=self._init, device=self.device,
+                        row_order=functools.partial(self._row_order, name))
+        self._init.release()
         return modules, rope_index
+
+    def _row_order(self, module_name: str, local_name: str, rows: int) -> torch.Tensor | None:
+        """HF row of each stored row of a parameter, where a parallelism reordered them (vision qkv under TP)."""
+        dims = self.dims[module_name]
+        if module_name == "vision" and dims.tp_enabled and ".attn.qkv." in local_name:
+            return qkv_row_order(rows, dims.tp)
+        return None
 
     def _build_handoff(self, config) -> Handoff:
         vision, llm = self.dims["vision"], self.dims["llm"]
@@ -120,10 +144,9 @@ class Trainer:
     def _handoff_dtype(self) -> torch.dtype:
         return torch.float32 if self.device.type == "cpu" else torch.bfloat16
 
-    def _autocast(self):
-        if self.device.type == "cuda" and self.plan.training.precision == "bf16_mixed":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    def _autocast(self, module_name: str):
+        dtype = self.precision[module_name].autocast_dtype
+        return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
 
     # ---- data ---------------------------------------------------------------------------------------
     @property
@@ -187,7 +210,7 @@ class Trainer:
         shard = shard_vision_batch(batch["pixel_values"], batch["image_grid_thw"].cpu(), self.vision_config,
                                    sp_rank=dims.coordinate(self.rank)["sp"], sp_group=sp_group, sp=dims.sp)
         shard = _to_device(shard, self.device)
-        with self._timed("vision_forward_s"), self._autocast(), torch.set_grad_enabled(not dims.frozen):
+        with self._timed("vision_forward_s"), self._autocast("vision"), torch.set_grad_enabled(not dims.frozen):
             return self.modules["vision"](shard)
 
     def hand_off(self, rows: torch.Tensor | None, micro: int) -> Posted:
@@ -204,7 +227,7 @@ class Trainer:
         embeds.requires_grad_(not self.dims["vision"].frozen)
         set_gradient_sync(llm, zero=dims.zero, last_micro_batch=micro == self.num_micro_batches - 1)
         with loss_parallel() if dims.tp_enabled else contextlib.nullcontext():
-            with self._timed("llm_forward_s"), self._autocast():
+            with self._timed("llm_forward_s"), self._autocast("llm"):
                 logits = llm(shard.input_ids_Bs, embeds, shard.position_ids_3Bs, shard.ulysses)
                 loss = self._loss(logits, shard.targets_Bs, num_tokens)
             with self._timed("llm_backward_s"):
@@ -322,25 +345,51 @@ class Trainer:
         return float(value)
 
     # ---- inspection (tests, checkpoints) ---------------------------------------------------------------
+    def iter_full_tensors(self, module_name: str, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, unsharded tensor in HF layout on CPU) of each parameter (``kind="param"``) or gradient
+        (``"grad"``) of a module this rank holds, one at a time: collective over the module's ranks, and no rank
+        holds more than one unsharded tensor at once."""
+        module, dims = self.modules[module_name], self.dims[module_name]
+        for local_name, param in module.named_parameters():
+            tensor = param if kind == "param" else param.grad
+            if tensor is None:
+                continue
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            if self._row_order(module_name, local_name, tensor.shape[0]) is not None:
+                tensor = qkv_from_tp_layout(tensor, dims.tp)
+            yield module.hf_name(local_name), tensor.detach().cpu()
+
     def full_tensors(self, kind: str) -> dict[str, torch.Tensor]:
-        """Unsharded parameters (``kind="param"``) or gradients (``"grad"``) under their HF names, on CPU.
+        """Unsharded parameters (``kind="param"``) or gradients (``"grad"``) under their HF names, on CPU, fp32.
 
         Every rank of a module must call this (gathering is collective); the module's first rank returns them.
         """
         out = {}
-        for name, module in self.modules.items():
-            dims = self.dims[name]
-            for local_name, param in module.named_parameters():
-                tensor = param if kind == "param" else param.grad
-                if tensor is None:
-                    continue
-                if isinstance(tensor, DTensor):
-                    tensor = tensor.full_tensor()
-                if name == "vision" and dims.tp_enabled and ".attn.qkv." in local_name:
-                    tensor = qkv_from_tp_layout(tensor, dims.tp)
-                if self.rank == dims.ranks[0]:
-                    out[module.hf_name(local_name)] = tensor.detach().float().cpu().clone()
+        for name in self.modules:
+            for hf_name, tensor in self.iter_full_tensors(name, kind):
+                if self.rank == self.dims[name].ranks[0]:
+                    out[hf_name] = tensor.float().clone()
         return out
+
+    def tensor_specs(self) -> dict[str, list[tuple[str, torch.Size, torch.dtype]]]:
+        """(HF name, full shape, dtype) of every parameter of every module, held here or not (tied weights
+        once), in ``iter_full_tensors`` order: what a saved checkpoint holds."""
+        vision, llm, _ = split_model(self._init.meta)
+        return {name: [(module.hf_name(n), p.shape, self.precision[name].param_dtype)
+                       for n, p in module.named_parameters()]
+                for name, module in (("vision", vision), ("llm", llm))}
+
+    def hf_config(self) -> PretrainedConfig:
+        """The model's transformers config, as a saved checkpoint's ``config.json`` has it."""
+        config = hf_config_from_dict(self.plan.model.hf_config)
+        config._attn_implementation = None
+        return config
+
+    def save_hf_folder(self, path: str, *, dtype: torch.dtype | None = None) -> None:
+        """Write the weights as a Hugging Face folder from the shards (runtime.checkpoint.save_hf_folder);
+        every rank calls it."""
+        save_hf_folder(self, path, dtype=dtype)
 
     @contextlib.contextmanager
     def _timed(self, key: str):

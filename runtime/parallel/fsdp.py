@@ -25,16 +25,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
-def apply_fsdp(module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, *, zero: int) -> None:
-    """Shard ``module`` for ZeRO stage 1-3 over ``mesh`` (1-D data-parallel mesh)."""
+def apply_fsdp(
+    module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, *, zero: int,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> None:
+    """Shard ``module`` for ZeRO stage 1-3 over ``mesh`` (1-D data-parallel mesh), with FSDP2's mixed-precision
+    policy when given (runtime.parallel.precision)."""
     assert zero in (1, 2, 3), zero
     reshard = zero == 3
+    policy = mp_policy or MixedPrecisionPolicy()
     for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.set_gradient_divide_factor(1.0)

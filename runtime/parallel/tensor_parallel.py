@@ -49,6 +49,11 @@ def qkv_from_tp_layout(t: torch.Tensor, tp: int) -> torch.Tensor:
     return t.reshape(tp, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
+def qkv_row_order(rows: int, tp: int) -> torch.Tensor:
+    """HF row of each row of a qkv weight or bias stored in TP layout (``qkv_to_tp_layout`` of the row indexes)."""
+    return qkv_to_tp_layout(torch.arange(rows), tp)
+
+
 def _check_divisible(what: str, count: int, tp: int) -> None:
     if count % tp:
         raise ValueError(f"tensor-parallel degree {tp} does not divide the {count} {what}")

@@ -1,0 +1,97 @@
+"""Pieces of sharded start-up that need no process group: Hub names, slices in a parallel layout, file plans,
+precision recipes, the attention kernel choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from runtime.checkpoint import HFFolder, legacy_name, plan_files, read_region
+from runtime.model import build_model
+from runtime.parallel import attention
+from runtime.parallel.precision import module_precision
+from runtime.parallel.tensor_parallel import qkv_row_order, qkv_to_tp_layout
+from tests.runtime.plans import tiny_hf_config
+
+
+def test_legacy_hub_names_are_those_transformers_renames():
+    assert legacy_name("model.visual.blocks.0.attn.qkv.weight") == "visual.blocks.0.attn.qkv.weight"
+    assert legacy_name("model.language_model.layers.1.mlp.up_proj.weight") == "model.layers.1.mlp.up_proj.weight"
+    assert legacy_name("lm_head.weight") == "lm_head.weight"
+
+
+def test_build_model_loads_a_single_file_checkpoint_with_hub_names(tmp_path):
+    """Qwen's Hub uploads predate transformers 5: one file here, bf16, ``visual.*`` / ``model.*`` names."""
+    saved = build_model(tiny_hf_config(), seed=7)
+    tensors = {legacy_name(n): p.detach().to(torch.bfloat16) for n, p in saved.named_parameters()}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded = build_model(tiny_hf_config(), seed=0, checkpoint=str(tmp_path))
+    for name, param in loaded.named_parameters():
+        assert param.dtype == torch.float32
+        assert torch.equal(param, tensors[legacy_name(name)].float()), name
+
+
+def test_hf_folder_refuses_what_is_not_this_model(tmp_path):
+    with pytest.raises(ValueError, match="neither model.safetensors.index.json nor model.safetensors"):
+        HFFolder(str(tmp_path))
+    save_file({"lm_head.weight": torch.zeros(4, 2)}, tmp_path / "model.safetensors")
+    folder = HFFolder(str(tmp_path))
+    with pytest.raises(ValueError, match=r"holds lm_head.weight with shape \[4, 2\], the plan's model has \[8, 2\]"):
+        folder.read("lm_head.weight", (slice(0, 4), slice(0, 2)), torch.Size([8, 2]))
+    with pytest.raises(ValueError, match="has no tensor model.visual.merger.mlp.0.weight"):
+        folder.read("model.visual.merger.mlp.0.weight", (slice(0, 1),), torch.Size([1]))
+
+
+class _Full:
+    """A source holding one full tensor, counting reads."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.reads = tensor, 0
+
+    def read(self, hf_name, index, shape):
+        assert shape == self.tensor.shape
+        self.reads += 1
+        return self.tensor[index]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_tp_rank_reads_its_qkv_rows_from_the_hf_layout(tp):
+    heads, head_dim, width = 8, 2, 3
+    full = torch.randn(3 * heads * head_dim, width)
+    source, rows = _Full(full), qkv_row_order(len(full), tp)
+    stored = qkv_to_tp_layout(full, tp)
+    shard = len(full) // tp
+    for rank in range(tp):
+        region = (slice(rank * shard, (rank + 1) * shard), slice(1, 3))
+        assert torch.equal(read_region(source, "qkv", full.shape, region, rows), stored[region])
+    assert source.reads == 3 * tp  # one contiguous run of HF rows per q, k, v block of each rank
+
+
+def test_files_split_at_the_size_cap_and_modules_and_rotate_over_the_module_ranks():
+    tensors = {"vision": [("a", 6), ("b", 6), ("c", 20)], "llm": [("d", 3), ("e", 3)]}
+    files = plan_files(tensors, {"vision": (2, 3), "llm": (0, 1)}, max_file_bytes=12)
+    assert [(f.name, f.owner, f.tensors) for f in files] == [
+        ("model-00001-of-00003.safetensors", 2, ("a", "b")),
+        ("model-00002-of-00003.safetensors", 3, ("c",)),  # larger than the cap: a file of its own
+        ("model-00003-of-00003.safetensors", 0, ("d", "e")),
+    ]
+
+
+def test_precision_cpu_fp32_gpu_fsdp_mixed_precision_or_autocast_or_pure_bf16():
+    for precision in ("bf16_mixed", "bf16_pure"):
+        cpu = module_precision(precision, "cpu", fsdp=True)
+        assert (cpu.param_dtype, cpu.fsdp_policy, cpu.autocast_dtype) == (torch.float32, None, None)
+    fsdp = module_precision("bf16_mixed", "cuda", fsdp=True)
+    assert fsdp.param_dtype == torch.float32 and fsdp.autocast_dtype is None
+    assert (fsdp.fsdp_policy.param_dtype, fsdp.fsdp_policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    plain = module_precision("bf16_mixed", "cuda", fsdp=False)
+    assert (plain.param_dtype, plain.fsdp_policy, plain.autocast_dtype) == (torch.float32, None, torch.bfloat16)
+    pure = module_precision("bf16_pure", "cuda", fsdp=True)
+    assert (pure.param_dtype, pure.fsdp_policy, pure.autocast_dtype) == (torch.bfloat16, None, None)
+
+
+def test_attention_kernel_is_sdpa_on_cpu_and_with_an_explicit_mask():
+    q = torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16)
+    assert attention.attention_core(q, None) is attention.sdpa_attention_forward  # CPU: SDPA, even in bf16
+    assert attention.attention_core(q, torch.ones(1, 1, 4, 4, dtype=torch.bool)) is attention.sdpa_attention_forward
