@@ -9,10 +9,11 @@ import torch
 from planner.schema import Plan
 from runtime import preflight
 from runtime.data import layout_from_plan
-from runtime.model import build_model, hf_config_from_dict
+from runtime.model import hf_config_from_dict
 from runtime.parallel.ulysses import split_sequence
 from runtime.parallel_dims import ParallelDims
-from runtime.trainer import MODULES, RunOptions
+from runtime.preflight import MODULES
+from runtime.trainer import RunOptions
 from runtime.vision import merged_positions_per_rank
 
 
@@ -45,13 +46,3 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
 def tokens_per_sample(plan: Plan) -> int:
     """Tokens of one sample's LLM sequence (for tokens/s)."""
     return layout_from_plan(plan.workload, hf_config_from_dict(plan.model.hf_config)).seq_len
-
-
-def write_pretrained(plan: Plan, params: dict[str, torch.Tensor], path: str) -> None:
-    """Write full parameters (HF names -> tensors) with transformers' ``save_pretrained``."""
-    model = build_model(plan.model.hf_config, seed=0, device="meta")
-    model.load_state_dict(params, strict=False, assign=True)
-    model.tie_weights()
-    missing = [name for name, p in model.named_parameters() if p.is_meta]
-    assert not missing, f"parameters not gathered: {missing[:3]}"
-    model.save_pretrained(path)

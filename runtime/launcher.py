@@ -19,7 +19,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from planner.schema import Plan
-from runtime.driver import tokens_per_sample, validate_plan, write_pretrained
+from runtime.driver import tokens_per_sample, validate_plan
 from runtime.metrics import MetricsLog, format_summary
 from runtime.preflight import check_outputs, is_cpu_plan, num_devices, save_with_fallback
 from runtime.trainer import RunOptions, Trainer
@@ -78,6 +78,9 @@ class Worker:
 
     def full_tensors(self, kind: str) -> dict[str, torch.Tensor]:
         return self.trainer.full_tensors(kind)
+
+    def save_hf_folder(self, path: str) -> None:
+        self.trainer.save_hf_folder(path)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -176,8 +179,9 @@ def start(plan: Plan, options: RunOptions) -> Job:
 
 
 def save_checkpoint(job: Job, path: str) -> None:
-    """Gather the trained weights to this process and write them with transformers' ``save_pretrained``."""
-    write_pretrained(job.plan, job.gather("param"), path)
+    """Write the trained weights as a Hugging Face folder from the ranks' shards (runtime.checkpoint.save_hf_folder:
+    no process holds the whole model); ``path`` must be reachable by every worker."""
+    get_all([w.save_hf_folder.remote(path) for w in job.workers], job.workers)
 
 
 def run(

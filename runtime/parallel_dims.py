@@ -16,6 +16,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from planner.schema import ModulePlan
+from runtime.preflight import context_parallel_refusal
 
 AXES = ("dp", "cp", "sp", "tp")
 """Mesh axis names, outermost first."""
@@ -61,12 +62,7 @@ class ParallelDims:
         if len(set(self.ranks)) != len(self.ranks):
             raise ValueError(f"{self.name}: a rank appears twice in {self.ranks}")
         if self.cp > 1:
-            raise NotImplementedError(
-                f"{self.name}: context parallelism (cp={self.cp}) is not implemented: torch's context_parallel has "
-                "no sharding rule for the CPU SDPA kernel (aten._scaled_dot_product_flash_attention_for_cpu), and on "
-                "GPU it needs is_causal SDPA without explicit masks, while the HF Qwen-VL blocks pass explicit masks "
-                "and packed per-image segments"
-            )
+            raise NotImplementedError(context_parallel_refusal(self.name, self.cp))
 
     @classmethod
     def from_plan(cls, module: ModulePlan) -> "ParallelDims":

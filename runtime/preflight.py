@@ -53,6 +53,15 @@ def num_devices(plan: Plan) -> int:
     return len({r for m in plan.modules for r in m.ranks})
 
 
+def context_parallel_refusal(module: str, cp: int) -> str:
+    """Why the runtime refuses a context-parallel module."""
+    return (
+        f"{module}: context parallelism (cp={cp}) is not implemented: torch's context_parallel has no sharding rule "
+        "for the CPU SDPA kernel (aten._scaled_dot_product_flash_attention_for_cpu), and on GPU it needs is_causal "
+        "SDPA without explicit masks, while the HF Qwen-VL blocks pass explicit masks and packed per-image segments"
+    )
+
+
 def check_plan(plan: Plan) -> None:
     """The plan's structure: its modules, their ranks and how the two modules' batches line up.
 
@@ -63,6 +72,9 @@ def check_plan(plan: Plan) -> None:
     if names != sorted(MODULES):
         raise NotImplementedError(f"the runtime runs plans with modules {list(MODULES)}, this one has {names}")
     vision, llm = plan.module("vision"), plan.module("llm")
+    for module in (vision, llm):
+        if module.cp > 1:
+            raise NotImplementedError(context_parallel_refusal(module.name, module.cp))
     if vision.frozen and llm.frozen:
         raise ValueError("every module of the plan is frozen: nothing to train")
     if vision.grad_accum != llm.grad_accum or vision.dp * vision.micro_batch != llm.dp * llm.micro_batch:

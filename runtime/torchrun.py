@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from planner.schema import Plan
-from runtime.driver import tokens_per_sample, validate_plan, write_pretrained
+from runtime.driver import tokens_per_sample, validate_plan
 from runtime.metrics import MetricsLog, format_summary
 from runtime.preflight import TorchrunEnv, check_outputs, check_world_size, is_cpu_plan, save_with_fallback
 from runtime.trainer import RunOptions, Trainer
@@ -47,17 +47,6 @@ class Job:
         dist.gather_object(result, results, dst=0)
         return results
 
-    def gather(self, kind: str) -> dict[str, torch.Tensor]:
-        """Full parameters (``"param"``) or gradients (``"grad"``) under their HF names, on rank 0 (empty
-        elsewhere). Collective: every rank calls it."""
-        part = self.trainer.full_tensors(kind)
-        parts = [None] * dist.get_world_size() if self.rank == 0 else None
-        dist.gather_object(part, parts, dst=0)
-        merged: dict[str, torch.Tensor] = {}
-        for p in parts or []:
-            merged.update(p)
-        return merged
-
     def agree(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank."""
         box = [value]
@@ -66,10 +55,9 @@ class Job:
 
 
 def save_checkpoint(job: Job, path: str) -> None:
-    """Gather the trained weights to rank 0, which writes them with ``save_pretrained``. Collective."""
-    params = job.gather("param")
-    if job.rank == 0:
-        write_pretrained(job.plan, params, path)
+    """Write the trained weights as a Hugging Face folder from the ranks' shards (runtime.checkpoint.save_hf_folder).
+    Collective: every rank calls it."""
+    job.trainer.save_hf_folder(path)
 
 
 def run(plan: Plan, options: RunOptions, env: TorchrunEnv, *, steps: int, metrics_path: str | None = None,

@@ -39,11 +39,10 @@ from runtime.parallel.fsdp import all_reduce_gradients, set_gradient_sync
 from runtime.parallel.precision import module_precision
 from runtime.parallel.tensor_parallel import qkv_from_tp_layout, qkv_row_order
 from runtime.parallel_dims import BATCH_AXIS, ParallelDims
+from runtime.preflight import MODULES
 from runtime.parallelize import parallelize_llm, parallelize_vision, uses_fsdp
 from runtime.vision import merged_positions_per_rank, shard_vision_batch, vision_forward
 
-MODULES = ("vision", "llm")
-"""Modules the runtime places; a plan must have exactly these."""
 
 MAX_VISION_IN_FLIGHT = 2
 """Disjoint placement: micro-batches the vision group runs ahead of its backward (activation memory bound)."""

@@ -3,7 +3,8 @@
 import subprocess
 import sys
 
-RUNTIME_MODULES = ["runtime.__main__", "runtime.launcher", "runtime.trainer", "runtime.metrics"]
+RUNTIME_MODULES = ["runtime.__main__", "runtime.launcher", "runtime.torchrun", "runtime.trainer", "runtime.metrics",
+                   "runtime.checkpoint", "runtime.preflight", "runtime.driver"]
 
 
 def test_runtime_imports_without_ortools_and_only_the_plan_schema():
