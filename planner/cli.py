@@ -177,10 +177,14 @@ def check_writable(paths: list[Path]) -> None:
 
 def _check_output_args(args: argparse.Namespace, out: str | None) -> None:
     """Output flags that contradict each other or cannot be written, before any planning."""
+    from planner import api
+
     if args.out is not None and not args.out.strip():
         raise ValueError("--out needs a file path, got an empty one")
     if args.max_seq and args.top_k is not None:
         raise ValueError("--max-seq finds one plan, the longest sequence that fits: drop --top-k")
+    if args.top_k is not None:
+        api.check_bounds("--top-k", args.top_k, 1, api.MAX_TOP_K)  # before naming its output files
     if out:
         check_writable(_out_paths(out, args.top_k or 1))
 

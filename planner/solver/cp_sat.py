@@ -22,7 +22,7 @@ nanoseconds, so it never carries the coarser rounding.
 Ties are broken deterministically by a second solve that fixes the optimal step time and minimises a
 mixed-radix index of the chosen candidates (each module's list is ordered best first), so the same inputs
 give the same plan with any number of workers. (Only a solve cut short by the time limit -- status FEASIBLE, or
-a tie-break left unproven -- can depend on thread timing.)
+a tie-break left unproven or without any plan -- can depend on thread timing.)
 """
 
 from __future__ import annotations
@@ -285,7 +285,8 @@ def _break_ties(
     chosen: dict[str, int],
     settings: SolverSettings,
 ) -> dict[str, int]:
-    """Among plans of step time ``best`` (model units), the one with the smallest mixed-radix index."""
+    """Among plans of step time ``best`` (model units), the one with the smallest mixed-radix index; ``chosen`` (of
+    the same step time) when the time limit stops the search before it finds one."""
     model, x, step = build_model(cands, num_gpus, memory_budget_bytes, cuts)
     model.add(step == best)
     model.minimize(mixed_radix_index(x, cands))
@@ -293,6 +294,8 @@ def _break_ties(
         for j in range(len(cands.by_module[m])):
             model.add_hint(x[m, j], j == i)
     solver, status = _run(model, settings)
+    if status == "UNKNOWN":  # the time limit ran out before the tie-break found any plan: keep the first solve's
+        return dict(chosen)
     assert status in ("OPTIMAL", "FEASIBLE"), f"tie-break lost the optimum: {status}"
     return _chosen(solver, x, cands)
 

@@ -83,6 +83,8 @@ CASES = [
     (M32 + ["--text-tokens", "10000000"], {}, "--text-tokens must be between 0 and 1,048,576, got 10000000"),
     (M32 + ["--gpus-per-node", "100000"], {}, "--gpus-per-node must be between 1 and 1,024, got 100000"),
     (M32 + ["--top-k", "1000"], {}, "--top-k must be between 1 and 20, got 1000"),
+    (M32 + ["--top-k", "100000000000000000000"], {},  # once named 1e20 output files before checking the bound
+     "--top-k must be between 1 and 20, got 100000000000000000000"),
     # 4. a profile of another model or device
     (M32 + ["--profile", str(TINY_PROFILE)], {},
      "was measured on cpu, the plan is for h100-80gb: give --gpu cpu, a profile of h100-80gb, or --profile none"),
@@ -192,3 +194,22 @@ def test_gpu_count_searches_are_logarithmic(monkeypatch):
         api.plan("qwen2.5-vl-72b", 1, global_batch=4096, placement="colocated", profile=None)
     smallest = int(str(info.value).split("--gpus ")[1].split(")")[0])
     assert smallest > 8 and calls["fits"] <= 2 * math.log2(explain.MAX_GPU_SEARCH) + 2
+
+
+def test_tie_break_cut_short_keeps_the_first_solve(monkeypatch):
+    """A tie-break stopped by the time limit before it finds any plan (a loaded machine, --time-limit 1) keeps the
+    first solve's plan, of the same step time, instead of failing."""
+    real, calls = cp_sat._run, []
+
+    def second_solve_times_out(model, settings):
+        solver, status = real(model, settings)
+        calls.append(status)
+        return solver, "UNKNOWN" if len(calls) == 2 else status
+
+    monkeypatch.setattr(cp_sat, "_run", second_solve_times_out)
+    problem = api.make_problem("qwen2.5-vl-tiny", 2, gpu="cpu")
+    cands = explain.build_candidates(problem, "colocated")
+    (solution,) = cp_sat.solve(cands, 2, problem.usable_bytes - problem.overhead_bytes)
+    assert len(calls) == 2 and solution.status == "OPTIMAL"
+    assert solution.objective_ns == cp_sat.step_ns(cands, {m: cands.by_module[m].index(c)
+                                                           for m, c in solution.choice.items()})

@@ -24,8 +24,8 @@ from planner.profiles import PROFILES_DIR
 
 DEFAULT_EXAMPLES = 300
 """Examples per CI run (about 40 s on two cores: most inputs are small or rejected early)."""
-DEADLINE = timedelta(seconds=20)
-"""Longest one ``plan`` call may take."""
+DEADLINE = timedelta(seconds=30)
+"""Longest one ``plan`` call may take (generous: other work may share the two cores)."""
 TINY_PROFILE = json.loads((PROFILES_DIR / "cpu" / "qwen2.5-vl-tiny.json").read_text())
 
 HUGE = ["100000000000000000000", "1000000000000", "10000000", "65537"]
@@ -112,7 +112,7 @@ def plan_argv(draw) -> tuple[list[str], dict[str, object]]:
         "--precision": st.sampled_from(["bf16_mixed", "bf16_pure"]),
         "--placement": st.sampled_from(["auto", "colocated", "disjoint"]),
         "--top-k": st.integers(1, 3),
-        "--time-limit": st.sampled_from([1, 2, 5]),
+        "--time-limit": st.sampled_from([1, 2]),
     }
     broken = draw(st.sampled_from([None] * 12 + [*flags, "fix", "frozen", "model", "cluster", "profile", "combo"]))
     files: dict[str, object] = {}
@@ -138,7 +138,7 @@ def plan_argv(draw) -> tuple[list[str], dict[str, object]]:
     for name, values in flags.items():
         argv += draw(_flag(name, values, broken == name))
     if not any(a.startswith("--time-limit") for a in argv):
-        argv += ["--time-limit=5"]
+        argv += ["--time-limit=2"]
     modules = ["vision", "llm"] if vision else ["audio", "llm"]
     for _ in range(draw(st.integers(0, 2))):
         module = draw(st.sampled_from(modules + (["x"] if broken == "fix" else [])))
