@@ -41,10 +41,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-"""A measured time: finite and not negative."""
-Amount = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-"""A measured count or size (FLOPs, bytes, FLOP/s): finite and not negative."""
+MAX_MEASURED_SECONDS = 86_400.0
+"""Longest time a profile may record for one layer or collective (a day): beyond it a number is not a measurement,
+and would carry predicted steps past what the planner's arithmetic is meant for."""
+MAX_MEASURED_AMOUNT = 1e24
+"""Largest FLOP count a profile may record for one layer."""
+Seconds = Annotated[float, Field(ge=0, le=MAX_MEASURED_SECONDS, allow_inf_nan=False)]
+"""A measured time: finite, not negative, at most ``MAX_MEASURED_SECONDS``."""
+Amount = Annotated[float, Field(ge=0, le=MAX_MEASURED_AMOUNT, allow_inf_nan=False)]
+"""A measured FLOP count: finite, not negative, at most ``MAX_MEASURED_AMOUNT``."""
 
 
 class Provenance(_Strict):

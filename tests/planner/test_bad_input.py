@@ -67,6 +67,8 @@ CASES = [
      "profile.json is invalid at layers.3.forward.median_s: Input should be greater than or equal to 0"),
     (TINY + ["--profile", "{dir}/profile.json"], _profile(_set_forward(float("nan"))),
      "profile.json is invalid at layers.3.forward.median_s: Input should be a finite number"),
+    (TINY + ["--profile", "{dir}/profile.json"], _profile(_set_forward(1e300)),
+     "profile.json is invalid at layers.3.forward.median_s: Input should be less than or equal to 86400"),
     # 3. huge numbers
     (["--model", "qwen-vl-32b", "--gpus", "100000000000000000000"], {},
      "--gpus must be between 1 and 65,536, got 100000000000000000000"),
