@@ -167,12 +167,15 @@ def check_writable(paths: list[Path]) -> None:
     path is not a folder or a read-only file (checked before planning, so no plan is written when one cannot be)."""
     for path in paths:
         folder = path.parent
-        if path.is_dir():
-            raise ValueError(f"cannot write {path}: it is a folder")
-        if not folder.is_dir():
-            raise ValueError(f"cannot write {path}: no folder {folder}")
-        if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-            raise ValueError(f"cannot write {path}: permission denied")
+        try:
+            if path.is_dir():
+                raise ValueError(f"cannot write {path}: it is a folder")
+            if not folder.is_dir():
+                raise ValueError(f"cannot write {path}: no folder {folder}")
+            if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+                raise ValueError(f"cannot write {path}: permission denied")
+        except OSError as e:  # e.g. a name too long
+            raise ValueError(f"cannot write {path}: {e.strerror}") from None
 
 
 def _check_output_args(args: argparse.Namespace, out: str | None) -> None:

@@ -101,6 +101,8 @@ CASES = [
     (TINY + ["--profile", "{dir}/profile.json"], _profile(lambda d: d.update(schema_version="3")),
      "schema_version must be a whole number, got '3' (str)"),
     (M32 + ["--out", ""], {}, "--out needs a file path, got an empty one"),
+    (M32 + ["--out", "{dir}/" + "a" * 300 + ".json"], {}, "a.json: File name too long"),
+    (M32 + ["--out", "{dir}/missing/plan.json"], {}, "missing/plan.json: no folder "),
     (M32 + ["--max-seq", "--top-k", "3"], {}, "--max-seq finds one plan, the longest sequence that fits: drop --top-k"),
     (["--model", "{dir}/config.json", "--gpus", "2"], {"config.json": json.dumps(NO_VISION_CONFIG)},
      "config.json: no vision_config: a qwen2_5_vl config.json describes its encoder there"),

@@ -1,6 +1,6 @@
 """Property-based fuzzing of ``plan`` (issue 14): random valid and invalid values of every flag, random cluster,
 profile and config files. Every call ends with exit status 0, or 2 and exactly one ``plan: error:`` line -- never a
-traceback -- within hypothesis' deadline.
+traceback -- within hypothesis' deadline and ``MAX_CPU_SECONDS``.
 
 Seeded (``derandomize``): CI runs the same ``DEFAULT_EXAMPLES`` every time; ``DHPLAN_FUZZ_EXAMPLES=5000`` runs more.
 """
@@ -10,6 +10,7 @@ import io
 import json
 import os
 import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,8 +25,11 @@ from planner.profiles import PROFILES_DIR
 
 DEFAULT_EXAMPLES = 300
 """Examples per CI run (about 40 s on two cores: most inputs are small or rejected early)."""
-DEADLINE = timedelta(seconds=30)
-"""Longest one ``plan`` call may take (generous: other work may share the two cores)."""
+DEADLINE = timedelta(seconds=60)
+"""Longest one ``plan`` call may take in wall-clock time: catches a hang, generous because other work may share the
+two cores (a 5 s call has been seen to take 45 s)."""
+MAX_CPU_SECONDS = 20.0
+"""Most CPU time one call may use, all threads together: the bound on the work itself, which load does not inflate."""
 TINY_PROFILE = json.loads((PROFILES_DIR / "cpu" / "qwen2.5-vl-tiny.json").read_text())
 
 HUGE = ["100000000000000000000", "1000000000000", "10000000", "65537"]
@@ -126,13 +130,12 @@ def plan_argv(draw) -> tuple[list[str], dict[str, object]]:
     if model == "tiny":
         argv += ["--gpu", "cpu"]
     vision, audio = model != "qwen2-audio-7b", model == "qwen2-audio-7b"
-    if not vision:
-        for name in ("--image-size", "--images-per-sample", "--vision-tokens"):
-            flags.pop(name) if broken != name else None
-    if not audio and broken != "--audio-seconds":
-        flags.pop("--audio-seconds")
-    if broken != "--vision-tokens" and "--image-size" in flags and draw(st.booleans()):
-        flags.pop("--vision-tokens")
+    unused = [] if vision else ["--image-size", "--images-per-sample", "--vision-tokens"]
+    unused += [] if audio else ["--audio-seconds"]
+    unused += ["--vision-tokens"] if draw(st.booleans()) else []  # image sizes or vision tokens, mostly not both
+    for name in unused:
+        if name != broken:
+            flags.pop(name, None)
     argv += ["--gpus=" + str(draw(ANY_NUMBER if broken == "--gpus" else flags.pop("--gpus")))]
     flags.pop("--gpus", None)
     for name, values in flags.items():
@@ -163,15 +166,16 @@ def plan_argv(draw) -> tuple[list[str], dict[str, object]]:
     return argv + sorted(draw(st.sets(st.sampled_from(extra), max_size=2))), files
 
 
-def _plan(argv: list[str]) -> tuple[int, str]:
-    """Exit status and stderr of ``plan argv``."""
+def _plan(argv: list[str]) -> tuple[int, str, float]:
+    """Exit status, stderr and CPU seconds (all threads) of ``plan argv``."""
     err = io.StringIO()
+    start = time.process_time()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
         try:
             code = main(argv)
         except SystemExit as e:
             code = e.code
-    return code, err.getvalue()
+    return code, err.getvalue(), time.process_time() - start
 
 
 @pytest.mark.slow
@@ -184,8 +188,9 @@ def test_plan_answers_any_input_in_one_line(case):
         for name, data in files.items():
             Path(folder, name).write_text(json.dumps(data))
         argv = [a.replace("{dir}", folder) for a in argv] + ["--out", f"{folder}/plan.json"]
-        code, err = _plan(argv)
+        code, err, cpu_s = _plan(argv)
     assert code in (0, 2), (argv, code, err)
+    assert cpu_s <= MAX_CPU_SECONDS, (argv, cpu_s)
     assert "Traceback" not in err, (argv, err)
     if code == 2:
         assert err.startswith("plan: error: ") and err.count("\n") == 1, (argv, err)
