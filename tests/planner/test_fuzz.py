@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.cli import main
-from planner.hardware import PLAUSIBLE_RANGES
+from planner.hardware import PLAUSIBLE_RANGES, get_device
 from planner.hf_configs import QWEN2_5_VL_TINY
 from planner.profiles import PROFILES_DIR
 
@@ -33,10 +33,12 @@ MAX_CPU_SECONDS = 20.0
 TINY_PROFILE = json.loads((PROFILES_DIR / "cpu" / "qwen2.5-vl-tiny.json").read_text())
 
 HUGE = ["100000000000000000000", "1000000000000", "10000000", "65537"]
-BAD_NUMBERS = ["0", "-1", "nan", "inf", "-inf", "1e400", "abc", "", "1.5", "0x10", "  7 "]
+NOT_FINITE = ["nan", "inf", "-inf", "1e400", "NaN"]
+BAD_NUMBERS = ["0", "-1", "-0.0", "abc", "", "1.5", "0x10", "  7 "]
 
 
-ANY_NUMBER = st.one_of(st.sampled_from(HUGE + BAD_NUMBERS), st.floats(allow_nan=True, allow_infinity=True).map(repr),
+ANY_NUMBER = st.one_of(*[st.sampled_from(NOT_FINITE)] * 3, *[st.sampled_from(HUGE + BAD_NUMBERS)] * 3,
+                      st.floats(allow_nan=True, allow_infinity=True).map(repr),
                       st.integers(min_value=-10**25, max_value=10**25).map(str))
 """A value that is huge, malformed, zero, negative, NaN or infinite (or, by chance, fine)."""
 
@@ -59,10 +61,20 @@ def _cluster_value(field: str) -> st.SearchStrategy:
     return st.one_of(plausible, plausible, wild)
 
 
+UNIT_MISTAKES = (1e-300, 1e-12, 1e-9, 1e-6, 1e-3, 1e3, 1e6, 1e9, 1e12, 1e300)
+"""Factors a cluster-file value may be off by: a unit mistake (GB/s for bytes/s, us for seconds) or a wild one."""
+
+
 @st.composite
 def cluster_files(draw) -> dict:
+    """A catalog device with one field off by a unit factor, or random fields with random values."""
+    device = draw(st.sampled_from(["h100-80gb", "cpu", "a100-80gb"]))
+    if draw(st.booleans()):
+        field = draw(st.sampled_from(sorted(PLAUSIBLE_RANGES)))
+        value = getattr(get_device(device), field) * draw(st.sampled_from(UNIT_MISTAKES))
+        return {"device": device, field: value}
     fields = draw(st.lists(st.sampled_from(list(PLAUSIBLE_RANGES) + ["name", "bogus"]), max_size=3, unique=True))
-    data = {"device": draw(st.sampled_from(["h100-80gb", "cpu", "a100", "nonesuch", 7]))}
+    data = {"device": draw(st.sampled_from([device, "nonesuch", 7]))}
     data.update({f: draw(_cluster_value(f)) for f in fields})
     return data
 
@@ -105,20 +117,21 @@ def plan_argv(draw) -> tuple[list[str], dict[str, object]]:
     """(argv, files to write), ``{dir}`` in argv standing for their folder. Half the calls are valid; the others break
     one thing: a flag's value, the --fix / --frozen items, the model, or a cluster / profile / config file."""
     flags = {
-        "--gpus": st.sampled_from([1, 2, 3, 4, 8, 16, 24, 7]),
-        "--gpus-per-node": st.sampled_from([1, 2, 4, 8, 3]),
+        "--gpus": st.sampled_from([1, 2, 4, 8, 16, 3, 24]),
+        "--gpus-per-node": st.sampled_from([2, 4, 8, 1, 3]),
         "--image-size": st.one_of(st.sampled_from(["448", "896x448", "1344"]), st.integers(14, 2000)),
         "--images-per-sample": st.integers(1, 3),
         "--vision-tokens": st.sampled_from([64, 256, 1024, 9216]),
         "--text-tokens": st.integers(7, 4096),
         "--audio-seconds": st.floats(0, 60),
-        "--global-batch": st.integers(1, 64),
+        "--global-batch": st.one_of(st.sampled_from([4, 8, 16, 32, 64]), st.integers(1, 64)),
         "--precision": st.sampled_from(["bf16_mixed", "bf16_pure"]),
         "--placement": st.sampled_from(["auto", "colocated", "disjoint"]),
         "--top-k": st.integers(1, 3),
         "--time-limit": st.sampled_from([1, 2]),
     }
-    broken = draw(st.sampled_from([None] * 12 + [*flags, "fix", "frozen", "model", "cluster", "profile", "combo"]))
+    floats = ["--time-limit", "--audio-seconds"] * 2  # the float flags, where NaN and infinities get through argparse
+    broken = draw(st.sampled_from([None] * 10 + [*flags, *floats, "fix", "frozen", "model", "profile"] + ["cluster"] * 3))
     files: dict[str, object] = {}
     model = draw(st.sampled_from(["tiny", "tiny", "tiny", "qwen-vl-7b", "qwen-vl-32b", "qwen2-audio-7b"]))
     if broken == "model":
@@ -143,16 +156,16 @@ def plan_argv(draw) -> tuple[list[str], dict[str, object]]:
     if not any(a.startswith("--time-limit") for a in argv):
         argv += ["--time-limit=2"]
     modules = ["vision", "llm"] if vision else ["audio", "llm"]
-    for _ in range(draw(st.integers(0, 2))):
+    for _ in range(draw(st.sampled_from([0, 0, 0, 1, 2]))):
         module = draw(st.sampled_from(modules + (["x"] if broken == "fix" else [])))
         field = draw(st.sampled_from(["dp", "tp", "sp", "cp", "zero", "recompute", "micro_batch", "grad_accum", "gpus"]))
         value = draw(st.sampled_from(["full", "none"] if field == "recompute" else ["1", "2", "4"]))
         if broken == "fix":
             value = draw(st.sampled_from(["-1", "x", "10000000000", "", "full", "9"]))
         argv += [f"--fix={module}.{field}={value}"]
-    if draw(st.integers(0, 5)) == 0 or broken == "fix":
+    if draw(st.integers(0, 9)) == 0 or broken == "fix":
         argv += ["--fix=placement=" + draw(st.sampled_from(["colocated", "disjoint"] + (["x"] if broken else [])))]
-    if draw(st.integers(0, 4)) == 0 or broken == "frozen":
+    if draw(st.integers(0, 9)) == 0 or broken == "frozen":
         argv += [f"--frozen={m}" for m in draw(st.sets(st.sampled_from(modules + ["x"] * (broken == "frozen")),
                                                        min_size=1, max_size=2 if broken == "frozen" else 1))]
     if broken == "cluster" or draw(st.integers(0, 9)) == 0:
