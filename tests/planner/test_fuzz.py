@@ -24,7 +24,7 @@ from planner.hf_configs import QWEN2_5_VL_TINY
 from planner.profiles import PROFILES_DIR
 
 DEFAULT_EXAMPLES = 300
-"""Examples per CI run (about 40 s on two cores: most inputs are small or rejected early)."""
+"""Examples per CI run (about 30 s on two cores: most inputs are small or rejected early)."""
 DEADLINE = timedelta(seconds=60)
 """Longest one ``plan`` call may take in wall-clock time: catches a hang, generous because other work may share the
 two cores (a 5 s call has been seen to take 45 s)."""
