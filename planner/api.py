@@ -22,7 +22,7 @@ from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, Estimate, estimat
 from planner.cost.assumptions import FP32_STATES
 from planner.cost.report import module_predictions, prediction
 from planner.cost.results import GIB
-from planner.hardware import Cluster, get_device, load_cluster_file, make_cluster
+from planner.hardware import PLAUSIBLE_RANGES, Cluster, get_device, load_cluster_file, make_cluster
 from planner.models import ModelSpec
 from planner.schema import (
     SCHEMA_VERSION,
@@ -66,11 +66,65 @@ DEFAULT_AUDIO_SECONDS = 30.0
 """Seconds of audio per sample by default for audio models (one Whisper window)."""
 DEFAULT_SAMPLES_PER_GPU = 4
 """Default global batch = this many samples per GPU."""
+MAX_GPUS = 65_536
+"""Largest --gpus (the largest count the infeasibility explanation searches)."""
+MAX_GLOBAL_BATCH = 2**20
+"""Largest --global-batch, 1,048,576 samples per step."""
+MAX_IMAGES_PER_SAMPLE = 256
+"""Largest number of images per sample (--image-size given n times, times --images-per-sample)."""
+MAX_IMAGE_SIDE = 32_768
+"""Largest image side in pixels."""
+MAX_VISION_TOKENS = 2**22
+"""Largest vision tokens per sample, 4,194,304 (one 28,672-pixel square image; the --max-seq search's limit)."""
+MAX_TEXT_TOKENS = 2**20
+"""Largest --text-tokens, 1,048,576 per sample."""
+MAX_AUDIO_SECONDS = 3600.0
+"""Largest --audio-seconds per sample (an hour)."""
+MAX_TIME_LIMIT_S = 3600.0
+"""Largest --time-limit per solve in seconds."""
+MAX_TOP_K = 20
+"""Largest --top-k."""
 OBJECTIVE_TOLERANCE_S = 5e-9
 """The solver's integer step time (ns, at most four rounded terms) vs the cost model's float step time."""
+OBJECTIVE_RELATIVE_TOLERANCE = 1e-12
+"""The same comparison for long steps, where the float step time itself carries more than a nanosecond of rounding."""
 
 
 # --- Inputs -----------------------------------------------------------------------------------------------------
+
+
+def check_bounds(flag: str, value: float, low: float, high: float) -> None:
+    """Raise a one-line ValueError unless ``low <= value <= high`` (NaN never is)."""
+    if not low <= value <= high:
+        raise ValueError(f"{flag} must be between {low:,g} and {high:,g}, got {value:g}"
+                         if isinstance(value, float) else f"{flag} must be between {low:,} and {high:,}, got {value}")
+
+
+def _check_sample_inputs(
+    image_sizes: Sequence[tuple[int, int]] | None,
+    vision_tokens: int | None,
+    text_tokens: int | None,
+    images_per_sample: int | None,
+    audio_seconds: float | None,
+    global_batch: int | None,
+) -> None:
+    """Every per-sample input within its bound (``MAX_*``), in one line."""
+    for h, w in image_sizes or ():
+        check_bounds("--image-size sides", min(h, w), 1, MAX_IMAGE_SIDE)
+        check_bounds("--image-size sides", max(h, w), 1, MAX_IMAGE_SIDE)
+    if images_per_sample is not None:
+        check_bounds("--images-per-sample", images_per_sample, 1, MAX_IMAGES_PER_SAMPLE)
+    images = len(image_sizes or [DEFAULT_IMAGE_SIZE]) * (images_per_sample or 1)
+    if images > MAX_IMAGES_PER_SAMPLE:
+        raise ValueError(f"a sample may hold at most {MAX_IMAGES_PER_SAMPLE} images, got {images} "
+                         f"(--image-size x --images-per-sample)")
+    for flag, value, high in (("--vision-tokens", vision_tokens, MAX_VISION_TOKENS),
+                              ("--text-tokens", text_tokens, MAX_TEXT_TOKENS),
+                              ("--global-batch", global_batch, MAX_GLOBAL_BATCH)):
+        if value is not None:
+            check_bounds(flag, value, 0 if flag == "--text-tokens" else 1, high)
+    if audio_seconds is not None:
+        check_bounds("--audio-seconds", float(audio_seconds), 0.0, MAX_AUDIO_SECONDS)
 
 
 def make_workload(
@@ -90,12 +144,11 @@ def make_workload(
         ValueError: inputs the model cannot take (images for an audio model, ...), in one line.
     """
     has_vision, has_audio = model.vision_input is not None, model.audio_input is not None
+    _check_sample_inputs(image_sizes, vision_tokens, text_tokens, images_per_sample, audio_seconds, global_batch)
     if not has_vision and (image_sizes or vision_tokens or images_per_sample):
         raise ValueError(f"{model.name} has no vision encoder: drop --image-size/--vision-tokens/--images-per-sample")
     if not has_audio and audio_seconds:
         raise ValueError(f"{model.name} has no audio encoder: drop --audio-seconds")
-    if images_per_sample is not None and images_per_sample < 1:
-        raise ValueError(f"--images-per-sample must be >= 1, got {images_per_sample}")
     if vision_tokens is not None and images_per_sample not in (None, 1):
         raise ValueError("--vision-tokens sets a whole sample's vision tokens: drop --images-per-sample")
     sizes: tuple[tuple[int, int], ...] = ()
@@ -119,10 +172,11 @@ def make_cluster_for(
     Raises:
         ValueError: bad GPU count, unknown device, unreadable cluster file, in one line.
     """
-    if num_gpus is None or num_gpus < 1:
-        raise ValueError(f"--gpus must be a positive number of GPUs, got {num_gpus}")
-    if gpus_per_node is not None and gpus_per_node < 1:
-        raise ValueError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
+    if num_gpus is None:
+        raise ValueError("give the number of GPUs (--gpus)")
+    check_bounds("--gpus", num_gpus, 1, MAX_GPUS)
+    if gpus_per_node is not None:
+        check_bounds("--gpus-per-node", gpus_per_node, 1, int(PLAUSIBLE_RANGES["devices_per_node"].high))
     if cluster_file is not None:
         device, _ = load_cluster_file(cluster_file)
     else:
@@ -132,6 +186,28 @@ def make_cluster_for(
 
 ACTIVATION_BYTES_BY_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per activation element of the dtypes a profile can be measured in."""
+
+
+def _architecture(model: ModelSpec) -> tuple:
+    """What a profile's measurements depend on: every module's layers with their dimensions (not frozen flags)."""
+    return tuple((m.name, m.layers) for m in model.modules)
+
+
+def check_profile_matches(profile: Any, path: Any, model: ModelSpec, device_name: str) -> None:
+    """Raise a one-line ValueError unless ``profile`` was measured on ``device_name`` for ``model``'s architecture
+    and dimensions (its model by name, or a catalog model with the same layers)."""
+    if profile.hardware != device_name:
+        raise ValueError(f"profile {path} was measured on {profile.hardware}, the plan is for {device_name}: give "
+                         f"--gpu {profile.hardware}, a profile of {device_name}, or --profile none")
+    if profile.model == model.name:
+        return
+    try:
+        same = _architecture(get_model(profile.model)) == _architecture(model)
+    except ValueError:  # not a catalog name: nothing to compare the layers with
+        same = False
+    if not same:
+        raise ValueError(f"profile {path} was measured for {profile.model}, whose layers differ from {model.name}'s: "
+                         f"give the profile of {model.name}, or --profile none")
 
 
 def _profile_source(
@@ -151,6 +227,7 @@ def _profile_source(
     if path is None:
         return cluster, None, assumptions
     loaded = profiles.load_profile(path)
+    check_profile_matches(loaded, path, model, cluster.device.name)
     device = profiles.device_from_profile(cluster.device, loaded)
     source = profiles.ProfileCostSource(loaded, concurrent_devices=cluster.num_devices)
     element = ACTIVATION_BYTES_BY_DTYPE.get(loaded.provenance.dtype, assumptions.activation_bytes)
@@ -213,16 +290,33 @@ def make_problem(
     for name in frozen:
         if name not in spec.module_names:
             raise ValueError(f"--frozen {name}: {spec.name} has modules {', '.join(spec.module_names)}")
+    if set(frozen) >= set(spec.module_names):
+        raise ValueError("every module of the plan is frozen: nothing to train")
     spec = spec.with_frozen(frozen) if frozen else spec
     cluster = cluster or make_cluster_for(gpus, gpu, gpus_per_node, cluster_file)
     workload = workload or make_workload(
         spec, cluster.num_devices, image_sizes=image_sizes, vision_tokens=vision_tokens, text_tokens=text_tokens,
         images_per_sample=images_per_sample, audio_seconds=audio_seconds, global_batch=global_batch,
     )
-    module_tokens(workload, spec)  # raises ValueError for samples without tokens or unaligned --vision-tokens
+    _check_sample(workload, spec)
     cluster, layer_costs, assumptions = _profile_source(spec, cluster, profile, assumptions)
     return Problem(model=spec, cluster=cluster, workload=workload, precision=precision, assumptions=assumptions,
                    layer_costs=layer_costs, allow_ring_cp=allow_ring_cp)
+
+
+def _check_sample(workload: Workload, model: ModelSpec) -> None:
+    """What the runtime would refuse about a sample, refused here with its words: no tokens, unaligned
+    --vision-tokens, more than ``MAX_VISION_TOKENS``, too few text tokens for the image markers."""
+    tokens = module_tokens(workload, model)  # raises ValueError for samples without tokens or unaligned --vision-tokens
+    vision = tokens["vision"].tokens if "vision" in tokens else 0
+    if vision > MAX_VISION_TOKENS:
+        raise ValueError(f"a sample has {vision:,} vision tokens, at most {MAX_VISION_TOKENS:,} are supported "
+                         f"(fewer or smaller images)")
+    if "vision" in tokens:
+        images = 1 if workload.vision_tokens is not None else len(workload.image_sizes)
+        if workload.text_tokens < 2 * images + 1:  # runtime.data.SampleLayout's rule
+            raise ValueError(f"{workload.text_tokens} text tokens cannot hold a start and end marker for each of "
+                             f"{images} images plus one text token (--text-tokens {2 * images + 1} or more)")
 
 
 def _as_problem(model: str | ModelSpec | Problem, gpus: int | None, inputs: Mapping[str, Any]) -> Problem:
@@ -251,12 +345,16 @@ def _strategy(problem: Problem, placement: Placement, choice: Mapping[str, Any])
                     precision=problem.precision)
 
 
+def _check_time_limit(time_limit_s: float | None) -> None:
+    if time_limit_s is not None and not 0 < time_limit_s <= MAX_TIME_LIMIT_S:
+        raise ValueError(f"--time-limit must be more than 0 and at most {MAX_TIME_LIMIT_S:g} seconds, "
+                         f"got {time_limit_s:g}")
+
+
 def _solve(problem: Problem, placement: str, fix: Any, top_k: int, time_limit_s: float | None) -> tuple[list[_Ranked], dict]:
     """Ranked strategies (best first) over the requested placements, and the fixes as given."""
     from planner.solver.cp_sat import DEFAULT_SETTINGS, solve
 
-    if time_limit_s is not None and time_limit_s <= 0:
-        raise ValueError(f"--time-limit must be > 0 seconds, got {time_limit_s:g}")
     pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus)
     placements = placements_to_solve(problem, placement, pinned)
     all_cands = candidates_or_error(problem, placements, fixes)
@@ -351,7 +449,8 @@ def build_plan(
     """The Plan document of ``strategy``: re-costed with ``cost.estimate``, with the baselines. ``objective_s``,
     the solver's step time, must agree with the re-costed one up to the solver's nanosecond rounding."""
     e = estimate(problem.model, problem.cluster, problem.workload, strategy, problem.assumptions, problem.layer_costs)
-    assert objective_s is None or abs(objective_s - e.step_time_s) <= OBJECTIVE_TOLERANCE_S, (
+    tolerance = max(OBJECTIVE_TOLERANCE_S, OBJECTIVE_RELATIVE_TOLERANCE * e.step_time_s)
+    assert objective_s is None or abs(objective_s - e.step_time_s) <= tolerance, (
         f"solver objective {objective_s} s != cost model {e.step_time_s} s"
     )
     model, device, w = problem.model, problem.cluster.device, problem.workload
@@ -403,8 +502,8 @@ def top_plans(
     Raises:
         ValueError: bad input; Infeasible (a ValueError) when no plan fits, with the explanation.
     """
-    if k < 1:
-        raise ValueError(f"--top-k must be >= 1, got {k}")
+    check_bounds("--top-k", k, 1, MAX_TOP_K)
+    _check_time_limit(time_limit_s)
     problem = _as_problem(model, gpus, inputs)
     pinned = pinned_strategy(problem, placement, fix)
     reference = baselines(problem)
@@ -479,6 +578,7 @@ def max_seq(
     Raises:
         ValueError: not a vision model, or bad input; Infeasible when even the smallest image does not fit.
     """
+    _check_time_limit(time_limit_s)
     problem = _as_problem(model, gpus, inputs)
     if problem.model.vision_input is None:
         raise ValueError(f"--max-seq searches image sequence lengths; {problem.model.name} has no vision encoder")

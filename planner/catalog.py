@@ -93,6 +93,15 @@ def _section(config: Mapping[str, Any], key: str, defaults: Mapping[str, Any]) -
     return _with_defaults(config.get(key) or {}, defaults, key)
 
 
+def _encoder_section(config: Mapping[str, Any], key: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """An encoder's sub-config, which every hub config of the family has: a file without it is most likely not the
+    model's own config.json, so it is refused rather than read as the transformers defaults."""
+    if key not in config:
+        raise ValueError(f"no {key}: a {config.get('model_type')} config.json describes its encoder there (copy the "
+                         f"model's config.json from its hub repository)")
+    return _section(config, key, defaults)
+
+
 def _text_section(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
     """The decoder's settings: nested ``text_config`` (transformers 5) or the flat top level (hub files)."""
     return _with_defaults(config.get("text_config") or config, defaults, "text_config")
@@ -253,10 +262,10 @@ def _vision_language_spec(config: Mapping[str, Any], name: str, family: str) -> 
     text = _text_section(config, QWEN_VL_TEXT_DEFAULTS)
     tied = bool(config.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
     if family == "qwen2_5_vl":
-        v = _section(config, "vision_config", QWEN2_5_VL_VISION_DEFAULTS)
+        v = _encoder_section(config, "vision_config", QWEN2_5_VL_VISION_DEFAULTS)
         vision, vision_input = qwen2_5_vision_module(v), _vision_input(v, window=True)
     else:
-        v = _section(config, "vision_config", QWEN2_VL_VISION_DEFAULTS)
+        v = _encoder_section(config, "vision_config", QWEN2_VL_VISION_DEFAULTS)
         vision, vision_input = qwen2_vl_vision_module(v), _vision_input(v, window=False)
     return ModelSpec(
         name=name, family=family, hf_config=copy.deepcopy(dict(config)), vision_input=vision_input,
@@ -267,7 +276,7 @@ def _vision_language_spec(config: Mapping[str, Any], name: str, family: str) -> 
 def _audio_language_spec(config: Mapping[str, Any], name: str) -> ModelSpec:
     """Qwen2-Audio: audio encoder + Qwen2 decoder (transformers never ties its lm_head)."""
     text = _section(config, "text_config", QWEN2_TEXT_DEFAULTS)
-    audio = _section(config, "audio_config", QWEN2_AUDIO_ENCODER_DEFAULTS)
+    audio = _encoder_section(config, "audio_config", QWEN2_AUDIO_ENCODER_DEFAULTS)
     llm = llm_module(text, tied=False, head_dim_key=True)
     tokens_per_second = WHISPER_MEL_FRAMES_PER_SECOND // WHISPER_CONV_STRIDE
     positions = _positive_int(audio, "max_source_positions", "audio_config")

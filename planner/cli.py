@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from planner.hardware import PLAUSIBLE_RANGES
+
 EXIT_USER_ERROR = 2
 
 DESCRIPTION = """\
@@ -54,25 +56,34 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from planner import api
+
     p = _Parser(prog="plan", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_argument_group("model and hardware")
     what.add_argument("--model", help="catalog name/alias (plan --list-models) or a path to a config.json")
-    what.add_argument("--gpus", type=int, help="number of GPUs")
+    what.add_argument("--gpus", type=int, help=f"number of GPUs (1 to {api.MAX_GPUS:,})")
     what.add_argument("--gpu", default="h100-80gb", help="hardware (plan --list-gpus; default h100-80gb)")
-    what.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the hardware's, 8)")
-    what.add_argument("--cluster", metavar="FILE", help="JSON/YAML cluster file overriding the hardware's numbers")
+    what.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the hardware's, 8; at most "
+                      f"{PLAUSIBLE_RANGES['devices_per_node'].high:,g})")
+    what.add_argument("--cluster", metavar="FILE", help="JSON/YAML cluster file overriding the hardware's numbers "
+                      "(in bytes, bytes/s, FLOP/s and seconds, each within a plausible range)")
     what.add_argument("--profile", metavar="FILE",
                       help="measured profile to cost with (default: profiles/<gpu>/<model>.json if present; "
                            "'none' for the analytical model only)")
     data = p.add_argument_group("workload (per sample)")
     data.add_argument("--image-size", type=_image_size, action="append", metavar="WxH",
-                      help="image size in pixels, repeatable (default one 1344x1344)")
-    data.add_argument("--images-per-sample", type=int, help="repeat the image sizes this many times (default 1)")
+                      help=f"image size in pixels, repeatable (default one 1344x1344; sides up to "
+                           f"{api.MAX_IMAGE_SIDE:,}, at most {api.MAX_VISION_TOKENS:,} vision tokens per sample)")
+    data.add_argument("--images-per-sample", type=int, help="repeat the image sizes this many times (default 1; "
+                      f"at most {api.MAX_IMAGES_PER_SAMPLE} images per sample)")
     data.add_argument("--vision-tokens", type=int, help="vision tokens per sample instead of image sizes "
-                      "(a square grid, e.g. 9216)")
-    data.add_argument("--text-tokens", type=int, help="text tokens per sample (default 512)")
-    data.add_argument("--audio-seconds", type=float, help="seconds of audio per sample (audio models; default 30)")
-    data.add_argument("--global-batch", type=int, help="samples per optimizer step (default 4 per GPU)")
+                      f"(a square grid, e.g. 9216; at most {api.MAX_VISION_TOKENS:,})")
+    data.add_argument("--text-tokens", type=int, help="text tokens per sample (default 512; at least 2 per image "
+                      f"+ 1, at most {api.MAX_TEXT_TOKENS:,})")
+    data.add_argument("--audio-seconds", type=float, help="seconds of audio per sample (audio models; default 30; "
+                      f"0 to {api.MAX_AUDIO_SECONDS:,g})")
+    data.add_argument("--global-batch", type=int, help="samples per optimizer step (default 4 per GPU; at most "
+                      f"{api.MAX_GLOBAL_BATCH:,})")
     data.add_argument("--precision", default="bf16_mixed", choices=("bf16_mixed", "bf16_pure"),
                       help="bf16_mixed (fp32 master + Adam, 16 B/param; default) or bf16_pure (8 B/param)")
     data.add_argument("--frozen", action="append", default=[], metavar="MODULE", help="freeze a module (repeatable)")
@@ -86,16 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--allow-cp", action="store_true",
                         help="also search ring context parallelism (cp > 1): costed, but `python -m runtime` "
                              "cannot run it yet")
-    search.add_argument("--top-k", type=int, default=1, metavar="K", help="show the K best distinct plans")
+    search.add_argument("--top-k", type=int, metavar="K",
+                        help=f"show the K best distinct plans (default 1, at most {api.MAX_TOP_K})")
     search.add_argument("--max-seq", action="store_true",
-                        help="find the longest image sequence (vision tokens per sample) any plan fits")
+                        help="find the longest image sequence (vision tokens per sample) any plan fits (one plan: "
+                             "not with --top-k)")
     search.add_argument("--time-limit", type=float, default=None, metavar="S",
-                        help="CP-SAT time limit per solve in seconds (default 20)")
+                        help=f"CP-SAT time limit per solve in seconds (default 20, at most {api.MAX_TIME_LIMIT_S:g})")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true",
                      help="print the plan JSON on stdout and nothing else (a JSON list with --top-k > 1)")
     out.add_argument("--out", metavar="PATH", help="where to write the plan (default plan.json; with --json: "
-                     "only when given)")
+                     "only when given; with --top-k K also PATH-2 ... PATH-K, all checked writable first)")
     out.add_argument("--list-models", action="store_true", help="list catalog models and exit")
     out.add_argument("--list-gpus", action="store_true", help="list hardware and exit")
     return p
@@ -139,13 +152,44 @@ def _run(args: argparse.Namespace) -> list:
     problem = api.make_problem(args.model, args.gpus, **_inputs(args))
     if args.max_seq:
         return [api.max_seq(problem, placement=args.placement, fix=args.fix, time_limit_s=args.time_limit)]
-    return api.top_plans(problem, k=args.top_k, placement=args.placement, fix=args.fix, time_limit_s=args.time_limit)
+    return api.top_plans(problem, k=args.top_k or 1, placement=args.placement, fix=args.fix,
+                         time_limit_s=args.time_limit)
 
 
 def _out_paths(out: str, count: int) -> list[Path]:
     """plan.json, plan-2.json, ... for the ranked plans."""
     path = Path(out)
     return [path] + [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(2, count + 1)]
+
+
+def check_writable(paths: list[Path]) -> None:
+    """Raise a one-line ValueError unless every path can be written: its folder exists and is writable, and the
+    path is not a folder or a read-only file (checked before planning, so no plan is written when one cannot be)."""
+    for path in paths:
+        folder = path.parent
+        try:
+            if path.is_dir():
+                raise ValueError(f"cannot write {path}: it is a folder")
+            if not folder.is_dir():
+                raise ValueError(f"cannot write {path}: no folder {folder}")
+            if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+                raise ValueError(f"cannot write {path}: permission denied")
+        except OSError as e:  # e.g. a name too long
+            raise ValueError(f"cannot write {path}: {e.strerror}") from None
+
+
+def _check_output_args(args: argparse.Namespace, out: str | None) -> None:
+    """Output flags that contradict each other or cannot be written, before any planning."""
+    from planner import api
+
+    if args.out is not None and not args.out.strip():
+        raise ValueError("--out needs a file path, got an empty one")
+    if args.max_seq and args.top_k is not None:
+        raise ValueError("--max-seq finds one plan, the longest sequence that fits: drop --top-k")
+    if args.top_k is not None:
+        api.check_bounds("--top-k", args.top_k, 1, api.MAX_TOP_K)  # before naming its output files
+    if out:
+        check_writable(_out_paths(out, args.top_k or 1))
 
 
 def _write(plans: list, out: str) -> list[Path]:
@@ -273,8 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list_models or args.list_gpus:
         _list_models() if args.list_models else _list_gpus()
         return 0
-    out = args.out or (None if args.json else "plan.json")
+    out = args.out if args.out is not None else (None if args.json else "plan.json")
     try:
+        _check_output_args(args, out)
         plans = _run(args)
         paths = _write(plans, out) if out else []
     except (ValueError, NotImplementedError) as e:

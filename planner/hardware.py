@@ -58,6 +58,40 @@ class Cluster:
         return -(-self.num_devices // self.devices_per_node)
 
 
+@dataclass(kw_only=True, frozen=True)
+class PlausibleRange:
+    """The values a device field may take in a cluster file: wide enough for any real device (a CPU worker to a
+    GPU generations ahead), narrow enough to catch a number written in another unit (GB/s for bytes/s)."""
+
+    low: float
+    """Smallest plausible value."""
+    high: float
+    """Largest plausible value."""
+    unit: str
+    """The unit the field is in."""
+    other_units: tuple[tuple[str, float], ...] = ()
+    """(unit, its size in ``unit``) a user may have written instead, for the hint (GB/s -> 1e9 bytes/s)."""
+
+
+_BANDWIDTH_UNITS = (("GB/s", 1e9), ("TB/s", 1e12), ("Gb/s", 1e9 / 8))
+_LATENCY_UNITS = (("us", 1e-6), ("ms", 1e-3), ("ns", 1e-9))
+PLAUSIBLE_RANGES: dict[str, PlausibleRange] = {
+    "peak_bf16_flops": PlausibleRange(low=1e9, high=1e17, unit="FLOP/s",
+                                      other_units=(("TFLOP/s", 1e12), ("PFLOP/s", 1e15), ("GFLOP/s", 1e9))),
+    "memory_bytes": PlausibleRange(low=2**28, high=2**44, unit="bytes", other_units=(("GiB", 2**30), ("MiB", 2**20))),
+    "memory_bandwidth": PlausibleRange(low=1e9, high=1e14, unit="bytes/s", other_units=_BANDWIDTH_UNITS),
+    "intra_node_bandwidth": PlausibleRange(low=1e7, high=1e14, unit="bytes/s", other_units=_BANDWIDTH_UNITS),
+    "intra_node_latency": PlausibleRange(low=0.0, high=1e-2, unit="seconds", other_units=_LATENCY_UNITS),
+    "inter_node_bandwidth": PlausibleRange(low=1e7, high=1e14, unit="bytes/s", other_units=_BANDWIDTH_UNITS),
+    "inter_node_latency": PlausibleRange(low=0.0, high=1e-1, unit="seconds", other_units=_LATENCY_UNITS),
+    "devices_per_node": PlausibleRange(low=1, high=1024, unit="devices"),
+}
+"""DeviceSpec field -> the range a cluster file's value must lie in: peak 1 GFLOP/s (a CPU worker) to 100 PFLOP/s;
+256 MiB to 16 TiB of memory; memory bandwidth 1 GB/s to 100 TB/s; links 10 MB/s to 100 TB/s per direction;
+latencies 0 to 10 ms in a node and 100 ms between nodes; 1 to 1,024 devices per node. Together with the flag
+bounds (``planner.api``) they keep every predicted time far inside the solver's integers (``planner.solver``)."""
+
+
 # --- Device catalog ---------------------------------------------------------------------------------------------
 
 GiB = 2**30
@@ -210,11 +244,26 @@ def _field_value(key: str, value: Any, origin: str) -> int | float | str:
             raise ValueError(f"{origin}: {key} must be a non-empty string, got {value!r}")
         return value
     number = _number(key, value, origin)
-    if kind == "int":
-        if not number.is_integer():
-            raise ValueError(f"{origin}: {key} must be a whole number, got {value!r}")
-        return int(number)
-    return number
+    if kind == "int" and not number.is_integer():
+        raise ValueError(f"{origin}: {key} must be a whole number, got {value!r}")
+    check_plausible(key, number, origin)
+    return int(number) if kind == "int" else number
+
+
+def check_plausible(key: str, value: float, origin: str) -> None:
+    """Raise a one-line ValueError naming the field, value, unit and range when ``value`` is outside the field's
+    ``PLAUSIBLE_RANGES``, with the value in the expected unit if it looks like one written in another."""
+    bounds = PLAUSIBLE_RANGES[key]
+    if bounds.low <= value <= bounds.high:
+        return
+    fitting = [(unit, value * size) for unit, size in bounds.other_units if bounds.low <= value * size <= bounds.high]
+    hint = ""
+    if fitting:
+        units = " or ".join(unit for unit, _ in fitting)
+        values = ", ".join(f"{value:g} {unit} = {converted:g}" for unit, converted in fitting)
+        hint = f" (written in {units}? {values} {bounds.unit})"
+    raise ValueError(f"{origin}: {key} = {value:g} is outside the plausible range {bounds.low:g} to "
+                     f"{bounds.high:g} {bounds.unit}{hint}")
 
 
 def _check_fields(values: Mapping[str, Any], origin: str) -> dict[str, Any]:

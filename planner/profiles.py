@@ -21,7 +21,7 @@ import math
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Annotated, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -41,6 +41,17 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+MAX_MEASURED_SECONDS = 86_400.0
+"""Longest time a profile may record for one layer or collective (a day): beyond it a number is not a measurement,
+and would carry predicted steps past what the planner's arithmetic is meant for."""
+MAX_MEASURED_AMOUNT = 1e24
+"""Largest FLOP count a profile may record for one layer."""
+Seconds = Annotated[float, Field(ge=0, le=MAX_MEASURED_SECONDS, allow_inf_nan=False)]
+"""A measured time: finite, not negative, at most ``MAX_MEASURED_SECONDS``."""
+Amount = Annotated[float, Field(ge=0, le=MAX_MEASURED_AMOUNT, allow_inf_nan=False)]
+"""A measured FLOP count: finite, not negative, at most ``MAX_MEASURED_AMOUNT``."""
+
+
 class Provenance(_Strict):
     """Where and how a profile was measured."""
 
@@ -57,9 +68,9 @@ class Provenance(_Strict):
 class Spread(_Strict):
     """Distribution of repeated timings of one quantity."""
 
-    median_s: float
-    min_s: float
-    max_s: float
+    median_s: Seconds
+    min_s: Seconds
+    max_s: Seconds
     repeats: int
 
 
@@ -86,10 +97,11 @@ class LayerPoint(_Strict):
         "one instance's share, the rest the call's fixed cost (DTensor dispatch, norm reductions), paid once per "
         "module",
     )
-    forward_flops: float
-    backward_flops: float
-    saved_activation_bytes: int = Field(description="tensors autograd saved for backward, parameters excluded")
-    peak_bytes: int = Field(description="peak of activations + temporaries + gradients during fwd+bwd, params excluded")
+    forward_flops: Amount
+    backward_flops: Amount
+    saved_activation_bytes: int = Field(ge=0, description="tensors autograd saved for backward, parameters excluded")
+    peak_bytes: int = Field(ge=0, description="peak of activations + temporaries + gradients during fwd+bwd, params "
+                            "excluded")
     includes_comm: bool = Field(
         default=False,
         description="timed as the runtime runs the layer, in tp*sp gloo/NCCL processes sharded by the runtime's own "
@@ -120,14 +132,15 @@ class MatmulPoint(_Strict):
     """Achieved FLOP/s of an n x n x n matmul."""
 
     n: int
-    flops_per_s: float
+    flops_per_s: float = Field(gt=0, allow_inf_nan=False)
 
 
 class DeviceMeasurements(_Strict):
     """Microbenchmarks of the device itself."""
 
     matmul: list[MatmulPoint]
-    memory_bandwidth: float = Field(description="bytes/s of a large copy (read + write counted)")
+    memory_bandwidth: float = Field(gt=0, allow_inf_nan=False, description="bytes/s of a large copy (read + write "
+                                    "counted)")
     concurrency: dict[int, float] = Field(
         default_factory=dict,
         description="devices computing at once -> per-device slowdown of a layer's fwd+bwd vs one alone (CPU)",
@@ -221,7 +234,11 @@ def load_profile(path: str | Path) -> Profile:
         raise ValueError(f"profile {path} is not JSON: {e.msg} at line {e.lineno}") from None
     if not isinstance(data, dict) or "schema_version" not in data:
         raise ValueError(f"{path} is not a profile: it has no schema_version (write one with `python -m runtime.profile`)")
-    if data["schema_version"] not in READABLE_SCHEMA_VERSIONS:
+    version = data["schema_version"]
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ValueError(f"profile {path}: schema_version must be a whole number, got {version!r} "
+                         f"({type(version).__name__})")
+    if version not in READABLE_SCHEMA_VERSIONS:
         raise ValueError(
             f"profile {path} has schema version {data['schema_version']}, this tool reads versions "
             f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}: re-run `python -m runtime.profile` to regenerate it"

@@ -203,6 +203,9 @@ def load_plan(path: str | Path) -> Plan:
     if not isinstance(data, dict) or "schema_version" not in data:
         raise PlanError(f"{path} is not a plan: it has no schema_version (write one with `plan --out`)")
     version = data["schema_version"]
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise PlanError(f"plan {path}: schema_version must be a whole number, got {version!r} "
+                        f"({type(version).__name__}); this tool reads version {SCHEMA_VERSION}")
     if version != SCHEMA_VERSION:
         raise PlanError(
             f"plan {path} has schema version {version}, this tool reads version {SCHEMA_VERSION}: "

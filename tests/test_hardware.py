@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import fields
 
 import pytest
 
 from planner.hardware import (
     DEVICE_CATALOG,
+    PLAUSIBLE_RANGES,
+    check_plausible,
     GiB,
     DeviceSpec,
     get_device,
@@ -142,3 +145,31 @@ def test_override_device_keeps_unset_fields_and_records_the_origin():
     assert (measured.peak_bf16_flops, measured.source, measured.memory_bytes) == (2e11, "profile cpu/tiny",
                                                                                   base.memory_bytes)
     assert override_device(base, {}, "nothing") is base
+
+
+@pytest.mark.parametrize("name", list(DEVICE_CATALOG))
+def test_catalog_devices_lie_inside_the_plausible_ranges(name):
+    spec = get_device(name)
+    for field, bounds in PLAUSIBLE_RANGES.items():
+        assert bounds.low <= getattr(spec, field) <= bounds.high, field
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("inter_node_bandwidth", 25, "inter_node_bandwidth = 25 is outside the plausible range 1e+07 to 1e+14 bytes/s"),
+    ("peak_bf16_flops", 1e-300, "peak_bf16_flops = 1e-300 is outside the plausible range 1e+09 to 1e+17 FLOP/s"),
+    ("intra_node_latency", 3.4, "intra_node_latency = 3.4 is outside the plausible range 0 to 0.01 seconds"),
+    ("devices_per_node", 4096, "devices_per_node = 4096 is outside the plausible range 1 to 1024 devices"),
+])
+def test_cluster_file_values_outside_the_plausible_range_name_field_value_unit_and_range(field, value, message,
+                                                                                         tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"device": "h100-80gb", field: value}))
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        load_cluster_file(str(path))
+    assert "\n" not in str(info.value)
+
+
+def test_the_unit_hint_converts_the_value():
+    hint = "(written in us or ms or ns? 3.4 us = 3.4e-06, 3.4 ms = 0.0034, 3.4 ns = 3.4e-09 seconds)"
+    with pytest.raises(ValueError, match=re.escape(hint)):
+        check_plausible("intra_node_latency", 3.4, "f.json")

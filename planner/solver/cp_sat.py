@@ -11,16 +11,24 @@ family -> objective -> parameters -> status -> typed ``Solution``s. The objectiv
   each candidate carries its own terms for its grad_accum, one shared choice; each group fits by itself
   (candidates are filtered); the groups use exactly N GPUs.
 
+Integers: the candidates carry nanoseconds and bytes. CP-SAT checks that no linear expression can overflow 64-bit
+integers, and reads the objective back as a double; so the model counts time and memory in units (``Units``) large
+enough that the sum of every coefficient of a family stays below ``MAX_MODEL_INTEGER`` (2^53, exact in a double).
+For every plan a user can ask for on real hardware that unit is 1 ns and 1 byte; only extreme inputs (a step of
+days on thousands of candidates) coarsen it, then times are rounded to the nearest unit and memory rounded up
+(never admitting a plan that does not fit). The reported step time is re-added from the chosen candidates' exact
+nanoseconds, so it never carries the coarser rounding.
+
 Ties are broken deterministically by a second solve that fixes the optimal step time and minimises a
 mixed-radix index of the chosen candidates (each module's list is ordered best first), so the same inputs
 give the same plan with any number of workers. (Only a solve cut short by the time limit -- status FEASIBLE, or
-a tie-break left unproven -- can depend on thread timing.)
+a tie-break left unproven or without any plan -- can depend on thread timing.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Callable, Literal, Mapping
 
 from ortools.sat.python import cp_model
 
@@ -63,12 +71,45 @@ class SolverTimeout(ValueError):
 
 Vars = dict[tuple[str, int], cp_model.IntVar]
 """(module, candidate index) -> boolean."""
+Coefficient = Callable[[Candidate], int]
+"""A candidate's coefficient in one constraint family, in the model's units."""
+
+MAX_MODEL_INTEGER = 2**53
+"""Bound on the sum of all coefficients of a family: far below CP-SAT's int64 overflow checks, and exact as the
+double CP-SAT reports the objective in."""
 
 
-def weighted(x: Vars, cands: Candidates, attr: str, modules: list[str] | None = None) -> cp_model.LinearExpr:
-    """sum over candidates c of the given modules of attr_c * x[m,c]."""
+@dataclass(kw_only=True, frozen=True)
+class Units:
+    """The model's integer units: nanoseconds and bytes per unit (1 unless the inputs are extreme)."""
+
+    ns: int
+    """Nanoseconds per time unit."""
+    bytes: int
+    """Bytes per memory unit."""
+
+    def time(self, ns: int) -> int:
+        """Nanoseconds in time units, rounded to the nearest."""
+        return (ns + self.ns // 2) // self.ns
+
+    def memory(self, num_bytes: int) -> int:
+        """Bytes in memory units, rounded up."""
+        return -(-num_bytes // self.bytes)
+
+
+def model_units(cands: Candidates, memory_budget_bytes: int) -> Units:
+    """The smallest units keeping the sum of every family's coefficients within ``MAX_MODEL_INTEGER``: time (every
+    term of every candidate, which bounds the step, the paths and the tails) and memory (with the budget)."""
+    every = [c for cs in cands.by_module.values() for c in cs]
+    time_total = sum(c.step_ns + sum(c.path_ns) + c.tail_ns for c in every)
+    memory_total = sum(c.memory_bytes for c in every) + max(memory_budget_bytes, 0)
+    return Units(ns=-(-time_total // MAX_MODEL_INTEGER) or 1, bytes=-(-memory_total // MAX_MODEL_INTEGER) or 1)
+
+
+def weighted(x: Vars, cands: Candidates, coefficient: Coefficient, modules: list[str] | None = None) -> cp_model.LinearExpr:
+    """sum over candidates c of the given modules of coefficient(c) * x[m,c]."""
     pairs = [
-        (x[m, i], getattr(c, attr))
+        (x[m, i], coefficient(c))
         for m in (modules or list(cands.by_module))
         for i, c in enumerate(cands.by_module[m])
     ]
@@ -91,16 +132,17 @@ def add_shared_grad_accum(model: cp_model.CpModel, x: Vars, cands: Candidates) -
             model.add(cp_model.LinearExpr.sum([x[m, i] for i, c in enumerate(cs) if c.grad_accum == a]) == y[a])
 
 
-def add_colocated_memory(model: cp_model.CpModel, x: Vars, cands: Candidates, budget_bytes: int) -> None:
-    """Every GPU holds every module: sum_m sum_c x[m,c] * memory_c <= usable - overhead."""
-    model.add(weighted(x, cands, "memory_bytes") <= budget_bytes)
+def add_colocated_memory(model: cp_model.CpModel, x: Vars, cands: Candidates, budget_bytes: int, units: Units) -> None:
+    """Every GPU holds every module: sum_m sum_c x[m,c] * memory_c <= usable - overhead (memory rounded up, the
+    budget down)."""
+    model.add(weighted(x, cands, lambda c: units.memory(c.memory_bytes)) <= budget_bytes // units.bytes)
 
 
 def add_disjoint_gpus(model: cp_model.CpModel, x: Vars, cands: Candidates, num_gpus: int) -> None:
     """The groups tile the cluster: sum_m sum_c x[m,c] * gpus_c == N; with one bool z[g] per split (encoder on
     g GPUs, LLM on N - g): sum_{c in C_enc, gpus_c = g} x == z[g] == sum_{c in C_llm, gpus_c = N - g} x, which
     tightens the relaxation (a two-module model is what disjoint placement supports)."""
-    model.add(weighted(x, cands, "gpus") == num_gpus)
+    model.add(weighted(x, cands, lambda c: c.gpus) == num_gpus)
     encoder, llm = list(cands.by_module)
     splits = sorted({c.gpus for c in cands.by_module[encoder]})
     z = {g: model.new_bool_var(f"split_{g}") for g in splits}
@@ -111,22 +153,23 @@ def add_disjoint_gpus(model: cp_model.CpModel, x: Vars, cands: Candidates, num_g
             model.add(cp_model.LinearExpr.sum(chosen) == z[g])
 
 
-def add_max_over_modules(model: cp_model.CpModel, x: Vars, cands: Candidates, attr: str, name: str) -> cp_model.IntVar:
-    """A variable t with t >= sum_c x[m,c] * attr_c for every module m (the objective pushes it down to the max)."""
-    top = max(getattr(c, attr) for cs in cands.by_module.values() for c in cs)
+def add_max_over_modules(model: cp_model.CpModel, x: Vars, cands: Candidates, coefficient: Coefficient, name: str) -> cp_model.IntVar:
+    """A variable t with t >= sum_c x[m,c] * coefficient_c for every module m (the objective pushes it down to the
+    max)."""
+    top = max(coefficient(c) for cs in cands.by_module.values() for c in cs)
     t = model.new_int_var(0, top, name)
     for m in cands.by_module:
-        model.add(t >= weighted(x, cands, attr, [m]))
+        model.add(t >= weighted(x, cands, coefficient, [m]))
     return t
 
 
-def add_longest_path(model: cp_model.CpModel, x: Vars, cands: Candidates) -> cp_model.IntVar:
+def add_longest_path(model: cp_model.CpModel, x: Vars, cands: Candidates, units: Units) -> cp_model.IntVar:
     """A variable p with p >= sum_m sum_c x[m,c] * path_c[k] for every critical path k of the disjoint pipeline
     (``planner.cost.pipeline``; the objective pushes it down to the longest)."""
-    top = sum(max(max(c.path_ns) for c in cs) for cs in cands.by_module.values())
+    top = sum(max(units.time(max(c.path_ns)) for c in cs) for cs in cands.by_module.values())
     p = model.new_int_var(0, top, "pipeline")
     for k in range(NUM_PATHS):
-        pairs = [(x[m, i], c.path_ns[k]) for m, cs in cands.by_module.items() for i, c in enumerate(cs)]
+        pairs = [(x[m, i], units.time(c.path_ns[k])) for m, cs in cands.by_module.items() for i, c in enumerate(cs)]
         model.add(p >= cp_model.LinearExpr.weighted_sum([v for v, _ in pairs], [w for _, w in pairs]))
     return p
 
@@ -143,7 +186,8 @@ def add_no_good_cuts(model: cp_model.CpModel, x: Vars, cuts: list[Mapping[str, i
 def build_model(
     cands: Candidates, num_gpus: int, memory_budget_bytes: int, cuts: list[Mapping[str, int]]
 ) -> tuple[cp_model.CpModel, Vars, cp_model.LinearExpr]:
-    """The CP-SAT model of one placement, and its step-time expression (ns), not yet minimised."""
+    """The CP-SAT model of one placement, and its step-time expression (in ``model_units``), not yet minimised."""
+    units = model_units(cands, memory_budget_bytes)
     model = cp_model.CpModel()
     x: Vars = {
         (m, i): model.new_bool_var(f"x_{m}_{i}") for m, cs in cands.by_module.items() for i in range(len(cs))
@@ -151,12 +195,12 @@ def build_model(
     add_shared_grad_accum(model, x, cands)
     add_no_good_cuts(model, x, cuts)
     if cands.placement == "colocated":
-        add_colocated_memory(model, x, cands, memory_budget_bytes)
-        step = weighted(x, cands, "step_ns")
+        add_colocated_memory(model, x, cands, memory_budget_bytes, units)
+        step = weighted(x, cands, lambda c: units.time(c.step_ns))
     else:
         add_disjoint_gpus(model, x, cands, num_gpus)
-        pipeline = add_longest_path(model, x, cands)
-        tail = add_max_over_modules(model, x, cands, "tail_ns", "tail_max")
+        pipeline = add_longest_path(model, x, cands, units)
+        tail = add_max_over_modules(model, x, cands, lambda c: units.time(c.tail_ns), "tail_max")
         step = pipeline + tail
     return model, x, step
 
@@ -193,6 +237,15 @@ def _chosen(solver: cp_model.CpSolver, x: Vars, cands: Candidates) -> dict[str, 
     return {m: next(i for i in range(len(cs)) if solver.boolean_value(x[m, i])) for m, cs in cands.by_module.items()}
 
 
+def step_ns(cands: Candidates, chosen: Mapping[str, int]) -> int:
+    """The step time of a choice in exact nanoseconds, by the model's formula: colocated the sum of the step terms,
+    disjoint the longest critical path plus the longest tail."""
+    picked = [cands.by_module[m][i] for m, i in chosen.items()]
+    if cands.placement == "colocated":
+        return sum(c.step_ns for c in picked)
+    return max(sum(c.path_ns[k] for c in picked) for k in range(NUM_PATHS)) + max(c.tail_ns for c in picked)
+
+
 def solve_one(
     cands: Candidates,
     num_gpus: int,
@@ -200,7 +253,7 @@ def solve_one(
     cuts: list[Mapping[str, int]],
     settings: SolverSettings,
 ) -> tuple[Status, dict[str, int], int] | None:
-    """Best plan not among ``cuts``: (status, module -> candidate index, step ns), or None if there is none.
+    """Best plan not among ``cuts``: (status, module -> candidate index, exact step ns), or None if there is none.
 
     Raises:
         SolverTimeout: neither a plan nor a proof that none exists within the time limit.
@@ -218,8 +271,9 @@ def solve_one(
         )
     chosen, best = _chosen(solver, x, cands), round(solver.objective_value)
     if status != "OPTIMAL":
-        return "FEASIBLE", chosen, best
-    return "OPTIMAL", _break_ties(cands, num_gpus, memory_budget_bytes, cuts, best, chosen, settings), best
+        return "FEASIBLE", chosen, step_ns(cands, chosen)
+    chosen = _break_ties(cands, num_gpus, memory_budget_bytes, cuts, best, chosen, settings)
+    return "OPTIMAL", chosen, step_ns(cands, chosen)
 
 
 def _break_ties(
@@ -231,7 +285,8 @@ def _break_ties(
     chosen: dict[str, int],
     settings: SolverSettings,
 ) -> dict[str, int]:
-    """Among plans of step time ``best``, the one with the smallest mixed-radix index."""
+    """Among plans of step time ``best`` (model units), the one with the smallest mixed-radix index; ``chosen`` (of
+    the same step time) when the time limit stops the search before it finds one."""
     model, x, step = build_model(cands, num_gpus, memory_budget_bytes, cuts)
     model.add(step == best)
     model.minimize(mixed_radix_index(x, cands))
@@ -239,6 +294,8 @@ def _break_ties(
         for j in range(len(cands.by_module[m])):
             model.add_hint(x[m, j], j == i)
     solver, status = _run(model, settings)
+    if status == "UNKNOWN":  # the time limit ran out before the tie-break found any plan: keep the first solve's
+        return dict(chosen)
     assert status in ("OPTIMAL", "FEASIBLE"), f"tie-break lost the optimum: {status}"
     return _chosen(solver, x, cands)
 

@@ -8,7 +8,17 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Mapping
 
-from planner.candidates import Candidates, Fixes, Problem, build_candidates, feasible, module_strategies
+from planner.candidates import (
+    Candidates,
+    Fixes,
+    Problem,
+    build_candidates,
+    divisors,
+    feasible,
+    module_strategies,
+    sp_degrees,
+)
+from planner.models import ENCODER_MODULES
 from planner.cost.results import GIB
 from planner.strategy import Placement
 from planner.workload import Workload
@@ -42,11 +52,37 @@ def _usable(problem: Problem, num_gpus: int) -> bool:
     return all(module_strategies(there, m, num_gpus, {}, {})[0] for m in problem.model.module_names)
 
 
+def _layout_counts(problem: Problem, module: str) -> set[int]:
+    """dp * tp * sp over the degrees ``candidates._layouts`` tries: the GPU counts the module can use without
+    context parallelism."""
+    node, batch = problem.cluster.devices_per_node, problem.workload.global_batch
+    return {dp * tp * sp for dp in divisors(batch) for tp in divisors(node) for sp in sp_degrees(problem.model, module)}
+
+
+def layout_gpu_counts(problem: Problem, low: int, high: int) -> list[int]:
+    """GPU counts in [low, high] that every module could use by arithmetic alone, ascending: a superset of the
+    counts ``_usable`` accepts, found from the degrees rather than by trying every count. A module that may use
+    ring context parallelism (the LLM with ``allow_ring_cp``) can use any multiple of its dp * tp * sp; an encoder
+    only dp * tp * sp itself. A model without an encoder allowed CP can use nearly any count: then the nearest
+    multiples of each dp * tp * sp on either side of the range stand in for it."""
+    finite, multiples = [], []
+    for module in problem.model.module_names:
+        counts = _layout_counts(problem, module)
+        cp_allowed = problem.allow_ring_cp and module not in ENCODER_MODULES
+        (multiples if cp_allowed else finite).append(counts)
+    if finite:
+        found = {k for k in set.intersection(*finite) if low <= k <= high}
+    else:
+        bases = set.union(*multiples)
+        found = {k for b in bases for k in (b * (low // b), b * -(-high // b)) if low <= k <= high}
+    return sorted(k for k in found if all(any(k % b == 0 for b in counts) for counts in multiples))
+
+
 def _usable_counts_hint(problem: Problem) -> str:
     """``usable GPU counts nearby: 6, 8`` (or a hint about the batch)."""
     n = problem.num_gpus
-    below = next((k for k in range(n - 1, 0, -1) if _usable(problem, k)), None)
-    above = next((k for k in range(n + 1, 4 * n + 1) if _usable(problem, k)), None)
+    below = next((k for k in reversed(layout_gpu_counts(problem, 1, n - 1)) if _usable(problem, k)), None)
+    above = next((k for k in layout_gpu_counts(problem, n + 1, 4 * n) if _usable(problem, k)), None)
     nearby = [str(k) for k in (below, above) if k is not None]
     if not nearby:
         return f"try a global batch with more divisors than {problem.workload.global_batch}"
@@ -92,11 +128,30 @@ def _what_does_not_fit(problem: Problem, all_cands: Mapping[str, Candidates]) ->
                 f"({least.strategy.describe()} on {least.gpus} GPUs), {(need - usable) / GIB:.1f} GiB over")
     if "colocated" in all_cands:
         cands = all_cands["colocated"]
-        need = sum(c.memory_bytes for c in cands.smallest.values()) + overhead
-        names = " + ".join(cands.smallest)
-        return (f"colocated, {names} together need at least {need / GIB:.1f} GiB per GPU, "
-                f"{max(need - usable, 0) / GIB:.1f} GiB over (each fits alone)")
+        names = " + ".join(cands.by_module)
+        least = least_colocated_need(cands)
+        if least is None:
+            return f"colocated, {names} each fit alone but at no common grad_accum (all modules share one)"
+        grad_accum, need = least[0], least[1] + overhead
+        return (f"colocated, {names} together need at least {need / GIB:.1f} GiB per GPU (grad_accum "
+                f"{grad_accum}), {_amount_over(need - usable)} over (each fits alone)")
     return f"no split of the {problem.num_gpus} GPUs gives every module a group it fits in"
+
+
+def least_colocated_need(cands: Candidates) -> tuple[int, int] | None:
+    """(grad_accum, bytes) of the colocated choice needing the least memory, overhead excluded: per grad_accum the
+    modules share, the sum of each module's least-memory fitting candidate (what ``candidates.feasible`` checks);
+    None when the modules have no grad_accum in common."""
+    modules = list(cands.by_module)
+    accums = set.intersection(*({c.grad_accum for c in cands.by_module[m]} for m in modules))
+    needs = [(sum(min(c.memory_bytes for c in cands.by_module[m] if c.grad_accum == ga) for m in modules), ga)
+             for ga in sorted(accums)]
+    return None if not needs else min(needs)[::-1]
+
+
+def _amount_over(excess_bytes: int) -> str:
+    """``2.5 GiB``, or MiB below 0.1 GiB so that a small excess does not read as 0.0."""
+    return f"{excess_bytes / GIB:.1f} GiB" if excess_bytes >= 0.1 * GIB else f"{excess_bytes / 2**20:.1f} MiB"
 
 
 def variant(problem: Problem, *, num_gpus: int | None = None, workload: Workload | None = None) -> Problem:
@@ -116,35 +171,38 @@ def _fits(problem: Problem, placements: list[str], fixes: Fixes) -> bool:
     return False
 
 
-def _gpu_counts_above(num_gpus: int, node: int) -> list[int]:
-    """Counts to try, ascending: every count up to one node, then whole nodes, up to MAX_GPU_SEARCH."""
-    return [n for n in range(num_gpus + 1, MAX_GPU_SEARCH + 1) if n <= node or n % node == 0]
+def _gpu_counts_above(problem: Problem) -> list[int]:
+    """Counts to try, ascending: those the layouts can use (``layout_gpu_counts``) up to one node, then whole nodes,
+    up to MAX_GPU_SEARCH."""
+    node = problem.cluster.devices_per_node
+    return [n for n in layout_gpu_counts(problem, problem.num_gpus + 1, MAX_GPU_SEARCH) if n <= node or n % node == 0]
 
 
 def smallest_gpu_count(problem: Problem, placements: list[str], fixes: Fixes) -> int | None:
     """Smallest GPU count above the problem's at which some plan fits (same batch; fixes without ``gpus``).
 
-    Probes at doubling positions of ``_gpu_counts_above`` until one fits, then scans upward from just above the
-    last probe that did not; counts between two probes that do not fit are assumed not to fit either (memory per
-    GPU falls as GPUs are added, up to the batch's divisibility).
+    Probes ``_gpu_counts_above`` at doubling positions until one fits, then bisects between it and the last probe
+    that did not, so a search over thousands of counts costs a few dozen feasibility checks. Fitting is taken as
+    monotone over these counts (memory per GPU falls as GPUs are added; the counts the batch cannot use are not in
+    the list).
     """
     fixes = {m: {k: v for k, v in f.items() if k != "gpus"} for m, f in fixes.items()}
-    counts = _gpu_counts_above(problem.num_gpus, problem.cluster.devices_per_node)
+    counts = _gpu_counts_above(problem)
+
+    def fits(index: int) -> bool:
+        return _fits(variant(problem, num_gpus=counts[index]), placements, fixes)
+
     if not counts:
         return None
-    probe_index, lower = 0, 0
-    while True:
-        n = counts[probe_index]
-        if _fits(variant(problem, num_gpus=n), placements, fixes):
-            break
-        lower = probe_index + 1
-        if probe_index == len(counts) - 1:
+    low, high = -1, 0  # counts[low] does not fit (-1: none tried), counts[high] is the probe
+    while not fits(high):
+        if high == len(counts) - 1:
             return None
-        probe_index = min(2 * probe_index + 1, len(counts) - 1)
-    for n in counts[lower:probe_index]:
-        if _fits(variant(problem, num_gpus=n), placements, fixes):
-            return n
-    return counts[probe_index]
+        low, high = high, min(2 * high + 1, len(counts) - 1)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return counts[high]
 
 
 def vision_workload(problem: Problem, side: int) -> Workload:

@@ -113,8 +113,8 @@ def test_help_documents_the_defaults(capsys):
 
 @pytest.mark.parametrize("argv,match", [
     (["--model", "qwen-vl-23b", "--gpus", "8"], "unknown model 'qwen-vl-23b'; did you mean"),
-    (["--model", "qwen-vl-32b", "--gpus", "0"], "--gpus must be a positive number"),
-    (["--model", "qwen-vl-32b", "--gpus", "-4"], "--gpus must be a positive number"),
+    (["--model", "qwen-vl-32b", "--gpus", "0"], "--gpus must be between 1 and 65,536"),
+    (["--model", "qwen-vl-32b", "--gpus", "-4"], "--gpus must be between 1 and 65,536"),
     (["--model", "qwen-vl-32b", "--gpus", "7", "--placement", "colocated", "--global-batch", "64"],
      "usable GPU counts nearby"),
     (["--model", "qwen-vl-32b", "--gpus", "8", "--gpu", "h300"], "unknown device 'h300'"),
@@ -124,12 +124,12 @@ def test_help_documents_the_defaults(capsys):
     (["--model", "qwen-vl-32b", "--gpus", "8", "--profile", "/nonexistent/profile.json"], "cannot read profile"),
     (["--model", "qwen-vl-72b", "--gpus", "2"], "no plan fits 2 x h100-80gb"),
     (["--model", "qwen-vl-32b", "--gpus", "8", "--image-size", "12x"], "image size must be WxH"),
-    (["--model", "qwen-vl-32b", "--gpus", "8", "--top-k", "0"], "--top-k must be >= 1"),
+    (["--model", "qwen-vl-32b", "--gpus", "8", "--top-k", "0"], "--top-k must be between 1 and 20"),
     (["--model", "qwen-vl-32b", "--gpus", "8", "--vision-tokens", "1000"], "not a square grid"),
     (["--gpus", "8"], "give --model and --gpus"),
     (["--model", "qwen2-audio-7b", "--gpus", "8", "--max-seq"], "no vision encoder"),
     (["--model", "qwen-vl-32b", "--gpus", "many"], "invalid int value"),
-    (["--model", "qwen-vl-32b", "--gpus", "8", "--time-limit", "0"], "--time-limit must be > 0"),
+    (["--model", "qwen-vl-32b", "--gpus", "8", "--time-limit", "0"], "--time-limit must be more than 0 and at most 3600 seconds"),
     (["--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--out", "/nonexistent/dir/p.json"],
      "cannot write /nonexistent/dir/p.json"),
 ])
