@@ -23,7 +23,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -217,23 +217,47 @@ def save_hf_folder(trainer: Any, path: str, *, dtype: torch.dtype | None = None,
     dtypes = {name: dt for entries in specs.values() for name, _, dt in entries}
     sizes = {m: [(name, shape.numel() * dt.itemsize) for name, shape, dt in entries] for m, entries in specs.items()}
     files = plan_files(sizes, {m: trainer.dims[m].ranks for m in specs}, max_file_bytes)
-    os.makedirs(path, exist_ok=True)
     mine = {name: f for f in files if f.owner == trainer.rank for name in f.tensors}
+    failure = _attempt(os.makedirs, path, exist_ok=True)
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for module_name in trainer.modules:
-        for name, tensor in trainer.iter_full_tensors(module_name, "param"):
+        for name, tensor in trainer.iter_full_tensors(module_name, "param"):  # collective: every rank keeps going
             file = mine.get(name)
             if file is None:
                 continue
             kept = pending.setdefault(file.name, {})
             kept[name] = tensor.to(dtypes[name]).contiguous()
             if len(kept) == len(file.tensors):
-                save_file(pending.pop(file.name), os.path.join(path, file.name), metadata={"format": "pt"})
+                tensors = pending.pop(file.name)
+                failure = failure or _attempt(save_file, tensors, os.path.join(path, file.name),
+                                              metadata={"format": "pt"})
     assert not pending, f"incomplete files: {sorted(pending)}"
     if trainer.rank == 0:
         total = sum(nbytes for entries in sizes.values() for _, nbytes in entries)
         weight_map = {name: f.name for f in files for name in f.tensors}
-        with open(os.path.join(path, INDEX_FILE), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        trainer.hf_config().save_pretrained(path)
-    dist.barrier()
+        failure = failure or _attempt(_write_index, path, total, weight_map)
+        failure = failure or _attempt(trainer.hf_config().save_pretrained, path)
+    _raise_if_any_rank_failed(failure, trainer.device)
+
+
+def _attempt(write: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:
+    """Run one write of a save; None if it worked, else the error in one line (the save goes on: its gathers are
+    collective, so a rank that stopped would leave the others waiting)."""
+    try:
+        write(*args, **kwargs)
+    except (OSError, SafetensorError) as e:
+        return " ".join(str(e).split()) or type(e).__name__
+    return None
+
+
+def _write_index(path: str, total: int, weight_map: dict[str, str]) -> None:
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def _raise_if_any_rank_failed(failure: str | None, device: torch.device) -> None:
+    """Raise OSError on every rank if a write failed on any, so that all of them can retry elsewhere together."""
+    failed = torch.tensor(float(failure is not None), device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        raise OSError(failure or "a write failed on another rank")

@@ -180,8 +180,21 @@ def start(plan: Plan, options: RunOptions) -> Job:
 
 def save_checkpoint(job: Job, path: str) -> None:
     """Write the trained weights as a Hugging Face folder from the ranks' shards (runtime.checkpoint.save_hf_folder:
-    no process holds the whole model); ``path`` must be reachable by every worker."""
-    get_all([w.save_hf_folder.remote(path) for w in job.workers], job.workers)
+    no process holds the whole model); ``path`` must be reachable by every worker.
+
+    Every rank raises the same OSError when a write failed on any of them (and stays alive, so a fallback folder
+    can be tried); that error is raised here."""
+    pending, errors = [w.save_hf_folder.remote(path) for w in job.workers], []
+    while pending:
+        (ready,), pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(ready)
+        except ray.exceptions.RayTaskError as e:
+            if not isinstance(e.cause, OSError):  # not a failed write: the other ranks may wait for this one
+                get_all([ready, *pending], job.workers)
+            errors.append(e.cause)
+    if errors:
+        raise errors[0]
 
 
 def run(
