@@ -66,11 +66,18 @@ class HFFolder:
         self.path = path
         index = os.path.join(path, INDEX_FILE)
         if os.path.isfile(index):
-            with open(index) as f:
-                self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+            try:
+                with open(index) as f:
+                    self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"cannot read the weight map of {index}: {type(e).__name__} {e}") from None
         elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
-            with safe_open(os.path.join(path, SINGLE_FILE), framework="pt") as f:
-                self.weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
+            try:
+                with safe_open(os.path.join(path, SINGLE_FILE), framework="pt") as f:
+                    self.weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
+            except (OSError, SafetensorError) as e:
+                raise ValueError(f"cannot read {os.path.join(path, SINGLE_FILE)}: {' '.join(str(e).split())} (a "
+                                 "corrupt or incomplete download? fetch the file again)") from None
         else:
             raise ValueError(f"checkpoint {path} has neither {INDEX_FILE} nor {SINGLE_FILE}: not a Hugging Face folder")
 
@@ -83,12 +90,17 @@ class HFFolder:
         name = hf_name if hf_name in self.weight_map else legacy_name(hf_name)
         if name not in self.weight_map:
             raise ValueError(f"checkpoint {self.path} has no tensor {hf_name}: was it saved from this model?")
-        with safe_open(os.path.join(self.path, self.weight_map[name]), framework="pt") as f:
-            stored = f.get_slice(name)
-            if list(stored.get_shape()) != list(shape):
-                raise ValueError(f"checkpoint {self.path} holds {hf_name} with shape {stored.get_shape()}, the "
-                                 f"plan's model has {list(shape)}: a checkpoint of another model size?")
-            return stored[index]
+        file = os.path.join(self.path, self.weight_map[name])
+        try:
+            with safe_open(file, framework="pt") as f:
+                stored = f.get_slice(name)
+                if list(stored.get_shape()) != list(shape):
+                    raise ValueError(f"checkpoint {self.path} holds {hf_name} with shape {stored.get_shape()}, the "
+                                     f"plan's model has {list(shape)}: a checkpoint of another model size?")
+                return stored[index]
+        except (OSError, SafetensorError) as e:
+            raise ValueError(f"cannot read {hf_name} from {file}: {' '.join(str(e).split())} (a corrupt or "
+                             "incomplete download? fetch the file again)") from None
 
 def local_region(tensor: torch.Tensor) -> tuple[slice, ...]:
     """The part of the full (stored-layout) tensor this rank holds: everything, or a DTensor's local shard."""

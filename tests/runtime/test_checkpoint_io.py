@@ -43,6 +43,20 @@ def test_hf_folder_refuses_what_is_not_this_model(tmp_path):
         folder.read("model.visual.merger.mlp.0.weight", (slice(0, 1),), torch.Size([1]))
 
 
+def test_hf_folder_says_which_file_is_corrupt_in_one_line(tmp_path):
+    save_file({"lm_head.weight": torch.zeros(8, 2)}, tmp_path / "model-00001-of-00001.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"lm_head.weight": ')
+    with pytest.raises(ValueError, match="cannot read the weight map of .*index.json: JSONDecodeError"):
+        HFFolder(str(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"lm_head.weight": "model-00001-of-00001.safetensors"}}')
+    data = (tmp_path / "model-00001-of-00001.safetensors").read_bytes()
+    (tmp_path / "model-00001-of-00001.safetensors").write_bytes(data[: len(data) // 2])  # a cut-off download
+    with pytest.raises(ValueError, match=r"cannot read lm_head.weight from .*model-00001-of-00001.safetensors: .*\(a "
+                                         r"corrupt or incomplete download\? fetch the file again\)$"):
+        HFFolder(str(tmp_path)).read("lm_head.weight", (slice(0, 8), slice(0, 2)), torch.Size([8, 2]))
+
+
 class _Full:
     """A source holding one full tensor, counting reads."""
 
