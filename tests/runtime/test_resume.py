@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from runtime import checkpoint_dir
+from runtime import checkpoint_dir, export
 from tests.runtime.plans import make_plan
 from tests.runtime.ranks import spawn
 from tests.runtime.resume_ranks import each_straight_and_resumed, straight_and_legs
@@ -89,6 +89,26 @@ def test_resume_under_other_plans_follows_the_uninterrupted_curve(tmp_path):
     kept = checkpoint_dir.complete_checkpoints(str(tmp_path))
     assert [step for step, _ in kept] == [6]  # keep_last=1 pruned steps 2 and 4
     assert not [n for n in os.listdir(tmp_path) if n.endswith(checkpoint_dir.TMP_SUFFIX)]
+    _assert_exports_to_hf(kept[0][1], tmp_path / "hf", resumed)
+
+
+def _assert_exports_to_hf(checkpoint: str, out, params: dict[str, torch.Tensor]) -> None:
+    """``python -m runtime.export`` of the last checkpoint, with no job running, loads with from_pretrained and
+    holds exactly the trained parameters."""
+    from transformers import AutoModelForImageTextToText
+
+    assert export.main([checkpoint, str(out)]) == 0
+    model = AutoModelForImageTextToText.from_pretrained(str(out))
+    loaded = dict(model.named_parameters())
+    assert loaded.keys() == params.keys()
+    for hf_name, tensor in params.items():
+        assert torch.equal(loaded[hf_name].detach(), tensor), hf_name
+
+
+def test_export_refuses_what_is_not_a_complete_checkpoint(tmp_path, capsys):
+    os.makedirs(tmp_path / "step-000003.tmp")
+    assert export.main([str(tmp_path / "step-000003.tmp"), str(tmp_path / "hf")]) == 2
+    assert "is not a complete training checkpoint" in capsys.readouterr().err
 
 
 def test_only_complete_checkpoints_are_resumed_from(tmp_path):
