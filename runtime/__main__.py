@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", nargs="?", const="latest", help="continue from a checkpoint folder, or without "
                         "a path from the latest complete one in --checkpoint-dir (the plan may differ from the one "
                         "that wrote it); --steps counts the steps already done")
+    parser.add_argument("--async-checkpoint", action="store_true", help="write checkpoints from a thread while "
+                        "training goes on (DCP async_save); the step stalls only while the state is copied")
     parser.add_argument("--max-failures", type=int, default=0, help="on Ray: restart from the latest checkpoint "
                         "at most this many times when a worker dies (default 0)")
     args = parser.parse_args(argv)
@@ -55,6 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.max_failures < 0:
         parser.error(f"--max-failures must be >= 0, got {args.max_failures}")
     needs_dir = [f for f in ("checkpoint_every", "keep_last") if getattr(args, f) is not None]
+    needs_dir += ["async_checkpoint"] if args.async_checkpoint else []
     needs_dir += ["max_failures"] if args.max_failures else []
     if needs_dir and args.checkpoint_dir is None:
         parser.error(f"--{needs_dir[0].replace('_', '-')} needs --checkpoint-dir")
@@ -133,7 +136,7 @@ def _worker_failure(error: BaseException, max_failures: int) -> str:
 
 def _checkpoint_options(args: argparse.Namespace) -> CheckpointOptions:
     return CheckpointOptions(directory=args.checkpoint_dir, every=args.checkpoint_every, keep_last=args.keep_last,
-                             max_failures=args.max_failures)
+                             max_failures=args.max_failures, overlap=args.async_checkpoint)
 
 
 def _run_under_torchrun(plan: Plan, args: argparse.Namespace, env: preflight.TorchrunEnv) -> int:

@@ -34,6 +34,9 @@ class CheckpointOptions:
     """Keep this many newest complete checkpoints; all when None."""
     max_failures: int = 0
     """Restarts from the latest complete checkpoint after a worker failed (Ray launcher only)."""
+    overlap: bool = False
+    """Write each checkpoint from a thread while training goes on (DCP async_save); training then stalls only
+    while the state is copied to memory."""
 
     def due(self, done: int, steps: int) -> bool:
         """Whether to save after ``done`` steps of ``steps``."""

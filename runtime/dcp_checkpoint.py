@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from typing import Any
 
@@ -133,35 +134,74 @@ def _write_run_state(trainer: Any, path: str) -> None:
     torch.save(rng, os.path.join(path, rng_file(trainer.rank)))
 
 
-def save_checkpoint(trainer: Any, directory: str, *, keep_last: int | None = None) -> dict[str, Any]:
-    """Write the trainer's state as ``directory/step-NNNNNN`` (collective: every rank calls it).
+class Checkpointer:
+    """A rank's checkpoint writer: ``save`` whenever one is due, ``finish`` at the end (both collective: every
+    rank calls them). Each checkpoint goes to ``directory/step-NNNNNN.tmp``; rank 0 marks it complete and renames
+    it once every rank has written (runtime.checkpoint_dir), then keeps the ``keep_last`` newest.
 
-    Written to ``step-NNNNNN.tmp``; rank 0 marks it complete and renames it once every rank has written, then
-    keeps the ``keep_last`` newest complete checkpoints (all when None).
+    Synchronous (``overlap=False``): ``save`` writes, and returns the checkpoint's measurements. Overlapped:
+    ``save`` stages the state in memory (the stall) and DCP's ``async_save`` writes it from a thread, over a
+    gloo group of its own so that its collectives never interleave with training's, while training goes on.
+    Rank 0 marks it complete as soon as its write returned (DCP's coordinator finishes a save only after every
+    rank's write). The next ``save``, or ``finish``, first waits for it and returns its measurements.
 
-    Returns:
-        What rank 0 measured: ``path``, ``seconds`` (the whole stall, barriers included) and ``bytes`` written
-        (all ranks' files); other ranks return ``path`` and ``seconds``.
+    A measurement: ``step``, ``path``, ``seconds`` (time training was blocked) and, from rank 0, ``bytes`` (all
+    ranks' files).
     """
-    start = time.perf_counter()
-    tmp = os.path.join(directory, checkpoint_name(trainer.step) + TMP_SUFFIX)
-    if trainer.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by an attempt that died while writing it
-        os.makedirs(tmp)
-    dist.barrier()
-    state = TrainingState(trainer)
-    dcp.save(state.flat, checkpoint_id=tmp)
-    _write_run_state(trainer, tmp)
-    dist.barrier()
-    result: dict[str, Any] = {"path": tmp.removesuffix(TMP_SUFFIX)}
-    if trainer.rank == 0:
-        result["bytes"] = _folder_bytes(tmp)
+
+    def __init__(self, trainer: Any, directory: str, *, keep_last: int | None = None, overlap: bool = False):
+        self.trainer, self.directory, self.keep_last = trainer, directory, keep_last
+        self.group = dist.new_group(backend="gloo") if overlap else None
+        self._pending: tuple[Any, dict[str, Any], threading.Event] | None = None
+
+    def save(self) -> list[dict[str, Any]]:
+        """Checkpoint the trainer's current state; the measurements of the checkpoints finished meanwhile."""
+        finished = self.finish()
+        start = time.perf_counter()
+        trainer = self.trainer
+        tmp = os.path.join(self.directory, checkpoint_name(trainer.step) + TMP_SUFFIX)
+        if trainer.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by an attempt that died while writing it
+            os.makedirs(tmp)
+        dist.barrier()
+        state = TrainingState(trainer)
+        _write_run_state(trainer, tmp)
+        record: dict[str, Any] = {"step": trainer.step, "path": tmp.removesuffix(TMP_SUFFIX)}
+        if self.group is None:
+            dcp.save(state.flat, checkpoint_id=tmp)
+            dist.barrier()
+            self._complete(tmp, record)
+            dist.barrier()
+            record["seconds"] = time.perf_counter() - start
+            return finished + [record]
+        future = dcp.async_save(state.flat, checkpoint_id=tmp, process_group=self.group)
+        marked = threading.Event()
+        future.add_done_callback(lambda f: (f.exception() is None and self._complete(tmp, record), marked.set()))
+        record["seconds"] = time.perf_counter() - start
+        self._pending = (future, record, marked)
+        return finished
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Wait for an overlapped save still being written; its measurements ([] when there is none)."""
+        if self._pending is None:
+            return []
+        future, record, marked = self._pending
+        self._pending = None
+        start = time.perf_counter()
+        future.result()
+        marked.wait()
+        dist.barrier()
+        record["seconds"] += time.perf_counter() - start
+        return [record]
+
+    def _complete(self, tmp: str, record: dict[str, Any]) -> None:
+        """Rank 0: every rank has written ``tmp``: measure it, mark it complete, prune older checkpoints."""
+        if self.trainer.rank != 0:
+            return
+        record["bytes"] = _folder_bytes(tmp)
         mark_complete(tmp)
-        if keep_last is not None:
-            prune(directory, keep_last)
-    dist.barrier()
-    result["seconds"] = time.perf_counter() - start
-    return result
+        if self.keep_last is not None:
+            prune(self.directory, self.keep_last)
 
 
 def _folder_bytes(path: str) -> int:

@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from planner.schema import Plan
 from runtime.checkpoint_dir import CheckpointOptions, latest_checkpoint
-from runtime.dcp_checkpoint import save_checkpoint as save_training_checkpoint
+from runtime.dcp_checkpoint import Checkpointer
 from runtime.driver import tokens_per_sample, validate_plan
 from runtime.metrics import MetricsLog, format_summary
 from runtime.preflight import check_outputs, is_cpu_plan, num_devices, save_with_fallback
@@ -78,6 +78,7 @@ class Worker:
         self.rank, self.world_size = rank, world_size
         torch.set_num_threads(threads)
         self.trainer: Trainer | None = None
+        self.checkpointer: Checkpointer | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:
         return _rendezvous_address()
@@ -105,8 +106,14 @@ class Worker:
     def save_hf_folder(self, path: str) -> None:
         self.trainer.save_hf_folder(path)
 
-    def save_training_checkpoint(self, directory: str, keep_last: int | None) -> dict[str, Any]:
-        return save_training_checkpoint(self.trainer, directory, keep_last=keep_last)
+    def save_training_checkpoint(self, checkpoints: CheckpointOptions) -> list[dict[str, Any]]:
+        if self.checkpointer is None:
+            self.checkpointer = Checkpointer(self.trainer, checkpoints.directory, keep_last=checkpoints.keep_last,
+                                             overlap=checkpoints.overlap)
+        return self.checkpointer.save()
+
+    def finish_checkpoints(self) -> list[dict[str, Any]]:
+        return [] if self.checkpointer is None else self.checkpointer.finish()
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -155,10 +162,14 @@ class Job:
         self.steps_done += 1
         return results
 
-    def save_training_checkpoint(self, checkpoints: CheckpointOptions) -> dict[str, Any]:
-        """A sharded checkpoint of every rank's state (runtime.dcp_checkpoint); rank 0's measurements."""
-        return get_all([w.save_training_checkpoint.remote(checkpoints.directory, checkpoints.keep_last)
-                        for w in self.workers], self.workers)[0]
+    def save_training_checkpoint(self, checkpoints: CheckpointOptions) -> list[dict[str, Any]]:
+        """A sharded checkpoint of every rank's state (runtime.dcp_checkpoint.Checkpointer); rank 0's measurements
+        of the checkpoints that were completed."""
+        return get_all([w.save_training_checkpoint.remote(checkpoints) for w in self.workers], self.workers)[0]
+
+    def finish_checkpoints(self) -> list[dict[str, Any]]:
+        """Wait for a checkpoint still being written; rank 0's measurements of it."""
+        return get_all([w.finish_checkpoints.remote() for w in self.workers], self.workers)[0]
 
     def gather(self, kind: str) -> dict[str, torch.Tensor]:
         """Full parameters (``"param"``) or gradients (``"grad"``) under their HF names."""
@@ -272,13 +283,17 @@ def _train(job: Job, log: MetricsLog, steps: int, checkpoints: CheckpointOptions
             step = job.steps_done
             log.log(step, job.step())
             if checkpoints.due(job.steps_done, steps):
-                saved = job.save_training_checkpoint(checkpoints)
-                log.event("checkpoint", step=job.steps_done, path=saved["path"], seconds=saved["seconds"],
-                          bytes=saved["bytes"])
-                saved_at[job.steps_done] = time.perf_counter()
+                _log_saves(log, job.save_training_checkpoint(checkpoints), saved_at)
+        _log_saves(log, job.finish_checkpoints(), saved_at)
     except BaseException:
         job.shutdown()
         raise
+
+
+def _log_saves(log: MetricsLog, saves: list[dict[str, Any]], saved_at: dict[int, float]) -> None:
+    for saved in saves:
+        log.event("checkpoint", **saved)
+        saved_at[saved["step"]] = time.perf_counter()
 
 
 def _worker_lost(error: ray.exceptions.RayError) -> bool:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from planner.schema import Plan
 from runtime.checkpoint_dir import CheckpointOptions
-from runtime.dcp_checkpoint import save_checkpoint as save_training_checkpoint
+from runtime.dcp_checkpoint import Checkpointer
 from runtime.driver import tokens_per_sample, validate_plan
 from runtime.metrics import MetricsLog, format_summary
 from runtime.preflight import TorchrunEnv, check_outputs, check_world_size, is_cpu_plan, save_with_fallback
@@ -94,17 +94,20 @@ def _train(job: Job, *, steps: int, metrics_path: str | None, checkpoints: Check
         log = MetricsLog(job.plan, steps=steps, path=metrics_path, tokens_per_sample=tokens_per_sample(job.plan))
         if job.trainer.options.resume is not None:
             log.event("resume", path=job.trainer.options.resume, step=job.trainer.step)
+    checkpointer = None
+    if checkpoints is not None and checkpoints.directory is not None:
+        checkpointer = Checkpointer(job.trainer, checkpoints.directory, keep_last=checkpoints.keep_last,
+                                    overlap=checkpoints.overlap)
     try:
         while job.trainer.step < steps:
             step = job.trainer.step
             results = job.step()
             if log is not None:
                 log.log(step, results)
-            if checkpoints is not None and checkpoints.due(job.trainer.step, steps):
-                saved = save_training_checkpoint(job.trainer, checkpoints.directory, keep_last=checkpoints.keep_last)
-                if log is not None:
-                    log.event("checkpoint", step=job.trainer.step, path=saved["path"], seconds=saved["seconds"],
-                              bytes=saved["bytes"])
+            if checkpointer is not None and checkpoints.due(job.trainer.step, steps):
+                _log_saves(log, checkpointer.save())
+        if checkpointer is not None:
+            _log_saves(log, checkpointer.finish())
     finally:
         if log is not None:
             log.close()
@@ -113,3 +116,9 @@ def _train(job: Job, *, steps: int, metrics_path: str | None, checkpoints: Check
     summary = log.summary()
     print(format_summary(summary, "peak RSS per worker" if is_cpu_plan(job.plan) else "max allocated per GPU"))
     return summary
+
+
+def _log_saves(log: MetricsLog | None, saves: list[dict[str, Any]]) -> None:
+    """Rank 0: a metrics line per completed checkpoint."""
+    for saved in saves if log is not None else []:
+        log.event("checkpoint", **saved)
