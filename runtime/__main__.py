@@ -50,20 +50,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    return args
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """The checkpoint flags make sense together; raises ValueError (one line)."""
     for flag in ("checkpoint_every", "keep_last"):
         value = getattr(args, flag)
         if value is not None and value < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.max_failures < 0:
-        parser.error(f"--max-failures must be >= 0, got {args.max_failures}")
+        raise ValueError(f"--max-failures must be >= 0, got {args.max_failures}")
     needs_dir = [f for f in ("checkpoint_every", "keep_last") if getattr(args, f) is not None]
     needs_dir += ["async_checkpoint"] if args.async_checkpoint else []
     needs_dir += ["max_failures"] if args.max_failures else []
     if needs_dir and args.checkpoint_dir is None:
-        parser.error(f"--{needs_dir[0].replace('_', '-')} needs --checkpoint-dir")
+        raise ValueError(f"--{needs_dir[0].replace('_', '-')} needs --checkpoint-dir (where checkpoints go)")
     if args.resume is not None and args.checkpoint is not None:
-        parser.error("--resume and --checkpoint both set the starting weights: give one")
-    return args
+        raise ValueError("--resume and --checkpoint both set the starting weights: give one")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         return _refuse(e)
     try:
+        check_flags(args)
         plan = load_plan(args.plan)
         preflight.check_plan(plan)
         if env is not None:

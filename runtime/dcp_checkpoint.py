@@ -176,7 +176,7 @@ class Checkpointer:
             return finished + [record]
         future = dcp.async_save(state.flat, checkpoint_id=tmp, process_group=self.group)
         marked = threading.Event()
-        future.add_done_callback(lambda f: (f.exception() is None and self._complete(tmp, record), marked.set()))
+        future.add_done_callback(lambda f: self._on_written(f, tmp, record, marked))
         record["seconds"] = time.perf_counter() - start
         self._pending = (future, record, marked)
         return finished
@@ -193,6 +193,15 @@ class Checkpointer:
         dist.barrier()
         record["seconds"] += time.perf_counter() - start
         return [record]
+
+    def _on_written(self, future: Any, tmp: str, record: dict[str, Any], marked: threading.Event) -> None:
+        """An overlapped save's write returned (in DCP's thread): complete it if it succeeded; ``finish`` raises
+        its error otherwise."""
+        try:
+            if future.exception() is None:
+                self._complete(tmp, record)
+        finally:
+            marked.set()
 
     def _complete(self, tmp: str, record: dict[str, Any]) -> None:
         """Rank 0: every rank has written ``tmp``: measure it, mark it complete, prune older checkpoints."""

@@ -15,14 +15,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
 
 from runtime import checkpoint_dir, export
-from tests.runtime.plans import make_plan
+from tests.runtime.plans import make_plan, tiny_hf_config
 from tests.runtime.ranks import spawn
+from tests.runtime.test_bad_input import run_light
+from tests.runtime.test_cli import assert_one_line_error
 from tests.runtime.resume_ranks import each_straight_and_resumed, straight_and_legs
 
 SAME_PLAN = {
@@ -129,3 +132,45 @@ def test_only_complete_checkpoints_are_resumed_from(tmp_path):
     removed = checkpoint_dir.prune(str(tmp_path), keep_last=1)
     assert sorted(os.path.basename(p) for p in removed) == ["step-000003", "step-000009.tmp"]
     assert sorted(os.listdir(tmp_path)) == ["step-000006", "step-000012"]
+
+
+@pytest.fixture
+def plan_file(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text(make_plan({}, {}).to_json())
+    return str(path)
+
+
+def _checkpoint(folder, *, step: int, complete: bool = True, config: dict | None = None) -> str:
+    """A stand-in checkpoint folder with what preflight reads: the marker, run_state.json and config.json."""
+    os.makedirs(folder)
+    (folder / "run_state.json").write_text(json.dumps({"step": step, "samples_seen": step}))
+    (folder / "config.json").write_text(json.dumps(config or tiny_hf_config()))
+    if complete:
+        (folder / checkpoint_dir.COMPLETE_MARKER).write_text("ok\n")
+    return str(folder)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--checkpoint-dir", "{tmp}/c", "--checkpoint-every", "0"], "--checkpoint-every must be >= 1, got 0"),
+    (["--keep-last", "2"], "--keep-last needs --checkpoint-dir"),
+    (["--max-failures", "1"], "--max-failures needs --checkpoint-dir"),
+    (["--async-checkpoint"], "--async-checkpoint needs --checkpoint-dir"),
+    (["--checkpoint-dir", "{plan}"], "is a file, not a folder"),
+    (["--resume"], "--resume without a path needs --checkpoint-dir"),
+    (["--resume", "--checkpoint-dir", "{tmp}/empty"], "holds no complete checkpoint"),
+    (["--resume", "{tmp}/nope"], "is not a folder"),
+    (["--resume", "{tmp}/step-000004.tmp"], "is not a complete checkpoint"),
+    (["--resume", "{tmp}/step-000002", "--steps", "2"], "has done 2 steps already"),
+    (["--resume", "{tmp}/other-model"], "is for another model"),
+    (["--resume", "{tmp}/step-000002", "--checkpoint", "{tmp}"], "--resume and --checkpoint both"),
+])
+def test_bad_checkpoint_flags_are_one_line_errors_before_torch_and_ray(tmp_path, plan_file, args, message):
+    _checkpoint(tmp_path / "step-000002", step=2)
+    _checkpoint(tmp_path / "step-000004.tmp", step=4, complete=False)
+    config = tiny_hf_config()
+    config["text_config"] = {**config["text_config"], "hidden_size": 8}
+    _checkpoint(tmp_path / "other-model", step=2, config=config)
+    os.makedirs(tmp_path / "empty")
+    args = [a.format(tmp=tmp_path, plan=plan_file) for a in args]
+    assert_one_line_error(run_light(plan_file, *args), message)
