@@ -94,9 +94,6 @@ class Worker:
         self.trainer = Trainer(plan, rank=self.rank, options=options)
         return self.trainer.step
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def train_step(self) -> dict[str, Any]:
         return self.trainer.train_step()
 
