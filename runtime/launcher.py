@@ -37,7 +37,8 @@ from runtime.preflight import check_outputs, is_cpu_plan, num_devices, save_with
 from runtime.trainer import RunOptions, Trainer
 
 PLACEMENT_TIMEOUT_S = 120
-"""How long to wait for the placement group's bundles once resources were found sufficient."""
+"""How long to wait for the placement group's bundles once resources were found sufficient, and, when
+recovering, for the cluster to have the resources again (a lost node replaced)."""
 
 SHUTDOWN_TIMEOUT_S = 30
 """How long actors get to leave the process group before they are killed."""
@@ -191,10 +192,18 @@ def ensure_ray() -> None:
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False, logging_level="ERROR")
 
 
-def start(plan: Plan, options: RunOptions) -> Job:
-    """Validate, check resources, place one actor per device and build every rank's Trainer."""
+def start(plan: Plan, options: RunOptions, *, resource_wait_s: float = 0.0) -> Job:
+    """Validate, check resources (waiting up to ``resource_wait_s`` for them: a lost node being replaced),
+    place one actor per device and build every rank's Trainer."""
     validate_plan(plan, options)
     ensure_ray()
+    deadline = time.monotonic() + resource_wait_s
+    while time.monotonic() < deadline:
+        try:
+            check_resources(plan, ray.cluster_resources())
+            break
+        except ValueError:
+            time.sleep(1.0)
     check_resources(plan, ray.cluster_resources())
     n = num_devices(plan)
     bundle = {"CPU": 1} if is_cpu_plan(plan) else {"CPU": 1, "GPU": 1}
@@ -244,7 +253,7 @@ def run(
     failures, failed_at, saved_at = 0, None, {}
     try:
         while True:
-            job = start(plan, options)
+            job = start(plan, options, resource_wait_s=PLACEMENT_TIMEOUT_S if failures else 0.0)
             try:
                 if failed_at is not None:
                     _log_recovery(log, job, failed_at, failures, saved_at)
