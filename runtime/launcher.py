@@ -8,8 +8,10 @@ free port there -> each actor builds its Trainer -> steps, with a sharded checkp
 Recovery (``max_failures``): the driver waits on every step's per-rank results with ``ray.wait``, so a dead
 worker process (or a rank whose collective failed because a peer died) is seen as soon as Ray reports it; the
 job is torn down (actors killed, placement group removed), started again on a new placement group, and resumes
-from the latest complete checkpoint, at most ``max_failures`` times. Plain actors rather than Ray Train's
-TorchTrainer: the per-step round trip is this module's own (see benchmarks/runtime_overhead.py).
+from the latest complete checkpoint, at most ``max_failures`` times; after a lost node it first waits for the
+cluster to have the resources again. Plain actors rather than Ray Train's TorchTrainer: their measured step
+overhead is 1.06x in the worker and 1.09x seen by the driver (benchmarks/runtime_overhead.py, CPU), and Ray Train
+needs the ``ray[train]`` extras (pyarrow, ...), which this project does not install.
 """
 
 from __future__ import annotations
