@@ -174,3 +174,23 @@ def test_bad_checkpoint_flags_are_one_line_errors_before_torch_and_ray(tmp_path,
     os.makedirs(tmp_path / "empty")
     args = [a.format(tmp=tmp_path, plan=plan_file) for a in args]
     assert_one_line_error(run_light(plan_file, *args), message)
+
+
+@pytest.mark.slow
+def test_torchrun_checkpoints_and_resumes_under_another_plan(tmp_path):
+    """Without Ray: 2 steps under TP2 with an async checkpoint, then ``--resume`` under ZeRO-3 DP2 for 2 more;
+    the 4 losses follow the single-process reference (fp32 reduction order, rtol 1e-5)."""
+    from tests.runtime.reference import reference_run
+    from tests.runtime.test_torchrun import torchrun
+
+    legs = [make_plan(dict(tp=2, micro_batch=2), dict(tp=2, micro_batch=2)),
+            make_plan(dict(dp=2, zero=3), dict(dp=2, zero=3))]
+    for index, (plan, extra) in enumerate(zip(legs, (["--async-checkpoint"], ["--resume"]))):
+        (tmp_path / f"plan{index}.json").write_text(plan.to_json())
+        result = torchrun(2, str(tmp_path / f"plan{index}.json"), "--steps", str(2 * (index + 1)), "--metrics",
+                          str(tmp_path / f"leg{index}.jsonl"), "--checkpoint-dir", str(tmp_path / "ckpt"), *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for index in range(2) for line in (tmp_path / f"leg{index}.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r and "step" in r]
+    assert [r["event"] for r in records if "event" in r] == ["checkpoint", "resume", "checkpoint"]
+    assert losses == pytest.approx(reference_run(legs[0], seed=0, steps=4)["losses"], rel=1e-5)
