@@ -111,14 +111,14 @@ def _run_on_ray(plan: Plan, args: argparse.Namespace) -> int:
             checkpoints=_checkpoint_options(args))
     except preflight.SavedElsewhere as e:
         return _refuse(e, status=1)
-    except USER_ERRORS as e:
-        return _refuse(e)
-    except RayTaskError as e:
-        if isinstance(e.cause, USER_ERRORS):  # a worker's error arrives wrapped by Ray
+    except RayTaskError as e:  # a worker's error, wrapped by Ray (also an instance of the error's own class)
+        if isinstance(e.cause, USER_ERRORS):
             return _refuse(e.cause)
         if not _lost_peer(e.cause):
             raise
         return _refuse(_worker_failure(e, args.max_failures), status=1)
+    except USER_ERRORS as e:
+        return _refuse(e)
     except RayActorError as e:
         return _refuse(_worker_failure(e, args.max_failures), status=1)
     return 0

@@ -103,6 +103,14 @@ class Worker:
     def full_tensors(self, kind: str) -> dict[str, torch.Tensor]:
         return self.trainer.full_tensors(kind)
 
+    def make_folder(self, path: str) -> str | None:
+        """Create ``path`` on this worker's machine; why not (one line), or None."""
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            return f"{path}: {e.strerror or e}"
+        return None
+
     def save_hf_folder(self, path: str) -> None:
         self.trainer.save_hf_folder(path)
 
@@ -234,7 +242,14 @@ def start(plan: Plan, options: RunOptions, *, resource_wait_s: float = 0.0) -> J
 
 def save_checkpoint(job: Job, path: str) -> None:
     """Write the trained weights as a Hugging Face folder from the ranks' shards (runtime.checkpoint.save_hf_folder:
-    no process holds the whole model); ``path`` must be reachable by every worker."""
+    no process holds the whole model); ``path`` must be reachable by every worker.
+
+    Raises:
+        OSError: a worker cannot create the folder; the workers stay up (a fallback folder can follow).
+    """
+    problems = [p for p in ray.get([w.make_folder.remote(path) for w in job.workers]) if p is not None]
+    if problems:
+        raise OSError(problems[0])
     get_all([w.save_hf_folder.remote(path) for w in job.workers], job.workers)
 
 

@@ -99,14 +99,17 @@ def uninterrupted(tmp_path_factory, ray_cluster):
     return folder / "plan.json", {r["step"]: r["loss"] for r in _records(folder / "straight.jsonl") if "step" in r}
 
 
-def _assert_recovered(tmp_path, name: str, expected: dict[int, float]) -> None:
+def _assert_recovered(tmp_path, name: str, expected: dict[int, float], resumed: tuple[int, ...]) -> dict:
+    """The run finished all steps on the uninterrupted curve after one recovery from a checkpoint in
+    ``resumed``, losing at most K-1 steps; returns the recovery's metrics line."""
     records = _records(tmp_path / f"{name}.jsonl")
     losses = {r["step"]: r["loss"] for r in records if "step" in r and "loss" in r}  # a redone step: its last
     assert losses == expected
     (recovery,) = [r for r in records if r.get("event") == "recovery"]
-    assert recovery["resumed_step"] == 6 and 1 <= recovery["lost_steps"] <= EVERY - 1
+    assert recovery["resumed_step"] in resumed and 0 <= recovery["lost_steps"] <= EVERY - 1
     summary = records[-1]
     assert summary["steps"] == STEPS and summary["recoveries"]["count"] == 1
+    return recovery
 
 
 @pytest.mark.slow
@@ -119,7 +122,8 @@ def test_a_killed_worker_is_recovered_from_the_last_checkpoint_or_ends_the_run_i
 
     result, _ = _run_and_kill(tmp_path, "recovered", 1, address)
     assert result.returncode == 0, result.stderr[-3000:]
-    _assert_recovered(tmp_path, "recovered", expected)
+    recovery = _assert_recovered(tmp_path, "recovered", expected, resumed=(6,))
+    assert recovery["lost_steps"] >= 1  # killed after step 7: step 7 is redone
     _assert_no_workers_left()
 
     result, seconds = _run_and_kill(tmp_path, "failed", 0, address)
@@ -146,7 +150,8 @@ def test_a_lost_node_is_replaced_and_the_run_recovers_on_it(tmp_path, uninterrup
 
         result, _ = _run_and_kill(tmp_path, "two_nodes", 1, cluster.address, kill=lose_the_second_node)
         assert result.returncode == 0, result.stderr[-3000:]
-        _assert_recovered(tmp_path, "two_nodes", expected)
+        # removing a node takes a moment (its raylet stops its workers): on a loaded machine step 9 may be saved
+        _assert_recovered(tmp_path, "two_nodes", expected, resumed=(6, 9))
     finally:
         cluster.shutdown()
     _assert_no_workers_left()
