@@ -112,7 +112,9 @@ def resolve_resume(resume: str, checkpoint_dir: str | None) -> str:
             raise ValueError("--resume without a path needs --checkpoint-dir (where to look for the latest checkpoint)")
         path = latest_checkpoint(checkpoint_dir)
         if path is None:
-            raise ValueError(f"--resume: {checkpoint_dir} holds no complete checkpoint ({PREFIX}NNNNNN/{COMPLETE_MARKER})")
+            raise ValueError(
+                f"--resume: {checkpoint_dir} holds no complete checkpoint ({PREFIX}NNNNNN/{COMPLETE_MARKER})"
+            )
         return path
     if not os.path.isdir(resume):
         raise ValueError(f"--resume {resume} is not a folder")

@@ -86,7 +86,8 @@ def run(plan: Plan, options: RunOptions, env: TorchrunEnv, *, steps: int, metric
     return summary
 
 
-def _train(job: Job, *, steps: int, metrics_path: str | None, checkpoints: CheckpointOptions | None) -> dict[str, Any] | None:
+def _train(job: Job, *, steps: int, metrics_path: str | None, checkpoints: CheckpointOptions | None
+           ) -> dict[str, Any] | None:
     """The steps from where the trainer stands, with the due checkpoints; on rank 0 the metrics log, the printed
     summary and its return."""
     log = None

@@ -27,7 +27,8 @@ def straight_and_legs(rank: int, straight: Plan, legs: list[tuple[Plan, int]], d
     this rank's per-step records and the full parameters it gathered (on a module's first rank) at the end of
     both runs."""
     trainer = Trainer(straight, rank=rank, options=RunOptions(seed=SEED))
-    out = {"straight": _steps(trainer, sum(steps for _, steps in legs)), "straight_params": trainer.full_tensors("param")}
+    out = {"straight": _steps(trainer, sum(steps for _, steps in legs))}
+    out["straight_params"] = trainer.full_tensors("param")
     del trainer
     records, resume = [], None
     for plan, steps in legs:

@@ -2,15 +2,17 @@
 
 - Same plan: 4 steps straight against 2 steps, checkpoint, a new Trainer resuming (its shards materialised
   unfilled, then loaded), 2 steps; for two plans the checkpoint is written by DCP's async_save while one more
-  (discarded) step runs, so staging must have copied the state. Losses, pre-clip gradient norms, LRs and every parameter are bitwise equal:
-  the checkpoint restores exactly the weights, AdamW moments and step counts, the LR schedule and the data
-  position, and each step then runs the same arithmetic in the same order.
+  (discarded) step runs, so staging must have copied the state. Losses, pre-clip gradient norms, LRs and every
+  parameter are bitwise equal: the checkpoint restores exactly the weights, AdamW moments and step counts, the
+  LR schedule and the data position, and each step then runs the same arithmetic in the same order.
 - Another plan: a checkpoint written under TP2 resumes under ZeRO-3 DP2, whose checkpoint resumes under vision
   SP2 + LLM TP2 (DCP reshards weights and optimizer state; the TP vision qkv is stored in HF row order), against
   one uninterrupted TP2 run: rtol 1e-5 on losses and gradient norms, the parity tests' fp32 reduction-order
-  tolerance (the plans sum the same numbers in different orders). Observed: <= 1e-7 relative.
+  tolerance (the plans sum the same numbers in different orders). Observed: <= 1.3e-7 relative. The last
+  checkpoint, exported with ``python -m runtime.export``, loads with ``from_pretrained`` and equals the weights.
+- Under torchrun (no Ray): an async checkpoint under TP2, resumed under ZeRO-3 DP2, against the reference.
 - The checkpoint folder: written as ``step-N.tmp`` and renamed once complete; ``--keep-last`` prunes; a folder
-  without the marker is never resumed from.
+  without the marker is never resumed from. Bad checkpoint flags: one line, before torch and Ray.
 """
 
 from __future__ import annotations
@@ -190,7 +192,8 @@ def test_torchrun_checkpoints_and_resumes_under_another_plan(tmp_path):
         result = torchrun(2, str(tmp_path / f"plan{index}.json"), "--steps", str(2 * (index + 1)), "--metrics",
                           str(tmp_path / f"leg{index}.jsonl"), "--checkpoint-dir", str(tmp_path / "ckpt"), *extra)
         assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for index in range(2) for line in (tmp_path / f"leg{index}.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for index in range(2)
+               for line in (tmp_path / f"leg{index}.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r and "step" in r]
     assert [r["event"] for r in records if "event" in r] == ["checkpoint", "resume", "checkpoint"]
     assert losses == pytest.approx(reference_run(legs[0], seed=0, steps=4)["losses"], rel=1e-5)
