@@ -1,4 +1,5 @@
-"""``python -m runtime plan.json [--steps N] [--metrics FILE] [--checkpoint DIR] [--save DIR] [--data PATH] [--seed S]``
+"""``python -m runtime plan.json [--steps N] [--metrics FILE] [--checkpoint DIR] [--save DIR] [--data PATH] [--seed S]
+[--checkpoint-dir DIR [--checkpoint-every K] [--keep-last N] [--max-failures N]] [--resume [PATH]]``
 
 Runs locally (starts Ray) or on the Ray cluster at RAY_ADDRESS / under ``ray job submit``; under
 ``torchrun --nproc-per-node N -m runtime plan.json`` each process runs one rank, without Ray.
@@ -15,6 +16,7 @@ import time
 
 from planner.schema import Plan, PlanError, load_plan
 from runtime import preflight
+from runtime.checkpoint_dir import CheckpointOptions
 
 USER_ERRORS = (PlanError, ValueError, NotImplementedError, OSError)
 
@@ -34,10 +36,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--save", help="after training, write the weights here with save_pretrained")
     parser.add_argument("--data", help="image-caption folder or JSONL (default: synthetic data)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random init and synthetic data")
+    parser.add_argument("--checkpoint-dir", help="write sharded training checkpoints (weights, optimizer, schedule, "
+                        "data position) into this folder, after the last step and every --checkpoint-every steps")
+    parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (default: only at the end)")
+    parser.add_argument("--keep-last", type=int, help="keep only this many newest checkpoints (default: all)")
+    parser.add_argument("--resume", nargs="?", const="latest", help="continue from a checkpoint folder, or without "
+                        "a path from the latest complete one in --checkpoint-dir (the plan may differ from the one "
+                        "that wrote it); --steps counts the steps already done")
+    parser.add_argument("--async-checkpoint", action="store_true", help="write checkpoints from a thread while "
+                        "training goes on (DCP async_save); the step stalls only while the state is copied")
+    parser.add_argument("--max-failures", type=int, default=0, help="on Ray: restart from the latest checkpoint "
+                        "at most this many times when a worker dies (default 0)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     return args
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """The checkpoint flags make sense together; raises ValueError (one line)."""
+    for flag in ("checkpoint_every", "keep_last"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.max_failures < 0:
+        raise ValueError(f"--max-failures must be >= 0, got {args.max_failures}")
+    needs_dir = [f for f in ("checkpoint_every", "keep_last") if getattr(args, f) is not None]
+    needs_dir += ["async_checkpoint"] if args.async_checkpoint else []
+    needs_dir += ["max_failures"] if args.max_failures else []
+    if needs_dir and args.checkpoint_dir is None:
+        raise ValueError(f"--{needs_dir[0].replace('_', '-')} needs --checkpoint-dir (where checkpoints go)")
+    if args.resume is not None and args.checkpoint is not None:
+        raise ValueError("--resume and --checkpoint both set the starting weights: give one")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,12 +77,21 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         return _refuse(e)
     try:
+        check_flags(args)
         plan = load_plan(args.plan)
         preflight.check_plan(plan)
         if env is not None:
             preflight.check_world_size(plan, env)
         preflight.check_inputs(plan, data=args.data, checkpoint=args.checkpoint)
         preflight.check_outputs(metrics=args.metrics, save=args.save)
+        if args.resume is not None:
+            args.resume = preflight.check_resume(args.resume, args.checkpoint_dir, plan.model.hf_config,
+                                                 steps=args.steps)
+        if args.checkpoint_dir is not None:
+            preflight.prepare_folder(args.checkpoint_dir, "--checkpoint-dir")
+        if env is not None and args.max_failures:
+            raise ValueError("--max-failures is for the Ray launcher; under torchrun use torchrun's --max-restarts "
+                             "with --resume")
     except USER_ERRORS as e:
         return _refuse(e, report=env is None or env.rank == 0)  # every torchrun rank finds the same mistake
     if env is None:
@@ -61,22 +100,48 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_on_ray(plan: Plan, args: argparse.Namespace) -> int:
-    from ray.exceptions import RayTaskError
+    from ray.exceptions import RayActorError, RayTaskError
 
     from runtime.launcher import run
     from runtime.trainer import RunOptions
 
-    options = RunOptions(seed=args.seed, data=args.data, checkpoint=args.checkpoint)
+    options = RunOptions(seed=args.seed, data=args.data, checkpoint=args.checkpoint, resume=args.resume)
     try:
-        run(plan, options, steps=args.steps, metrics_path=args.metrics, save=args.save)
+        run(plan, options, steps=args.steps, metrics_path=args.metrics, save=args.save,
+            checkpoints=_checkpoint_options(args))
     except preflight.SavedElsewhere as e:
         return _refuse(e, status=1)
-    except USER_ERRORS + (RayTaskError,) as e:
-        cause = e.cause if isinstance(e, RayTaskError) else e  # a worker's error arrives wrapped by Ray
-        if not isinstance(cause, USER_ERRORS):
+    except RayTaskError as e:  # a worker's error, wrapped by Ray (also an instance of the error's own class)
+        if isinstance(e.cause, USER_ERRORS):
+            return _refuse(e.cause)
+        if not _lost_peer(e.cause):
             raise
-        return _refuse(cause)
+        return _refuse(_worker_failure(e, args.max_failures), status=1)
+    except USER_ERRORS as e:
+        return _refuse(e)
+    except RayActorError as e:
+        return _refuse(_worker_failure(e, args.max_failures), status=1)
     return 0
+
+
+def _lost_peer(error: BaseException) -> bool:
+    """Whether a worker's error is torch.distributed's (a collective whose peer died or timed out)."""
+    import torch.distributed as dist
+
+    return isinstance(error, dist.DistError)
+
+
+def _worker_failure(error: BaseException, max_failures: int) -> str:
+    """One line for a worker failure that ended the run (after ``max_failures`` recoveries)."""
+    what = "a worker died" if type(error).__name__.endswith("ActorDiedError") else "a worker failed"
+    detail = " ".join(str(error).split())[:160]
+    return (f"{what} and the run stopped after {max_failures} recoveries (--max-failures {max_failures}); resume "
+            f"with --resume from the latest checkpoint in --checkpoint-dir ({detail})")
+
+
+def _checkpoint_options(args: argparse.Namespace) -> CheckpointOptions:
+    return CheckpointOptions(directory=args.checkpoint_dir, every=args.checkpoint_every, keep_last=args.keep_last,
+                             max_failures=args.max_failures, overlap=args.async_checkpoint)
 
 
 def _run_under_torchrun(plan: Plan, args: argparse.Namespace, env: preflight.TorchrunEnv) -> int:
@@ -84,13 +149,14 @@ def _run_under_torchrun(plan: Plan, args: argparse.Namespace, env: preflight.Tor
     from runtime.torchrun import run
     from runtime.trainer import RunOptions
 
-    options = RunOptions(seed=args.seed, data=args.data, checkpoint=args.checkpoint)
+    options = RunOptions(seed=args.seed, data=args.data, checkpoint=args.checkpoint, resume=args.resume)
     try:
         validate_plan(plan, options)
     except USER_ERRORS as e:
         return _refuse(e, report=env.rank == 0)  # the same on every rank
     try:
-        run(plan, options, env, steps=args.steps, metrics_path=args.metrics, save=args.save)
+        run(plan, options, env, steps=args.steps, metrics_path=args.metrics, save=args.save,
+            checkpoints=_checkpoint_options(args))
     except preflight.SavedElsewhere as e:
         return _refuse(e, status=1, report=env.rank == 0)
     except USER_ERRORS as e:

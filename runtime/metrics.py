@@ -45,22 +45,40 @@ def step_record(step: int, results: list[dict[str, Any]], plan: Plan, tokens_per
 class MetricsLog:
     """Writes step records (JSON lines) and drives the progress bar; ``summary`` compares with the plan."""
 
-    def __init__(self, plan: Plan, *, steps: int, path: str | None, tokens_per_sample: int):
+    def __init__(self, plan: Plan, *, steps: int, path: str | None, tokens_per_sample: int, append: bool = False):
         self.plan, self.tokens_per_sample = plan, tokens_per_sample
         self.records: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []
         self.path = path
-        self.file: TextIO | None = open(path, "w") if path else None
+        self.file: TextIO | None = open(path, "a" if append else "w") if path else None
         self.bar = tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True)
 
     def log(self, step: int, results: list[dict[str, Any]]) -> dict[str, Any]:
         record = step_record(step, results, self.plan, self.tokens_per_sample)
         self.records.append(record)
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+        self._write(record)
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", step_s=f"{record['step_time_s']:.3f}")
         self.bar.update(1)
         return record
+
+    def rewind(self, step: int) -> None:
+        """Forget the records of steps ``step`` on (a recovery runs them again); their lines stay in the file."""
+        self.records = [r for r in self.records if r["step"] < step]
+        self.bar.n = len(self.records)
+        self.bar.refresh()
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """A line about something other than a step: ``{"event": kind, ...}`` (a checkpoint saved, a resume, a
+        recovery)."""
+        record = {"event": kind, **fields}
+        self.events.append(record)
+        self._write(record)
+        return record
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
 
     def close(self) -> None:
         """End the progress bar's line (also when a step failed) and the metrics file."""
@@ -70,7 +88,8 @@ class MetricsLog:
             self.file = None
 
     def summary(self) -> dict[str, Any]:
-        """Measured median step time (after the first, warm-up step) and peak memory beside the prediction."""
+        """Measured median step time (after the first, warm-up step) and peak memory beside the prediction; with
+    checkpoints or recoveries, their count, save stall and lost steps / seconds."""
         timed = self.records[1:] or self.records
         measured_step = statistics.median(r["step_time_s"] for r in timed)
         measured_mem = max(r["peak_memory_gib"] for r in self.records)
@@ -86,10 +105,25 @@ class MetricsLog:
             "tokens_per_s": {"measured": statistics.median(r["tokens_per_s"] for r in timed),
                              "predicted": predicted.tokens_per_s},
         }
+        result.update(self._event_summary())
         if self.path:
             with open(self.path, "a") as file:
                 file.write(json.dumps(result) + "\n")
         return result
+
+
+    def _event_summary(self) -> dict[str, Any]:
+        """Checkpoint stalls, and the steps and seconds failures cost."""
+        saves = [e for e in self.events if e["event"] == "checkpoint"]
+        recoveries = [e for e in self.events if e["event"] == "recovery"]
+        out: dict[str, Any] = {}
+        if saves:
+            out["checkpoints"] = {"count": len(saves), "stall_s": sum(e["seconds"] for e in saves),
+                                  "bytes": saves[-1]["bytes"]}
+        if recoveries:
+            out["recoveries"] = {"count": len(recoveries), "lost_steps": sum(e["lost_steps"] for e in recoveries),
+                                 "lost_s": sum(e["lost_s"] for e in recoveries)}
+        return out
 
 
 def format_summary(summary: dict[str, Any], memory_note: str) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
 
 from planner.schema import Plan
+from runtime.checkpoint_dir import resolve_resume
 
 MODULES = ("vision", "llm")
 """Modules the runtime places; a plan must have exactly these."""
@@ -140,7 +141,11 @@ def read_checkpoint_config(path: str) -> dict[str, Any]:
 
 def check_checkpoint(path: str, hf_config: dict[str, Any]) -> None:
     """A ``save_pretrained`` folder whose config gives the plan's model the same weight shapes."""
-    config = read_checkpoint_config(path)
+    check_same_model(path, read_checkpoint_config(path), hf_config)
+
+
+def check_same_model(path: str, config: dict[str, Any], hf_config: dict[str, Any]) -> None:
+    """The config of the checkpoint at ``path`` gives the plan's model the same weight shapes."""
     for section, keys in SHAPE_KEYS.items():
         theirs, ours = _config_section(config, section), _config_section(hf_config, section)
         for key in keys:
@@ -159,6 +164,39 @@ def _config_section(config: dict[str, Any], section: str) -> dict[str, Any]:
     nested = config.get(section)
     nested = nested if isinstance(nested, dict) else {}
     return {**config, **nested} if section == "text_config" else nested
+
+
+def check_resume(resume: str, checkpoint_dir: str | None, hf_config: dict[str, Any], *, steps: int) -> str:
+    """The complete training checkpoint ``--resume`` names (runtime.checkpoint_dir.resolve_resume), checked to be
+    of the plan's model and to have done fewer than ``steps`` steps; returns its path."""
+    path = resolve_resume(resume, checkpoint_dir)
+    try:
+        with open(os.path.join(path, "run_state.json"), encoding="utf-8") as file:
+            done = json.load(file)["step"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--resume {path}: cannot read its run_state.json ({e}): not a training checkpoint") from None
+    if done >= steps:
+        raise ValueError(f"--resume {path} has done {done} steps already; --steps {steps} counts them: ask for more")
+    config_path = os.path.join(path, "config.json")
+    try:
+        with open(config_path, encoding="utf-8") as file:
+            config = json.load(file)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--resume {path}: cannot read its config.json ({e}): not a training checkpoint") from None
+    check_same_model(path, config, hf_config)
+    return path
+
+
+def prepare_folder(path: str, flag: str) -> None:
+    """Create an output folder (and its parents) and check a file can be written into it."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a file, not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path} cannot be written: {e.strerror or e}") from None
 
 
 def check_outputs(*, metrics: str | None, save: str | None) -> None:
@@ -189,14 +227,7 @@ def check_metrics_path(path: str) -> None:
 
 def prepare_save_folder(path: str) -> None:
     """Create the ``--save`` folder (and its parents) and check a file can be written into it."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"--save {path} is a file, not a folder")
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise ValueError(f"--save {path} cannot be written: {e.strerror or e}") from None
+    prepare_folder(path, "--save")
 
 
 @dataclass(kw_only=True, frozen=True)

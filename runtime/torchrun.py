@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from planner.schema import Plan
+from runtime.checkpoint_dir import CheckpointOptions
+from runtime.dcp_checkpoint import Checkpointer
 from runtime.driver import tokens_per_sample, validate_plan
 from runtime.metrics import MetricsLog, format_summary
 from runtime.preflight import TorchrunEnv, check_outputs, check_world_size, is_cpu_plan, save_with_fallback
@@ -61,10 +63,11 @@ def save_checkpoint(job: Job, path: str) -> None:
 
 
 def run(plan: Plan, options: RunOptions, env: TorchrunEnv, *, steps: int, metrics_path: str | None = None,
-        save: str | None = None) -> dict[str, Any] | None:
-    """Run ``steps`` optimizer steps as this torchrun rank; rank 0 writes the metrics, prints and returns the
-    summary (None on the other ranks), then every rank saves the weights to ``save`` if given (a fallback
-    folder if that fails, see ``preflight.save_with_fallback``)."""
+        save: str | None = None, checkpoints: CheckpointOptions | None = None) -> dict[str, Any] | None:
+    """Run as this torchrun rank until ``steps`` optimizer steps are done (counting a resumed checkpoint's),
+    with sharded checkpoints as ``checkpoints`` says; rank 0 writes the metrics,
+    prints and returns the summary (None on the other ranks), then every rank saves the weights to ``save`` if
+    given (a fallback folder if that fails, see ``preflight.save_with_fallback``)."""
     check_world_size(plan, env)
     validate_plan(plan, options)
     check_outputs(metrics=metrics_path if env.rank == 0 else None, save=save)
@@ -75,7 +78,7 @@ def run(plan: Plan, options: RunOptions, env: TorchrunEnv, *, steps: int, metric
     dist.init_process_group("gloo" if cpu else "nccl")
     try:
         job = Job(plan=plan, trainer=Trainer(plan, rank=env.rank, options=options), rank=env.rank)
-        summary = _train(job, steps=steps, metrics_path=metrics_path)
+        summary = _train(job, steps=steps, metrics_path=metrics_path, checkpoints=checkpoints)
         if save is not None:
             save_with_fallback(lambda folder: save_checkpoint(job, folder), save, agree=job.agree)
     finally:
@@ -83,18 +86,40 @@ def run(plan: Plan, options: RunOptions, env: TorchrunEnv, *, steps: int, metric
     return summary
 
 
-def _train(job: Job, *, steps: int, metrics_path: str | None) -> dict[str, Any] | None:
-    """The steps; on rank 0 the metrics log, the printed summary and its return."""
-    if job.rank != 0:
-        for _ in range(steps):
-            job.step()
-        return None
-    log = MetricsLog(job.plan, steps=steps, path=metrics_path, tokens_per_sample=tokens_per_sample(job.plan))
+def _train(job: Job, *, steps: int, metrics_path: str | None, checkpoints: CheckpointOptions | None
+           ) -> dict[str, Any] | None:
+    """The steps from where the trainer stands, with the due checkpoints; on rank 0 the metrics log, the printed
+    summary and its return."""
+    log = None
+    if job.rank == 0:
+        log = MetricsLog(job.plan, steps=steps, path=metrics_path, tokens_per_sample=tokens_per_sample(job.plan))
+        if job.trainer.options.resume is not None:
+            log.event("resume", path=job.trainer.options.resume, step=job.trainer.step)
+    checkpointer = None
+    if checkpoints is not None and checkpoints.directory is not None:
+        checkpointer = Checkpointer(job.trainer, checkpoints.directory, keep_last=checkpoints.keep_last,
+                                    overlap=checkpoints.overlap)
     try:
-        for step in range(steps):
-            log.log(step, job.step())
+        while job.trainer.step < steps:
+            step = job.trainer.step
+            results = job.step()
+            if log is not None:
+                log.log(step, results)
+            if checkpointer is not None and checkpoints.due(job.trainer.step, steps):
+                _log_saves(log, checkpointer.save())
+        if checkpointer is not None:
+            _log_saves(log, checkpointer.finish())
     finally:
-        log.close()
+        if log is not None:
+            log.close()
+    if log is None:
+        return None
     summary = log.summary()
     print(format_summary(summary, "peak RSS per worker" if is_cpu_plan(job.plan) else "max allocated per GPU"))
     return summary
+
+
+def _log_saves(log: MetricsLog | None, saves: list[dict[str, Any]]) -> None:
+    """Rank 0: a metrics line per completed checkpoint."""
+    for saved in saves if log is not None else []:
+        log.event("checkpoint", **saved)

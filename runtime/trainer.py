@@ -32,6 +32,7 @@ from runtime.data import IGNORE_INDEX, CaptionData, Sample, SyntheticData, colla
 from runtime.handoff import Handoff, Posted, build_pieces, llm_needs
 from runtime.llm import LLMShard, image_slots_per_rank, shard_llm_batch
 from runtime.checkpoint import HFFolder, materialize, save_hf_folder
+from runtime.dcp_checkpoint import Unfilled, load_checkpoint
 from runtime.model import RandomInit, hf_config_from_dict, meta_model, split_model
 from runtime.optim import build_optimizer, clip_grad_norm
 from runtime.parallel import attention
@@ -58,6 +59,9 @@ class RunOptions:
     """Image-caption folder or JSONL; synthetic data when None."""
     checkpoint: str | None = None
     """Hugging Face folder (save_pretrained or Hub download) to start from; random init when None."""
+    resume: str | None = None
+    """Complete training checkpoint (runtime.dcp_checkpoint) to continue from: weights, optimizer, LR schedule,
+    counters and RNG states; written under this plan or any other of the same model."""
 
 
 def device_for(plan: Plan) -> torch.device:
@@ -86,6 +90,10 @@ class Trainer:
         self.optimizers = {name: build_optimizer(m, plan.training) for name, m in self.trainable.items()}
         self.handoff = self._build_handoff(config)
         self.step = 0
+        self.samples_seen = 0
+        """Global index of the next sample: the data position, independent of the plan."""
+        if options.resume is not None:
+            load_checkpoint(self, options.resume)
 
     # ---- construction -------------------------------------------------------------------------------
     def _build_modules(self, attn: str):
@@ -110,6 +118,8 @@ class Trainer:
         else:
             model.model.language_model, model.lm_head = None, None
         params = self._init if self.options.checkpoint is None else HFFolder(self.options.checkpoint)
+        if self.options.resume is not None:
+            params = Unfilled()  # load_checkpoint fills the shards
         for name, module in modules.items():
             materialize(module, hf_name=module.hf_name, params=params, buffers=self._init, device=self.device,
                         row_order=functools.partial(self._row_order, name))
@@ -156,7 +166,7 @@ class Trainer:
         """This rank's samples of micro-batch ``micro`` for module ``name`` (its DP replica's slice); modules that
         hold the same samples share them."""
         dims = self.dims[name]
-        first = (self.step * self.num_micro_batches + micro) * dims.dp * dims.micro_batch
+        first = self.samples_seen + micro * dims.dp * dims.micro_batch
         first += dims.coordinate(self.rank)["dp"] * dims.micro_batch
         key = (first, dims.micro_batch)
         if key not in self._batches:
@@ -287,6 +297,7 @@ class Trainer:
         lr = next(iter(self.optimizers.values()))[1].get_last_lr()[0] if self.optimizers else None
         norm = self.optimizer_step()
         self.step += 1
+        self.samples_seen += self.num_micro_batches * self.dims["llm"].dp * self.dims["llm"].micro_batch
         _sync(self.device)
         return {
             "rank": self.rank, "modules": sorted(self.modules), "loss": loss, "grad_norm": norm,

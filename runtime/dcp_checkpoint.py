@@ -1,0 +1,249 @@
+"""Training checkpoints with torch.distributed.checkpoint (DCP): every rank writes only its shards of the model
+and of the AdamW state; ``--resume`` loads them back, also under a plan with other degrees (DCP reshards).
+
+What a checkpoint holds (folder layout: runtime.checkpoint_dir):
+
+- DCP shards (``*.distcp`` + ``.metadata``) of one flat state dict whose keys are plan-independent:
+  ``param/<HF name>`` and ``optim/<HF name>/<exp_avg | exp_avg_sq | step>``. The values come from
+  ``torch.distributed.checkpoint.state_dict.get_state_dict`` (FSDP2 / TP DTensor shards, FQNs without wrapper
+  prefixes), renamed to HF names (``VisionTower.hf_name`` / ``LanguageModel.hf_name``). The one tensor whose
+  stored layout depends on the plan, the vision ``qkv`` under TP (rows in TP layout,
+  runtime.parallel.tensor_parallel), is saved in HF row order: gathered one tensor at a time, put in HF order,
+  and re-sharded on rows over the same mesh.
+- ``run_state.json`` (rank 0): optimizer steps done and the global index of the next sample (plan-independent).
+- ``schedule-<module>.json`` (the module's first rank): the LR schedule's state.
+- ``config.json`` (rank 0): the model's transformers config.
+- ``rng-rank<r>.pt`` (each rank): torch's RNG states; restored when the resuming plan has that rank.
+
+Saving is collective over the world (each rank passes the state of the modules it holds); so is loading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from runtime.checkpoint import local_region
+from runtime.checkpoint_dir import TMP_SUFFIX, checkpoint_name, mark_complete, prune
+from runtime.parallel.tensor_parallel import qkv_from_tp_layout, qkv_to_tp_layout
+
+RUN_STATE = "run_state.json"
+"""Rank 0's file: steps done and the next sample's global index."""
+
+CONFIG_FILE = "config.json"
+"""Rank 0's copy of the model's transformers config (preflight checks a resume against it; export copies it)."""
+
+PARAM, OPTIM = "param", "optim"
+"""Key prefixes of the model's and the optimizer's tensors in the flat DCP state dict."""
+
+
+def schedule_file(module_name: str) -> str:
+    return f"schedule-{module_name}.json"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank}.pt"
+
+
+class TrainingState:
+    """A rank's flat, plan-independent DCP state dict of the modules it holds, and how to put loaded values back.
+
+    The values are the live parameters and optimizer states (DCP writes from and loads into them in place),
+    except the TP vision qkv tensors, which are HF-order copies (``restore`` writes them back).
+    """
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        self.flat: dict[str, Any] = {}
+        self._loaded: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {}
+        self._reordered: list[tuple[DTensor, str, int]] = []  # (live tensor, flat key, tp)
+        for name in trainer.modules:
+            self._add_module(name)
+
+    def _add_module(self, name: str) -> None:
+        trainer, module = self.trainer, self.trainer.modules[name]
+        if name in trainer.optimizers:
+            model_sd, optim_sd = get_state_dict(module, trainer.optimizers[name][0])
+        else:
+            model_sd, optim_sd = get_model_state_dict(module), None
+        self._loaded[name] = (model_sd, optim_sd)
+        for fqn, tensor in model_sd.items():
+            self._add(f"{PARAM}/{module.hf_name(fqn)}", tensor, name, fqn)
+        for fqn, states in (optim_sd or {}).get("state", {}).items():
+            for state_name, tensor in states.items():
+                self._add(f"{OPTIM}/{module.hf_name(fqn)}/{state_name}", tensor, name, fqn)
+
+    def _add(self, key: str, tensor: Any, module_name: str, fqn: str) -> None:
+        tp = self.trainer.dims[module_name].tp
+        if isinstance(tensor, DTensor) and self.trainer._row_order(module_name, fqn, tensor.shape[0]) is not None:
+            self._reordered.append((tensor, key, tp))
+            tensor = _resharded_rows(qkv_from_tp_layout(tensor.full_tensor(), tp), tensor.device_mesh)
+        self.flat[key] = tensor
+
+    def restore(self) -> None:
+        """After ``dcp.load`` into ``flat``: the HF-order qkv tensors back into their TP layout, then every module's
+        model and optimizer state set (``set_state_dict``)."""
+        for live, key, tp in self._reordered:
+            stored = qkv_to_tp_layout(self.flat[key].full_tensor(), tp)
+            local = live.to_local()
+            if local.numel():
+                local.copy_(stored[local_region(live)])
+        for name, (model_sd, optim_sd) in self._loaded.items():
+            module = self.trainer.modules[name]
+            if optim_sd is None:
+                set_model_state_dict(module, model_sd)
+            else:
+                set_state_dict(module, self.trainer.optimizers[name][0], model_state_dict=model_sd,
+                               optim_state_dict=optim_sd)
+
+
+def _resharded_rows(full: torch.Tensor, mesh) -> DTensor:
+    """``full`` (the same on every rank of ``mesh``) as a DTensor sharded on rows over the mesh's first axis."""
+    placements = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
+    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+    local = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))].clone()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+
+
+def _write_run_state(trainer: Any, path: str) -> None:
+    """This rank's small files: run state (rank 0), LR schedules (a module's first rank), RNG states."""
+    if trainer.rank == 0:
+        with open(os.path.join(path, RUN_STATE), "w") as f:
+            json.dump({"step": trainer.step, "samples_seen": trainer.samples_seen}, f)
+        trainer.hf_config().to_json_file(os.path.join(path, CONFIG_FILE))
+    for name, (_, schedule) in trainer.optimizers.items():
+        if trainer.rank == trainer.dims[name].ranks[0]:
+            with open(os.path.join(path, schedule_file(name)), "w") as f:
+                json.dump(schedule.state_dict(), f)
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and trainer.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, os.path.join(path, rng_file(trainer.rank)))
+
+
+class Checkpointer:
+    """A rank's checkpoint writer: ``save`` whenever one is due, ``finish`` at the end (both collective: every
+    rank calls them). Each checkpoint goes to ``directory/step-NNNNNN.tmp``; rank 0 marks it complete and renames
+    it once every rank has written (runtime.checkpoint_dir), then keeps the ``keep_last`` newest.
+
+    Synchronous (``overlap=False``): ``save`` writes, and returns the checkpoint's measurements. Overlapped:
+    ``save`` stages the state in memory (the stall) and DCP's ``async_save`` writes it from a thread, over a
+    gloo group of its own so that its collectives never interleave with training's, while training goes on.
+    Rank 0 marks it complete as soon as its write returned (DCP's coordinator finishes a save only after every
+    rank's write). The next ``save``, or ``finish``, first waits for it and returns its measurements.
+
+    A measurement: ``step``, ``path``, ``seconds`` (time training was blocked) and, from rank 0, ``bytes`` (all
+    ranks' files).
+    """
+
+    def __init__(self, trainer: Any, directory: str, *, keep_last: int | None = None, overlap: bool = False):
+        self.trainer, self.directory, self.keep_last = trainer, directory, keep_last
+        self.group = dist.new_group(backend="gloo") if overlap else None
+        self._pending: tuple[Any, dict[str, Any], threading.Event] | None = None
+
+    def save(self) -> list[dict[str, Any]]:
+        """Checkpoint the trainer's current state; the measurements of the checkpoints finished meanwhile."""
+        finished = self.finish()
+        start = time.perf_counter()
+        trainer = self.trainer
+        tmp = os.path.join(self.directory, checkpoint_name(trainer.step) + TMP_SUFFIX)
+        if trainer.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by an attempt that died while writing it
+            os.makedirs(tmp)
+        dist.barrier()
+        state = TrainingState(trainer)
+        _write_run_state(trainer, tmp)
+        record: dict[str, Any] = {"step": trainer.step, "path": tmp.removesuffix(TMP_SUFFIX)}
+        if self.group is None:
+            dcp.save(state.flat, checkpoint_id=tmp)
+            dist.barrier()
+            self._complete(tmp, record)
+            dist.barrier()
+            record["seconds"] = time.perf_counter() - start
+            return finished + [record]
+        future = dcp.async_save(state.flat, checkpoint_id=tmp, process_group=self.group)
+        marked = threading.Event()
+        future.add_done_callback(lambda f: self._on_written(f, tmp, record, marked))
+        record["seconds"] = time.perf_counter() - start
+        self._pending = (future, record, marked)
+        return finished
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Wait for an overlapped save still being written; its measurements ([] when there is none)."""
+        if self._pending is None:
+            return []
+        future, record, marked = self._pending
+        self._pending = None
+        start = time.perf_counter()
+        future.result()
+        marked.wait()
+        dist.barrier()
+        record["seconds"] += time.perf_counter() - start
+        return [record]
+
+    def _on_written(self, future: Any, tmp: str, record: dict[str, Any], marked: threading.Event) -> None:
+        """An overlapped save's write returned (in DCP's thread): complete it if it succeeded; ``finish`` raises
+        its error otherwise."""
+        try:
+            if future.exception() is None:
+                self._complete(tmp, record)
+        finally:
+            marked.set()
+
+    def _complete(self, tmp: str, record: dict[str, Any]) -> None:
+        """Rank 0: every rank has written ``tmp``: measure it, mark it complete, prune older checkpoints."""
+        if self.trainer.rank != 0:
+            return
+        record["bytes"] = _folder_bytes(tmp)
+        mark_complete(tmp)
+        if self.keep_last is not None:
+            prune(self.directory, self.keep_last)
+
+
+def _folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+
+
+def load_checkpoint(trainer: Any, path: str) -> None:
+    """Load a complete checkpoint (written under any plan of the same model) into the trainer's materialised
+    shards, optimizers, LR schedules, counters and RNG states (collective: every rank calls it)."""
+    state = TrainingState(trainer)
+    dcp.load(state.flat, checkpoint_id=path)
+    state.restore()
+    with open(os.path.join(path, RUN_STATE)) as f:
+        run_state = json.load(f)
+    trainer.step, trainer.samples_seen = run_state["step"], run_state["samples_seen"]
+    for name, (optimizer, schedule) in trainer.optimizers.items():
+        with open(os.path.join(path, schedule_file(name))) as f:
+            schedule.load_state_dict(json.load(f))
+        for group, lr in zip(optimizer.param_groups, schedule.get_last_lr()):
+            group["lr"] = lr
+    rng = os.path.join(path, rng_file(trainer.rank))
+    if os.path.isfile(rng):
+        states = torch.load(rng)
+        torch.set_rng_state(states["cpu"])
+        if "cuda" in states and trainer.device.type == "cuda":
+            torch.cuda.set_rng_state(states["cuda"])
+
+
+class Unfilled:
+    """A tensor source for ``runtime.checkpoint.materialize`` that leaves the shards' values unset: a resumed
+    run gives its shards storage, then ``load_checkpoint`` fills them (no random init first)."""
+
+    def read(self, hf_name: str, index: tuple[slice, ...], shape: torch.Size) -> torch.Tensor:
+        sizes = [s.indices(n)[1] - s.indices(n)[0] for s, n in zip(index, shape)] + list(shape[len(index):])
+        return torch.empty(sizes)
+

@@ -1,0 +1,77 @@
+"""``python -m runtime.export CHECKPOINT OUT``: a complete training checkpoint (runtime.dcp_checkpoint) as a
+Hugging Face folder that ``from_pretrained`` and ``--checkpoint`` load, with no running job and no process group.
+
+The weights are read with DCP's no-distributed load (``dcp.load(..., no_dist=True)``), which assembles each
+tensor from the shards every rank wrote, whatever the plan was. They are read and written one output file at a
+time (at most ``--max-file-bytes``, one tensor at least), so the exporting process holds one file's tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import warnings
+
+from runtime.checkpoint_dir import is_complete
+
+INDEX_FILE = "model.safetensors.index.json"
+"""Index of a sharded HF checkpoint: tensor name -> file (as runtime.checkpoint writes it)."""
+
+
+def export(checkpoint: str, out: str, *, max_file_bytes: int = 1 << 30) -> list[str]:
+    """Write the checkpoint's weights and config as a Hugging Face folder ``out``; returns the tensor names.
+
+    Raises:
+        ValueError: ``checkpoint`` is not a complete training checkpoint.
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from runtime.checkpoint import plan_files
+    from runtime.dcp_checkpoint import CONFIG_FILE, PARAM
+
+    if not os.path.isdir(checkpoint) or not is_complete(checkpoint):
+        raise ValueError(f"{checkpoint} is not a complete training checkpoint (written by --checkpoint-dir)")
+    metadata = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    prefix = PARAM + "/"
+    shapes = {key.removeprefix(prefix): (meta.size, meta.properties.dtype)
+              for key, meta in metadata.items() if key.startswith(prefix)}
+    sizes = {"model": [(name, size.numel() * dtype.itemsize) for name, (size, dtype) in shapes.items()]}
+    files = plan_files(sizes, {"model": (0,)}, max_file_bytes)
+    os.makedirs(out, exist_ok=True)
+    for file in files:
+        tensors = {prefix + name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in file.tensors}
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(tensors, checkpoint_id=checkpoint, no_dist=True)
+        save_file({k.removeprefix(prefix): v for k, v in tensors.items()}, os.path.join(out, file.name),
+                  metadata={"format": "pt"})
+    total = sum(nbytes for _, nbytes in sizes["model"])
+    with open(os.path.join(out, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": {n: f.name for f in files for n in f.tensors}},
+                  f, indent=2)
+    shutil.copy(os.path.join(checkpoint, CONFIG_FILE), os.path.join(out, CONFIG_FILE))
+    return sorted(shapes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runtime.export",
+                                     description="Export a training checkpoint as a Hugging Face folder.")
+    parser.add_argument("checkpoint", help="a complete checkpoint folder (DIR/step-NNNNNN of --checkpoint-dir)")
+    parser.add_argument("out", help="the Hugging Face folder to write (created)")
+    args = parser.parse_args(argv)
+    try:
+        names = export(args.checkpoint, args.out)
+    except (ValueError, OSError) as e:
+        print(f"runtime.export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(names)} tensors to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Rank functions of the resume tests, run in gloo processes by tests.runtime.ranks.spawn (a child cannot import a
+test module): a run straight through, and the same run cut into legs that each resume from the previous leg's
+checkpoint, possibly under another plan."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from planner.schema import Plan
+from runtime.checkpoint_dir import latest_checkpoint
+from runtime.dcp_checkpoint import Checkpointer
+from runtime.trainer import RunOptions, Trainer
+
+SEED = 0
+
+
+def _steps(trainer: Trainer, steps: int) -> list[dict[str, Any]]:
+    return [{k: r[k] for k in ("loss", "grad_norm", "lr")} for r in (trainer.train_step() for _ in range(steps))]
+
+
+def straight_and_legs(rank: int, straight: Plan, legs: list[tuple[Plan, int]], directory: str, *,
+                      overlap: bool = False) -> dict[str, Any]:
+    """``straight`` for all the legs' steps; then each leg (plan, steps): the first from the seed's random init,
+    each next resuming from the latest checkpoint the one before saved. With ``overlap`` (DCP async_save) one more
+    step runs, and is thrown away, while the checkpoint is written: it must not change what is saved. Returns
+    this rank's per-step records and the full parameters it gathered (on a module's first rank) at the end of
+    both runs."""
+    trainer = Trainer(straight, rank=rank, options=RunOptions(seed=SEED))
+    out = {"straight": _steps(trainer, sum(steps for _, steps in legs))}
+    out["straight_params"] = trainer.full_tensors("param")
+    del trainer
+    records, resume = [], None
+    for plan, steps in legs:
+        trainer = Trainer(plan, rank=rank, options=RunOptions(seed=SEED, resume=resume))
+        checkpointer = Checkpointer(trainer, directory, keep_last=1, overlap=overlap)
+        records += _steps(trainer, steps)
+        out["legs_params"] = trainer.full_tensors("param")
+        checkpointer.save()
+        if overlap:
+            _steps(trainer, 1)
+        checkpointer.finish()
+        resume = latest_checkpoint(directory)
+    out["legs"] = records
+    return out
+
+
+def each_straight_and_resumed(rank: int, plans: dict[str, Plan], directory: str, overlap: set[str]
+                              ) -> dict[str, dict[str, Any]]:
+    """``straight_and_legs`` of each plan against itself (2 + 2 steps), in one set of processes; async saves for
+    the plans named in ``overlap``."""
+    return {name: straight_and_legs(rank, plan, [(plan, 2), (plan, 2)], os.path.join(directory, name),
+                                    overlap=name in overlap)
+            for name, plan in plans.items()}

@@ -1,0 +1,157 @@
+"""Automatic recovery on Ray: a worker process SIGKILLed in the middle of a run.
+
+2 workers (ZeRO-0 DP2), 12 steps, a checkpoint every 3. The test waits for step 7's metrics line, then kills one
+worker process (found by its Ray process title, ``ray::Worker``):
+
+- with ``--max-failures 1`` the run tears the job down, starts new workers and resumes from the step-6
+  checkpoint; it finishes all 12 steps, its loss curve (the last record of each step) is bitwise the
+  uninterrupted run's, and its metrics hold one recovery line with at most K-1 = 2 lost steps;
+- with ``--max-failures 0`` the same kill ends the run within 60 s with one error line and a non-zero exit.
+
+After each run no worker process of it is left.
+
+Two "nodes" (ray.cluster_utils.Cluster: a head and a second raylet on this machine, one CPU slot each, so the
+plan's two workers span both): the second node is removed at step 7 and a new one added, as an autoscaler
+replacing a lost node would; the run waits for the resources, resumes on the new node and again ends with the
+uninterrupted loss curve.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from runtime import launcher
+from runtime.trainer import RunOptions
+from tests.runtime.plans import make_plan
+
+STEPS, EVERY, KILL_AFTER = 12, 3, 7
+WORKER_TITLE = b"ray::Worker"
+
+
+def _worker_pids() -> list[int]:
+    """Processes of this machine whose title is a runtime Worker actor's."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().startswith(WORKER_TITLE):
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+def _records(path) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip().endswith("}")]
+
+
+def _run_and_kill(tmp_path, name: str, max_failures: int, address: str, kill=None
+                  ) -> tuple[subprocess.CompletedProcess, float]:
+    """The CLI run, one worker SIGKILLed (or ``kill()`` called) once step KILL_AFTER's line is written; (result,
+    seconds from the kill to the exit)."""
+    metrics = tmp_path / f"{name}.jsonl"
+    command = [sys.executable, "-m", "runtime", str(tmp_path / "plan.json"), "--steps", str(STEPS), "--metrics",
+               str(metrics), "--checkpoint-dir", str(tmp_path / name), "--checkpoint-every", str(EVERY),
+               "--max-failures", str(max_failures)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "RAY_ADDRESS": address})
+    deadline = time.monotonic() + 240
+    while not any(r.get("step") == KILL_AFTER - 1 and "loss" in r for r in _records(metrics)):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.05)
+    if kill is None:
+        os.kill(_worker_pids()[-1], signal.SIGKILL)
+    else:
+        kill()
+    killed = time.monotonic()
+    out, err = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(command, process.returncode, out, err), time.monotonic() - killed
+
+
+def _assert_no_workers_left() -> None:
+    deadline = time.monotonic() + 30
+    while _worker_pids():
+        assert time.monotonic() < deadline, f"stray worker processes {_worker_pids()}"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, ray_cluster):
+    """The plan file and the loss of each step of the run without failures."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    plan = make_plan(dict(dp=2), dict(dp=2))
+    (folder / "plan.json").write_text(plan.to_json())
+    summary = launcher.run(plan, RunOptions(), steps=STEPS, metrics_path=str(folder / "straight.jsonl"))
+    assert summary["steps"] == STEPS
+    _assert_no_workers_left()
+    return folder / "plan.json", {r["step"]: r["loss"] for r in _records(folder / "straight.jsonl") if "step" in r}
+
+
+def _assert_recovered(tmp_path, name: str, expected: dict[int, float], resumed: tuple[int, ...]) -> dict:
+    """The run finished all steps on the uninterrupted curve after one recovery from a checkpoint in
+    ``resumed``, losing at most K-1 steps; returns the recovery's metrics line."""
+    records = _records(tmp_path / f"{name}.jsonl")
+    losses = {r["step"]: r["loss"] for r in records if "step" in r and "loss" in r}  # a redone step: its last
+    assert losses == expected
+    (recovery,) = [r for r in records if r.get("event") == "recovery"]
+    assert recovery["resumed_step"] in resumed and 0 <= recovery["lost_steps"] <= EVERY - 1
+    summary = records[-1]
+    assert summary["steps"] == STEPS and summary["recoveries"]["count"] == 1
+    return recovery
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_recovered_from_the_last_checkpoint_or_ends_the_run_in_one_line(
+    tmp_path, ray_cluster, uninterrupted
+):
+    plan_path, expected = uninterrupted
+    shutil.copy(plan_path, tmp_path / "plan.json")
+    address = ray_cluster.get_runtime_context().gcs_address
+
+    result, _ = _run_and_kill(tmp_path, "recovered", 1, address)
+    assert result.returncode == 0, result.stderr[-3000:]
+    recovery = _assert_recovered(tmp_path, "recovered", expected, resumed=(6,))
+    assert recovery["lost_steps"] >= 1  # killed after step 7: step 7 is redone
+    _assert_no_workers_left()
+
+    result, seconds = _run_and_kill(tmp_path, "failed", 0, address)
+    assert result.returncode != 0 and seconds < 60
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("runtime: error:")]
+    assert len(errors) == 1 and "--max-failures 0" in errors[0], result.stderr[-3000:]
+    _assert_no_workers_left()
+
+
+@pytest.mark.slow
+def test_a_lost_node_is_replaced_and_the_run_recovers_on_it(tmp_path, uninterrupted):
+    from ray.cluster_utils import Cluster
+
+    plan_path, expected = uninterrupted
+    shutil.copy(plan_path, tmp_path / "plan.json")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        second = cluster.add_node(num_cpus=1)
+
+        def lose_the_second_node():
+            cluster.remove_node(second)
+            cluster.add_node(num_cpus=1)
+
+        result, _ = _run_and_kill(tmp_path, "two_nodes", 1, cluster.address, kill=lose_the_second_node)
+        assert result.returncode == 0, result.stderr[-3000:]
+        # removing a node takes a moment (its raylet stops its workers): on a loaded machine step 9 may be saved
+        _assert_recovered(tmp_path, "two_nodes", expected, resumed=(6, 9))
+    finally:
+        cluster.shutdown()
+    _assert_no_workers_left()
