@@ -189,15 +189,22 @@ class GpuNumericsTrainer(Trainer):
 
 
 def _build_in_dtype(dtype: torch.dtype):
-    """trainer.build_model, then the model's floating-point tensors cast to ``dtype`` (as ``model.to(dtype)``,
-    which cannot swap fake parameters)."""
+    """trainer.build_model, then the model's floating-point parameters and buffers in ``dtype``, as
+    ``model.to(dtype)`` (which cannot swap fake parameters) would; tied parameters stay tied."""
     build = trainer_module.build_model
 
     def build_model(*args, **kwargs):
         model = build(*args, **kwargs)
-        for t in [*model.parameters(), *model.buffers()]:
-            if t.dtype.is_floating_point and t.dtype != dtype:
-                t.data = t.data.to(dtype)
+        cast: dict[int, torch.Tensor] = {}
+        for module in model.modules():
+            for tensors in (module._parameters, module._buffers):
+                for name, t in tensors.items():
+                    if t is not None and t.dtype.is_floating_point and t.dtype != dtype:
+                        if id(t) not in cast:
+                            new = t.detach().to(dtype)
+                            cast[id(t)] = torch.nn.Parameter(new, t.requires_grad) if tensors is module._parameters \
+                                else new
+                        tensors[name] = cast[id(t)]
         return model
 
     return build_model
