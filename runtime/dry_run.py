@@ -1,9 +1,10 @@
 """Dry-run: the runtime's own memory at full size, on CPU, without real memory or compute.
 
-``dry_run(plan, options)`` runs the runtime's real ``Trainer`` (construction, two ``train_step`` calls) for one
+``dry_run(plan, options)`` runs the runtime's real ``Trainer`` (construction, then one ``train_step``) for one
 rank of every distinct role of the plan, under a fake tensor mode and torch's fake process group of the plan's
-world size (no communication), measures peak tensor memory by category with torch's ``MemTracker``, and puts it
-beside the planner's prediction: FITS / DOES NOT FIT for the plan's device.
+world size (no memory, no communication), measures peak tensor memory by category with torch's ``MemTracker``,
+and puts it beside the planner's prediction: FITS / DOES NOT FIT for the plan's device. ``format_report`` prints
+it; ``report.fits`` is the verdict (``python -m runtime plan.json --dry-run`` exits 0 / 1 on it).
 
 How the GPU is emulated (this torch is a CPU build: FakeTensorMode cannot fake ``cuda`` tensors here, their
 random init needs the CUDA generator), documented because it is what the numbers mean:
@@ -17,6 +18,10 @@ random init needs the CUDA generator), documented because it is what the numbers
   tensor by a real mask is rewritten to integer indexing (same shape), and a Python scalar read from a fake
   tensor (the loss and the gradient norm, which only feed logging and clipping) reads 0.0.
 - Pixel values are fake zeros of the planned shape (``PlannedShapes``), so no image is synthesised.
+- Window-attention blocks run their windows as one segment (``_windows_as_one_segment``): same memory with a
+  flash-style kernel, hundreds of times fewer fake ops.
+- Of a step's micro-batches, ``MICRO_BATCHES_RUN`` run (the first two and the last); every micro-batch's inputs
+  are still prepared, as the trainer holds the whole step's inputs on the device.
 
 Roles: ranks that run the same code on tensors of the same shapes need the same memory. A rank's role is the
 set of modules it holds and, per module, the length of its sequence slice (uneven SP splits differ). DP, ZeRO
@@ -24,11 +29,12 @@ and TP peers hold equal shards; among TP peers only coordinate 0 sends the hand-
 it sends), so the lowest rank of each role, which has TP coordinate 0, is the one run. A disjoint plan has at
 least one role per group.
 
-Adam creates its states at its first step; they are created before the measured step (``init_optimizer_states``),
-so the one step measured has the steady state's peak. Peaks are of tensor memory only; the planner's prediction adds its framework
-overhead (CUDA context, workspaces, ``plan.predicted.memory_breakdown_gib.overhead``) and compares with the
-usable fraction of the device (``usable_memory_fraction`` of planner.cost.assumptions). FITS uses the same rule:
-measured peak + overhead <= usable memory.
+Adam creates its states at its first step; they are created before the measured step
+(``init_optimizer_states``), so the step measured has the steady state's peak. Peaks are of tensor memory only;
+the planner's prediction adds its framework overhead (CUDA context, workspaces:
+``plan.predicted.memory_breakdown_gib.overhead``) and compares with the usable fraction of the device
+(``usable_memory_fraction`` of planner.cost.assumptions). FITS uses the same rule: measured peak + overhead <=
+usable memory.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import contextlib
 import copy
 import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
@@ -49,12 +55,12 @@ from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 from torch.distributed.tensor import _sharding_prop as sharding_prop
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten
 
 from planner.schema import Plan
 from runtime import trainer as trainer_module
-from runtime.data import Sample, SampleLayout, token_sequence
-from runtime.llm import image_slots_per_rank
+from runtime.data import Sample, SampleLayout, layout_from_plan, token_sequence
+from runtime.model import hf_config_from_dict
 from runtime.parallel.ulysses import split_sequence, split_windows
 from runtime.parallel_dims import ParallelDims
 from runtime.trainer import MODULES, RunOptions, Trainer
@@ -63,8 +69,6 @@ from runtime.vision import window_layout
 GIB = 1024**3
 REAL_TENSOR_LIMIT_BYTES = 16 * 1024**2
 """Factories at most this large make real tensors (indices, masks, norms); larger ones are fake."""
-CATEGORIES = ("Parameter", "Gradient", "Optstate", "Activation", "Temp", "Buffer", "Other")
-"""MemTracker's categories (torch.distributed._tools.mem_tracker._MemRefType values)."""
 MICRO_BATCHES_RUN = 3
 """Micro-batches of the step actually run: the first (no gradients yet), the second (gradients accumulated; any
 later one but the last repeats its memory) and the last (gradient reduction). Disjoint plans reach their
@@ -79,16 +83,14 @@ def _is_fake(x: Any) -> bool:
     return isinstance(x, FakeTensor)
 
 
-def _integer_indices(indices: list, shape: torch.Size) -> list:
+def _integer_indices(indices: list) -> list:
     """Boolean-mask indices (real) as the integer indices they select, so the result's shape needs no data."""
-    out, dim = [], 0
+    out = []
     for index in indices:
         if isinstance(index, torch.Tensor) and not _is_fake(index) and index.dtype in (torch.bool, torch.uint8):
             out += list(index.nonzero(as_tuple=True))
-            dim += index.dim()
         else:
             out.append(index)
-            dim += 1
     return out
 
 
@@ -118,7 +120,7 @@ class DataDependentFakeMode(FakeTensorMode):
             raise NotImplementedError("dry-run: an integer is read from a fake tensor (data-dependent control flow)")
         if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
                     aten._index_put_impl_.default):
-            args = (args[0], _integer_indices(list(args[1]), args[0].shape), *args[2:])
+            args = (args[0], _integer_indices(list(args[1])), *args[2:])
         elif func is aten.masked_select.default and not _is_fake(args[1]):
             mask = args[1].expand(torch.broadcast_shapes(args[0].shape, args[1].shape))
             func, args = aten.index.Tensor, (args[0].expand(mask.shape), list(mask.nonzero(as_tuple=True)))
@@ -256,9 +258,6 @@ def _slice_lengths(plan: Plan, name: str, layout: SampleLayout, config: Any) -> 
 
 def role_keys(plan: Plan) -> dict[int, tuple]:
     """Each rank's role: per module it holds, (module, the length of its sequence slice)."""
-    from runtime.data import layout_from_plan
-    from runtime.model import hf_config_from_dict
-
     config = hf_config_from_dict(plan.model.hf_config)
     layout = layout_from_plan(plan.workload, config)
     lengths = {name: _slice_lengths(plan, name, layout, config) for name in MODULES}
