@@ -99,7 +99,7 @@ class DataDependentFakeMode(FakeTensorMode):
     factory only when it allocates at most ``REAL_TENSOR_LIMIT_BYTES``); ops on fake tensors are faked."""
 
     def __init__(self):
-        super().__init__(allow_non_fake_inputs=True)
+        super().__init__(allow_non_fake_inputs=True, allow_fallback_kernels=False)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
