@@ -6,12 +6,15 @@ world size (no memory, no communication), measures peak tensor memory by categor
 and puts it beside the planner's prediction: FITS / DOES NOT FIT for the plan's device. ``format_report`` prints
 it; ``report.fits`` is the verdict (``python -m runtime plan.json --dry-run`` exits 0 / 1 on it).
 
-How the GPU is emulated (this torch is a CPU build: FakeTensorMode cannot fake ``cuda`` tensors here, their
-random init needs the CUDA generator), documented because it is what the numbers mean:
+What runs, documented because it is what the numbers mean:
 
-- Tensors live on fake CPU tensors, with the dtypes the trainer's GPU path uses (``GPU_NUMERICS``): bf16_mixed
-  keeps fp32 weights, gradients and Adam states and runs forward/backward under bf16 autocast; bf16_pure casts
-  the model to bf16; the hand-off travels in bf16.
+- The trainer's own code on fake CPU tensors (this torch is a CPU build: FakeTensorMode cannot fake ``cuda``
+  tensors here). The trainer picks its numeric recipe from the plan's device (``numerics_device_type``), so a GPU
+  plan runs the GPU recipe of runtime.parallel.precision: for bf16_mixed fp32 weights, gradients and Adam states
+  with FSDP2's ``MixedPrecisionPolicy`` (bf16 all-gathers, fp32 reduction) where FSDP wraps a module and bf16
+  autocast elsewhere; bf16 parameters for bf16_pure; a bf16 hand-off.
+- Start-up is the trainer's: the model on ``meta``, sharded there, then ``materialize`` gives the local shards
+  (fake) storage; their values come from ``ZeroWeights`` instead of the random init (nothing is drawn).
 - ``DataDependentFakeMode``: data and index tensors stay real (they are small and the trainer computes indices
   from them: window order, M-RoPE positions, ``cu_seqlens.tolist()``); a factory allocating more than
   ``REAL_TENSOR_LIMIT_BYTES`` and every op touching a fake tensor is fake. Boolean-mask indexing of a fake
@@ -63,7 +66,9 @@ from runtime.data import Sample, SampleLayout, layout_from_plan, token_sequence
 from runtime.model import hf_config_from_dict
 from runtime.parallel.ulysses import split_sequence, split_windows
 from runtime.parallel_dims import ParallelDims
-from runtime.trainer import MODULES, RunOptions, Trainer
+from runtime.parallel.precision import module_precision
+from runtime.parallelize import uses_fsdp
+from runtime.trainer import MODULES, RunOptions, Trainer, numerics_device_type
 from runtime.vision import window_layout
 
 GIB = 1024**3
@@ -73,14 +78,24 @@ MICRO_BATCHES_RUN = 3
 """Micro-batches of the step actually run: the first (no gradients yet), the second (gradients accumulated; any
 later one but the last repeats its memory) and the last (gradient reduction). Disjoint plans reach their
 steady state (MAX_VISION_IN_FLIGHT forwards ahead) within these too."""
-GPU_NUMERICS = {"bf16_mixed": (torch.float32, True), "bf16_pure": (torch.bfloat16, False)}
-"""plan.training.precision -> (dtype of the model's weights, gradients and Adam states; bf16 autocast), as the
-trainer runs on a GPU."""
 
 
 # ---- the fake mode ----------------------------------------------------------------------------------------------
 def _is_fake(x: Any) -> bool:
     return isinstance(x, FakeTensor)
+
+
+def _on_meta(kwargs: dict) -> bool:
+    """A factory's tensor goes to the ``meta`` device (shapes only: it stays a real meta tensor)."""
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type == "meta"
+
+
+def _materializes_meta(flat: list, kwargs: dict) -> bool:
+    """An op makes a tensor off ``meta`` from a ``meta`` tensor."""
+    device = kwargs.get("device")
+    return (device is not None and torch.device(device).type != "meta"
+            and any(isinstance(x, torch.Tensor) and x.is_meta for x in flat))
 
 
 def _integer_indices(indices: list) -> list:
@@ -96,7 +111,8 @@ def _integer_indices(indices: list) -> list:
 
 class DataDependentFakeMode(FakeTensorMode):
     """FakeTensorMode in which real tensors stay real: an op runs for real when none of its inputs is fake (a
-    factory only when it allocates at most ``REAL_TENSOR_LIMIT_BYTES``); ops on fake tensors are faked."""
+    factory, or an op giving a ``meta`` tensor storage, only when it allocates at most
+    ``REAL_TENSOR_LIMIT_BYTES``; a factory on ``meta`` always); ops on fake tensors are faked."""
 
     def __init__(self):
         super().__init__(allow_non_fake_inputs=True, allow_fallback_kernels=False)
@@ -106,7 +122,11 @@ class DataDependentFakeMode(FakeTensorMode):
         flat, _ = tree_flatten((args, kwargs))
         if any(_is_fake(x) for x in flat):
             return self._fake(func, types, args, kwargs)
-        if _is_tensor_constructor(func):
+        if _materializes_meta(flat, kwargs):  # e.g. ``empty_like`` of ``to_empty``: as large a factory
+            shape_only = func(*args, **{**kwargs, "device": torch.device("meta")})
+            if shape_only.numel() * shape_only.element_size() > REAL_TENSOR_LIMIT_BYTES:
+                return self._fake(func, types, args, kwargs)
+        if _is_tensor_constructor(func) and not _on_meta(kwargs):
             out = super().__torch_dispatch__(func, types, args, kwargs)
             if out.numel() * out.element_size() > REAL_TENSOR_LIMIT_BYTES:
                 return out
@@ -144,19 +164,28 @@ class PlannedShapes:
                 **{k: v.clone() for k, v in self.tokens.items()}}
 
 
-class GpuNumericsTrainer(Trainer):
-    """The runtime's Trainer on CPU with the dtypes of its GPU path (trainer.py ``_build_modules``,
-    ``_autocast``, ``_handoff_dtype`` on ``cuda``) and planned-shape data."""
+class ZeroWeights:
+    """A weight source (runtime.checkpoint.TensorSource) of zeros: under the fake mode, fake storage of the slice's
+    shape; nothing is drawn or read."""
+
+    def read(self, hf_name: str, index: tuple[slice, ...], shape: torch.Size) -> torch.Tensor:
+        return torch.zeros(torch.empty(shape, device="meta")[index].shape)
+
+
+class DryRunTrainer(Trainer):
+    """The runtime's Trainer with zero weights, planned-shape data, and ``MICRO_BATCHES_RUN`` micro-batches of the
+    step run (every one prepared)."""
 
     def __init__(self, plan: Plan, *, rank: int, options: RunOptions):
-        self.on_gpu = plan.cluster.device.name.lower() != "cpu"
-        self.autocast = self.on_gpu and GPU_NUMERICS[plan.training.precision][1]
         self.whole_step = True
         micro_batches = range(plan.module("llm").grad_accum)
         self._run_micro_batches = sorted({*micro_batches[:MICRO_BATCHES_RUN - 1], micro_batches[-1]})
         """Micro-batch of the step that each micro-batch run stands for."""
         super().__init__(plan, rank=rank, options=options)
         self.source = PlannedShapes(self.layout)
+
+    def _weights_source(self) -> ZeroWeights:
+        return ZeroWeights()
 
     @property
     def num_micro_batches(self) -> int:
@@ -183,34 +212,6 @@ class GpuNumericsTrainer(Trainer):
     def _llm_shard(self, micro: int):
         return super()._llm_shard(micro if self.whole_step else self._run_micro_batches[micro])
 
-    def _autocast(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
-
-    def _handoff_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.on_gpu else super()._handoff_dtype()
-
-
-def _build_in_dtype(dtype: torch.dtype):
-    """trainer.build_model, then the model's floating-point parameters and buffers in ``dtype``, as
-    ``model.to(dtype)`` (which cannot swap fake parameters) would; tied parameters stay tied."""
-    build = trainer_module.build_model
-
-    def build_model(*args, **kwargs):
-        model = build(*args, **kwargs)
-        cast: dict[int, torch.Tensor] = {}
-        for module in model.modules():
-            for tensors in (module._parameters, module._buffers):
-                for name, t in tensors.items():
-                    if t is not None and t.dtype.is_floating_point and t.dtype != dtype:
-                        if id(t) not in cast:
-                            new = t.detach().to(dtype)
-                            cast[id(t)] = torch.nn.Parameter(new, t.requires_grad) if tensors is module._parameters \
-                                else new
-                        tensors[name] = cast[id(t)]
-        return model
-
-    return build_model
-
 
 def _windows_as_one_segment(shard_vision_batch):
     """runtime.vision.shard_vision_batch with the window-attention blocks' windows run as one segment.
@@ -230,13 +231,11 @@ def _windows_as_one_segment(shard_vision_batch):
 
 
 @contextlib.contextmanager
-def _emulation(dtype: torch.dtype):
-    """The trainer on CPU with its model in ``dtype``, vision windows as one segment; DTensor's sharding
-    propagation in its own fake mode (it allocates tensors of global shapes, which must neither be real nor
-    counted)."""
+def _emulation():
+    """The trainer's tensors on CPU, vision windows as one segment; DTensor's sharding propagation in its own fake
+    mode (it allocates tensors of global shapes, which must neither be real nor counted)."""
     propagation = FakeTensorMode()
     with mock.patch.object(trainer_module, "device_for", lambda _: torch.device("cpu")), \
-            mock.patch.object(trainer_module, "build_model", _build_in_dtype(dtype)), \
             mock.patch.object(trainer_module, "shard_vision_batch",
                               _windows_as_one_segment(trainer_module.shard_vision_batch)), \
             mock.patch.object(sharding_prop, "detect_fake_mode", lambda *_: propagation):
@@ -397,12 +396,10 @@ def measure_role(plan: Plan, rank: int, options: RunOptions) -> RoleMemory:
     start = time.perf_counter()
     world = len({r for m in plan.modules for r in m.ranks})
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    on_gpu = plan.cluster.device.name.lower() != "cpu"
-    dtype = GPU_NUMERICS[plan.training.precision][0] if on_gpu else torch.float32
     try:
-        with DataDependentFakeMode(), _emulation(dtype):
+        with DataDependentFakeMode(), _emulation():
             with MemTracker() as startup:
-                trainer = GpuNumericsTrainer(plan, rank=rank, options=options)
+                trainer = DryRunTrainer(plan, rank=rank, options=options)
             init_optimizer_states(trainer)
             tracker = StepMemTracker(trainer.modules)
             tracker.track_external(*trainer.modules.values(), *(o for o, _ in trainer.optimizers.values()))
@@ -476,13 +473,19 @@ def usable_bytes(plan: Plan) -> int:
 
 
 def numerics(plan: Plan) -> str:
-    """How the dry-run emulates the plan's device, in words."""
-    if plan.cluster.device.name.lower() == "cpu":
+    """The trainer's numeric recipe per module for the plan's device (runtime.parallel.precision), in words."""
+    device = numerics_device_type(plan)
+    if device == "cpu":
         return "fake CPU tensors, fp32 (as the runtime trains on CPU)"
-    weights, autocast = GPU_NUMERICS[plan.training.precision]
-    compute = "bf16 autocast" if autocast else "bf16"
-    return (f"fake CPU tensors with the GPU path's dtypes: {str(weights).removeprefix('torch.')} weights, "
-            f"gradients and Adam states, {compute} compute, bf16 hand-off")
+    parts = []
+    for name in MODULES:
+        recipe = module_precision(plan.training.precision, device,
+                                  fsdp=uses_fsdp(ParallelDims.from_plan(plan.module(name))))
+        compute = ("FSDP2 bf16 all-gathers" if recipe.fsdp_policy is not None
+                   else "bf16 autocast" if recipe.autocast_dtype is not None else "")
+        dtype = str(recipe.param_dtype).removeprefix("torch.")
+        parts.append(f"{name} {dtype} params" + (f", {compute}" if compute else ""))
+    return f"fake CPU tensors, the {device} recipe: " + "; ".join(parts) + "; bf16 hand-off"
 
 
 def dry_run(plan: Plan, options: RunOptions, *, log=None) -> DryRunReport:

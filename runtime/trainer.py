@@ -31,7 +31,7 @@ from planner.schema import Plan
 from runtime.data import IGNORE_INDEX, CaptionData, Sample, SyntheticData, collate, layout_from_plan, token_sequence
 from runtime.handoff import Handoff, Posted, build_pieces, llm_needs
 from runtime.llm import LLMShard, image_slots_per_rank, shard_llm_batch
-from runtime.checkpoint import HFFolder, materialize, save_hf_folder
+from runtime.checkpoint import HFFolder, TensorSource, materialize, save_hf_folder
 from runtime.model import RandomInit, hf_config_from_dict, meta_model, split_model
 from runtime.optim import build_optimizer, clip_grad_norm
 from runtime.parallel import attention
@@ -60,9 +60,15 @@ class RunOptions:
     """Hugging Face folder (save_pretrained or Hub download) to start from; random init when None."""
 
 
+def numerics_device_type(plan: Plan) -> str:
+    """The device type whose numeric recipe (runtime.parallel.precision) the plan runs: the plan's device, whatever
+    the tensors' (the dry-run runs a GPU plan's recipe on fake CPU tensors)."""
+    return "cpu" if plan.cluster.device.name.lower() == "cpu" else "cuda"
+
+
 def device_for(plan: Plan) -> torch.device:
     """CPU for a plan made for ``--gpu cpu``, else this worker's GPU."""
-    return torch.device("cpu") if plan.cluster.device.name.lower() == "cpu" else torch.device("cuda", 0)
+    return torch.device("cpu") if numerics_device_type(plan) == "cpu" else torch.device("cuda", 0)
 
 
 class Trainer:
@@ -74,7 +80,8 @@ class Trainer:
         self.dims = {name: ParallelDims.from_plan(plan.module(name)) for name in MODULES}
         for dims in self.dims.values():
             dims.build_mesh(self.device.type)
-        self.precision = {name: module_precision(plan.training.precision, self.device.type, fsdp=uses_fsdp(dims))
+        self.numerics = numerics_device_type(plan)
+        self.precision = {name: module_precision(plan.training.precision, self.numerics, fsdp=uses_fsdp(dims))
                           for name, dims in self.dims.items()}
         config = hf_config_from_dict(plan.model.hf_config)
         self.layout = layout_from_plan(plan.workload, config)
@@ -109,12 +116,16 @@ class Trainer:
             modules["llm"] = llm
         else:
             model.model.language_model, model.lm_head = None, None
-        params = self._init if self.options.checkpoint is None else HFFolder(self.options.checkpoint)
+        params = self._weights_source()
         for name, module in modules.items():
             materialize(module, hf_name=module.hf_name, params=params, buffers=self._init, device=self.device,
                         row_order=functools.partial(self._row_order, name))
         self._init.release()
         return modules, rope_index
+
+    def _weights_source(self) -> TensorSource:
+        """Where the parameters' initial values come from: the checkpoint, else the random init."""
+        return self._init if self.options.checkpoint is None else HFFolder(self.options.checkpoint)
 
     def _row_order(self, module_name: str, local_name: str, rows: int) -> torch.Tensor | None:
         """HF row of each stored row of a parameter, where a parallelism reordered them (vision qkv under TP)."""
@@ -141,7 +152,7 @@ class Trainer:
         return torch.tensor(sizes * samples)
 
     def _handoff_dtype(self) -> torch.dtype:
-        return torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        return torch.float32 if self.numerics == "cpu" else torch.bfloat16
 
     def _autocast(self, module_name: str):
         dtype = self.precision[module_name].autocast_dtype

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch.multiprocessing as mp
 from planner.catalog import get_model
 from planner.schema import Plan
 from runtime.dry_run import GIB, StepMemTracker, dry_run, format_report, roles, usable_bytes
+from runtime.model import RandomInit
 from runtime.trainer import RunOptions, Trainer
 from tests.runtime.plans import make_plan
 
@@ -111,3 +113,30 @@ def test_a_32b_wide_plan_dry_runs_without_its_memory():
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     assert measured["peak"] > 16 * GIB
     assert measured["rss"] < 2 * GIB
+
+
+def _on_gpu(plan: Plan, precision: str) -> Plan:
+    """``plan`` made for a GPU (the dry-run only reads the device's name and memory) with ``precision``."""
+    device = plan.cluster.device.model_copy(update={"name": "h100-80gb"})
+    return plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"device": device}),
+                                   "training": plan.training.model_copy(update={"precision": precision})})
+
+
+@pytest.mark.slow
+def test_a_gpu_plan_dry_runs_the_gpu_recipe_and_draws_nothing():
+    """The trainer's precision follows the plan's device, so the dry-run's fake CPU tensors get the GPU recipe:
+    bf16_pure halves the weights of fp32 (bf16_mixed keeps fp32 masters; FSDP2 gathers them in bf16); and no
+    parameter comes from the random init (only the non-persistent rotary buffers)."""
+    plan = make_plan({"dp": 2, "zero": 3}, {"dp": 2, "zero": 3})
+    read = []
+    original = RandomInit.read
+
+    def spy(self, hf_name, *args):
+        read.append(hf_name)
+        return original(self, hf_name, *args)
+
+    with mock.patch.object(RandomInit, "read", spy):
+        weights = {precision: dry_run(_on_gpu(plan, precision), RunOptions()).roles[0].modules["llm"].weights
+                   for precision in ("bf16_mixed", "bf16_pure")}
+    assert weights["bf16_pure"] * 2 == weights["bf16_mixed"]
+    assert read and all(name.endswith("inv_freq") for name in read), sorted(set(read))
