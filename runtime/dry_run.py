@@ -419,9 +419,12 @@ def measure_role(plan: Plan, rank: int, options: RunOptions) -> RoleMemory:
 
 
 def _device_snapshot(snapshot: dict) -> dict[str, int]:
-    """Sum a MemTracker snapshot over devices, keyed by category name."""
+    """Sum a MemTracker snapshot over devices but ``meta`` (shapes only: the trainer's meta model), keyed by
+    category name."""
     out: dict[str, int] = {}
-    for dev_snap in snapshot.values():
+    for device, dev_snap in snapshot.items():
+        if torch.device(device).type == "meta":
+            continue
         for key, value in dev_snap.items():
             name = getattr(key, "value", key)
             out[name] = out.get(name, 0) + value
