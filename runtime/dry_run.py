@@ -111,8 +111,8 @@ def _integer_indices(indices: list) -> list:
 
 class DataDependentFakeMode(FakeTensorMode):
     """FakeTensorMode in which real tensors stay real: an op runs for real when none of its inputs is fake (a
-    factory, or an op giving a ``meta`` tensor storage, only when it allocates at most
-    ``REAL_TENSOR_LIMIT_BYTES``; a factory on ``meta`` always); ops on fake tensors are faked."""
+    factory only when it allocates at most ``REAL_TENSOR_LIMIT_BYTES``, a factory on ``meta`` always); ops on fake
+    tensors, and an op giving a ``meta`` tensor storage (the model's shards), are faked."""
 
     def __init__(self):
         super().__init__(allow_non_fake_inputs=True, allow_fallback_kernels=False)
@@ -122,10 +122,8 @@ class DataDependentFakeMode(FakeTensorMode):
         flat, _ = tree_flatten((args, kwargs))
         if any(_is_fake(x) for x in flat):
             return self._fake(func, types, args, kwargs)
-        if _materializes_meta(flat, kwargs):  # e.g. ``empty_like`` of ``to_empty``: as large a factory
-            shape_only = func(*args, **{**kwargs, "device": torch.device("meta")})
-            if shape_only.numel() * shape_only.element_size() > REAL_TENSOR_LIMIT_BYTES:
-                return self._fake(func, types, args, kwargs)
+        if _materializes_meta(flat, kwargs):  # ``to_empty``: the model's shards, however small, are fake
+            return self._fake(func, types, args, kwargs)
         if _is_tensor_constructor(func) and not _on_meta(kwargs):
             out = super().__torch_dispatch__(func, types, args, kwargs)
             if out.numel() * out.element_size() > REAL_TENSOR_LIMIT_BYTES:
