@@ -16,8 +16,9 @@ What runs, documented because it is what the numbers mean:
 - Start-up is the trainer's: the model on ``meta``, sharded there, then ``materialize`` gives the local shards
   (fake) storage; their values come from ``ZeroWeights`` instead of the random init (nothing is drawn).
 - ``DataDependentFakeMode``: data and index tensors stay real (they are small and the trainer computes indices
-  from them: window order, M-RoPE positions, ``cu_seqlens.tolist()``); a factory allocating more than
-  ``REAL_TENSOR_LIMIT_BYTES`` and every op touching a fake tensor is fake. Boolean-mask indexing of a fake
+  from them: window order, M-RoPE positions, ``cu_seqlens.tolist()``); a floating-point factory, an integer one
+  allocating more than ``REAL_TENSOR_LIMIT_BYTES``, the model's shards and every op touching a fake tensor are
+  fake. Boolean-mask indexing of a fake
   tensor by a real mask is rewritten to integer indexing (same shape), and a Python scalar read from a fake
   tensor (the loss and the gradient norm, which only feed logging and clipping) reads 0.0.
 - Pixel values are fake zeros of the planned shape (``PlannedShapes``), so no image is synthesised.
@@ -73,7 +74,7 @@ from runtime.vision import window_layout
 
 GIB = 1024**3
 REAL_TENSOR_LIMIT_BYTES = 16 * 1024**2
-"""Factories at most this large make real tensors (indices, masks, norms); larger ones are fake."""
+"""Integer and boolean factories at most this large make real tensors (indices, masks); larger ones are fake."""
 MICRO_BATCHES_RUN = 3
 """Micro-batches of the step actually run: the first (no gradients yet), the second (gradients accumulated; any
 later one but the last repeats its memory) and the last (gradient reduction). Disjoint plans reach their
@@ -111,8 +112,12 @@ def _integer_indices(indices: list) -> list:
 
 class DataDependentFakeMode(FakeTensorMode):
     """FakeTensorMode in which real tensors stay real: an op runs for real when none of its inputs is fake (a
-    factory only when it allocates at most ``REAL_TENSOR_LIMIT_BYTES``, a factory on ``meta`` always); ops on fake
-    tensors, and an op giving a ``meta`` tensor storage (the model's shards), are faked."""
+    factory only when it makes integers or booleans of at most ``REAL_TENSOR_LIMIT_BYTES``, a factory on ``meta``
+    always); ops on fake tensors, and an op giving a ``meta`` tensor storage (the model's shards), are faked.
+
+    Floating-point factories are fake whatever their size: the receive buffers of collectives are such factories
+    (e.g. Ulysses' all-to-all outputs under SP8, a few MiB each), and the fake process group leaves them as they
+    are, so a real buffer would carry the rest of the forward and backward onto real tensors."""
 
     def __init__(self):
         super().__init__(allow_non_fake_inputs=True, allow_fallback_kernels=False)
@@ -126,7 +131,7 @@ class DataDependentFakeMode(FakeTensorMode):
             return self._fake(func, types, args, kwargs)
         if _is_tensor_constructor(func) and not _on_meta(kwargs):
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            if out.numel() * out.element_size() > REAL_TENSOR_LIMIT_BYTES:
+            if out.dtype.is_floating_point or out.numel() * out.element_size() > REAL_TENSOR_LIMIT_BYTES:
                 return out
         return func(*args, **kwargs)
 
