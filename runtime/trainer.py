@@ -156,7 +156,10 @@ class Trainer:
 
     def _autocast(self, module_name: str):
         dtype = self.precision[module_name].autocast_dtype
-        return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
+        # No weight cache: it would hold a bf16 copy of every weight the forward used until the context exits (the
+        # whole TP-local LLM); uncached, each cast lives as long as its op, or its layer's saved tensors.
+        return (contextlib.nullcontext() if dtype is None
+                else torch.autocast(self.device.type, dtype=dtype, cache_enabled=False))
 
     # ---- data ---------------------------------------------------------------------------------------
     @property
