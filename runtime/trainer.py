@@ -31,7 +31,7 @@ from planner.schema import Plan
 from runtime.data import IGNORE_INDEX, CaptionData, Sample, SyntheticData, collate, layout_from_plan, token_sequence
 from runtime.handoff import Handoff, Posted, build_pieces, llm_needs
 from runtime.llm import LLMShard, image_slots_per_rank, shard_llm_batch
-from runtime.checkpoint import HFFolder, materialize, save_hf_folder
+from runtime.checkpoint import HFFolder, TensorSource, materialize, save_hf_folder
 from runtime.dcp_checkpoint import Unfilled, load_checkpoint
 from runtime.model import RandomInit, hf_config_from_dict, meta_model, split_model
 from runtime.optim import build_optimizer, clip_grad_norm
@@ -64,9 +64,15 @@ class RunOptions:
     counters and RNG states; written under this plan or any other of the same model."""
 
 
+def numerics_device_type(plan: Plan) -> str:
+    """The device type whose numeric recipe (runtime.parallel.precision) the plan runs: the plan's device, whatever
+    the tensors' (the dry-run runs a GPU plan's recipe on fake CPU tensors)."""
+    return "cpu" if plan.cluster.device.name.lower() == "cpu" else "cuda"
+
+
 def device_for(plan: Plan) -> torch.device:
     """CPU for a plan made for ``--gpu cpu``, else this worker's GPU."""
-    return torch.device("cpu") if plan.cluster.device.name.lower() == "cpu" else torch.device("cuda", 0)
+    return torch.device("cpu") if numerics_device_type(plan) == "cpu" else torch.device("cuda", 0)
 
 
 class Trainer:
@@ -78,7 +84,8 @@ class Trainer:
         self.dims = {name: ParallelDims.from_plan(plan.module(name)) for name in MODULES}
         for dims in self.dims.values():
             dims.build_mesh(self.device.type)
-        self.precision = {name: module_precision(plan.training.precision, self.device.type, fsdp=uses_fsdp(dims))
+        self.numerics = numerics_device_type(plan)
+        self.precision = {name: module_precision(plan.training.precision, self.numerics, fsdp=uses_fsdp(dims))
                           for name, dims in self.dims.items()}
         config = hf_config_from_dict(plan.model.hf_config)
         self.layout = layout_from_plan(plan.workload, config)
@@ -117,14 +124,19 @@ class Trainer:
             modules["llm"] = llm
         else:
             model.model.language_model, model.lm_head = None, None
-        params = self._init if self.options.checkpoint is None else HFFolder(self.options.checkpoint)
-        if self.options.resume is not None:
-            params = Unfilled()  # load_checkpoint fills the shards
+        params = self._weights_source()
         for name, module in modules.items():
             materialize(module, hf_name=module.hf_name, params=params, buffers=self._init, device=self.device,
                         row_order=functools.partial(self._row_order, name))
         self._init.release()
         return modules, rope_index
+
+    def _weights_source(self) -> TensorSource:
+        """Where the parameters' initial values come from: nowhere when resuming (load_checkpoint fills the
+        shards), the checkpoint folder, else the random init."""
+        if self.options.resume is not None:
+            return Unfilled()
+        return self._init if self.options.checkpoint is None else HFFolder(self.options.checkpoint)
 
     def _row_order(self, module_name: str, local_name: str, rows: int) -> torch.Tensor | None:
         """HF row of each stored row of a parameter, where a parallelism reordered them (vision qkv under TP)."""
@@ -151,11 +163,14 @@ class Trainer:
         return torch.tensor(sizes * samples)
 
     def _handoff_dtype(self) -> torch.dtype:
-        return torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        return torch.float32 if self.numerics == "cpu" else torch.bfloat16
 
     def _autocast(self, module_name: str):
         dtype = self.precision[module_name].autocast_dtype
-        return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
+        # No weight cache: it would hold a bf16 copy of every weight the forward used until the context exits (the
+        # whole TP-local LLM); uncached, each cast lives as long as its op, or its layer's saved tensors.
+        return (contextlib.nullcontext() if dtype is None
+                else torch.autocast(self.device.type, dtype=dtype, cache_enabled=False))
 
     # ---- data ---------------------------------------------------------------------------------------
     @property

@@ -1,0 +1,147 @@
+"""The dry-run (runtime.dry_run) against the real CPU run: same peak tensor memory, FITS flips with the device, and
+a 32B-wide plan dry-runs without the memory it describes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from planner.catalog import get_model
+from planner.schema import Plan
+from runtime.dry_run import GIB, StepMemTracker, dry_run, format_report, roles, usable_bytes
+from runtime.model import RandomInit
+from runtime.trainer import RunOptions, Trainer
+from tests.runtime.plans import make_plan
+
+PEAK_TOLERANCE = 0.02
+"""Dry-run vs real peak tensor memory: the same code on the same shapes and dtypes; what differs is the data's
+values (zero vs random pixels, padding vs random text), which no allocation depends on."""
+
+
+def _real_peak(rank: int, world: int, plan_json: str, store: str, out: str) -> None:
+    """One gloo rank: two real steps; the second's peak tensor memory (MemTracker) to ``out``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        trainer = Trainer(Plan.model_validate_json(plan_json), rank=rank, options=RunOptions())
+        trainer.train_step()  # creates Adam's states: the second step is the steady state
+        tracker = StepMemTracker(trainer.modules)
+        tracker.track_external(*trainer.modules.values(), *(o for o, _ in trainer.optimizers.values()))
+        with tracker:
+            trainer.train_step()
+        peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+        with open(f"{out}.{rank}", "w") as file:
+            json.dump(peak, file)
+    finally:
+        dist.destroy_process_group()
+
+
+def real_peaks(plan: Plan, tmp_path) -> dict[int, int]:
+    """Peak tensor memory of every rank of a real CPU run of ``plan`` (spawned gloo processes)."""
+    world = len({r for m in plan.modules for r in m.ranks})
+    out = str(tmp_path / "peak")
+    mp.spawn(_real_peak, args=(world, plan.model_dump_json(), str(tmp_path / "store"), out), nprocs=world)
+    return {rank: json.loads(open(f"{out}.{rank}").read()) for rank in range(world)}
+
+
+PLANS = {
+    "vision-sp2-llm-tp2": lambda: make_plan({"sp": 2}, {"tp": 2, "grad_accum": 4}),
+    "zero3-dp2": lambda: make_plan({"dp": 2, "zero": 3}, {"dp": 2, "zero": 3, "grad_accum": 2}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(PLANS))
+def dry_and_real(request, tmp_path_factory):
+    plan = PLANS[request.param]()
+    return plan, dry_run(plan, RunOptions()), real_peaks(plan, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.mark.slow
+def test_dry_run_peak_is_the_real_runs_tensor_peak(dry_and_real):
+    plan, report, real = dry_and_real
+    assert {role.rank for role in report.roles} == set(roles(plan))
+    for role in report.roles:
+        for rank in role.ranks:
+            assert role.peak["Total"] == pytest.approx(real[rank], rel=PEAK_TOLERANCE), (role.rank, rank)
+
+
+@pytest.mark.slow
+def test_fits_flips_when_the_device_is_smaller_than_the_peak(dry_and_real):
+    plan, report, _ = dry_and_real
+    peak = max(role.peak["Total"] for role in report.roles)
+    assert report.fits and "DOES NOT FIT" not in format_report(report)
+    device = plan.cluster.device.model_copy(update={"memory_bytes": int(peak * 0.9)})
+    small = plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"device": device})})
+    shrunk = dataclasses.replace(report, plan=small, usable_bytes=usable_bytes(small))
+    assert not shrunk.fits and format_report(shrunk).endswith("DOES NOT FIT")
+
+
+def _few_layer_32b() -> dict:
+    config = dict(get_model("qwen-vl-32b").hf_config)
+    config["num_hidden_layers"] = 2
+    config["vision_config"] = {**config["vision_config"], "depth": 2, "fullatt_block_indexes": [1]}
+    return config
+
+
+DRY_RUN_32B = """
+import json, resource
+from runtime.dry_run import dry_run
+from runtime.trainer import RunOptions
+from tests.runtime.plans import make_plan
+plan = make_plan({"dp": 2, "zero": 3}, {"dp": 2, "zero": 3}, image_size=(448, 448), hf_config=json.loads(%r))
+report = dry_run(plan, RunOptions())
+(role,) = report.roles
+print(json.dumps({"peak": role.peak["Total"], "startup": role.startup_peak,
+                  "weights": sum(m.weights for m in role.modules.values()),
+                  "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+@pytest.mark.slow
+def test_a_32b_wide_plan_dry_runs_without_its_memory():
+    """Qwen2.5-VL-32B's widths (2 decoder layers, 2 vision blocks: 2.6B parameters, about 10 GiB in fp32) under ZeRO-3
+    over 2 ranks: the dry-run measures more than 16 GiB while the process stays far below one copy of the model,
+    and start-up holds the rank's shard plus one parameter's slice (the largest, the embedding's: 1.45 GiB), not
+    the model."""
+    code = DRY_RUN_32B % json.dumps(_few_layer_32b())
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    assert measured["peak"] > 16 * GIB
+    assert measured["rss"] < 2 * GIB
+    assert measured["weights"] < measured["startup"] < measured["weights"] + 1.5 * GIB
+
+
+def _on_gpu(plan: Plan, precision: str) -> Plan:
+    """``plan`` made for a GPU (the dry-run only reads the device's name and memory) with ``precision``."""
+    device = plan.cluster.device.model_copy(update={"name": "h100-80gb"})
+    return plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"device": device}),
+                                   "training": plan.training.model_copy(update={"precision": precision})})
+
+
+@pytest.mark.slow
+def test_a_gpu_plan_dry_runs_the_gpu_recipe_and_draws_nothing():
+    """The trainer's precision follows the plan's device, so the dry-run's fake CPU tensors get the GPU recipe:
+    bf16_pure halves the weights of fp32 (bf16_mixed keeps fp32 masters; FSDP2 gathers them in bf16); and no
+    parameter comes from the random init (only the non-persistent rotary buffers)."""
+    plan = make_plan({"dp": 2, "zero": 3}, {"dp": 2, "zero": 3})
+    read = []
+    original = RandomInit.read
+
+    def spy(self, hf_name, *args):
+        read.append(hf_name)
+        return original(self, hf_name, *args)
+
+    with mock.patch.object(RandomInit, "read", spy):
+        weights = {precision: dry_run(_on_gpu(plan, precision), RunOptions()).roles[0].modules["llm"].weights
+                   for precision in ("bf16_mixed", "bf16_pure")}
+    assert weights["bf16_pure"] * 2 == weights["bf16_mixed"]
+    assert read and all(name.endswith("inv_freq") for name in read), sorted(set(read))
