@@ -1,5 +1,5 @@
 """``python -m runtime plan.json [--steps N] [--metrics FILE] [--checkpoint DIR] [--save DIR] [--data PATH] [--seed S]
-[--checkpoint-dir DIR [--checkpoint-every K] [--keep-last N] [--max-failures N]] [--resume [PATH]]``
+[--checkpoint-dir DIR [--checkpoint-every K] [--keep-last N] [--max-failures N]] [--resume [PATH]] [--dry-run]``
 
 Runs locally (starts Ray) or on the Ray cluster at RAY_ADDRESS / under ``ray job submit``; under
 ``torchrun --nproc-per-node N -m runtime plan.json`` each process runs one rank, without Ray.
@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "that wrote it); --steps counts the steps already done")
     parser.add_argument("--async-checkpoint", action="store_true", help="write checkpoints from a thread while "
                         "training goes on (DCP async_save); the step stalls only while the state is copied")
+    parser.add_argument("--dry-run", action="store_true", help="run one step of each distinct rank role on fake "
+                        "tensors with a fake process group of the plan's size (no GPU, no memory): the runtime's "
+                        "own peak memory per category beside the plan's prediction; exit 0 if it fits, 1 if not")
     parser.add_argument("--max-failures", type=int, default=0, help="on Ray: restart from the latest checkpoint "
                         "at most this many times when a worker dies (default 0)")
     args = parser.parse_args(argv)
@@ -89,11 +92,15 @@ def main(argv: list[str] | None = None) -> int:
                                                  steps=args.steps)
         if args.checkpoint_dir is not None:
             preflight.prepare_folder(args.checkpoint_dir, "--checkpoint-dir")
+        if env is not None and args.dry_run:
+            raise ValueError("--dry-run runs every rank role in this one process: run it without torchrun")
         if env is not None and args.max_failures:
             raise ValueError("--max-failures is for the Ray launcher; under torchrun use torchrun's --max-restarts "
                              "with --resume")
     except USER_ERRORS as e:
         return _refuse(e, report=env is None or env.rank == 0)  # every torchrun rank finds the same mistake
+    if args.dry_run:
+        return _dry_run(plan, args)
     if env is None:
         return _run_on_ray(plan, args)
     return _run_under_torchrun(plan, args, env)
@@ -122,6 +129,18 @@ def _run_on_ray(plan: Plan, args: argparse.Namespace) -> int:
     except RayActorError as e:
         return _refuse(_worker_failure(e, args.max_failures), status=1)
     return 0
+
+
+def _dry_run(plan: Plan, args: argparse.Namespace) -> int:
+    from runtime.dry_run import dry_run, format_report
+    from runtime.trainer import RunOptions
+
+    try:
+        report = dry_run(plan, RunOptions(seed=args.seed), log=lambda line: print(line, file=sys.stderr))
+    except USER_ERRORS as e:
+        return _refuse(e)
+    print(format_report(report))
+    return 0 if report.fits else 1
 
 
 def _lost_peer(error: BaseException) -> bool:

@@ -158,3 +158,24 @@ def test_weights_go_to_a_fallback_folder_when_the_save_folder_breaks_during_trai
     assert set(trained) == set(initial)
     for name, value in trained.items():
         assert not torch.equal(value, initial[name]), f"{name} is not the trained weight"
+
+
+@pytest.mark.slow
+def test_dry_run_flag_prints_the_report_and_exits_1_when_the_plan_does_not_fit(tmp_path):
+    plan = json.loads(make_plan(dict(sp=2), dict(tp=2)).to_json())
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    fits = run_cli(str(tmp_path / "plan.json"), "--dry-run")
+    assert fits.returncode == 0, fits.stderr
+    assert fits.stdout.strip().endswith("FITS") and "DOES NOT FIT" not in fits.stdout, fits.stdout
+    plan["cluster"]["device"]["memory_bytes"] = 1 << 20
+    (tmp_path / "small.json").write_text(json.dumps(plan))
+    too_small = run_cli(str(tmp_path / "small.json"), "--dry-run")
+    assert too_small.returncode == 1, too_small.stderr
+    assert too_small.stdout.strip().endswith("DOES NOT FIT"), too_small.stdout
+
+
+def test_dry_run_is_refused_under_torchrun(tmp_path):
+    (tmp_path / "plan.json").write_text(make_plan({}, {}).to_json())
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29500"}
+    assert_one_line_error(run_cli(str(tmp_path / "plan.json"), "--dry-run", env=env), "run it without torchrun")
