@@ -45,10 +45,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.runtime_overhead import BATCH, WARMUP_STEPS, PlainStep, small_config  # noqa: E402
+from benchmarks.runtime_overhead import WARMUP_STEPS, PlainStep, benchmark_plan  # noqa: E402
 from runtime import launcher  # noqa: E402
 from runtime.trainer import RunOptions, Trainer  # noqa: E402
-from tests.runtime.plans import make_plan  # noqa: E402
 
 WAIT_S = 600
 """Longest wait for the TorchTrainer worker's next message before the benchmark gives up."""
@@ -148,8 +147,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be at least 1")
-    plan = make_plan(dict(micro_batch=BATCH), dict(micro_batch=BATCH), hf_config=small_config(),
-                     image_size=(224, 336), text_tokens=128)
+    plan = benchmark_plan()
     launcher.ensure_ray()
     with tempfile.TemporaryDirectory(prefix="ray_train_overhead_") as storage:
         times = measure(plan, WARMUP_STEPS + args.steps, storage)

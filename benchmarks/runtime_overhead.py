@@ -72,6 +72,12 @@ class PlainStep:
         return time.perf_counter() - start
 
 
+def benchmark_plan():
+    """The 1-device CPU plan both overhead benchmarks run: the widened model, two 224 x 336 images per step."""
+    return make_plan(dict(micro_batch=BATCH), dict(micro_batch=BATCH), hf_config=small_config(),
+                     image_size=(224, 336), text_tokens=128)
+
+
 def measure(plan, steps: int) -> tuple[list[float], list[float], list[float]]:
     """Plain, runtime in-worker and runtime driver-observed step times, the two loops interleaved step by step
     so that both see the same background load on a shared machine."""
@@ -95,8 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="measured steps (after 2 warm-up steps)")
     args = parser.parse_args()
-    plan = make_plan(dict(micro_batch=BATCH), dict(micro_batch=BATCH), hf_config=small_config(),
-                     image_size=(224, 336), text_tokens=128)
+    plan = benchmark_plan()
     launcher.ensure_ray()
     plain, inner, outer = (statistics.median(t[WARMUP_STEPS:]) for t in measure(plan, WARMUP_STEPS + args.steps))
     print(f"plain PyTorch step        {plain * 1e3:8.1f} ms")
