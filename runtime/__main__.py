@@ -121,9 +121,9 @@ def _run_on_ray(plan: Plan, args: argparse.Namespace) -> int:
     except RayTaskError as e:  # a worker's error, wrapped by Ray (also an instance of the error's own class)
         if isinstance(e.cause, USER_ERRORS):
             return _refuse(e.cause)
-        if not _lost_peer(e.cause):
-            raise
-        return _refuse(_worker_failure(e, args.max_failures), status=1)
+        # the launcher restarted the job for it (up to --max-failures): a peer lost in a collective, a dead
+        # device, or a fault in the runtime, whose stack is in the Ray worker's log
+        return _refuse(_worker_failure(e.cause, args.max_failures), status=1)
     except USER_ERRORS as e:
         return _refuse(e)
     except RayActorError as e:
@@ -143,17 +143,10 @@ def _dry_run(plan: Plan, args: argparse.Namespace) -> int:
     return 0 if report.fits else 1
 
 
-def _lost_peer(error: BaseException) -> bool:
-    """Whether a worker's error is torch.distributed's (a collective whose peer died or timed out)."""
-    import torch.distributed as dist
-
-    return isinstance(error, dist.DistError)
-
-
 def _worker_failure(error: BaseException, max_failures: int) -> str:
     """One line for a worker failure that ended the run (after ``max_failures`` recoveries)."""
     what = "a worker died" if type(error).__name__.endswith("ActorDiedError") else "a worker failed"
-    detail = " ".join(str(error).split())[:160]
+    detail = f"{type(error).__name__}: {_first_line(error)}"[:200]
     return (f"{what} and the run stopped after {max_failures} recoveries (--max-failures {max_failures}); resume "
             f"with --resume from the latest checkpoint in --checkpoint-dir ({detail})")
 

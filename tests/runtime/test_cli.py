@@ -179,3 +179,29 @@ def test_dry_run_is_refused_under_torchrun(tmp_path):
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "29500"}
     assert_one_line_error(run_cli(str(tmp_path / "plan.json"), "--dry-run", env=env), "run it without torchrun")
+
+
+@pytest.mark.parametrize("cause", [
+    RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:40353: Connection reset by peer. "
+                 "This is typically caused by a remote worker hanging"),
+    KeyError("a fault in the runtime"),
+])
+def test_a_worker_failure_that_ends_the_run_is_one_line(tmp_path, monkeypatch, capsys, cause):
+    """Whichever rank's error reaches the driver first when a worker dies (the dead actor's, or a peer's collective
+    failing with it, as gloo's plain RuntimeError), the run ends with one line naming it and exit status 1."""
+    import ray.exceptions
+
+    from runtime import __main__ as cli
+
+    def failing_run(*args, **kwargs):
+        raise ray.exceptions.RayTaskError("train_step", "Traceback (most recent call last): ...", cause
+                                          ).as_instanceof_cause()
+
+    monkeypatch.setattr(launcher, "run", failing_run)
+    (tmp_path / "plan.json").write_text(make_plan({}, {}).to_json())
+    status = cli.main([str(tmp_path / "plan.json"), "--checkpoint-dir", str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err
+    assert status == 1 and "Traceback" not in err
+    (line,) = err.splitlines()
+    assert line.startswith("runtime: error: a worker failed") and "--max-failures 0" in line
+    assert f"({type(cause).__name__}: " in line and "pair.cc" not in line  # the message, its C++ location left off
