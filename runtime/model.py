@@ -193,6 +193,12 @@ class LanguageModel(nn.Module):
         ``ulysses_group`` (runtime.parallel.ulysses.UlyssesGroup) reaches every decoder layer's attention kernel.
         """
         embeds_BLD = self.language_model.embed_tokens(input_ids_BL)
+        device_type = embeds_BLD.device.type
+        if torch.is_autocast_enabled(device_type):
+            # the residual stream in the compute dtype, as under FSDP2's bf16 parameters: the fp32 table's rows would
+            # keep it fp32 through every layer (autocast casts only the projections), doubling what recomputation
+            # saves per layer
+            embeds_BLD = embeds_BLD.to(torch.get_autocast_dtype(device_type))
         image_mask_BL1 = (input_ids_BL == self.image_token_id).unsqueeze(-1)
         embeds_BLD = embeds_BLD.masked_scatter(image_mask_BL1, image_embeds_MD.to(embeds_BLD.dtype))
         extra = {} if ulysses_group is None else {"ulysses_group": ulysses_group}

@@ -252,8 +252,9 @@ class Trainer:
         set_gradient_sync(llm, zero=dims.zero, last_micro_batch=micro == self.num_micro_batches - 1)
         with loss_parallel() if dims.tp_enabled else contextlib.nullcontext():
             with self._timed("llm_forward_s"), self._autocast("llm"):
-                logits = llm(shard.input_ids_Bs, embeds, shard.position_ids_3Bs, shard.ulysses)
-                loss = self._loss(logits, shard.targets_Bs, num_tokens)
+                # the logits die with the loss's frame: only the log-softmax the backward reads stays
+                loss = self._loss(llm(shard.input_ids_Bs, embeds, shard.position_ids_3Bs, shard.ulysses),
+                                  shard.targets_Bs, num_tokens)
             with self._timed("llm_backward_s"):
                 loss.backward()
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss

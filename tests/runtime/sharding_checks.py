@@ -12,6 +12,8 @@ expectations are derived here from the plan's degrees alone (never from the runt
 - ZeRO >= 1 with dp * cp * sp > 1: every parameter is also sharded on dim 0 over the module's batch group
   (its ranks with the same TP coordinate); ZeRO-0 adds nothing on that group (plain tensors or Replicate).
 - Frozen modules have ``requires_grad=False`` everywhere, trained ones ``True``.
+- After a step, every gradient is laid out and shaped as its parameter (a full-size replicated gradient of a
+  sharded parameter, as DTensor's own embedding backward gives, wastes the memory the plan counts as sharded).
 - FSDP resharding: a block's parameters are sharded before the step's first forward and after the step;
   between a forward and the next block use they stay gathered under ZeRO-1/2 (``reshard_after_forward=False``
   and no resharding until the last micro-batch's backward) and are resharded under ZeRO-3.
@@ -64,16 +66,22 @@ def layout_of(tensor: torch.Tensor) -> Layout:
     return layout
 
 
+def _local_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    return tuple((tensor.to_local() if isinstance(tensor, DTensor) else tensor).shape)
+
+
 def parameter_summary(worker) -> dict[str, Any]:
-    """On one actor: its rank, and per module it holds, per parameter: layout, local/global shape, requires_grad."""
+    """On one actor: its rank, and per module it holds, per parameter: layout, local/global shape, requires_grad,
+    and its gradient's layout and local shape (None before a backward)."""
     modules = {}
     for module_name, module in worker.trainer.modules.items():
         modules[module_name] = {
             name: {
                 "layout": layout_of(param),
-                "local_shape": tuple((param.to_local() if isinstance(param, DTensor) else param).shape),
+                "local_shape": _local_shape(param),
                 "shape": tuple(param.shape),
                 "requires_grad": param.requires_grad,
+                "grad": None if param.grad is None else (layout_of(param.grad), _local_shape(param.grad)),
             }
             for name, param in module.named_parameters()
         }
@@ -190,6 +198,19 @@ def assert_parameters_sharded_as_planned(plan: Plan, summaries: list[dict[str, A
                     f"{local_shape(p['shape'], expected)}"
                 )
                 assert p["requires_grad"] == (not module.frozen), f"{where}: requires_grad {p['requires_grad']}"
+
+
+def assert_gradients_sharded_as_parameters(summaries: list[dict[str, Any]]) -> None:
+    """After a step, every trained parameter's gradient has its parameter's layout and local shape."""
+    for summary in summaries:
+        for module_name, params in summary["modules"].items():
+            for name, p in params.items():
+                if p["requires_grad"]:
+                    where = f"rank {summary['rank']} {module_name} {name}"
+                    assert p["grad"] is not None, f"{where}: no gradient after a step"
+                    assert p["grad"] == (p["layout"], p["local_shape"]), (
+                        f"{where}: gradient {p['grad']}, parameter {(p['layout'], p['local_shape'])}"
+                    )
 
 
 def expected_block_events(module: ModulePlan, rank: int, name: str) -> list[tuple[str, Layout]]:

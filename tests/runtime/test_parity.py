@@ -129,6 +129,9 @@ def run_runtime(plan) -> dict:
         sharding_checks.assert_reshard_as_planned(
             plan, sharding_checks.call_on_workers(job, sharding_checks.collect_block_probes)
         )
+        sharding_checks.assert_gradients_sharded_as_parameters(
+            sharding_checks.call_on_workers(job, sharding_checks.parameter_summary)
+        )
         grads = job.gather("grad")
         results += [job.step() for _ in range(STEPS - 1)]
         params = job.gather("param")

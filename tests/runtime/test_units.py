@@ -280,3 +280,21 @@ def test_disjoint_schedule_is_the_one_the_cost_model_prices():
     from runtime.trainer import MAX_VISION_IN_FLIGHT
 
     assert MAX_VISION_IN_FLIGHT == 2
+
+
+def test_under_autocast_the_llm_residual_stream_is_in_the_compute_dtype(tiny_model):
+    """bf16 autocast over fp32 weights (a GPU module without FSDP): the decoder layers' inputs, which full
+    recomputation saves, are bf16 as under FSDP2's bf16 parameters, not the fp32 of the embedding table."""
+    from runtime.model import split_model
+
+    _, llm, _ = split_model(tiny_model)
+    ids = torch.randint(0, 100, (1, 12))
+    seen = []
+    handles = [layer.register_forward_pre_hook(lambda _m, args: seen.append(args[0].dtype))
+               for layer in llm.language_model.layers]
+    positions = torch.arange(12).expand(3, 1, 12)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        llm(ids, torch.zeros(0, tiny_model.config.text_config.hidden_size), positions)
+    for handle in handles:
+        handle.remove()
+    assert seen == [torch.bfloat16] * len(llm.language_model.layers)
