@@ -120,21 +120,46 @@ class Worker:
             dist.destroy_process_group()
 
 
+ROOT_CAUSE_WAIT_S = 2.0
+"""When a rank fails with a runtime error (often a collective whose peer died), how long to wait for another
+rank's actor to be reported dead, the root cause, before stopping them all."""
+
+
 def get_all(refs: list[ray.ObjectRef], workers: list[Any]) -> list[Any]:
     """The results of one call per rank. When a rank fails, the others are stopped (they wait for it in a
-    collective) and the failed rank's error is raised; the stopped ranks' errors are collected, so that Ray does
-    not print each of them as an "Unhandled error" stack."""
+    collective) and the failed rank's error is raised, or a dead actor's if one died on its own; the stopped
+    ranks' errors are collected, so that Ray does not print each of them as an "Unhandled error" stack."""
     pending = list(refs)
     while pending:
         (ready,), pending = ray.wait(pending, num_returns=1)
         try:
             ray.get(ready)
-        except ray.exceptions.RayError:
+        except ray.exceptions.RayError as error:
+            cause = _dead_actor(pending) if _worker_lost(error) and not _actor_died(error) else None
             for w in workers:
                 ray.kill(w)
             _drain(pending)
-            raise
+            raise cause or error
     return ray.get(refs)
+
+
+def _actor_died(error: ray.exceptions.RayError) -> bool:
+    return isinstance(error, ray.exceptions.RayActorError)
+
+
+def _dead_actor(refs: list[ray.ObjectRef]) -> ray.exceptions.RayError | None:
+    """The error of a call in ``refs`` whose actor died within ``ROOT_CAUSE_WAIT_S``, if any."""
+    deadline = time.monotonic() + ROOT_CAUSE_WAIT_S
+    pending = list(refs)
+    while pending and time.monotonic() < deadline:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as error:
+                if _actor_died(error):
+                    return error
+    return None
 
 
 def _drain(refs: list[ray.ObjectRef]) -> None:

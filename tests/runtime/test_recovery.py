@@ -155,3 +155,23 @@ def test_a_lost_node_is_replaced_and_the_run_recovers_on_it(tmp_path, uninterrup
     finally:
         cluster.shutdown()
     _assert_no_workers_left()
+
+
+def test_a_dead_worker_is_named_even_when_a_peers_collective_error_arrives_first(ray_cluster):
+    """One rank's collective fails at once (a peer closed its connection), its peer's process dies a moment later:
+    the driver raises the dead actor's error (the root cause), not the collective's."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def fail_in_a_collective(self):
+            raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:40353: Connection reset by peer")
+
+        def die_soon(self):
+            time.sleep(0.5)
+            os._exit(1)
+
+    failing, dying = Rank.remote(), Rank.remote()
+    refs = [failing.fail_in_a_collective.remote(), dying.die_soon.remote()]
+    with pytest.raises(ray.exceptions.RayActorError):
+        launcher.get_all(refs, [failing, dying])
