@@ -135,16 +135,13 @@ def get_all(refs: list[ray.ObjectRef], workers: list[Any]) -> list[Any]:
         try:
             ray.get(ready)
         except ray.exceptions.RayError as error:
-            cause = _dead_actor(pending) if _worker_lost(error) and not _actor_died(error) else None
+            died = isinstance(error, ray.exceptions.RayActorError)
+            cause = _dead_actor(pending) if _worker_lost(error) and not died else None
             for w in workers:
                 ray.kill(w)
             _drain(pending)
             raise cause or error
     return ray.get(refs)
-
-
-def _actor_died(error: ray.exceptions.RayError) -> bool:
-    return isinstance(error, ray.exceptions.RayActorError)
 
 
 def _dead_actor(refs: list[ray.ObjectRef]) -> ray.exceptions.RayError | None:
@@ -157,7 +154,7 @@ def _dead_actor(refs: list[ray.ObjectRef]) -> ray.exceptions.RayError | None:
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as error:
-                if _actor_died(error):
+                if isinstance(error, ray.exceptions.RayActorError):
                     return error
     return None
 
