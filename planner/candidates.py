@@ -18,17 +18,19 @@ N - g_encoder (``Strategy.first_ranks``).
 Disjoint, the encoder is costed first and the LLM only on the GPU counts and grad_accum values a fitting encoder
 candidate complements. Pruning is exact for the solver's objective: per (module, gpus, grad_accum), a candidate
 is dropped when another one is no worse in every quantity the solver sees -- colocated: (its step-time term, its
-memory); disjoint: (per-micro-batch time, exposed DP time), after dropping candidates whose group does not fit.
+memory at each phase of the step, ``planner.cost.phases``); disjoint: (per-micro-batch time, exposed DP time), after dropping candidates whose group does not fit.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, LayerCostSource, ModuleCost, check_strategy, module_cost
 from planner.cost.estimate import module_path_terms
+from planner.cost.phases import alive, data_flow_order, own_phases, step_phases
 from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, ModelSpec
 from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Placement, Precision
@@ -96,8 +98,15 @@ class Candidate:
     """Disjoint placement: this module's term of each critical path of the pipeline (``planner.cost.pipeline``)."""
     tail_ns: int
     """After the last micro-batch: exposed DP/ZeRO communication + the optimizer step (``step_tail_s``)."""
-    memory_bytes: int
-    """Per-GPU bytes of this module: weights + gradients + optimizer + buffers + activations in flight."""
+    phase_bytes: tuple[int, ...]
+    """Colocated: per-GPU bytes this module holds at each phase of the step (``planner.cost.phases.step_phases`` of
+    the model's modules); disjoint: one entry, its group's peak (it is alone on its GPUs)."""
+
+    @property
+    def memory_bytes(self) -> int:
+        """Its largest per-GPU need at any moment (disjoint: its group's peak; colocated: a lower bound on the
+        peak of any plan containing it)."""
+        return max(self.phase_bytes)
 
     @property
     def strategy(self) -> ModuleStrategy:
@@ -298,14 +307,20 @@ def cost_candidate(problem: Problem, module: str, strategy: ModuleStrategy, plac
         layer_costs=problem.layer_costs,
     )
     ga = strategy.grad_accum
-    memory = cost.weights_bytes + cost.gradients_bytes + cost.optimizer_bytes + cost.buffers_bytes
+    if placement == "colocated":
+        order = data_flow_order(problem.model.module_names)
+        position = order.index(module)
+        phase_bytes = tuple(alive(cost, position, phase, order.index(phase.module)).total
+                            for phase in step_phases(order))
+    else:
+        phase_bytes = (max(m.total for m in own_phases(cost)),)
     return Candidate(
         module=module,
         cost=cost,
         step_ns=round((ga * cost.per_micro_batch_s + cost.step_tail_s) * NS_PER_S),
         path_ns=tuple(round(t * NS_PER_S) for t in module_path_terms(cost)),
         tail_ns=round(cost.step_tail_s * NS_PER_S),
-        memory_bytes=memory + cost.activations_bytes,
+        phase_bytes=phase_bytes,
     )
 
 
@@ -322,7 +337,7 @@ def strategy_key(s: ModuleStrategy) -> tuple:
 def solver_key(c: Candidate, placement: Placement) -> tuple[int, ...]:
     """The numbers the solver sees of a candidate besides its GPUs and grad_accum (all: smaller is better)."""
     if placement == "colocated":
-        return c.step_ns, c.memory_bytes
+        return c.step_ns, *c.phase_bytes
     return (*c.path_ns, c.tail_ns)
 
 
@@ -359,13 +374,14 @@ def fits_alone(problem: Problem, c: Candidate) -> bool:
 
 def cost_series(problem: Problem, module: str, series: list[ModuleStrategy], placement: Placement) -> list[Candidate]:
     """Cost a series of strategies differing only in micro-batch size, smallest first, stopping at the first whose
-    resident memory plus ONE micro-batch of activations does not fit: every larger micro-batch needs more."""
+    weights + optimizer states + ONE micro-batch of activations do not fit: every larger micro-batch needs more
+    (gradients are left out: with a single micro-batch per step they are not alive in the forward)."""
     costed = []
     for s in series:
         c = cost_candidate(problem, module, s, placement)
         costed.append(c)
-        one_in_flight = c.memory_bytes - c.cost.activations_bytes + c.cost.activations_per_micro_batch_bytes
-        if one_in_flight + problem.overhead_bytes > problem.usable_bytes:
+        least = c.cost.weights_bytes + c.cost.optimizer_bytes + c.cost.activations_per_micro_batch_bytes
+        if least + problem.overhead_bytes > problem.usable_bytes:
             break
     return costed
 
@@ -446,20 +462,42 @@ def build_candidates(problem: Problem, placement: Placement, fixes: Fixes | None
     return result
 
 
+def memory_front(cands: Iterable[Candidate]) -> list[Candidate]:
+    """The candidates no other one beats on memory at every phase (ties: the first kept)."""
+    front: list[Candidate] = []
+    for c in sorted(cands, key=lambda c: c.phase_bytes):
+        if not any(all(k <= v for k, v in zip(kept.phase_bytes, c.phase_bytes)) for kept in front):
+            front.append(c)
+    return front
+
+
+def least_colocated_need(cands: Candidates) -> tuple[int, int] | None:
+    """(grad_accum, bytes) of the colocated choice whose heaviest phase needs the least memory, overhead excluded
+    (exact: over every combination of the modules' memory fronts at each grad_accum they share); None when the
+    modules have no grad_accum in common."""
+    modules = list(cands.by_module)
+    accums = set.intersection(*({c.grad_accum for c in cands.by_module[m]} for m in modules))
+    best = None
+    for ga in sorted(accums):
+        fronts = [memory_front(c for c in cands.by_module[m] if c.grad_accum == ga) for m in modules]
+        for combination in itertools.product(*fronts):
+            need = max(map(sum, zip(*(c.phase_bytes for c in combination))))
+            if best is None or need < best[1]:
+                best = (ga, need)
+    return best
+
+
 def feasible(problem: Problem, cands: Candidates) -> bool:
     """Whether the solver's constraints can be met, decided directly from the candidates (no search): colocated,
-    some shared grad_accum lets the least-memory candidates of all modules fit together; disjoint, some grad_accum
-    and split of the N GPUs gives every group a fitting candidate."""
+    the least colocated need (``least_colocated_need``) fits; disjoint, some grad_accum and split of the N GPUs
+    gives every group a fitting candidate."""
     if cands.empty:
         return False
     modules = list(cands.by_module)
     accums = set.intersection(*({c.grad_accum for c in cands.by_module[m]} for m in modules))
     if cands.placement == "colocated":
-        budget = problem.usable_bytes - problem.overhead_bytes
-        return any(
-            sum(min(c.memory_bytes for c in cands.by_module[m] if c.grad_accum == ga) for m in modules) <= budget
-            for ga in accums
-        )
+        least = least_colocated_need(cands)
+        return least is not None and least[1] <= problem.usable_bytes - problem.overhead_bytes
     encoder, llm = modules
     for ga in accums:
         llm_sizes = {c.gpus for c in cands.by_module[llm] if c.grad_accum == ga}

@@ -255,6 +255,11 @@ def _breakdown(b) -> str:
             f"{b.activations:.1f} + buffers {b.buffers:.1f} + overhead {b.overhead:.1f}")
 
 
+def _at(phase: str | None) -> str:
+    """`` (at the llm forward)`` for the summary, nothing for a plan written before phases were recorded."""
+    return "" if phase is None else f" (at the {phase})"
+
+
 def _baseline_table(plan) -> list[str]:
     rows = [f"{'':12} {'step time':>10} {'tokens/s':>10} {'MFU':>6} {'peak mem':>9}  plan speed-up",
             f"{'this plan':12} {plan.predicted.step_time_s:9.3f}s {plan.predicted.tokens_per_s:10,.0f} "
@@ -290,7 +295,7 @@ def render_plan(plan) -> str:
         f"step time        {p.step_time_s:.3f} s",
         f"tokens/s         {p.tokens_per_s:,.0f} ({p.samples_per_s:.2f} samples/s)",
         f"MFU              {p.mfu:.1%}",
-        f"peak memory/GPU  {p.peak_memory_gib:.1f} GiB = {_breakdown(p.memory_breakdown_gib)}",
+        f"peak memory/GPU  {p.peak_memory_gib:.1f} GiB{_at(p.peak_phase)} = {_breakdown(p.memory_breakdown_gib)}",
         f"binding          {p.binding_constraint}",
         "",
         *_baseline_table(plan),

@@ -140,6 +140,8 @@ class Prediction(_Frozen):
     mfu: float = Field(description="model FLOPs per step / (step time * GPUs * peak FLOP/s)")
     peak_memory_gib: float = Field(description="largest per-GPU memory of any GPU")
     memory_breakdown_gib: MemoryBreakdown = Field(description="breakdown on the GPU with the peak")
+    peak_phase: str | None = Field(default=None, description="the moment of the step the peak is at, e.g. 'llm "
+                                   "forward' (planner.cost.phases); None in plans written before it was recorded")
     binding_constraint: str = Field(description="what limits the plan, in words")
 
 

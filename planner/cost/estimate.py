@@ -4,13 +4,12 @@ The combination rules are linear in per-module quantities (sums, and one max per
 with one boolean per (module, candidate) reproduces ``combine`` exactly:
 
 * colocated: ``step = sum_m (grad_accum * per_micro_batch_m + tail_m)`` where ``tail = dp_comm + optimizer``
-  (``ModuleCost.step_tail_s``);
-  ``memory = sum_m (weights + gradients + optimizer + buffers)_m + sum_m activations_per_micro_batch_m *
-  in_flight_m + overhead``.
+  (``ModuleCost.step_tail_s``); ``memory = max_phase sum_m alive_m(phase) + overhead``, what each module holds
+  at each moment of the step (``planner.cost.phases``).
 * disjoint (encoders -> LLM, 1F1B over grad_accum micro-batches as the runtime schedules them):
   ``step = max_k (encoder_term_k + llm_term_k) + max_m tail_m``, the longest of the schedule's critical paths
   (``planner.cost.pipeline``), each a sum of per-module terms; each group's memory is its own module's plus the
-  overhead.
+  overhead at the group's own peak moment.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from typing import Mapping
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.layer_costs import LayerCostSource
 from planner.cost.module import module_cost
+from planner.cost.phases import alive, data_flow_order, own_phases, step_phases
 from planner.cost.pipeline import path_terms, pipeline_step_time
 from planner.cost.results import GIB, Estimate, MemoryBreakdown, ModuleCost
 from planner.cost.validity import check_strategy
@@ -45,11 +45,14 @@ def combine(
     grad_accum = next(iter(costs.values())).strategy.grad_accum
     if placement == "colocated":
         step = sum(grad_accum * c.per_micro_batch_s + c.step_tail_s for c in costs.values())
-        groups = {"all": _group_memory(list(costs.values()), assumptions)}
+        phase, memory = colocated_peak(costs, assumptions)
+        groups, phases = {"all": memory}, {"all": phase}
         num_gpus = max(c.strategy.gpus for c in costs.values())
     elif placement == "disjoint":
         step = pipeline_step_time(*stage_terms(costs)) + max(c.step_tail_s for c in costs.values())
-        groups = {name: _group_memory([c], assumptions) for name, c in costs.items()}
+        peaks = {name: disjoint_peak(c, assumptions) for name, c in costs.items()}
+        groups = {name: memory for name, (_, memory) in peaks.items()}
+        phases = {name: phase for name, (phase, _) in peaks.items()}
         num_gpus = sum(c.strategy.gpus for c in costs.values())
     else:
         raise ValueError(f"placement must be colocated or disjoint, got {placement!r}")
@@ -68,6 +71,7 @@ def combine(
         num_gpus=num_gpus,
         peak_memory_bytes=peak.total,
         peak_group=peak_group,
+        peak_phase=phases[peak_group],
         peak_breakdown=peak,
         memory_per_group=groups,
         usable_memory_bytes=usable,
@@ -92,14 +96,32 @@ def stage_terms(costs: Mapping[str, ModuleCost]) -> tuple[list[float], list[floa
     return [sum(column) for column in zip(*encoders)], list(terms["llm"])
 
 
-def _group_memory(costs: list[ModuleCost], assumptions: CostAssumptions) -> MemoryBreakdown:
-    """Per-GPU memory of a group running ``costs``' modules, plus the overhead once."""
-    total = MemoryBreakdown(
+def _overhead(assumptions: CostAssumptions) -> MemoryBreakdown:
+    return MemoryBreakdown(
         weights=0, gradients=0, optimizer=0, activations=0, buffers=0, overhead=assumptions.framework_overhead_bytes
     )
-    for c in costs:
-        total = total + c.memory()
-    return total
+
+
+def colocated_peak(costs: Mapping[str, ModuleCost], assumptions: CostAssumptions) -> tuple[str, MemoryBreakdown]:
+    """(phase name, per-GPU memory plus the overhead) of the step's heaviest moment when every GPU runs every
+    module; of equal totals the earliest phase."""
+    order = data_flow_order(list(costs))
+    best = None
+    for phase in step_phases(order):
+        at = order.index(phase.module)
+        total = _overhead(assumptions)
+        for position, name in enumerate(order):
+            total = total + alive(costs[name], position, phase, at)
+        if best is None or total.total > best[1].total:
+            best = (phase.name, total)
+    return best
+
+
+def disjoint_peak(cost: ModuleCost, assumptions: CostAssumptions) -> tuple[str, MemoryBreakdown]:
+    """(phase name, per-GPU memory plus the overhead) of a group holding one module, at its heaviest moment."""
+    memories = own_phases(cost)
+    index = max(range(len(memories)), key=lambda i: (memories[i].total, -i))
+    return step_phases([cost.module])[index].name, _overhead(assumptions) + memories[index]
 
 
 def _binding_constraint(

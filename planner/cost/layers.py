@@ -372,7 +372,7 @@ def lm_head_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     h, m = layer.hidden_size, shard.tokens
     vocab = (layer.out_features or h) / shard.tp
     gemm_s, gemm_fl = _gemms(((m, vocab, h),), shard)
-    saved_logits, transient = loss_logits_bytes(m, vocab, asm)
+    saved_logits, transient = loss_logits_bytes(m, vocab, asm, vocab_parallel=shard.tp > 1)
     loss_bytes = 2 * (saved_logits + transient)
     loss_s = loss_bytes / (shard.device.memory_bandwidth * asm.memory_bandwidth_efficiency)
     return _terms(

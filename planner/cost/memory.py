@@ -119,26 +119,44 @@ def score_matrix_bytes(score_elements: float, recompute: str, assumptions: CostA
     return score_elements * assumptions.eager_score_bytes_per_element
 
 
-def loss_logits_bytes(tokens: float, vocab_per_rank: float, assumptions: CostAssumptions) -> tuple[float, float]:
+def loss_logits_bytes(
+    tokens: float, vocab_per_rank: float, assumptions: CostAssumptions, *, vocab_parallel: bool = False
+) -> tuple[float, float]:
     """(saved, transient) bytes of the cross-entropy over ``tokens x vocab_per_rank`` logits.
 
     Saved: the fp32 log-softmax the loss backward reads; transient: bf16 logits + fp32 upcast alive while
     the loss is formed. With TP the logits stay vocab-parallel (``loss_parallel``; Shoeybi et al. 2019,
-    Sec. 3, fused parallel cross-entropy), so ``vocab_per_rank = vocab / tp``.
+    Sec. 3, fused parallel cross-entropy), so ``vocab_per_rank = vocab / tp``, and torch's unfused vocab-parallel
+    log-softmax adds ``loss_parallel_extra_bytes`` per logit.
     """
     logits = tokens * vocab_per_rank
-    return logits * assumptions.loss_logits_saved_bytes, logits * assumptions.loss_logits_transient_bytes
+    transient = assumptions.loss_logits_transient_bytes + (assumptions.loss_parallel_extra_bytes if vocab_parallel
+                                                           else 0.0)
+    return logits * assumptions.loss_logits_saved_bytes, logits * transient
 
 
-def zero3_gather_bytes(largest_layer_params: float, recipe: BytesPerParam, *, prefetch: int, frozen: bool) -> float:
-    """ZeRO-3 temporary buffers: the current + prefetched layers' full parameters, and one layer's gradients.
+FSDP_BLOCK_KINDS = frozenset({"vision_block", "audio_block", "decoder_layer"})
+"""Layer kinds the runtime shards as their own FSDP unit (``fully_shard`` per block); every other layer of a
+module (patchifier, merger, embedding, final norm, lm_head) belongs to the module's root unit."""
 
-    Rajbhandari et al. 2020, Sec. 5.3 / 7.2.2: parameters are all-gathered layer by layer ahead of use and
-    released after; each layer's gradients exist unsharded until reduce-scattered. FSDP2 prefetches
-    ``prefetch`` layers.
+
+def zero3_gather_bytes(
+    root_params: float, largest_block_params: float, recipe: BytesPerParam, *, prefetch: int, frozen: bool,
+    backward: bool,
+) -> float:
+    """ZeRO-3 temporary buffers alive while the module runs its forward (``backward=False``) or its backward.
+
+    Rajbhandari et al. 2020, Sec. 5.3 / 7.2.2: parameters are all-gathered unit by unit ahead of use and released
+    after; each unit's gradients exist unsharded until reduce-scattered. With FSDP2 (``fully_shard`` per block,
+    then the module: Zhao et al. 2023, "PyTorch FSDP", Sec. 3.2 units) the root unit's parameters (``root_params``:
+    embedding, final norm, lm_head) are gathered around the whole module's forward and again around its whole
+    backward, and its gradients wait for the module's post-backward reduce-scatter. Both passes hold the root unit and
+    the running + ``prefetch`` blocks; the backward adds the unsharded gradients of the root unit and of one block.
     """
-    gathered = (1 + prefetch) * largest_layer_params * recipe.weights
-    return gathered if frozen else gathered + largest_layer_params * recipe.gradients
+    gathered = (root_params + (1 + prefetch) * largest_block_params) * recipe.weights
+    if frozen or not backward:
+        return gathered
+    return gathered + (root_params + largest_block_params) * recipe.gradients
 
 
 def bucket_bytes(gradient_bytes: float, assumptions: CostAssumptions) -> float:

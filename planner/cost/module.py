@@ -17,7 +17,13 @@ from planner.cost.compute import bucket_copy_time, optimizer_step_time
 from planner.cost.comm import Link, all_gather_time, axis_within_node, link, p2p_time, zero_comm_time
 from planner.cost.layer_costs import ANALYTICAL, MEASURED, LayerCostSource, LayerMeasurement
 from planner.cost.layers import Shard, layer_terms
-from planner.cost.memory import bucket_bytes, layer_params_per_rank, model_state_bytes, zero3_gather_bytes
+from planner.cost.memory import (
+    FSDP_BLOCK_KINDS,
+    bucket_bytes,
+    layer_params_per_rank,
+    model_state_bytes,
+    zero3_gather_bytes,
+)
 from planner.cost.results import ModuleCost
 from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, LayerSpec, ModelSpec, ModuleSpec
@@ -155,7 +161,12 @@ class _Sums:
     sp_comm_s: float
     cp_comm_s: float
     saved_bytes: float
-    buffer_bytes: float
+    forward_buffer_bytes: float
+    """The largest single layer's transient (only one layer runs at a time)."""
+    backward_buffer_bytes: float
+    """The largest transient of a layer other than the loss (whose backward runs while every activation is still
+    saved, a moment the forward's figure covers), plus under full recomputation the largest block's re-created
+    activations."""
     optimizer_measured_s: float
     """Measured optimizer-step shares of the layers that have one, before ZeRO sharding."""
     optimizer_call_s: float
@@ -172,11 +183,11 @@ def _layer_sums(
     A measurement that includes the layer's TP/SP collectives replaces their analytical time too (source
     ``<layer>.tp_sp_collectives: measured``).
 
-    Buffers are the largest single layer's transient (only one layer runs at a time), plus, under full
-    recomputation, the largest block's re-created activations.
+    Buffers: see ``_Sums.forward_buffer_bytes`` and ``backward_buffer_bytes``.
     """
     shard = _shard(static, s, links)
-    fwd = bwd = rc = tp_c = sp_c = cp_c = saved = working = buffers = optimizer_s = optimizer_call = 0.0
+    fwd = bwd = rc = tp_c = sp_c = cp_c = saved = working = optimizer_s = optimizer_call = 0.0
+    forward_buffers = backward_buffers = 0.0
     formula_params = 0.0
     sources = dict(static.analytical_sources)
     optimizer_measured = bool(static.spec.layers)
@@ -205,13 +216,15 @@ def _layer_sums(
         tp_c, sp_c, cp_c = tp_c + n * tp_comm, sp_c + n * sp_comm, cp_c + n * t.cp_comm_s
         saved += n * act
         working = max(working, t.working_bytes)
-        buffers = max(buffers, t.buffer_bytes)
+        forward_buffers = max(forward_buffers, t.buffer_bytes)
+        if layer.kind != "lm_head":
+            backward_buffers = max(backward_buffers, t.buffer_bytes)
     if s.recompute == "full":
-        buffers += working
+        backward_buffers += working
     if optimizer_measured:
         sources["optimizer"] = MEASURED
     final_sources = static.analytical_sources if layer_costs is None else MappingProxyType(sources)
-    return _Sums(fwd, bwd, rc, tp_c, sp_c, cp_c, saved, buffers, optimizer_s, optimizer_call, formula_params,
+    return _Sums(fwd, bwd, rc, tp_c, sp_c, cp_c, saved, forward_buffers, backward_buffers, optimizer_s, optimizer_call, formula_params,
                  final_sources)
 
 
@@ -246,13 +259,17 @@ def _sums(
     return sums
 
 
-def _params_per_rank(static: _Static, tp: int) -> tuple[float, float]:
-    """(module parameters on one TP rank, largest single layer instance on one TP rank)."""
+def _params_per_rank(static: _Static, tp: int) -> tuple[float, float, float, float]:
+    """On one TP rank: (module parameters, largest single layer instance, the FSDP root unit's parameters (every
+    layer but the blocks, ``FSDP_BLOCK_KINDS``), largest block instance)."""
     cached = static.params.get(tp)
     if cached is None:
-        per_layer = [layer_params_per_rank(layer, tp) for layer in static.spec.layers]
-        total = sum(p * layer.count for p, layer in zip(per_layer, static.spec.layers))
-        cached = static.params[tp] = (total, max(per_layer))
+        layers = static.spec.layers
+        per_layer = [layer_params_per_rank(layer, tp) for layer in layers]
+        total = sum(p * layer.count for p, layer in zip(per_layer, layers))
+        root = sum(p * layer.count for p, layer in zip(per_layer, layers) if layer.kind not in FSDP_BLOCK_KINDS)
+        block = max((p for p, layer in zip(per_layer, layers) if layer.kind in FSDP_BLOCK_KINDS), default=0.0)
+        cached = static.params[tp] = (total, max(per_layer), root, block)
     return cached
 
 
@@ -355,20 +372,24 @@ def module_cost(
         axis_within_node(first_rank, s.tp * s.sp, s.cp, s.gpus, dpn),
     )
     sums = _sums(static, s, within, layer_costs)
-    fwd, bwd, rc, buffers = sums.forward_s, sums.backward_s, sums.recompute_s, sums.buffer_bytes
+    fwd, bwd, rc = sums.forward_s, sums.backward_s, sums.recompute_s
+    forward_buffers, backward_buffers = sums.forward_buffer_bytes, sums.backward_buffer_bytes
 
     recipe = assumptions.bytes_per_param(precision)
-    params, largest = _params_per_rank(static, s.tp)
+    params, largest, root, block = _params_per_rank(static, s.tp)
     reduce_group = s.dp * s.cp * s.sp
     shards = reduce_group if assumptions.zero_shards_over_sequence_ranks else s.dp
     trainable = not static.spec.frozen
     weights, grads, optim = model_state_bytes(params, recipe, zero=s.zero, shards=shards, frozen=not trainable)
     if s.zero == 3 and shards > 1:
-        buffers += zero3_gather_bytes(largest, recipe, prefetch=assumptions.zero3_prefetch_layers, frozen=not trainable)
+        forward_buffers += zero3_gather_bytes(root, block, recipe, prefetch=assumptions.zero3_prefetch_layers,
+                                              frozen=not trainable, backward=False)
+        backward_buffers += zero3_gather_bytes(root, block, recipe, prefetch=assumptions.zero3_prefetch_layers,
+                                               frozen=not trainable, backward=True)
         bucket = largest * recipe.gradients
     else:
         bucket = bucket_bytes(params * recipe.gradients, assumptions) if trainable and reduce_group > 1 else 0.0
-        buffers += bucket
+        backward_buffers += bucket
         bucket = min(bucket, assumptions.communication_bucket_bytes)
 
     handoff = handoff_per_micro_batch(
@@ -420,7 +441,8 @@ def module_cost(
         weights_bytes=math.ceil(weights),
         gradients_bytes=math.ceil(grads),
         optimizer_bytes=math.ceil(optim),
-        buffers_bytes=math.ceil(buffers),
+        forward_buffers_bytes=math.ceil(forward_buffers),
+        backward_buffers_bytes=math.ceil(backward_buffers),
         activations_per_micro_batch_bytes=math.ceil(sums.saved_bytes),
         in_flight_micro_batches=in_flight,
         flops_per_step=_flops_per_sample(static) * s.samples_per_step,

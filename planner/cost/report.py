@@ -58,5 +58,6 @@ def prediction(estimate: Estimate) -> Prediction:
         mfu=estimate.mfu,
         peak_memory_gib=estimate.peak_memory_bytes / GIB,
         memory_breakdown_gib=memory_gib(estimate.peak_breakdown),
+        peak_phase=estimate.peak_phase,
         binding_constraint=estimate.binding_constraint,
     )

@@ -85,8 +85,12 @@ class ModuleCost:
     """Resident gradients per GPU."""
     optimizer_bytes: int
     """Resident optimizer state per GPU."""
-    buffers_bytes: int
-    """Temporary/communication buffers per GPU (ZeRO-3 gathers, buckets, loss logits, full-recompute working layer)."""
+    forward_buffers_bytes: int
+    """Temporary/communication buffers per GPU while the module runs its forward (ZeRO-3 gathers, loss logits,
+    all-to-all buffers)."""
+    backward_buffers_bytes: int
+    """... while it runs its backward (ZeRO-3 gathers and unsharded gradients, gradient buckets, the
+    full-recomputation working block, all-to-all buffers)."""
     activations_per_micro_batch_bytes: int
     """Activations one micro-batch keeps for backward."""
     in_flight_micro_batches: int
@@ -102,12 +106,18 @@ class ModuleCost:
         return self.dp_comm_s + self.optimizer_s
 
     @property
+    def buffers_bytes(self) -> int:
+        """The larger of the forward and backward buffers."""
+        return max(self.forward_buffers_bytes, self.backward_buffers_bytes)
+
+    @property
     def activations_bytes(self) -> int:
         """Activations of all micro-batches in flight."""
         return self.activations_per_micro_batch_bytes * self.in_flight_micro_batches
 
     def memory(self) -> MemoryBreakdown:
-        """This module's share of a GPU, without the framework overhead."""
+        """Everything this module ever holds on a GPU (each part at its largest), without the framework overhead;
+        ``planner.cost.phases`` says what is alive together."""
         return MemoryBreakdown(
             weights=self.weights_bytes,
             gradients=self.gradients_bytes,
@@ -150,10 +160,12 @@ class Estimate:
     """Largest per-GPU memory of any GPU group."""
     peak_group: str
     """Group holding the peak (``all`` when colocated, else a module name)."""
+    peak_phase: str
+    """The moment of the step the peak is at (``planner.cost.phases``), e.g. ``llm forward``."""
     peak_breakdown: MemoryBreakdown
     """Breakdown on the peak GPU."""
     memory_per_group: Mapping[str, MemoryBreakdown]
-    """Per-GPU memory of every group (``all`` when colocated)."""
+    """Per-GPU memory of every group at its own peak moment (``all`` when colocated)."""
     usable_memory_bytes: int
     """Device memory * usable_memory_fraction."""
     fits: bool

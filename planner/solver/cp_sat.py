@@ -5,7 +5,7 @@ family -> objective -> parameters -> status -> typed ``Solution``s. The objectiv
 ``planner.cost.combine`` exactly (up to 0.5 ns rounding per term):
 
 * colocated: ``step = sum_m (grad_accum * per_micro_batch_m + tail_m)`` (tail = exposed DP comm + optimizer); memory on every GPU
-  ``sum_m memory_m + overhead <= usable``.
+  at every phase of the step ``sum_m memory_m[phase] + overhead <= usable`` (``planner.cost.phases``).
 * disjoint (one encoder, one LLM, 1F1B over grad_accum micro-batches): ``step = max_k sum_m path_m[k] +
   max_m tail_m``, the longest critical path of the runtime's schedule (``planner.cost.pipeline``), linear because
   each candidate carries its own terms for its grad_accum, one shared choice; each group fits by itself
@@ -102,7 +102,7 @@ def model_units(cands: Candidates, memory_budget_bytes: int) -> Units:
     term of every candidate, which bounds the step, the paths and the tails) and memory (with the budget)."""
     every = [c for cs in cands.by_module.values() for c in cs]
     time_total = sum(c.step_ns + sum(c.path_ns) + c.tail_ns for c in every)
-    memory_total = sum(c.memory_bytes for c in every) + max(memory_budget_bytes, 0)
+    memory_total = sum(c.memory_bytes for c in every) + max(memory_budget_bytes, 0)  # memory_bytes: largest phase
     return Units(ns=-(-time_total // MAX_MODEL_INTEGER) or 1, bytes=-(-memory_total // MAX_MODEL_INTEGER) or 1)
 
 
@@ -133,9 +133,11 @@ def add_shared_grad_accum(model: cp_model.CpModel, x: Vars, cands: Candidates) -
 
 
 def add_colocated_memory(model: cp_model.CpModel, x: Vars, cands: Candidates, budget_bytes: int, units: Units) -> None:
-    """Every GPU holds every module: sum_m sum_c x[m,c] * memory_c <= usable - overhead (memory rounded up, the
-    budget down)."""
-    model.add(weighted(x, cands, lambda c: units.memory(c.memory_bytes)) <= budget_bytes // units.bytes)
+    """Every GPU holds every module, and every moment of the step must fit: for each phase p,
+    sum_m sum_c x[m,c] * memory_c[p] <= usable - overhead (memory rounded up, the budget down)."""
+    num_phases = len(next(c for cs in cands.by_module.values() for c in cs).phase_bytes)
+    for p in range(num_phases):
+        model.add(weighted(x, cands, lambda c: units.memory(c.phase_bytes[p])) <= budget_bytes // units.bytes)
 
 
 def add_disjoint_gpus(model: cp_model.CpModel, x: Vars, cands: Candidates, num_gpus: int) -> None:

@@ -15,6 +15,7 @@ from planner.candidates import (
     build_candidates,
     divisors,
     feasible,
+    least_colocated_need,
     module_strategies,
     sp_degrees,
 )
@@ -136,17 +137,6 @@ def _what_does_not_fit(problem: Problem, all_cands: Mapping[str, Candidates]) ->
         return (f"colocated, {names} together need at least {need / GIB:.1f} GiB per GPU (grad_accum "
                 f"{grad_accum}), {_amount_over(need - usable)} over (each fits alone)")
     return f"no split of the {problem.num_gpus} GPUs gives every module a group it fits in"
-
-
-def least_colocated_need(cands: Candidates) -> tuple[int, int] | None:
-    """(grad_accum, bytes) of the colocated choice needing the least memory, overhead excluded: per grad_accum the
-    modules share, the sum of each module's least-memory fitting candidate (what ``candidates.feasible`` checks);
-    None when the modules have no grad_accum in common."""
-    modules = list(cands.by_module)
-    accums = set.intersection(*({c.grad_accum for c in cands.by_module[m]} for m in modules))
-    needs = [(sum(min(c.memory_bytes for c in cands.by_module[m] if c.grad_accum == ga) for m in modules), ga)
-             for ga in sorted(accums)]
-    return None if not needs else min(needs)[::-1]
 
 
 def _amount_over(excess_bytes: int) -> str:

@@ -15,7 +15,7 @@ WORKLOAD = toy_workload(global_batch=8)
 
 
 def fake_cost(module, *, per_mb, dp_comm, states, act, buffers, in_flight=1, gpus=4, ga=2, flops=1e12, optimizer=0.0,
-              forward=None):
+              forward=None, backward_buffers=None):
     strategy = ModuleStrategy(dp=gpus, micro_batch=8 // (gpus * ga), grad_accum=ga)
     return ModuleCost(
         module=module,
@@ -34,7 +34,8 @@ def fake_cost(module, *, per_mb, dp_comm, states, act, buffers, in_flight=1, gpu
         weights_bytes=states,
         gradients_bytes=states,
         optimizer_bytes=2 * states,
-        buffers_bytes=buffers,
+        forward_buffers_bytes=buffers,
+        backward_buffers_bytes=buffers if backward_buffers is None else backward_buffers,
         activations_per_micro_batch_bytes=act,
         in_flight_micro_batches=in_flight,
         flops_per_step=flops,
@@ -45,14 +46,18 @@ def fake_cost(module, *, per_mb, dp_comm, states, act, buffers, in_flight=1, gpu
 def test_combine_colocated_is_a_sum():
     costs = {
         "vision": fake_cost("vision", per_mb=1.0, dp_comm=0.5, states=1 * GiB, act=2 * GiB, buffers=GiB),
-        "llm": fake_cost("llm", per_mb=3.0, dp_comm=0.25, states=2 * GiB, act=5 * GiB, buffers=GiB),
+        "llm": fake_cost("llm", per_mb=3.0, dp_comm=0.25, states=2 * GiB, act=5 * GiB, buffers=GiB,
+                         backward_buffers=3 * GiB),
     }
     e = combine(MODEL, CLUSTER, WORKLOAD, "colocated", costs, A)
     # step = sum (ga * per_mb + dp) = 2*1 + 0.5 + 2*3 + 0.25
     assert e.step_time_s == pytest.approx(8.75)
-    # memory = sum (w + g + o + buffers) + sum act * in_flight + overhead = (4+1) + (8+1) + 2 + 5 + 3 GiB
-    assert e.peak_memory_bytes == 24 * GiB
+    # grad_accum 2: every state always (4 + 8); the heaviest moment is the LLM's backward start: both modules'
+    # activations (2 + 5) and the LLM's backward buffers (3), + 3 GiB overhead; its forward has 1 GiB of buffers
+    assert e.peak_memory_bytes == 25 * GiB
+    assert e.peak_phase == "llm backward start"
     assert e.peak_breakdown.activations == 7 * GiB
+    assert e.peak_breakdown.buffers == 3 * GiB
     assert e.peak_breakdown.overhead == A.framework_overhead_bytes
     assert e.peak_group == "all"
     # 8 samples x 64 LLM tokens / 8.75 s; MFU = 2e12 / (8.75 * 4 GPUs * 1e15)
@@ -61,6 +66,27 @@ def test_combine_colocated_is_a_sum():
     assert e.mfu == pytest.approx(2e12 / (8.75 * 4 * 1e15))
     assert e.fits
     assert e.binding_constraint.startswith("time: llm")
+
+
+def test_colocated_peak_is_the_heaviest_moment_not_the_sum_of_every_part():
+    # one micro-batch per step: no gradients until a module's backward has run, buffers only while it runs
+    costs = {
+        "vision": fake_cost("vision", per_mb=1.0, dp_comm=0, states=GiB, act=2 * GiB, buffers=GiB, gpus=8, ga=1),
+        "llm": fake_cost("llm", per_mb=1.0, dp_comm=0, states=2 * GiB, act=5 * GiB, buffers=4 * GiB,
+                         backward_buffers=GiB, gpus=8, ga=1),
+    }
+    e = combine(MODEL, CLUSTER, WORKLOAD, "colocated", costs, A)
+    # LLM forward: weights 1 + 2, optimizer 2 + 4, activations 2 + 5, LLM forward buffers 4, no gradients; + 3
+    # (the LLM's backward start has 1 GiB of buffers: 17 + 3; its end 2 GiB of gradients and no LLM activations)
+    assert e.peak_phase == "llm forward"
+    assert e.peak_memory_bytes == 23 * GiB
+    assert (e.peak_breakdown.gradients, e.peak_breakdown.buffers) == (0, 4 * GiB)
+    # summing every part as if alive at once would say 1+1+2 + 2+2+4 + 2+5 + 1+4 + 3 = 27 GiB
+    costs["llm"] = fake_cost("llm", per_mb=1.0, dp_comm=0, states=2 * GiB, act=GiB, buffers=GiB,
+                             backward_buffers=6 * GiB, gpus=8, ga=1)
+    e = combine(MODEL, CLUSTER, WORKLOAD, "colocated", costs, A)
+    # LLM backward end: 9 + LLM gradients 2 + vision activations 2 + 6 > its backward start 9 + 2 + 1 + 6
+    assert (e.peak_phase, e.peak_memory_bytes) == ("llm backward end", 22 * GiB)
 
 
 def test_combine_disjoint_is_a_pipeline():
@@ -291,3 +317,20 @@ def test_tp_group_crossing_a_node_uses_the_nic():
     straddling = module_cost(MODEL, "llm", CLUSTER, WORKLOAD, strategy, first_rank=2, **args)
     assert straddling.tp_comm_s > aligned.tp_comm_s
     assert straddling.forward_s == pytest.approx(aligned.forward_s)
+
+
+def test_buffers_by_pass_loss_in_forward_and_zero3_root_unit_in_both():
+    llm = MODEL.module("llm")
+    params = llm.num_params
+    root = sum(l.params * l.count for l in llm.layers if l.kind != "decoder_layer")
+    block = max(l.params for l in llm.layers if l.kind == "decoder_layer")
+    z0 = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8)).modules["llm"]
+    # forward: the loss's transient logits, 64 tokens x 1000 vocab x 6 B; backward: the gradient bucket (all of the
+    # toy's bf16 gradients, under the 2 x 25 MiB cap) and no loss transient (decoder layers have none without SP)
+    assert z0.forward_buffers_bytes == 64 * 1000 * 6
+    assert z0.backward_buffers_bytes == pytest.approx(2 * params, abs=1)
+    z3 = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8, zero=3)).modules["llm"]
+    # ZeRO-3: the root unit (embedding, norm, lm_head) and two blocks gathered in bf16 in both passes; the backward
+    # adds the root unit's and one block's unsharded bf16 gradients, and no bucket
+    assert z3.forward_buffers_bytes == pytest.approx(64 * 1000 * 6 + 2 * (root + 2 * block), abs=1)
+    assert z3.backward_buffers_bytes == pytest.approx(2 * (root + 2 * block) + 2 * (root + block), abs=1)

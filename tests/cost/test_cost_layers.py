@@ -166,9 +166,10 @@ def test_patch_embed_backward_is_weight_gradient_only():
 def test_lm_head_logits():
     head = MODEL.module("llm").layer("lm_head")
     t = layer_terms(head, shard(tp=2))
-    # input 64 x 128 x 2 B + fp32 log-softmax 64 x 500 x 4 B; transient 64 x 500 x 6 B
+    # input 64 x 128 x 2 B + fp32 log-softmax 64 x 500 x 4 B; transient 64 x 500 x (6 + 4 of loss_parallel) B
     assert t.saved_bytes == pytest.approx(64 * 128 * 2 + 64 * 500 * 4)
-    assert t.buffer_bytes == pytest.approx(64 * 500 * 6)
+    assert t.buffer_bytes == pytest.approx(64 * 500 * 10)
+    assert layer_terms(head, shard()).buffer_bytes == pytest.approx(64 * 1000 * 6)  # one rank: fused, no extra
 
 
 def test_merger_reduces_tokens():

@@ -144,12 +144,17 @@ def test_swiglu_and_gqa_per_token():
 def test_loss_logits():
     # 1000 tokens x 500 vocab per rank: saved 4 B, transient 6 B per logit
     assert loss_logits_bytes(1000, 500, A) == (2e6, 3e6)
+    # vocab-parallel (torch's loss_parallel): one more fp32 copy of the local logits, 4 B each
+    assert loss_logits_bytes(1000, 500, A, vocab_parallel=True) == (2e6, 5e6)
 
 
 def test_zero3_gather_buffer():
-    # (1 + 1 prefetch) * 1e6 params * 2 B + 1e6 * 2 B of gradients
-    assert zero3_gather_bytes(1e6, MIXED, prefetch=1, frozen=False) == 6e6
-    assert zero3_gather_bytes(1e6, MIXED, prefetch=1, frozen=True) == 4e6
+    # forward: (3e6 root params + (1 + 1 prefetch) * 1e6 block params) * 2 B
+    assert zero3_gather_bytes(3e6, 1e6, MIXED, prefetch=1, frozen=False, backward=False) == 10e6
+    # backward adds the unsharded gradients of the root unit and one block: (3e6 + 1e6) * 2 B
+    assert zero3_gather_bytes(3e6, 1e6, MIXED, prefetch=1, frozen=False, backward=True) == 18e6
+    assert zero3_gather_bytes(3e6, 1e6, MIXED, prefetch=1, frozen=True, backward=True) == 10e6
+    assert zero3_gather_bytes(0, 1e6, MIXED, prefetch=2, frozen=True, backward=False) == 6e6
 
 
 def test_bucket_bytes_capped_by_gradients():

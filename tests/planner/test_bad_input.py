@@ -131,7 +131,7 @@ def test_bad_input_is_one_line(argv, files, message, tmp_path, capsys):
 def test_infeasible_message_shows_the_real_shortfall(capsys, tmp_path):
     """The colocated message used to add each module's least memory at different grad_accums (70.3 of 73.6 GiB,
     "0.0 GiB over"): the modules share one grad_accum, pinned here to 1."""
-    err = _fails(["--model", "qwen2.5-vl-32b", "--gpus", "8", "--precision", "bf16_pure", "--image-size", "1792",
+    err = _fails(["--model", "qwen2.5-vl-32b", "--gpus", "8", "--precision", "bf16_pure", "--image-size", "2016",
                   "--global-batch", "8", "--fix", "vision.tp=8", "--fix", "llm.tp=8", "--fix", "vision.recompute=full",
                   "--fix", "llm.recompute=full", "--fix", "llm.grad_accum=1", "--out", str(tmp_path / "p.json")],
                  capsys)

@@ -106,20 +106,25 @@ def test_pareto_front_keeps_exactly_the_non_dominated():
     p = problem()
     base = build_candidates(p, "colocated").by_module["llm"][0]
     points = {"a": (10, 50), "b": (20, 40), "c": (20, 60), "d": (30, 40), "e": (5, 90), "f": (10, 50)}
-    cands = [_with(base, step_ns=t, memory_bytes=m) for t, m in points.values()]
+    cands = [_with(base, step_ns=t, phase_bytes=(m, 7)) for t, m in points.values()]
     front = pareto_front(cands, "colocated")
     assert sorted((c.step_ns, c.memory_bytes) for c in front) == [(5, 90), (10, 50), (20, 40)]
+    # memory is compared phase by phase: less at one moment keeps a slower candidate
+    slower = _with(base, step_ns=30, phase_bytes=(60, 6))
+    front = pareto_front(cands + [slower], "colocated")
+    assert sorted((c.step_ns, c.phase_bytes) for c in front) == [
+        (5, (90, 7)), (10, (50, 7)), (20, (40, 7)), (30, (60, 6))]
 
 
 def test_disjoint_pareto_uses_time_terms_only():
     p = problem()
     base = build_candidates(p, "disjoint").by_module["llm"][0]
     cands = [
-        _with(base, path_ns=(10, 20, 9, 40), tail_ns=5, memory_bytes=100),
-        _with(base, path_ns=(10, 20, 9, 40), tail_ns=5, memory_bytes=50),
-        _with(base, path_ns=(12, 24, 11, 48), tail_ns=1, memory_bytes=10),
-        _with(base, path_ns=(12, 24, 11, 48), tail_ns=6, memory_bytes=1),
-        _with(base, path_ns=(12, 24, 8, 48), tail_ns=6, memory_bytes=1),  # shorter on one path: kept
+        _with(base, path_ns=(10, 20, 9, 40), tail_ns=5, phase_bytes=(100,)),
+        _with(base, path_ns=(10, 20, 9, 40), tail_ns=5, phase_bytes=(50,)),
+        _with(base, path_ns=(12, 24, 11, 48), tail_ns=1, phase_bytes=(10,)),
+        _with(base, path_ns=(12, 24, 11, 48), tail_ns=6, phase_bytes=(1,)),
+        _with(base, path_ns=(12, 24, 8, 48), tail_ns=6, phase_bytes=(1,)),  # shorter on one path: kept
     ]
     front = pareto_front(cands, "disjoint")
     assert [(c.path_ns[2], c.tail_ns, c.memory_bytes) for c in front] == [(9, 5, 50), (8, 6, 1), (11, 1, 10)]

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 from plan_helpers import problem
 
-from planner.candidates import build_candidates
+from planner.candidates import build_candidates, least_colocated_need
 from planner.cost import estimate
 from planner.solver.cp_sat import SolverSettings, solve
 from planner.strategy import Strategy
@@ -111,9 +111,9 @@ def test_same_choice_every_time_and_with_any_worker_count(placement):
 def test_no_plan_when_nothing_fits_together():
     p = problem(overhead_gib=0.0)
     cands = build_candidates(p, "colocated")
-    smallest = sum(min(c.memory_bytes for c in cs) for cs in cands.by_module.values())
+    _, smallest = least_colocated_need(cands)
     assert solve(cands, p.num_gpus, smallest - 1) == []
-    assert solve(cands, p.num_gpus, 10 * smallest)
+    assert solve(cands, p.num_gpus, smallest)
 
 
 def test_statuses_without_proof_are_reported(monkeypatch):
