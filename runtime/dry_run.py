@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_impls import _is_tensor_constructor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.mem_tracker import MemTracker, _ModState, _UpdateType
 from torch.distributed.tensor import _sharding_prop as sharding_prop
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -322,6 +323,9 @@ class RoleMemory:
     """Peak tensor memory of the step by MemTracker category (``Total`` the sum)."""
     startup_peak: int
     """Peak tensor memory while the Trainer was built."""
+    peak_at: str
+    """Where the step's peak was reached: the innermost module running and the pass, e.g.
+    ``LanguageModel.lm_head (forward)``."""
     seconds: float
     """Wall time of this role's dry-run."""
 
@@ -345,10 +349,20 @@ class StepMemTracker(MemTracker):
     def __init__(self, modules: dict[str, torch.nn.Module]):
         super().__init__()
         self.forward_activations = dict.fromkeys(modules, 0)
+        self.peak_at = "no operation"
         self._before: dict[str, int] = {}
         for name, module in modules.items():
             module.register_forward_pre_hook(lambda *_, name=name: self._before.__setitem__(name, self._kept()))
             module.register_forward_hook(lambda *_, name=name: self._record(name))
+
+    def forget(self, tensors) -> None:
+        """Stop counting ``tensors``' storages (host-side data; each call forgets only what is still counted)."""
+        for tensor in tensors:
+            for storage in get_untyped_storages(tensor):
+                winfo, _ = self._WINFO.pop(storage, (None, None))
+                if winfo is not None and winfo.mem_consumed > 0:
+                    self._update_snap(_UpdateType.DEL, winfo)
+                    winfo.mem_consumed = 0  # its deletion callback must not subtract it again
 
     def _kept(self) -> int:
         """Tracked memory other than parameters (ZeRO-3 gathers and frees them inside a forward)."""
@@ -366,6 +380,8 @@ class StepMemTracker(MemTracker):
             if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
                 self._peak_mem[dev] = dev_snap["Total"]
                 self._peak_mem_snap[dev] = dict(dev_snap)
+                innermost = max(self._mod_tracker.parents, key=lambda fqn: fqn.count("."), default="Global")
+                self.peak_at = f"{innermost} ({'backward' if self._mod_tracker.is_bw else 'forward'})"
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         if module in self.memory_tracking and not self._mod_tracker.is_bw:  # a later micro-batch or step
@@ -406,6 +422,7 @@ def measure_role(plan: Plan, rank: int, options: RunOptions) -> RoleMemory:
             init_optimizer_states(trainer)
             tracker = StepMemTracker(trainer.modules)
             tracker.track_external(*trainer.modules.values(), *(o for o, _ in trainer.optimizers.values()))
+            trainer.on_host_data = tracker.forget
             with tracker:
                 trainer.train_step()
             peak = _device_snapshot(tracker.get_tracker_snapshot("peak"))
@@ -418,7 +435,7 @@ def measure_role(plan: Plan, rank: int, options: RunOptions) -> RoleMemory:
     finally:
         dist.destroy_process_group()
     return RoleMemory(rank=rank, ranks=[], modules=modules, peak=peak, startup_peak=startup_peak,
-                      seconds=time.perf_counter() - start)
+                      peak_at=tracker.peak_at, seconds=time.perf_counter() - start)
 
 
 def _device_snapshot(snapshot: dict) -> dict[str, int]:
@@ -568,12 +585,22 @@ def format_report(report: DryRunReport) -> str:
         overhead = report.overhead_bytes(role)
         predicted_peak = (group.total - group.overhead) * GIB
         lines.append(_row("peak tensors", role.peak.get("Total", 0), predicted_peak))
+        lines.append(f"  runtime peak during {role.peak_at}")
         total = report.role_total(role)
         verdict = "FITS" if total <= report.usable_bytes else "DOES NOT FIT"
         lines.append(f"  + overhead {overhead / GIB:.1f} = {total / GIB:.2f} GiB of {report.usable_bytes / GIB:.1f} "
-                     f"GiB usable (planner: {group.total:.2f} GiB)  {verdict}")
+                     f"GiB usable (planner: {group.total:.2f} GiB{_planner_phase(report.plan, role)})  {verdict}")
     lines += ["", "FITS" if report.fits else "DOES NOT FIT"]
     return "\n".join(lines)
+
+
+def _planner_phase(plan: Plan, role: RoleMemory) -> str:
+    """`` at the llm forward``: the moment of the step the planner puts the peak at, where the plan records it (for
+    the role's group: a disjoint group other than the peak one has its own)."""
+    phase = plan.predicted.peak_phase
+    if phase is None or (plan.placement == "disjoint" and not phase.startswith(next(iter(role.modules)) + " ")):
+        return ""
+    return f" at the {phase}"
 
 
 def _in_flight(plan: Plan, name: str) -> int:

@@ -118,11 +118,16 @@ class CostAssumptions:
     """Bytes per (token, vocab/TP) logit kept for the cross-entropy backward (fp32 log-softmax)."""
     loss_logits_transient_bytes: float = 6.0
     """Bytes per (token, vocab/TP) logit alive only while the loss is formed (bf16 logits + fp32 upcast)."""
+    loss_logits_backward_bytes: float = 8.0
+    """Bytes per (token, vocab/TP) logit alive beside the saved log-softmax while the loss backward runs: the fp32
+    gradients of the nll loss and of the log-softmax (4 + 4)."""
     loss_parallel_extra_bytes: float = 4.0
-    """Transient bytes per logit that the vocab-parallel loss adds under TP: torch's ``loss_parallel``
-    (torch/distributed/tensor/parallel/loss.py, ``_log_softmax``) keeps the shifted fp32 logits beside their exp and
-    the result, one fp32 copy more than the fused single-device log-softmax. The dry-run of the 32B default plan
-    (LLM TP2, benchmarks/results/dry_run.md, 2026-12-02) measured 5.2 B more per logit than 6 + 4."""
+    """Transient bytes per logit that the vocab-parallel loss adds under TP, forward and backward alike: torch's
+    ``loss_parallel`` (torch/distributed/tensor/parallel/loss.py) materialises ``exp`` of the fp32 logits beside the
+    shifted logits (``_log_softmax``) and beside the zeros it scatters the targets into
+    (``_nll_loss_and_log_softmax_backward``), one fp32 copy more than the fused single-device kernels. Seen in the
+    dry-run of the SP8 + TP8 32B plan (benchmarks/results/dry_run.md, 2026-12-02): at the peak, the loss backward,
+    three fp32 logit-sized temporaries beside the saved log-softmax."""
     framework_overhead_bytes: int = 3 * GiB
     """Per-GPU allowance for the CUDA context, cuBLAS/NCCL workspaces and communicator buffers."""
     usable_memory_fraction: float = 0.92

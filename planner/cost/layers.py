@@ -81,7 +81,9 @@ class LayerTerms:
     """Activations a recomputable block holds while its backward runs (what full recomputation re-creates);
     0 for layers that are never recomputed."""
     buffer_bytes: float
-    """Transient bytes alive while the layer runs (loss logits, all-to-all and ring buffers)."""
+    """Transient bytes alive while the layer runs its forward (loss logits, all-to-all and ring buffers)."""
+    backward_buffer_bytes: float
+    """... while it runs its backward (the loss's gradients, all-to-all and ring buffers)."""
     flops: float
     """Forward model FLOPs on this rank (GEMMs + attention core)."""
     backward_flops: float
@@ -121,6 +123,7 @@ def _terms(
     saved: float,
     working: float | None = None,
     buffers: float = 0.0,
+    backward_buffers: float | None = None,
     tp_fwd: float = 0.0,
     tp_bwd: float = 0.0,
     sp_fwd: float = 0.0,
@@ -132,6 +135,7 @@ def _terms(
 ) -> LayerTerms:
     """Assemble LayerTerms from forward pieces; backward, recompute and exposure follow the module's modes.
 
+    ``backward_buffers`` defaults to ``buffers`` (the same exchange buffers run both ways).
     ``input_grad=False`` marks a first layer whose input (pixels, mel frames) needs no gradient: its backward
     is the weight-gradient GEMM only.
     """
@@ -166,6 +170,7 @@ def _terms(
         saved_bytes=saved,
         working_bytes=(saved if working is None else working) if recomputable else 0.0,
         buffer_bytes=buffers,
+        backward_buffer_bytes=(buffers if backward_buffers is None else backward_buffers) if runs_backward else 0.0,
         flops=gemm_flops_ + attention_flops_,
         backward_flops=gemm_flops_ * gemm_bwd + attention_flops_ * elem_bwd,
     )
@@ -364,7 +369,8 @@ def lm_head_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     """Vocabulary projection + cross-entropy, vocab-parallel under TP (``loss_parallel``).
 
     GEMM tokens x h x V/tp; the loss reads and writes the fp32 logits (memory-bound); it keeps its input and
-    the fp32 log-softmax, and the bf16 + fp32 logits are a transient peak (``loss_logits_bytes``). TP: two
+    the fp32 log-softmax, and the bf16 + fp32 logits (forward) and the loss's fp32 gradients (backward) are transient
+    peaks (``loss_logits_bytes``). TP: two
     small fp32 all-reduces of per-token max and sum in forward, an all-reduce of the input gradient in
     backward (column-parallel input; Shoeybi et al. 2019, Sec. 3).
     """
@@ -372,7 +378,7 @@ def lm_head_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     h, m = layer.hidden_size, shard.tokens
     vocab = (layer.out_features or h) / shard.tp
     gemm_s, gemm_fl = _gemms(((m, vocab, h),), shard)
-    saved_logits, transient = loss_logits_bytes(m, vocab, asm, vocab_parallel=shard.tp > 1)
+    saved_logits, transient, backward_transient = loss_logits_bytes(m, vocab, asm, vocab_parallel=shard.tp > 1)
     loss_bytes = 2 * (saved_logits + transient)
     loss_s = loss_bytes / (shard.device.memory_bandwidth * asm.memory_bandwidth_efficiency)
     return _terms(
@@ -382,6 +388,7 @@ def lm_head_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         elementwise_s=loss_s,
         saved=m * h * e + saved_logits,
         buffers=transient,
+        backward_buffers=backward_transient,
         tp_fwd=2 * all_reduce_time(m * 4, shard.tp, shard.tp_link),
         tp_bwd=all_reduce_time(m * h * e, shard.tp, shard.tp_link),
     )

@@ -121,18 +121,20 @@ def score_matrix_bytes(score_elements: float, recompute: str, assumptions: CostA
 
 def loss_logits_bytes(
     tokens: float, vocab_per_rank: float, assumptions: CostAssumptions, *, vocab_parallel: bool = False
-) -> tuple[float, float]:
-    """(saved, transient) bytes of the cross-entropy over ``tokens x vocab_per_rank`` logits.
+) -> tuple[float, float, float]:
+    """(saved, forward transient, backward transient) bytes of the cross-entropy over ``tokens x vocab_per_rank``
+    logits.
 
-    Saved: the fp32 log-softmax the loss backward reads; transient: bf16 logits + fp32 upcast alive while
-    the loss is formed. With TP the logits stay vocab-parallel (``loss_parallel``; Shoeybi et al. 2019,
-    Sec. 3, fused parallel cross-entropy), so ``vocab_per_rank = vocab / tp``, and torch's unfused vocab-parallel
-    log-softmax adds ``loss_parallel_extra_bytes`` per logit.
+    Saved: the fp32 log-softmax the loss backward reads; forward transient: bf16 logits + fp32 upcast alive while
+    the loss is formed; backward transient: the loss's and the log-softmax's fp32 gradients. With TP the logits stay
+    vocab-parallel (``loss_parallel``; Shoeybi et al. 2019, Sec. 3, fused parallel cross-entropy), so
+    ``vocab_per_rank = vocab / tp``, and torch's unfused vocab-parallel kernels add ``loss_parallel_extra_bytes``
+    per logit to both transients.
     """
     logits = tokens * vocab_per_rank
-    transient = assumptions.loss_logits_transient_bytes + (assumptions.loss_parallel_extra_bytes if vocab_parallel
-                                                           else 0.0)
-    return logits * assumptions.loss_logits_saved_bytes, logits * transient
+    extra = assumptions.loss_parallel_extra_bytes if vocab_parallel else 0.0
+    return (logits * assumptions.loss_logits_saved_bytes, logits * (assumptions.loss_logits_transient_bytes + extra),
+            logits * (assumptions.loss_logits_backward_bytes + extra))
 
 
 FSDP_BLOCK_KINDS = frozenset({"vision_block", "audio_block", "decoder_layer"})

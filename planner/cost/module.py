@@ -164,9 +164,8 @@ class _Sums:
     forward_buffer_bytes: float
     """The largest single layer's transient (only one layer runs at a time)."""
     backward_buffer_bytes: float
-    """The largest transient of a layer other than the loss (whose backward runs while every activation is still
-    saved, a moment the forward's figure covers), plus under full recomputation the largest block's re-created
-    activations."""
+    """The largest backward transient of one layer, with, under full recomputation, the block's re-created
+    activations (the loss's gradients at the backward's start; a re-run block and its exchange buffers later)."""
     optimizer_measured_s: float
     """Measured optimizer-step shares of the layers that have one, before ZeRO sharding."""
     optimizer_call_s: float
@@ -186,7 +185,8 @@ def _layer_sums(
     Buffers: see ``_Sums.forward_buffer_bytes`` and ``backward_buffer_bytes``.
     """
     shard = _shard(static, s, links)
-    fwd = bwd = rc = tp_c = sp_c = cp_c = saved = working = optimizer_s = optimizer_call = 0.0
+    fwd = bwd = rc = tp_c = sp_c = cp_c = saved = optimizer_s = optimizer_call = 0.0
+    full = s.recompute == "full"
     forward_buffers = backward_buffers = 0.0
     formula_params = 0.0
     sources = dict(static.analytical_sources)
@@ -215,12 +215,8 @@ def _layer_sums(
         fwd, bwd, rc = fwd + n * f, bwd + n * b, rc + n * r
         tp_c, sp_c, cp_c = tp_c + n * tp_comm, sp_c + n * sp_comm, cp_c + n * t.cp_comm_s
         saved += n * act
-        working = max(working, t.working_bytes)
         forward_buffers = max(forward_buffers, t.buffer_bytes)
-        if layer.kind != "lm_head":
-            backward_buffers = max(backward_buffers, t.buffer_bytes)
-    if s.recompute == "full":
-        backward_buffers += working
+        backward_buffers = max(backward_buffers, t.backward_buffer_bytes + (t.working_bytes if full else 0.0))
     if optimizer_measured:
         sources["optimizer"] = MEASURED
     final_sources = static.analytical_sources if layer_costs is None else MappingProxyType(sources)

@@ -319,18 +319,20 @@ def test_tp_group_crossing_a_node_uses_the_nic():
     assert straddling.forward_s == pytest.approx(aligned.forward_s)
 
 
-def test_buffers_by_pass_loss_in_forward_and_zero3_root_unit_in_both():
+def test_buffers_by_pass_loss_in_both_and_zero3_root_unit_in_both():
     llm = MODEL.module("llm")
     params = llm.num_params
     root = sum(l.params * l.count for l in llm.layers if l.kind != "decoder_layer")
     block = max(l.params for l in llm.layers if l.kind == "decoder_layer")
     z0 = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8)).modules["llm"]
-    # forward: the loss's transient logits, 64 tokens x 1000 vocab x 6 B; backward: the gradient bucket (all of the
-    # toy's bf16 gradients, under the 2 x 25 MiB cap) and no loss transient (decoder layers have none without SP)
+    # forward: the loss's transient logits, 64 tokens x 1000 vocab x 6 B; backward: the loss's gradients (8 B per
+    # logit; decoder layers have no transient without SP) and the gradient bucket (all of the toy's bf16 gradients,
+    # under the 2 x 25 MiB cap)
     assert z0.forward_buffers_bytes == 64 * 1000 * 6
-    assert z0.backward_buffers_bytes == pytest.approx(2 * params, abs=1)
+    assert z0.backward_buffers_bytes == pytest.approx(64 * 1000 * 8 + 2 * params, abs=1)
     z3 = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8, zero=3)).modules["llm"]
     # ZeRO-3: the root unit (embedding, norm, lm_head) and two blocks gathered in bf16 in both passes; the backward
     # adds the root unit's and one block's unsharded bf16 gradients, and no bucket
     assert z3.forward_buffers_bytes == pytest.approx(64 * 1000 * 6 + 2 * (root + 2 * block), abs=1)
-    assert z3.backward_buffers_bytes == pytest.approx(2 * (root + 2 * block) + 2 * (root + block), abs=1)
+    assert z3.backward_buffers_bytes == pytest.approx(64 * 1000 * 8 + 2 * (root + 2 * block) + 2 * (root + block),
+                                                      abs=1)
