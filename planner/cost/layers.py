@@ -84,6 +84,8 @@ class LayerTerms:
     """Transient bytes alive while the layer runs its forward (loss logits, all-to-all and ring buffers)."""
     backward_buffer_bytes: float
     """... while it runs its backward (the loss's gradients, all-to-all and ring buffers)."""
+    loss_saved_bytes: float
+    """Of ``saved_bytes``, what the loss's backward frees as it ends (the fp32 log-softmax); 0 for other layers."""
     flops: float
     """Forward model FLOPs on this rank (GEMMs + attention core)."""
     backward_flops: float
@@ -124,6 +126,7 @@ def _terms(
     working: float | None = None,
     buffers: float = 0.0,
     backward_buffers: float | None = None,
+    loss_saved: float = 0.0,
     tp_fwd: float = 0.0,
     tp_bwd: float = 0.0,
     sp_fwd: float = 0.0,
@@ -171,6 +174,7 @@ def _terms(
         working_bytes=(saved if working is None else working) if recomputable else 0.0,
         buffer_bytes=buffers,
         backward_buffer_bytes=(buffers if backward_buffers is None else backward_buffers) if runs_backward else 0.0,
+        loss_saved_bytes=loss_saved if runs_backward else 0.0,
         flops=gemm_flops_ + attention_flops_,
         backward_flops=gemm_flops_ * gemm_bwd + attention_flops_ * elem_bwd,
     )
@@ -389,6 +393,7 @@ def lm_head_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         saved=m * h * e + saved_logits,
         buffers=transient,
         backward_buffers=backward_transient,
+        loss_saved=saved_logits,
         tp_fwd=2 * all_reduce_time(m * 4, shard.tp, shard.tp_link),
         tp_bwd=all_reduce_time(m * h * e, shard.tp, shard.tp_link),
     )

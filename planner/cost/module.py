@@ -162,10 +162,14 @@ class _Sums:
     cp_comm_s: float
     saved_bytes: float
     forward_buffer_bytes: float
-    """The largest single layer's transient (only one layer runs at a time)."""
+    """The largest forward transient of a layer other than the loss (only one layer runs at a time)."""
     backward_buffer_bytes: float
-    """The largest backward transient of one layer, with, under full recomputation, the block's re-created
-    activations (the loss's gradients at the backward's start; a re-run block and its exchange buffers later)."""
+    """The largest backward transient of a layer other than the loss, with, under full recomputation, the block's
+    re-created activations."""
+    loss_buffer_bytes: tuple[float, float, float]
+    """(forward transient, backward transient, saved log-softmax) of the loss. The runtime forms the loss outside
+    the module's forward (as torchtitan does), so its transients are never alive together with the module's ZeRO-3
+    gathers or gradient buckets."""
     optimizer_measured_s: float
     """Measured optimizer-step shares of the layers that have one, before ZeRO sharding."""
     optimizer_call_s: float
@@ -188,6 +192,7 @@ def _layer_sums(
     fwd = bwd = rc = tp_c = sp_c = cp_c = saved = optimizer_s = optimizer_call = 0.0
     full = s.recompute == "full"
     forward_buffers = backward_buffers = 0.0
+    loss_buffers = (0.0, 0.0, 0.0)
     formula_params = 0.0
     sources = dict(static.analytical_sources)
     optimizer_measured = bool(static.spec.layers)
@@ -215,13 +220,16 @@ def _layer_sums(
         fwd, bwd, rc = fwd + n * f, bwd + n * b, rc + n * r
         tp_c, sp_c, cp_c = tp_c + n * tp_comm, sp_c + n * sp_comm, cp_c + n * t.cp_comm_s
         saved += n * act
-        forward_buffers = max(forward_buffers, t.buffer_bytes)
-        backward_buffers = max(backward_buffers, t.backward_buffer_bytes + (t.working_bytes if full else 0.0))
+        if layer.kind == "lm_head":
+            loss_buffers = (t.buffer_bytes, t.backward_buffer_bytes, t.loss_saved_bytes)
+        else:
+            forward_buffers = max(forward_buffers, t.buffer_bytes)
+            backward_buffers = max(backward_buffers, t.backward_buffer_bytes + (t.working_bytes if full else 0.0))
     if optimizer_measured:
         sources["optimizer"] = MEASURED
     final_sources = static.analytical_sources if layer_costs is None else MappingProxyType(sources)
-    return _Sums(fwd, bwd, rc, tp_c, sp_c, cp_c, saved, forward_buffers, backward_buffers, optimizer_s, optimizer_call, formula_params,
-                 final_sources)
+    return _Sums(fwd, bwd, rc, tp_c, sp_c, cp_c, saved, forward_buffers, backward_buffers, loss_buffers, optimizer_s,
+                 optimizer_call, formula_params, final_sources)
 
 
 def _measure(
@@ -387,6 +395,8 @@ def module_cost(
         bucket = bucket_bytes(params * recipe.gradients, assumptions) if trainable and reduce_group > 1 else 0.0
         backward_buffers += bucket
         bucket = min(bucket, assumptions.communication_bucket_bytes)
+    forward_buffers = max(forward_buffers, sums.loss_buffer_bytes[0])
+    loss_backward_buffers, loss_saved = sums.loss_buffer_bytes[1:]
 
     handoff = handoff_per_micro_batch(
         static, s, placement=placement, first_rank=first_rank, sp_link=static.links[not within[1]]
@@ -439,6 +449,8 @@ def module_cost(
         optimizer_bytes=math.ceil(optim),
         forward_buffers_bytes=math.ceil(forward_buffers),
         backward_buffers_bytes=math.ceil(backward_buffers),
+        loss_backward_buffers_bytes=math.ceil(loss_backward_buffers),
+        loss_saved_bytes=math.ceil(loss_saved),
         activations_per_micro_batch_bytes=math.ceil(sums.saved_bytes),
         in_flight_micro_batches=in_flight,
         flops_per_step=_flops_per_sample(static) * s.samples_per_step,

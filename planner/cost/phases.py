@@ -11,7 +11,9 @@ module's work has three moments that bound everything in between (activations fa
 through a backward, so a backward's maximum is at one of its ends):
 
 * ``forward``: its forward and loss, up to the start of its backward: its activations, its forward transients;
-* ``backward_start``: its backward's first block: its activations, its backward transients;
+* ``backward_start``: the start of its backward, the heavier of two moments: the loss's backward (every
+  activation, the loss's gradients) and its last block's backward right after (the log-softmax freed, the
+  block's backward transients: ZeRO-3 gathers, the re-created block of full recomputation);
 * ``backward_end``: its backward's last block: its gradients (all of them), its backward transients, and the
   activations of the micro-batches still in flight behind it (a disjoint 1F1B stage).
 
@@ -70,13 +72,16 @@ def alive(cost: ModuleCost, position: int, phase: Phase, phase_position: int) ->
     else:
         backward_done = position > phase_position or (own and phase.kind == "backward_end")
         has_gradients = several or backward_done
-        if position < phase_position or (own and phase.kind == "backward_start"):
+        activations, buffers = 0, 0
+        if position < phase_position:
             activations = cost.activations_bytes
+        elif own and phase.kind == "backward_start":
+            at_loss = (cost.activations_bytes, cost.loss_backward_buffers_bytes)
+            at_last_block = (cost.activations_bytes - cost.loss_saved_bytes, cost.backward_buffers_bytes)
+            activations, buffers = max(at_loss, at_last_block, key=sum)
         elif own:
             activations = cost.activations_bytes - cost.activations_per_micro_batch_bytes
-        else:
-            activations = 0
-        buffers = cost.backward_buffers_bytes if own else 0
+            buffers = cost.backward_buffers_bytes
     return MemoryBreakdown(
         weights=cost.weights_bytes,
         gradients=cost.gradients_bytes if has_gradients else 0,

@@ -89,8 +89,12 @@ class ModuleCost:
     """Temporary/communication buffers per GPU while the module runs its forward (ZeRO-3 gathers, loss logits,
     all-to-all buffers)."""
     backward_buffers_bytes: int
-    """... while it runs its backward (ZeRO-3 gathers and unsharded gradients, gradient buckets, the
+    """... while it runs its blocks' backward (ZeRO-3 gathers and unsharded gradients, gradient buckets, the
     full-recomputation working block, all-to-all buffers)."""
+    loss_backward_buffers_bytes: int = 0
+    """... while its loss's backward runs, before the module's own (the loss's fp32 gradients; LLM only)."""
+    loss_saved_bytes: int = 0
+    """Of one micro-batch's activations, what the loss's backward frees (the fp32 log-softmax; LLM only)."""
     activations_per_micro_batch_bytes: int
     """Activations one micro-batch keeps for backward."""
     in_flight_micro_batches: int
@@ -107,8 +111,8 @@ class ModuleCost:
 
     @property
     def buffers_bytes(self) -> int:
-        """The larger of the forward and backward buffers."""
-        return max(self.forward_buffers_bytes, self.backward_buffers_bytes)
+        """The largest of the forward, backward and loss-backward buffers."""
+        return max(self.forward_buffers_bytes, self.backward_buffers_bytes, self.loss_backward_buffers_bytes)
 
     @property
     def activations_bytes(self) -> int:

@@ -89,6 +89,21 @@ def test_colocated_peak_is_the_heaviest_moment_not_the_sum_of_every_part():
     assert (e.peak_phase, e.peak_memory_bytes) == ("llm backward end", 22 * GiB)
 
 
+def test_backward_start_is_the_loss_backward_or_the_last_block_after_it():
+    vision = fake_cost("vision", per_mb=1.0, dp_comm=0, states=GiB, act=2 * GiB, buffers=0, gpus=8, ga=1)
+    llm = fake_cost("llm", per_mb=1.0, dp_comm=0, states=2 * GiB, act=5 * GiB, buffers=0, backward_buffers=3 * GiB,
+                    gpus=8, ga=1)
+    # the loss's backward: all 2 + 5 GiB of activations + 2.5 GiB of its gradients; the last block's backward after
+    # it: the 2 GiB log-softmax freed, the blocks' 3 GiB of backward buffers (9 GiB of states in both)
+    at_loss = replace(llm, loss_backward_buffers_bytes=5 * GiB // 2, loss_saved_bytes=2 * GiB)
+    e = combine(MODEL, CLUSTER, WORKLOAD, "colocated", {"vision": vision, "llm": at_loss}, A)
+    assert (e.peak_phase, e.peak_memory_bytes) == ("llm backward start", 9 * GiB + 7 * GiB + 5 * GiB // 2 + 3 * GiB)
+    assert (e.peak_breakdown.activations, e.peak_breakdown.buffers) == (7 * GiB, 5 * GiB // 2)
+    at_block = replace(llm, loss_backward_buffers_bytes=GiB, loss_saved_bytes=GiB)
+    e = combine(MODEL, CLUSTER, WORKLOAD, "colocated", {"vision": vision, "llm": at_block}, A)
+    assert (e.peak_breakdown.activations, e.peak_breakdown.buffers) == (6 * GiB, 3 * GiB)
+
+
 def test_combine_disjoint_is_a_pipeline():
     costs = {
         "vision": fake_cost("vision", per_mb=1.0, dp_comm=0.5, states=GiB, act=2 * GiB, buffers=0, in_flight=2),
@@ -319,20 +334,30 @@ def test_tp_group_crossing_a_node_uses_the_nic():
     assert straddling.forward_s == pytest.approx(aligned.forward_s)
 
 
-def test_buffers_by_pass_loss_in_both_and_zero3_root_unit_in_both():
+def test_buffers_by_pass_the_loss_alone_and_zero3_root_unit_in_both_passes():
     llm = MODEL.module("llm")
     params = llm.num_params
     root = sum(l.params * l.count for l in llm.layers if l.kind != "decoder_layer")
     block = max(l.params for l in llm.layers if l.kind == "decoder_layer")
+    loss_forward, loss_backward = 64 * 1000 * 6, 64 * 1000 * 8  # 64 tokens x 1000 vocab x 6 B / x 8 B
     z0 = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8)).modules["llm"]
-    # forward: the loss's transient logits, 64 tokens x 1000 vocab x 6 B; backward: the loss's gradients (8 B per
-    # logit; decoder layers have no transient without SP) and the gradient bucket (all of the toy's bf16 gradients,
-    # under the 2 x 25 MiB cap)
-    assert z0.forward_buffers_bytes == 64 * 1000 * 6
-    assert z0.backward_buffers_bytes == pytest.approx(64 * 1000 * 8 + 2 * params, abs=1)
+    # forward: the loss's transient logits; the loss's backward: its gradients, and it frees the fp32 log-softmax
+    # (64 x 1000 x 4 B); the blocks' backward: the gradient bucket (all of the toy's bf16 gradients, under the
+    # 2 x 25 MiB cap; decoder layers have no transient without SP)
+    assert z0.forward_buffers_bytes == loss_forward
+    assert (z0.loss_backward_buffers_bytes, z0.loss_saved_bytes) == (loss_backward, 64 * 1000 * 4)
+    assert z0.backward_buffers_bytes == pytest.approx(2 * params, abs=1)
     z3 = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8, zero=3)).modules["llm"]
     # ZeRO-3: the root unit (embedding, norm, lm_head) and two blocks gathered in bf16 in both passes; the backward
-    # adds the root unit's and one block's unsharded bf16 gradients, and no bucket
-    assert z3.forward_buffers_bytes == pytest.approx(64 * 1000 * 6 + 2 * (root + 2 * block), abs=1)
-    assert z3.backward_buffers_bytes == pytest.approx(64 * 1000 * 8 + 2 * (root + 2 * block) + 2 * (root + block),
-                                                      abs=1)
+    # adds the root unit's and one block's unsharded bf16 gradients. The loss runs outside the module's forward
+    # and backward, with none of them gathered.
+    gathered = 2 * (root + 2 * block)
+    assert gathered > loss_forward
+    assert z3.forward_buffers_bytes == pytest.approx(gathered, abs=1)
+    assert z3.backward_buffers_bytes == pytest.approx(gathered + 2 * (root + block), abs=1)
+    one_sample = replace(WORKLOAD, global_batch=64)  # 8 samples per rank: the loss's 8 x 64 x 1000 x 6 B dominate
+    big = estimate(MODEL, CLUSTER, one_sample, colocated(ModuleStrategy(dp=8, micro_batch=8),
+                                                              ModuleStrategy(dp=8, zero=3, micro_batch=8)))
+    assert big.modules["llm"].forward_buffers_bytes == 8 * loss_forward
+    assert big.modules["llm"].loss_backward_buffers_bytes == 8 * loss_backward
+    assert big.modules["llm"].backward_buffers_bytes == pytest.approx(gathered + 2 * (root + block), abs=1)
