@@ -4,7 +4,8 @@
         [--json benchmarks/results/fidelity_cpu.json] [--txt benchmarks/results/fidelity_cpu.txt] [--resume DIR]
 
 1. Profiles ``benchmarks/qwen2.5-vl-cpu-small`` (real Qwen2.5-VL structure, ~9.5 M parameters) into
-   ``profiles/cpu/qwen2.5-vl-cpu-small.json`` with one torch thread, as each runtime worker uses: single-process
+   ``profiles/cpu/qwen2.5-vl-cpu-small.json`` (on a processor other than the one that profile was measured on, into
+   ``profiles/cpu/qwen2.5-vl-cpu-small@<processor>.json``) with one torch thread, as each runtime worker uses: single-process
    layer shards, gloo collectives, and the TP2 / vision-SP2 layers timed as the runtime runs them (``--as-run``:
    2 processes, DTensor / Ulysses, collectives included). Resumable, so with the committed profile nothing is
    re-measured (delete the file, or its points, to re-measure).
@@ -104,17 +105,29 @@ class Result:
         return self.predicted_s / self.measured_s - 1
 
 
+def profile_for_this_machine(cpu_model: str) -> Path:
+    """The committed profile when it was measured on this processor (or there is none yet), else this processor's
+    own file beside it, ``<model>@<processor>.json``: a profile only describes the machine it was measured on."""
+    from planner.catalog import get_model
+    from planner.profiles import load_profile, profile_path
+
+    committed = profile_path("cpu", get_model(MODEL).name)
+    if not committed.is_file() or load_profile(committed).provenance.device_detail == f"{cpu_model} ({THREADS} threads)":
+        return committed
+    processor = "".join(c if c.isalnum() else "-" for c in cpu_model).strip("-").lower()
+    return committed.with_name(f"{committed.stem}@{processor}.json")
+
+
 def ensure_profile() -> Path:
     """Profile the model on this machine (resumable: only missing points are measured)."""
-    from planner.catalog import get_model
-    from planner.profiles import profile_path
     from runtime.profile.__main__ import main as profile_main
+    from runtime.profile.device import cpu_model
 
-    name = get_model(MODEL).name
+    path = profile_for_this_machine(cpu_model())
     for extra in ([], ["--collectives"], ["--as-run"]):
-        if profile_main(["--model", MODEL, *PROFILE_ARGS, *extra]) != 0:
+        if profile_main(["--model", MODEL, *PROFILE_ARGS, *extra, "--out", str(path)]) != 0:
             raise SystemExit("profiling failed")
-    return profile_path("cpu", name)
+    return path
 
 
 def make_plan(config: Config, profile: Path, out: Path) -> Path:

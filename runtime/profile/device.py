@@ -50,14 +50,19 @@ def measure_device(
     )
 
 
-def device_detail(device: torch.device) -> str:
-    """What the hardware calls itself: the GPU name, or the CPU model and core count."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+def cpu_model() -> str:
+    """The processor's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
     except OSError:
         pass
-    return f"{model} ({torch.get_num_threads()} threads)"
+    return model
+
+
+def device_detail(device: torch.device) -> str:
+    """What the hardware calls itself: the GPU name, or the CPU model and torch's thread count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_model()} ({torch.get_num_threads()} threads)"

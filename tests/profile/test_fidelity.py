@@ -33,3 +33,14 @@ def test_reduced_fidelity_loop(ray_cluster, tmp_path):
         # as planned) lands outside 4x.
         assert 0.25 < r.predicted_s / r.measured_s < 4, r
     assert "median |error|" in bench.format_table(results, None)
+
+
+def test_another_processor_gets_its_own_profile_file():
+    bench = load_benchmark()
+    from planner.profiles import load_profile
+
+    committed = ROOT / "profiles" / "cpu" / "qwen2.5-vl-cpu-small.json"
+    measured_on = load_profile(committed).provenance.device_detail.rsplit(" (", 1)[0]
+    assert bench.profile_for_this_machine(measured_on) == committed
+    other = bench.profile_for_this_machine("AMD EPYC 7B13 64-Core Processor")
+    assert other == committed.with_name("qwen2.5-vl-cpu-small@amd-epyc-7b13-64-core-processor.json")
