@@ -1,0 +1,56 @@
+"""Measured profiles: the file schema, reading, interpolation, fits, calibration, and the cost source the planner
+plugs in (one module each; everything is importable from here).
+
+A profile is what ``python -m runtime.profile`` measured on one device type for one model: per-layer shard times
+(forward, backward, recompute), memory and FLOPs over a grid of sequence lengths and micro-batch sizes, collective
+times over message sizes, device microbenchmarks, FakeTensor memory breakdowns, and the efficiency parameters a
+calibration refitted from real runs. This module is pure Python (pydantic only) so the planner can read profiles
+without torch.
+
+Conventions: times in seconds, memory in bytes, FLOPs as counts. ``seq_len`` is the tokens of ONE sample entering
+the module before any sequence-parallel split (the plan's own variable); the shard shape the TP/SP degrees imply is
+what was measured. A layer point is either one rank's shard timed alone (``includes_comm`` False: the cost model
+adds the TP/SP collectives) or the layer timed as the runtime runs it in tp*sp processes (``includes_comm`` True:
+its collectives, DTensor dispatch and the ranks' contention for the host are in the times).
+"""
+
+from planner.profiles.calibration import calibrate, fit_scale_overhead, refit_calibration, relative_rms
+from planner.profiles.cost_source import RECOMPUTED_KINDS, ProfileCostSource
+from planner.profiles.files import (
+    PROFILES_DIR,
+    READABLE_SCHEMA_VERSIONS,
+    find_profile,
+    load_profile,
+    profile_path,
+    save_profile,
+)
+from planner.profiles.fits import LINK_FIT_OP, device_from_profile, fit_alpha_beta, link_from_collectives
+from planner.profiles.index import LayerCost, ProfileIndex, pick_time
+from planner.profiles.interpolation import EXTRAPOLATION_SLOPES, interp_collective, interp_grid, interp_loglog
+from planner.profiles.schema import (
+    COLLECTIVE_OPS,
+    MAX_MEASURED_AMOUNT,
+    MAX_MEASURED_SECONDS,
+    PROFILE_SCHEMA_VERSION,
+    Calibration,
+    CollectiveOp,
+    CollectivePoint,
+    DeviceMeasurements,
+    LayerPoint,
+    MatmulPoint,
+    MemoryPoint,
+    Profile,
+    Provenance,
+    Spread,
+    concurrency_slowdown,
+)
+
+__all__ = [
+    "COLLECTIVE_OPS", "EXTRAPOLATION_SLOPES", "LINK_FIT_OP", "MAX_MEASURED_AMOUNT", "MAX_MEASURED_SECONDS",
+    "PROFILES_DIR", "PROFILE_SCHEMA_VERSION", "READABLE_SCHEMA_VERSIONS", "RECOMPUTED_KINDS", "Calibration",
+    "CollectiveOp", "CollectivePoint", "DeviceMeasurements", "LayerCost", "LayerPoint", "MatmulPoint", "MemoryPoint",
+    "Profile", "ProfileCostSource", "ProfileIndex", "Provenance", "Spread", "calibrate", "concurrency_slowdown",
+    "device_from_profile", "find_profile", "fit_alpha_beta", "fit_scale_overhead", "interp_collective", "interp_grid",
+    "interp_loglog", "link_from_collectives", "load_profile", "pick_time", "profile_path", "refit_calibration",
+    "relative_rms", "save_profile",
+]

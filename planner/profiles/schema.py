@@ -1,0 +1,210 @@
+"""The profile file's schema (pydantic): provenance, layer, collective, device and memory points, calibration.
+
+A profile is what ``python -m runtime.profile`` measured on one device type for one model: per-layer shard times
+(forward, backward, recompute), memory and FLOPs over a grid of sequence lengths and micro-batch sizes, collective
+times over message sizes, device microbenchmarks, FakeTensor memory breakdowns, and the efficiency parameters a
+calibration refitted from real runs. This module is pure Python (pydantic only) so the planner can read profiles
+without torch.
+
+Conventions: times in seconds, memory in bytes, FLOPs as counts. ``seq_len`` is the tokens of ONE sample entering
+the module before any sequence-parallel split (the plan's own variable); the shard shape the TP/SP degrees imply is
+what was measured. A layer point is either one rank's shard timed alone (``includes_comm`` False: the cost model
+adds the TP/SP collectives) or the layer timed as the runtime runs it in tp*sp processes (``includes_comm`` True:
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PROFILE_SCHEMA_VERSION = 3
+CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
+COLLECTIVE_OPS: tuple[CollectiveOp, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+MAX_MEASURED_SECONDS = 86_400.0
+"""Longest time a profile may record for one layer or collective (a day): beyond it a number is not a measurement,
+and would carry predicted steps past what the planner's arithmetic is meant for."""
+MAX_MEASURED_AMOUNT = 1e24
+"""Largest FLOP count a profile may record for one layer."""
+Seconds = Annotated[float, Field(ge=0, le=MAX_MEASURED_SECONDS, allow_inf_nan=False)]
+"""A measured time: finite, not negative, at most ``MAX_MEASURED_SECONDS``."""
+Amount = Annotated[float, Field(ge=0, le=MAX_MEASURED_AMOUNT, allow_inf_nan=False)]
+"""A measured FLOP count: finite, not negative, at most ``MAX_MEASURED_AMOUNT``."""
+
+
+class Provenance(_Strict):
+    """Where and how a profile was measured."""
+
+    device_name: str = Field(description="catalog name of the hardware, e.g. cpu or h100-80gb")
+    device_detail: str = Field(description="what the machine reports (CPU model / GPU name)")
+    torch_version: str
+    cuda_version: str | None
+    date: str = Field(description="ISO date-time of the last write")
+    command: str = Field(description="command line that produced the profile")
+    num_threads: int = Field(description="torch intra-op threads during measurement")
+    dtype: str = Field(description="parameter/activation dtype measured")
+
+
+class Spread(_Strict):
+    """Distribution of repeated timings of one quantity."""
+
+    median_s: Seconds
+    min_s: Seconds
+    max_s: Seconds
+    repeats: int
+
+
+class LayerPoint(_Strict):
+    """One layer shard measured at one (seq_len, micro_batch)."""
+
+    module: str
+    layer: str = Field(description="LayerSpec.name, e.g. window_block, decoder_layer")
+    tp: int = Field(ge=1)
+    sp: int = Field(ge=1)
+    seq_len: int = Field(ge=1, description="tokens per sample before the SP split")
+    micro_batch: int = Field(ge=1)
+    forward: Spread
+    backward: Spread
+    recompute: Spread = Field(description="extra backward time when the forward ran under torch.utils.checkpoint")
+    optimizer: Spread | None = Field(
+        default=None,
+        description="the runtime's optimizer step over this shard's parameters: gradient norm, clipping scale, AdamW "
+        "(None in profiles older than schema version 3: the cost model's formula is used)",
+    )
+    optimizer_pair: Spread | None = Field(
+        default=None,
+        description="the same step over two instances of the layer in one call: the difference from ``optimizer`` is "
+        "one instance's share, the rest the call's fixed cost (DTensor dispatch, norm reductions), paid once per "
+        "module",
+    )
+    forward_flops: Amount
+    backward_flops: Amount
+    saved_activation_bytes: int = Field(ge=0, description="tensors autograd saved for backward, parameters excluded")
+    peak_bytes: int = Field(ge=0, description="peak of activations + temporaries + gradients during fwd+bwd, params "
+                            "excluded")
+    includes_comm: bool = Field(
+        default=False,
+        description="timed as the runtime runs the layer, in tp*sp gloo/NCCL processes sharded by the runtime's own "
+        "functions (slowest rank): the times include its TP/SP collectives, DTensor dispatch and the ranks' "
+        "contention for the host. False: one rank's shard timed alone in one process, collectives excluded",
+    )
+
+    @property
+    def key(self) -> tuple[str, str, int, int, int, int, bool]:
+        return (self.module, self.layer, self.tp, self.sp, self.seq_len, self.micro_batch, self.includes_comm)
+
+
+class CollectivePoint(_Strict):
+    """One collective at one message size and group size."""
+
+    op: CollectiveOp
+    group_size: int = Field(ge=2)
+    message_bytes: int = Field(ge=1, description="bytes of the per-rank input buffer")
+    time: Spread
+    backend: str = Field(description="gloo or nccl")
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.op, self.group_size, self.message_bytes)
+
+
+class MatmulPoint(_Strict):
+    """Achieved FLOP/s of an n x n x n matmul."""
+
+    n: int
+    flops_per_s: float = Field(gt=0, allow_inf_nan=False)
+
+
+class DeviceMeasurements(_Strict):
+    """Microbenchmarks of the device itself."""
+
+    matmul: list[MatmulPoint]
+    memory_bandwidth: float = Field(gt=0, allow_inf_nan=False, description="bytes/s of a large copy (read + write "
+                                    "counted)")
+    concurrency: dict[int, float] = Field(
+        default_factory=dict,
+        description="devices computing at once -> per-device slowdown of a layer's fwd+bwd vs one alone (CPU)",
+    )
+
+    @property
+    def peak_matmul_flops(self) -> float:
+        """Best achieved matmul FLOP/s over the sizes measured."""
+        return max(p.flops_per_s for p in self.matmul)
+
+
+def concurrency_slowdown(profile: "Profile", devices: int) -> float:
+    """Measured per-device slowdown when ``devices`` compute at once (1.0 when not measured)."""
+    measured = profile.device.concurrency if profile.device is not None else {}
+    if devices <= 1 or not measured:
+        return 1.0
+    fitting = [n for n in measured if n <= devices]
+    return measured[max(fitting)] if fitting else 1.0
+
+
+class MemoryPoint(_Strict):
+    """FakeTensor memory breakdown of one layer shard (no memory allocated)."""
+
+    module: str
+    layer: str
+    tp: int = Field(ge=1)
+    sp: int = Field(ge=1)
+    seq_len: int = Field(ge=1)
+    micro_batch: int = Field(ge=1)
+    param_bytes: int
+    saved_activation_bytes: int
+    peak_bytes: int = Field(description="peak fwd+bwd memory beyond the parameters")
+    peak_breakdown: dict[str, int] = Field(description="MemTracker categories at the peak")
+
+    @property
+    def key(self) -> tuple[str, str, int, int, int, int]:
+        return (self.module, self.layer, self.tp, self.sp, self.seq_len, self.micro_batch)
+
+
+class Calibration(_Strict):
+    """Efficiency parameters refitted from real runs: measured step = scale * predicted step + overhead_s."""
+
+    scale: float = Field(gt=0)
+    overhead_s: float
+    num_samples: int
+    rms_error_before: float = Field(description="relative RMS error of the predictions before the refit")
+    rms_error_after: float
+    sources: list[str] = Field(description="metrics files the fit used")
+
+
+class Profile(_Strict):
+    """Everything measured for one (hardware, model)."""
+
+    schema_version: int
+    hardware: str
+    model: str
+    provenance: Provenance
+    layers: list[LayerPoint] = Field(default_factory=list)
+    collectives: list[CollectivePoint] = Field(default_factory=list)
+    device: DeviceMeasurements | None = None
+    memory: list[MemoryPoint] = Field(default_factory=list)
+    calibration: Calibration | None = None
+    time_statistic: Literal["median", "min"] = Field(
+        default="median",
+        description="which recorded timing the planner uses: median (a dedicated machine) or min (a shared machine, "
+        "where other processes only ever add time and the fastest repeat is the least disturbed)",
+    )
+
+    def to_json(self) -> str:
+        """Canonical text: points sorted by key so re-runs give small diffs."""
+        data = self.model_dump(mode="json")
+        data["layers"].sort(key=_shard_key)
+        data["memory"].sort(key=_shard_key)
+        data["collectives"].sort(key=lambda p: (p["op"], p["group_size"], p["message_bytes"]))
+        return json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+
+def _shard_key(point: dict) -> tuple:
+    return (point["module"], point["layer"], point["tp"], point["sp"], point["seq_len"], point["micro_batch"],
+            point.get("includes_comm", False))
