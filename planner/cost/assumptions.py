@@ -108,6 +108,11 @@ class CostAssumptions:
     zero_shards_over_sequence_ranks: bool = True
     """ZeRO/FSDP shards (and gradients are reduced) over dp x cp x sp ranks, as torchtitan's ``dp_shard_cp``
     mesh does; False shards over dp only (gradients still reduced over dp x cp x sp)."""
+    zero1_accumulated_gradient_bytes: float = 4.0
+    """Bytes per parameter of the unsharded gradients a ZeRO-1 module accumulates over a step's micro-batches: FSDP2
+    keeps them in its reduce dtype, fp32 (``FSDPParam.to_accumulated_grad_if_needed``). With one micro-batch per
+    step the runtime reduce-scatters during the backward and ZeRO-1 holds gradients as ZeRO-2 does. Seen in the
+    SP8 + TP8 dry-run (2.5 GiB of fp32 temporaries for the 0.67B vision tower at the peak)."""
     zero3_prefetch_layers: int = 1
     """Layers whose parameters ZeRO-3 gathers ahead of use (FSDP2 default: 1), on top of the current one."""
     communication_bucket_bytes: int = 25 * MiB

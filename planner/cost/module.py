@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
 
-from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
+from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, BytesPerParam, CostAssumptions
 from planner.cost.compute import bucket_copy_time, optimizer_step_time
 from planner.cost.comm import Link, all_gather_time, axis_within_node, link, p2p_time, zero_comm_time
 from planner.cost.layer_costs import ANALYTICAL, MEASURED, LayerCostSource, LayerMeasurement
@@ -263,6 +263,18 @@ def _sums(
     return sums
 
 
+def zero1_gradient_bytes(
+    params: float, recipe: BytesPerParam, *, shards: int, grad_accum: int, assumptions: CostAssumptions
+) -> float:
+    """Gradient bytes per GPU of a ZeRO-1 module as the runtime runs it (FSDP2 without per-micro-batch
+    reduce-scatter): several micro-batches accumulate unsharded gradients in the reduce dtype
+    (``zero1_accumulated_gradient_bytes``); a single one is reduce-scattered during the backward, leaving ZeRO-2's
+    ``gradients / shards`` (Rajbhandari et al. 2020, Sec. 5.1, P_os+g)."""
+    if grad_accum > 1:
+        return params * assumptions.zero1_accumulated_gradient_bytes
+    return params * recipe.gradients / shards
+
+
 def _params_per_rank(static: _Static, tp: int) -> tuple[float, float, float, float]:
     """On one TP rank: (module parameters, largest single layer instance, the FSDP root unit's parameters (every
     layer but the blocks, ``FSDP_BLOCK_KINDS``), largest block instance)."""
@@ -385,6 +397,8 @@ def module_cost(
     shards = reduce_group if assumptions.zero_shards_over_sequence_ranks else s.dp
     trainable = not static.spec.frozen
     weights, grads, optim = model_state_bytes(params, recipe, zero=s.zero, shards=shards, frozen=not trainable)
+    if s.zero == 1 and trainable and shards > 1:
+        grads = zero1_gradient_bytes(params, recipe, shards=shards, grad_accum=s.grad_accum, assumptions=assumptions)
     if s.zero == 3 and shards > 1:
         forward_buffers += zero3_gather_bytes(root, block, recipe, prefetch=assumptions.zero3_prefetch_layers,
                                               frozen=not trainable, backward=False)

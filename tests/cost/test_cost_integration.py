@@ -25,12 +25,12 @@ def strategy(llm: ModuleStrategy, vision: ModuleStrategy | None = None, placemen
     return Strategy(placement=placement, modules={"vision": vision, "llm": llm})
 
 
-def test_tp8_zero1_with_full_recompute_fits_and_is_sensible():
+def test_tp8_zero2_with_full_recompute_fits_and_is_sensible():
     e = estimate(
         MODEL,
         CLUSTER,
         WORKLOAD,
-        strategy(ModuleStrategy(dp=2, tp=8, zero=1, recompute="full", micro_batch=8, grad_accum=4)),
+        strategy(ModuleStrategy(dp=2, tp=8, zero=2, recompute="full", micro_batch=8, grad_accum=4)),
     )
     assert e.fits, e.binding_constraint
     b = e.peak_breakdown

@@ -15,7 +15,7 @@ from planner.strategy import ModuleStrategy, Strategy
 M32 = "qwen-vl-32b"
 FULL_PIN = [
     "vision.dp=2", "vision.tp=1", "vision.sp=8", "vision.cp=1", "vision.zero=1", "vision.recompute=none",
-    "vision.micro_batch=1", "llm.dp=2", "llm.tp=4", "llm.sp=1", "llm.cp=2", "llm.zero=1", "llm.recompute=full",
+    "vision.micro_batch=1", "llm.dp=2", "llm.tp=4", "llm.sp=1", "llm.cp=2", "llm.zero=2", "llm.recompute=full",
     "llm.micro_batch=1",
 ]
 
@@ -161,7 +161,7 @@ def test_fix_placement_contradicting_placement_flag():
 
 
 def test_evaluate_a_hand_made_strategy():
-    s = ModuleStrategy(dp=2, tp=4, cp=2, zero=1, recompute="full", micro_batch=1, grad_accum=32)
+    s = ModuleStrategy(dp=2, tp=4, cp=2, zero=2, recompute="full", micro_batch=1, grad_accum=32)
     v = ModuleStrategy(dp=2, sp=8, zero=1, micro_batch=1, grad_accum=32)
     p = evaluate(M32, Strategy(placement="colocated", modules={"vision": v, "llm": s}))
     assert p.solver.status == "EVALUATED" and p.cluster.num_devices == 16
