@@ -18,7 +18,8 @@ N - g_encoder (``Strategy.first_ranks``).
 Disjoint, the encoder is costed first and the LLM only on the GPU counts and grad_accum values a fitting encoder
 candidate complements. Pruning is exact for the solver's objective: per (module, gpus, grad_accum), a candidate
 is dropped when another one is no worse in every quantity the solver sees -- colocated: (its step-time term, its
-memory at each phase of the step, ``planner.cost.phases``); disjoint: (per-micro-batch time, exposed DP time), after dropping candidates whose group does not fit.
+memory at each phase of the step, ``planner.cost.phases``); disjoint: (per-micro-batch time, exposed DP time),
+after dropping candidates whose group does not fit.
 """
 
 from __future__ import annotations

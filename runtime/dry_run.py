@@ -356,13 +356,13 @@ class StepMemTracker(MemTracker):
             module.register_forward_hook(lambda *_, name=name: self._record(name))
 
     def forget(self, tensors) -> None:
-        """Stop counting ``tensors``' storages (host-side data; each call forgets only what is still counted)."""
+        """Stop counting ``tensors``' storages (host-side data; each call forgets only what is still counted). Popping
+        the entry drops its weak reference too, so the storage's deletion subtracts nothing later."""
         for tensor in tensors:
             for storage in get_untyped_storages(tensor):
                 winfo, _ = self._WINFO.pop(storage, (None, None))
                 if winfo is not None and winfo.mem_consumed > 0:
                     self._update_snap(_UpdateType.DEL, winfo)
-                    winfo.mem_consumed = 0  # its deletion callback must not subtract it again
 
     def _kept(self) -> int:
         """Tracked memory other than parameters (ZeRO-3 gathers and frees them inside a forward)."""

@@ -19,7 +19,7 @@ from typing import Mapping
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.layer_costs import LayerCostSource
 from planner.cost.module import module_cost
-from planner.cost.phases import alive, data_flow_order, own_phases, step_phases
+from planner.cost.phases import PHASE_KINDS, Phase, alive, data_flow_order, own_phases, step_phases
 from planner.cost.pipeline import path_terms, pipeline_step_time
 from planner.cost.results import GIB, Estimate, MemoryBreakdown, ModuleCost
 from planner.cost.validity import check_strategy
@@ -121,7 +121,7 @@ def disjoint_peak(cost: ModuleCost, assumptions: CostAssumptions) -> tuple[str, 
     """(phase name, per-GPU memory plus the overhead) of a group holding one module, at its heaviest moment."""
     memories = own_phases(cost)
     index = max(range(len(memories)), key=lambda i: (memories[i].total, -i))
-    return step_phases([cost.module])[index].name, _overhead(assumptions) + memories[index]
+    return Phase(cost.module, PHASE_KINDS[index]).name, _overhead(assumptions) + memories[index]
 
 
 def _binding_constraint(

@@ -1,15 +1,10 @@
 """The profile file's schema (pydantic): provenance, layer, collective, device and memory points, calibration.
 
-A profile is what ``python -m runtime.profile`` measured on one device type for one model: per-layer shard times
-(forward, backward, recompute), memory and FLOPs over a grid of sequence lengths and micro-batch sizes, collective
-times over message sizes, device microbenchmarks, FakeTensor memory breakdowns, and the efficiency parameters a
-calibration refitted from real runs. This module is pure Python (pydantic only) so the planner can read profiles
-without torch.
-
 Conventions: times in seconds, memory in bytes, FLOPs as counts. ``seq_len`` is the tokens of ONE sample entering
 the module before any sequence-parallel split (the plan's own variable); the shard shape the TP/SP degrees imply is
 what was measured. A layer point is either one rank's shard timed alone (``includes_comm`` False: the cost model
 adds the TP/SP collectives) or the layer timed as the runtime runs it in tp*sp processes (``includes_comm`` True:
+its collectives, DTensor dispatch and the ranks' contention for the host are in the times).
 """
 
 from __future__ import annotations

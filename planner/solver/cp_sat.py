@@ -102,7 +102,7 @@ def model_units(cands: Candidates, memory_budget_bytes: int) -> Units:
     term of every candidate, which bounds the step, the paths and the tails) and memory (with the budget)."""
     every = [c for cs in cands.by_module.values() for c in cs]
     time_total = sum(c.step_ns + sum(c.path_ns) + c.tail_ns for c in every)
-    memory_total = sum(c.memory_bytes for c in every) + max(memory_budget_bytes, 0)  # memory_bytes: largest phase
+    memory_total = sum(c.memory_bytes for c in every) + max(memory_budget_bytes, 0)  # each one's largest phase
     return Units(ns=-(-time_total // MAX_MODEL_INTEGER) or 1, bytes=-(-memory_total // MAX_MODEL_INTEGER) or 1)
 
 

@@ -17,7 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from planner.catalog import get_model
 from planner.schema import Plan
-from runtime.dry_run import GIB, StepMemTracker, dry_run, format_report, roles, usable_bytes
+from runtime.dry_run import GIB, StepMemTracker, _device_snapshot, dry_run, format_report, roles, usable_bytes
 from runtime.model import RandomInit
 from runtime.trainer import RunOptions, Trainer
 from tests.runtime.plans import make_plan
@@ -163,3 +163,15 @@ def test_a_steps_samples_stay_in_host_memory_and_only_shards_reach_the_device():
         assert trainer._llm_shard(0).input_ids_Bs.device.type == "meta"
     finally:
         dist.destroy_process_group()
+
+
+def test_forget_stops_counting_host_data_once():
+    tracker = StepMemTracker({})
+    with tracker:
+        host = torch.empty(1 << 20)  # 4 MiB
+        total = lambda: _device_snapshot(tracker.get_tracker_snapshot()).get("Total", 0)
+        counted = total()
+        tracker.forget([host])
+        forgotten = total()
+        del host  # its deletion must not subtract it a second time
+        assert (counted - forgotten, total()) == (4 << 20, forgotten)
