@@ -43,7 +43,7 @@ THREADS = 1
 PROFILE_ARGS = ["--threads", str(THREADS), "--vision-seq", "256,576,1024", "--llm-seq", "128,256,512,1024",
                 "--micro-batches", "1,2,4", "--tp", "1,2", "--sp", "1,2"]
 """The grid the committed profile was measured on; covers every configuration below."""
-TARGET_MEDIAN, TARGET_MAX = 0.10, 0.25
+TARGET_MEDIAN, TARGET_MAX, TARGET_MAX_HELD_OUT = 0.10, 0.25, 0.20
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -62,6 +62,9 @@ class Config:
     """Samples per step."""
     fixes: tuple[str, ...]
     """``plan --fix`` items pinning the strategy."""
+    held_out: bool = False
+    """Never run while the cost model and the profiler were tuned (added 2026-12-02, after the last change to either
+    that the tuned configurations' errors drove); reported apart from the tuned ones."""
 
 
 def _both(**fields: object) -> tuple[str, ...]:
@@ -88,6 +91,19 @@ CONFIGS = (
            fixes=("placement=disjoint", *_both(dp=1, tp=1, sp=1, micro_batch=1))),
     Config(name="2w disjoint mb2 long", gpus=2, vision_tokens=1024, text_tokens=256, global_batch=4,
            fixes=("placement=disjoint", *_both(dp=1, tp=1, sp=1, micro_batch=2))),
+    # Held out: off the profile's grid (between its points and beyond its ends), an overhead-bound TP2 encoder at a
+    # short sequence, and a disjoint plan at an unmeasured micro-batch.
+    Config(name="held-out 1w mb3 off-grid", gpus=1, vision_tokens=784, text_tokens=192, global_batch=6,
+           fixes=("placement=colocated", *_both(micro_batch=3)), held_out=True),
+    Config(name="held-out 1w beyond grid", gpus=1, vision_tokens=1600, text_tokens=1024, global_batch=2,
+           fixes=("placement=colocated", *_both(micro_batch=1)), held_out=True),
+    Config(name="held-out 2w vTP2 short", gpus=2, vision_tokens=144, text_tokens=128, global_batch=4,
+           fixes=("placement=colocated", *_both(), "vision.tp=2", "vision.dp=1", "vision.sp=1",
+                  "vision.micro_batch=2", "llm.dp=2", "llm.tp=1", "llm.sp=1", "llm.micro_batch=1"), held_out=True),
+    Config(name="held-out 2w TP2 beyond grid", gpus=2, vision_tokens=1600, text_tokens=256, global_batch=2,
+           fixes=("placement=colocated", *_both(dp=1, tp=2, sp=1, micro_batch=1)), held_out=True),
+    Config(name="held-out 2w disjoint mb3", gpus=2, vision_tokens=784, text_tokens=384, global_batch=6,
+           fixes=("placement=disjoint", *_both(dp=1, tp=1, sp=1, micro_batch=3)), held_out=True),
 )
 
 
@@ -99,6 +115,7 @@ class Result:
     strategy: str
     predicted_s: float
     measured_s: float
+    held_out: bool = False
 
     @property
     def error(self) -> float:
@@ -196,12 +213,16 @@ def format_table(results: list[Result], calibrated: list[float] | None) -> str:
         line = (f"{r.name:<30} {r.strategy:<46} {r.predicted_s:>8.3f}s {r.measured_s:>8.3f}s "
                 f"{100 * r.error:>+6.1f}%")
         lines.append(line + (f" {100 * calibrated[i]:>+7.1f}%" if calibrated else ""))
-    errors = [abs(r.error) for r in results]
-    lines.append(f"median |error| {100 * statistics.median(errors):.1f}% (target <= {100 * TARGET_MEDIAN:.0f}%), "
-                 f"max |error| {100 * max(errors):.1f}% (target <= {100 * TARGET_MAX:.0f}%)")
+    for label, group, target_max in (("tuned", [r for r in results if not r.held_out], TARGET_MAX),
+                                      ("held-out", [r for r in results if r.held_out], TARGET_MAX_HELD_OUT)):
+        if group:
+            errors = [abs(r.error) for r in group]
+            lines.append(f"{label} ({len(group)}): median |error| {100 * statistics.median(errors):.1f}% "
+                         f"(target <= {100 * TARGET_MEDIAN:.0f}%), max |error| {100 * max(errors):.1f}% "
+                         f"(target <= {100 * target_max:.0f}%)")
     if calibrated:
         cal = [abs(e) for e in calibrated]
-        lines.append(f"leave-one-out calibrated: median |error| {100 * statistics.median(cal):.1f}%, "
+        lines.append(f"leave-one-out calibrated (all): median |error| {100 * statistics.median(cal):.1f}%, "
                      f"max {100 * max(cal):.1f}%")
     return "\n".join(lines)
 
@@ -234,7 +255,7 @@ def fidelity(configs: tuple[Config, ...], *, steps: int, workdir: Path, profile:
             print(f"[{r + 1}/{repeats}, {i + 1}/{len(configs)}] {config.name}: predicted "
                   f"{load_plan(plan_file).predicted.step_time_s:.3f}s, measured {runs[i][-1]:.3f}s", file=sys.stderr)
     return [Result(name=c.name, strategy=describe(p), predicted_s=load_plan(p).predicted.step_time_s,
-                   measured_s=min(times)) for c, p, times in zip(configs, plans, runs)]
+                   measured_s=min(times), held_out=c.held_out) for c, p, times in zip(configs, plans, runs)]
 
 
 def _commit() -> str:
