@@ -16,9 +16,10 @@
    ``--repeats R`` every configuration runs R times, interleaved, and the fastest run counts: the prediction is for
    an otherwise idle machine, and other processes on a shared one only ever add time. Runs are fresh unless
    ``--resume DIR`` keeps their metrics files in DIR and reuses the finished ones (an interrupted benchmark).
-4. Prints predicted vs measured step time, the error of each (predicted / measured - 1) and the median |error|.
-   The last column is a leave-one-out calibration (``measured = scale * predicted + overhead`` fitted on the other
-   configurations), which is what ``python -m runtime.profile --calibrate`` would give the next plan.
+4. Prints predicted vs measured step time, the error of each (predicted / measured - 1) and the median |error|,
+   the tuned and the held-out configurations apart. Two more columns calibrate (``python -m runtime.profile
+   --calibrate``: the named assumptions refitted, ``runtime.profile.calibrate.calibrate_runs``): "LOO-cal" predicts
+   each configuration from a fit on all the others, "cal-3" from a fit on the three ``CALIBRATION_CONFIGS`` only.
 """
 
 from __future__ import annotations
@@ -194,25 +195,44 @@ def describe(plan_file: Path) -> str:
     return f"{plan.placement[:5]} " + " ".join(parts)
 
 
-def leave_one_out(results: list[Result]) -> list[float]:
-    """Each configuration's error after calibrating on all the others."""
-    from planner.profiles import fit_scale_overhead
-
-    errors = []
-    for i, r in enumerate(results):
-        rest = [x for j, x in enumerate(results) if j != i]
-        scale, overhead = fit_scale_overhead([x.predicted_s for x in rest], [x.measured_s for x in rest])
-        errors.append((scale * r.predicted_s + overhead) / r.measured_s - 1)
-    return errors
+CALIBRATION_CONFIGS = ("1w colocated mb2", "2w colocated TP2", "2w disjoint mb1")
+"""The three configurations the "cal-3" column calibrates on (one worker, TP, disjoint)."""
 
 
-def format_table(results: list[Result], calibrated: list[float] | None) -> str:
+def calibrated_errors(results: list[Result], plans: list[Path], profile: Path) -> tuple[list[float], list[float | None]]:
+    """(each configuration's error predicted from a calibration on all the others, and from one on the
+    ``CALIBRATION_CONFIGS``; None for those three)."""
+    from planner.profiles import load_profile
+    from runtime.profile.calibrate import MeasuredRun, calibrate_runs
+
+    loaded = load_profile(profile)
+    loaded.calibration = None
+    runs = [MeasuredRun(name=r.name, plan=load_plan(p), measured_s=r.measured_s) for r, p in zip(results, plans)]
+    loo = calibrate_runs(runs, loaded, sources=[]).runs
+    chosen = [run for run in runs if run.name in CALIBRATION_CONFIGS]
+    on_three = calibrate_runs(chosen, loaded, sources=[])
+    three = [None if run.name in CALIBRATION_CONFIGS else predict_with(run, loaded, on_three.values) / run.measured_s - 1
+             for run in runs]
+    return [r.leave_one_out_s / r.measured_s - 1 for r in loo], three
+
+
+def predict_with(run, profile, values: dict[str, float]) -> float:
+    """A run's predicted step time with calibrated ``values``."""
+    from runtime.profile.calibrate import Predictor
+
+    return Predictor(run, profile)(values).step_time_s
+
+
+def format_table(results: list[Result], calibrated: tuple[list[float], list[float | None]] | None) -> str:
     lines = [f"{'configuration':<30} {'strategy':<46} {'predicted':>9} {'measured':>9} {'error':>7}"
-             + (f" {'LOO-cal':>8}" if calibrated else "")]
+             + (f" {'LOO-cal':>8} {'cal-3':>7}" if calibrated else "")]
     for i, r in enumerate(results):
         line = (f"{r.name:<30} {r.strategy:<46} {r.predicted_s:>8.3f}s {r.measured_s:>8.3f}s "
                 f"{100 * r.error:>+6.1f}%")
-        lines.append(line + (f" {100 * calibrated[i]:>+7.1f}%" if calibrated else ""))
+        if calibrated:
+            three = calibrated[1][i]
+            line += f" {100 * calibrated[0][i]:>+7.1f}% " + ("  (fit)" if three is None else f"{100 * three:>+6.1f}%")
+        lines.append(line)
     for label, group, target_max in (("tuned", [r for r in results if not r.held_out], TARGET_MAX),
                                       ("held-out", [r for r in results if r.held_out], TARGET_MAX_HELD_OUT)):
         if group:
@@ -221,9 +241,10 @@ def format_table(results: list[Result], calibrated: list[float] | None) -> str:
                          f"(target <= {100 * TARGET_MEDIAN:.0f}%), max |error| {100 * max(errors):.1f}% "
                          f"(target <= {100 * target_max:.0f}%)")
     if calibrated:
-        cal = [abs(e) for e in calibrated]
-        lines.append(f"leave-one-out calibrated (all): median |error| {100 * statistics.median(cal):.1f}%, "
-                     f"max {100 * max(cal):.1f}%")
+        for label, errors in (("leave-one-out calibrated", calibrated[0]),
+                              (f"calibrated on {', '.join(CALIBRATION_CONFIGS)}", calibrated[1])):
+            errors = [abs(e) for e in errors if e is not None]
+            lines.append(f"{label}: median |error| {100 * statistics.median(errors):.1f}%, max {100 * max(errors):.1f}%")
     return "\n".join(lines)
 
 
@@ -239,8 +260,9 @@ def _run_id(plan_file: Path, steps: int) -> str:
 
 
 def fidelity(configs: tuple[Config, ...], *, steps: int, workdir: Path, profile: Path | None = None,
-             repeats: int = 1) -> list[Result]:
-    """Profile (unless ``profile`` is given), plan every configuration, run each ``repeats`` times (interleaved)."""
+             repeats: int = 1) -> tuple[list[Result], list[Path], Path]:
+    """Profile (unless ``profile`` is given), plan every configuration, run each ``repeats`` times (interleaved);
+    the results, the plan files and the profile."""
     import ray
 
     profile = profile or ensure_profile()
@@ -254,8 +276,9 @@ def fidelity(configs: tuple[Config, ...], *, steps: int, workdir: Path, profile:
             runs[i].append(run_plan(plan_file, steps, workdir / f"metrics_{_run_id(plan_file, steps)}_{r}.jsonl"))
             print(f"[{r + 1}/{repeats}, {i + 1}/{len(configs)}] {config.name}: predicted "
                   f"{load_plan(plan_file).predicted.step_time_s:.3f}s, measured {runs[i][-1]:.3f}s", file=sys.stderr)
-    return [Result(name=c.name, strategy=describe(p), predicted_s=load_plan(p).predicted.step_time_s,
-                   measured_s=min(times), held_out=c.held_out) for c, p, times in zip(configs, plans, runs)]
+    results = [Result(name=c.name, strategy=describe(p), predicted_s=load_plan(p).predicted.step_time_s,
+                      measured_s=min(times), held_out=c.held_out) for c, p, times in zip(configs, plans, runs)]
+    return results, plans, profile
 
 
 def _commit() -> str:
@@ -286,8 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(args.resume) if args.resume else Path(tmp)
-        results = fidelity(tuple(wanted), steps=args.steps, workdir=workdir, repeats=args.repeats)
-    calibrated = leave_one_out(results) if len(results) >= 3 else None
+        results, plans, profile = fidelity(tuple(wanted), steps=args.steps, workdir=workdir, repeats=args.repeats)
+        names = {r.name for r in results}
+        calibrated = calibrated_errors(results, plans, profile) if len(results) >= 4 and names >= set(
+            CALIBRATION_CONFIGS) else None
     report = "\n".join([
         format_table(results, calibrated),
         f"1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after, on "
@@ -300,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"   ({started}, commit {_commit()})")
         Path(args.txt).write_text(header + "\n" + report + "\n")
     if args.json:
-        rows = [{**asdict(r), "error": r.error} for r in results]
+        rows = [{**asdict(r), "error": r.error, "profile": str(profile.relative_to(ROOT))} for r in results]
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0
 

@@ -32,7 +32,6 @@ from planner.schema import (
     ModelInfo,
     ModulePlan,
     ModulePrediction,
-    Prediction,
     Plan,
     SolverInfo,
     TrainingInfo,
@@ -216,7 +215,9 @@ def _profile_source(
     """The cluster with measured device numbers, a layer-cost source and the assumptions in the profile's dtype,
     from ``profile``: a path, ``"auto"`` (the committed profile of this device and model, if any) or None
     (analytical only). Devices sharing a host slow each other; the source scales layer times by the factor the
-    profile measured for this many devices. A profile measured in fp32 (the CPU runtime's dtype) makes the
+    profile measured for this many devices; its measured host cost per operator call replaces the assumed one, and
+    its calibration's fitted assumptions replace the defaults. A
+    profile measured in fp32 (the CPU runtime's dtype) makes the
     activations, messages and hand-offs it does not measure 4 bytes per element too, and the model states fp32
     (``FP32_STATES``: weights, gradients, gradient messages and the optimizer step)."""
     if profile is None:
@@ -229,12 +230,23 @@ def _profile_source(
     loaded = profiles.load_profile(path)
     check_profile_matches(loaded, path, model, cluster.device.name)
     device = profiles.device_from_profile(cluster.device, loaded)
-    source = profiles.ProfileCostSource(loaded, concurrent_devices=cluster.num_devices)
-    element = ACTIVATION_BYTES_BY_DTYPE.get(loaded.provenance.dtype, assumptions.activation_bytes)
-    assumptions = replace(assumptions, activation_bytes=element)
-    if loaded.provenance.dtype == "float32":  # the runtime trains in fp32 where it was measured so (CPU)
-        assumptions = replace(assumptions, bf16_mixed=FP32_STATES, bf16_pure=FP32_STATES)
+    assumptions = profiles.apply_calibration(profile_assumptions(loaded, assumptions), loaded.calibration)
+    source = profiles.ProfileCostSource(loaded, concurrent_devices=cluster.num_devices,
+                                        time_scale=assumptions.measured_time_scale)
     return replace(cluster, device=device), source, assumptions
+
+
+def profile_assumptions(profile: Any, assumptions: CostAssumptions) -> CostAssumptions:
+    """``assumptions`` as a profile's measurements set them (before its calibration): its dtype's activation bytes,
+    fp32 model states where it was measured in fp32, its measured host cost per operator call."""
+    element = ACTIVATION_BYTES_BY_DTYPE.get(profile.provenance.dtype, assumptions.activation_bytes)
+    assumptions = replace(assumptions, activation_bytes=element)
+    if profile.device is not None and profile.device.host_seconds_per_op is not None:
+        assumptions = replace(assumptions, host_seconds_per_op=profile.device.host_seconds_per_op,
+                              dtensor_seconds_per_op=profile.device.dtensor_seconds_per_op or 0.0)
+    if profile.provenance.dtype == "float32":  # the runtime trains in fp32 where it was measured so (CPU)
+        assumptions = replace(assumptions, bf16_mixed=FP32_STATES, bf16_pure=FP32_STATES)
+    return assumptions
 
 
 def make_problem(
@@ -364,7 +376,8 @@ def _solve(problem: Problem, placement: str, fix: Any, top_k: int, time_limit_s:
     for p, cands in all_cands.items():
         for sol in solve(cands, problem.num_gpus, budget, top_k=top_k, settings=settings):
             ranked.append(_Ranked(strategy=_strategy(problem, p, sol.choice), status=sol.status,
-                                  objective_s=sol.objective_ns / 1e9, num_candidates=cands.count))
+                                  objective_s=sol.objective_ns / 1e9 + problem.assumptions.step_overhead_s,
+                                  num_candidates=cands.count))
     if not ranked:
         raise Infeasible(explain_infeasible(problem, all_cands, fixes))
     ranked.sort(key=lambda r: (r.objective_s, PLACEMENTS.index(r.strategy.placement)))
@@ -395,39 +408,28 @@ def _module_plan(problem: Problem, strategy: Strategy, name: str, prediction: Mo
     )
 
 
-def _baseline_result(problem: Problem, outcome: BaselineOutcome, plan_step_s: float) -> BaselineResult:
-    """A baseline in the plan file, its step time calibrated like the plan's."""
+def _baseline_result(outcome: BaselineOutcome, plan_step_s: float) -> BaselineResult:
+    """A baseline in the plan file."""
     description = BASELINE_DESCRIPTIONS[outcome.name]
     e = outcome.estimate
     if e is None:
         return BaselineResult(description=description, infeasible=outcome.infeasible)
-    step = calibrated_step_time(problem, e.step_time_s)
-    ratio = e.step_time_s / step
     return BaselineResult(
-        description=description, step_time_s=step, tokens_per_s=e.tokens_per_s * ratio,
-        peak_memory_gib=e.peak_memory_bytes / GIB, mfu=e.mfu * ratio, speedup=step / plan_step_s,
+        description=description, step_time_s=e.step_time_s, tokens_per_s=e.tokens_per_s,
+        peak_memory_gib=e.peak_memory_bytes / GIB, mfu=e.mfu, speedup=e.step_time_s / plan_step_s,
         modules={m: c.strategy.describe() for m, c in e.modules.items()},
     )
 
 
-def calibrated_step_time(problem: Problem, raw_step_s: float) -> float:
-    """A raw predicted step time with the profile's calibration (measured = scale * predicted + overhead) applied;
-    unchanged without a calibrated profile. The solver ranks raw times: the map is increasing."""
-    step_time = getattr(problem.layer_costs, "step_time", None)
-    return raw_step_s if step_time is None else step_time(raw_step_s)
+def calibration_note(problem: Problem) -> str | None:
+    """Where the calibrated assumptions the problem is costed with come from (None without a calibration)."""
+    profile = getattr(problem.layer_costs, "profile", None)
+    calibration = getattr(profile, "calibration", None)
+    if calibration is None:
+        return None
+    from planner.profiles import describe_calibration
 
-
-def _calibrated(problem: Problem, p: Prediction, modules: dict[str, ModulePrediction]) -> tuple[Prediction, dict]:
-    """Prediction and module records with the calibrated step time (rates scaled to match)."""
-    step = calibrated_step_time(problem, p.step_time_s)
-    if step == p.step_time_s:
-        return p, modules
-    ratio = p.step_time_s / step
-    p = p.model_copy(update={"step_time_s": step, "tokens_per_s": p.tokens_per_s * ratio,
-                             "samples_per_s": p.samples_per_s * ratio, "mfu": p.mfu * ratio})
-    modules = {m: mp.model_copy(update={"sources": {**mp.sources, "step_time": "calibrated"}})
-               for m, mp in modules.items()}
-    return p, modules
+    return f"profile {profile.hardware}/{profile.model} {describe_calibration(calibration)}"
 
 
 def _binding(e: Estimate) -> str:
@@ -456,9 +458,9 @@ def build_plan(
     model, device, w = problem.model, problem.cluster.device, problem.workload
     tokens = module_tokens(w, model)
     reference = baselines(problem) if reference is None else reference
-    predicted, predictions = _calibrated(
-        problem, prediction(e).model_copy(update={"binding_constraint": _binding(e)}), module_predictions(e)
-    )
+    predicted = prediction(e).model_copy(update={"binding_constraint": _binding(e),
+                                                 "calibration": calibration_note(problem)})
+    predictions = module_predictions(e)
     return Plan(
         schema_version=SCHEMA_VERSION,
         planner_version=planner_version(),
@@ -478,7 +480,7 @@ def build_plan(
         placement=strategy.placement,
         modules=[_module_plan(problem, strategy, m, predictions[m]) for m in model.module_names],
         predicted=predicted,
-        baselines={name: _baseline_result(problem, o, predicted.step_time_s) for name, o in reference.items()},
+        baselines={name: _baseline_result(o, predicted.step_time_s) for name, o in reference.items()},
         solver=SolverInfo(status=status, num_candidates=num_candidates, rank=rank, fixed=dict(fixed or {})),
     )
 

@@ -297,6 +297,7 @@ def render_plan(plan) -> str:
         f"MFU              {p.mfu:.1%}",
         f"peak memory/GPU  {p.peak_memory_gib:.1f} GiB{_at(p.peak_phase)} = {_breakdown(p.memory_breakdown_gib)}",
         f"binding          {p.binding_constraint}",
+        *([f"calibrated       {p.calibration}"] if p.calibration else []),
         "",
         *_baseline_table(plan),
     ]

@@ -31,6 +31,13 @@ class DeviceSpec:
     """Per-message latency between nodes, seconds."""
     devices_per_node: int
     """Devices sharing the fast intra-node link."""
+    kernel_launch_latency: float
+    """Seconds the device spends per kernel beyond its work (launch latency; 0 for a CPU, which runs kernels as
+    calls)."""
+    host_overlap: float
+    """Fraction of the shorter of a pass's host dispatch and its device work hidden behind the longer: how far the
+    host runs ahead of the device (asynchronous CUDA streams: near 1, less the syncs of a training step; a CPU
+    computes on the host itself: 0)."""
     source: str
     """Where the numbers come from (spec sheet, or the profile they were measured in)."""
 
@@ -85,10 +92,13 @@ PLAUSIBLE_RANGES: dict[str, PlausibleRange] = {
     "inter_node_bandwidth": PlausibleRange(low=1e7, high=1e14, unit="bytes/s", other_units=_BANDWIDTH_UNITS),
     "inter_node_latency": PlausibleRange(low=0.0, high=1e-1, unit="seconds", other_units=_LATENCY_UNITS),
     "devices_per_node": PlausibleRange(low=1, high=1024, unit="devices"),
+    "kernel_launch_latency": PlausibleRange(low=0.0, high=1e-3, unit="seconds", other_units=_LATENCY_UNITS),
+    "host_overlap": PlausibleRange(low=0.0, high=1.0, unit="fraction"),
 }
 """DeviceSpec field -> the range a cluster file's value must lie in: peak 1 GFLOP/s (a CPU worker) to 100 PFLOP/s;
 256 MiB to 16 TiB of memory; memory bandwidth 1 GB/s to 100 TB/s; links 10 MB/s to 100 TB/s per direction;
-latencies 0 to 10 ms in a node and 100 ms between nodes; 1 to 1,024 devices per node. Together with the flag
+latencies 0 to 10 ms in a node and 100 ms between nodes; 1 to 1,024 devices per node; kernel launch 0 to 1 ms; host
+overlap a fraction. Together with the flag
 bounds (``planner.api``) they keep every predicted time far inside the solver's integers (``planner.solver``)."""
 
 
@@ -100,7 +110,14 @@ NCCL_NVLINK_HOP_LATENCY = 3.4e-6
 """Per-hop latency of NCCL's tuning model, ring/Simple over NVLink (nccl src/graph/tuning.cc hwLat, NVLS-era)."""
 NCCL_NET_HOP_LATENCY = 14.0e-6
 """Per-hop latency of NCCL's tuning model for ring/Simple over the network (same table)."""
-_LATENCY_SOURCE = "latencies: NCCL tuning model ring/Simple hwLat (NVLink 3.4 us, NET 14 us per hop)"
+GPU_KERNEL_LAUNCH_LATENCY = 3e-6
+"""Seconds per kernel launch on a recent NVIDIA GPU: "a few microseconds" (NVIDIA Technical Blog, "Getting Started
+with CUDA Graphs", 2019, whose launch-bound example runs ~3 us per kernel before graphs)."""
+GPU_HOST_OVERLAP = 0.9
+"""How far a GPU's host runs ahead: kernels are queued asynchronously (CUDA streams), but a training step syncs
+(loss and gradient-norm reads, allocator frees), so not everything hides (assumed; fitted by ``--calibrate``)."""
+_LATENCY_SOURCE = ("latencies: NCCL tuning model ring/Simple hwLat (NVLink 3.4 us, NET 14 us per hop); kernel "
+                   "launch 3 us (NVIDIA, Getting Started with CUDA Graphs, 2019)")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -121,6 +138,7 @@ DEVICE_CATALOG: dict[str, DeviceEntry] = {
             name="h100-80gb", peak_bf16_flops=1979e12 / 2, memory_bytes=80 * GiB, memory_bandwidth=3.35e12,
             intra_node_bandwidth=900e9 / 2, intra_node_latency=NCCL_NVLINK_HOP_LATENCY,
             inter_node_bandwidth=400e9 / 8, inter_node_latency=NCCL_NET_HOP_LATENCY, devices_per_node=8,
+            kernel_launch_latency=GPU_KERNEL_LAUNCH_LATENCY, host_overlap=GPU_HOST_OVERLAP,
             source="NVIDIA H100 Tensor Core GPU datasheet (2023), SXM: bf16 1,979 TFLOPS with sparsity (/2 dense), "
             "80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional (/2); NVIDIA DGX H100 datasheet (2023): "
             f"8x ConnectX-7 400 Gb/s, one per GPU; {_LATENCY_SOURCE}",
@@ -133,6 +151,7 @@ DEVICE_CATALOG: dict[str, DeviceEntry] = {
             name="h200-141gb", peak_bf16_flops=1979e12 / 2, memory_bytes=141 * GiB, memory_bandwidth=4.8e12,
             intra_node_bandwidth=900e9 / 2, intra_node_latency=NCCL_NVLINK_HOP_LATENCY,
             inter_node_bandwidth=400e9 / 8, inter_node_latency=NCCL_NET_HOP_LATENCY, devices_per_node=8,
+            kernel_launch_latency=GPU_KERNEL_LAUNCH_LATENCY, host_overlap=GPU_HOST_OVERLAP,
             source="NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: bf16 1,979 TFLOPS with sparsity (/2 dense), "
             "141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s bidirectional (/2); NVIDIA DGX H200 datasheet (2024): "
             f"8x ConnectX-7 400 Gb/s, one per GPU; {_LATENCY_SOURCE}",
@@ -145,6 +164,7 @@ DEVICE_CATALOG: dict[str, DeviceEntry] = {
             name="a100-80gb", peak_bf16_flops=312e12, memory_bytes=80 * GiB, memory_bandwidth=2.039e12,
             intra_node_bandwidth=600e9 / 2, intra_node_latency=NCCL_NVLINK_HOP_LATENCY,
             inter_node_bandwidth=200e9 / 8, inter_node_latency=NCCL_NET_HOP_LATENCY, devices_per_node=8,
+            kernel_launch_latency=GPU_KERNEL_LAUNCH_LATENCY, host_overlap=GPU_HOST_OVERLAP,
             source="NVIDIA A100 Tensor Core GPU datasheet (2021), 80GB SXM: bf16 312 TFLOPS dense, 80 GB HBM2e at "
             "2,039 GB/s, NVLink 600 GB/s bidirectional (/2); NVIDIA DGX A100 datasheet (2020): 8x ConnectX-6 "
             f"200 Gb/s HDR InfiniBand, one per GPU; {_LATENCY_SOURCE}",
@@ -157,6 +177,7 @@ DEVICE_CATALOG: dict[str, DeviceEntry] = {
             name="b200", peak_bf16_flops=36e15 / 8 / 2, memory_bytes=180 * GiB, memory_bandwidth=64e12 / 8,
             intra_node_bandwidth=1.8e12 / 2, intra_node_latency=NCCL_NVLINK_HOP_LATENCY,
             inter_node_bandwidth=400e9 / 8, inter_node_latency=NCCL_NET_HOP_LATENCY, devices_per_node=8,
+            kernel_launch_latency=GPU_KERNEL_LAUNCH_LATENCY, host_overlap=GPU_HOST_OVERLAP,
             source="NVIDIA HGX B200 specifications (2024): bf16 36 PFLOPS with sparsity per 8 GPUs (/8, /2 dense), "
             "NVLink 5 1.8 TB/s per GPU bidirectional (/2); NVIDIA DGX B200 datasheet (2024): 1,440 GB HBM3e and "
             f"64 TB/s per 8 GPUs, 8x ConnectX-7 400 Gb/s, one per GPU; {_LATENCY_SOURCE}",
@@ -169,6 +190,7 @@ DEVICE_CATALOG: dict[str, DeviceEntry] = {
             name="cpu", peak_bf16_flops=100e9, memory_bytes=16 * GiB, memory_bandwidth=20e9,
             intra_node_bandwidth=5e9, intra_node_latency=50e-6, inter_node_bandwidth=1.25e9,
             inter_node_latency=100e-6, devices_per_node=8,
+            kernel_launch_latency=GPU_KERNEL_LAUNCH_LATENCY, host_overlap=GPU_HOST_OVERLAP,
             source="PLACEHOLDER, not measured: round numbers for one CPU worker process (100 GFLOP/s, 16 GiB, "
             "20 GB/s memory, 5 GB/s / 50 us gloo between local ranks, 10 GbE between hosts); a profile of this "
             "machine replaces them",
@@ -223,7 +245,7 @@ _FIELD_TYPES: dict[str, str] = {f.name: str(f.type) for f in fields(DeviceSpec)}
 
 def _number(key: str, value: Any, origin: str) -> float:
     """A finite number, also from a string such as "25e9"; positive, except that a latency may be 0."""
-    lowest = "non-negative" if key.endswith("latency") else "positive"
+    lowest = "non-negative" if key.endswith("latency") or key == "host_overlap" else "positive"
     error = ValueError(f"{origin}: {key} must be a {lowest} number, got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise error

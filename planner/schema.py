@@ -103,6 +103,9 @@ class DeviceInfo(_Frozen):
     inter_node_bandwidth: float
     inter_node_latency: float
     devices_per_node: int
+    kernel_launch_latency: float = 0.0
+    """Absent in plans written before host costs were modelled, whose predictions had neither term."""
+    host_overlap: float = 0.0
     source: str
 
 
@@ -143,6 +146,8 @@ class Prediction(_Frozen):
     peak_phase: str | None = Field(default=None, description="the moment of the step the peak is at, e.g. 'llm "
                                    "forward' (planner.cost.phases); None in plans written before it was recorded")
     binding_constraint: str = Field(description="what limits the plan, in words")
+    calibration: str | None = Field(default=None, description="the profile calibration whose fitted assumptions the "
+                                    "prediction used (runs, date, errors, values); None when uncalibrated")
 
 
 class BaselineResult(_Frozen):

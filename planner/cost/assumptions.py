@@ -65,6 +65,24 @@ class CostAssumptions:
     """Backward FLOPs of a GEMM relative to its forward: input gradient + weight gradient (Narayanan et al.
     2021, Sec. 5.1, eq. 3 accounting)."""
 
+    # --- host overhead per operator call (planner/cost/host.py) ---
+    host_seconds_per_op: float = 5e-6
+    """Host seconds of one eager operator call with autograd recording, CUDA launch call included. He 2022 ("Making
+    Deep Learning Go Brrrr", Sec. "Overhead") puts eager PyTorch's per-op overhead at microseconds; measured 2.2 us
+    without CUDA on this project's CPU (``runtime.profile.ops.host_seconds_per_op``), to which a GPU host adds the
+    launch call (a few us, NVIDIA's "Getting Started with CUDA Graphs", 2019). A profile's measurement replaces it."""
+    dtensor_seconds_per_op: float = 10e-6
+    """Extra host seconds of an operator call on DTensors (sharding propagation, local-tensor unwrap and rewrap):
+    measured 12.4 us vs 2.2 us plain (torch 2.13, CPU, cached sharding propagation)."""
+
+    # --- refitted from measured runs (python -m runtime.profile --calibrate) ---
+    step_overhead_s: float = 0.0
+    """Seconds per step outside the modules' passes (the training loop's own Python, metrics, synchronisation): 0
+    until calibration fits it to measured runs."""
+    measured_time_scale: float = 1.0
+    """Factor on a profile's measured layer times: a layer timed alone (warm caches, nothing else running) may run
+    slower inside a training step. 1 until calibration fits it."""
+
     # --- attention ---
     attention_implementation: AttentionImplementation = "flash"
     """flash / sdpa_mem_efficient keep only logsumexp per head and token; eager stores the s x s scores."""
@@ -179,6 +197,12 @@ class CostAssumptions:
         ):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if not 0 <= self.step_overhead_s < 3600 or not 0 < self.measured_time_scale <= 100:
+            raise ValueError(f"step_overhead_s must be in [0, 3600) s and measured_time_scale in (0, 100], got "
+                             f"{self.step_overhead_s} and {self.measured_time_scale}")
+        for name in ("host_seconds_per_op", "dtensor_seconds_per_op"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1) seconds, got {getattr(self, name)}")
         for name in ("dp_comm_overlap", "zero0_grad_sync_overlap", "tp_comm_overlap", "sp_comm_overlap",
                      "cp_comm_overlap"):
             if not 0 <= getattr(self, name) <= 1:

@@ -10,6 +10,8 @@ with one boolean per (module, candidate) reproduces ``combine`` exactly:
   ``step = max_k (encoder_term_k + llm_term_k) + max_m tail_m``, the longest of the schedule's critical paths
   (``planner.cost.pipeline``), each a sum of per-module terms; each group's memory is its own module's plus the
   overhead at the group's own peak moment.
+
+Both add the constant ``step_overhead_s`` (which the solver adds to its objective).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def combine(
         num_gpus = sum(c.strategy.gpus for c in costs.values())
     else:
         raise ValueError(f"placement must be colocated or disjoint, got {placement!r}")
+    step += assumptions.step_overhead_s
     peak_group = max(groups, key=lambda g: groups[g].total)
     peak = groups[peak_group]
     usable = int(cluster.device.memory_bytes * assumptions.usable_memory_fraction)

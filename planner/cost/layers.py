@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 from planner.cost.assumptions import CostAssumptions
 from planner.cost.comm import Link, all_reduce_time, all_to_all_time, exposed_time, p2p_time
 from planner.cost.compute import attention_core_time, attention_flops, elementwise_time, gemm_flops, gemm_time
+from planner.cost.host import pass_time
+from planner.cost.op_counts import PassOps, layer_pass_ops
 from planner.cost.memory import block_saved_bytes_per_token, loss_logits_bytes, score_matrix_bytes
 from planner.hardware import DeviceSpec
 from planner.models import LayerSpec
@@ -117,6 +119,7 @@ def _gemms(shapes: tuple[tuple[float, float, float], ...], shard: Shard) -> tupl
 def _terms(
     shard: Shard,
     *,
+    ops: tuple[PassOps, PassOps],
     gemm_s: float,
     gemm_flops_: float,
     attention_s: float = 0.0,
@@ -140,7 +143,8 @@ def _terms(
 
     ``backward_buffers`` defaults to ``buffers`` (the same exchange buffers run both ways).
     ``input_grad=False`` marks a first layer whose input (pixels, mel frames) needs no gradient: its backward
-    is the weight-gradient GEMM only.
+    is the weight-gradient GEMM only. ``ops`` are the (forward, backward) operator calls: each pass takes the
+    longer of its device work and its host dispatch (``host.pass_time``).
     """
     a = shard.assumptions
     runs_backward = shard.backward != "none"
@@ -149,8 +153,12 @@ def _terms(
         gemm_bwd = max(0.0, gemm_bwd - a.backward_to_forward_flops / 2)
     attn_bwd = a.attention_backward_ratio() if runs_backward else 0.0
     elem_bwd = a.backward_to_forward_flops if runs_backward else 0.0
-    forward = gemm_s + attention_s + elementwise_s
-    backward = gemm_s * gemm_bwd + attention_s * attn_bwd + elementwise_s * elem_bwd
+    forward_ops, backward_ops = ops
+    forward = pass_time(gemm_s + attention_s + elementwise_s, forward_ops, shard.device, a)
+    backward = 0.0
+    if runs_backward:
+        backward = pass_time(gemm_s * gemm_bwd + attention_s * attn_bwd + elementwise_s * elem_bwd, backward_ops,
+                             shard.device, a)
     rc = shard.recompute if (recomputable and runs_backward) else "none"
     recompute = {"none": 0.0, "selective": attention_s, "full": forward}[rc]
     if not runs_backward:
@@ -284,8 +292,10 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         kv_block = s.tokens * 2 * max(a.num_kv_heads, s.tp) / s.tp * a.head_dim * e
         cp_fwd = ring_kv_pass_time(kv_block, s)
         buffers += 2 * kv_block
+    segments = (s.windows / s.sp if windowed else s.segments) * s.micro_batch
     return _terms(
         s,
+        ops=layer_pass_ops(layer.kind, tp=s.tp, segments=segments, ulysses=s.sp > 1 and not windowed),
         gemm_s=gemm_s,
         gemm_flops_=gemm_fl,
         attention_s=attn_s,
@@ -311,7 +321,8 @@ def patch_embed_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     m = shard.tokens
     gemm_s, gemm_fl = _gemms(((m, layer.hidden_size, k),), shard)
     saved = m * k * shard.assumptions.activation_bytes if shard.backward == "full" else 0.0
-    return _terms(shard, gemm_s=gemm_s, gemm_flops_=gemm_fl, elementwise_s=0.0, saved=saved, input_grad=False)
+    return _terms(shard, ops=_ops(layer, shard), gemm_s=gemm_s, gemm_flops_=gemm_fl, elementwise_s=0.0, saved=saved,
+                  input_grad=False)
 
 
 def patch_merger_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
@@ -332,6 +343,7 @@ def patch_merger_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     saved = (m * h + m_out * in_f + 2 * m_out * mid) * e + m * h * asm.norm_upcast_bytes
     return _terms(
         shard,
+        ops=_ops(layer, shard),
         gemm_s=gemm_s,
         gemm_flops_=gemm_fl,
         elementwise_s=elem_s,
@@ -352,6 +364,7 @@ def embedding_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     e = shard.assumptions.activation_bytes
     return _terms(
         shard,
+        ops=_ops(layer, shard),
         gemm_s=0.0,
         gemm_flops_=0.0,
         elementwise_s=elem_s,
@@ -366,7 +379,7 @@ def final_norm_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     h, m, asm = layer.hidden_size, shard.tokens, shard.assumptions
     elem_s = elementwise_time(2 * m * h, shard.device, asm)
     saved = m * h * (asm.activation_bytes + asm.norm_upcast_bytes)
-    return _terms(shard, gemm_s=0.0, gemm_flops_=0.0, elementwise_s=elem_s, saved=saved)
+    return _terms(shard, ops=_ops(layer, shard), gemm_s=0.0, gemm_flops_=0.0, elementwise_s=elem_s, saved=saved)
 
 
 def lm_head_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
@@ -387,6 +400,7 @@ def lm_head_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     loss_s = loss_bytes / (shard.device.memory_bandwidth * asm.memory_bandwidth_efficiency)
     return _terms(
         shard,
+        ops=_ops(layer, shard),
         gemm_s=gemm_s,
         gemm_flops_=gemm_fl,
         elementwise_s=loss_s,
@@ -408,7 +422,8 @@ def audio_conv_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     gemm_s, gemm_fl = _gemms(((m, h, k),), shard)
     elem_s = elementwise_time(4 * m * h, shard.device, shard.assumptions)
     saved = 2 * m * h * shard.assumptions.activation_bytes
-    return _terms(shard, gemm_s=gemm_s, gemm_flops_=gemm_fl, elementwise_s=elem_s, saved=saved, input_grad=False)
+    return _terms(shard, ops=_ops(layer, shard), gemm_s=gemm_s, gemm_flops_=gemm_fl, elementwise_s=elem_s,
+                  saved=saved, input_grad=False)
 
 
 def audio_projector_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
@@ -419,7 +434,13 @@ def audio_projector_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     gemm_s, gemm_fl = _gemms(((m_out, layer.out_features or h, in_f),), shard)
     elem_s = elementwise_time(4 * m * h, shard.device, shard.assumptions)
     saved = (m * h + m_out * in_f) * shard.assumptions.activation_bytes
-    return _terms(shard, gemm_s=gemm_s, gemm_flops_=gemm_fl, elementwise_s=elem_s, saved=saved)
+    return _terms(shard, ops=_ops(layer, shard), gemm_s=gemm_s, gemm_flops_=gemm_fl, elementwise_s=elem_s,
+                  saved=saved)
+
+
+def _ops(layer: LayerSpec, shard: Shard) -> tuple[PassOps, PassOps]:
+    """(forward, backward) operator calls of a layer without an attention loop."""
+    return layer_pass_ops(layer.kind, tp=shard.tp, segments=0, ulysses=False)
 
 
 def _forward_only(shard: Shard) -> Shard:

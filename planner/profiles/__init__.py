@@ -4,13 +4,21 @@ plugs in (one module each; everything is importable from here).
 A profile is what ``python -m runtime.profile`` measured on one device type for one model: per-layer shard times
 (forward, backward, recompute), memory and FLOPs over a grid of sequence lengths and micro-batch sizes, collective
 times over message sizes, device microbenchmarks, FakeTensor memory breakdowns, and the efficiency parameters a
-calibration refitted from real runs. This package is pure Python (pydantic only) so the planner can read profiles
+named cost-model assumptions a calibration refitted from measured runs. This package is pure Python (pydantic only) so the planner can read profiles
 without torch.
 
 The file conventions (units, ``seq_len``, ``includes_comm``) are in ``planner.profiles.schema``.
 """
 
-from planner.profiles.calibration import calibrate, fit_scale_overhead, refit_calibration, relative_rms
+from planner.profiles.calibration import (
+    CALIBRATED_ASSUMPTIONS,
+    MEMORY_ASSUMPTIONS,
+    STEP_TIME_ASSUMPTIONS,
+    PhysicalRange,
+    apply_calibration,
+    describe_calibration,
+    relative_rms,
+)
 from planner.profiles.cost_source import RECOMPUTED_KINDS, ProfileCostSource
 from planner.profiles.files import (
     PROFILES_DIR,
@@ -28,6 +36,7 @@ from planner.profiles.schema import (
     MAX_MEASURED_AMOUNT,
     MAX_MEASURED_SECONDS,
     PROFILE_SCHEMA_VERSION,
+    CalibratedRun,
     Calibration,
     CollectiveOp,
     CollectivePoint,
@@ -42,11 +51,12 @@ from planner.profiles.schema import (
 )
 
 __all__ = [
-    "COLLECTIVE_OPS", "EXTRAPOLATION_SLOPES", "LINK_FIT_OP", "MAX_MEASURED_AMOUNT", "MAX_MEASURED_SECONDS",
-    "PROFILES_DIR", "PROFILE_SCHEMA_VERSION", "READABLE_SCHEMA_VERSIONS", "RECOMPUTED_KINDS", "Calibration",
-    "CollectiveOp", "CollectivePoint", "DeviceMeasurements", "LayerCost", "LayerPoint", "MatmulPoint", "MemoryPoint",
-    "Profile", "ProfileCostSource", "ProfileIndex", "Provenance", "Spread", "calibrate", "concurrency_slowdown",
-    "device_from_profile", "find_profile", "fit_alpha_beta", "fit_scale_overhead", "interp_collective", "interp_grid",
-    "interp_loglog", "link_from_collectives", "load_profile", "pick_time", "profile_path", "refit_calibration",
-    "relative_rms", "save_profile",
+    "CALIBRATED_ASSUMPTIONS", "COLLECTIVE_OPS", "EXTRAPOLATION_SLOPES", "LINK_FIT_OP", "MAX_MEASURED_AMOUNT",
+    "MAX_MEASURED_SECONDS", "MEMORY_ASSUMPTIONS", "PROFILES_DIR", "PROFILE_SCHEMA_VERSION", "READABLE_SCHEMA_VERSIONS",
+    "RECOMPUTED_KINDS", "STEP_TIME_ASSUMPTIONS", "CalibratedRun", "Calibration", "CollectiveOp", "CollectivePoint",
+    "DeviceMeasurements", "LayerCost", "LayerPoint", "MatmulPoint", "MemoryPoint", "PhysicalRange", "Profile",
+    "ProfileCostSource", "ProfileIndex", "Provenance", "Spread", "apply_calibration", "concurrency_slowdown",
+    "describe_calibration", "device_from_profile", "find_profile", "fit_alpha_beta", "interp_collective", "interp_grid",
+    "interp_loglog", "link_from_collectives", "load_profile", "pick_time", "profile_path", "relative_rms",
+    "save_profile",
 ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from planner.profiles.calibration import calibrate
 from planner.profiles.index import LayerCost, ProfileIndex
 from planner.profiles.schema import Profile, concurrency_slowdown
 
@@ -29,12 +28,14 @@ class ProfileCostSource:
     down (CPU "devices" are processes sharing one host's cores, caches and memory bandwidth), layer times are
     multiplied by the measured slowdown for that many devices (the largest measured count beyond it); a point
     timed as run with tp*sp processes already contains their slowdown, so it gets only the ratio beyond it.
+    ``time_scale`` multiplies every measured time (the calibrated ``measured_time_scale``).
     """
 
-    def __init__(self, profile: Profile, *, concurrent_devices: int = 1) -> None:
+    def __init__(self, profile: Profile, *, concurrent_devices: int = 1, time_scale: float = 1.0) -> None:
         self.profile = profile
         self.index = ProfileIndex(profile)
-        self.slowdown = concurrency_slowdown(profile, concurrent_devices)
+        self.time_scale = time_scale
+        self.slowdown = concurrency_slowdown(profile, concurrent_devices) * time_scale
 
     def _cost(self, module: str, layer: str, *, tp: int, sp: int, seq_len: int, micro_batch: int
               ) -> tuple[LayerCost | None, bool, float]:
@@ -43,7 +44,7 @@ class ProfileCostSource:
             cost = self.index.layer_cost(module, layer, tp=tp, sp=sp, seq_len=seq_len, micro_batch=micro_batch,
                                          includes_comm=True)
             if cost is not None:
-                return cost, True, max(self.slowdown / concurrency_slowdown(self.profile, tp * sp), 1.0)
+                return cost, True, max(self.slowdown / concurrency_slowdown(self.profile, tp * sp), self.time_scale)
         cost = self.index.layer_cost(module, layer, tp=tp, sp=sp, seq_len=seq_len, micro_batch=micro_batch)
         return cost, False, self.slowdown
 
@@ -71,7 +72,3 @@ class ProfileCostSource:
         """Measured seconds of a collective (None: use the link model). ``message_bytes`` is the per-rank input
         buffer. The seam for the cost model's collectives (they use the fitted link model until they call it)."""
         return self.index.collective_time(op, group_size, message_bytes)
-
-    def step_time(self, raw_step_time_s: float) -> float:
-        """A predicted step time with this profile's calibration applied (identity without one)."""
-        return calibrate(raw_step_time_s, self.profile.calibration)

@@ -9,10 +9,11 @@ from pydantic import ValidationError
 
 from planner.profiles.schema import PROFILE_SCHEMA_VERSION, Profile
 
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
 """Versions ``load_profile`` reads: version 1 lacks ``LayerPoint.includes_comm`` (all its points are single-process
-shards, the field's default), versions 1-2 lack ``LayerPoint.optimizer`` (None); older files are upgraded to the
-current version on the next save."""
+shards, the field's default), versions 1-2 lack ``LayerPoint.optimizer`` (None), versions 1-3 the host cost per
+operator call (None) and hold a calibration of another form (a scale and an offset on the step time), which is
+refused; older files are upgraded to the current version on the next save."""
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 
 
@@ -36,6 +37,10 @@ def load_profile(path: str | Path) -> Profile:
             f"profile {path} has schema version {data['schema_version']}, this tool reads versions "
             f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}: re-run `python -m runtime.profile` to regenerate it"
         )
+    if version < 4 and data.get("calibration") is not None:
+        raise ValueError(f"profile {path} holds a calibration of schema version {version} (a step-time scale and "
+                         "offset), which this tool no longer reads: set its \"calibration\" to null and re-run "
+                         "`python -m runtime.profile --calibrate`")
     try:
         return Profile.model_validate({**data, "schema_version": PROFILE_SCHEMA_VERSION})
     except ValidationError as e:

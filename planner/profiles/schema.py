@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-PROFILE_SCHEMA_VERSION = 3
+PROFILE_SCHEMA_VERSION = 4
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
 COLLECTIVE_OPS: tuple[CollectiveOp, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
@@ -127,6 +127,11 @@ class DeviceMeasurements(_Strict):
         default_factory=dict,
         description="devices computing at once -> per-device slowdown of a layer's fwd+bwd vs one alone (CPU)",
     )
+    host_seconds_per_op: Seconds | None = Field(
+        default=None, description="host seconds of one eager operator call with autograd (runtime.profile.ops); None "
+        "in profiles measured before it was")
+    dtensor_seconds_per_op: Seconds | None = Field(
+        default=None, description="extra host seconds of an operator call on DTensors")
 
     @property
     def peak_matmul_flops(self) -> float:
@@ -162,15 +167,34 @@ class MemoryPoint(_Strict):
         return (self.module, self.layer, self.tp, self.sp, self.seq_len, self.micro_batch)
 
 
-class Calibration(_Strict):
-    """Efficiency parameters refitted from real runs: measured step = scale * predicted step + overhead_s."""
+class CalibratedRun(_Strict):
+    """One measured run a calibration used: its step time measured, predicted before the fit and after it."""
 
-    scale: float = Field(gt=0)
-    overhead_s: float
-    num_samples: int
-    rms_error_before: float = Field(description="relative RMS error of the predictions before the refit")
+    name: str = Field(description="the plan file, or the table row's plan arguments")
+    measured_s: Seconds
+    before_s: Seconds = Field(description="predicted with the assumptions before the fit")
+    after_s: Seconds = Field(description="predicted with the fitted assumptions")
+    leave_one_out_s: Seconds | None = Field(default=None, description="predicted with assumptions fitted on the other "
+                                            "runs (None with fewer than three runs)")
+    measured_peak_bytes: int | None = Field(default=None, ge=0)
+    predicted_peak_bytes: int | None = Field(default=None, ge=0, description="after the fit")
+
+
+class Calibration(_Strict):
+    """Named cost-model assumptions refitted from measured runs, within physical bounds
+    (``planner.profiles.calibration.CALIBRATED_ASSUMPTIONS``); the planner costs with them."""
+
+    values: dict[str, float] = Field(description="CostAssumptions field -> fitted value (only the fields fitted)")
+    at_bound: list[str] = Field(default_factory=list, description="fitted fields that ended on a bound of their range")
+    not_identifiable: list[str] = Field(default_factory=list, description="fields the runs do not constrain (their "
+                                        "predictions do not depend on them): kept at their defaults")
+    runs: list[CalibratedRun]
+    rms_error_before: float = Field(description="relative RMS step-time error before the fit")
     rms_error_after: float
-    sources: list[str] = Field(description="metrics files the fit used")
+    leave_one_out_rms: float | None = Field(default=None, description="relative RMS error of each run predicted from "
+                                            "a fit on the others")
+    date: str = Field(description="ISO date-time of the fit")
+    sources: list[str] = Field(description="the metrics files or tables the runs came from")
 
 
 class Profile(_Strict):

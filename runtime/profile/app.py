@@ -181,6 +181,13 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_device_bench and profile.device is None:
             profile.device = measure_device(dtype=dtype, device=device)
             extra += 1
+        if not args.no_device_bench and profile.device.host_seconds_per_op is None:
+            from runtime.profile.device import free_port
+            from runtime.profile.ops import measure_host_dispatch
+
+            plain, dtensor = measure_host_dispatch(free_port())
+            profile.device.host_seconds_per_op, profile.device.dtensor_seconds_per_op = plain, dtensor
+            extra += 1
         if not args.no_device_bench and device.type == "cpu" and not profile.device.concurrency:
             profile.device.concurrency = cpu_concurrency(args.model, model, args.llm_seq)
             extra += 1

@@ -26,7 +26,6 @@ import contextlib
 import copy
 import math
 import os
-import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -52,9 +51,11 @@ from planner.models import LayerSpec
 from planner.profiles import RECOMPUTED_KINDS, LayerPoint, Spread, load_profile, save_profile
 from runtime.parallel import attention
 from runtime.parallel.tensor_parallel import parallelize_llm_tp, parallelize_vision_tp
+from runtime.profile.device import free_port
 from runtime.profile.layers import GridPoint
 from runtime.profile.measure import TimingConfig, analyze_fake, default_dtype, one_step, time_optimizer_step
 from runtime.profile.shards import ShardInputs, build_shard, hf_config
+from runtime.profile.ops import OpCount, OpCounter
 from runtime.llm import shard_llm_batch
 from runtime.parallel.ulysses import split_windows
 from runtime.vision import shard_vision_batch, window_layout
@@ -335,12 +336,6 @@ def _worker(rank: int, world: int, port: int, model_arg: str, tp: int, sp: int, 
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def sweep_as_run(model_arg: str, points: list[GridPoint], *, profile_path: str, cfg: TimingConfig, threads: int,
                  time_budget_s: float | None, on_degree: Callable[[int, int, int], None] = lambda tp, sp, n: None
                  ) -> tuple[int, int]:
@@ -356,7 +351,21 @@ def sweep_as_run(model_arg: str, points: list[GridPoint], *, profile_path: str, 
             break
         on_degree(tp, sp, len(todo))
         world = tp * sp
-        mp.spawn(_worker, args=(world, _free_port(), model_arg, tp, sp, todo, cfg, threads, profile_path, deadline),
+        mp.spawn(_worker, args=(world, free_port(), model_arg, tp, sp, todo, cfg, threads, profile_path, deadline),
                  nprocs=world, join=True)
     measured = len(load_profile(profile_path).layers) - before
     return measured, len(points) - measured
+
+
+def count_layer_ops(ranked: _Rank, layer: LayerSpec, seq_len: int, micro_batch: int) -> tuple[OpCount, OpCount, int]:
+    """(forward, backward) operator calls of one instance of ``layer`` as this rank runs it, and the attention
+    segments it looped over (0 for layers without attention); every rank of the group must call it."""
+    module, inputs = ranked.runner(layer, seq_len, micro_batch)
+    cu_seqlens = inputs.kwargs.get("cu_seqlens")
+    segments = 0 if cu_seqlens is None else len(cu_seqlens) - 1
+    with loss_parallel() if ranked.tp > 1 and layer.kind == "lm_head" else contextlib.nullcontext():
+        with OpCounter() as forward:
+            out = module(inputs.x, **inputs.kwargs)
+        with OpCounter() as backward:
+            out.backward(None if out.dim() == 0 else torch.ones_like(out))
+    return forward.count, backward.count, segments

@@ -1,30 +1,54 @@
-"""Refit a profile's efficiency parameters from real runs: ``python -m runtime.profile --calibrate M.jsonl --plan P.json``.
+"""Refit the cost model's named assumptions from measured runs: ``python -m runtime.profile --calibrate RUNS``.
 
-For each (metrics, plan) pair: the measured step time is the median over steps (warm-up steps dropped) of the
-slowest rank's ``step_time_s``; the predicted one is the cost model's raw estimate of the plan's strategy with the
-profile's measured layers (``ProfileCostSource``), recomputed here so an earlier calibration baked into the plan
-file cannot leak into the fit. Least squares of measured = scale * predicted + overhead across the pairs is
-written into the profile; the planner applies it to every later prediction (a positive affine map, so the ranking
-of plans, and hence the solver's choice, is unchanged).
+RUNS are the runtime's metrics files (with ``--plan``, the plan each ran) or tables (CSV or YAML) of runs measured
+with any framework: one row per run with ``plan`` (a plan file) or ``args`` (``plan`` arguments that pin the
+strategy run, e.g. ``--model qwen-vl-7b --gpus 8 --fix llm.tp=2 ...``), ``step_time_s`` and optionally
+``peak_memory_gib``. Each run is re-predicted here from its strategy (so a calibration already baked into a plan
+file cannot leak into the fit) with the profile's measured layers where it has them and the analytical model
+elsewhere. The step-time assumptions these runs depend on (``STEP_TIME_ASSUMPTIONS``: matmul and attention
+efficiency, collective bus efficiency, host seconds per operator call, fixed step overhead, the scale on measured
+layer times) are fitted by bounded least squares of log(predicted / measured), with a weak pull towards their
+defaults so that a handful of runs cannot drive an unconstrained one anywhere; the memory reserve
+(``framework_overhead_bytes``) is fitted to the measured peaks. Everything stays inside ``PhysicalRange`` bounds.
+The fit goes into the profile (with every run's error before, after and left out); ``plan`` then costs with it and
+says so.
 """
 
 from __future__ import annotations
 
+import csv
+import datetime
 import json
+import math
+import shlex
 import statistics
-from dataclasses import dataclass
+import sys
+import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+import yaml
+from scipy.optimize import least_squares
+
+from planner.api import profile_assumptions
 from planner.catalog import model_from_hf_config
 from planner.cost import estimate
+from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
+from planner.cost.results import Estimate
 from planner.hardware import Cluster, DeviceSpec
 from planner.profiles import (
+    MEMORY_ASSUMPTIONS,
+    STEP_TIME_ASSUMPTIONS,
+    CalibratedRun,
+    Calibration,
     Profile,
     ProfileCostSource,
-    calibrate,
+    Provenance,
     find_profile,
     load_profile,
-    refit_calibration,
+    profile_path,
+    relative_rms,
     save_profile,
 )
 from planner.schema import Plan, load_plan
@@ -33,8 +57,14 @@ from planner.workload import Workload
 
 WARMUP_STEPS = 1
 """Steps dropped from the start of every run (allocator warm-up, first-touch, lazy initialisation)."""
-
-
+PRIOR_WEIGHT = 0.03
+"""Weight of the pull of each fitted assumption towards its default, per unit of its range, against the runs'
+log errors: a 3 % log error outweighs moving an assumption across its whole range, so data decides whatever it
+constrains and the default stands where it does not."""
+SENSITIVITY = 1e-4
+"""Smallest relative change of some run's prediction, when an assumption moves by a tenth of its range, for the
+runs to constrain it; below it the assumption is not identifiable from these runs and keeps its default."""
+GIB = 2**30
 def measured_step_time(path: Path, warmup_steps: int = WARMUP_STEPS) -> float:
     """Median over steps of the slowest rank's ``step_time_s`` in a metrics JSONL file."""
     per_step: dict[int, float] = {}
@@ -84,55 +114,267 @@ def plan_inputs(plan: Plan):
     return model, cluster, workload, strategy
 
 
-def raw_prediction(plan: Plan, profile: Profile) -> float:
-    """The cost model's step time for the plan's strategy with the profile's layers, before calibration."""
-    model, cluster, workload, strategy = plan_inputs(plan)
-    source = ProfileCostSource(profile, concurrent_devices=cluster.num_devices)
-    return estimate(model, cluster, workload, strategy, layer_costs=source).step_time_s
+def measured_peak_bytes(path: Path) -> int | None:
+    """Largest ``peak_memory_gib`` over the steps of a metrics file (None when it records none)."""
+    peaks = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and not row.get("summary") and isinstance(row.get("peak_memory_gib"), (int, float)):
+            peaks.append(row["peak_memory_gib"])
+    return round(max(peaks) * GIB) if peaks else None
 
 
 @dataclass(kw_only=True, frozen=True)
-class CalibrationSample:
-    """One run: which plan, what the model predicted, what the run measured."""
+class MeasuredRun:
+    """One run: the plan it ran and what it measured."""
 
-    plan: str
-    predicted_s: float
+    name: str
+    plan: Plan
     measured_s: float
+    measured_peak_bytes: int | None = None
 
 
-def _profile_for(plans: list[Plan], out: str | None) -> Path:
-    if out:
-        return Path(out)
-    keys = {(p.cluster.device.name, p.model.name) for p in plans}
-    if len(keys) > 1:
-        raise ValueError(f"the plans are for different hardware/models {sorted(keys)}: calibrate one at a time")
-    (device, model), = keys
-    path = find_profile(device, model)
-    if path is None:
-        raise ValueError(f"no profile profiles/{device}/{model}.json to calibrate: profile first, or pass --out FILE")
-    return path
-
-
-def calibrate_main(metrics: list[str], plans: list[str], *, out: str | None) -> int:
-    """Fit, write into the profile, print before/after."""
+def runs_from_metrics(metrics: list[str], plans: list[str]) -> list[MeasuredRun]:
+    """Runs of this runtime: metrics files and the plan of each (one plan for all, or one per file)."""
     if len(plans) not in (1, len(metrics)):
         raise ValueError(f"give one --plan for all metrics files or one per file ({len(metrics)}), got {len(plans)}")
     plan_files = plans * len(metrics) if len(plans) == 1 else plans
-    loaded = [load_plan(p) for p in plan_files]
-    path = _profile_for(loaded, out)
-    profile = load_profile(path)
-    samples = [
-        CalibrationSample(plan=p, predicted_s=raw_prediction(plan, profile), measured_s=measured_step_time(Path(m)))
-        for m, p, plan in zip(metrics, plan_files, loaded)
-    ]
-    profile.calibration = refit_calibration(
-        [s.predicted_s for s in samples], [s.measured_s for s in samples], sources=metrics
+    return [MeasuredRun(name=p, plan=load_plan(p), measured_s=measured_step_time(Path(m)),
+                        measured_peak_bytes=measured_peak_bytes(Path(m))) for m, p in zip(metrics, plan_files)]
+
+
+TABLE_COLUMNS = ("plan", "args", "step_time_s", "peak_memory_gib")
+
+
+def _table_rows(path: Path) -> list[dict]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read runs table {path}: {e.strerror}") from None
+    if path.suffix == ".csv":
+        rows = list(csv.DictReader(text.splitlines()))
+    else:
+        try:
+            rows = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"runs table {path} is not YAML: {str(e).splitlines()[0]}") from None
+        rows = rows.get("runs") if isinstance(rows, dict) else rows
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"runs table {path} holds no runs: give a list of rows with {', '.join(TABLE_COLUMNS)}")
+    return rows
+
+
+def _plan_from_args(args: str, where: str) -> Plan:
+    """The plan ``plan ARGS`` makes (the arguments should pin the strategy that was run with ``--fix``)."""
+    from planner.cli import main as plan_main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "plan.json"
+        streams = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = open(Path(tmp) / "stdout", "w"), open(Path(tmp) / "stderr", "w")
+        try:
+            status = plan_main([*shlex.split(args), "--out", str(out), "--json"])
+        except SystemExit as e:
+            status = e.code
+        finally:
+            sys.stdout.close(), sys.stderr.close()
+            sys.stdout, sys.stderr = streams
+        if status != 0 or not out.exists():
+            said = (Path(tmp) / "stderr").read_text().strip().splitlines()
+            raise ValueError(f"{where}: `plan {args}` failed: {said[-1] if said else f'exit {status}'}")
+        return load_plan(out)
+
+
+def _positive(row: dict, key: str, where: str, *, required: bool) -> float | None:
+    value = row.get(key)
+    if value in (None, ""):
+        if required:
+            raise ValueError(f"{where}: {key} is missing")
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: {key} must be a number, got {value!r}") from None
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{where}: {key} must be a positive number, got {value!r}")
+    return number
+
+
+def runs_from_table(path: Path) -> list[MeasuredRun]:
+    """Runs measured with any framework, one per row of a CSV or YAML table."""
+    runs = []
+    for i, row in enumerate(_table_rows(path), 1):
+        where = f"{path} row {i}"
+        unknown = sorted(set(row) - set(TABLE_COLUMNS))
+        if unknown:
+            raise ValueError(f"{where}: unknown column(s) {', '.join(unknown)}; columns: {', '.join(TABLE_COLUMNS)}")
+        if bool(row.get("plan")) == bool(row.get("args")):
+            raise ValueError(f"{where}: give either plan (a plan file) or args (plan arguments), not both or neither")
+        plan = load_plan(row["plan"]) if row.get("plan") else _plan_from_args(str(row["args"]), where)
+        peak = _positive(row, "peak_memory_gib", where, required=False)
+        runs.append(MeasuredRun(name=str(row.get("plan") or row["args"]), plan=plan,
+                                measured_s=_positive(row, "step_time_s", where, required=True),
+                                measured_peak_bytes=None if peak is None else round(peak * GIB)))
+    return runs
+
+
+def load_runs(sources: list[str], plans: list[str]) -> list[MeasuredRun]:
+    """Runs from tables (.csv, .yaml, .yml) and metrics files (with ``plans``) alike."""
+    tables = [s for s in sources if Path(s).suffix in (".csv", ".yaml", ".yml")]
+    metrics = [s for s in sources if s not in tables]
+    runs = [run for table in tables for run in runs_from_table(Path(table))]
+    if metrics:
+        runs += runs_from_metrics(metrics, plans)
+    elif plans:
+        raise ValueError("--plan goes with metrics files; a table names each run's plan itself")
+    return runs
+
+
+class Predictor:
+    """One run's prediction as a function of the assumptions refitted (everything else as ``plan`` costs it)."""
+
+    def __init__(self, run: MeasuredRun, profile: Profile) -> None:
+        self.model, self.cluster, self.workload, self.strategy = plan_inputs(run.plan)
+        self.profile = profile
+        self.base = profile_assumptions(profile, DEFAULT_ASSUMPTIONS)
+
+    def assumptions(self, values: dict[str, float]) -> CostAssumptions:
+        ints = {k: int(v) for k, v in values.items() if isinstance(getattr(self.base, k), int)}
+        return replace(self.base, **{**values, **ints})
+
+    def __call__(self, values: dict[str, float]) -> Estimate:
+        assumptions = self.assumptions(values)
+        source = ProfileCostSource(self.profile, concurrent_devices=self.cluster.num_devices,
+                                   time_scale=assumptions.measured_time_scale)
+        return estimate(self.model, self.cluster, self.workload, self.strategy, assumptions, source)
+
+
+def _normalised(name: str, value: float) -> float:
+    r = STEP_TIME_ASSUMPTIONS[name]
+    return (value - r.low) / (r.high - r.low)
+
+
+def _physical(name: str, u: float) -> float:
+    r = STEP_TIME_ASSUMPTIONS[name]
+    return r.low + float(u) * (r.high - r.low)
+
+
+def identifiable(predictors: list[Predictor]) -> list[str]:
+    """The step-time assumptions some run's prediction depends on (``SENSITIVITY``)."""
+    base = [p({}).step_time_s for p in predictors]
+    found = []
+    for name in STEP_TIME_ASSUMPTIONS:
+        u = _normalised(name, getattr(predictors[0].base, name))
+        moved = _physical(name, u + 0.1 if u <= 0.9 else u - 0.1)
+        if any(abs(p({name: moved}).step_time_s / b - 1) > SENSITIVITY for p, b in zip(predictors, base)):
+            found.append(name)
+    return found
+
+
+def fit_step_time(predictors: list[Predictor], measured: list[float], names: list[str]) -> dict[str, float]:
+    """Bounded least squares of log(predicted / measured) over ``names`` (see ``PRIOR_WEIGHT``)."""
+    if not names:
+        return {}
+    start = np.array([_normalised(n, getattr(predictors[0].base, n)) for n in names])
+
+    def residuals(u: np.ndarray) -> np.ndarray:
+        values = {n: _physical(n, x) for n, x in zip(names, u)}
+        errors = [math.log(p(values).step_time_s / m) for p, m in zip(predictors, measured)]
+        return np.concatenate([errors, PRIOR_WEIGHT * (u - start)])
+
+    result = least_squares(residuals, start, bounds=(0.0, 1.0), diff_step=1e-3, x_scale=1.0)
+    return {n: _physical(n, x) for n, x in zip(names, result.x)}
+
+
+def fit_memory_reserve(predictors: list[Predictor], runs: list[MeasuredRun], values: dict[str, float]) -> float | None:
+    """``framework_overhead_bytes`` that makes the median run's predicted peak its measured one (None without
+    measured peaks), within its ``MEMORY_ASSUMPTIONS`` range."""
+    gaps = []
+    for p, run in zip(predictors, runs):
+        if run.measured_peak_bytes is not None:
+            reserve = p.assumptions(values).framework_overhead_bytes
+            gaps.append(run.measured_peak_bytes - (p(values).peak_memory_bytes - reserve))
+    if not gaps:
+        return None
+    r = MEMORY_ASSUMPTIONS["framework_overhead_bytes"]
+    return float(min(max(statistics.median(gaps), r.low), r.high))
+
+
+def fit(predictors: list[Predictor], runs: list[MeasuredRun], names: list[str]) -> dict[str, float]:
+    """Step-time assumptions, then the memory reserve."""
+    values = fit_step_time(predictors, [r.measured_s for r in runs], names)
+    reserve = fit_memory_reserve(predictors, runs, values)
+    return values if reserve is None else {**values, "framework_overhead_bytes": reserve}
+
+
+def calibrate_runs(runs: list[MeasuredRun], profile: Profile, *, sources: list[str]) -> Calibration:
+    """Fit on all runs; each run also predicted from a fit on the others when there are three or more."""
+    predictors = [Predictor(run, profile) for run in runs]
+    names = identifiable(predictors)
+    values = fit(predictors, runs, names)
+    left_out: list[float | None] = [None] * len(runs)
+    if len(runs) >= 3:
+        for i in range(len(runs)):
+            others = [j for j in range(len(runs)) if j != i]
+            fitted = fit([predictors[j] for j in others], [runs[j] for j in others], names)
+            left_out[i] = predictors[i](fitted).step_time_s
+    before = [p({}).step_time_s for p in predictors]
+    after = [p(values) for p in predictors]
+    measured = [r.measured_s for r in runs]
+    at_bound = [n for n in names if min(abs(_normalised(n, values[n])), abs(1 - _normalised(n, values[n]))) < 1e-3]
+    return Calibration(
+        values=values, at_bound=at_bound, not_identifiable=[n for n in STEP_TIME_ASSUMPTIONS if n not in names],
+        runs=[CalibratedRun(name=r.name, measured_s=r.measured_s, before_s=b, after_s=a.step_time_s,
+                            leave_one_out_s=loo, measured_peak_bytes=r.measured_peak_bytes,
+                            predicted_peak_bytes=a.peak_memory_bytes)
+              for r, b, a, loo in zip(runs, before, after, left_out)],
+        rms_error_before=relative_rms(before, measured),
+        rms_error_after=relative_rms([a.step_time_s for a in after], measured),
+        leave_one_out_rms=None if left_out[0] is None else relative_rms(left_out, measured),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        sources=sources,
     )
+
+
+def _profile_for(runs: list[MeasuredRun], out: str | None) -> tuple[Path, Profile]:
+    """The profile to calibrate: ``out`` or the committed one of the runs' hardware and model; where there is none,
+    a new one holding only the calibration (the analytical model is then what is calibrated)."""
+    keys = {(r.plan.cluster.device.name, r.plan.model.name) for r in runs}
+    if len(keys) > 1:
+        raise ValueError(f"the runs are for different hardware/models {sorted(keys)}: calibrate one at a time")
+    (device, model), = keys
+    path = Path(out) if out else (find_profile(device, model) or profile_path(device, model))
+    if path.exists():
+        return path, load_profile(path)
+    provenance = Provenance(device_name=device, device_detail="not profiled: a calibration of the analytical model",
+                            torch_version="-", cuda_version=None, date="", command="", num_threads=0, dtype="bfloat16")
+    return path, Profile(schema_version=4, hardware=device, model=model, provenance=provenance)
+
+
+def calibrate_main(sources: list[str], plans: list[str], *, out: str | None) -> int:
+    """Fit, write into the profile, print every run's error before, after and left out, and the fitted values."""
+    runs = load_runs(sources, plans)
+    path, profile = _profile_for(runs, out)
+    profile.calibration = None  # predictions before the fit are the uncalibrated ones
+    cal = calibrate_runs(runs, profile, sources=sources)
+    profile.calibration = cal
     save_profile(profile, path)
-    cal = profile.calibration
-    print(f"{'plan':<40} {'predicted':>10} {'calibrated':>10} {'measured':>10}")
-    for s in samples:
-        print(f"{s.plan:<40} {s.predicted_s:>10.4f} {calibrate(s.predicted_s, cal):>10.4f} {s.measured_s:>10.4f}")
-    print(f"wrote {path}: measured = {cal.scale:.4f} x predicted + {cal.overhead_s:.4f} s "
-          f"(relative RMS error {cal.rms_error_before:.1%} -> {cal.rms_error_after:.1%})")
+    print(f"{'run':<48} {'measured':>9} {'before':>9} {'after':>9} {'left out':>9}")
+    for r in cal.runs:
+        loo = "" if r.leave_one_out_s is None else f"{100 * (r.leave_one_out_s / r.measured_s - 1):>+8.1f}%"
+        print(f"{r.name[-48:]:<48} {r.measured_s:>8.3f}s {100 * (r.before_s / r.measured_s - 1):>+8.1f}% "
+              f"{100 * (r.after_s / r.measured_s - 1):>+8.1f}% {loo:>9}")
+    loo = "" if cal.leave_one_out_rms is None else f", leave-one-out {cal.leave_one_out_rms:.1%}"
+    print(f"relative RMS error {cal.rms_error_before:.1%} -> {cal.rms_error_after:.1%}{loo}")
+    ranges = {**STEP_TIME_ASSUMPTIONS, **MEMORY_ASSUMPTIONS}
+    for name, value in sorted(cal.values.items()):
+        r = ranges[name]
+        flag = "  (at its bound: the runs want a value outside the physical range)" if name in cal.at_bound else ""
+        print(f"  {name} = {value:.4g}  (range {r.low:g}..{r.high:g}){flag}")
+    if cal.not_identifiable:
+        print(f"  not constrained by these runs (defaults kept): {', '.join(cal.not_identifiable)}")
+    print(f"wrote {path}")
     return 0

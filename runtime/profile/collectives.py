@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -22,14 +21,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from planner.profiles import COLLECTIVE_OPS, CollectivePoint, Spread
+from runtime.profile.device import free_port
 
 DEFAULT_SIZES = tuple(4**k * 1024 for k in range(0, 9))  # 1 KiB .. 64 MiB
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _op(name: str, x: torch.Tensor, group_size: int, rank: int, backend: str) -> Callable[[], None]:
@@ -112,7 +106,7 @@ def measure_group(group_size: int, *, device: torch.device, sizes: tuple[int, ..
     """Spawn ``group_size`` processes and time every op at every size."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "collectives.json")
-        mp.spawn(_worker, args=(group_size, _free_port(), sizes, ops, device.type, repeats, warmup, out),
+        mp.spawn(_worker, args=(group_size, free_port(), sizes, ops, device.type, repeats, warmup, out),
                  nprocs=group_size, join=True)
         data = json.loads(Path(out).read_text())
     return [

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import platform
+import socket
 import statistics
 import time
 
 import torch
 
 from planner.profiles import DeviceMeasurements, MatmulPoint
+
+
+def free_port() -> int:
+    """A TCP port on localhost nothing listens on (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _timed(fn, device: torch.device, repeats: int) -> float:

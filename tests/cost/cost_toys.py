@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
 from planner.hardware import Cluster, DeviceSpec
 from planner.models import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, ModuleSpec, VisionInputSpec
 from planner.strategy import ModuleStrategy, Strategy
 from planner.workload import Workload
 
 GiB = 1024**3
+
+COMPUTE_ONLY = replace(DEFAULT_ASSUMPTIONS, host_seconds_per_op=0.0, dtensor_seconds_per_op=0.0)
+"""Assumptions of the hand calculations of compute, memory and communication terms: no host dispatch cost (the toy
+shapes are so small that it would bind; ``test_cost_host.py`` tests it)."""
 
 TOY_DEVICE = DeviceSpec(
     name="toy",
@@ -19,6 +26,8 @@ TOY_DEVICE = DeviceSpec(
     inter_node_bandwidth=2.5e10,
     inter_node_latency=5e-5,
     devices_per_node=4,
+    kernel_launch_latency=0.0,
+    host_overlap=1.0,
     source="test",
 )
 

@@ -3,9 +3,8 @@
 from dataclasses import replace
 
 import pytest
-from cost_toys import TOY_DEVICE, toy_model
+from cost_toys import COMPUTE_ONLY, TOY_DEVICE, toy_model
 
-from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
 from planner.cost.comm import Link, all_reduce_time, all_to_all_time, p2p_time
 from planner.cost.compute import attention_core_time, gemm_time
 from planner.cost.layers import (
@@ -17,7 +16,7 @@ from planner.cost.layers import (
     ulysses_all_to_all_time,
 )
 
-A = DEFAULT_ASSUMPTIONS
+A = COMPUTE_ONLY
 LINK = Link(bandwidth=1.6e11, latency=1e-5)
 MODEL = toy_model()
 DECODER = MODEL.module("llm").layer("decoder_layer")

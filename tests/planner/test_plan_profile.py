@@ -4,7 +4,7 @@ import pytest
 
 from planner import profiles
 from planner.api import plan
-from planner.profiles import Calibration, LayerPoint, Profile, Provenance, Spread, save_profile
+from planner.profiles import CalibratedRun, Calibration, LayerPoint, Profile, Provenance, Spread, save_profile
 
 TINY = "qwen2.5-vl-tiny"
 
@@ -71,17 +71,25 @@ def test_profile_is_found_automatically(tmp_path, monkeypatch):
     assert _fixed(profile=None).module("llm").predicted.sources["decoder_layer.time"] == "analytical"
 
 
-def test_calibration_scales_the_reported_step_time(tmp_path):
-    raw_path, cal_path = tmp_path / "raw.json", tmp_path / "cal.json"
-    save_profile(_profile(1.0), raw_path)
-    calibration = Calibration(scale=2.0, overhead_s=1.0, num_samples=3, rms_error_before=0.5, rms_error_after=0.1,
-                              sources=["test"])
-    save_profile(_profile(1.0, calibration), cal_path)
-    raw, cal = _fixed(profile=str(raw_path)), _fixed(profile=str(cal_path))
-    assert cal.predicted.step_time_s == pytest.approx(2.0 * raw.predicted.step_time_s + 1.0)
-    assert cal.predicted.tokens_per_s == pytest.approx(raw.predicted.tokens_per_s * raw.predicted.step_time_s
-                                                       / cal.predicted.step_time_s)
-    assert cal.module("llm").predicted.sources["step_time"] == "calibrated"
+def _calibration(**values):
+    run = CalibratedRun(name="run", measured_s=1.0, before_s=1.5, after_s=1.0)
+    return Calibration(values=values, runs=[run], rms_error_before=0.5, rms_error_after=0.0,
+                       date="2026-12-02T00:00:00", sources=["test"])
+
+
+def test_a_calibrated_profile_costs_with_its_fitted_assumptions(tmp_path):
+    paths = {name: tmp_path / f"{name}.json" for name in ("raw", "overhead", "scaled")}
+    save_profile(_profile(1.0), paths["raw"])
+    save_profile(_profile(1.0, _calibration(step_overhead_s=1.0)), paths["overhead"])
+    save_profile(_profile(1.0, _calibration(measured_time_scale=2.0)), paths["scaled"])
+    raw, overhead, scaled = (_fixed(profile=str(path)) for path in paths.values())
+    assert overhead.predicted.step_time_s == pytest.approx(raw.predicted.step_time_s + 1.0)
+    assert overhead.predicted.tokens_per_s == pytest.approx(raw.predicted.tokens_per_s * raw.predicted.step_time_s
+                                                            / overhead.predicted.step_time_s)
+    forward = [p.module("llm").predicted.time_s.forward for p in (raw, scaled)]
+    assert forward[1] == pytest.approx(2 * forward[0], rel=0.01)  # the analytical embedding and head are not scaled
+    assert raw.predicted.calibration is None
+    assert "step_overhead_s=1" in overhead.predicted.calibration and "1 measured run" in overhead.predicted.calibration
 
 
 def test_unreadable_profile_is_a_one_line_error(tmp_path):

@@ -1,18 +1,18 @@
 """Calibration: metrics parsing, rebuilding a plan's inputs, and the refit written into the profile."""
 
 import json
+import statistics
 
 import pytest
 
 from planner import schema
 from planner.catalog import get_model
-from planner.cost import estimate
 from planner.hardware import get_device
-from planner.profiles import PROFILE_SCHEMA_VERSION, Profile, ProfileCostSource, Provenance, load_profile, save_profile
+from planner.profiles import PROFILE_SCHEMA_VERSION, Profile, Provenance, load_profile, save_profile
 from planner.strategy import ModuleStrategy, Strategy
 from planner.workload import Workload
 from runtime.profile.__main__ import main
-from runtime.profile.calibrate import measured_step_time, plan_inputs, raw_prediction
+from runtime.profile.calibrate import MeasuredRun, Predictor, load_runs, measured_step_time, plan_inputs
 
 PROV = Provenance(device_name="cpu", device_detail="test", torch_version="x", cuda_version=None, date="2026-01-01",
                   command="test", num_threads=1, dtype="float32")
@@ -86,25 +86,73 @@ def test_plan_inputs_round_trip():
     assert cluster.device == get_device("cpu")
 
 
-def test_calibrate_writes_the_least_squares_fit_into_the_profile(tmp_path, capsys):
-    profile = Profile(schema_version=PROFILE_SCHEMA_VERSION, hardware="cpu", model=MODEL.name, provenance=PROV)
-    profile_file = tmp_path / "cpu.json"
-    save_profile(profile, profile_file)
-    plans, metrics, predicted = [], [], []
-    for ga in (1, 2, 4):
-        plan = make_plan(MODEL, strategy(ga), WORKLOAD, get_device("cpu"))
-        path = tmp_path / f"plan{ga}.json"
+EMPTY = Profile(schema_version=PROFILE_SCHEMA_VERSION, hardware="cpu", model=MODEL.name, provenance=PROV)
+TRUTH = {"step_overhead_s": 0.25, "max_matmul_efficiency": 0.45}
+
+
+def _strategies():
+    yield from (strategy(ga) for ga in (1, 2, 4))
+    yield Strategy(placement="colocated", modules={m: ModuleStrategy(dp=2, micro_batch=2) for m in ("vision", "llm")})
+    yield Strategy(placement="colocated", modules={m: ModuleStrategy(dp=1, tp=2, micro_batch=4) for m in ("vision",
+                                                                                                            "llm")})
+
+
+def _runs_table(tmp_path, truth, *, peak_gib=None):
+    """Plan files of five strategies and a CSV of their 'measured' step times: the cost model's own prediction with
+    the assumptions ``truth``."""
+    rows = []
+    for i, strat in enumerate(_strategies()):
+        plan = make_plan(MODEL, strat, WORKLOAD, get_device("cpu"))
+        path = tmp_path / f"plan{i}.json"
         path.write_text(plan.to_json())
-        p = raw_prediction(plan, profile)
-        assert p == pytest.approx(estimate(MODEL, *plan_inputs(plan)[1:],
-                                           layer_costs=ProfileCostSource(profile)).step_time_s)
-        predicted.append(p)
-        # A run that is exactly 3x the prediction plus 0.25 s.
-        metrics.append(write_metrics(tmp_path / f"m{ga}.jsonl", {0: [10.0] + [3 * p + 0.25] * 3}))
-        plans.append(path)
-    assert len(set(predicted)) == 3
-    assert main(["--calibrate", *map(str, metrics), "--plan", *map(str, plans), "--out", str(profile_file)]) == 0
+        run = MeasuredRun(name=str(path), plan=plan, measured_s=1.0)
+        rows.append(f"{path},{Predictor(run, EMPTY)(truth).step_time_s},{'' if peak_gib is None else peak_gib}")
+    table = tmp_path / "runs.csv"
+    table.write_text("plan,step_time_s,peak_memory_gib\n" + "\n".join(rows) + "\n")
+    return table
+
+
+def test_calibration_recovers_the_assumptions_the_runs_were_made_with(tmp_path, capsys):
+    profile_file = tmp_path / "cpu.json"
+    save_profile(EMPTY, profile_file)
+    table = _runs_table(tmp_path, TRUTH, peak_gib=2.0)
+    assert main(["--calibrate", str(table), "--out", str(profile_file)]) == 0
     cal = load_profile(profile_file).calibration
-    assert (cal.scale, cal.overhead_s) == pytest.approx((3.0, 0.25))
-    assert cal.rms_error_after == pytest.approx(0.0, abs=1e-9) and cal.num_samples == 3
-    assert "wrote" in capsys.readouterr().out
+    for name, value in TRUTH.items():
+        assert cal.values[name] == pytest.approx(value, rel=0.05), name
+    assert cal.rms_error_before > 0.1 and cal.rms_error_after < 0.01 and cal.leave_one_out_rms < 0.02
+    assert all(r.leave_one_out_s is not None for r in cal.runs)
+    # the memory reserve makes the median run's predicted peak the measured 2 GiB
+    assert statistics.median(r.predicted_peak_bytes for r in cal.runs) == pytest.approx(2 * 2**30, rel=1e-6)
+    assert "flash_attention_efficiency" not in cal.not_identifiable or "eager" in PROV.dtype
+    out = capsys.readouterr().out
+    assert "left out" in out and "max_matmul_efficiency = 0.45" in out and "wrote" in out
+
+
+def test_an_unphysical_fit_stops_at_the_bounds_and_says_so(tmp_path, capsys):
+    profile_file = tmp_path / "cpu.json"
+    save_profile(EMPTY, profile_file)
+    table = _runs_table(tmp_path, {"step_overhead_s": 59.0, "max_matmul_efficiency": 0.21})
+    rows = table.read_text().splitlines()
+    scaled = [rows[0]] + [",".join([p, str(100 * float(t)), m]) for p, t, m in (r.split(",") for r in rows[1:])]
+    table.write_text("\n".join(scaled) + "\n")
+    assert main(["--calibrate", str(table), "--out", str(profile_file)]) == 0
+    cal = load_profile(profile_file).calibration
+    assert "step_overhead_s" in cal.at_bound
+    assert "at its bound" in capsys.readouterr().out
+
+
+def test_bad_runs_tables_are_one_line_errors(tmp_path):
+    bad = tmp_path / "runs.csv"
+    for text, message in (("plan,step_time_s,speed\nx.json,1,2\n", "unknown column"),
+                          ("plan,step_time_s\n,1\n", "either plan"),
+                          ("args,step_time_s\n--model nope --gpus 2,1\n", "failed"),
+                          ("step_time_s\n", "holds no runs")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_runs([str(bad)], [])
+    plan_file = tmp_path / "p.json"
+    plan_file.write_text(make_plan(MODEL, strategy(1), WORKLOAD, get_device("cpu")).to_json())
+    bad.write_text(f"plan,step_time_s\n{plan_file},-3\n")
+    with pytest.raises(ValueError, match="positive number"):
+        load_runs([str(bad)], [])

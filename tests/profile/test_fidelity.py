@@ -26,7 +26,7 @@ def test_reduced_fidelity_loop(ray_cluster, tmp_path):
     profile = find_profile("cpu", get_model(bench.MODEL).name)
     assert profile is not None, "the committed CPU profile of the fidelity model is missing"
     configs = tuple(c for c in bench.CONFIGS if c.name in ("1w colocated mb2", "2w disjoint mb1"))
-    results = bench.fidelity(configs, steps=3, workdir=tmp_path, profile=profile)
+    results, _, _ = bench.fidelity(configs, steps=3, workdir=tmp_path, profile=profile)
     assert [r.name for r in results] == [c.name for c in configs]
     for r in results:
         # Loose: this machine is shared, so only a broken loop (wrong units, a module not costed, a plan not run
@@ -44,3 +44,23 @@ def test_another_processor_gets_its_own_profile_file():
     assert bench.profile_for_this_machine(measured_on) == committed
     other = bench.profile_for_this_machine("AMD EPYC 7B13 64-Core Processor")
     assert other == committed.with_name("qwen2.5-vl-cpu-small@amd-epyc-7b13-64-core-processor.json")
+
+
+@pytest.mark.slow
+def test_calibrating_on_three_measured_runs_predicts_the_others(tmp_path):
+    """The committed fidelity results (measured on the machine of their profile): calibrate the named assumptions on
+    the three ``CALIBRATION_CONFIGS``, then every other configuration, held-out ones included, is predicted within
+    the held-out targets (median |error| <= 10 %, max <= 20 %)."""
+    import json
+
+    bench = load_benchmark()
+    rows = json.loads((ROOT / "benchmarks" / "results" / "fidelity_cpu.json").read_text())
+    profile = ROOT / rows[0]["profile"]
+    configs = {c.name: c for c in bench.CONFIGS}
+    plans = [bench.make_plan(configs[r["name"]], profile, tmp_path / f"plan{i}.json") for i, r in enumerate(rows)]
+    results = [bench.Result(name=r["name"], strategy="", predicted_s=r["predicted_s"], measured_s=r["measured_s"],
+                            held_out=r["held_out"]) for r in rows]
+    _, on_three = bench.calibrated_errors(results, plans, profile)
+    errors = sorted(abs(e) for e in on_three if e is not None)
+    assert len(errors) == len(rows) - 3
+    assert errors[len(errors) // 2] <= bench.TARGET_MEDIAN and errors[-1] <= bench.TARGET_MAX_HELD_OUT, errors

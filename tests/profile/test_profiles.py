@@ -18,16 +18,14 @@ from planner.profiles import (
     ProfileIndex,
     Provenance,
     Spread,
-    calibrate,
     device_from_profile,
     find_profile,
     fit_alpha_beta,
-    fit_scale_overhead,
     interp_collective,
     interp_grid,
     interp_loglog,
     load_profile,
-    refit_calibration,
+    relative_rms,
     save_profile,
 )
 
@@ -105,25 +103,26 @@ def test_alpha_beta_fit():
     assert alpha == pytest.approx(1e-5, rel=0.3)
 
 
-def test_scale_overhead_fit_by_hand():
-    # measured = 2 * predicted + 0.5 exactly.
-    assert fit_scale_overhead([1.0, 2.0, 3.0], [2.5, 4.5, 6.5]) == pytest.approx((2.0, 0.5))
-    # One distinct prediction: scale only, sum(m p) / sum(p^2) = (1*1.1 + 1*0.9 + 1*1.3) / 3 = 1.1.
-    assert fit_scale_overhead([1.0, 1.0, 1.0], [1.1, 0.9, 1.3]) == pytest.approx((1.1, 0.0))
+def test_relative_rms_by_hand():
+    assert relative_rms([1.0, 2.0], [1.5, 2.5]) == pytest.approx(math.sqrt(((0.5 / 1.5) ** 2 + (0.5 / 2.5) ** 2) / 2))
 
 
-def test_refit_reduces_error_and_round_trips():
-    cal = refit_calibration([1.0, 2.0], [1.5, 2.5], sources=["m.jsonl"])
-    assert (cal.scale, cal.overhead_s) == pytest.approx((1.0, 0.5))
-    assert cal.rms_error_before == pytest.approx(math.sqrt(((0.5 / 1.5) ** 2 + (0.5 / 2.5) ** 2) / 2))
-    assert cal.rms_error_after == pytest.approx(0.0, abs=1e-12)
-    assert calibrate(3.0, cal) == pytest.approx(3.5) and calibrate(3.0, None) == 3.0
+def test_old_scale_and_offset_calibrations_are_refused_in_one_line(tmp_path):
+    path = tmp_path / "old.json"
+    data = json.loads(profile().to_json())
+    data.update(schema_version=3, calibration={"scale": 2.0, "overhead_s": 0.1})
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="no longer reads"):
+        load_profile(path)
+    data["calibration"] = None
+    path.write_text(json.dumps(data))
+    assert load_profile(path).schema_version == PROFILE_SCHEMA_VERSION
 
 
 def test_device_from_profile_replaces_measured_fields():
     base = DeviceSpec(name="cpu", peak_bf16_flops=1.0, memory_bytes=8, memory_bandwidth=1.0, intra_node_bandwidth=1.0,
                       intra_node_latency=1.0, inter_node_bandwidth=1.0, inter_node_latency=1.0, devices_per_node=2,
-                      source="placeholder")
+                      kernel_launch_latency=0.0, host_overlap=0.0, source="placeholder")
     sizes = [1e3, 1e6]
     p2p = [CollectivePoint(op="send_recv", group_size=2, message_bytes=int(s), time=spread(2e-6 + s / 4e9),
                            backend="gloo") for s in sizes]

@@ -1,0 +1,74 @@
+"""The planner's operator-call table (planner/cost/op_counts.py) against the runtime's own layers, recounted."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from planner.catalog import get_model
+from planner.cost.op_counts import layer_pass_ops
+from runtime.profile.as_run import build_rank, count_layer_ops
+from runtime.profile.device import free_port
+from runtime.profile.ops import OpCounter, host_seconds_per_op
+
+MODEL = "qwen2.5-vl-tiny"
+POINTS = {"vision": ((256, 1), (1024, 1), (256, 2)), "llm": ((64, 1), (64, 2))}
+
+
+def _near(got: float, want: float, relative: float, absolute: float) -> bool:
+    return abs(got - want) <= max(absolute, relative * want)
+
+
+def _mismatches(tp: int, sp: int, rank: int) -> list[str]:
+    """Every (layer, point) whose recount differs from the table by more than 5 % (at least 2) in calls or DTensor
+    calls, or by more than a quarter (at least 3) in kernels (a leaf's gradient-accumulation kernels vary with the
+    inputs). Under Ulysses full attention loops over the whole sequence's segments, one image per sample here."""
+    ranked = build_rank(MODEL, tp=tp, sp=sp, rank=rank, dtype=torch.float32, device=torch.device("cpu"))
+    wrong = []
+    for module in get_model(MODEL).modules:
+        for layer in module.layers:
+            if sp > 1 and layer.kind not in ("vision_block", "decoder_layer"):
+                continue
+            for seq_len, micro_batch in POINTS[module.name]:
+                forward, backward, segments = count_layer_ops(ranked, layer, seq_len, micro_batch)
+                ulysses = sp > 1 and (layer.kind == "decoder_layer" or layer.attention.window_patches is None)
+                if ulysses and layer.kind == "vision_block":
+                    segments = micro_batch
+                table = layer_pass_ops(layer.kind, tp=tp, segments=segments, ulysses=ulysses)
+                for name, got, want in zip(("forward", "backward"), (forward, backward), table):
+                    if not (_near(got.ops, want.ops, 0.05, 2) and _near(got.dtensor_ops, want.dtensor_ops, 0.05, 2)
+                            and _near(got.kernels, want.kernels, 0.25, 3)):
+                        wrong.append(f"{layer.name} s{seq_len} mb{micro_batch} tp{tp} sp{sp} {name}: counted {got}, "
+                                     f"table {want}")
+    return wrong
+
+
+def test_replicated_layers_match_the_table():
+    assert _mismatches(1, 1, 0) == []
+
+
+def _worker(rank: int, world: int, port: int, tp: int, sp: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        wrong = _mismatches(tp, sp, rank)
+        if rank == 0:
+            with open(out, "w") as f:
+                f.write("\n".join(wrong))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,sp", [(2, 1), (1, 2)])
+def test_sharded_layers_match_the_table(tmp_path, tp, sp):
+    out = tmp_path / "mismatches.txt"
+    mp.spawn(_worker, args=(tp * sp, free_port(), tp, sp, str(out)), nprocs=tp * sp, join=True)
+    assert out.read_text() == ""
+
+
+def test_counter_sees_dtensor_calls_once_and_the_probe_times_a_call():
+    with OpCounter() as counter:
+        torch.ones(3).add(1).view(3, 1)
+    assert (counter.count.ops, counter.count.kernels) == (3, 2)  # ones, add, view (no kernel)
+    assert 0 < host_seconds_per_op(repeats=3) < 1e-3
