@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 SCHEMA_VERSION = 1
 Source = Literal["analytical", "measured", "calibrated"]
@@ -35,15 +35,28 @@ class MemoryBreakdown(_Frozen):
         return self.weights + self.gradients + self.optimizer + self.activations + self.buffers + self.overhead
 
 
-class ModuleTime(_Frozen):
+PASS_TIME_DOCS = {
+    "forward_s": "forward compute",
+    "backward_s": "backward compute (without recomputation)",
+    "recompute_s": "forward compute re-run in the backward",
+    "tp_comm_s": "exposed tensor-parallel collectives",
+    "sp_comm_s": "exposed Ulysses all-to-alls",
+    "cp_comm_s": "exposed ring-attention KV passing",
+}
+"""Each term and what it holds (its description in the Plan); the cost model's ``planner.cost.times.PassTimes`` has
+these fields with the unit suffix."""
+
+
+_PassTime = create_model(
+    "_PassTime", __base__=_Frozen,
+    **{name.removesuffix("_s"): (float, Field(description=doc)) for name, doc in PASS_TIME_DOCS.items()},
+)
+"""The pass-time terms, named without the unit suffix."""
+
+
+class ModuleTime(_PassTime):
     """Seconds one optimizer step spends in a module on one of its GPUs, by cause."""
 
-    forward: float
-    backward: float
-    recompute: float
-    tp_comm: float
-    sp_comm: float
-    cp_comm: float
     dp_comm: float = Field(description="exposed (not overlapped) data-parallel / ZeRO communication")
     optimizer: float = Field(description="the optimizer step over this GPU's optimizer shard")
     handoff: float = Field(description="sending this module's output to the next module and its gradient back")

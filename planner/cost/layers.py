@@ -14,6 +14,7 @@ from planner.cost.comm import Link, all_reduce_time, all_to_all_time, exposed_ti
 from planner.cost.compute import attention_core_time, attention_flops, elementwise_time, gemm_flops, gemm_time
 from planner.cost.host import pass_time
 from planner.cost.op_counts import PassOps, layer_pass_ops
+from planner.cost.times import PassTimes
 from planner.cost.memory import block_saved_bytes_per_token, loss_logits_bytes, score_matrix_bytes
 from planner.hardware import DeviceSpec
 from planner.models import LayerSpec
@@ -62,21 +63,10 @@ class Shard:
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
-class LayerTerms:
-    """Cost of one layer instance for one micro-batch on one rank."""
+class LayerTerms(PassTimes):
+    """Cost of one layer instance for one micro-batch on one rank: its pass times (collectives of forward, backward
+    and recomputed forward) and its memory."""
 
-    forward_s: float
-    """Forward compute."""
-    backward_s: float
-    """Backward compute (no recomputation)."""
-    recompute_s: float
-    """Forward compute re-run in backward."""
-    tp_comm_s: float
-    """Exposed TP collectives (forward, backward, recomputed forward)."""
-    sp_comm_s: float
-    """Exposed Ulysses all-to-alls."""
-    cp_comm_s: float
-    """Exposed ring-attention passing."""
     saved_bytes: float
     """Activations kept for backward under the recompute mode."""
     working_bytes: float

@@ -25,6 +25,7 @@ from planner.cost.memory import (
     zero3_gather_bytes,
 )
 from planner.cost.results import ModuleCost
+from planner.cost.times import PassTimes
 from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, LayerSpec, ModelSpec, ModuleSpec
 from planner.strategy import ModuleStrategy, Placement, Precision
@@ -150,16 +151,10 @@ def _shard(static: _Static, s: ModuleStrategy, links: tuple[Link, Link, Link], m
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Sums:
-    """Per-micro-batch sums over a module's layers on one rank."""
+@dataclass(kw_only=True, frozen=True, slots=True)
+class _Sums(PassTimes):
+    """Per-micro-batch sums over a module's layers on one rank: their pass times and memory."""
 
-    forward_s: float
-    backward_s: float
-    recompute_s: float
-    tp_comm_s: float
-    sp_comm_s: float
-    cp_comm_s: float
     saved_bytes: float
     forward_buffer_bytes: float
     """The largest forward transient of a layer other than the loss (only one layer runs at a time)."""
@@ -189,7 +184,8 @@ def _layer_sums(
     Buffers: see ``_Sums.forward_buffer_bytes`` and ``backward_buffer_bytes``.
     """
     shard = _shard(static, s, links)
-    fwd = bwd = rc = tp_c = sp_c = cp_c = saved = optimizer_s = optimizer_call = 0.0
+    times = PassTimes()
+    saved = optimizer_s = optimizer_call = 0.0
     full = s.recompute == "full"
     forward_buffers = backward_buffers = 0.0
     loss_buffers = (0.0, 0.0, 0.0)
@@ -198,14 +194,14 @@ def _layer_sums(
     optimizer_measured = bool(static.spec.layers)
     for layer in static.spec.layers:
         t = layer_terms(layer, shard)
-        f, b, r, act = t.forward_s, t.backward_s, t.recompute_s, t.saved_bytes
+        layer_times, act = t.pass_times(), t.saved_bytes
         measured = None if layer_costs is None else _measure(layer_costs, static, layer, s)
-        tp_comm, sp_comm = t.tp_comm_s, t.sp_comm_s
         if measured is not None:
-            f, b, r = measured.forward_s, measured.backward_s, measured.recompute_s
+            layer_times = replace(layer_times, forward_s=measured.forward_s, backward_s=measured.backward_s,
+                                  recompute_s=measured.recompute_s)
             sources[f"{layer.name}.time"] = MEASURED
-            if measured.includes_comm:  # timed as run: its TP/SP collectives are inside f, b, r
-                tp_comm = sp_comm = 0.0
+            if measured.includes_comm:  # timed as run: its TP/SP collectives are inside the pass times
+                layer_times = replace(layer_times, tp_comm_s=0.0, sp_comm_s=0.0)
                 sources[f"{layer.name}.tp_sp_collectives"] = MEASURED
             if measured.activation_bytes is not None:
                 act = measured.activation_bytes
@@ -217,8 +213,7 @@ def _layer_sums(
         else:
             formula_params += n * layer_params_per_rank(layer, s.tp)
             optimizer_measured = False
-        fwd, bwd, rc = fwd + n * f, bwd + n * b, rc + n * r
-        tp_c, sp_c, cp_c = tp_c + n * tp_comm, sp_c + n * sp_comm, cp_c + n * t.cp_comm_s
+        times = times.plus(layer_times, n)
         saved += n * act
         if layer.kind == "lm_head":
             loss_buffers = (t.buffer_bytes, t.backward_buffer_bytes, t.loss_saved_bytes)
@@ -228,8 +223,10 @@ def _layer_sums(
     if optimizer_measured:
         sources["optimizer"] = MEASURED
     final_sources = static.analytical_sources if layer_costs is None else MappingProxyType(sources)
-    return _Sums(fwd, bwd, rc, tp_c, sp_c, cp_c, saved, forward_buffers, backward_buffers, loss_buffers, optimizer_s,
-                 optimizer_call, formula_params, final_sources)
+    return _Sums(**times.terms(), saved_bytes=saved, forward_buffer_bytes=forward_buffers,
+                 backward_buffer_bytes=backward_buffers, loss_buffer_bytes=loss_buffers,
+                 optimizer_measured_s=optimizer_s, optimizer_call_s=optimizer_call,
+                 optimizer_formula_params=formula_params, sources=final_sources)
 
 
 def _measure(
@@ -388,7 +385,6 @@ def module_cost(
         axis_within_node(first_rank, s.tp * s.sp, s.cp, s.gpus, dpn),
     )
     sums = _sums(static, s, within, layer_costs)
-    fwd, bwd, rc = sums.forward_s, sums.backward_s, sums.recompute_s
     forward_buffers, backward_buffers = sums.forward_buffer_bytes, sums.backward_buffer_bytes
 
     recipe = assumptions.bytes_per_param(precision)
@@ -424,8 +420,8 @@ def module_cost(
         group_size=reduce_group,
         link=static.links[not axis_within_node(first_rank, s.tp, reduce_group, s.gpus, dpn)],
         grad_accum=s.grad_accum,
-        forward_s=fwd,
-        backward_s=bwd,
+        forward_s=sums.forward_s,
+        backward_s=sums.backward_s,
         trainable=trainable,
         runs_backward=static.backward != "none",
         overlap=assumptions.dp_comm_overlap,
@@ -439,20 +435,14 @@ def module_cost(
         + optimizer_step_time(sums.optimizer_formula_params, recipe, cluster.device, assumptions)
     ) / (shards if s.zero >= 1 else 1)
     ga = s.grad_accum
-    tp_c, sp_c, cp_c = sums.tp_comm_s, sums.sp_comm_s, sums.cp_comm_s
-    per_mb = fwd + bwd + rc + tp_c + sp_c + cp_c + handoff
+    per_mb = sums.total_s + handoff
     passes = 1 + (static.backward != "none") + (s.recompute == "full")  # forwards and backwards a collective repeats in
-    forward_per_mb = fwd + (tp_c + sp_c + cp_c) / passes + handoff / (2 if static.backward == "full" else 1)
+    forward_per_mb = sums.forward_s + sums.collectives_s / passes + handoff / (2 if static.backward == "full" else 1)
     in_flight = 1 if placement == "colocated" else min(num_stages - stage_index, ga)
     return ModuleCost(
         module=module,
         strategy=s,
-        forward_s=ga * fwd,
-        backward_s=ga * bwd,
-        recompute_s=ga * rc,
-        tp_comm_s=ga * tp_c,
-        sp_comm_s=ga * sp_c,
-        cp_comm_s=ga * cp_c,
+        **sums.scaled(ga).terms(),
         dp_comm_s=dp_comm,
         optimizer_s=optimizer_time if trainable else 0.0,
         handoff_s=ga * handoff,

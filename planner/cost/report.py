@@ -22,12 +22,7 @@ def memory_gib(memory: MemoryBreakdown) -> MemoryGiB:
 def module_time(cost: ModuleCost) -> ModuleTime:
     """Per-step seconds of one module by cause."""
     return ModuleTime(
-        forward=cost.forward_s,
-        backward=cost.backward_s,
-        recompute=cost.recompute_s,
-        tp_comm=cost.tp_comm_s,
-        sp_comm=cost.sp_comm_s,
-        cp_comm=cost.cp_comm_s,
+        **{name.removesuffix("_s"): value for name, value in cost.terms().items()},
         dp_comm=cost.dp_comm_s,
         optimizer=cost.optimizer_s,
         handoff=cost.handoff_s,

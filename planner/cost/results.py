@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from planner.cost.times import PassTimes
 from planner.strategy import ModuleStrategy, Placement
 
 GIB = 1024**3
@@ -49,25 +50,14 @@ class MemoryBreakdown:
 
 
 @dataclass(kw_only=True, frozen=True)
-class ModuleCost:
-    """One module under one ModuleStrategy, per GPU of that module, for one optimizer step."""
+class ModuleCost(PassTimes):
+    """One module under one ModuleStrategy, per GPU of that module, for one optimizer step: its pass times over all
+    micro-batches, what follows them, and its memory."""
 
     module: str
     """Module name."""
     strategy: ModuleStrategy
     """The strategy costed."""
-    forward_s: float
-    """Forward compute per step (all micro-batches)."""
-    backward_s: float
-    """Backward compute per step (without recomputation)."""
-    recompute_s: float
-    """Recomputation compute per step."""
-    tp_comm_s: float
-    """Exposed tensor-parallel all-reduce time per step."""
-    sp_comm_s: float
-    """Exposed Ulysses all-to-all time per step."""
-    cp_comm_s: float
-    """Exposed ring-attention KV passing per step."""
     dp_comm_s: float
     """Exposed (not overlapped) DP/ZeRO communication per step."""
     optimizer_s: float
