@@ -19,28 +19,31 @@ class PhysicalRange:
     high: float
     why: str
     """Where the range comes from."""
+    prior_width: float | None
+    """How far from its default the value plausibly lies (one standard deviation of the fit's prior, in its units);
+    None: a share of the runs' median measured step (for a time only meaningful relative to the step)."""
 
 
 STEP_TIME_ASSUMPTIONS: dict[str, PhysicalRange] = {
-    "max_matmul_efficiency": PhysicalRange(low=0.2, high=0.95, why="cuBLAS reaches 60-90 % of peak on large bf16 "
+    "max_matmul_efficiency": PhysicalRange(low=0.2, high=0.95, prior_width=0.15, why="cuBLAS reaches 60-90 % of peak on large bf16 "
                                            "GEMMs; below 20 % a kernel is misconfigured, not inefficient"),
-    "flash_attention_efficiency": PhysicalRange(low=0.1, high=0.9, why="FlashAttention-2 forward reaches 50-73 % of "
+    "flash_attention_efficiency": PhysicalRange(low=0.1, high=0.9, prior_width=0.15, why="FlashAttention-2 forward reaches 50-73 % of "
                                                 "A100 peak (Dao 2023, Fig. 4)"),
-    "mem_efficient_attention_efficiency": PhysicalRange(low=0.1, high=0.9, why="as flash attention"),
-    "eager_attention_efficiency": PhysicalRange(low=0.1, high=0.95, why="two batched GEMMs, as matmuls"),
-    "intra_node_bus_efficiency": PhysicalRange(low=0.2, high=1.0, why="a collective cannot beat the link; NCCL "
+    "mem_efficient_attention_efficiency": PhysicalRange(low=0.1, high=0.9, prior_width=0.15, why="as flash attention"),
+    "eager_attention_efficiency": PhysicalRange(low=0.1, high=0.95, prior_width=0.15, why="two batched GEMMs, as matmuls"),
+    "intra_node_bus_efficiency": PhysicalRange(low=0.2, high=1.0, prior_width=0.2, why="a collective cannot beat the link; NCCL "
                                                "reaches 70-90 % of NVLink bus bandwidth on large messages"),
-    "inter_node_bus_efficiency": PhysicalRange(low=0.2, high=1.0, why="as intra-node, over the NIC"),
-    "host_seconds_per_op": PhysicalRange(low=0.5e-6, high=50e-6, why="eager dispatch of one call: about a "
+    "inter_node_bus_efficiency": PhysicalRange(low=0.2, high=1.0, prior_width=0.2, why="as intra-node, over the NIC"),
+    "host_seconds_per_op": PhysicalRange(low=0.5e-6, high=50e-6, prior_width=5e-6, why="eager dispatch of one call: about a "
                                          "microsecond in C++ to tens in Python-heavy paths"),
-    "step_overhead_s": PhysicalRange(low=0.0, high=60.0, why="the loop's own work per step, not negative"),
-    "measured_time_scale": PhysicalRange(low=0.5, high=2.0, why="a layer inside a step runs at most twice as slow (or "
+    "step_overhead_s": PhysicalRange(low=0.0, high=60.0, prior_width=None, why="the loop's own work per step, not negative"),
+    "measured_time_scale": PhysicalRange(low=0.5, high=2.0, prior_width=0.25, why="a layer inside a step runs at most twice as slow (or "
                                          "fast) as timed alone; beyond that the profile is of another machine"),
 }
 """Assumptions fitted to measured step times, and their physical ranges."""
 
 MEMORY_ASSUMPTIONS: dict[str, PhysicalRange] = {
-    "framework_overhead_bytes": PhysicalRange(low=0.0, high=32 * GiB, why="CUDA context, workspaces and "
+    "framework_overhead_bytes": PhysicalRange(low=0.0, high=32 * GiB, prior_width=None, why="CUDA context, workspaces and "
                                               "communicator buffers: 0.5-5 GiB in practice"),
 }
 """Assumptions fitted to measured peak memory."""

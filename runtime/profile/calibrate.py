@@ -7,8 +7,9 @@ strategy run, e.g. ``--model qwen-vl-7b --gpus 8 --fix llm.tp=2 ...``), ``step_t
 file cannot leak into the fit) with the profile's measured layers where it has them and the analytical model
 elsewhere. The step-time assumptions these runs depend on (``STEP_TIME_ASSUMPTIONS``: matmul and attention
 efficiency, collective bus efficiency, host seconds per operator call, fixed step overhead, the scale on measured
-layer times) are fitted by bounded least squares of log(predicted / measured), with a weak pull towards their
-defaults so that a handful of runs cannot drive an unconstrained one anywhere; the memory reserve
+layer times) are fitted by bounded least squares of log(predicted / measured), with a prior at their defaults
+(``PhysicalRange.prior_width`` against ``MEASUREMENT_NOISE``) so that a handful of noisy runs cannot trade one
+assumption off against another; the memory reserve
 (``framework_overhead_bytes``) is fitted to the measured peaks. Everything stays inside ``PhysicalRange`` bounds.
 The fit goes into the profile (with every run's error before, after and left out); ``plan`` then costs with it and
 says so.
@@ -57,10 +58,14 @@ from planner.workload import Workload
 
 WARMUP_STEPS = 1
 """Steps dropped from the start of every run (allocator warm-up, first-touch, lazy initialisation)."""
-PRIOR_WEIGHT = 0.03
-"""Weight of the pull of each fitted assumption towards its default, per unit of its range, against the runs'
-log errors: a 3 % log error outweighs moving an assumption across its whole range, so data decides whatever it
-constrains and the default stands where it does not."""
+MEASUREMENT_NOISE = 0.05
+"""Relative spread of one measured step time (the unchanged 1-worker CPU run measured 1.108-1.187 s over an hour on
+a shared machine). The fit weighs each run's log error by it against each assumption's ``prior_width``: a maximum
+a posteriori estimate, so a few noisy runs move an assumption only as far as they agree on, and one they do not
+constrain keeps its default."""
+STEP_SHARE_PRIOR = 0.3
+"""Prior width of an assumption that is a time only meaningful relative to the step (``prior_width`` None): this
+share of the runs' median measured step."""
 SENSITIVITY = 1e-4
 """Smallest relative change of some run's prediction, when an assumption moves by a tenth of its range, for the
 runs to constrain it; below it the assumption is not identifiable from these runs and keeps its default."""
@@ -275,17 +280,21 @@ def identifiable(predictors: list[Predictor]) -> list[str]:
 
 
 def fit_step_time(predictors: list[Predictor], measured: list[float], names: list[str]) -> dict[str, float]:
-    """Bounded least squares of log(predicted / measured) over ``names`` (see ``PRIOR_WEIGHT``)."""
+    """Bounded least squares over ``names`` of log(predicted / measured) / ``MEASUREMENT_NOISE`` and each
+    assumption's distance from its default in ``prior_width``s."""
     if not names:
         return {}
-    start = np.array([_normalised(n, getattr(predictors[0].base, n)) for n in names])
+    defaults = [getattr(predictors[0].base, n) for n in names]
+    widths = [STEP_TIME_ASSUMPTIONS[n].prior_width or STEP_SHARE_PRIOR * statistics.median(measured) for n in names]
 
     def residuals(u: np.ndarray) -> np.ndarray:
         values = {n: _physical(n, x) for n, x in zip(names, u)}
-        errors = [math.log(p(values).step_time_s / m) for p, m in zip(predictors, measured)]
-        return np.concatenate([errors, PRIOR_WEIGHT * (u - start)])
+        errors = [math.log(p(values).step_time_s / m) / MEASUREMENT_NOISE for p, m in zip(predictors, measured)]
+        prior = [(values[n] - d) / w for n, d, w in zip(names, defaults, widths)]
+        return np.array(errors + prior)
 
-    result = least_squares(residuals, start, bounds=(0.0, 1.0), diff_step=1e-3, x_scale=1.0)
+    start = np.array([_normalised(n, d) for n, d in zip(names, defaults)])
+    result = least_squares(residuals, start, bounds=(0.0, 1.0), diff_step=1e-3)
     return {n: _physical(n, x) for n, x in zip(names, result.x)}
 
 
@@ -324,7 +333,7 @@ def calibrate_runs(runs: list[MeasuredRun], profile: Profile, *, sources: list[s
     before = [p({}).step_time_s for p in predictors]
     after = [p(values) for p in predictors]
     measured = [r.measured_s for r in runs]
-    at_bound = [n for n in names if min(abs(_normalised(n, values[n])), abs(1 - _normalised(n, values[n]))) < 1e-3]
+    at_bound = [n for n in names if min(abs(_normalised(n, values[n])), abs(1 - _normalised(n, values[n]))) < 1e-6]
     return Calibration(
         values=values, at_bound=at_bound, not_identifiable=[n for n in STEP_TIME_ASSUMPTIONS if n not in names],
         runs=[CalibratedRun(name=r.name, measured_s=r.measured_s, before_s=b, after_s=a.step_time_s,
