@@ -238,7 +238,8 @@ def _profile_source(
 
 def profile_assumptions(profile: Any, assumptions: CostAssumptions) -> CostAssumptions:
     """``assumptions`` as a profile's measurements set them (before its calibration): its dtype's activation bytes,
-    fp32 model states where it was measured in fp32, its measured host cost per operator call."""
+    fp32 model states where it was measured in fp32, its measured host cost per operator call, the per-parameter
+    optimizer of a CPU."""
     element = ACTIVATION_BYTES_BY_DTYPE.get(profile.provenance.dtype, assumptions.activation_bytes)
     assumptions = replace(assumptions, activation_bytes=element)
     if profile.device is not None and profile.device.host_seconds_per_op is not None:
@@ -246,6 +247,8 @@ def profile_assumptions(profile: Any, assumptions: CostAssumptions) -> CostAssum
                               dtensor_seconds_per_op=profile.device.dtensor_seconds_per_op or 0.0)
     if profile.provenance.dtype == "float32":  # the runtime trains in fp32 where it was measured so (CPU)
         assumptions = replace(assumptions, bf16_mixed=FP32_STATES, bf16_pure=FP32_STATES)
+    if profile.provenance.device_name == "cpu":  # torch's AdamW steps per parameter off CUDA
+        assumptions = replace(assumptions, optimizer_foreach=False)
     return assumptions
 
 

@@ -83,6 +83,10 @@ class CostAssumptions:
     """Factor on a profile's measured layer times: a layer timed alone (warm caches, nothing else running) may run
     slower inside a training step. 1 until calibration fits it."""
 
+    optimizer_foreach: bool = True
+    """Whether the optimizer step is torch's multi-tensor AdamW (its default on CUDA: a fixed number of calls per
+    step) or its per-parameter loop (the default on CPU: 11 calls per parameter tensor, ``OPTIMIZER_OPS``)."""
+
     # --- attention ---
     attention_implementation: AttentionImplementation = "flash"
     """flash / sdpa_mem_efficient keep only logsumexp per head and token; eager stores the s x s scores."""

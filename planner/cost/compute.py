@@ -7,6 +7,8 @@ of Williams, Waterman & Patterson (2009), "Roofline: an insightful visual perfor
 from __future__ import annotations
 
 from planner.cost.assumptions import BytesPerParam, CostAssumptions
+from planner.cost.host import pass_time
+from planner.cost.op_counts import optimizer_pass_ops
 from planner.hardware import DeviceSpec
 
 
@@ -111,6 +113,17 @@ def optimizer_step_time(
     """
     num_bytes = params * (recipe.gradients + 2 * recipe.optimizer + 2 * recipe.weights)
     return num_bytes / (device.memory_bandwidth * assumptions.memory_bandwidth_efficiency)
+
+
+def optimizer_pass_time(params: float, tensors: float, recipe: BytesPerParam, *, dtensor: bool, device: DeviceSpec,
+                        assumptions: CostAssumptions) -> float:
+    """Seconds of one optimizer step over ``params`` parameters in ``tensors`` tensors: the memory-bound
+    ``optimizer_step_time`` against the host dispatch of its calls (``host.pass_time``; multi-tensor or
+    per-parameter as ``optimizer_foreach`` says, ``op_counts.OPTIMIZER_OPS``)."""
+    if params <= 0:
+        return 0.0
+    ops = optimizer_pass_ops(tensors, foreach=assumptions.optimizer_foreach, dtensor=dtensor)
+    return pass_time(optimizer_step_time(params, recipe, device, assumptions), ops, device, assumptions)
 
 
 def bucket_copy_time(gradient_bytes: float, copies: int, device: DeviceSpec, assumptions: CostAssumptions) -> float:

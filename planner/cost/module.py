@@ -13,10 +13,11 @@ from types import MappingProxyType
 from typing import Mapping
 
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, BytesPerParam, CostAssumptions
-from planner.cost.compute import bucket_copy_time, optimizer_step_time
+from planner.cost.compute import bucket_copy_time, optimizer_pass_time
 from planner.cost.comm import Link, all_gather_time, axis_within_node, link, p2p_time, zero_comm_time
 from planner.cost.layer_costs import ANALYTICAL, MEASURED, LayerCostSource, LayerMeasurement
 from planner.cost.layers import Shard, layer_terms
+from planner.cost.op_counts import LAYER_OPS
 from planner.cost.memory import (
     FSDP_BLOCK_KINDS,
     bucket_bytes,
@@ -171,6 +172,8 @@ class _Sums(PassTimes):
     """The measured fixed cost of the module's optimizer call (the largest its layers saw)."""
     optimizer_formula_params: float
     """Parameters on this rank (before ZeRO sharding) of the layers whose optimizer step is left to the formula."""
+    optimizer_formula_tensors: float
+    """... and their parameter tensors (ZeRO shards each tensor, so their count does not shrink)."""
     sources: Mapping[str, str]
 
 
@@ -189,7 +192,7 @@ def _layer_sums(
     full = s.recompute == "full"
     forward_buffers = backward_buffers = 0.0
     loss_buffers = (0.0, 0.0, 0.0)
-    formula_params = 0.0
+    formula_params = formula_tensors = 0.0
     sources = dict(static.analytical_sources)
     optimizer_measured = bool(static.spec.layers)
     for layer in static.spec.layers:
@@ -212,6 +215,7 @@ def _layer_sums(
             optimizer_call = max(optimizer_call, measured.optimizer_call_s)
         else:
             formula_params += n * layer_params_per_rank(layer, s.tp)
+            formula_tensors += n * LAYER_OPS[layer.kind].param_tensors
             optimizer_measured = False
         times = times.plus(layer_times, n)
         saved += n * act
@@ -226,7 +230,8 @@ def _layer_sums(
     return _Sums(**times.terms(), saved_bytes=saved, forward_buffer_bytes=forward_buffers,
                  backward_buffer_bytes=backward_buffers, loss_buffer_bytes=loss_buffers,
                  optimizer_measured_s=optimizer_s, optimizer_call_s=optimizer_call,
-                 optimizer_formula_params=formula_params, sources=final_sources)
+                 optimizer_formula_params=formula_params, optimizer_formula_tensors=formula_tensors,
+                 sources=final_sources)
 
 
 def _measure(
@@ -430,10 +435,10 @@ def module_cost(
     if s.zero == 0 and trainable and reduce_group > 1:
         dp_comm += bucket_copy_time(params * recipe.gradients, assumptions.zero0_bucket_copies, cluster.device,
                                     assumptions)
-    optimizer_time = sums.optimizer_call_s + (
-        sums.optimizer_measured_s
-        + optimizer_step_time(sums.optimizer_formula_params, recipe, cluster.device, assumptions)
-    ) / (shards if s.zero >= 1 else 1)
+    optimizer_shards = shards if s.zero >= 1 else 1
+    optimizer_time = sums.optimizer_call_s + sums.optimizer_measured_s / optimizer_shards + optimizer_pass_time(
+        sums.optimizer_formula_params / optimizer_shards, sums.optimizer_formula_tensors, recipe,
+        dtensor=s.tp > 1 or s.zero >= 1, device=cluster.device, assumptions=assumptions)
     ga = s.grad_accum
     per_mb = sums.total_s + handoff
     passes = 1 + (static.backward != "none") + (s.recompute == "full")  # forwards and backwards a collective repeats in

@@ -37,6 +37,8 @@ class LayerOps:
     """Operator calls of one layer kind: replicated (tp = 1) and tensor-parallel, plus per-segment and Ulysses
     additions."""
 
+    param_tensors: int
+    """Parameter tensors of one instance (what a per-parameter optimizer step loops over)."""
     forward: PassOps
     backward: PassOps
     tp_forward: PassOps
@@ -55,27 +57,27 @@ def _p(ops: float, dtensor_ops: float, kernels: float) -> PassOps:
 
 
 _VISION_BLOCK = LayerOps(
-    forward=_p(61, 0, 33), backward=_p(126, 0, 81), tp_forward=_p(75, 10, 37), tp_backward=_p(140, 50, 90),
+    param_tensors=12, forward=_p(61, 0, 33), backward=_p(126, 0, 81), tp_forward=_p(75, 10, 37), tp_backward=_p(140, 50, 90),
     per_segment_forward=_p(4, 0, 1), per_segment_backward=_p(5, 0, 1),
     ulysses_forward=_p(50, 0, 22), ulysses_backward=_p(52, 0, 28),
 )
-_PATCH_EMBED = LayerOps(forward=_p(3, 0, 1), backward=_p(4, 0, 2), tp_forward=_p(3, 0, 1), tp_backward=_p(4, 0, 2))
-_PATCH_MERGER = LayerOps(forward=_p(13, 0, 9), backward=_p(42, 0, 22), tp_forward=_p(19, 4, 11),
+_PATCH_EMBED = LayerOps(param_tensors=1, forward=_p(3, 0, 1), backward=_p(4, 0, 2), tp_forward=_p(3, 0, 1), tp_backward=_p(4, 0, 2))
+_PATCH_MERGER = LayerOps(param_tensors=5, forward=_p(13, 0, 9), backward=_p(42, 0, 22), tp_forward=_p(19, 4, 11),
                          tp_backward=_p(47, 20, 25))
 
 LAYER_OPS: dict[str, LayerOps] = {
     "vision_block": _VISION_BLOCK,
     "patch_embed": _PATCH_EMBED,
     "patch_merger": _PATCH_MERGER,
-    "embedding": LayerOps(forward=_p(1, 0, 1), backward=_p(3, 0, 2), tp_forward=_p(15, 0, 9),
+    "embedding": LayerOps(param_tensors=1, forward=_p(1, 0, 1), backward=_p(3, 0, 2), tp_forward=_p(15, 0, 9),
                           tp_backward=_p(6, 1, 3)),
     "decoder_layer": LayerOps(
-        forward=_p(73, 0, 38), backward=_p(149, 0, 73), tp_forward=_p(91, 28, 42), tp_backward=_p(170, 72, 86),
+        param_tensors=12, forward=_p(73, 0, 38), backward=_p(149, 0, 73), tp_forward=_p(91, 28, 42), tp_backward=_p(170, 72, 86),
         ulysses_forward=_p(51, 0, 24), ulysses_backward=_p(49, 0, 22),
     ),
-    "final_norm": LayerOps(forward=_p(7, 0, 6), backward=_p(20, 0, 15), tp_forward=_p(7, 0, 6),
+    "final_norm": LayerOps(param_tensors=1, forward=_p(7, 0, 6), backward=_p(20, 0, 15), tp_forward=_p(7, 0, 6),
                            tp_backward=_p(20, 0, 15)),
-    "lm_head": LayerOps(forward=_p(9, 0, 5), backward=_p(16, 0, 6), tp_forward=_p(10, 9, 5),
+    "lm_head": LayerOps(param_tensors=1, forward=_p(9, 0, 5), backward=_p(16, 0, 6), tp_forward=_p(10, 9, 5),
                         tp_backward=_p(19, 15, 9)),
     # The runtime has no audio modules: their kinds take the counts of the closest measured structure (a ViT block,
     # the patchifier, the merger).
@@ -96,3 +98,31 @@ def layer_pass_ops(kind: str, *, tp: int, segments: float, ulysses: bool) -> tup
     if ulysses:
         forward, backward = forward.plus(table.ulysses_forward), backward.plus(table.ulysses_backward)
     return forward, backward
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class OptimizerOps:
+    """Operator calls of the runtime's optimizer step (runtime/optim.py: gradient norm, clipping scale, AdamW) over
+    a module's parameter tensors."""
+
+    fixed: float
+    """Calls independent of the tensor count."""
+    per_tensor: float
+    """Calls per parameter tensor."""
+
+
+OPTIMIZER_OPS = {
+    "foreach": OptimizerOps(fixed=20, per_tensor=3),
+    "per_parameter": OptimizerOps(fixed=10, per_tensor=11),
+}
+"""Counted over 4 and 8 tensors: torch's multi-tensor AdamW (its default on CUDA) makes a fixed number of calls
+per step, leaving the per-tensor clipping scale and norm bookkeeping; its per-parameter loop (the default on CPU)
+makes 11 calls per tensor."""
+
+
+def optimizer_pass_ops(tensors: float, *, foreach: bool, dtensor: bool) -> PassOps:
+    """Operator calls of one optimizer step over ``tensors`` parameter tensors; on DTensor parameters (TP, ZeRO)
+    every call is a DTensor call."""
+    table = OPTIMIZER_OPS["foreach" if foreach else "per_parameter"]
+    ops = table.fixed + table.per_tensor * tensors
+    return PassOps(ops=ops, dtensor_ops=ops if dtensor else 0, kernels=ops)

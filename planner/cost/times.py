@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from planner.schema import PASS_TIME_DOCS
-
-
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class PassTimes:

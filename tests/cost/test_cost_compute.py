@@ -16,6 +16,7 @@ from planner.cost.compute import (
     gemm_time,
     matmul_efficiency,
     bucket_copy_time,
+    optimizer_pass_time,
     optimizer_step_time,
     roofline_time,
 )
@@ -99,6 +100,27 @@ def test_optimizer_step_time():
     # bf16 pure: 2 + 2*4 + 2*2 = 14 B/param
     pure = A.bytes_per_param("bf16_pure")
     assert optimizer_step_time(1e9, pure, TOY_DEVICE, A) == pytest.approx(14e9 / 1.6e12)
+
+
+def test_optimizer_pass_time_is_host_bound_over_many_small_tensors():
+    from dataclasses import replace
+
+    mixed = A.bytes_per_param("bf16_mixed")
+    host = replace(A, host_seconds_per_op=5e-6, dtensor_seconds_per_op=10e-6)
+    gpu = replace(TOY_DEVICE, kernel_launch_latency=0.0, host_overlap=1.0)
+    # 1e6 params in 1,000 tensors: memory 30e6 / 1.6e12 = 19 us; multi-tensor host 20 + 3 * 1000 calls * 5 us = 15.1 ms
+    assert optimizer_pass_time(1e6, 1000, mixed, dtensor=False, device=gpu, assumptions=host) == pytest.approx(
+        3020 * 5e-6)
+    # DTensor parameters: every call 10 us more
+    assert optimizer_pass_time(1e6, 1000, mixed, dtensor=True, device=gpu, assumptions=host) == pytest.approx(
+        3020 * 15e-6)
+    # per-parameter loop: 10 + 11 per tensor
+    per_param = replace(host, optimizer_foreach=False)
+    assert optimizer_pass_time(1e6, 1000, mixed, dtensor=False, device=gpu, assumptions=per_param) == pytest.approx(
+        11010 * 5e-6)
+    # 1e10 params: memory-bound (30e10 / 1.6e12 = 0.1875 s)
+    assert optimizer_pass_time(1e10, 1000, mixed, dtensor=False, device=gpu, assumptions=host) == pytest.approx(
+        0.1875)
 
 
 def test_elementwise_time():

@@ -3,12 +3,12 @@
 from dataclasses import replace
 
 import pytest
-from cost_toys import TOY_DEVICE, GiB, colocated, toy_cluster, toy_model, toy_workload
+from cost_toys import COMPUTE_ONLY, TOY_DEVICE, GiB, colocated, toy_cluster, toy_model, toy_workload
 
-from planner.cost import DEFAULT_ASSUMPTIONS, LayerMeasurement, ModuleCost, combine, estimate, module_cost
+from planner.cost import LayerMeasurement, ModuleCost, combine, estimate, module_cost
 from planner.strategy import ModuleStrategy, Strategy
 
-A = DEFAULT_ASSUMPTIONS
+A = COMPUTE_ONLY
 MODEL = toy_model()
 CLUSTER = toy_cluster(8)
 WORKLOAD = toy_workload(global_batch=8)
@@ -142,7 +142,7 @@ def test_combine_reports_memory_binding():
 
 
 def _estimate(vision, llm, **kw):
-    return estimate(MODEL, CLUSTER, WORKLOAD, colocated(vision, llm, **kw))
+    return estimate(MODEL, CLUSTER, WORKLOAD, colocated(vision, llm, **kw), A)
 
 
 def test_estimate_breakdown_sums_and_reproduces_combine():
@@ -223,6 +223,7 @@ def test_grad_accum_scales_per_step_times():
         CLUSTER,
         toy_workload(16),
         colocated(ModuleStrategy(dp=8, grad_accum=2), ModuleStrategy(dp=8, grad_accum=2)),
+        A,
     ).modules["llm"]
     assert two.forward_s == pytest.approx(2 * one.forward_s)
     assert two.per_micro_batch_s == pytest.approx(one.per_micro_batch_s)

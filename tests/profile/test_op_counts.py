@@ -6,7 +6,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from planner.catalog import get_model
-from planner.cost.op_counts import layer_pass_ops
+from planner.cost.op_counts import LAYER_OPS, layer_pass_ops, optimizer_pass_ops
+from runtime.optim import adamw, grad_sq_norm, scale_gradients
 from runtime.profile.as_run import build_rank, count_layer_ops
 from runtime.profile.device import free_port
 from runtime.profile.ops import OpCounter, host_seconds_per_op
@@ -45,6 +46,32 @@ def _mismatches(tp: int, sp: int, rank: int) -> list[str]:
 
 def test_replicated_layers_match_the_table():
     assert _mismatches(1, 1, 0) == []
+
+
+def test_parameter_tensors_match_the_table():
+    ranked = build_rank(MODEL, tp=1, sp=1, rank=0, dtype=torch.float32, device=torch.device("cpu"))
+    for module in get_model(MODEL).modules:
+        for layer in module.layers:
+            runner, _ = ranked.runner(layer, *POINTS[module.name][0])
+            assert len(list(runner.parameters())) == LAYER_OPS[layer.kind].param_tensors, layer.name
+
+
+def test_optimizer_calls_match_the_table():
+    for foreach in (True, False):
+        for tensors in (4, 8):
+            layers = torch.nn.ModuleList([torch.nn.Linear(4, 4, bias=False) for _ in range(tensors)])
+            for p in layers.parameters():
+                p.grad = torch.ones_like(p)
+            optimizer = adamw(layers.parameters(), lr=1e-3, weight_decay=0.1)
+            optimizer.defaults["foreach"] = foreach
+            for group in optimizer.param_groups:
+                group["foreach"] = foreach
+            optimizer.step()  # Adam's states are created at the first step
+            with OpCounter() as counter:
+                float(grad_sq_norm(layers).sqrt())
+                scale_gradients(layers, 0.5)
+                optimizer.step()
+            assert counter.count.ops == optimizer_pass_ops(tensors, foreach=foreach, dtensor=False).ops
 
 
 def _worker(rank: int, world: int, port: int, tp: int, sp: int, out: str) -> None:
