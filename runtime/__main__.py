@@ -34,7 +34,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--metrics", help="write one JSON line per step, then a summary line, to this file")
     parser.add_argument("--checkpoint", help="save_pretrained folder to start from (default: random init)")
     parser.add_argument("--save", help="after training, write the weights here with save_pretrained")
-    parser.add_argument("--data", help="image-caption folder or JSONL (default: synthetic data)")
+    parser.add_argument("--data", help="image-caption folder or JSONL, or a conversation JSONL (Qwen-VL / LLaVA "
+                        "`conversations` or `messages` rows; needs --tokenizer) (default: synthetic data)")
+    parser.add_argument("--tokenizer", help="model folder whose tokenizer and chat template conversation data goes "
+                        "through (loss on the assistant turns only)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random init and synthetic data")
     parser.add_argument("--checkpoint-dir", help="write sharded training checkpoints (weights, optimizer, schedule, "
                         "data position) into this folder, after the last step and every --checkpoint-every steps")
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         preflight.check_plan(plan)
         if env is not None:
             preflight.check_world_size(plan, env)
-        preflight.check_inputs(plan, data=args.data, checkpoint=args.checkpoint)
+        preflight.check_inputs(plan, data=args.data, checkpoint=args.checkpoint, tokenizer=args.tokenizer)
         preflight.check_outputs(metrics=args.metrics, save=args.save)
         if args.resume is not None:
             args.resume = preflight.check_resume(args.resume, args.checkpoint_dir, plan.model.hf_config,
@@ -112,7 +115,8 @@ def _run_on_ray(plan: Plan, args: argparse.Namespace) -> int:
     from runtime.launcher import run
     from runtime.trainer import RunOptions
 
-    options = RunOptions(seed=args.seed, data=args.data, checkpoint=args.checkpoint, resume=args.resume)
+    options = RunOptions(seed=args.seed, data=args.data, tokenizer=args.tokenizer, checkpoint=args.checkpoint,
+                         resume=args.resume)
     try:
         run(plan, options, steps=args.steps, metrics_path=args.metrics, save=args.save,
             checkpoints=_checkpoint_options(args))
@@ -161,7 +165,8 @@ def _run_under_torchrun(plan: Plan, args: argparse.Namespace, env: preflight.Tor
     from runtime.torchrun import run
     from runtime.trainer import RunOptions
 
-    options = RunOptions(seed=args.seed, data=args.data, checkpoint=args.checkpoint, resume=args.resume)
+    options = RunOptions(seed=args.seed, data=args.data, tokenizer=args.tokenizer, checkpoint=args.checkpoint,
+                         resume=args.resume)
     try:
         validate_plan(plan, options)
     except USER_ERRORS as e:

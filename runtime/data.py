@@ -126,7 +126,8 @@ class Source(Protocol):
     def sample(self, index: int) -> Sample: ...
 
 
-def _processor(layout: SampleLayout) -> Qwen2VLImageProcessorPil:
+def layout_image_processor(layout: SampleLayout) -> Qwen2VLImageProcessorPil:
+    """Transformers' Qwen2-VL image processor (PIL backend) for the layout's patch geometry."""
     return Qwen2VLImageProcessorPil(
         patch_size=layout.patch_size, temporal_patch_size=layout.temporal_patch_size, merge_size=layout.merge_size
     )
@@ -168,7 +169,7 @@ class SyntheticData:
     def __init__(self, layout: SampleLayout, seed: int):
         self.layout = layout
         self.seed = seed
-        self.processor = _processor(layout)
+        self.processor = layout_image_processor(layout)
 
     def sample(self, index: int) -> Sample:
         rng = np.random.default_rng([self.seed, index])
@@ -188,7 +189,7 @@ class CaptionData:
         if len(layout.image_sizes) != 1:
             raise ValueError(f"caption data has one image per sample, the plan has {len(layout.image_sizes)}")
         self.layout = layout
-        self.processor = _processor(layout)
+        self.processor = layout_image_processor(layout)
         self.pairs = self._read(Path(path))
 
     @staticmethod

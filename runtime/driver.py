@@ -21,7 +21,7 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
     """Everything that can be checked before any worker starts; raises ValueError / NotImplementedError in one
     line. The checks that need no torch (``preflight``) run first."""
     preflight.check_plan(plan)
-    preflight.check_inputs(plan, data=options.data, checkpoint=options.checkpoint)
+    preflight.check_inputs(plan, data=options.data, checkpoint=options.checkpoint, tokenizer=options.tokenizer)
     dims = {name: ParallelDims.from_plan(plan.module(name)) for name in MODULES}
     vision, llm = dims["vision"], dims["llm"]
     config = hf_config_from_dict(plan.model.hf_config)

@@ -37,6 +37,9 @@ def step_record(step: int, results: list[dict[str, Any]], plan: Plan, tokens_per
     for key in TIMED:
         record[key] = max(r.get(key, 0.0) for r in results)
     record["peak_memory_gib"] = max(r["peak_memory_bytes"] for r in results) / GIB
+    skipped = [r["data_skipped"] for r in results if r.get("data_skipped")]
+    if skipped:  # the rank that skipped most so far (DP replicas read different rows, TP peers the same ones)
+        record["data_skipped"] = max(skipped, key=lambda counts: sum(counts.values()))
     record["ranks"] = [{"rank": r["rank"], "step_time_s": r["step_time_s"], **{k: r[k] for k in TIMED if k in r}}
                        for r in results]
     return record
@@ -105,6 +108,9 @@ class MetricsLog:
             "tokens_per_s": {"measured": statistics.median(r["tokens_per_s"] for r in timed),
                              "predicted": predicted.tokens_per_s},
         }
+        skipped = [r["data_skipped"] for r in self.records if r.get("data_skipped")]
+        if skipped:
+            result["data_skipped"] = skipped[-1]
         result.update(self._event_summary())
         if self.path:
             with open(self.path, "a") as file:

@@ -88,10 +88,13 @@ def check_plan(plan: Plan) -> None:
         raise ValueError("the plan's ranks must be 0..N-1")
 
 
-def check_inputs(plan: Plan, *, data: str | None, checkpoint: str | None) -> None:
-    """``--data`` is a readable file or folder; ``--checkpoint`` a ``save_pretrained`` folder of the plan's model."""
+def check_inputs(plan: Plan, *, data: str | None, checkpoint: str | None, tokenizer: str | None) -> None:
+    """``--data`` is a readable file or folder; ``--tokenizer`` a folder with a tokenizer; ``--checkpoint`` a
+    ``save_pretrained`` folder of the plan's model."""
     if data is not None:
         check_data(data)
+    if tokenizer is not None and not os.path.isfile(os.path.join(tokenizer, "tokenizer_config.json")):
+        raise ValueError(f"--tokenizer {tokenizer} is not a folder with a tokenizer (no tokenizer_config.json)")
     if checkpoint is not None:
         check_checkpoint(checkpoint, plan.model.hf_config)
 

@@ -18,6 +18,7 @@ import resource
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -28,7 +29,17 @@ from torch.distributed.tensor.parallel import loss_parallel
 from transformers import PretrainedConfig
 
 from planner.schema import Plan
-from runtime.data import IGNORE_INDEX, CaptionData, Sample, SyntheticData, collate, layout_from_plan, token_sequence
+from runtime.conversations import ConversationData, is_conversation_file
+from runtime.data import (
+    IGNORE_INDEX,
+    CaptionData,
+    Sample,
+    Source,
+    SyntheticData,
+    collate,
+    layout_from_plan,
+    token_sequence,
+)
 from runtime.handoff import Handoff, Posted, build_pieces, llm_needs
 from runtime.llm import LLMShard, image_slots_per_rank, shard_llm_batch
 from runtime.checkpoint import HFFolder, TensorSource, materialize, save_hf_folder
@@ -56,7 +67,9 @@ class RunOptions:
     seed: int = 0
     """Seed of the random init and of the synthetic data."""
     data: str | None = None
-    """Image-caption folder or JSONL; synthetic data when None."""
+    """Image-caption folder or JSONL, or a conversation file; synthetic data when None."""
+    tokenizer: str | None = None
+    """Model folder whose tokenizer and chat template conversation data goes through."""
     checkpoint: str | None = None
     """Hugging Face folder (save_pretrained or Hub download) to start from; random init when None."""
     resume: str | None = None
@@ -75,6 +88,18 @@ def device_for(plan: Plan) -> torch.device:
     return torch.device("cpu") if numerics_device_type(plan) == "cpu" else torch.device("cuda", 0)
 
 
+def data_source(options: RunOptions, layout) -> Source:
+    """Conversations (through ``options.tokenizer``), image-caption pairs, or synthetic samples."""
+    if options.data and is_conversation_file(Path(options.data)):
+        if not options.tokenizer:
+            raise ValueError(f"{options.data} holds conversations: give --tokenizer DIR, the model folder whose "
+                             "tokenizer and chat template they go through")
+        return ConversationData(options.data, layout, options.tokenizer)
+    if options.data:
+        return CaptionData(options.data, layout)
+    return SyntheticData(layout, options.seed)
+
+
 class Trainer:
     """Everything one rank holds: its modules' shards, optimizers, data and the hand-off routes."""
 
@@ -90,8 +115,7 @@ class Trainer:
         config = hf_config_from_dict(plan.model.hf_config)
         self.layout = layout_from_plan(plan.workload, config)
         self.vision_config = config.vision_config
-        self.source = (CaptionData(options.data, self.layout) if options.data
-                       else SyntheticData(self.layout, options.seed))
+        self.source = data_source(options, self.layout)
         self.modules, self.rope_index = self._build_modules(attention.register())
         self.trainable = {name: m for name, m in self.modules.items() if not self.dims[name].frozen}
         self.optimizers = {name: build_optimizer(m, plan.training) for name, m in self.trainable.items()}
@@ -329,6 +353,7 @@ class Trainer:
             "lr": lr,
             "step_time_s": time.perf_counter() - start, "data_s": data_s, "handoff_comm_s": self.handoff.comm_seconds,
             "peak_memory_bytes": _peak_memory(self.device), **self.timings,
+            **({"data_skipped": dict(self.source.skipped)} if getattr(self.source, "skipped", None) else {}),
         }
 
     def _colocated_step(self, num_tokens: torch.Tensor) -> float:

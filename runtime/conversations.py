@@ -1,0 +1,209 @@
+"""Conversation data through the model folder's own tokenizer and chat template, loss on the assistant turns only.
+
+Formats, one sample per JSONL line (or a JSON list of them):
+
+- Qwen-VL / LLaVA: ``{"image": "a.jpg" | ["a.jpg", ...], "conversations": [{"from": "human", "value": "<image>\\n..."},
+  {"from": "gpt", "value": "..."}, ...]}`` (``from``: system / human / gpt; each ``<image>`` marks where an image
+  goes, images without a marker open the first user turn);
+- messages: ``{"messages": [{"role": "user", "content": "..." | [{"type": "image"}, {"type": "text", "text": "..."}]},
+  ...], "images": [...]}``.
+
+The folder's tokenizer renders the conversation with its chat template; each image's ``<|image_pad|>`` becomes as
+many pads as the image has merged tokens (what Qwen-VL's processor does). Labels are the tokens of each assistant
+turn (its text and end-of-turn marker), -100 elsewhere, found by rendering the conversation up to each turn.
+
+This runtime still stacks micro-batches of one shape (the plan's layout): images are resized to the layout's sizes
+and sequences padded or cut to its length. A sample that cannot take that shape — another image count, a
+sequence whose images or first assistant token lie beyond the cut — is skipped and counted, as are malformed
+lines, missing or unreadable images and conversations without an assistant turn; sample ``i`` is then the next
+usable row. Only data with nothing usable stops the run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from transformers import AutoTokenizer
+
+from runtime.data import IGNORE_INDEX, Sample, SampleLayout, layout_image_processor, patchify
+
+IMAGE_MARKER = "<image>"
+"""Where an image goes in a Qwen-VL / LLaVA turn."""
+ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+"""``from`` / ``role`` values -> chat-template roles."""
+IMAGE_PAD = "<|image_pad|>"
+"""The pad token Qwen-VL's chat template writes once per image."""
+
+
+class SkippedSample(ValueError):
+    """A row that cannot become a sample; its message is the reason it is counted under."""
+
+
+def is_conversation_file(path: Path) -> bool:
+    """Whether a data file holds conversations (its first row has ``conversations`` or ``messages``)."""
+    if not path.is_file():
+        return False
+    with path.open() as f:
+        head = f.read(1 << 16).lstrip()
+    if head.startswith("["):
+        return '"conversations"' in head or '"messages"' in head
+    first = head.splitlines()[0] if head else ""
+    try:
+        row = json.loads(first)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(row, dict) and ("conversations" in row or "messages" in row)
+
+
+def _rows(path: Path) -> tuple[list[Any], int]:
+    """The rows of a JSONL or JSON-list file and how many lines were not JSON."""
+    text = path.read_text()
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not a JSON list: {e.msg} at line {e.lineno}") from None
+        return list(rows), 0
+    rows, malformed = [], 0
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                malformed += 1
+    return rows, malformed
+
+
+def _as_list(value: Any) -> list:
+    return [] if value is None else value if isinstance(value, list) else [value]
+
+
+def messages_of(row: Any) -> tuple[list[dict], list[str]]:
+    """(chat-template messages, image paths) of one row in either format."""
+    if not isinstance(row, dict):
+        raise SkippedSample("malformed row")
+    if "messages" in row:
+        messages, images = row["messages"], _as_list(row.get("images"))
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and m.get("role") in ROLES for m in messages):
+            raise SkippedSample("malformed row")
+        return [{"role": ROLES[m["role"]], "content": m.get("content", "")} for m in messages], images
+    turns = row.get("conversations")
+    if not isinstance(turns, list) or not all(isinstance(t, dict) and t.get("from") in ROLES for t in turns):
+        raise SkippedSample("malformed row")
+    images = _as_list(row.get("image", row.get("images")))
+    messages = []
+    for turn in turns:
+        pieces = str(turn.get("value", "")).split(IMAGE_MARKER)
+        content: list[dict] = []
+        for i, piece in enumerate(pieces):
+            if i:
+                content.append({"type": "image"})
+            if piece.strip("\n"):
+                content.append({"type": "text", "text": piece.strip("\n") if i else piece.rstrip("\n")})
+        messages.append({"role": ROLES[turn["from"]], "content": content})
+    marked = sum(str(t.get("value", "")).count(IMAGE_MARKER) for t in turns)
+    if marked < len(images):
+        first_user = next((m for m in messages if m["role"] == "user"), None)
+        if first_user is None:
+            raise SkippedSample("malformed row")
+        first_user["content"] = [{"type": "image"}] * (len(images) - marked) + first_user["content"]
+    return messages, images
+
+
+class ConversationData:
+    """Samples of a conversation file, tokenized by the model folder's tokenizer (see the module docstring)."""
+
+    def __init__(self, path: str | Path, layout: SampleLayout, tokenizer_dir: str | Path):
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"data file {path} does not exist")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot load a tokenizer from {tokenizer_dir}: {str(e).splitlines()[0]}") from None
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer in {tokenizer_dir} has no chat template: conversation data needs one")
+        pad_id = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        if pad_id != layout.image_token_id:
+            raise ValueError(f"the tokenizer in {tokenizer_dir} maps {IMAGE_PAD} to {pad_id}, the model's image token "
+                             f"is {layout.image_token_id}: give the model's own tokenizer")
+        self.path, self.layout = path, layout
+        self.processor = layout_image_processor(layout)
+        self.rows, malformed = _rows(path)
+        self.skipped: Counter[str] = Counter({"malformed row": malformed} if malformed else {})
+        """Rows skipped so far (this process), by reason."""
+        self._seen: set[int] = set()
+        if not self.rows:
+            raise ValueError(f"{path} holds no rows ({malformed} malformed line(s))")
+
+    def sample(self, index: int) -> Sample:
+        """Sample ``index``: row ``index`` (modulo the rows), or the next usable one."""
+        for k in range(len(self.rows)):
+            row = (index + k) % len(self.rows)
+            try:
+                return self.build(self.rows[row])
+            except SkippedSample as reason:
+                if row not in self._seen:
+                    self._seen.add(row)
+                    self.skipped[str(reason)] += 1
+        raise ValueError(f"{self.path} has no usable sample for this plan: skipped {dict(self.skipped)}")
+
+    def build(self, row: Any) -> Sample:
+        """One row as a sample of the layout, or ``SkippedSample``."""
+        messages, image_paths = messages_of(row)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise SkippedSample("no assistant turn")
+        if len(image_paths) != len(self.layout.image_sizes):
+            raise SkippedSample("image count differs from the plan's")
+        images = []
+        for p in image_paths:
+            try:
+                with Image.open(self.path.parent / str(p)) as image:
+                    images.append(image.convert("RGB"))
+            except (OSError, ValueError):
+                raise SkippedSample("missing or unreadable image") from None
+        ids, labels = self._tokens(messages)
+        return {**patchify(images, self.layout, self.processor), **self._fit(ids, labels)}
+
+    def _render(self, messages: list[dict], *, generation_prompt: bool) -> list[int]:
+        """Token ids of ``messages`` through the chat template, each image's pad expanded to its merged tokens."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        pieces = text.split(IMAGE_PAD)
+        sizes = self.layout.image_tokens()
+        expanded = pieces[0] + "".join(IMAGE_PAD * sizes[i] + piece for i, piece in enumerate(pieces[1:]))
+        return self.tokenizer(expanded, add_special_tokens=False).input_ids
+
+    def _tokens(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """(input ids, labels): labels are the tokens each assistant turn adds to the rendered conversation."""
+        ids = self._render(messages, generation_prompt=False)
+        labels = [IGNORE_INDEX] * len(ids)
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                start = len(self._render(messages[:i], generation_prompt=True))
+                end = len(self._render(messages[: i + 1], generation_prompt=False))
+                labels[start:end] = ids[start:end]
+        return ids, labels
+
+    def _fit(self, ids: list[int], labels: list[int]) -> Sample:
+        """input_ids, mm_token_type_ids and labels of exactly the layout's length: padded, or cut after the images
+        when at least one assistant token stays."""
+        length = self.layout.seq_len
+        image = self.layout.image_token_id
+        if len(ids) > length:
+            if image in ids[length:] or all(label == IGNORE_INDEX for label in labels[:length]):
+                raise SkippedSample("longer than the plan's sequence")
+            ids, labels = ids[:length], labels[:length]
+        pad = length - len(ids)
+        ids = ids + [self.layout.pad_token_id] * pad
+        labels = labels + [IGNORE_INDEX] * pad
+        types = [1 if t == image else 0 for t in ids]
+        return {
+            "input_ids": torch.tensor(ids),
+            "mm_token_type_ids": torch.tensor(types, dtype=torch.int32),
+            "labels": torch.tensor([IGNORE_INDEX if t else lab for lab, t in zip(labels, types)]),
+        }
