@@ -5,21 +5,23 @@ from __future__ import annotations
 import torch
 
 from planner.schema import Plan
-from runtime.data import SyntheticData, collate, layout_from_plan
+from runtime.data import collate, layout_from_plan
 from runtime.model import build_model
 from runtime.optim import warmup_factor
+from runtime.trainer import RunOptions, data_source
 
 
-def reference_run(plan: Plan, *, seed: int, steps: int) -> dict:
+def reference_run(plan: Plan, *, seed: int, steps: int, options: RunOptions | None = None) -> dict:
     """Loss and pre-clip global gradient norm of each step, the first step's gradients before clipping, and the
-    parameters after the last step (HF names -> tensors)."""
+    parameters after the last step (HF names -> tensors), on the samples ``options`` names (the runtime's
+    ``data_source``; synthetic by default)."""
     torch.set_num_threads(1)
     model = build_model(plan.model.hf_config, seed=seed)
     model.model.visual.requires_grad_(not plan.module("vision").frozen)
     model.model.language_model.requires_grad_(not plan.module("llm").frozen)
     model.lm_head.requires_grad_(not plan.module("llm").frozen)
     layout = layout_from_plan(plan.workload, model.config)
-    data = SyntheticData(layout, seed)
+    data = data_source(options or RunOptions(seed=seed), layout)
     training = plan.training
     optimizer = torch.optim.AdamW(model.parameters(), lr=training.learning_rate, weight_decay=training.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_factor(s, training.warmup_steps))

@@ -114,12 +114,12 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (norm + 1e-6))
 
 
-def run_runtime(plan) -> dict:
+def run_runtime(plan, options: RunOptions | None = None) -> dict:
     """Train STEPS steps on Ray; check the parameters' layouts before the first step and FSDP's resharding during
     it. Returns each step's loss and every rank's reported pre-clip gradient norm, the first step's gradients
     un-clipped with the runtime's own reported norm (rank 0's; all ranks' are checked), and the parameters after
     the last step."""
-    job = launcher.start(plan, RunOptions(seed=SEED))
+    job = launcher.start(plan, options or RunOptions(seed=SEED))
     try:
         sharding_checks.assert_parameters_sharded_as_planned(
             plan, sharding_checks.call_on_workers(job, sharding_checks.parameter_summary)
@@ -144,9 +144,9 @@ def run_runtime(plan) -> dict:
             "params": params}
 
 
-def assert_parity(plan) -> None:
-    ref = reference_run(plan, seed=SEED, steps=STEPS)
-    got = run_runtime(plan)
+def assert_parity(plan, options: RunOptions | None = None) -> None:
+    ref = reference_run(plan, seed=SEED, steps=STEPS, options=options)
+    got = run_runtime(plan, options)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
     for step, (norms, norm_ref) in enumerate(zip(got["grad_norms"], ref["grad_norms"])):
         for rank, norm in enumerate(norms):
@@ -174,3 +174,23 @@ def test_parity(name, ray_cluster):
 def test_parity_more_plans(name, ray_cluster):
     spec = dict(SLOW_PLANS[name])
     assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec))
+
+
+@pytest.mark.slow
+def test_parity_on_conversations(tmp_path, ray_cluster):
+    """Conversation samples whose answers differ in length (so the label tokens per sample and per DP replica
+    differ) under DP2 x TP2 for both modules, against the single-process model on the same samples."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from tests.runtime.tokenizer import save_tokenizer
+
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (80, 120, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    rows = [{"image": "a.png", "conversations": [{"from": "human", "value": f"<image>\nQuestion {i}?"},
+                                                 {"from": "gpt", "value": "word " * (1 + 7 * i % 11)}]}
+            for i in range(8)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    options = RunOptions(seed=SEED, data=str(tmp_path / "chat.jsonl"), tokenizer=str(save_tokenizer(tmp_path / "tok")))
+    assert_parity(make_plan(dict(dp=2, tp=2), dict(dp=2, tp=2), learning_rate=LR, text_tokens=120), options)
