@@ -115,7 +115,7 @@ GPU_KERNEL_LAUNCH_LATENCY = 3e-6
 with CUDA Graphs", 2019, whose launch-bound example runs ~3 us per kernel before graphs)."""
 GPU_HOST_OVERLAP = 0.9
 """How far a GPU's host runs ahead: kernels are queued asynchronously (CUDA streams), but a training step syncs
-(loss and gradient-norm reads, allocator frees), so not everything hides (assumed; fitted by ``--calibrate``)."""
+(loss and gradient-norm reads, allocator frees), so not everything hides (assumed; a cluster file may override it)."""
 _LATENCY_SOURCE = ("latencies: NCCL tuning model ring/Simple hwLat (NVLink 3.4 us, NET 14 us per hop); kernel "
                    "launch 3 us (NVIDIA, Getting Started with CUDA Graphs, 2019)")
 
@@ -189,8 +189,7 @@ DEVICE_CATALOG: dict[str, DeviceEntry] = {
         spec=DeviceSpec(
             name="cpu", peak_bf16_flops=100e9, memory_bytes=16 * GiB, memory_bandwidth=20e9,
             intra_node_bandwidth=5e9, intra_node_latency=50e-6, inter_node_bandwidth=1.25e9,
-            inter_node_latency=100e-6, devices_per_node=8,
-            kernel_launch_latency=GPU_KERNEL_LAUNCH_LATENCY, host_overlap=GPU_HOST_OVERLAP,
+            inter_node_latency=100e-6, devices_per_node=8, kernel_launch_latency=0.0, host_overlap=0.0,
             source="PLACEHOLDER, not measured: round numbers for one CPU worker process (100 GFLOP/s, 16 GiB, "
             "20 GB/s memory, 5 GB/s / 50 us gloo between local ranks, 10 GbE between hosts); a profile of this "
             "machine replaces them",

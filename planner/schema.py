@@ -117,7 +117,8 @@ class DeviceInfo(_Frozen):
     inter_node_latency: float
     devices_per_node: int
     kernel_launch_latency: float = 0.0
-    """Absent in plans written before host costs were modelled, whose predictions had neither term."""
+    """Absent (0) in plans written before host costs were modelled; ``--calibrate`` then takes the catalog
+    device's value."""
     host_overlap: float = 0.0
     source: str
 

@@ -145,12 +145,13 @@ class ConversationData:
         """Sample ``index``: row ``index`` (modulo the rows), or the next usable one."""
         for k in range(len(self.rows)):
             row = (index + k) % len(self.rows)
+            if row in self._seen:
+                continue
             try:
                 return self.build(self.rows[row])
             except SkippedSample as reason:
-                if row not in self._seen:
-                    self._seen.add(row)
-                    self.skipped[str(reason)] += 1
+                self._seen.add(row)
+                self.skipped[str(reason)] += 1
         raise ValueError(f"{self.path} has no usable sample for this plan: skipped {dict(self.skipped)}")
 
     def build(self, row: Any) -> Sample:
@@ -165,7 +166,7 @@ class ConversationData:
             try:
                 with Image.open(self.path.parent / str(p)) as image:
                     images.append(image.convert("RGB"))
-            except (OSError, ValueError):
+            except (OSError, ValueError, Image.DecompressionBombError):
                 raise SkippedSample("missing or unreadable image") from None
         ids, labels = self._tokens(messages)
         return {**patchify(images, self.layout, self.processor), **self._fit(ids, labels)}
@@ -175,18 +176,24 @@ class ConversationData:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
         pieces = text.split(IMAGE_PAD)
         sizes = self.layout.image_tokens()
+        if len(pieces) - 1 > len(sizes):
+            raise SkippedSample("image markers differ from the images")
         expanded = pieces[0] + "".join(IMAGE_PAD * sizes[i] + piece for i, piece in enumerate(pieces[1:]))
         return self.tokenizer(expanded, add_special_tokens=False).input_ids
 
     def _tokens(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         """(input ids, labels): labels are the tokens each assistant turn adds to the rendered conversation."""
         ids = self._render(messages, generation_prompt=False)
+        if ids.count(self.layout.image_token_id) != sum(self.layout.image_tokens()):
+            raise SkippedSample("image markers differ from the images")
         labels = [IGNORE_INDEX] * len(ids)
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
-                start = len(self._render(messages[:i], generation_prompt=True))
+                prefix = self._render(messages[:i], generation_prompt=True)
                 end = len(self._render(messages[: i + 1], generation_prompt=False))
-                labels[start:end] = ids[start:end]
+                if ids[: len(prefix)] != prefix:
+                    raise SkippedSample("the chat template does not render turns as prefixes")
+                labels[len(prefix):end] = ids[len(prefix):end]
         return ids, labels
 
     def _fit(self, ids: list[int], labels: list[int]) -> Sample:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 import tempfile
 import time
 from dataclasses import dataclass
@@ -95,8 +96,26 @@ def check_inputs(plan: Plan, *, data: str | None, checkpoint: str | None, tokeni
         check_data(data)
     if tokenizer is not None and not os.path.isfile(os.path.join(tokenizer, "tokenizer_config.json")):
         raise ValueError(f"--tokenizer {tokenizer} is not a folder with a tokenizer (no tokenizer_config.json)")
+    check_conversations(plan, data, tokenizer)
     if checkpoint is not None:
         check_checkpoint(checkpoint, plan.model.hf_config)
+
+
+def check_conversations(plan: Plan, data: str | None, tokenizer: str | None) -> None:
+    """Conversation data comes with ``--tokenizer`` (and only it does), and not under LLM sequence parallelism: the
+    hand-off routes each SP rank the image tokens of the layout's template (images first), and a conversation's
+    image tokens sit after its system prompt."""
+    from runtime.conversations import is_conversation_file
+
+    conversations = data is not None and is_conversation_file(Path(data))
+    if conversations and tokenizer is None:
+        raise ValueError(f"{data} holds conversations: give --tokenizer DIR, the model folder whose tokenizer and "
+                         "chat template they go through")
+    if tokenizer is not None and not conversations:
+        raise ValueError("--tokenizer applies to conversation data (--data FILE of conversations or messages rows)")
+    if conversations and plan.module("llm").sp > 1:
+        raise NotImplementedError(f"conversation data under LLM sequence parallelism (sp={plan.module('llm').sp}) "
+                                  "is not supported yet: plan with llm.sp=1")
 
 
 def check_data(path: str) -> None:

@@ -11,7 +11,7 @@ with one boolean per (module, candidate) reproduces ``combine`` exactly:
   (``planner.cost.pipeline``), each a sum of per-module terms; each group's memory is its own module's plus the
   overhead at the group's own peak moment.
 
-Both add the constant ``step_overhead_s`` (which the solver adds to its objective).
+Both add the constant ``step_overhead_s`` (``planner.api`` adds it to the solver's objective, which leaves it out).
 """
 
 from __future__ import annotations

@@ -52,9 +52,21 @@ CALIBRATED_ASSUMPTIONS = {**STEP_TIME_ASSUMPTIONS, **MEMORY_ASSUMPTIONS}
 
 
 def apply_calibration(assumptions: CostAssumptions, calibration: Calibration | None) -> CostAssumptions:
-    """``assumptions`` with a profile calibration's fitted values (unchanged without one)."""
+    """``assumptions`` with a profile calibration's fitted values (unchanged without one).
+
+    Raises:
+        ValueError: a value of an assumption calibration does not fit, or outside its physical range (one line).
+    """
     if calibration is None or not calibration.values:
         return assumptions
+    for name, value in calibration.values.items():
+        known = CALIBRATED_ASSUMPTIONS.get(name)
+        if known is None:
+            raise ValueError(f"the profile's calibration sets {name!r}, which is not one of the calibrated "
+                             f"assumptions ({', '.join(CALIBRATED_ASSUMPTIONS)}): re-run --calibrate")
+        if not known.low <= value <= known.high:
+            raise ValueError(f"the profile's calibration sets {name} = {value:g}, outside its physical range "
+                             f"{known.low:g}..{known.high:g}: re-run --calibrate")
     values = {k: (int(v) if isinstance(getattr(assumptions, k), int) else v) for k, v in calibration.values.items()}
     return replace(assumptions, **values)
 

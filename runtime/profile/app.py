@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
             from runtime.profile.device import free_port
             from runtime.profile.ops import measure_host_dispatch
 
-            plain, dtensor = measure_host_dispatch(free_port())
+            plain, dtensor = measure_host_dispatch(free_port(), device)
             profile.device.host_seconds_per_op, profile.device.dtensor_seconds_per_op = plain, dtensor
             extra += 1
         if not args.no_device_bench and device.type == "cpu" and not profile.device.concurrency:

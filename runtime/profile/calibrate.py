@@ -37,9 +37,10 @@ from planner.catalog import model_from_hf_config
 from planner.cost import estimate
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.results import Estimate
-from planner.hardware import Cluster, DeviceSpec
+from planner.hardware import Cluster, DeviceSpec, get_device
 from planner.profiles import (
     MEMORY_ASSUMPTIONS,
+    PROFILE_SCHEMA_VERSION,
     STEP_TIME_ASSUMPTIONS,
     CalibratedRun,
     Calibration,
@@ -70,6 +71,8 @@ SENSITIVITY = 1e-4
 """Smallest relative change of some run's prediction, when an assumption moves by a tenth of its range, for the
 runs to constrain it; below it the assumption is not identifiable from these runs and keeps its default."""
 GIB = 2**30
+HOST_FIELDS = frozenset({"kernel_launch_latency", "host_overlap"})
+"""Device fields a plan records since host costs were modelled."""
 def measured_step_time(path: Path, warmup_steps: int = WARMUP_STEPS) -> float:
     """Median over steps of the slowest rank's ``step_time_s`` in a metrics JSONL file."""
     per_step: dict[int, float] = {}
@@ -103,6 +106,14 @@ def plan_inputs(plan: Plan):
     model = model_from_hf_config(plan.model.hf_config, plan.model.name)
     model = model.with_frozen([m.name for m in plan.modules if m.frozen])
     device = DeviceSpec(**plan.cluster.device.model_dump())
+    unrecorded = HOST_FIELDS - plan.cluster.device.model_fields_set
+    if unrecorded:  # a plan written before host costs were modelled: the catalog's device values, where it has them
+        try:
+            catalog = get_device(device.name)
+        except ValueError:
+            catalog = None
+        if catalog is not None:
+            device = replace(device, **{name: getattr(catalog, name) for name in unrecorded})
     cluster = Cluster(device=device, num_devices=plan.cluster.num_devices, devices_per_node=plan.cluster.devices_per_node)
     w = plan.workload
     workload = Workload(image_sizes=tuple(tuple(s) for s in w.image_sizes), vision_tokens=w.vision_tokens,
@@ -213,7 +224,9 @@ def runs_from_table(path: Path) -> list[MeasuredRun]:
     runs = []
     for i, row in enumerate(_table_rows(path), 1):
         where = f"{path} row {i}"
-        unknown = sorted(set(row) - set(TABLE_COLUMNS))
+        if None in row:
+            raise ValueError(f"{where} has more fields than the header: quote an args value that holds commas")
+        unknown = sorted(str(k) for k in set(row) - set(TABLE_COLUMNS))
         if unknown:
             raise ValueError(f"{where}: unknown column(s) {', '.join(unknown)}; columns: {', '.join(TABLE_COLUMNS)}")
         if bool(row.get("plan")) == bool(row.get("args")):
@@ -293,7 +306,7 @@ def fit_step_time(predictors: list[Predictor], measured: list[float], names: lis
         prior = [(values[n] - d) / w for n, d, w in zip(names, defaults, widths)]
         return np.array(errors + prior)
 
-    start = np.array([_normalised(n, d) for n, d in zip(names, defaults)])
+    start = np.clip([_normalised(n, d) for n, d in zip(names, defaults)], 0.0, 1.0)  # a measured default may lie outside
     result = least_squares(residuals, start, bounds=(0.0, 1.0), diff_step=1e-3)
     return {n: _physical(n, x) for n, x in zip(names, result.x)}
 
@@ -360,7 +373,7 @@ def _profile_for(runs: list[MeasuredRun], out: str | None) -> tuple[Path, Profil
         return path, load_profile(path)
     provenance = Provenance(device_name=device, device_detail="not profiled: a calibration of the analytical model",
                             torch_version="-", cuda_version=None, date="", command="", num_threads=0, dtype="bfloat16")
-    return path, Profile(schema_version=4, hardware=device, model=model, provenance=provenance)
+    return path, Profile(schema_version=PROFILE_SCHEMA_VERSION, hardware=device, model=model, provenance=provenance)
 
 
 def calibrate_main(sources: list[str], plans: list[str], *, out: str | None) -> int:

@@ -77,11 +77,13 @@ def host_seconds_per_op(make_tensor=None, *, repeats: int = 7) -> float:
     return statistics.median(samples)
 
 
-def measure_host_dispatch(port: int) -> tuple[float, float]:
-    """(host seconds per plain call, extra seconds per DTensor call) on this machine's CPU. The DTensor probe runs on
-    a one-rank gloo mesh (a world of its own on ``port`` when no process group exists): dispatch cost does not
-    depend on the mesh size once sharding propagation is cached."""
-    plain = host_seconds_per_op()
+def measure_host_dispatch(port: int, device: torch.device) -> tuple[float, float]:
+    """(host seconds per plain call on ``device``'s tensors — on a GPU, the launch call included, the kernels left to
+    run behind —, extra seconds per DTensor call). The DTensor probe runs on CPU tensors of a one-rank gloo mesh (a
+    world of its own on ``port`` when no process group exists): sharding propagation is host work, the same for
+    any device's tensors, and it does not depend on the mesh size once cached."""
+    plain = host_seconds_per_op(lambda: torch.ones(1, device=device))
+    cpu_plain = plain if device.type == "cpu" else host_seconds_per_op()
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
@@ -91,4 +93,4 @@ def measure_host_dispatch(port: int) -> tuple[float, float]:
     finally:
         if own_group:
             dist.destroy_process_group()
-    return plain, max(dtensor - plain, 0.0)
+    return plain, max(dtensor - cpu_plain, 0.0)

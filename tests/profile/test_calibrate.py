@@ -159,3 +159,33 @@ def test_bad_runs_tables_are_one_line_errors(tmp_path):
     bad.write_text(f"plan,step_time_s\n{plan_file},-3\n")
     with pytest.raises(ValueError, match="positive number"):
         load_runs([str(bad)], [])
+
+
+def test_a_calibration_of_unknown_or_unphysical_values_is_refused():
+    from planner.profiles import CalibratedRun, Calibration, apply_calibration
+
+    def calibration(**values):
+        return Calibration(values=values, runs=[CalibratedRun(name="r", measured_s=1, before_s=1, after_s=1)],
+                           rms_error_before=0, rms_error_after=0, date="2026-12-02", sources=[])
+
+    assert apply_calibration(DEFAULT_ASSUMPTIONS, calibration(step_overhead_s=0.5)).step_overhead_s == 0.5
+    with pytest.raises(ValueError, match="not one of the calibrated"):
+        apply_calibration(DEFAULT_ASSUMPTIONS, calibration(usable_memory_fraction=0.5))
+    with pytest.raises(ValueError, match="outside its physical range"):
+        apply_calibration(DEFAULT_ASSUMPTIONS, calibration(max_matmul_efficiency=3.0))
+
+
+def test_a_csv_row_with_more_fields_than_the_header_is_a_one_line_error(tmp_path):
+    table = tmp_path / "runs.csv"
+    table.write_text("args,step_time_s\n--model m --image-sizes 448x448,448x448,1.0\n")
+    with pytest.raises(ValueError, match="quote an args value"):
+        load_runs([str(table)], [])
+
+
+def test_a_plan_from_before_host_costs_takes_the_catalog_device_values():
+    plan = make_plan(MODEL, strategy(1), WORKLOAD, get_device("h100"))
+    data = json.loads(plan.to_json())
+    for key in ("kernel_launch_latency", "host_overlap"):
+        del data["cluster"]["device"][key]
+    old = schema.Plan.model_validate(data)
+    assert plan_inputs(old)[1].device == get_device("h100")

@@ -80,13 +80,16 @@ def test_bad_rows_are_skipped_and_counted(tmp_path, layout, tokenizer_dir):
     (tmp_path / "broken.png").write_bytes(b"not a png")
     rows = ['{"conversations": [', _llava("missing.png"), _llava("broken.png"), _llava(["a.png", "b.png"]),
             {"image": good, "conversations": [{"from": "human", "value": "<image> hi"}]}, {"messages": "nope"},
+            {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "image"}]},
+                          {"role": "assistant", "content": "y"}], "images": [good]},
             _llava(good), _llava(good, answer="x" * 400)]
     data = ConversationData(_write(tmp_path / "d.jsonl", rows), layout, tokenizer_dir)
     first = data.sample(0)
     assert data.tokenizer.decode(first["labels"][first["labels"] != IGNORE_INDEX].tolist()).startswith("A red")
     assert all(torch.equal(data.sample(i)["input_ids"], first["input_ids"]) for i in range(len(data.rows) - 1))
     assert data.skipped == {"malformed row": 2, "missing or unreadable image": 2,
-                            "image count differs from the plan's": 1, "no assistant turn": 1}
+                            "image count differs from the plan's": 1, "no assistant turn": 1,
+                            "image markers differ from the images": 1}
     # a long answer is cut after the images, keeping the tokens that fit
     cut = data.build(_llava(good, answer="x" * 400))
     assert cut["input_ids"].shape == (layout.seq_len,) and (cut["labels"] != IGNORE_INDEX).any()
@@ -118,3 +121,17 @@ def test_a_conversation_file_trains_from_the_command_line(tmp_path, tokenizer_di
     assert rows[-1]["data_skipped"] == {"missing or unreadable image": 1}
     assert_one_line_error(run_cli(str(tmp_path / "plan.json"), "--data", str(data), "--steps", "1", env=env),
                           "give --tokenizer DIR")
+
+
+def test_conversations_need_a_tokenizer_and_no_llm_sequence_parallelism(tmp_path):
+    from runtime.preflight import check_conversations
+
+    data = str(_write(tmp_path / "d.jsonl", [_llava("a.png")]))
+    with pytest.raises(ValueError, match="give --tokenizer DIR"):
+        check_conversations(PLAN, data, None)
+    with pytest.raises(NotImplementedError, match="LLM sequence parallelism"):
+        check_conversations(make_plan({}, dict(sp=2)), data, "tok")
+    captions = str(_write(tmp_path / "c.jsonl", [{"image": "a.png", "text": "a cat"}]))
+    with pytest.raises(ValueError, match="--tokenizer applies to conversation data"):
+        check_conversations(PLAN, captions, "tok")
+    check_conversations(PLAN, data, "tok")
