@@ -13,7 +13,7 @@ from planner.cost.assumptions import CostAssumptions
 from planner.cost.comm import Link, all_reduce_time, all_to_all_time, exposed_time, p2p_time
 from planner.cost.compute import attention_core_time, attention_flops, elementwise_time, gemm_flops, gemm_time
 from planner.cost.host import pass_time
-from planner.cost.op_counts import PassOps, layer_pass_ops
+from planner.cost.op_counts import LAYER_OPS, NO_OPS, PassOps, layer_pass_ops
 from planner.cost.times import PassTimes
 from planner.cost.memory import block_saved_bytes_per_token, loss_logits_bytes, score_matrix_bytes
 from planner.hardware import DeviceSpec
@@ -110,6 +110,7 @@ def _terms(
     shard: Shard,
     *,
     ops: tuple[PassOps, PassOps],
+    attention_ops: PassOps = NO_OPS,
     gemm_s: float,
     gemm_flops_: float,
     attention_s: float = 0.0,
@@ -134,7 +135,8 @@ def _terms(
     ``backward_buffers`` defaults to ``buffers`` (the same exchange buffers run both ways).
     ``input_grad=False`` marks a first layer whose input (pixels, mel frames) needs no gradient: its backward
     is the weight-gradient GEMM only. ``ops`` are the (forward, backward) operator calls: each pass takes the
-    longer of its device work and its host dispatch (``host.pass_time``).
+    longer of its device work and its host dispatch (``host.pass_time``); ``attention_ops`` are the calls of the
+    attention core alone, which selective recomputation re-dispatches.
     """
     a = shard.assumptions
     runs_backward = shard.backward != "none"
@@ -150,7 +152,11 @@ def _terms(
         backward = pass_time(gemm_s * gemm_bwd + attention_s * attn_bwd + elementwise_s * elem_bwd, backward_ops,
                              shard.device, a)
     rc = shard.recompute if (recomputable and runs_backward) else "none"
-    recompute = {"none": 0.0, "selective": attention_s, "full": forward}[rc]
+    recompute = 0.0
+    if rc == "selective":
+        recompute = pass_time(attention_s, attention_ops, shard.device, a)
+    elif rc == "full":
+        recompute = forward
     if not runs_backward:
         tp_bwd = sp_bwd = cp_bwd = 0.0
         saved = working = 0.0
@@ -286,6 +292,7 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     return _terms(
         s,
         ops=layer_pass_ops(layer.kind, tp=s.tp, segments=segments, ulysses=s.sp > 1 and not windowed),
+        attention_ops=NO_OPS.plus(LAYER_OPS[layer.kind].per_segment_forward, segments),
         gemm_s=gemm_s,
         gemm_flops_=gemm_fl,
         attention_s=attn_s,
