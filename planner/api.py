@@ -232,7 +232,7 @@ def _profile_source(
     device = profiles.device_from_profile(cluster.device, loaded)
     assumptions = profiles.apply_calibration(profile_assumptions(loaded, assumptions), loaded.calibration)
     source = profiles.ProfileCostSource(loaded, concurrent_devices=cluster.num_devices,
-                                        time_scale=assumptions.measured_time_scale)
+                                        time_scale=assumptions.measured_time_scale, path=str(path))
     return replace(cluster, device=device), source, assumptions
 
 
@@ -462,7 +462,8 @@ def build_plan(
     tokens = module_tokens(w, model)
     reference = baselines(problem) if reference is None else reference
     predicted = prediction(e).model_copy(update={"binding_constraint": _binding(e),
-                                                 "calibration": calibration_note(problem)})
+                                                 "calibration": calibration_note(problem),
+                                                 "profile": getattr(problem.layer_costs, "path", None)})
     predictions = module_predictions(e)
     return Plan(
         schema_version=SCHEMA_VERSION,

@@ -162,6 +162,8 @@ class Prediction(_Frozen):
     binding_constraint: str = Field(description="what limits the plan, in words")
     calibration: str | None = Field(default=None, description="the profile calibration whose fitted assumptions the "
                                     "prediction used (runs, date, errors, values); None when uncalibrated")
+    profile: str | None = Field(default=None, description="the profile file the plan was costed with (None: the "
+                                "analytical model only)")
 
 
 class BaselineResult(_Frozen):

@@ -28,12 +28,15 @@ class ProfileCostSource:
     down (CPU "devices" are processes sharing one host's cores, caches and memory bandwidth), layer times are
     multiplied by the measured slowdown for that many devices (the largest measured count beyond it); a point
     timed as run with tp*sp processes already contains their slowdown, so it gets only the ratio beyond it.
-    ``time_scale`` multiplies every measured layer time and optimizer step (the calibrated ``measured_time_scale``;
+    ``path`` is the file the profile was read from (recorded in the plans it costs). ``time_scale`` multiplies every
+    measured layer time and optimizer step (the calibrated ``measured_time_scale``;
     collectives are not scaled).
     """
 
-    def __init__(self, profile: Profile, *, concurrent_devices: int = 1, time_scale: float = 1.0) -> None:
+    def __init__(self, profile: Profile, *, concurrent_devices: int = 1, time_scale: float = 1.0,
+                 path: str | None = None) -> None:
         self.profile = profile
+        self.path = path
         self.index = ProfileIndex(profile)
         self.time_scale = time_scale
         self.slowdown = concurrency_slowdown(profile, concurrent_devices) * time_scale

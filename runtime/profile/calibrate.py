@@ -362,13 +362,18 @@ def calibrate_runs(runs: list[MeasuredRun], profile: Profile, *, sources: list[s
 
 
 def _profile_for(runs: list[MeasuredRun], out: str | None) -> tuple[Path, Profile]:
-    """The profile to calibrate: ``out`` or the committed one of the runs' hardware and model; where there is none,
-    a new one holding only the calibration (the analytical model is then what is calibrated)."""
+    """The profile to calibrate: ``out``, else the one the runs' plans were costed with, else the committed one of
+    their hardware and model; where there is none, a new one holding only the calibration (the analytical model is
+    then what is calibrated)."""
     keys = {(r.plan.cluster.device.name, r.plan.model.name) for r in runs}
     if len(keys) > 1:
         raise ValueError(f"the runs are for different hardware/models {sorted(keys)}: calibrate one at a time")
     (device, model), = keys
-    path = Path(out) if out else (find_profile(device, model) or profile_path(device, model))
+    recorded = {r.plan.predicted.profile for r in runs}
+    recorded = {p for p in recorded if p and Path(p).is_file()}  # a plan made on another machine names its path
+    if not out and len(recorded) > 1:
+        raise ValueError(f"the runs' plans were costed with different profiles {sorted(recorded)}: pass --out FILE")
+    path = Path(out or next(iter(recorded), None) or find_profile(device, model) or profile_path(device, model))
     if path.exists():
         return path, load_profile(path)
     provenance = Provenance(device_name=device, device_detail="not profiled: a calibration of the analytical model",

@@ -189,3 +189,14 @@ def test_a_plan_from_before_host_costs_takes_the_catalog_device_values():
         del data["cluster"]["device"][key]
     old = schema.Plan.model_validate(data)
     assert plan_inputs(old)[1].device == get_device("h100")
+
+
+def test_calibration_goes_into_the_profile_the_plans_were_costed_with(tmp_path):
+    profile_file = tmp_path / "cpu@this-machine.json"
+    save_profile(EMPTY, profile_file)
+    plan = make_plan(MODEL, strategy(1), WORKLOAD, get_device("cpu"))
+    plan = plan.model_copy(update={"predicted": plan.predicted.model_copy(update={"profile": str(profile_file)})})
+    (tmp_path / "p.json").write_text(plan.to_json())
+    (tmp_path / "runs.csv").write_text(f"plan,step_time_s\n{tmp_path / 'p.json'},1.0\n")
+    assert main(["--calibrate", str(tmp_path / "runs.csv")]) == 0
+    assert load_profile(profile_file).calibration is not None
