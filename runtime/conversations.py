@@ -44,22 +44,6 @@ class SkippedSample(ValueError):
     """A row that cannot become a sample; its message is the reason it is counted under."""
 
 
-def is_conversation_file(path: Path) -> bool:
-    """Whether a data file holds conversations (its first row has ``conversations`` or ``messages``)."""
-    if not path.is_file():
-        return False
-    with path.open() as f:
-        head = f.read(1 << 16).lstrip()
-    if head.startswith("["):
-        return '"conversations"' in head or '"messages"' in head
-    first = head.splitlines()[0] if head else ""
-    try:
-        row = json.loads(first)
-    except json.JSONDecodeError:
-        return False
-    return isinstance(row, dict) and ("conversations" in row or "messages" in row)
-
-
 def _rows(path: Path) -> tuple[list[Any], int]:
     """The rows of a JSONL or JSON-list file and how many lines were not JSON."""
     text = path.read_text()

@@ -101,12 +101,26 @@ def check_inputs(plan: Plan, *, data: str | None, checkpoint: str | None, tokeni
         check_checkpoint(checkpoint, plan.model.hf_config)
 
 
+def is_conversation_file(path: Path) -> bool:
+    """Whether a data file holds conversations (its first row has ``conversations`` or ``messages``)."""
+    if not path.is_file():
+        return False
+    with path.open() as f:
+        head = f.read(1 << 16).lstrip()
+    if head.startswith("["):
+        return '"conversations"' in head or '"messages"' in head
+    first = head.splitlines()[0] if head else ""
+    try:
+        row = json.loads(first)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(row, dict) and ("conversations" in row or "messages" in row)
+
+
 def check_conversations(plan: Plan, data: str | None, tokenizer: str | None) -> None:
     """Conversation data comes with ``--tokenizer`` (and only it does), and not under LLM sequence parallelism: the
     hand-off routes each SP rank the image tokens of the layout's template (images first), and a conversation's
     image tokens sit after its system prompt."""
-    from runtime.conversations import is_conversation_file
-
     conversations = data is not None and is_conversation_file(Path(data))
     if conversations and tokenizer is None:
         raise ValueError(f"{data} holds conversations: give --tokenizer DIR, the model folder whose tokenizer and "

@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from transformers import PretrainedConfig
 
 from planner.schema import Plan
-from runtime.conversations import ConversationData, is_conversation_file
+from runtime.conversations import ConversationData
 from runtime.data import (
     IGNORE_INDEX,
     CaptionData,
@@ -51,7 +51,7 @@ from runtime.parallel.fsdp import all_reduce_gradients, set_gradient_sync
 from runtime.parallel.precision import module_precision
 from runtime.parallel.tensor_parallel import qkv_from_tp_layout, qkv_row_order
 from runtime.parallel_dims import BATCH_AXIS, ParallelDims
-from runtime.preflight import MODULES
+from runtime.preflight import MODULES, is_conversation_file
 from runtime.parallelize import parallelize_llm, parallelize_vision, uses_fsdp
 from runtime.vision import merged_positions_per_rank, shard_vision_batch, vision_forward
 

@@ -60,6 +60,11 @@ def not_utf8(tmp: Path) -> str:
     return str(tmp / "data.jsonl")
 
 
+def conversations(tmp: Path) -> str:
+    (tmp / "chat.jsonl").write_text('{"image": "a.png", "conversations": [{"from": "human", "value": "hi"}]}\n')
+    return str(tmp / "chat.jsonl")
+
+
 # (case id, extra CLI arguments built in tmp_path, the exact message after "runtime: error: " with {tmp})
 CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("checkpoint_missing", lambda t: ["--checkpoint", str(t / "nope")], "checkpoint {tmp}/nope does not exist"),
@@ -89,6 +94,11 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      "data file {tmp}/data.jsonl line 2 is not UTF-8 text: expected JSONL"),
     ("data_neither_file_nor_folder", lambda t: ["--data", a_fifo(t)],
      "data path {tmp}/fifo is neither a JSONL file nor a folder of images"),
+    ("conversations_without_tokenizer", lambda t: ["--data", conversations(t)],
+     "{tmp}/chat.jsonl holds conversations: give --tokenizer DIR, the model folder whose tokenizer and chat "
+     "template they go through"),
+    ("tokenizer_without_tokenizer_files", lambda t: ["--data", conversations(t), "--tokenizer", str(t)],
+     "--tokenizer {tmp} is not a folder with a tokenizer (no tokenizer_config.json)"),
 ]
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from runtime.conversations import ConversationData, is_conversation_file, messages_of
+from runtime.conversations import ConversationData, messages_of
+from runtime.preflight import is_conversation_file
 from runtime.data import IGNORE_INDEX, layout_from_plan
 from runtime.model import hf_config_from_dict
 from tests.runtime.plans import make_plan
