@@ -111,8 +111,8 @@ NCCL_NVLINK_HOP_LATENCY = 3.4e-6
 NCCL_NET_HOP_LATENCY = 14.0e-6
 """Per-hop latency of NCCL's tuning model for ring/Simple over the network (same table)."""
 GPU_KERNEL_LAUNCH_LATENCY = 3e-6
-"""Seconds per kernel launch on a recent NVIDIA GPU: "a few microseconds" (NVIDIA Technical Blog, "Getting Started
-with CUDA Graphs", 2019, whose launch-bound example runs ~3 us per kernel before graphs)."""
+"""Seconds per kernel launch on a recent NVIDIA GPU (assumed 3 us): the per-kernel launch overhead that NVIDIA's
+"Getting Started with CUDA Graphs" (Technical Blog, 2019) shows dominating short kernels and graphs removing."""
 GPU_HOST_OVERLAP = 0.9
 """How far a GPU's host runs ahead: kernels are queued asynchronously (CUDA streams), but a training step syncs
 (loss and gradient-norm reads, allocator frees), so not everything hides (assumed; a cluster file may override it)."""

@@ -25,14 +25,14 @@ class PhysicalRange:
 
 
 STEP_TIME_ASSUMPTIONS: dict[str, PhysicalRange] = {
-    "max_matmul_efficiency": PhysicalRange(low=0.2, high=0.95, prior_width=0.15, why="cuBLAS reaches 60-90 % of peak on large bf16 "
-                                           "GEMMs; below 20 % a kernel is misconfigured, not inefficient"),
-    "flash_attention_efficiency": PhysicalRange(low=0.1, high=0.9, prior_width=0.15, why="FlashAttention-2 forward reaches 50-73 % of "
-                                                "A100 peak (Dao 2023, Fig. 4)"),
+    "max_matmul_efficiency": PhysicalRange(low=0.2, high=0.95, prior_width=0.15, why="assumed: a large bf16 GEMM reaches well over "
+                                           "half of peak, below 20 % a kernel is misconfigured, not inefficient"),
+    "flash_attention_efficiency": PhysicalRange(low=0.1, high=0.9, prior_width=0.15, why="FlashAttention-2 reaches 50-73 % of A100 "
+                                                "peak (Dao 2023, abstract)"),
     "mem_efficient_attention_efficiency": PhysicalRange(low=0.1, high=0.9, prior_width=0.15, why="as flash attention"),
     "eager_attention_efficiency": PhysicalRange(low=0.1, high=0.95, prior_width=0.15, why="two batched GEMMs, as matmuls"),
-    "intra_node_bus_efficiency": PhysicalRange(low=0.2, high=1.0, prior_width=0.2, why="a collective cannot beat the link; NCCL "
-                                               "reaches 70-90 % of NVLink bus bandwidth on large messages"),
+    "intra_node_bus_efficiency": PhysicalRange(low=0.2, high=1.0, prior_width=0.2, why="a collective cannot beat the link; assumed "
+                                               "no worse than a fifth of it"),
     "inter_node_bus_efficiency": PhysicalRange(low=0.2, high=1.0, prior_width=0.2, why="as intra-node, over the NIC"),
     "host_seconds_per_op": PhysicalRange(low=0.5e-6, high=50e-6, prior_width=5e-6, why="eager dispatch of one call: about a "
                                          "microsecond in C++ to tens in Python-heavy paths"),
@@ -67,8 +67,13 @@ def apply_calibration(assumptions: CostAssumptions, calibration: Calibration | N
         if not known.low <= value <= known.high:
             raise ValueError(f"the profile's calibration sets {name} = {value:g}, outside its physical range "
                              f"{known.low:g}..{known.high:g}: re-run --calibrate")
-    values = {k: (int(v) if isinstance(getattr(assumptions, k), int) else v) for k, v in calibration.values.items()}
-    return replace(assumptions, **values)
+    return with_values(assumptions, calibration.values)
+
+
+def with_values(assumptions: CostAssumptions, values: dict[str, float]) -> CostAssumptions:
+    """``assumptions`` with some fields set (integer fields rounded, as a fit returns floats)."""
+    return replace(assumptions, **{k: (int(v) if isinstance(getattr(assumptions, k), int) else v)
+                                   for k, v in values.items()})
 
 
 def describe_calibration(calibration: Calibration) -> str:

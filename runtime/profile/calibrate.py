@@ -53,6 +53,7 @@ from planner.profiles import (
     relative_rms,
     save_profile,
 )
+from planner.profiles.calibration import with_values
 from planner.schema import Plan, load_plan
 from planner.strategy import ModuleStrategy, Strategy
 from planner.workload import Workload
@@ -260,8 +261,7 @@ class Predictor:
         self.base = profile_assumptions(profile, DEFAULT_ASSUMPTIONS)
 
     def assumptions(self, values: dict[str, float]) -> CostAssumptions:
-        ints = {k: int(v) for k, v in values.items() if isinstance(getattr(self.base, k), int)}
-        return replace(self.base, **{**values, **ints})
+        return with_values(self.base, values)
 
     def __call__(self, values: dict[str, float]) -> Estimate:
         assumptions = self.assumptions(values)

@@ -94,7 +94,7 @@ def test_sharded_layers_match_the_table(tmp_path, tp, sp):
     assert out.read_text() == ""
 
 
-def test_counter_sees_dtensor_calls_once_and_the_probe_times_a_call():
+def test_counter_counts_calls_and_kernels_and_the_probe_times_a_call():
     with OpCounter() as counter:
         torch.ones(3).add(1).view(3, 1)
     assert (counter.count.ops, counter.count.kernels) == (3, 2)  # ones, add, view (no kernel)
