@@ -82,6 +82,7 @@ def _worker(rank: int, world: int, port: int, tp: int, sp: int, out: str) -> Non
         if rank == 0:
             with open(out, "w") as f:
                 f.write("\n".join(wrong))
+        dist.barrier()  # a rank that tears gloo down while its peer still counts can abort that peer
     finally:
         dist.destroy_process_group()
 
