@@ -22,12 +22,24 @@ from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, Estimate, estimat
 from planner.cost.assumptions import FP32_STATES
 from planner.cost.report import module_predictions, prediction
 from planner.cost.results import GIB
+from planner.dataset import (
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MIN_PIXELS,
+    DatasetHistogram,
+    dataset_workload,
+    pack_budgets,
+    pack_dataset,
+    percentiles,
+    read_dataset,
+    sample_tokens,
+)
 from planner.hardware import PLAUSIBLE_RANGES, Cluster, get_device, load_cluster_file, make_cluster
 from planner.models import ModelSpec
 from planner.schema import (
     SCHEMA_VERSION,
     BaselineResult,
     ClusterInfo,
+    DatasetInfo,
     DeviceInfo,
     ModelInfo,
     ModulePlan,
@@ -272,6 +284,11 @@ def make_problem(
     profile: str | None = "auto",
     assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
     allow_ring_cp: bool = False,
+    dataset: str | DatasetHistogram | None = None,
+    tokenizer: str | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    pack_tokens: int | None = None,
 ) -> Problem:
     """Everything a plan depends on, from user-level inputs.
 
@@ -294,6 +311,13 @@ def make_problem(
         profile: Profile file, "auto" (the committed profile of this device/model if any) or None.
         assumptions: Cost-model knobs.
         allow_ring_cp: Also search ring context parallelism, which the runtime cannot execute yet.
+        dataset: A conversation / caption JSONL or JSON file, or a dataset histogram (``planner.dataset``): plan for
+            its samples, packed; replaces the per-sample inputs (``global_batch`` still counts samples).
+        tokenizer: Folder with the tokenizer.json that counts the dataset's text (else an estimate, stated).
+        min_pixels: Fewest pixels the processor resizes a dataset image to (default Qwen2.5-VL's).
+        max_pixels: Most pixels the processor resizes a dataset image to (default Qwen2.5-VL's).
+        pack_tokens: LLM-token budget of a pack (default: the longest sample, rounded up to 256; ``top_plans``
+            also tries twice and four times that and keeps the fastest).
 
     Raises:
         ValueError: any bad input, in one line.
@@ -309,6 +333,16 @@ def make_problem(
         raise ValueError("every module of the plan is frozen: nothing to train")
     spec = spec.with_frozen(frozen) if frozen else spec
     cluster = cluster or make_cluster_for(gpus, gpu, gpus_per_node, cluster_file)
+    dataset_info = None
+    if dataset is not None:
+        sample_inputs = dict(image_sizes=image_sizes, vision_tokens=vision_tokens, text_tokens=text_tokens,
+                             images_per_sample=images_per_sample, audio_seconds=audio_seconds)
+        _check_no_sample_inputs(workload, sample_inputs)
+        workload, dataset_info = dataset_workload_for(
+            spec, cluster.num_devices, dataset, tokenizer=tokenizer, min_pixels=min_pixels, max_pixels=max_pixels,
+            pack_tokens=pack_tokens, global_batch=global_batch)
+    elif any(v is not None for v in (tokenizer, min_pixels, max_pixels, pack_tokens)):
+        raise ValueError("--tokenizer, --min-pixels, --max-pixels and --pack-tokens apply to --dataset")
     workload = workload or make_workload(
         spec, cluster.num_devices, image_sizes=image_sizes, vision_tokens=vision_tokens, text_tokens=text_tokens,
         images_per_sample=images_per_sample, audio_seconds=audio_seconds, global_batch=global_batch,
@@ -316,7 +350,52 @@ def make_problem(
     _check_sample(workload, spec)
     cluster, layer_costs, assumptions = _profile_source(spec, cluster, profile, assumptions)
     return Problem(model=spec, cluster=cluster, workload=workload, precision=precision, assumptions=assumptions,
-                   layer_costs=layer_costs, allow_ring_cp=allow_ring_cp)
+                   layer_costs=layer_costs, allow_ring_cp=allow_ring_cp, dataset=dataset_info)
+
+
+def _check_no_sample_inputs(workload: Workload | None, inputs: Mapping[str, Any]) -> None:
+    given = [name for name, value in inputs.items() if value is not None]
+    if workload is not None or given:
+        flags = ", ".join("--image-size" if name == "image_sizes" else "--" + name.replace("_", "-")
+                          for name in given) or "workload"
+        raise ValueError(f"--dataset gives every sample's shape: drop {flags}")
+
+
+def dataset_workload_for(
+    model: ModelSpec, num_gpus: int, dataset: str | DatasetHistogram, *, tokenizer: str | None = None,
+    min_pixels: int | None = None, max_pixels: int | None = None, pack_tokens: int | None = None,
+    global_batch: int | None = None,
+) -> tuple[Workload, DatasetInfo]:
+    """The packed workload of a dataset and what the plan records about it (see ``make_problem``)."""
+    if model.audio_input is not None:
+        raise ValueError(f"--dataset reads image-text data; {model.name} has an audio encoder")
+    min_pixels = DEFAULT_MIN_PIXELS if min_pixels is None else min_pixels
+    max_pixels = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
+    check_bounds("--min-pixels", min_pixels, 1, MAX_IMAGE_SIDE**2)
+    check_bounds("--max-pixels", max_pixels, min_pixels, MAX_IMAGE_SIDE**2)
+    if pack_tokens is not None:
+        check_bounds("--pack-tokens", pack_tokens, 1, MAX_TEXT_TOKENS)
+    if global_batch is not None:
+        check_bounds("--global-batch", global_batch, 1, MAX_GLOBAL_BATCH)
+    histogram = dataset if isinstance(dataset, DatasetHistogram) else read_dataset(dataset, tokenizer)
+    tokens = sample_tokens(histogram, model, min_pixels=min_pixels, max_pixels=max_pixels)
+    budget = pack_budgets(tokens, (1,))[0] if pack_tokens is None else pack_tokens
+    packing = pack_dataset(tokens, model, budget)
+    samples = DEFAULT_SAMPLES_PER_GPU * num_gpus if global_batch is None else global_batch
+    workload = dataset_workload(packing, samples, num_gpus)
+    skipped = {**histogram.skipped, **tokens.skipped}
+    if packing.too_long:
+        skipped["longer than the pack budget"] = packing.too_long
+    per_sample = {"llm": tokens.llm} if model.vision_input is None else {"vision": tokens.vision, "llm": tokens.llm}
+    info = DatasetInfo(
+        source=histogram.source, samples=packing.samples, skipped=skipped, text_tokens=histogram.text_tokens,
+        min_pixels=min_pixels, max_pixels=max_pixels,
+        tokens_per_sample={m: percentiles(v) for m, v in per_sample.items()},
+        pack_tokens=packing.packed.pack_tokens, packs_per_epoch=packing.packs,
+        samples_per_pack=packing.packed.samples_per_pack, packing_efficiency=packing.efficiency,
+        heaviest_pack_tokens={m: t.tokens for m, t in packing.packed.heaviest},
+    )
+    return workload, info
 
 
 def _check_sample(workload: Workload, model: ModelSpec) -> None:
@@ -327,7 +406,7 @@ def _check_sample(workload: Workload, model: ModelSpec) -> None:
     if vision > MAX_VISION_TOKENS:
         raise ValueError(f"a sample has {vision:,} vision tokens, at most {MAX_VISION_TOKENS:,} are supported "
                          f"(fewer or smaller images)")
-    if "vision" in tokens:
+    if "vision" in tokens and workload.packs is None:
         images = 1 if workload.vision_tokens is not None else len(workload.image_sizes)
         if workload.text_tokens < 2 * images + 1:  # runtime.data.SampleLayout's rule
             raise ValueError(f"{workload.text_tokens} text tokens cannot hold a start and end marker for each of "
@@ -477,8 +556,9 @@ def build_plan(
         workload=WorkloadInfo(
             image_sizes=list(w.image_sizes), vision_tokens=w.vision_tokens, text_tokens=w.text_tokens,
             audio_seconds=w.audio_seconds, global_batch=w.global_batch,
-            module_tokens={m: t.tokens for m, t in tokens.items()},
-            llm_image_tokens=tokens["vision"].output_tokens if "vision" in tokens else 0,
+            module_tokens={m: round(t.tokens) for m, t in tokens.items()},
+            llm_image_tokens=round(tokens["vision"].output_tokens) if "vision" in tokens else 0,
+            dataset=problem.dataset,
         ),
         training=TrainingInfo(precision=problem.precision),
         placement=strategy.placement,
@@ -510,6 +590,9 @@ def top_plans(
     """
     check_bounds("--top-k", k, 1, MAX_TOP_K)
     _check_time_limit(time_limit_s)
+    budgets = _pack_budget_problems(model, gpus, inputs)
+    if budgets:
+        return _best_over(budgets, k=k, placement=placement, fix=fix, time_limit_s=time_limit_s)
     problem = _as_problem(model, gpus, inputs)
     pinned = pinned_strategy(problem, placement, fix)
     reference = baselines(problem)
@@ -521,6 +604,39 @@ def top_plans(
                    reference=reference, objective_s=r.objective_s)
         for i, r in enumerate(ranked)
     ]
+
+
+PACK_BUDGET_MULTIPLES = (1, 2, 4)
+"""Pack budgets ``top_plans`` tries for a dataset without ``pack_tokens``: these multiples of the longest sample."""
+
+
+def _pack_budget_problems(model: Any, gpus: int | None, inputs: dict[str, Any]) -> list[Problem]:
+    """One problem per candidate pack budget for a dataset whose budget is left to the planner, else []."""
+    if isinstance(model, Problem) or inputs.get("dataset") is None or inputs.get("pack_tokens") is not None:
+        return []
+    dataset = inputs["dataset"]
+    if not isinstance(dataset, DatasetHistogram):
+        dataset = read_dataset(dataset, inputs.get("tokenizer"))
+    first = make_problem(model, gpus, **{**inputs, "dataset": dataset})
+    base = first.dataset.pack_tokens
+    return [first] + [make_problem(model, gpus, **{**inputs, "dataset": dataset, "pack_tokens": base * m})
+                      for m in PACK_BUDGET_MULTIPLES[1:]]
+
+
+def _best_over(problems: list[Problem], *, k: int, **solve: Any) -> list[Plan]:
+    """The ``k`` plans of most LLM tokens per second over several problems (pack budgets), re-ranked; the first
+    problem's infeasibility when none fits."""
+    plans, first_error = [], None
+    for problem in problems:
+        try:
+            plans += top_plans(problem, k=k, **solve)
+        except Infeasible as e:
+            first_error = first_error or e
+    if not plans:
+        raise first_error
+    plans.sort(key=lambda p: -p.predicted.tokens_per_s)
+    return [p.model_copy(update={"solver": p.solver.model_copy(update={"rank": i + 1})})
+            for i, p in enumerate(plans[:k])]
 
 
 def plan(
@@ -586,6 +702,8 @@ def max_seq(
     """
     _check_time_limit(time_limit_s)
     problem = _as_problem(model, gpus, inputs)
+    if problem.dataset is not None:
+        raise ValueError("--max-seq searches one image size per sample; a dataset gives its own: drop one of them")
     if problem.model.vision_input is None:
         raise ValueError(f"--max-seq searches image sequence lengths; {problem.model.name} has no vision encoder")
     pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus)

@@ -34,6 +34,7 @@ from planner.cost.estimate import module_path_terms
 from planner.cost.phases import alive, data_flow_order, own_phases, step_phases
 from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, ModelSpec
+from planner.schema import DatasetInfo
 from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Placement, Precision
 from planner.workload import Workload
 
@@ -65,6 +66,8 @@ class Problem:
     """Cost-model knobs."""
     layer_costs: LayerCostSource | None = None
     """Measured per-layer costs (a profile), or None for the analytical model alone."""
+    dataset: DatasetInfo | None = None
+    """The dataset the workload's packs come from (``planner.dataset``), recorded in the plan."""
     allow_ring_cp: bool = False
     """Search ring context parallelism (cp > 1). Off by default: the cost model prices it, but the runtime cannot
     execute it yet, so a default plan is always one ``python -m runtime`` runs. ``--fix MODULE.cp=N`` pins it."""

@@ -87,6 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--precision", default="bf16_mixed", choices=("bf16_mixed", "bf16_pure"),
                       help="bf16_mixed (fp32 master + Adam, 16 B/param; default) or bf16_pure (8 B/param)")
     data.add_argument("--frozen", action="append", default=[], metavar="MODULE", help="freeze a module (repeatable)")
+    dataset = p.add_argument_group("dataset (instead of the per-sample workload)")
+    dataset.add_argument("--dataset", metavar="FILE", help="plan for a conversation / caption JSONL or JSON file "
+                         "(image sizes from file headers) or a dataset histogram: samples are packed, step time is "
+                         "the mean pack's, memory holds the heaviest; --global-batch still counts samples")
+    dataset.add_argument("--tokenizer", metavar="DIR", help="folder whose tokenizer.json counts the dataset's text "
+                         "(default: estimated from UTF-8 bytes, stated in the plan)")
+    dataset.add_argument("--min-pixels", type=int, metavar="N", help="fewest pixels an image is resized to "
+                         "(default 3136, Qwen2.5-VL's processor)")
+    dataset.add_argument("--max-pixels", type=int, metavar="N", help="most pixels an image is resized to "
+                         "(default 12845056, Qwen2.5-VL's processor)")
+    dataset.add_argument("--pack-tokens", type=int, metavar="N", help="LLM-token budget of a pack (default: the "
+                         "fastest of 1, 2 and 4 times the longest sample, rounded up to 256)")
+    dataset.add_argument("--histogram-out", metavar="FILE", help="also write the dataset's histogram (a smaller "
+                         "--dataset for later plans)")
     search = p.add_argument_group("search")
     search.add_argument("--placement", default="auto", choices=("auto", "colocated", "disjoint"),
                         help="colocated: every module on all GPUs; disjoint: one GPU group per module; "
@@ -140,16 +154,30 @@ def _inputs(args: argparse.Namespace) -> dict:
         vision_tokens=args.vision_tokens, text_tokens=args.text_tokens, images_per_sample=args.images_per_sample,
         audio_seconds=args.audio_seconds, global_batch=args.global_batch, precision=args.precision,
         frozen=args.frozen, profile=None if (args.profile or "").lower() == "none" else (args.profile or "auto"),
-        allow_ring_cp=args.allow_cp,
+        allow_ring_cp=args.allow_cp, dataset=args.dataset, tokenizer=args.tokenizer, min_pixels=args.min_pixels,
+        max_pixels=args.max_pixels, pack_tokens=args.pack_tokens,
     )
 
 
 def _run(args: argparse.Namespace) -> list:
     from planner import api
+    from planner.dataset import read_dataset, write_histogram
 
     if args.model is None or args.gpus is None:
         raise ValueError("give --model and --gpus (or --list-models / --list-gpus)")
-    problem = api.make_problem(args.model, args.gpus, **_inputs(args))
+    inputs = _inputs(args)
+    if args.histogram_out:
+        if args.dataset is None:
+            raise ValueError("--histogram-out writes the histogram of --dataset: give --dataset")
+        inputs["dataset"] = read_dataset(args.dataset, args.tokenizer)
+        try:
+            write_histogram(inputs["dataset"], args.histogram_out)
+        except OSError as e:
+            raise ValueError(f"cannot write --histogram-out {args.histogram_out}: {e.strerror}") from None
+    if args.dataset is not None and not args.max_seq:
+        return api.top_plans(args.model, args.gpus, k=args.top_k or 1, placement=args.placement, fix=args.fix,
+                             time_limit_s=args.time_limit, **inputs)
+    problem = api.make_problem(args.model, args.gpus, **inputs)
     if args.max_seq:
         return [api.max_seq(problem, placement=args.placement, fix=args.fix, time_limit_s=args.time_limit)]
     return api.top_plans(problem, k=args.top_k or 1, placement=args.placement, fix=args.fix,
@@ -215,8 +243,26 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def _dataset_lines(w) -> list[str]:
+    d = w.dataset
+    tokens = "; ".join(f"{m} p50 {t.p50:,.0f} p95 {t.p95:,.0f} max {t.max:,.0f}" for m, t in d.tokens_per_sample.items())
+    skipped = ", ".join(f"{n} {why}" for why, n in d.skipped.items()) or "none"
+    if d.pack_tokens is None:
+        packing = "one sample per micro-batch unit (no packing)"
+    else:
+        packing = (f"packs of {d.pack_tokens:,} LLM tokens: {d.samples_per_pack:.2f} samples each, "
+                   f"{d.packing_efficiency:.1%} full")
+    heaviest = ", ".join(f"{m} {t:,.0f}" for m, t in d.heaviest_pack_tokens.items())
+    return [f"dataset    {d.source}: {d.samples:,} samples (skipped: {skipped}); text {d.text_tokens}",
+            f"           tokens/sample {tokens}",
+            f"           {packing}; mean pack {w.module_tokens['llm']:,} LLM tokens, heaviest pack {heaviest} "
+            f"(memory holds it); {w.global_batch} packs/step"]
+
+
 def _workload_line(plan) -> str:
     w = plan.workload
+    if w.dataset is not None:
+        return "\n".join(_dataset_lines(w))
     parts = []
     if w.vision_tokens is not None:
         parts.append(f"{w.vision_tokens:,} vision tokens")

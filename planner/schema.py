@@ -12,7 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
+"""Version 2 added ``workload.dataset``; a version-1 plan reads as one without it."""
 Source = Literal["analytical", "measured", "calibrated"]
 
 
@@ -129,6 +131,30 @@ class ClusterInfo(_Frozen):
     devices_per_node: int
 
 
+class TokenPercentiles(_Frozen):
+    p50: float
+    p95: float
+    max: float
+
+
+class DatasetInfo(_Frozen):
+    """The dataset a plan was made for (``plan --dataset``): one sample of the workload is one pack."""
+
+    source: str = Field(description="the data or histogram file")
+    samples: int = Field(description="usable samples of an epoch (packed)")
+    skipped: dict[str, int] = Field(description="rows and samples left out, by reason")
+    text_tokens: str = Field(description="how text tokens were counted")
+    min_pixels: int
+    max_pixels: int
+    tokens_per_sample: dict[str, TokenPercentiles] = Field(description="per module, over the samples")
+    pack_tokens: int | None = Field(description="LLM-token budget of a pack; None: one sample per pack")
+    packs_per_epoch: int
+    samples_per_pack: float
+    packing_efficiency: float | None = Field(description="real LLM tokens / (packs * pack_tokens)")
+    heaviest_pack_tokens: dict[str, float] = Field(description="per module, the tokens of its heaviest pack, "
+                                                   "which the plan's memory holds")
+
+
 class WorkloadInfo(_Frozen):
     image_sizes: list[tuple[int, int]]
     vision_tokens: int | None
@@ -137,6 +163,8 @@ class WorkloadInfo(_Frozen):
     global_batch: int
     module_tokens: dict[str, int] = Field(description="tokens per sample entering each module")
     llm_image_tokens: int = Field(description="LLM tokens per sample that come from images")
+    dataset: DatasetInfo | None = Field(default=None, description="with a dataset, a sample above is the mean "
+                                        "pack (tokens rounded) and global_batch counts packs")
 
 
 class TrainingInfo(_Frozen):
@@ -228,10 +256,11 @@ def load_plan(path: str | Path) -> Plan:
     version = data["schema_version"]
     if not isinstance(version, int) or isinstance(version, bool):
         raise PlanError(f"plan {path}: schema_version must be a whole number, got {version!r} "
-                        f"({type(version).__name__}); this tool reads version {SCHEMA_VERSION}")
-    if version != SCHEMA_VERSION:
+                        f"({type(version).__name__}); this tool reads versions {', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
+    if version not in READABLE_SCHEMA_VERSIONS:
         raise PlanError(
-            f"plan {path} has schema version {version}, this tool reads version {SCHEMA_VERSION}: "
+            f"plan {path} has schema version {version}, this tool reads versions "
+            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}: "
             f"re-run `plan` with this version to regenerate it"
         )
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import math
 
 from planner.models import ModelSpec
@@ -21,7 +21,19 @@ class Workload:
     audio_seconds: float = 0.0
     """Seconds of audio per sample."""
     global_batch: int
-    """Samples per optimizer step."""
+    """Samples per optimizer step; with ``packs``, packs per optimizer step."""
+    packs: PackedTokens | None = None
+    """A dataset plan: one sample of the cost model is one pack of real samples (``planner.dataset``), and
+    ``module_tokens`` gives the mean pack; the other per-sample fields are unused."""
+
+    @property
+    def samples_per_unit(self) -> float:
+        """Real samples in one cost-model sample: the mean samples per pack, or 1."""
+        return 1.0 if self.packs is None else self.packs.samples_per_pack
+
+    def heaviest(self) -> Workload | None:
+        """The workload whose one sample is the heaviest pack (what memory must hold), or None without packs."""
+        return None if self.packs is None else self.packs.heaviest_workload
 
     def __post_init__(self) -> None:
         if self.global_batch < 1:
@@ -37,16 +49,49 @@ class Workload:
 
 @dataclass(kw_only=True, frozen=True)
 class ModuleTokens:
-    """Tokens one sample puts through a module, and how attention segments them."""
+    """Tokens one sample puts through a module, and how attention segments them. A mean over packs
+    (``PackedTokens``) has fractional counts and gives the sum of squared segment lengths directly."""
 
-    tokens: int
+    tokens: float
     """Tokens per sample entering the module (vision: patches; audio: encoder positions; llm: sequence)."""
     segments: tuple[int, ...]
     """Lengths of the independent full-attention segments (one per image / clip; one sequence for the LLM)."""
-    windows: int = 0
+    windows: float = 0
     """Attention windows per sample for window-attention blocks (0 when the module has none)."""
-    output_tokens: int = 0
+    output_tokens: float = 0
     """Tokens per sample the module hands to the LLM (after merge / pooling); 0 for the LLM."""
+    segment_squares: float | None = None
+    """Sum of squared segment lengths when ``segments`` does not list them (a mean over packs)."""
+
+    @property
+    def squared_segments(self) -> float:
+        """Sum of squared full-attention segment lengths (what attention FLOPs and scores scale with)."""
+        return sum(s * s for s in self.segments) if self.segment_squares is None else self.segment_squares
+
+
+@dataclass(kw_only=True, frozen=True, eq=False)
+class PackedTokens:
+    """Per-module tokens of a dataset's packs: the mean pack (what step time averages over) and the heaviest
+    (per module, what memory must hold), from ``planner.dataset``."""
+
+    mean: tuple[tuple[str, ModuleTokens], ...]
+    """(module, mean tokens per pack)."""
+    heaviest: tuple[tuple[str, ModuleTokens], ...]
+    """(module, the tokens of the pack heaviest for that module: the most tokens, then the largest squares)."""
+    samples_per_pack: float
+    """Mean real samples per pack."""
+    pack_tokens: int | None
+    """LLM-token budget of a pack; None: every sample is a pack of its own (no packing)."""
+    heaviest_workload: Workload | None = None
+    """The workload of one heaviest pack (set by ``packed_workload``)."""
+
+
+def packed_workload(packs: PackedTokens, global_batch: int) -> Workload:
+    """A workload of ``global_batch`` packs per step, with its heaviest-pack twin for memory."""
+    heavy = PackedTokens(mean=packs.heaviest, heaviest=packs.heaviest, samples_per_pack=packs.samples_per_pack,
+                         pack_tokens=packs.pack_tokens)
+    full = replace(packs, heaviest_workload=Workload(global_batch=global_batch, packs=heavy))
+    return Workload(global_batch=global_batch, packs=full)
 
 
 def round_to_multiple(pixels: int, factor: int) -> int:
@@ -106,6 +151,8 @@ def audio_tokens(workload: Workload, model: ModelSpec) -> ModuleTokens:
 
 def module_tokens(workload: Workload, model: ModelSpec) -> dict[str, ModuleTokens]:
     """Per-module token counts of one sample; the LLM sequence is text plus every encoder's output tokens."""
+    if workload.packs is not None:
+        return dict(workload.packs.mean)
     tokens: dict[str, ModuleTokens] = {}
     if model.vision_input is not None and "vision" in model.module_names:
         tokens["vision"] = vision_tokens(workload, model)

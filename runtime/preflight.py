@@ -73,6 +73,11 @@ def check_plan(plan: Plan) -> None:
     names = sorted(m.name for m in plan.modules)
     if names != sorted(MODULES):
         raise NotImplementedError(f"the runtime runs plans with modules {list(MODULES)}, this one has {names}")
+    if plan.workload.dataset is not None:
+        raise NotImplementedError(
+            f"this plan was made for the dataset {plan.workload.dataset.source} (packs of "
+            f"{plan.workload.dataset.pack_tokens} LLM tokens) and the runtime does not pack samples yet: plan with "
+            "--image-size/--text-tokens to run it")
     vision, llm = plan.module("vision"), plan.module("llm")
     for module in (vision, llm):
         if module.cp > 1:

@@ -23,6 +23,9 @@ PLANNER_MODULES = [
     "planner.catalog",
     "planner.cost",
     "planner.profiles",
+    "planner.dataset",
+    "planner.packing",
+    "planner.data_rows",
 ]
 
 

@@ -69,7 +69,7 @@ def combine(
         placement=placement,
         step_time_s=step,
         tokens_per_s=workload.global_batch * llm_tokens / step,
-        samples_per_s=workload.global_batch / step,
+        samples_per_s=workload.global_batch * workload.samples_per_unit / step,
         mfu=flops / (step * num_gpus * cluster.device.peak_bf16_flops),
         num_gpus=num_gpus,
         peak_memory_bytes=peak.total,

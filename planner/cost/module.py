@@ -51,9 +51,9 @@ def backward_mode(model: ModelSpec, module: str) -> str:
 def segment_stats(tokens: ModuleTokens) -> tuple[float, float]:
     """(token-weighted mean segment length, equivalent segment count) with count * len^2 = sum(len^2) and
     count * len = sum(len), so attention FLOPs and scores of unequal segments are reproduced exactly."""
-    total = sum(tokens.segments)
-    squares = sum(s * s for s in tokens.segments)
-    if total == 0:
+    total = tokens.tokens if tokens.segment_squares is not None else sum(tokens.segments)
+    squares = tokens.squared_segments
+    if total == 0 or squares == 0:
         return 0.0, 0.0
     return squares / total, total * total / squares
 
@@ -244,7 +244,7 @@ def _measure(
         tp=s.tp,
         sp=s.sp,
         cp=s.cp,
-        seq_len=static.tokens.tokens,
+        seq_len=round(static.tokens.tokens),
         tokens_per_rank=round(s.micro_batch * static.tokens.tokens / (s.sp * s.cp)),
         micro_batch=s.micro_batch,
         recompute=s.recompute,
@@ -381,6 +381,29 @@ def module_cost(
     Cost: ~20 us per call when the (tp, sp, cp, micro_batch, recompute) sharding was costed before for the same
     model/workload/cluster/assumptions OBJECTS (memoised by identity: reuse them across calls), ~70 us when not.
     """
+    cost = _module_cost(model, module, cluster, workload, strategy, placement=placement, precision=precision,
+                        first_rank=first_rank, num_stages=num_stages, stage_index=stage_index,
+                        assumptions=assumptions, layer_costs=layer_costs)
+    heaviest = workload.heaviest()
+    if heaviest is None:
+        return cost
+    heavy = _module_cost(model, module, cluster, heaviest, strategy, placement=placement, precision=precision,
+                         first_rank=first_rank, num_stages=num_stages, stage_index=stage_index,
+                         assumptions=assumptions, layer_costs=layer_costs)
+    return replace(cost, **{name: getattr(heavy, name) for name in PACK_MEMORY_FIELDS})
+
+
+PACK_MEMORY_FIELDS = ("forward_buffers_bytes", "backward_buffers_bytes", "loss_backward_buffers_bytes",
+                      "loss_saved_bytes", "activations_per_micro_batch_bytes")
+"""ModuleCost fields that grow with a micro-batch's tokens: for a dataset plan they are the heaviest pack's (every
+micro-batch of the step must fit), the times the mean pack's."""
+
+
+def _module_cost(
+    model: ModelSpec, module: str, cluster: Cluster, workload: Workload, strategy: ModuleStrategy, *,
+    placement: Placement, precision: Precision, first_rank: int, num_stages: int, stage_index: int,
+    assumptions: CostAssumptions, layer_costs: LayerCostSource | None,
+) -> ModuleCost:
     s = strategy
     static = _with_measured_collectives(_static(model, module, workload, cluster, assumptions), s, layer_costs)
     dpn = cluster.devices_per_node

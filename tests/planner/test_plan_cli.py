@@ -163,3 +163,28 @@ def test_json_top_k_is_a_ranked_list(capsys):
     _, out, _ = _run(["--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--top-k", "2", "--json"], capsys)
     docs = json.loads(out)
     assert [d["solver"]["rank"] for d in docs] == [1, 2]
+
+
+def test_dataset_plan_and_its_histogram(tmp_path, capsys, monkeypatch):
+    from PIL import Image
+
+    monkeypatch.setenv("DHPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    rows = []
+    for i, (w, h) in enumerate([(300, 200), (1920, 1080), (640, 480)]):
+        Image.new("RGB", (w, h)).save(tmp_path / f"{i}.png")
+        rows.append(json.dumps({"image": f"{i}.png", "conversations": [
+            {"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "x" * 40 * (i + 1)}]}))
+    (tmp_path / "d.jsonl").write_text("\n".join(rows + ["{broken"]) + "\n")
+    argv = ["--model", "qwen-vl-32b", "--gpus", "8", "--profile", "none", "--dataset", str(tmp_path / "d.jsonl")]
+    code, out, _ = _run(argv + ["--out", str(tmp_path / "p.json"), "--histogram-out", str(tmp_path / "h.json")],
+                        capsys)
+    assert code == 0
+    assert "3 samples (skipped: 1 malformed row); text estimated as UTF-8 bytes / 4" in out
+    assert "full; mean pack" in out and "(memory holds it)" in out
+    _run(argv[:-1] + [str(tmp_path / "h.json"), "--out", str(tmp_path / "q.json")], capsys)
+    first, again = load_plan(tmp_path / "p.json"), load_plan(tmp_path / "q.json")
+    assert first.modules == again.modules and first.predicted == again.predicted
+    assert _fails(argv + ["--image-size", "448x448"], capsys) == (
+        "plan: error: --dataset gives every sample's shape: drop --image-size\n")
+    assert "apply to --dataset" in _fails(argv[:-2] + ["--pack-tokens", "512"], capsys)
+    assert "--max-seq searches one image size per sample" in _fails(argv + ["--max-seq"], capsys)

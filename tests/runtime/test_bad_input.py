@@ -137,6 +137,19 @@ def test_frozen_plan_is_refused_before_torch_and_ray(tmp_path):
     assert_exactly(run_light(str(tmp_path / "plan.json")), "every module of the plan is frozen: nothing to train")
 
 
+def test_dataset_plan_is_refused_until_the_runtime_packs(tmp_path):
+    plan = json.loads(make_plan({}, {}).to_json())
+    plan["workload"]["dataset"] = {
+        "source": "d.jsonl", "samples": 4, "skipped": {}, "text_tokens": "given", "min_pixels": 3136,
+        "max_pixels": 12845056, "tokens_per_sample": {"llm": {"p50": 1.0, "p95": 1.0, "max": 1.0}},
+        "pack_tokens": 256, "packs_per_epoch": 1, "samples_per_pack": 4.0, "packing_efficiency": 0.5,
+        "heaviest_pack_tokens": {"llm": 128.0}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert_exactly(run_light(str(tmp_path / "plan.json")), "this plan was made for the dataset d.jsonl (packs of 256 "
+                   "LLM tokens) and the runtime does not pack samples yet: plan with --image-size/--text-tokens to "
+                   "run it")
+
+
 def test_torchrun_world_size_other_than_the_plans_devices(plan_path):
     assert_exactly(run_light(plan_path, env=TORCHRUN_ENV),
                    "torchrun started 3 processes but the plan uses 1 devices: run torchrun with 1 processes in all "

@@ -1,0 +1,82 @@
+"""Rows of a conversation or caption file, torch-free: the planner reads a dataset's shapes with them and the
+runtime its samples.
+
+Formats, one row per JSONL line (or a JSON list of rows):
+
+- Qwen-VL / LLaVA: ``{"image": "a.jpg" | ["a.jpg", ...], "conversations": [{"from": "human", "value": "<image>\\n..."},
+  {"from": "gpt", "value": "..."}, ...]}`` (``from``: system / human / gpt; each ``<image>`` marks where an image
+  goes, images without a marker open the first user turn);
+- messages: ``{"messages": [{"role": "user", "content": "..." | [{"type": "image"}, {"type": "text", "text": "..."}]},
+  ...], "images": [...]}``;
+- captions: ``{"image": "a.jpg", "text": "..."}``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+IMAGE_MARKER = "<image>"
+"""Where an image goes in a Qwen-VL / LLaVA turn."""
+ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+"""``from`` / ``role`` values -> chat-template roles."""
+
+
+class SkippedSample(ValueError):
+    """A row that cannot become a sample; its message is the reason it is counted under."""
+
+
+def read_rows(path: Path) -> tuple[list[Any], int]:
+    """The rows of a JSONL or JSON-list file and how many lines were not JSON."""
+    text = path.read_text()
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not a JSON list: {e.msg} at line {e.lineno}") from None
+        return list(rows), 0
+    rows, malformed = [], 0
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                malformed += 1
+    return rows, malformed
+
+
+def _as_list(value: Any) -> list:
+    return [] if value is None else value if isinstance(value, list) else [value]
+
+
+def messages_of(row: Any) -> tuple[list[dict], list[str]]:
+    """(chat-template messages, image paths) of one row in either format."""
+    if not isinstance(row, dict):
+        raise SkippedSample("malformed row")
+    if "messages" in row:
+        messages, images = row["messages"], _as_list(row.get("images"))
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and m.get("role") in ROLES for m in messages):
+            raise SkippedSample("malformed row")
+        return [{"role": ROLES[m["role"]], "content": m.get("content", "")} for m in messages], images
+    turns = row.get("conversations")
+    if not isinstance(turns, list) or not all(isinstance(t, dict) and t.get("from") in ROLES for t in turns):
+        raise SkippedSample("malformed row")
+    images = _as_list(row.get("image", row.get("images")))
+    messages = []
+    for turn in turns:
+        pieces = str(turn.get("value", "")).split(IMAGE_MARKER)
+        content: list[dict] = []
+        for i, piece in enumerate(pieces):
+            if i:
+                content.append({"type": "image"})
+            if piece.strip("\n"):
+                content.append({"type": "text", "text": piece.strip("\n") if i else piece.rstrip("\n")})
+        messages.append({"role": ROLES[turn["from"]], "content": content})
+    marked = sum(str(t.get("value", "")).count(IMAGE_MARKER) for t in turns)
+    if marked < len(images):
+        first_user = next((m for m in messages if m["role"] == "user"), None)
+        if first_user is None:
+            raise SkippedSample("malformed row")
+        first_user["content"] = [{"type": "image"}] * (len(images) - marked) + first_user["content"]
+    return messages, images

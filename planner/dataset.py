@@ -1,0 +1,415 @@
+"""A training dataset as the planner sees it: each sample's image sizes (read from file headers, never decoded) and
+text tokens, resized as Qwen-VL's processor resizes, packed into packs of a token budget, priced by the mean pack
+(step time) and the heaviest pack (memory).
+
+A scan is kept as a histogram (identical (text tokens, image sizes) samples counted once): written to a cache keyed
+by the file's path, size and modification time, so the next plan of the same data reads only the histogram, and
+accepted as a dataset itself (``--dataset hist.json``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from planner.data_rows import SkippedSample, messages_of, read_rows
+from planner.models import ModelSpec
+from planner.packing import pack_best_fit
+from planner.workload import ModuleTokens, PackedTokens, Workload, image_windows, packed_workload
+
+DEFAULT_MIN_PIXELS = 56 * 56
+"""Fewest pixels an image is resized to (Qwen2.5-VL's preprocessor_config.json ``min_pixels``, 3136)."""
+DEFAULT_MAX_PIXELS = 28 * 28 * 16384
+"""Most pixels an image is resized to (Qwen2.5-VL's preprocessor_config.json ``max_pixels``, 12845056)."""
+MAX_ASPECT_RATIO = 200
+"""Longest/shortest side ratio Qwen-VL's ``smart_resize`` accepts; wider images are skipped."""
+CHAT_TOKENS_PER_TURN = 5
+"""Tokens Qwen2's chat template adds around each turn: ``<|im_start|>``, the role, a newline, ``<|im_end|>``,
+a newline."""
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+"""The system turn Qwen2-VL's chat template adds to a conversation that has none."""
+BYTES_PER_TOKEN = 4.0
+"""Estimate of UTF-8 bytes per text token when no tokenizer is given (about four characters per token is the
+usual figure for English under byte-level BPE vocabularies such as Qwen2's); stated in the plan when used."""
+HISTOGRAM_FORMAT = "dhplan-dataset-histogram"
+HISTOGRAM_VERSION = 1
+CACHE_ENV = "DHPLAN_CACHE_DIR"
+"""Environment variable naming the folder of cached histograms (default ``~/.cache/dhplan/datasets``)."""
+PERCENTILES = (50, 95)
+
+
+@dataclass(kw_only=True, frozen=True)
+class DatasetHistogram:
+    """What a dataset's samples look like before resizing: counts of identical (text tokens, image sizes)."""
+
+    source: str
+    """The file scanned."""
+    text_tokens: str
+    """How text tokens were counted (the tokenizer, or the stated estimate)."""
+    shapes: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
+    """(count, text tokens incl. chat template and image markers, (height, width) of each image in pixels)."""
+    skipped: dict[str, int]
+    """Rows that cannot be samples, by reason."""
+
+    @property
+    def samples(self) -> int:
+        return sum(count for count, _, _ in self.shapes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": HISTOGRAM_FORMAT, "version": HISTOGRAM_VERSION, "source": self.source,
+                "text_tokens": self.text_tokens, "skipped": self.skipped,
+                "shapes": [[c, t, [list(s) for s in sizes]] for c, t, sizes in self.shapes]}
+
+    @classmethod
+    def from_json(cls, data: Any, path: Path) -> DatasetHistogram:
+        if not isinstance(data, dict) or data.get("format") != HISTOGRAM_FORMAT:
+            raise ValueError(f"{path} is not a dataset histogram (no \"format\": \"{HISTOGRAM_FORMAT}\")")
+        if data.get("version") != HISTOGRAM_VERSION:
+            raise ValueError(f"dataset histogram {path} has version {data.get('version')!r}, this tool reads "
+                             f"{HISTOGRAM_VERSION}: rescan the data")
+        try:
+            shapes = tuple((int(c), int(t), tuple((int(h), int(w)) for h, w in sizes))
+                           for c, t, sizes in data["shapes"])
+            histogram = cls(source=str(data["source"]), text_tokens=str(data["text_tokens"]), shapes=shapes,
+                            skipped={str(k): int(v) for k, v in data.get("skipped", {}).items()})
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"dataset histogram {path} is malformed: expected shapes [[count, text_tokens, "
+                             "[[height, width], ...]], ...]") from None
+        if any(c < 1 or t < 0 or any(h < 1 or w < 1 for h, w in sizes) for c, t, sizes in shapes):
+            raise ValueError(f"dataset histogram {path} has a count below 1, negative text tokens or an empty image")
+        return histogram
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) an image is resized to: each side a multiple of ``factor`` (patch * merge), the area within
+    [min_pixels, max_pixels], the aspect ratio kept as closely as possible (Qwen2-VL's ``smart_resize`` in
+    transformers' image_processing_qwen2_vl, which the runtime's processor calls).
+
+    Raises:
+        ValueError: an aspect ratio above ``MAX_ASPECT_RATIO``.
+    """
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"aspect ratio above {MAX_ASPECT_RATIO}")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+# ---- scanning ---------------------------------------------------------------------------------------------------
+
+
+VISION_MARKERS = "<|vision_start|><|vision_end|>"
+"""What the chat template writes around an image's pads (the pads are counted as image tokens)."""
+
+
+def _texts(row: Any) -> tuple[list[tuple[str, str]], list[str]]:
+    """((kind, text) pieces to count, image paths) of one row. A conversation gives one ``turn`` per message as
+    Qwen2-VL's chat template renders it (``<|im_start|>role\\n...<|im_end|>\\n``, images as their markers), with
+    the default system turn the template adds to a conversation without one; a caption gives its text and one
+    ``markers`` piece per image (the runtime's caption layout)."""
+    if isinstance(row, dict) and "text" in row and "conversations" not in row and "messages" not in row:
+        if "image" not in row:
+            raise SkippedSample("malformed row")
+        images = [str(p) for p in (row["image"] if isinstance(row["image"], list) else [row["image"]])]
+        return [("caption", str(row["text"]))] + [("markers", VISION_MARKERS)] * len(images), images
+    messages, images = messages_of(row)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise SkippedSample("no assistant turn")
+    pieces = [] if messages[0]["role"] == "system" else [("turn", _turn("system", DEFAULT_SYSTEM_PROMPT))]
+    for message in messages:
+        content = message["content"]
+        if not isinstance(content, str):
+            content = "".join(VISION_MARKERS if c.get("type") == "image" else str(c.get("text", ""))
+                              for c in content if isinstance(c, dict))
+        pieces.append(("turn", _turn(message["role"], content)))
+    return pieces, [str(p) for p in images]
+
+
+def _turn(role: str, content: str) -> str:
+    return f"<|im_start|>{role}\n{content}<|im_end|>\n"
+
+
+SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>")
+
+
+class _TextCounter:
+    """Token counts of texts: a ``tokenizers`` tokenizer.json (exact for Qwen2-VL's template and that tokenizer),
+    or the estimate: UTF-8 bytes / ``BYTES_PER_TOKEN`` for text, one token per special marker, and
+    ``CHAT_TOKENS_PER_TURN`` for a turn's frame."""
+
+    def __init__(self, tokenizer_dir: str | None):
+        self.tokenizer = None
+        self.how = (f"estimated as UTF-8 bytes / {BYTES_PER_TOKEN:g} + {CHAT_TOKENS_PER_TURN} per chat turn "
+                    "(no --tokenizer)")
+        if tokenizer_dir is not None:
+            path = Path(tokenizer_dir) / "tokenizer.json"
+            if not path.is_file():
+                raise ValueError(f"--tokenizer {tokenizer_dir} has no tokenizer.json")
+            try:
+                from tokenizers import Tokenizer
+            except ImportError:
+                raise ValueError("--tokenizer needs the `tokenizers` package: pip install tokenizers") from None
+            try:
+                self.tokenizer = Tokenizer.from_file(str(path))
+            except Exception as e:  # the Rust library raises its own exception type
+                raise ValueError(f"cannot read {path}: {str(e).splitlines()[0]}") from None
+            self.how = f"counted by {path} through Qwen2-VL's chat template"
+
+    def counts(self, pieces: list[tuple[str, str]]) -> list[int]:
+        if self.tokenizer is not None:
+            return [len(e.ids) for e in self.tokenizer.encode_batch([t for _, t in pieces], add_special_tokens=False)]
+        return [self._estimate(kind, text) for kind, text in pieces]
+
+    @staticmethod
+    def _estimate(kind: str, text: str) -> int:
+        specials = sum(text.count(t) for t in SPECIAL_TOKENS)
+        for token in SPECIAL_TOKENS:
+            text = text.replace(token, "")
+        frame = CHAT_TOKENS_PER_TURN - 2 if kind == "turn" else 0  # the two specials of the frame are counted above
+        if kind == "turn":
+            text = text.split("\n", 1)[1][:-1]  # the role and the two newlines are the frame's
+        return math.ceil(len(text.encode()) / BYTES_PER_TOKEN) + specials + frame
+
+
+def _image_size(path: Path, sizes: dict[Path, tuple[int, int] | None]) -> tuple[int, int] | None:
+    """(height, width) from the file's header (PIL opens lazily: nothing is decoded), None if unreadable."""
+    if path not in sizes:
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(path) as image:
+                width, height = image.size
+            sizes[path] = (height, width)
+        except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError):
+            sizes[path] = None
+    return sizes[path]
+
+
+def scan_dataset(path: Path, tokenizer_dir: str | None = None) -> DatasetHistogram:
+    """The histogram of a conversation or caption JSONL / JSON file; bad rows are counted, not raised.
+
+    Raises:
+        ValueError: the file cannot be read, or nothing in it is usable.
+    """
+    try:
+        rows, malformed = read_rows(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read dataset {path}: {e}") from None
+    counter = _TextCounter(tokenizer_dir)
+    skipped: Counter[str] = Counter({"malformed row": malformed} if malformed else {})
+    sizes: dict[Path, tuple[int, int] | None] = {}
+    samples: list[tuple[list[tuple[str, str]], tuple[tuple[int, int], ...]]] = []
+    for row in rows:
+        try:
+            pieces, images = _texts(row)
+            found = tuple(_image_size(path.parent / p, sizes) for p in images)
+            if any(size is None for size in found):
+                raise SkippedSample("missing or unreadable image")
+            samples.append((pieces, found))
+        except SkippedSample as reason:
+            skipped[str(reason)] += 1
+    counts = counter.counts([piece for pieces, _ in samples for piece in pieces])
+    shapes: Counter[tuple[int, tuple[tuple[int, int], ...]]] = Counter()
+    at = 0
+    for pieces, images in samples:
+        shapes[(sum(counts[at:at + len(pieces)]), images)] += 1
+        at += len(pieces)
+    if not shapes:
+        raise ValueError(f"dataset {path} has no usable sample: skipped {dict(skipped) or 'no rows'}")
+    return DatasetHistogram(source=str(path), text_tokens=counter.how, skipped=dict(skipped),
+                            shapes=tuple((c, t, images) for (t, images), c in sorted(shapes.items())))
+
+
+def _cache_file(path: Path, tokenizer_dir: str | None) -> Path:
+    """Where the histogram of ``path`` (as it is now, counted with ``tokenizer_dir``) is cached."""
+    stat = path.stat()
+    key = [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+    if tokenizer_dir is not None:
+        tokenizer = Path(tokenizer_dir) / "tokenizer.json"
+        key += [str(tokenizer.resolve()), tokenizer.stat().st_mtime_ns if tokenizer.exists() else 0]
+    folder = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dhplan" / "datasets")
+    return folder / (hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + ".json")
+
+
+def read_dataset(path: str | Path, tokenizer_dir: str | None = None) -> DatasetHistogram:
+    """A dataset histogram: the file itself if it is one, else the cached scan of the data, else a new scan (then
+    cached; a cache that cannot be written is skipped).
+
+    Raises:
+        ValueError: a missing or unreadable file, a bad histogram, or data with nothing usable; one line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--dataset {path} is not a file")
+    with path.open("rb") as f:
+        head = f.read(4096)
+    if HISTOGRAM_FORMAT.encode() in head:
+        try:
+            return DatasetHistogram.from_json(json.loads(path.read_text()), path)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"dataset histogram {path} is not JSON: {e}") from None
+    cache = _cache_file(path, tokenizer_dir)
+    if cache.is_file():
+        try:
+            return DatasetHistogram.from_json(json.loads(cache.read_text()), cache)
+        except (ValueError, OSError):
+            pass  # a damaged cache entry is rescanned and rewritten
+    histogram = scan_dataset(path, tokenizer_dir)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(histogram.to_json()))
+    except OSError:
+        pass
+    return histogram
+
+
+def write_histogram(histogram: DatasetHistogram, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(histogram.to_json(), indent=None))
+
+
+# ---- tokens and packs ---------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True, frozen=True)
+class SampleTokens:
+    """Per-sample token arrays of a dataset (one entry per sample, histogram counts expanded)."""
+
+    vision: np.ndarray
+    """Vision patches."""
+    vision_squares: np.ndarray
+    """Sum over the sample's images of (patches per image)^2."""
+    windows: np.ndarray
+    """Attention windows of the sample's images."""
+    llm: np.ndarray
+    """LLM tokens (text + merged image tokens)."""
+    skipped: dict[str, int]
+    """Samples dropped while resizing (aspect ratio), by reason."""
+
+
+def sample_tokens(histogram: DatasetHistogram, model: ModelSpec, *, min_pixels: int = DEFAULT_MIN_PIXELS,
+                  max_pixels: int = DEFAULT_MAX_PIXELS) -> SampleTokens:
+    """Each sample's tokens per module after the processor's resize.
+
+    Raises:
+        ValueError: the model has no vision encoder but the data has images, or no sample is left.
+    """
+    vi = model.vision_input
+    rows, skipped = [], Counter()
+    for count, text, images in histogram.shapes:
+        if images and vi is None:
+            raise ValueError(f"{model.name} has no vision encoder and {histogram.source} has images")
+        try:
+            grids = [smart_resize(h, w, vi.patch_size * vi.spatial_merge_size, min_pixels, max_pixels)
+                     for h, w in images] if images else []
+        except ValueError as reason:
+            skipped[str(reason)] += count
+            continue
+        patches = [(h // vi.patch_size) * (w // vi.patch_size) for h, w in grids]
+        windows = sum(image_windows(h // vi.patch_size, w // vi.patch_size, model) for h, w in grids)
+        merged = sum(patches) // vi.spatial_merge_size**2 if grids else 0
+        rows.append((count, sum(patches), sum(p * p for p in patches), windows, text + merged))
+    if not rows:
+        raise ValueError(f"no sample of {histogram.source} can be resized: skipped {dict(skipped)}")
+    counts = np.array([r[0] for r in rows])
+    column = lambda i: np.repeat(np.array([r[i] for r in rows], dtype=np.int64), counts)  # noqa: E731
+    return SampleTokens(vision=column(1), vision_squares=column(2), windows=column(3), llm=column(4),
+                        skipped=dict(skipped))
+
+
+@dataclass(kw_only=True, frozen=True)
+class Packing:
+    """A dataset's epoch packed for one token budget, and the statistics the plan records."""
+
+    packed: PackedTokens
+    packs: int
+    """Packs per epoch."""
+    samples: int
+    """Samples packed (those longer than the budget are left out)."""
+    too_long: int
+    """Samples longer than the budget (skipped)."""
+    efficiency: float | None
+    """Real LLM tokens / (packs * budget); None without packing."""
+
+
+def _vision_tokens(sums: dict[str, float]) -> ModuleTokens:
+    return ModuleTokens(tokens=sums["vision"], segments=(), windows=sums["windows"], output_tokens=sums["merged"],
+                        segment_squares=sums["vision_squares"])
+
+
+def _llm_tokens(sums: dict[str, float]) -> ModuleTokens:
+    return ModuleTokens(tokens=sums["llm"], segments=(), segment_squares=sums["llm_squares"])
+
+
+def pack_dataset(tokens: SampleTokens, model: ModelSpec, pack_tokens: int | None) -> Packing:
+    """Best-fit-decreasing packs of at most ``pack_tokens`` LLM tokens (``planner.packing``), or one sample per pack
+    when None: the mean pack, and per module the heaviest (most tokens, then the largest squared segments).
+
+    Raises:
+        ValueError: every sample is longer than the budget.
+    """
+    vision = model.vision_input is not None
+    merge = model.vision_input.spatial_merge_size**2 if vision else 1
+    keep = np.ones(len(tokens.llm), bool) if pack_tokens is None else tokens.llm <= pack_tokens
+    if not keep.any():
+        raise ValueError(f"every sample is longer than the pack budget of {pack_tokens:,} LLM tokens (the shortest "
+                         f"has {int(tokens.llm.min()):,}): raise --pack-tokens")
+    per_sample = {"vision": tokens.vision[keep], "vision_squares": tokens.vision_squares[keep],
+                  "windows": tokens.windows[keep], "merged": tokens.vision[keep] // merge, "llm": tokens.llm[keep],
+                  "llm_squares": tokens.llm[keep] ** 2}
+    if pack_tokens is None:
+        order, starts = np.arange(len(per_sample["llm"])), np.arange(len(per_sample["llm"]))
+    else:
+        packs = pack_best_fit(per_sample["llm"].tolist(), pack_tokens)
+        order = np.fromiter((i for p in packs for i in p), dtype=np.int64, count=len(per_sample["llm"]))
+        starts = np.cumsum([0] + [len(p) for p in packs[:-1]])
+    sums = {name: np.add.reduceat(values[order], starts) for name, values in per_sample.items()}
+    mean = {name: float(values.mean()) for name, values in sums.items()}
+    def heaviest(size: str, squares: str) -> dict[str, float]:
+        pick = int(np.lexsort((sums[squares], sums[size]))[-1])
+        return {name: float(values[pick]) for name, values in sums.items()}
+
+    mean_tokens = (("llm", _llm_tokens(mean)),)
+    heavy_tokens = (("llm", _llm_tokens(heaviest("llm", "llm_squares"))),)
+    if vision:
+        mean_tokens = (("vision", _vision_tokens(mean)),) + mean_tokens
+        heavy_tokens = (("vision", _vision_tokens(heaviest("vision", "vision_squares"))),) + heavy_tokens
+    count = len(starts)
+    packed = PackedTokens(mean=mean_tokens, heaviest=heavy_tokens,
+                          samples_per_pack=len(order) / count, pack_tokens=pack_tokens)
+    return Packing(packed=packed, packs=count, samples=len(order), too_long=int((~keep).sum()),
+                   efficiency=None if pack_tokens is None else float(sums["llm"].sum()) / (count * pack_tokens))
+
+
+def pack_budgets(tokens: SampleTokens, multiples: tuple[int, ...] = (1, 2, 4), round_to: int = 256) -> list[int]:
+    """Candidate pack budgets: ``multiples`` of the longest sample's LLM tokens, rounded up to ``round_to``."""
+    longest = int(tokens.llm.max())
+    base = -(-longest // round_to) * round_to
+    return [base * m for m in multiples]
+
+
+def percentiles(values: np.ndarray) -> dict[str, float]:
+    """p50, p95 and max of per-sample tokens."""
+    out = {f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}
+    return {**out, "max": float(values.max())}
+
+
+def dataset_workload(packing: Packing, samples_per_step: int, num_gpus: int) -> Workload:
+    """The cost model's workload of a packing: ``samples_per_step`` samples as packs per step, rounded to a
+    multiple of the largest power of two that divides ``num_gpus`` (so every power-of-two DP degree splits it)."""
+    multiple = num_gpus & -num_gpus
+    packs = max(1, round(samples_per_step / packing.packed.samples_per_pack / multiple)) * multiple
+    return packed_workload(packing.packed, packs)

@@ -1,0 +1,220 @@
+"""Planning for a dataset (planner/dataset.py, planner/packing.py): header-only image sizes, the processor's resize,
+text counts that match the runtime's rendering, packing, the cache, and plans whose memory holds the heaviest pack."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from planner import api, dataset
+from planner.catalog import get_model
+from planner.cost import module_cost
+from planner.dataset import (
+    DatasetHistogram,
+    pack_dataset,
+    read_dataset,
+    sample_tokens,
+    scan_dataset,
+    smart_resize,
+)
+from planner.packing import pack_best_fit
+from planner.strategy import ModuleStrategy
+from planner.workload import PackedTokens, packed_workload
+
+MODEL = get_model("qwen-vl-32b")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(dataset.CACHE_ENV, str(tmp_path / "cache"))
+
+
+def _image(path, width, height):
+    Image.new("RGB", (width, height)).save(path)
+    return path.name
+
+
+def _row(image, answer="A red square."):
+    return {"image": image, "conversations": [{"from": "human", "value": "<image>\nWhat is in the picture?"},
+                                               {"from": "gpt", "value": answer}]}
+
+
+def _write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@given(st.integers(1, 8000), st.integers(1, 8000), st.sampled_from([(3136, 1003520), (3136, 12845056), (200_000, 400_000)]))
+@settings(max_examples=300, deadline=None)
+def test_resize_is_the_processors(height, width, pixels):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
+
+    if max(height, width) / min(height, width) > dataset.MAX_ASPECT_RATIO:
+        with pytest.raises(ValueError, match="aspect ratio"):
+            smart_resize(height, width, 28, *pixels)
+        return
+    assert smart_resize(height, width, 28, *pixels) == hf_smart_resize(height, width, 28, *pixels)
+
+
+@given(st.lists(st.integers(1, 100), min_size=1, max_size=200), st.integers(100, 300))
+@settings(max_examples=200, deadline=None)
+def test_best_fit_packs_every_sample_once_within_the_budget(lengths, budget):
+    packs = pack_best_fit(lengths, budget)
+    assert sorted(i for p in packs for i in p) == list(range(len(lengths)))
+    fills = sorted(sum(lengths[i] for i in p) for p in packs)
+    assert fills[-1] <= budget
+    # a pack opens only when its first sample fits no open pack, so no two packs would fit in one
+    assert len(fills) == 1 or fills[0] + fills[1] > budget
+
+
+def test_best_fit_takes_the_tightest_pack():
+    # decreasing: 6 | 5 | 4 -> the pack with room 4 (beside 6) | 3 -> room 5 (beside 5) | 2 -> room 2 (beside 5, 3)
+    assert pack_best_fit([6, 5, 4, 3, 2], 10) == [[0, 2], [1, 3, 4]]
+    with pytest.raises(ValueError, match="between 1 and the budget 10"):
+        pack_best_fit([11], 10)
+
+
+def test_scan_reads_sizes_from_headers_and_counts_bad_rows(tmp_path):
+    wide, tall = _image(tmp_path / "w.png", 640, 480), _image(tmp_path / "t.jpg", 300, 1200)
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    rows = [_row(wide), _row(tall), _row(wide), _row("missing.png"), _row("broken.png"), "{not json",
+            {"image": wide, "conversations": [{"from": "human", "value": "<image>hi"}]},
+            {"image": wide, "text": "a caption"}]
+    histogram = scan_dataset(_write(tmp_path / "d.jsonl", rows))
+    assert histogram.samples == 4
+    assert histogram.skipped == {"malformed row": 1, "missing or unreadable image": 2, "no assistant turn": 1}
+    sizes = sorted({images for _, _, images in histogram.shapes})
+    assert sizes == [((480, 640),), ((1200, 300),)]  # (height, width)
+    assert max(c for c, _, _ in histogram.shapes) == 2  # the two identical rows are counted once
+
+
+def test_text_tokens_are_what_the_runtime_renders(tmp_path):
+    """With the model folder's tokenizer, a conversation's text tokens are exactly the runtime's rendering of it
+    less its image pads (the byte-level test tokenizer: one token per byte of text)."""
+    from runtime.conversations import ConversationData
+    from runtime.data import layout_from_plan
+    from runtime.model import hf_config_from_dict
+    from tests.runtime.plans import make_plan
+    from tests.runtime.tokenizer import save_tokenizer
+
+    tokenizer = save_tokenizer(tmp_path / "tokenizer")
+    image = _image(tmp_path / "a.png", 56, 56)
+    rows = [_row(image), {"image": image, "conversations": [
+        {"from": "system", "value": "Be brief."}, {"from": "human", "value": "<image>\nWhat is it?"},
+        {"from": "gpt", "value": "A square, or something close to one."}, {"from": "human", "value": "Sure?"},
+        {"from": "gpt", "value": "Yes."}]}]
+    path = _write(tmp_path / "d.jsonl", rows)
+    plan = make_plan({}, {}, text_tokens=400)
+    layout = layout_from_plan(plan.workload, hf_config_from_dict(plan.model.hf_config))
+    runtime = ConversationData(path, layout, tokenizer)
+    histogram = scan_dataset(path, str(tokenizer))
+    counted = sorted(t for _, t, _ in histogram.shapes)
+    rendered = []
+    for row in rows:
+        messages, _ = dataset.messages_of(row)
+        ids = runtime._render(messages, generation_prompt=False)
+        rendered.append(len(ids) - ids.count(layout.image_token_id))
+    assert counted == sorted(rendered)
+    estimate = scan_dataset(path)  # without a tokenizer: within a few tokens of it on this byte-level vocabulary
+    assert "estimated" in estimate.text_tokens and "counted by" in histogram.text_tokens
+
+
+def test_a_second_read_uses_the_cache_and_a_changed_file_is_rescanned(tmp_path, monkeypatch):
+    image = _image(tmp_path / "a.png", 640, 480)
+    path = _write(tmp_path / "d.jsonl", [_row(image)])
+    first = read_dataset(path)
+    scans = []
+    monkeypatch.setattr(dataset, "scan_dataset", lambda *a: scans.append(a) or first)
+    assert read_dataset(path) == first and scans == []
+    _write(path, [_row(image), _row(image, "Another answer, longer.")])
+    read_dataset(path)
+    assert len(scans) == 1
+
+
+def test_a_histogram_file_is_a_dataset(tmp_path):
+    image = _image(tmp_path / "a.png", 640, 480)
+    histogram = scan_dataset(_write(tmp_path / "d.jsonl", [_row(image)] * 3))
+    dataset.write_histogram(histogram, tmp_path / "h.json")
+    assert read_dataset(tmp_path / "h.json") == histogram
+    (tmp_path / "bad.json").write_text(json.dumps({"format": dataset.HISTOGRAM_FORMAT, "version": 1,
+                                                   "shapes": [[0, 5, []]], "source": "x", "text_tokens": "x"}))
+    with pytest.raises(ValueError, match="count below 1"):
+        read_dataset(tmp_path / "bad.json")
+
+
+def _histogram(shapes):
+    return DatasetHistogram(source="test", text_tokens="given", shapes=tuple(shapes), skipped={})
+
+
+def test_packs_by_hand():
+    # 448x448 -> 32x32 patches = 1024 patches, 256 LLM image tokens; 224x224 -> 256 patches, 64 tokens
+    h = _histogram([(1, 100, ((448, 448),)), (2, 36, ((224, 224),)), (1, 44, ((224, 224),))])
+    tokens = sample_tokens(h, MODEL)
+    assert sorted(tokens.llm.tolist()) == [100, 100, 108, 356]
+    packing = pack_dataset(tokens, MODEL, 456)  # 356 | 108 (no room beside 356) | 100 -> beside 356 | 100 -> beside 108
+    assert packing.packs == 2 and packing.samples == 4
+    assert packing.efficiency == pytest.approx(664 / (2 * 456))
+    mean, heaviest = dict(packing.packed.mean), dict(packing.packed.heaviest)
+    assert mean["llm"].tokens == 332 and mean["vision"].tokens == (1024 + 3 * 256) / 2
+    assert heaviest["llm"].tokens == 456 and heaviest["llm"].segment_squares == 356**2 + 100**2
+    assert heaviest["vision"].tokens == 1024 + 256 and heaviest["vision"].segment_squares == 1024**2 + 256**2
+    alone = pack_dataset(tokens, MODEL, None)
+    assert alone.packs == 4 and dict(alone.packed.heaviest)["llm"].tokens == 356
+    assert pack_dataset(tokens, MODEL, 200).too_long == 1
+
+
+def test_a_packed_plan_is_timed_on_the_mean_pack_and_sized_on_the_heaviest():
+    h = _histogram([(30, 300, ((448, 448),)), (2, 300, ((1344, 1344),))])
+    packed = pack_dataset(sample_tokens(h, MODEL), MODEL, 4096).packed
+    workload = packed_workload(packed, 8)
+    mean_only = packed_workload(PackedTokens(mean=packed.mean, heaviest=packed.mean, samples_per_pack=1.0,
+                                             pack_tokens=4096), 8)
+    heavy_only = packed_workload(PackedTokens(mean=packed.heaviest, heaviest=packed.heaviest, samples_per_pack=1.0,
+                                              pack_tokens=4096), 8)
+    problem = api.make_problem(MODEL, 8, profile=None)
+    s = ModuleStrategy(dp=8, zero=3)
+    costs = [module_cost(MODEL, "llm", problem.cluster, w, s, placement="colocated", precision="bf16_mixed",
+                         first_rank=0) for w in (workload, mean_only, heavy_only)]
+    assert costs[0].total_s == costs[1].total_s < costs[2].total_s
+    assert costs[0].activations_per_micro_batch_bytes == costs[2].activations_per_micro_batch_bytes
+    assert costs[0].activations_per_micro_batch_bytes > costs[1].activations_per_micro_batch_bytes
+
+
+def test_plan_for_a_dataset(tmp_path):
+    rng = np.random.default_rng(0)
+    rows = []
+    for i, (w, h) in enumerate([(300, 200), (640, 480), (1024, 768), (1920, 1080)] * 4):
+        rows.append(_row(_image(tmp_path / f"{i}.png", w, h), "word " * int(rng.integers(5, 60))))
+    path = _write(tmp_path / "d.jsonl", rows)
+    plan = api.plan("qwen-vl-32b", 16, dataset=str(path), profile=None, global_batch=64)
+    d = plan.workload.dataset
+    assert d.samples == 16 and d.pack_tokens is not None and d.pack_tokens % 256 == 0
+    assert d.pack_tokens >= d.tokens_per_sample["llm"].max
+    assert plan.workload.global_batch % 16 == 0
+    assert plan.predicted.samples_per_s == pytest.approx(
+        plan.predicted.step_time_s ** -1 * plan.workload.global_batch * d.samples_per_pack)
+    assert d.heaviest_pack_tokens["llm"] <= d.pack_tokens
+    pinned = api.plan("qwen-vl-32b", 16, dataset=str(path), profile=None, pack_tokens=d.pack_tokens * 4)
+    assert pinned.workload.dataset.pack_tokens == d.pack_tokens * 4
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({"image_sizes": [(448, 448)]}, "--dataset gives every sample's shape: drop --image-size"),
+    ({"pack_tokens": 10}, "every sample is longer than the pack budget of 10 LLM tokens"),
+    ({"max_pixels": 100, "min_pixels": 3136}, "--max-pixels must be between 3,136"),
+])
+def test_bad_dataset_inputs_are_one_line(tmp_path, inputs, message):
+    path = _write(tmp_path / "d.jsonl", [_row(_image(tmp_path / "a.png", 640, 480))])
+    with pytest.raises(ValueError, match=message):
+        api.make_problem("qwen-vl-32b", 8, dataset=str(path), profile=None, **inputs)
+
+
+def test_nothing_usable_is_refused(tmp_path):
+    path = _write(tmp_path / "d.jsonl", [_row("missing.png"), "oops"])
+    with pytest.raises(ValueError, match=r"no usable sample: skipped \{'malformed row': 1, 'missing or unreadable"):
+        read_dataset(path)
