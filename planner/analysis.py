@@ -22,26 +22,29 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import numpy as np
 import pandas as pd
 
 from planner.api import DEFAULT_GPU, Infeasible, evaluate, make_problem, max_seq, plan
+from planner.dataset import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, DatasetHistogram, smart_resize
 from planner.baselines import best_of, uniform_tp_family, zero3_family
 from planner.candidates import Problem
 from planner.catalog import get_model
-from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions
+from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, estimate
 from planner.cost.comm import Link
 from planner.cost.layers import Shard, layer_terms
 from planner.hardware import DeviceSpec, get_device
 from planner.models import ModelSpec
 from planner.profiles import LayerPoint, MemoryPoint, Profile, device_from_profile, load_profile
 from planner.schema import Plan
-from planner.strategy import Strategy
+from planner.strategy import ModuleStrategy, Strategy
 from planner.workload import Workload, module_tokens
 
 __all__ = [
     "BASELINES", "MEMORY_PARTS", "MODULE_FIELDS", "STRATEGIES", "STRATEGY_LABELS", "baseline_plans",
     "binding_module", "compare", "layer_fidelity", "load_fidelity_results", "longest_sequence", "longest_sequences",
-    "plan_row", "plot_longest_sequences", "plot_memory", "plot_throughput", "sweep",
+    "plan_row", "plot_longest_sequences", "plot_memory", "plot_throughput", "sweep", "dataset_comparison",
+    "mixed_resolution_histogram", "strategy_of",
 ]
 
 BASELINES = {"uniform_tp": uniform_tp_family, "zero3": zero3_family}
@@ -308,6 +311,112 @@ def longest_sequences(
         rows.append({"model": spec.name, "num_gpus": n, "strategy": strategy,
                      "vision_tokens": math.nan if tokens is None else tokens, "image_px": side})
     return pd.DataFrame(rows)
+
+
+# --- datasets ---------------------------------------------------------------------------------------------------
+
+
+def mixed_resolution_histogram(samples: int = 5000, seed: int = 0) -> DatasetHistogram:
+    """A made-up mixed-resolution caption workload (a stated mixture, not measured from a real dataset): 55 % web
+    photos (short side log-normal around 480 px), 30 % camera photos (around 1,500 px), 15 % screenshots and
+    scans (720p to 4K, phone portrait, A4 at 300 dpi); aspect ratios 4:3, 3:2, 16:9 and 1:1, a quarter portrait;
+    text log-normal around 120 tokens (20 to 2,048), one image per sample."""
+    rng = np.random.default_rng(seed)
+    kind = rng.choice(3, size=samples, p=[0.55, 0.30, 0.15])
+    short = np.where(kind == 0, rng.lognormal(np.log(480), 0.35, samples), rng.lognormal(np.log(1500), 0.3, samples))
+    short = np.clip(short, 150, 4000)
+    aspect = rng.choice([4 / 3, 3 / 2, 16 / 9, 1.0], size=samples, p=[0.4, 0.25, 0.25, 0.1])
+    portrait = rng.random(samples) < 0.25
+    screens = np.array([(720, 1280), (1080, 1920), (1440, 2560), (2160, 3840), (1920, 1080), (3508, 2480)])
+    screen = screens[rng.integers(0, len(screens), samples)]
+    text = np.clip(rng.lognormal(np.log(120), 0.8, samples), 20, 2048).astype(int)
+    shapes: dict[tuple[int, tuple[tuple[int, int], ...]], int] = {}
+    for i in range(samples):
+        if kind[i] == 2:
+            h, w = (int(v) for v in screen[i])
+        else:
+            h, w = int(short[i]), int(short[i] * aspect[i])
+            h, w = (w, h) if portrait[i] else (h, w)
+        key = (int(text[i]), ((h, w),))
+        shapes[key] = shapes.get(key, 0) + 1
+    return DatasetHistogram(source=f"mixed_resolution_histogram(samples={samples}, seed={seed})",
+                            text_tokens="drawn (log-normal around 120)", skipped={},
+                            shapes=tuple((c, t, sizes) for (t, sizes), c in sorted(shapes.items())))
+
+
+def strategy_of(plan: Plan) -> Strategy:
+    """The strategy a plan file records."""
+    modules = {m.name: ModuleStrategy(**{f: getattr(m, f) for f in MODULE_FIELDS}) for m in plan.modules}
+    return Strategy(placement=plan.placement, modules=modules, precision=plan.training.precision)
+
+
+def _resized_images(histogram: DatasetHistogram, model: ModelSpec, min_pixels: int, max_pixels: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(resized (height, width) of every image, each weighted by its count; text tokens per sample likewise)."""
+    vi = model.vision_input
+    sizes, weights, texts, counts = [], [], [], []
+    for count, text, images in histogram.shapes:
+        for h, w in images:
+            try:
+                sizes.append(smart_resize(h, w, vi.patch_size * vi.spatial_merge_size, min_pixels, max_pixels))
+                weights.append(count)
+            except ValueError:
+                continue
+        texts.append(text)
+        counts.append(count)
+    return np.repeat(np.array(sizes), weights, axis=0), np.repeat(np.array(texts), counts)
+
+
+def _layout(plan: Plan) -> str:
+    return "; ".join(f"{m.name} DP{m.dp} TP{m.tp} SP{m.sp} Z{m.zero} rc={m.recompute} mb={m.micro_batch} "
+                     f"ga={m.grad_accum}" for m in plan.modules)
+
+
+def dataset_comparison(
+    model: str, gpus: int, histogram: DatasetHistogram, *, min_pixels: int | None = None,
+    max_pixels: int | None = None, global_batch: int | None = None, profile: str | None = None,
+    time_limit_s: float | None = None,
+) -> pd.DataFrame:
+    """What planning for a dataset buys: plans made for the dataset (packed, and each sample alone), for its mean
+    image and for its largest image (both with the mean text, one image per sample), each then costed on the
+    dataset as it runs (the fixed-shape plans see every sample as its own micro-batch unit, so their memory must
+    hold micro-batches of the largest samples). One row per plan: what it promised, its tokens/s and peak memory
+    on the dataset, and whether it fits the heaviest micro-batch."""
+    spec = get_model(model)
+    pixels = dict(min_pixels=DEFAULT_MIN_PIXELS if min_pixels is None else min_pixels,
+                  max_pixels=DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels)
+    unpacked = make_problem(spec, gpus, dataset=histogram, pack=False, profile=profile, global_batch=global_batch,
+                            **pixels)
+    sizes, texts = _resized_images(histogram, spec, pixels["min_pixels"], pixels["max_pixels"])
+    mean_image = tuple(int(v) for v in sizes.mean(axis=0).round())
+    largest_image = tuple(int(v) for v in sizes[np.argmax(sizes.prod(axis=1))])
+    fixed = dict(profile=profile, text_tokens=int(round(texts.mean())), global_batch=unpacked.workload.global_batch)
+    plans = {
+        "the dataset (packed)": plan(spec, gpus, dataset=histogram, profile=profile, global_batch=global_batch,
+                                     time_limit_s=time_limit_s, **pixels),
+        "the dataset (unpacked)": plan(unpacked, time_limit_s=time_limit_s),
+        f"the mean image {mean_image[1]}x{mean_image[0]}": plan(spec, gpus, image_sizes=[mean_image],
+                                                                 time_limit_s=time_limit_s, **fixed),
+        f"the largest image {largest_image[1]}x{largest_image[0]}": plan(spec, gpus, image_sizes=[largest_image],
+                                                                          time_limit_s=time_limit_s, **fixed),
+    }
+    rows = []
+    for label, p in plans.items():
+        on_data = p.predicted if p.workload.dataset is not None else None
+        if on_data is None:
+            e = estimate(unpacked.model, unpacked.cluster, unpacked.workload, strategy_of(p), unpacked.assumptions,
+                         unpacked.layer_costs)
+            tokens_s, memory, fits = e.tokens_per_s, e.peak_memory_bytes / 1024**3, e.fits
+        else:
+            tokens_s, memory, fits = on_data.tokens_per_s, on_data.peak_memory_gib, True
+        dataset_info = p.workload.dataset
+        rows.append({"planned_for": label, "pack_tokens": dataset_info.pack_tokens if dataset_info else None,
+                     "layout": _layout(p), "promised_tokens_per_s": p.predicted.tokens_per_s,
+                     "dataset_tokens_per_s": tokens_s, "dataset_peak_memory_gib": memory,
+                     "fits_heaviest_micro_batch": fits})
+    table = pd.DataFrame(rows).set_index("planned_for")
+    table.attrs["usable_gib"] = unpacked.usable_bytes / 1024**3
+    return table
 
 
 # --- fidelity ---------------------------------------------------------------------------------------------------

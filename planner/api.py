@@ -289,6 +289,7 @@ def make_problem(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     pack_tokens: int | None = None,
+    pack: bool = True,
 ) -> Problem:
     """Everything a plan depends on, from user-level inputs.
 
@@ -318,6 +319,8 @@ def make_problem(
         max_pixels: Most pixels the processor resizes a dataset image to (default Qwen2.5-VL's).
         pack_tokens: LLM-token budget of a pack (default: the longest sample, rounded up to 256; ``top_plans``
             also tries twice and four times that and keeps the fastest).
+        pack: False: every dataset sample is a micro-batch unit of its own (how a plan made for one image size
+            meets the dataset); ``pack_tokens`` then does not apply.
 
     Raises:
         ValueError: any bad input, in one line.
@@ -340,7 +343,7 @@ def make_problem(
         _check_no_sample_inputs(workload, sample_inputs)
         workload, dataset_info = dataset_workload_for(
             spec, cluster.num_devices, dataset, tokenizer=tokenizer, min_pixels=min_pixels, max_pixels=max_pixels,
-            pack_tokens=pack_tokens, global_batch=global_batch)
+            pack_tokens=pack_tokens, pack=pack, global_batch=global_batch)
     elif any(v is not None for v in (tokenizer, min_pixels, max_pixels, pack_tokens)):
         raise ValueError("--tokenizer, --min-pixels, --max-pixels and --pack-tokens apply to --dataset")
     workload = workload or make_workload(
@@ -364,7 +367,7 @@ def _check_no_sample_inputs(workload: Workload | None, inputs: Mapping[str, Any]
 def dataset_workload_for(
     model: ModelSpec, num_gpus: int, dataset: str | DatasetHistogram, *, tokenizer: str | None = None,
     min_pixels: int | None = None, max_pixels: int | None = None, pack_tokens: int | None = None,
-    global_batch: int | None = None,
+    pack: bool = True, global_batch: int | None = None,
 ) -> tuple[Workload, DatasetInfo]:
     """The packed workload of a dataset and what the plan records about it (see ``make_problem``)."""
     if model.audio_input is not None:
@@ -379,7 +382,9 @@ def dataset_workload_for(
         check_bounds("--global-batch", global_batch, 1, MAX_GLOBAL_BATCH)
     histogram = dataset if isinstance(dataset, DatasetHistogram) else read_dataset(dataset, tokenizer)
     tokens = sample_tokens(histogram, model, min_pixels=min_pixels, max_pixels=max_pixels)
-    budget = pack_budgets(tokens, (1,))[0] if pack_tokens is None else pack_tokens
+    if not pack and pack_tokens is not None:
+        raise ValueError("--pack-tokens sets the budget of packs: it does not apply without packing")
+    budget = None if not pack else pack_budgets(tokens, (1,))[0] if pack_tokens is None else pack_tokens
     packing = pack_dataset(tokens, model, budget)
     samples = DEFAULT_SAMPLES_PER_GPU * num_gpus if global_batch is None else global_batch
     workload = dataset_workload(packing, samples, num_gpus)
@@ -612,7 +617,8 @@ PACK_BUDGET_MULTIPLES = (1, 2, 4)
 
 def _pack_budget_problems(model: Any, gpus: int | None, inputs: dict[str, Any]) -> list[Problem]:
     """One problem per candidate pack budget for a dataset whose budget is left to the planner, else []."""
-    if isinstance(model, Problem) or inputs.get("dataset") is None or inputs.get("pack_tokens") is not None:
+    if isinstance(model, Problem) or inputs.get("dataset") is None or inputs.get("pack_tokens") is not None \
+            or not inputs.get("pack", True):
         return []
     dataset = inputs["dataset"]
     if not isinstance(dataset, DatasetHistogram):

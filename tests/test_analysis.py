@@ -22,7 +22,7 @@ from planner.analysis import (
     longest_sequence,
     sweep,
 )
-from planner.api import make_problem, max_seq, plan
+from planner.api import evaluate, make_problem, max_seq, plan
 from planner.baselines import best_of, zero3_family
 from planner.profiles import PROFILES_DIR, load_profile
 from planner.schema import load_plan
@@ -226,3 +226,26 @@ def test_analysis_imports_without_torch_ray_transformers_or_ortools():
     code = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in blocked) + "import planner.analysis\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_strategy_of_a_plan_is_its_strategy():
+    from planner.analysis import strategy_of
+
+    p = plan("qwen-vl-7b", 8)
+    again = evaluate("qwen-vl-7b", strategy_of(p), 8)
+    assert again.predicted.step_time_s == p.predicted.step_time_s and again.modules == p.modules
+
+
+def test_dataset_comparison_costs_fixed_shape_plans_on_the_dataset():
+    from planner.analysis import dataset_comparison
+    from planner.dataset import DatasetHistogram
+
+    # mostly 448x448 thumbnails, a few 2688x2688 scans: a plan for the mean image packs micro-batches the scans break
+    h = DatasetHistogram(source="test", text_tokens="given", skipped={},
+                         shapes=((60, 200, ((448, 448),)), (4, 200, ((2688, 2688),))))
+    table = dataset_comparison("qwen-vl-32b", 8, h)
+    packed, mean, largest = table.iloc[0], table.iloc[2], table.iloc[3]
+    assert packed.fits_heaviest_micro_batch and packed.promised_tokens_per_s == packed.dataset_tokens_per_s
+    assert largest.fits_heaviest_micro_batch and largest.dataset_tokens_per_s < largest.promised_tokens_per_s
+    assert mean.dataset_peak_memory_gib > table.attrs["usable_gib"] and not mean.fits_heaviest_micro_batch
+    assert packed.dataset_tokens_per_s > largest.dataset_tokens_per_s
