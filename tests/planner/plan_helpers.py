@@ -9,7 +9,8 @@ from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, check_strategy, estimate
 from planner.hardware import get_device, make_cluster
 from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Strategy
-from planner.workload import Workload
+from planner.dataset import DatasetHistogram, pack_dataset, sample_tokens
+from planner.workload import Workload, packed_workload
 
 GiB = 1024**3
 
@@ -26,8 +27,11 @@ def problem(
     precision: str = "bf16_mixed",
     overhead_gib: float | None = None,
     allow_ring_cp: bool = False,
+    packed: bool = False,
 ) -> Problem:
-    """A small problem; ``memory_gib`` shrinks the device so that the memory limit binds."""
+    """A small problem; ``memory_gib`` shrinks the device so that the memory limit binds; ``packed``: ``batch``
+    packs of a mixed-resolution dataset (images ``image`` / 2 to 2 * ``image`` px, ``text`` tokens each) instead
+    of one sample shape."""
     spec = get_device(device)
     if memory_gib is not None:
         spec = replace(spec, memory_bytes=int(memory_gib * GiB))
@@ -37,11 +41,20 @@ def problem(
     return Problem(
         model=get_model(model),
         cluster=make_cluster(spec, gpus),
-        workload=Workload(image_sizes=((image, image),), text_tokens=text, global_batch=batch),
+        workload=_packed(get_model(model), image, text, batch) if packed else
+        Workload(image_sizes=((image, image),), text_tokens=text, global_batch=batch),
         precision=precision,
         assumptions=assumptions,
         allow_ring_cp=allow_ring_cp,
     )
+
+
+def _packed(model, image: int, text: int, packs: int) -> Workload:
+    sides = (image // 2, image, 2 * image)
+    histogram = DatasetHistogram(source="test", text_tokens="given", skipped={},
+                                 shapes=tuple((6 // (i + 1), text, ((s, s),)) for i, s in enumerate(sides)))
+    tokens = sample_tokens(histogram, model)
+    return packed_workload(pack_dataset(tokens, model, int(tokens.llm.max()) * 2).packed, packs)
 
 
 def all_strategies(p: Problem, module: str, gpus: int) -> list[ModuleStrategy]:
