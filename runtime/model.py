@@ -202,7 +202,10 @@ class LanguageModel(nn.Module):
         image_mask_BL1 = (input_ids_BL == self.image_token_id).unsqueeze(-1)
         embeds_BLD = embeds_BLD.masked_scatter(image_mask_BL1, image_embeds_MD.to(embeds_BLD.dtype))
         extra = {} if ulysses_group is None else {"ulysses_group": ulysses_group}
-        hidden_BLD = self.language_model(inputs_embeds=embeds_BLD, position_ids=position_ids_3BL, **extra)
+        # no KV cache: transformers would otherwise fill one in training (the config's use_cache), holding every
+        # layer's keys and values to the end of the forward, recomputed blocks included
+        hidden_BLD = self.language_model(inputs_embeds=embeds_BLD, position_ids=position_ids_3BL, use_cache=False,
+                                         **extra)
         return self.lm_head(hidden_BLD.last_hidden_state)
 
     @staticmethod

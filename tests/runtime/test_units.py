@@ -298,3 +298,17 @@ def test_under_autocast_the_llm_residual_stream_is_in_the_compute_dtype(tiny_mod
     for handle in handles:
         handle.remove()
     assert seen == [torch.bfloat16] * len(llm.language_model.layers)
+
+
+def test_the_llm_forward_keeps_no_kv_cache(tiny_model):
+    """Training builds no KV cache (the config says use_cache=True; a cache would hold every layer's keys and
+    values to the end of the forward, recomputed blocks included)."""
+    from runtime.model import split_model
+
+    _, llm, _ = split_model(tiny_model)
+    outputs = []
+    handle = llm.language_model.register_forward_hook(lambda _m, _args, out: outputs.append(out))
+    llm(torch.randint(0, 100, (1, 12)), torch.zeros(0, tiny_model.config.text_config.hidden_size),
+        torch.arange(12).expand(3, 1, 12))
+    handle.remove()
+    assert tiny_model.config.text_config.use_cache and outputs[0].past_key_values is None
