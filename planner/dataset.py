@@ -255,13 +255,14 @@ def read_dataset(path: str | Path, tokenizer_dir: str | None = None) -> DatasetH
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--dataset {path} is not a file")
-    with path.open("rb") as f:
-        head = f.read(4096)
-    if HISTOGRAM_FORMAT.encode() in head:
-        try:
-            return DatasetHistogram.from_json(json.loads(path.read_text()), path)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"dataset histogram {path} is not JSON: {e}") from None
+    try:
+        whole = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read --dataset {path}: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        whole = None  # JSONL (or not JSON at all: the scan says so)
+    if isinstance(whole, dict) and "shapes" in whole:
+        return DatasetHistogram.from_json(whole, path)
     cache = _cache_file(path, tokenizer_dir)
     if cache.is_file():
         try:

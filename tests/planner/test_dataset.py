@@ -218,3 +218,9 @@ def test_nothing_usable_is_refused(tmp_path):
     path = _write(tmp_path / "d.jsonl", [_row("missing.png"), "oops"])
     with pytest.raises(ValueError, match=r"no usable sample: skipped \{'malformed row': 1, 'missing or unreadable"):
         read_dataset(path)
+
+
+def test_a_caption_that_names_the_histogram_format_is_still_data(tmp_path):
+    image = _image(tmp_path / "a.png", 640, 480)
+    path = _write(tmp_path / "d.jsonl", [{"image": image, "text": f"about {dataset.HISTOGRAM_FORMAT} files"}] * 2)
+    assert read_dataset(path).samples == 2
