@@ -11,6 +11,7 @@ models, and a global batch of 4 samples per GPU (64 at 16 GPUs).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Iterable, Mapping, Sequence
@@ -314,7 +315,8 @@ def make_problem(
         allow_ring_cp: Also search ring context parallelism, which the runtime cannot execute yet.
         dataset: A conversation / caption JSONL or JSON file, or a dataset histogram (``planner.dataset``): plan for
             its samples, packed; replaces the per-sample inputs (``global_batch`` still counts samples).
-        tokenizer: Folder with the tokenizer.json that counts the dataset's text (else an estimate, stated).
+        tokenizer: Folder with the tokenizer.json that counts the dataset's text (default: the model's folder when
+            ``model`` is a config.json beside one, else an estimate, stated).
         min_pixels: Fewest pixels the processor resizes a dataset image to (default Qwen2.5-VL's).
         max_pixels: Most pixels the processor resizes a dataset image to (default Qwen2.5-VL's).
         pack_tokens: LLM-token budget of a pack (default: the longest sample, rounded up to 256; ``top_plans``
@@ -338,6 +340,7 @@ def make_problem(
     cluster = cluster or make_cluster_for(gpus, gpu, gpus_per_node, cluster_file)
     dataset_info = None
     if dataset is not None:
+        tokenizer = tokenizer if tokenizer is not None else model_folder_tokenizer(model)
         sample_inputs = dict(image_sizes=image_sizes, vision_tokens=vision_tokens, text_tokens=text_tokens,
                              images_per_sample=images_per_sample, audio_seconds=audio_seconds)
         _check_no_sample_inputs(workload, sample_inputs)
@@ -354,6 +357,14 @@ def make_problem(
     cluster, layer_costs, assumptions = _profile_source(spec, cluster, profile, assumptions)
     return Problem(model=spec, cluster=cluster, workload=workload, precision=precision, assumptions=assumptions,
                    layer_costs=layer_costs, allow_ring_cp=allow_ring_cp, dataset=dataset_info)
+
+
+def model_folder_tokenizer(model: str | ModelSpec) -> str | None:
+    """The model folder when ``model`` is a config.json path (or its folder) beside a tokenizer.json, else None."""
+    if not isinstance(model, str) or not os.path.exists(model):
+        return None
+    folder = model if os.path.isdir(model) else os.path.dirname(model) or "."
+    return folder if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
 
 
 def _check_no_sample_inputs(workload: Workload | None, inputs: Mapping[str, Any]) -> None:
@@ -622,7 +633,8 @@ def _pack_budget_problems(model: Any, gpus: int | None, inputs: dict[str, Any]) 
         return []
     dataset = inputs["dataset"]
     if not isinstance(dataset, DatasetHistogram):
-        dataset = read_dataset(dataset, inputs.get("tokenizer"))
+        tokenizer = inputs.get("tokenizer")
+        dataset = read_dataset(dataset, tokenizer if tokenizer is not None else model_folder_tokenizer(model))
     first = make_problem(model, gpus, **{**inputs, "dataset": dataset})
     base = first.dataset.pack_tokens
     return [first] + [make_problem(model, gpus, **{**inputs, "dataset": dataset, "pack_tokens": base * m})

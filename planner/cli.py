@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(image sizes from file headers) or a dataset histogram: samples are packed, step time is "
                          "the mean pack's, memory holds the heaviest; --global-batch still counts samples")
     dataset.add_argument("--tokenizer", metavar="DIR", help="folder whose tokenizer.json counts the dataset's text "
-                         "(default: estimated from UTF-8 bytes, stated in the plan)")
+                         "(default: the --model folder's if it has one, else estimated from UTF-8 bytes, stated in "
+                         "the plan)")
     dataset.add_argument("--min-pixels", type=int, metavar="N", help="fewest pixels an image is resized to "
                          "(default 3136, Qwen2.5-VL's processor)")
     dataset.add_argument("--max-pixels", type=int, metavar="N", help="most pixels an image is resized to "

@@ -224,3 +224,17 @@ def test_a_caption_that_names_the_histogram_format_is_still_data(tmp_path):
     image = _image(tmp_path / "a.png", 640, 480)
     path = _write(tmp_path / "d.jsonl", [{"image": image, "text": f"about {dataset.HISTOGRAM_FORMAT} files"}] * 2)
     assert read_dataset(path).samples == 2
+
+
+def test_a_model_folder_with_a_tokenizer_counts_the_text(tmp_path):
+    from tests.runtime.plans import tiny_hf_config
+    from tests.runtime.tokenizer import save_tokenizer
+
+    folder = save_tokenizer(tmp_path / "model")
+    (folder / "config.json").write_text(json.dumps(tiny_hf_config()))
+    path = _write(tmp_path / "d.jsonl", [_row(_image(tmp_path / "a.png", 56, 56))])
+    for model in (str(folder), str(folder / "config.json")):
+        problem = api.make_problem(model, 1, gpu="cpu", dataset=str(path), profile=None)
+        assert problem.dataset.text_tokens.startswith(f"counted by {folder}")
+    problem = api.make_problem("qwen-vl-32b", 8, dataset=str(path), profile=None)
+    assert problem.dataset.text_tokens.startswith("estimated")
