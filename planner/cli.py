@@ -170,7 +170,8 @@ def _run(args: argparse.Namespace) -> list:
     if args.histogram_out:
         if args.dataset is None:
             raise ValueError("--histogram-out writes the histogram of --dataset: give --dataset")
-        inputs["dataset"] = read_dataset(args.dataset, args.tokenizer)
+        tokenizer = args.tokenizer if args.tokenizer is not None else api.model_folder_tokenizer(args.model)
+        inputs["dataset"] = read_dataset(args.dataset, tokenizer)
         try:
             write_histogram(inputs["dataset"], args.histogram_out)
         except OSError as e:

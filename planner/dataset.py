@@ -279,7 +279,7 @@ def read_dataset(path: str | Path, tokenizer_dir: str | None = None) -> DatasetH
 
 
 def write_histogram(histogram: DatasetHistogram, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(histogram.to_json(), indent=None))
+    Path(path).write_text(json.dumps(histogram.to_json()))
 
 
 # ---- tokens and packs ---------------------------------------------------------------------------------------------
@@ -379,6 +379,7 @@ def pack_dataset(tokens: SampleTokens, model: ModelSpec, pack_tokens: int | None
         starts = np.cumsum([0] + [len(p) for p in packs[:-1]])
     sums = {name: np.add.reduceat(values[order], starts) for name, values in per_sample.items()}
     mean = {name: float(values.mean()) for name, values in sums.items()}
+
     def heaviest(size: str, squares: str) -> dict[str, float]:
         pick = int(np.lexsort((sums[squares], sums[size]))[-1])
         return {name: float(values[pick]) for name, values in sums.items()}

@@ -120,8 +120,7 @@ def test_text_tokens_are_what_the_runtime_renders(tmp_path):
         ids = runtime._render(messages, generation_prompt=False)
         rendered.append(len(ids) - ids.count(layout.image_token_id))
     assert counted == sorted(rendered)
-    estimate = scan_dataset(path)  # without a tokenizer: within a few tokens of it on this byte-level vocabulary
-    assert "estimated" in estimate.text_tokens and "counted by" in histogram.text_tokens
+    assert "estimated" in scan_dataset(path).text_tokens and "counted by" in histogram.text_tokens
 
 
 def test_a_second_read_uses_the_cache_and_a_changed_file_is_rescanned(tmp_path, monkeypatch):
@@ -238,3 +237,16 @@ def test_a_model_folder_with_a_tokenizer_counts_the_text(tmp_path):
         assert problem.dataset.text_tokens.startswith(f"counted by {folder}")
     problem = api.make_problem("qwen-vl-32b", 8, dataset=str(path), profile=None)
     assert problem.dataset.text_tokens.startswith("estimated")
+
+
+def test_histogram_out_counts_with_the_model_folders_tokenizer(tmp_path, capsys):
+    from planner.cli import main
+    from tests.runtime.plans import tiny_hf_config
+    from tests.runtime.tokenizer import save_tokenizer
+
+    folder = save_tokenizer(tmp_path / "model")
+    (folder / "config.json").write_text(json.dumps(tiny_hf_config()))
+    path = _write(tmp_path / "d.jsonl", [_row(_image(tmp_path / "a.png", 56, 56))])
+    assert main(["--model", str(folder), "--gpus", "1", "--gpu", "cpu", "--profile", "none", "--dataset", str(path),
+                 "--histogram-out", str(tmp_path / "h.json"), "--out", str(tmp_path / "p.json")]) == 0
+    assert read_dataset(tmp_path / "h.json").text_tokens.startswith(f"counted by {folder}")
