@@ -1,5 +1,5 @@
-"""Rows of a conversation or caption file, torch-free: the planner reads a dataset's shapes with them and the
-runtime its samples.
+"""Rows of a conversation or caption file and their images' sizes, torch-free: the planner reads a dataset's shapes
+with them and the runtime its samples.
 
 Formats, one row per JSONL line (or a JSON list of rows):
 
@@ -80,3 +80,17 @@ def messages_of(row: Any) -> tuple[list[dict], list[str]]:
             raise SkippedSample("malformed row")
         first_user["content"] = [{"type": "image"}] * (len(images) - marked) + first_user["content"]
     return messages, images
+
+
+def image_header_size(path: Path, sizes: dict[Path, tuple[int, int] | None]) -> tuple[int, int] | None:
+    """(height, width) from the file's header (PIL opens lazily: nothing is decoded), None if unreadable."""
+    if path not in sizes:
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(path) as image:
+                width, height = image.size
+            sizes[path] = (height, width)
+        except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError):
+            sizes[path] = None
+    return sizes[path]

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.data_rows import SkippedSample, messages_of, read_rows
+from planner.data_rows import SkippedSample, image_header_size, messages_of, read_rows
 from planner.models import ModelSpec
 from planner.packing import pack_best_fit
 from planner.workload import ModuleTokens, PackedTokens, Workload, image_windows, packed_workload
@@ -185,20 +185,6 @@ class _TextCounter:
         return math.ceil(len(text.encode()) / BYTES_PER_TOKEN) + specials + frame
 
 
-def _image_size(path: Path, sizes: dict[Path, tuple[int, int] | None]) -> tuple[int, int] | None:
-    """(height, width) from the file's header (PIL opens lazily: nothing is decoded), None if unreadable."""
-    if path not in sizes:
-        from PIL import Image, UnidentifiedImageError
-
-        try:
-            with Image.open(path) as image:
-                width, height = image.size
-            sizes[path] = (height, width)
-        except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError):
-            sizes[path] = None
-    return sizes[path]
-
-
 def scan_dataset(path: Path, tokenizer_dir: str | None = None) -> DatasetHistogram:
     """The histogram of a conversation or caption JSONL / JSON file; bad rows are counted, not raised.
 
@@ -216,7 +202,7 @@ def scan_dataset(path: Path, tokenizer_dir: str | None = None) -> DatasetHistogr
     for row in rows:
         try:
             pieces, images = _texts(row)
-            found = tuple(_image_size(path.parent / p, sizes) for p in images)
+            found = tuple(image_header_size(path.parent / p, sizes) for p in images)
             if any(size is None for size in found):
                 raise SkippedSample("missing or unreadable image")
             samples.append((pieces, found))

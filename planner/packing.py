@@ -1,4 +1,5 @@
-"""Packing samples into packs of at most a token budget: best-fit decreasing over an epoch's lengths.
+"""Packing samples into packs of at most a token budget (best-fit decreasing over an epoch's lengths), and dealing
+packs to data-parallel replicas by load.
 
 Pure Python, no torch: the planner prices the packs this forms, and a runtime packer can form the same ones.
 """
@@ -6,6 +7,7 @@ Pure Python, no torch: the planner prices the packs this forms, and a runtime pa
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections import defaultdict
 from typing import Sequence
 
@@ -44,3 +46,23 @@ def pack_best_fit(lengths: Sequence[int], budget: int) -> list[list[int]]:
                 bisect.insort(rooms, left)
             by_room[left].append(pack)
     return packs
+
+
+def balance_packs(loads: Sequence[float], bins: int, per_bin: int) -> list[list[int]]:
+    """Indexes of ``loads`` dealt into ``bins`` bins of exactly ``per_bin`` each by longest processing time first
+    (each load, largest first, goes to the least-loaded bin that has room; Graham 1969, "Bounds on multiprocessing
+    timing anomalies", 4/3 of the best makespan without the room limit); each bin lists its loads largest first.
+
+    Raises:
+        ValueError: ``len(loads) != bins * per_bin``.
+    """
+    if len(loads) != bins * per_bin:
+        raise ValueError(f"{len(loads)} loads cannot fill {bins} bins of {per_bin}")
+    heap = [(0.0, b) for b in range(bins)]
+    dealt: list[list[int]] = [[] for _ in range(bins)]
+    for index in sorted(range(len(loads)), key=lambda i: -loads[i]):
+        load, b = heapq.heappop(heap)
+        dealt[b].append(index)
+        if len(dealt[b]) < per_bin:
+            heapq.heappush(heap, (load + loads[index], b))
+    return dealt

@@ -4,13 +4,15 @@ Formats: the Qwen-VL / LLaVA conversations and the messages rows that ``planner.
 
 The folder's tokenizer renders the conversation with its chat template; each image's ``<|image_pad|>`` becomes as
 many pads as the image has merged tokens (what Qwen-VL's processor does). Labels are the tokens of each assistant
-turn (its text and end-of-turn marker), -100 elsewhere, found by rendering the conversation up to each turn.
+turn (its text and end-of-turn marker), -100 elsewhere, found by rendering the conversation up to each turn
+(``ChatTokenizer``).
 
-This runtime still stacks micro-batches of one shape (the plan's layout): images are resized to the layout's sizes
-and sequences padded or cut to its length. A sample that cannot take that shape — another image count, a
-sequence whose images or first assistant token lie beyond the cut — is skipped and counted, as are malformed
-lines, missing or unreadable images and conversations without an assistant turn; sample ``i`` is then the next
-usable row. Only data with nothing usable stops the run.
+``ConversationData`` gives samples of a fixed-shape plan's layout: images are resized to the layout's sizes and
+sequences padded or cut to its length. A sample that cannot take that shape — another image count, a sequence
+whose images or first assistant token lie beyond the cut — is skipped and counted, as are malformed lines, missing
+or unreadable images and conversations without an assistant turn; sample ``i`` is then the next usable row. Only
+data with nothing usable stops the run. Plans made for a dataset read it at native resolution instead
+(runtime.packed_data).
 """
 
 from __future__ import annotations
@@ -30,13 +32,10 @@ IMAGE_PAD = "<|image_pad|>"
 """The pad token Qwen-VL's chat template writes once per image."""
 
 
-class ConversationData:
-    """Samples of a conversation file, tokenized by the model folder's tokenizer (see the module docstring)."""
+class ChatTokenizer:
+    """The model folder's tokenizer and chat template: a conversation's token ids and assistant-turn labels."""
 
-    def __init__(self, path: str | Path, layout: SampleLayout, tokenizer_dir: str | Path):
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"data file {path} does not exist")
+    def __init__(self, tokenizer_dir: str | Path, image_token_id: int):
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
         except (OSError, ValueError) as e:
@@ -44,17 +43,79 @@ class ConversationData:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer in {tokenizer_dir} has no chat template: conversation data needs one")
         pad_id = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-        if pad_id != layout.image_token_id:
+        if pad_id != image_token_id:
             raise ValueError(f"the tokenizer in {tokenizer_dir} maps {IMAGE_PAD} to {pad_id}, the model's image token "
-                             f"is {layout.image_token_id}: give the model's own tokenizer")
+                             f"is {image_token_id}: give the model's own tokenizer")
+        self.image_token_id = image_token_id
+
+    def render(self, messages: list[dict], image_tokens: list[int], *, generation_prompt: bool = False) -> list[int]:
+        """Token ids of ``messages`` through the chat template, image ``i``'s pad expanded to ``image_tokens[i]``."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        pieces = text.split(IMAGE_PAD)
+        if len(pieces) - 1 > len(image_tokens):
+            raise SkippedSample("image markers differ from the images")
+        expanded = pieces[0] + "".join(IMAGE_PAD * image_tokens[i] + piece for i, piece in enumerate(pieces[1:]))
+        return self.tokenizer(expanded, add_special_tokens=False).input_ids
+
+    def tokens(self, messages: list[dict], image_tokens: list[int]) -> tuple[list[int], list[int]]:
+        """(input ids, labels): labels are the tokens each assistant turn adds to the rendered conversation."""
+        ids = self.render(messages, image_tokens)
+        if ids.count(self.image_token_id) != sum(image_tokens):
+            raise SkippedSample("image markers differ from the images")
+        labels = [IGNORE_INDEX] * len(ids)
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                prefix = self.render(messages[:i], image_tokens, generation_prompt=True)
+                end = len(self.render(messages[: i + 1], image_tokens))
+                if ids[: len(prefix)] != prefix:
+                    raise SkippedSample("the chat template does not render turns as prefixes")
+                labels[len(prefix):end] = ids[len(prefix):end]
+        return ids, labels
+
+
+def conversation_of(row: Any) -> tuple[list[dict], list[str]]:
+    """(messages, image paths) of a row with an assistant turn, or ``SkippedSample``."""
+    messages, image_paths = messages_of(row)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise SkippedSample("no assistant turn")
+    return messages, [str(p) for p in image_paths]
+
+
+def open_images(folder: Path, paths: list[str]) -> list[Image.Image]:
+    """The images (RGB, decoded), or ``SkippedSample`` when one is missing or unreadable."""
+    images = []
+    for p in paths:
+        try:
+            with Image.open(folder / p) as image:
+                images.append(image.convert("RGB"))
+        except (OSError, ValueError, Image.DecompressionBombError):
+            raise SkippedSample("missing or unreadable image") from None
+    return images
+
+
+def read_conversation_rows(path: Path) -> tuple[list[Any], Counter[str]]:
+    """The rows of a conversation file and the malformed-line count, or a one-line error when it has none."""
+    if not path.is_file():
+        raise ValueError(f"data file {path} does not exist")
+    rows, malformed = read_rows(path)
+    if not rows:
+        raise ValueError(f"{path} holds no rows ({malformed} malformed line(s))")
+    return rows, Counter({"malformed row": malformed} if malformed else {})
+
+
+class ConversationData:
+    """Samples of a conversation file in a fixed-shape plan's layout (see the module docstring)."""
+
+    def __init__(self, path: str | Path, layout: SampleLayout, tokenizer_dir: str | Path):
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"data file {path} does not exist")
+        self.chat = ChatTokenizer(tokenizer_dir, layout.image_token_id)
         self.path, self.layout = path, layout
         self.processor = layout_image_processor(layout)
-        self.rows, malformed = read_rows(path)
-        self.skipped: Counter[str] = Counter({"malformed row": malformed} if malformed else {})
-        """Rows skipped so far (this process), by reason."""
+        self.rows, self.skipped = read_conversation_rows(path)
+        """``skipped``: rows skipped so far (this process), by reason."""
         self._seen: set[int] = set()
-        if not self.rows:
-            raise ValueError(f"{path} holds no rows ({malformed} malformed line(s))")
 
     def sample(self, index: int) -> Sample:
         """Sample ``index``: row ``index`` (modulo the rows), or the next usable one."""
@@ -71,45 +132,12 @@ class ConversationData:
 
     def build(self, row: Any) -> Sample:
         """One row as a sample of the layout, or ``SkippedSample``."""
-        messages, image_paths = messages_of(row)
-        if not any(m["role"] == "assistant" for m in messages):
-            raise SkippedSample("no assistant turn")
+        messages, image_paths = conversation_of(row)
         if len(image_paths) != len(self.layout.image_sizes):
             raise SkippedSample("image count differs from the plan's")
-        images = []
-        for p in image_paths:
-            try:
-                with Image.open(self.path.parent / str(p)) as image:
-                    images.append(image.convert("RGB"))
-            except (OSError, ValueError, Image.DecompressionBombError):
-                raise SkippedSample("missing or unreadable image") from None
-        ids, labels = self._tokens(messages)
+        images = open_images(self.path.parent, image_paths)
+        ids, labels = self.chat.tokens(messages, self.layout.image_tokens())
         return {**patchify(images, self.layout, self.processor), **self._fit(ids, labels)}
-
-    def _render(self, messages: list[dict], *, generation_prompt: bool) -> list[int]:
-        """Token ids of ``messages`` through the chat template, each image's pad expanded to its merged tokens."""
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        pieces = text.split(IMAGE_PAD)
-        sizes = self.layout.image_tokens()
-        if len(pieces) - 1 > len(sizes):
-            raise SkippedSample("image markers differ from the images")
-        expanded = pieces[0] + "".join(IMAGE_PAD * sizes[i] + piece for i, piece in enumerate(pieces[1:]))
-        return self.tokenizer(expanded, add_special_tokens=False).input_ids
-
-    def _tokens(self, messages: list[dict]) -> tuple[list[int], list[int]]:
-        """(input ids, labels): labels are the tokens each assistant turn adds to the rendered conversation."""
-        ids = self._render(messages, generation_prompt=False)
-        if ids.count(self.layout.image_token_id) != sum(self.layout.image_tokens()):
-            raise SkippedSample("image markers differ from the images")
-        labels = [IGNORE_INDEX] * len(ids)
-        for i, message in enumerate(messages):
-            if message["role"] == "assistant":
-                prefix = self._render(messages[:i], generation_prompt=True)
-                end = len(self._render(messages[: i + 1], generation_prompt=False))
-                if ids[: len(prefix)] != prefix:
-                    raise SkippedSample("the chat template does not render turns as prefixes")
-                labels[len(prefix):end] = ids[len(prefix):end]
-        return ids, labels
 
     def _fit(self, ids: list[int], labels: list[int]) -> Sample:
         """input_ids, mm_token_type_ids and labels of exactly the layout's length: padded, or cut after the images

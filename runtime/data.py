@@ -235,3 +235,21 @@ def collate(samples: list[Sample]) -> Sample:
         "mm_token_type_ids": torch.stack([s["mm_token_type_ids"] for s in samples]),
         "labels": torch.stack([s["labels"] for s in samples]),
     }
+
+
+def pack_rows(samples: list[Sample]) -> Sample:
+    """A packed micro-batch: patches and grids concatenated, every sample's tokens back to back in one row [1, L]
+    (no padding). Each sample's first label is IGNORE_INDEX: the token before it belongs to another sample, so it
+    is nobody's next token. ``sample_lens`` and ``sample_images`` give each sample's tokens and images."""
+    labels = [s["labels"].clone() for s in samples]
+    for row in labels:
+        row[0] = IGNORE_INDEX
+    return {
+        "pixel_values": torch.cat([s["pixel_values"] for s in samples]),
+        "image_grid_thw": torch.cat([s["image_grid_thw"] for s in samples]),
+        "input_ids": torch.cat([s["input_ids"] for s in samples])[None],
+        "mm_token_type_ids": torch.cat([s["mm_token_type_ids"] for s in samples])[None],
+        "labels": torch.cat(labels)[None],
+        "sample_lens": torch.tensor([len(s["input_ids"]) for s in samples]),
+        "sample_images": torch.tensor([len(s["image_grid_thw"]) for s in samples]),
+    }

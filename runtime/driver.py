@@ -37,12 +37,10 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
             f"llm sp = {llm.sp} does not divide the {tc.num_attention_heads // llm.tp} attention heads of a TP rank "
             f"(tp = {llm.tp})"
         )
+    if plan.workload.dataset is not None:
+        return  # each packed micro-batch's shapes are known once the data is indexed
     layout = layout_from_plan(plan.workload, config)
     split_sequence(layout.seq_len, llm.sp)  # a token per SP rank at least
     grid = torch.tensor([(1, h // layout.patch_size, w // layout.patch_size) for h, w in layout.image_sizes])
     merged_positions_per_rank(grid.repeat(vision.micro_batch, 1), vc, vision.sp)  # enough windows for SP
 
-
-def tokens_per_sample(plan: Plan) -> int:
-    """Tokens of one sample's LLM sequence (for tokens/s)."""
-    return layout_from_plan(plan.workload, hf_config_from_dict(plan.model.hf_config)).seq_len

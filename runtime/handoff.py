@@ -1,9 +1,10 @@
 """Hand vision outputs to the LLM's layout and their gradients back, by point-to-point messages.
 
-One global micro-batch of ``B`` samples, ``T`` merged image tokens each, is split two ways: vision DP replica
-``d`` (with its SP ranks ``k``) produced the tokens of samples ``[d*mb_v, (d+1)*mb_v)``, window-ordered; LLM
-rank (dp ``e``, sp ``j``) needs, of samples ``[e*mb_l, (e+1)*mb_l)``, the image tokens its sequence slice holds
-(all of them without LLM SP), in sample order (``llm_needs``). Each piece (d, k) is sent by the piece's first TP
+One global micro-batch of ``B`` samples (or packs) is split two ways: vision DP replica ``d`` (with its SP ranks
+``k``) produced the image tokens of samples ``[d*mb_v, (d+1)*mb_v)``, window-ordered; LLM rank (dp ``e``, sp ``j``)
+needs, of samples ``[e*mb_l, (e+1)*mb_l)``, the image tokens its sequence slice holds (all of them without LLM SP),
+in sequence order (``llm_needs``). Samples may differ in images and lengths: the routes (``Routes``) are built per
+micro-batch from its image grids and image-token positions, which every rank knows before any data is read. Each piece (d, k) is sent by the piece's first TP
 rank to every LLM rank that needs some of its rows, and only those rows. Gradients go back from the first TP
 rank of every LLM (dp, sp) coordinate (its TP ranks hold the same values) to every TP rank of each piece it
 used, which places the rows it receives (every row comes from exactly one sender). Works the same for colocated
@@ -43,36 +44,66 @@ class Piece:
     """Ranks that ran the piece and take its gradient (all its TP ranks)."""
 
 
-def build_pieces(vision: ParallelDims, positions_per_rank: list[torch.Tensor], tokens_per_replica: int) -> list[Piece]:
-    """Every vision piece of a micro-batch, given each SP rank's replica-order positions."""
+def build_pieces(vision: ParallelDims, positions: list[list[torch.Tensor]], offsets: list[int]) -> list[Piece]:
+    """Every vision piece of a micro-batch, given each replica's SP ranks' replica-order positions
+    (``positions[d][k]``) and where each replica's tokens start in the micro-batch (``offsets[d]``)."""
     pieces = []
     for d in range(vision.dp):
         for k in range(vision.sp):
             owners = tuple(vision.ranks_where(dp=d, sp=k))
-            pieces.append(
-                Piece(replica=d, sp_rank=k, positions=positions_per_rank[k] + d * tokens_per_replica,
-                      producer=owners[0], owners=owners)
-            )
+            pieces.append(Piece(replica=d, sp_rank=k, positions=positions[d][k] + offsets[d], producer=owners[0],
+                                owners=owners))
     return pieces
 
 
-def llm_needs(
-    llm: ParallelDims, slots_per_sp_rank: list[torch.Tensor], tokens_per_sample: int
-) -> dict[int, torch.Tensor]:
-    """Global (micro-batch) index of every image token each LLM rank places, in its local order (sample-major).
+def llm_needs(llm: ParallelDims, slots: list[list[torch.Tensor]], offsets: list[int]) -> dict[int, torch.Tensor]:
+    """Global (micro-batch) index of every image token each LLM rank places, in its local order.
 
     Args:
         llm: the LLM's degrees.
-        slots_per_sp_rank: for each LLM SP rank, which of a sample's ``tokens_per_sample`` image tokens its
-            slice holds (runtime.llm.image_slots_per_rank).
-        tokens_per_sample: merged image tokens per sample.
+        slots: ``slots[e][j]``, which of replica ``e``'s image tokens (in its own order) SP rank ``j``'s slice holds
+            (runtime.llm.image_slots_per_rank).
+        offsets: where replica ``e``'s image tokens start in the micro-batch.
     """
     needs = {}
     for rank in llm.ranks:
         coord = llm.coordinate(rank)
-        samples = coord["dp"] * llm.micro_batch + torch.arange(llm.micro_batch)
-        needs[rank] = (samples[:, None] * tokens_per_sample + slots_per_sp_rank[coord["sp"]][None, :]).flatten()
+        needs[rank] = slots[coord["dp"]][coord["sp"]] + offsets[coord["dp"]]
     return needs
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+@dataclass(kw_only=True, frozen=True)
+class Routes:
+    """Who sends which rows of one micro-batch to whom."""
+
+    pieces: list[Piece]
+    needs: dict[int, torch.Tensor]
+    """LLM rank -> global index of each image token it places (``llm_needs``)."""
+    table: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
+    """(piece index, LLM rank) -> (mask of the piece's rows that rank needs, their index among its own rows)."""
+
+    @classmethod
+    def build(cls, vision: ParallelDims, llm: ParallelDims, vision_positions: list[list[torch.Tensor]],
+              llm_slots: list[list[torch.Tensor]], device: torch.device) -> Routes:
+        """The routes of a micro-batch whose vision replica ``d``'s SP rank ``k`` emits the tokens
+        ``vision_positions[d][k]`` of the replica's images, and whose LLM replica ``e``'s SP rank ``j`` places the
+        replica's image tokens ``llm_slots[e][j]``; replicas' tokens follow each other in replica order."""
+        produced = [sum(len(p) for p in replica) for replica in vision_positions]
+        placed = [sum(len(s) for s in replica) for replica in llm_slots]
+        assert sum(produced) == sum(placed), f"vision emits {sum(produced)} image tokens, the LLM places {sum(placed)}"
+        pieces = build_pieces(vision, vision_positions, _starts(produced))
+        needs = llm_needs(llm, llm_slots, _starts(placed))
+        table = {}
+        for i, piece in enumerate(pieces):
+            for rank in llm.ranks:
+                keep = torch.isin(piece.positions, needs[rank])
+                if keep.any():
+                    table[(i, rank)] = (keep.to(device), torch.searchsorted(needs[rank], piece.positions[keep]).to(device))
+        return cls(pieces=pieces, needs=needs, table=table)
 
 
 @dataclass
@@ -94,16 +125,11 @@ class Handoff:
     rank's simultaneous send and receive with the same peer from deadlocking.
     """
 
-    def __init__(self, *, llm: ParallelDims, pieces: list[Piece], needs: dict[int, torch.Tensor],
-                 vision_trainable: bool, hidden: int, rank: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, *, llm: ParallelDims, vision_trainable: bool, hidden: int, rank: int, dtype: torch.dtype,
+                 device: torch.device):
         self.rank, self.hidden, self.dtype, self.device = rank, hidden, dtype, device
         self.vision_trainable = vision_trainable
-        self.pieces = pieces
         self.llm = llm
-        self.needs = needs
-        routes = (((i, r), self._route(p, needs[r])) for i, p in enumerate(pieces) for r in llm.ranks)
-        self.routes = {key: route for key, route in routes if route is not None}
-        """(piece index, LLM rank) -> (mask of the piece's rows that rank needs, their index among its own rows)."""
         self.groups = {FORWARD_TAG: dist.new_group(), BACKWARD_TAG: dist.new_group()}
         if device.type == "cuda":  # create the NCCL communicators now, on every rank together
             for group in self.groups.values():
@@ -111,19 +137,12 @@ class Handoff:
         self._mailbox: dict[int, torch.Tensor] = {}
         self.comm_seconds = 0.0
 
-    def _route(self, piece: Piece, needed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Which of the piece's rows an LLM rank needs (mask) and where they go among its own rows; None if none."""
-        keep = torch.isin(piece.positions, needed)
-        if not keep.any():
-            return None
-        return keep.to(self.device), torch.searchsorted(needed, piece.positions[keep]).to(self.device)
-
     def _is_gradient_sender(self, llm_rank: int) -> bool:
         coord = self.llm.coordinate(llm_rank)
         return coord["cp"] == 0 and coord["tp"] == 0
 
-    def _my_piece(self) -> int:
-        return next(i for i, p in enumerate(self.pieces) if self.rank in p.owners)
+    def _my_piece(self, routes: Routes) -> int:
+        return next(i for i, p in enumerate(routes.pieces) if self.rank in p.owners)
 
     def _buffer(self, rows: int) -> torch.Tensor:
         return torch.empty(rows, self.hidden, dtype=self.dtype, device=self.device)
@@ -144,54 +163,54 @@ class Handoff:
                 ops.append(dist.P2POp(dist.irecv, buffer, src, group=group, tag=tag))
         return dist.batch_isend_irecv(ops) if ops else []
 
-    def activations(self, rows_mD: torch.Tensor | None, micro: int) -> Posted:
+    def activations(self, rows_mD: torch.Tensor | None, micro: int, routes: Routes) -> Posted:
         """Post this rank's part of the hand-off: its piece's rows if it produces one (``rows_mD``), each LLM rank
         getting the rows it needs, and the receives of the rows this rank needs if it holds the LLM. ``finish``
         gives this LLM rank's image tokens [n, D] in its local order (a leaf; set requires_grad to collect its
         gradient)."""
         sends, recvs = [], []
-        if rows_mD is not None and self.rank == self.pieces[self._my_piece()].producer:
+        if rows_mD is not None and self.rank == routes.pieces[self._my_piece(routes)].producer:
             rows = rows_mD.to(self.dtype)  # receivers allocate buffers of the hand-off dtype
-            mine = self._my_piece()
-            sends = [(rows[keep], dst) for (i, dst), (keep, _) in self.routes.items() if i == mine]
+            mine = self._my_piece(routes)
+            sends = [(rows[keep], dst) for (i, dst), (keep, _) in routes.table.items() if i == mine]
         receive = self.rank in self.llm.ranks
         if receive:
-            mine = [(i, route) for (i, dst), route in self.routes.items() if dst == self.rank]
-            recvs = [(self._buffer(int(keep.sum())), self.pieces[i].producer) for i, (keep, _) in mine]
+            placed = [(i, route) for (i, dst), route in routes.table.items() if dst == self.rank]
+            recvs = [(self._buffer(int(keep.sum())), routes.pieces[i].producer) for i, (keep, _) in placed]
         works = self._post(sends, recvs, FORWARD_TAG, micro)
 
         def finish() -> torch.Tensor | None:
             if not receive:
                 return None
-            embeds = self._buffer(len(self.needs[self.rank]))
-            for (_, (_, rows)), (buffer, _) in zip(mine, recvs):
+            embeds = self._buffer(len(routes.needs[self.rank]))
+            for (_, (_, rows)), (buffer, _) in zip(placed, recvs):
                 embeds[rows] = buffer
             return embeds
 
         return Posted(works=works, finish=finish)
 
-    def gradients(self, grad_nD: torch.Tensor | None, micro: int) -> Posted:
+    def gradients(self, grad_nD: torch.Tensor | None, micro: int, routes: Routes) -> Posted:
         """Post this rank's part of the hand-back: on a gradient sender, the gradient rows (of ``grad_nD``) of
         every piece it used, to all the piece's ranks; on vision ranks, the receives of their own piece's rows.
         ``finish`` gives that piece's gradient [m, D]."""
         sends, recvs = [], []
         if self.vision_trainable and grad_nD is not None and self._is_gradient_sender(self.rank):
-            for (i, dst), (_, rows) in self.routes.items():
+            for (i, dst), (_, rows) in routes.table.items():
                 if dst == self.rank:
-                    sends += [(grad_nD[rows], owner) for owner in self.pieces[i].owners]
-        receive = self.vision_trainable and any(self.rank in p.owners for p in self.pieces)
+                    sends += [(grad_nD[rows], owner) for owner in routes.pieces[i].owners]
+        receive = self.vision_trainable and any(self.rank in p.owners for p in routes.pieces)
         if receive:
-            mine = self._my_piece()
-            routes = [(r, keep) for (i, r), (keep, _) in self.routes.items()
-                      if i == mine and self._is_gradient_sender(r)]
-            recvs = [(self._buffer(int(keep.sum())), r) for r, keep in routes]
+            mine = self._my_piece(routes)
+            senders = [(r, keep) for (i, r), (keep, _) in routes.table.items()
+                       if i == mine and self._is_gradient_sender(r)]
+            recvs = [(self._buffer(int(keep.sum())), r) for r, keep in senders]
         works = self._post(sends, recvs, BACKWARD_TAG, micro)
 
         def finish() -> torch.Tensor | None:
             if not receive:
                 return None
-            grad = torch.zeros(len(self.pieces[mine].positions), self.hidden, dtype=self.dtype, device=self.device)
-            for (_, keep), (buffer, _) in zip(routes, recvs):
+            grad = torch.zeros(len(routes.pieces[mine].positions), self.hidden, dtype=self.dtype, device=self.device)
+            for (_, keep), (buffer, _) in zip(senders, recvs):
                 grad[keep] = buffer
             return grad
 

@@ -33,7 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from planner.schema import Plan
 from runtime.checkpoint_dir import CheckpointOptions, latest_checkpoint
 from runtime.dcp_checkpoint import Checkpointer
-from runtime.driver import tokens_per_sample, validate_plan
+from runtime.driver import validate_plan
 from runtime.metrics import MetricsLog, format_summary
 from runtime.preflight import check_outputs, is_cpu_plan, num_devices, save_with_fallback
 from runtime.trainer import RunOptions, Trainer
@@ -286,7 +286,7 @@ def run(
     complete checkpoint at most ``checkpoints.max_failures`` times, then the failure is raised.
     """
     check_outputs(metrics=metrics_path, save=save)
-    log = MetricsLog(plan, steps=steps, path=metrics_path, tokens_per_sample=tokens_per_sample(plan))
+    log = MetricsLog(plan, steps=steps, path=metrics_path)
     failures, failed_at, saved_at = 0, None, {}
     try:
         while True:

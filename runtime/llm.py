@@ -7,10 +7,16 @@ sequence first and then sliced, so that the slices sum to the single-device mode
 - the 3-D M-RoPE positions (``get_rope_index`` needs the whole sequence to place image and text positions);
 - the next-token targets (the label of a slice's last position is the next slice's first token).
 
-Image tokens are the same positions in every sample (all samples share one layout), so the image tokens a slice
-holds (``image_slots_per_rank``) are known before any data is read; the hand-off routes exactly those.
+Every rank knows where a micro-batch's image tokens sit before any data is read (a fixed-shape plan's layout, or a
+dataset plan's index), so the image tokens a slice holds (``image_slots_per_rank``) are known too; the hand-off
+routes exactly those.
 
-Shape legend: B samples, L whole sequence, s this rank's slice.
+A packed micro-batch (a dataset plan) is one row of samples back to back: attention stays within each sample
+(``segment_lens`` under SP; transformers' packed-sequence mask otherwise, which it derives from the first of 4
+position rows, each sample's own text positions), and the M-RoPE positions are each sample's own
+(``packed_position_ids``).
+
+Shape legend: B samples (1 when packed), L whole sequence, s this rank's slice.
 """
 
 from __future__ import annotations
@@ -46,15 +52,16 @@ def next_token_targets(labels_BL: torch.Tensor) -> torch.Tensor:
 
 def shard_llm_batch(
     input_ids_BL: torch.Tensor, position_ids_3BL: torch.Tensor, labels_BL: torch.Tensor, *, sp_rank: int,
-    sp_group: Any, sp: int,
+    sp_group: Any, sp: int, segment_lens: tuple[int, ...] | None = None,
 ) -> LLMShard:
-    """The slice of a micro-batch that SP rank ``sp_rank`` of ``sp`` processes."""
+    """The slice of a micro-batch that SP rank ``sp_rank`` of ``sp`` processes; ``segment_lens``: the packed samples'
+    lengths (default: each row is one sequence)."""
     length = input_ids_BL.shape[1]
     bounds = split_sequence(length, sp)
     start, end = bounds[sp_rank], bounds[sp_rank + 1]
     ulysses = None
     if sp > 1:
-        ulysses = UlyssesGroup(group=sp_group, rank=sp_rank, segment_lens=(length,),
+        ulysses = UlyssesGroup(group=sp_group, rank=sp_rank, segment_lens=segment_lens or (length,),
                                seq_lens=tuple(b - a for a, b in zip(bounds[:-1], bounds[1:])))
     return LLMShard(
         input_ids_Bs=input_ids_BL[:, start:end],
@@ -64,10 +71,30 @@ def shard_llm_batch(
     )
 
 
-def image_slots_per_rank(input_ids_L: torch.Tensor, image_token_id: int, sp: int) -> list[torch.Tensor]:
-    """For each of ``sp`` SP ranks, the indexes (among a sample's image tokens, in order) of the image tokens its
-    slice of the sequence ``input_ids_L`` holds."""
-    positions = (input_ids_L == image_token_id).nonzero().flatten()
-    bounds = split_sequence(len(input_ids_L), sp)
-    slot = torch.arange(len(positions))
-    return [slot[(positions >= a) & (positions < b)] for a, b in zip(bounds[:-1], bounds[1:])]
+def image_slots_per_rank(rows: list[tuple[int, torch.Tensor]], sp: int) -> list[torch.Tensor]:
+    """For each of ``sp`` SP ranks, which of a micro-batch's image tokens (rows in order, each row's in sequence order)
+    its slice holds, given each row's (length, image-token positions); every row is split alike (``split_sequence``)."""
+    slots: list[list[torch.Tensor]] = [[] for _ in range(sp)]
+    first = 0
+    for length, positions in rows:
+        bounds = split_sequence(length, sp)
+        slot = first + torch.arange(len(positions))
+        for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            slots[j].append(slot[(positions >= a) & (positions < b)])
+        first += len(positions)
+    return [torch.cat(parts) for parts in slots]
+
+
+def packed_position_ids(batch: dict[str, torch.Tensor], rope_index: Any) -> torch.Tensor:
+    """[4, 1, L] positions of a packed row: each sample's text positions (from 0), then its own M-RoPE positions
+    (the model's ``get_rope_index`` on the sample alone)."""
+    rows, at, images = [], 0, 0
+    for length in batch["sample_lens"].tolist():
+        ids = batch["input_ids"][:, at:at + length]
+        types = batch["mm_token_type_ids"][:, at:at + length]
+        count = int(batch["sample_images"][len(rows)])
+        grids = batch["image_grid_thw"][images:images + count]
+        mrope, _ = rope_index(ids, mm_token_type_ids=types, image_grid_thw=grids)
+        rows.append(torch.cat([torch.arange(length).view(1, 1, length), mrope]))
+        at, images = at + length, images + count
+    return torch.cat(rows, dim=-1)

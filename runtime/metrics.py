@@ -23,8 +23,9 @@ TIMED = ("vision_forward_s", "vision_backward_s", "llm_forward_s", "llm_backward
 """Per-rank timers reported as the max over ranks (and each rank's own under ``ranks``)."""
 
 
-def step_record(step: int, results: list[dict[str, Any]], plan: Plan, tokens_per_sample: int) -> dict[str, Any]:
-    """One step's JSON record from every rank's measurements."""
+def step_record(step: int, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One step's JSON record from every rank's measurements (``llm_tokens``: the step's LLM tokens, which every rank
+    knows; packed steps differ in it)."""
     step_time = max(r["step_time_s"] for r in results)
     record: dict[str, Any] = {
         "step": step,
@@ -32,7 +33,8 @@ def step_record(step: int, results: list[dict[str, Any]], plan: Plan, tokens_per
         "grad_norm": results[0]["grad_norm"],
         "lr": next(r["lr"] for r in results if r["lr"] is not None),
         "step_time_s": step_time,
-        "tokens_per_s": plan.workload.global_batch * tokens_per_sample / step_time,
+        "llm_tokens": results[0]["llm_tokens"],
+        "tokens_per_s": results[0]["llm_tokens"] / step_time,
     }
     for key in TIMED:
         record[key] = max(r.get(key, 0.0) for r in results)
@@ -48,8 +50,8 @@ def step_record(step: int, results: list[dict[str, Any]], plan: Plan, tokens_per
 class MetricsLog:
     """Writes step records (JSON lines) and drives the progress bar; ``summary`` compares with the plan."""
 
-    def __init__(self, plan: Plan, *, steps: int, path: str | None, tokens_per_sample: int, append: bool = False):
-        self.plan, self.tokens_per_sample = plan, tokens_per_sample
+    def __init__(self, plan: Plan, *, steps: int, path: str | None, append: bool = False):
+        self.plan = plan
         self.records: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.path = path
@@ -57,7 +59,7 @@ class MetricsLog:
         self.bar = tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True)
 
     def log(self, step: int, results: list[dict[str, Any]]) -> dict[str, Any]:
-        record = step_record(step, results, self.plan, self.tokens_per_sample)
+        record = step_record(step, results)
         self.records.append(record)
         self._write(record)
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", step_s=f"{record['step_time_s']:.3f}")

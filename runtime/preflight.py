@@ -73,11 +73,6 @@ def check_plan(plan: Plan) -> None:
     names = sorted(m.name for m in plan.modules)
     if names != sorted(MODULES):
         raise NotImplementedError(f"the runtime runs plans with modules {list(MODULES)}, this one has {names}")
-    if plan.workload.dataset is not None:
-        raise NotImplementedError(
-            f"this plan was made for the dataset {plan.workload.dataset.source} (packs of "
-            f"{plan.workload.dataset.pack_tokens} LLM tokens) and the runtime does not pack samples yet: plan with "
-            "--image-size/--text-tokens to run it")
     vision, llm = plan.module("vision"), plan.module("llm")
     for module in (vision, llm):
         if module.cp > 1:
@@ -123,18 +118,24 @@ def is_conversation_file(path: Path) -> bool:
 
 
 def check_conversations(plan: Plan, data: str | None, tokenizer: str | None) -> None:
-    """Conversation data comes with ``--tokenizer`` (and only it does), and not under LLM sequence parallelism: the
-    hand-off routes each SP rank the image tokens of the layout's template (images first), and a conversation's
-    image tokens sit after its system prompt."""
+    """Conversation data comes with ``--tokenizer`` (and only it does); a plan made for a dataset runs on
+    conversation data (the packed, native-resolution path); a fixed-shape plan takes conversations only without
+    LLM sequence parallelism: its hand-off routes each SP rank the image tokens of the layout's template (images
+    first), and a conversation's image tokens sit after its system prompt."""
     conversations = data is not None and is_conversation_file(Path(data))
+    dataset = plan.workload.dataset
+    if dataset is not None and not conversations:
+        raise ValueError(f"this plan was made for the dataset {dataset.source}: give --data FILE of conversation or "
+                         "messages rows (that file, or another like it) and --tokenizer DIR")
     if conversations and tokenizer is None:
         raise ValueError(f"{data} holds conversations: give --tokenizer DIR, the model folder whose tokenizer and "
                          "chat template they go through")
     if tokenizer is not None and not conversations:
         raise ValueError("--tokenizer applies to conversation data (--data FILE of conversations or messages rows)")
-    if conversations and plan.module("llm").sp > 1:
+    if conversations and dataset is None and plan.module("llm").sp > 1:
         raise NotImplementedError(f"conversation data under LLM sequence parallelism (sp={plan.module('llm').sp}) "
-                                  "is not supported yet: plan with llm.sp=1")
+                                  "runs with plans made for a dataset (plan --dataset), not fixed-shape ones: plan "
+                                  "with llm.sp=1 or --dataset")
 
 
 def check_data(path: str) -> None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from planner.schema import Plan
 from runtime.checkpoint_dir import CheckpointOptions
 from runtime.dcp_checkpoint import Checkpointer
-from runtime.driver import tokens_per_sample, validate_plan
+from runtime.driver import validate_plan
 from runtime.metrics import MetricsLog, format_summary
 from runtime.preflight import TorchrunEnv, check_outputs, check_world_size, is_cpu_plan, save_with_fallback
 from runtime.trainer import RunOptions, Trainer
@@ -92,7 +92,7 @@ def _train(job: Job, *, steps: int, metrics_path: str | None, checkpoints: Check
     summary and its return."""
     log = None
     if job.rank == 0:
-        log = MetricsLog(job.plan, steps=steps, path=metrics_path, tokens_per_sample=tokens_per_sample(job.plan))
+        log = MetricsLog(job.plan, steps=steps, path=metrics_path)
         if job.trainer.options.resume is not None:
             log.event("resume", path=job.trainer.options.resume, step=job.trainer.step)
     checkpointer = None

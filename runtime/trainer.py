@@ -38,14 +38,16 @@ from runtime.data import (
     SyntheticData,
     collate,
     layout_from_plan,
+    pack_rows,
     token_sequence,
 )
-from runtime.handoff import Handoff, Posted, build_pieces, llm_needs
-from runtime.llm import LLMShard, image_slots_per_rank, shard_llm_batch
+from runtime.handoff import Handoff, Posted, Routes
+from runtime.llm import LLMShard, image_slots_per_rank, packed_position_ids, shard_llm_batch
 from runtime.checkpoint import HFFolder, TensorSource, materialize, save_hf_folder
 from runtime.dcp_checkpoint import Unfilled, load_checkpoint
 from runtime.model import RandomInit, hf_config_from_dict, meta_model, split_model
 from runtime.optim import build_optimizer, clip_grad_norm
+from runtime.packed_data import PackedConversations
 from runtime.parallel import attention
 from runtime.parallel.fsdp import all_reduce_gradients, set_gradient_sync
 from runtime.parallel.precision import module_precision
@@ -88,8 +90,13 @@ def device_for(plan: Plan) -> torch.device:
     return torch.device("cpu") if numerics_device_type(plan) == "cpu" else torch.device("cuda", 0)
 
 
-def data_source(options: RunOptions, layout) -> Source:
-    """Conversations (through ``options.tokenizer``), image-caption pairs, or synthetic samples."""
+def data_source(plan: Plan, options: RunOptions, config: PretrainedConfig) -> Source | PackedConversations:
+    """A dataset plan's packed conversations; else, in the plan's fixed layout, conversations (through
+    ``options.tokenizer``), image-caption pairs, or synthetic samples."""
+    if plan.workload.dataset is not None:
+        return PackedConversations(options.data, options.tokenizer, config=config, dataset=plan.workload.dataset,
+                                   seed=options.seed)
+    layout = layout_from_plan(plan.workload, config)
     if options.data and is_conversation_file(Path(options.data)):
         if not options.tokenizer:
             raise ValueError(f"{options.data} holds conversations: give --tokenizer DIR, the model folder whose "
@@ -113,13 +120,18 @@ class Trainer:
         self.precision = {name: module_precision(plan.training.precision, self.numerics, fsdp=uses_fsdp(dims))
                           for name, dims in self.dims.items()}
         config = hf_config_from_dict(plan.model.hf_config)
-        self.layout = layout_from_plan(plan.workload, config)
+        self.packed = plan.workload.dataset is not None
+        """A dataset plan: packed micro-batches of native-resolution samples (runtime.packed_data)."""
+        self.layout = None if self.packed else layout_from_plan(plan.workload, config)
         self.vision_config = config.vision_config
-        self.source = data_source(options, self.layout)
+        self.source = data_source(plan, options, config)
         self.modules, self.rope_index = self._build_modules(attention.register())
         self.trainable = {name: m for name, m in self.modules.items() if not self.dims[name].frozen}
         self.optimizers = {name: build_optimizer(m, plan.training) for name, m in self.trainable.items()}
-        self.handoff = self._build_handoff(config)
+        self.handoff = Handoff(llm=self.dims["llm"], vision_trainable=not self.dims["vision"].frozen,
+                               hidden=config.get_text_config().hidden_size, rank=self.rank,
+                               dtype=self._handoff_dtype(), device=self.device)
+        self._fixed_routes = None if self.packed else self._layout_routes()
         self.step = 0
         self.samples_seen = 0
         """Global index of the next sample: the data position, independent of the plan."""
@@ -169,18 +181,33 @@ class Trainer:
             return qkv_row_order(rows, dims.tp)
         return None
 
-    def _build_handoff(self, config) -> Handoff:
+    def _layout_routes(self) -> Routes:
+        """The hand-off routes of every micro-batch of a fixed-shape plan (all samples share the layout)."""
         vision, llm = self.dims["vision"], self.dims["llm"]
-        grid = self._grid(vision.micro_batch)
-        positions = merged_positions_per_rank(grid, self.vision_config, vision.sp)
-        per_sample = sum(self.layout.image_tokens())
-        pieces = build_pieces(vision, positions, vision.micro_batch * per_sample)
+        positions = merged_positions_per_rank(self._grid(vision.micro_batch), self.vision_config, vision.sp)
         template = token_sequence([], self.layout)["input_ids"]  # every sample has its image tokens here
-        slots = image_slots_per_rank(template, self.layout.image_token_id, llm.sp)
-        return Handoff(llm=llm, pieces=pieces, needs=llm_needs(llm, slots, per_sample),
-                       vision_trainable=not vision.frozen,
-                       hidden=config.get_text_config().hidden_size, rank=self.rank, dtype=self._handoff_dtype(),
-                       device=self.device)
+        row = (len(template), (template == self.layout.image_token_id).nonzero().flatten())
+        slots = image_slots_per_rank([row] * llm.micro_batch, llm.sp)
+        return Routes.build(vision, llm, [positions] * vision.dp, [slots] * llm.dp, self.device)
+
+    def _packed_routes(self, micro: int) -> Routes:
+        """The hand-off routes of packed micro-batch ``micro``, from the index alone (no sample is built)."""
+        vision, llm = self.dims["vision"], self.dims["llm"]
+        index = self.source.samples
+        positions = []
+        for d in range(vision.dp):
+            grid = torch.tensor([g for i in self._slot_samples(micro, vision, d) for g in index[i].grids])
+            positions.append(merged_positions_per_rank(grid, self.vision_config, vision.sp))
+        slots = []
+        for e in range(llm.dp):
+            samples = [index[i] for i in self._slot_samples(micro, llm, e)]
+            starts = [sum(s.length for s in samples[:k]) for k in range(len(samples))]
+            row = (sum(s.length for s in samples), torch.cat([s.image_positions + a for s, a in zip(samples, starts)]))
+            slots.append(image_slots_per_rank([row], llm.sp))
+        return Routes.build(vision, llm, positions, slots, self.device)
+
+    def _routes(self, micro: int) -> Routes:
+        return self._fixed_routes if self._fixed_routes is not None else self._step_routes[micro]
 
     def _grid(self, samples: int) -> torch.Tensor:
         sizes = [(1, h // self.layout.patch_size, w // self.layout.patch_size) for h, w in self.layout.image_sizes]
@@ -201,17 +228,24 @@ class Trainer:
     def num_micro_batches(self) -> int:
         return self.dims["llm"].grad_accum
 
+    def _slot_samples(self, micro: int, dims: ParallelDims, replica: int) -> list[int]:
+        """Indexes of the samples of micro-batch ``micro`` for DP replica ``replica`` of a module: its slice of the
+        global micro-batch (sample indexes of a fixed-shape plan; a dataset plan's packs, flattened)."""
+        first = micro * dims.dp * dims.micro_batch + replica * dims.micro_batch
+        if not self.packed:
+            return list(range(self.samples_seen + first, self.samples_seen + first + dims.micro_batch))
+        return [i for pack in self._step_slots[first:first + dims.micro_batch] for i in pack]
+
     def _samples(self, micro: int, name: str) -> Sample:
         """This rank's samples of micro-batch ``micro`` for module ``name`` (its DP replica's slice), in host memory
         (pinned on a GPU): a stage moves only its own shard of a micro-batch to the device, when it runs, so the
         step's pixels are never all on the device (32 micro-batches of 16,384-patch fp32 images are 2.3 GiB). Modules
-        that hold the same samples share them."""
+        that hold the same samples share them. A dataset plan's micro-batch is one packed row (``pack_rows``)."""
         dims = self.dims[name]
-        first = self.samples_seen + micro * dims.dp * dims.micro_batch
-        first += dims.coordinate(self.rank)["dp"] * dims.micro_batch
-        key = (first, dims.micro_batch)
+        key = tuple(self._slot_samples(micro, dims, dims.coordinate(self.rank)["dp"]))
         if key not in self._batches:
-            batch = collate([self.source.sample(first + i) for i in range(dims.micro_batch)])
+            samples = [self.source.sample(i) for i in key]
+            batch = pack_rows(samples) if self.packed else collate(samples)
             pin = self.device.type == "cuda"
             self._batches[key] = {k: v.pin_memory() if pin else v for k, v in batch.items()}
             self.on_host_data(self._batches[key].values())
@@ -226,8 +260,18 @@ class Trainer:
         """Synthesise (or load) this rank's samples of the step and the LLM's token shards before the step's clock
         starts, as a DataLoader's workers would have; returns the seconds it took (reported as ``data_s``)."""
         start = time.perf_counter()
-        self._batches: dict[tuple[int, int], Sample] = {}
+        self._batches: dict[tuple[int, ...], Sample] = {}
         self._llm_shards: dict[int, LLMShard] = {}
+        if self.packed:
+            llm = self.dims["llm"]
+            self.source.forget()
+            self._step_slots = self.source.step_slots(self.samples_seen, self.num_micro_batches, llm.dp,
+                                                      llm.micro_batch)
+            self._step_routes = [self._packed_routes(micro) for micro in range(self.num_micro_batches)]
+            self._step_tokens = sum(self.source.pack_tokens(pack) for pack in self._step_slots)
+        else:
+            llm = self.dims["llm"]
+            self._step_tokens = self.num_micro_batches * llm.dp * llm.micro_batch * self.layout.seq_len
         for micro in range(self.num_micro_batches):
             for name in self.modules:
                 self._samples(micro, name)
@@ -239,12 +283,17 @@ class Trainer:
         """This rank's slice of micro-batch ``micro`` for the LLM (the whole sequences without SP)."""
         if micro not in self._llm_shards:
             dims, batch = self.dims["llm"], self._samples(micro, "llm")
-            position_ids, _ = self.rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
-                                              image_grid_thw=batch["image_grid_thw"])
+            segments = None
+            if self.packed:
+                position_ids = packed_position_ids(batch, self.rope_index)
+                segments = tuple(batch["sample_lens"].tolist())
+            else:
+                position_ids, _ = self.rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
+                                                  image_grid_thw=batch["image_grid_thw"])
             sp_group = dims.grid_mesh["sp"].get_group() if dims.sp_enabled else None
             self._llm_shards[micro] = _to_device(shard_llm_batch(
                 batch["input_ids"], position_ids, batch["labels"], sp_rank=dims.coordinate(self.rank)["sp"],
-                sp_group=sp_group, sp=dims.sp,
+                sp_group=sp_group, sp=dims.sp, segment_lens=segments,
             ), self.device)
         return self._llm_shards[micro]
 
@@ -272,7 +321,7 @@ class Trainer:
 
     def hand_off(self, rows: torch.Tensor | None, micro: int) -> Posted:
         """Post the sends of this rank's vision piece and, on LLM ranks, the receives of the image tokens it places."""
-        return self.handoff.activations(rows, micro)
+        return self.handoff.activations(rows, micro, self._routes(micro))
 
     def llm_forward_backward(
         self, micro: int, embeds: torch.Tensor, num_tokens: torch.Tensor
@@ -295,7 +344,7 @@ class Trainer:
 
     def hand_back(self, grad: torch.Tensor | None, micro: int) -> Posted:
         """Post the image-token gradients back to the vision ranks and, on those, the receives of their own."""
-        return self.handoff.gradients(grad, micro)
+        return self.handoff.gradients(grad, micro, self._routes(micro))
 
     def vision_backward(self, rows: torch.Tensor, grad: torch.Tensor | None, micro: int) -> None:
         """Backpropagate this rank's piece gradient through the vision tower (nothing when it is frozen)."""
@@ -351,7 +400,7 @@ class Trainer:
         return {
             "rank": self.rank, "modules": sorted(self.modules), "loss": loss, "grad_norm": norm,
             "lr": lr,
-            "step_time_s": time.perf_counter() - start, "data_s": data_s, "handoff_comm_s": self.handoff.comm_seconds,
+            "step_time_s": time.perf_counter() - start, "llm_tokens": self._step_tokens, "data_s": data_s, "handoff_comm_s": self.handoff.comm_seconds,
             "peak_memory_bytes": _peak_memory(self.device), **self.timings,
             **({"data_skipped": dict(self.source.skipped)} if getattr(self.source, "skipped", None) else {}),
         }

@@ -117,7 +117,7 @@ def test_text_tokens_are_what_the_runtime_renders(tmp_path):
     rendered = []
     for row in rows:
         messages, _ = dataset.messages_of(row)
-        ids = runtime._render(messages, generation_prompt=False)
+        ids = runtime.chat.render(messages, layout.image_tokens())
         rendered.append(len(ids) - ids.count(layout.image_token_id))
     assert counted == sorted(rendered)
     assert "estimated" in scan_dataset(path).text_tokens and "counted by" in histogram.text_tokens

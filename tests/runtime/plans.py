@@ -6,8 +6,8 @@ import copy
 from typing import Any
 
 from planner.schema import (
-    SCHEMA_VERSION, ClusterInfo, DeviceInfo, MemoryBreakdown, ModelInfo, ModulePlan, ModulePrediction, ModuleTime,
-    Plan, Prediction, SolverInfo, TrainingInfo, WorkloadInfo,
+    SCHEMA_VERSION, ClusterInfo, DatasetInfo, DeviceInfo, MemoryBreakdown, ModelInfo, ModulePlan, ModulePrediction,
+    ModuleTime, Plan, Prediction, SolverInfo, TokenPercentiles, TrainingInfo, WorkloadInfo,
 )
 
 IMAGE_SIZE = (112, 168)
@@ -39,6 +39,15 @@ def tiny_qwen2_vl_config() -> dict[str, Any]:
     return config
 
 
+def dataset_info(pack_tokens: int) -> DatasetInfo:
+    """What ``plan --dataset`` records, with made-up statistics: the runtime reads only the pack budget and the
+    min / max pixels (the tiny model's 14-pixel patches, merged 2 x 2)."""
+    return DatasetInfo(source="d.jsonl", samples=4, skipped={}, text_tokens="given", min_pixels=28 * 28,
+                       max_pixels=28 * 28 * 64, tokens_per_sample={"llm": TokenPercentiles(p50=1.0, p95=1.0, max=1.0)},
+                       pack_tokens=pack_tokens, packs_per_epoch=1, samples_per_pack=4.0, packing_efficiency=0.5,
+                       heaviest_pack_tokens={"llm": 128.0})
+
+
 def _memory() -> MemoryBreakdown:
     return MemoryBreakdown(weights=0.01, gradients=0.01, optimizer=0.02, activations=0.01, buffers=0.0, overhead=0.0)
 
@@ -57,8 +66,10 @@ def module(name: str, ranks: list[int], *, dp=1, tp=1, sp=1, cp=1, zero=0, recom
 
 
 def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAGE_SIZE, text_tokens=TEXT_TOKENS,
-              learning_rate=1e-3, warmup_steps=2, grad_clip_norm=1.0, hf_config=None) -> Plan:
-    """A CPU plan for the tiny model; ``vision``/``llm`` are module() keyword arguments (ranks defaulted)."""
+              learning_rate=1e-3, warmup_steps=2, grad_clip_norm=1.0, hf_config=None,
+              pack_tokens: int | None = None) -> Plan:
+    """A CPU plan for the tiny model; ``vision``/``llm`` are module() keyword arguments (ranks defaulted). With
+    ``pack_tokens`` it is a dataset plan (packs of that many LLM tokens; the data is the run's ``--data``)."""
     hf_config = hf_config or tiny_hf_config()
     v_size, l_size = (d.get("dp", 1) * d.get("tp", 1) * d.get("sp", 1) * d.get("cp", 1) for d in (vision, llm))
     if placement == "colocated":
@@ -83,7 +94,8 @@ def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAG
         workload=WorkloadInfo(image_sizes=[image_size], vision_tokens=None, text_tokens=text_tokens,
                               audio_seconds=0.0, global_batch=samples,
                               module_tokens={"vision": patches, "llm": text_tokens + patches // 4},
-                              llm_image_tokens=patches // 4),
+                              llm_image_tokens=patches // 4,
+                              dataset=None if pack_tokens is None else dataset_info(pack_tokens)),
         training=TrainingInfo(precision="bf16_mixed", learning_rate=learning_rate, warmup_steps=warmup_steps,
                               grad_clip_norm=grad_clip_norm),
         placement=placement, modules=modules,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from planner.schema import Plan
-from runtime.data import collate, layout_from_plan
+from runtime.data import IGNORE_INDEX, collate
 from runtime.model import build_model
 from runtime.optim import warmup_factor
 from runtime.trainer import RunOptions, data_source
@@ -20,23 +20,39 @@ def reference_run(plan: Plan, *, seed: int, steps: int, options: RunOptions | No
     model.model.visual.requires_grad_(not plan.module("vision").frozen)
     model.model.language_model.requires_grad_(not plan.module("llm").frozen)
     model.lm_head.requires_grad_(not plan.module("llm").frozen)
-    layout = layout_from_plan(plan.workload, model.config)
-    data = data_source(options or RunOptions(seed=seed), layout)
+    data = data_source(plan, options or RunOptions(seed=seed), model.config)
     training = plan.training
     optimizer = torch.optim.AdamW(model.parameters(), lr=training.learning_rate, weight_decay=training.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_factor(s, training.warmup_steps))
-    batch_size = plan.workload.global_batch
     losses, grad_norms, grads = [], [], None
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        batch = collate([data.sample(step * batch_size + i) for i in range(batch_size)])
-        loss = model(**batch).loss
-        loss.backward()
+        total = 0.0
+        for batch, weight in _step_batches(plan, data, step):
+            loss = model(**batch).loss * weight
+            loss.backward()
+            total += float(loss.detach())
         if step == 0:
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip_norm)))
         optimizer.step()
         schedule.step()
-        losses.append(float(loss.detach()))
+        losses.append(total)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "grad_norms": grad_norms, "grads": grads, "params": params}
+
+
+def _step_batches(plan: Plan, data, step: int) -> list[tuple[dict, float]]:
+    """(HF model inputs, loss weight) of a step: the whole global batch at once (weight 1) for a fixed-shape plan;
+    for a dataset plan, each sample of the step's packs alone, weighted by its share of the step's target tokens,
+    so that the weighted mean losses sum to the step's mean over all of them."""
+    if plan.workload.dataset is None:
+        size = plan.workload.global_batch
+        return [(collate([data.sample(step * size + i) for i in range(size)]), 1.0)]
+    llm = plan.module("llm")
+    slots = data.step_slots(step * plan.workload.global_batch, llm.grad_accum, llm.dp, llm.micro_batch)
+    samples = [data.sample(i) for pack in slots for i in pack]
+    targets = [int((s["labels"][1:] != IGNORE_INDEX).sum()) for s in samples]
+    batches = [({k: v[None] if k in ("input_ids", "mm_token_type_ids", "labels") else v for k, v in s.items()}, n)
+               for s, n in zip(samples, targets)]
+    return [(batch, n / sum(targets)) for batch, n in batches]

@@ -137,17 +137,16 @@ def test_frozen_plan_is_refused_before_torch_and_ray(tmp_path):
     assert_exactly(run_light(str(tmp_path / "plan.json")), "every module of the plan is frozen: nothing to train")
 
 
-def test_dataset_plan_is_refused_until_the_runtime_packs(tmp_path):
-    plan = json.loads(make_plan({}, {}).to_json())
-    plan["workload"]["dataset"] = {
-        "source": "d.jsonl", "samples": 4, "skipped": {}, "text_tokens": "given", "min_pixels": 3136,
-        "max_pixels": 12845056, "tokens_per_sample": {"llm": {"p50": 1.0, "p95": 1.0, "max": 1.0}},
-        "pack_tokens": 256, "packs_per_epoch": 1, "samples_per_pack": 4.0, "packing_efficiency": 0.5,
-        "heaviest_pack_tokens": {"llm": 128.0}}
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    assert_exactly(run_light(str(tmp_path / "plan.json")), "this plan was made for the dataset d.jsonl (packs of 256 "
-                   "LLM tokens) and the runtime does not pack samples yet: plan with --image-size/--text-tokens to "
-                   "run it")
+def test_dataset_plan_needs_conversation_data_and_is_not_dry_run(tmp_path):
+    (tmp_path / "plan.json").write_text(make_plan({}, {}, pack_tokens=256).to_json())
+    plan = str(tmp_path / "plan.json")
+    needs_data = ("this plan was made for the dataset d.jsonl: give --data FILE of conversation or messages rows "
+                  "(that file, or another like it) and --tokenizer DIR")
+    assert_exactly(run_light(plan), needs_data)
+    (tmp_path / "captions.jsonl").write_text(json.dumps({"image": "a.png", "text": "a cat"}) + "\n")
+    assert_exactly(run_light(plan, "--data", str(tmp_path / "captions.jsonl")), needs_data)
+    assert_exactly(run_light(plan, "--dry-run"), "--dry-run measures fixed-shape plans; one made for a dataset (its "
+                   "heaviest pack) is not synthesised yet: plan with --image-size/--text-tokens to dry-run")
 
 
 def test_torchrun_world_size_other_than_the_plans_devices(plan_path):

@@ -68,9 +68,9 @@ def test_loss_is_on_the_assistant_turns_only(tmp_path, layout, tokenizer_dir):
     ids, labels, types = sample["input_ids"], sample["labels"], sample["mm_token_type_ids"]
     assert ids.shape == (layout.seq_len,) and sample["pixel_values"].shape[0] == layout.num_patches
     assert int((ids == layout.image_token_id).sum()) == layout.image_tokens()[0] == int(types.sum())
-    learned = data.tokenizer.decode(labels[labels != IGNORE_INDEX].tolist())
+    learned = data.chat.tokenizer.decode(labels[labels != IGNORE_INDEX].tolist())
     assert learned == "A red square.<|im_end|>\nRed.<|im_end|>\n"
-    text = data.tokenizer.decode(ids[ids != layout.pad_token_id].tolist())
+    text = data.chat.tokenizer.decode(ids[ids != layout.pad_token_id].tolist())
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
                            "<|vision_start|><|image_pad|>") and "And its colour?" in text
 
@@ -86,7 +86,7 @@ def test_bad_rows_are_skipped_and_counted(tmp_path, layout, tokenizer_dir):
             _llava(good), _llava(good, answer="x" * 400)]
     data = ConversationData(_write(tmp_path / "d.jsonl", rows), layout, tokenizer_dir)
     first = data.sample(0)
-    assert data.tokenizer.decode(first["labels"][first["labels"] != IGNORE_INDEX].tolist()).startswith("A red")
+    assert data.chat.tokenizer.decode(first["labels"][first["labels"] != IGNORE_INDEX].tolist()).startswith("A red")
     assert all(torch.equal(data.sample(i)["input_ids"], first["input_ids"]) for i in range(len(data.rows) - 1))
     assert data.skipped == {"malformed row": 2, "missing or unreadable image": 2,
                             "image count differs from the plan's": 1, "no assistant turn": 1,

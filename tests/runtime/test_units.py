@@ -69,21 +69,26 @@ def test_repeated_kv_heads_split_over_sp_ranks_give_exact_gqa(q_heads, kv_heads,
 
 def test_llm_slices_hold_their_image_tokens_and_next_token_targets(layout):
     ids = token_sequence([], layout)["input_ids"]  # <start> 24 x <image> <end> then text: 64 tokens
-    slots = image_slots_per_rank(ids, layout.image_token_id, 4)  # slices of 16 tokens
+    row = (len(ids), (ids == layout.image_token_id).nonzero().flatten())
+    slots = image_slots_per_rank([row], 4)  # slices of 16 tokens
     assert [s.tolist() for s in slots] == [list(range(15)), list(range(15, 24)), [], []]
+    two = image_slots_per_rank([row, row], 4)  # each row split alike; the second row's tokens follow the first's
+    assert [s.tolist() for s in two] == [list(range(15)) + list(range(24, 39)), list(range(15, 24)) + list(range(39, 48)),
+                                         [], []]
     labels = torch.tensor([[5, 6, IGNORE_INDEX, 7]])
     assert next_token_targets(labels).tolist() == [[6, IGNORE_INDEX, 7, IGNORE_INDEX]]
 
 
-def test_llm_needs_are_each_ranks_samples_times_its_slots():
+def test_llm_needs_are_each_ranks_slots_after_its_replicas_offset():
     llm = ParallelDims(name="llm", ranks=(0, 1, 2, 3), dp=2, cp=1, sp=2, tp=1, zero=0, recompute="none",
                        micro_batch=2, grad_accum=1)
-    slots = [torch.tensor([0, 1, 2]), torch.tensor([3])]  # 4 image tokens per sample, 3 in slice 0
-    needs = llm_needs(llm, slots, tokens_per_sample=4)
-    assert needs[0].tolist() == [0, 1, 2, 4, 5, 6]  # dp 0 (samples 0, 1), sp 0
+    slots = [[torch.tensor([0, 1, 2, 4, 5, 6]), torch.tensor([3, 7])],  # replica 0: 8 image tokens
+             [torch.tensor([0, 1]), torch.tensor([2, 3, 4])]]  # replica 1: 5
+    needs = llm_needs(llm, slots, offsets=[0, 8])
+    assert needs[0].tolist() == [0, 1, 2, 4, 5, 6]  # dp 0, sp 0
     assert needs[1].tolist() == [3, 7]
-    assert needs[3].tolist() == [11, 15]  # dp 1 (samples 2, 3), sp 1
-    assert sorted(torch.cat(list(needs.values())).tolist()) == list(range(16))  # every token exactly once
+    assert needs[3].tolist() == [10, 11, 12]  # dp 1, sp 1
+    assert sorted(torch.cat(list(needs.values())).tolist()) == list(range(13))  # every token exactly once
 
 
 def test_qkv_tp_layout_gives_each_rank_its_own_q_k_v_heads():

@@ -1,0 +1,176 @@
+"""Conversation data for a plan made for a dataset (``plan --dataset``): native-resolution images, samples packed
+into the plan's token budget.
+
+At start every rank indexes the file the same way (``PackedConversations``): rows become messages, image sizes come
+from file headers and are resized as the processor resizes (transformers' ``smart_resize`` within the plan's
+min/max pixels), each conversation is rendered through the model folder's chat template to count its tokens, and
+the usable samples are packed by best-fit decreasing into packs of at most the plan's LLM-token budget
+(``planner.packing``: the packer the plan was priced with). An epoch visits its packs in a seeded order, so each
+sample is seen once per epoch; a step's packs are dealt to the LLM's data-parallel replicas by tokens
+(``balance_packs``). Every rank thus knows every micro-batch's composition — image grids and image-token positions —
+without reading a pixel, which is what the hand-off routes need. Only the ranks that run a sample build it
+(decode, patchify, tokenize with labels).
+
+Bad data is skipped and counted (``skipped``): malformed rows, no assistant turn, no image, a missing or unreadable
+image, an aspect ratio the processor refuses, a sample longer than the budget. An image whose header reads but
+whose pixels do not decode when the sample is built is trained on as a black image of its size and counted (the packs are fixed
+by then on every rank). Only data with nothing usable stops the run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
+
+from planner.data_rows import SkippedSample, image_header_size
+from planner.packing import balance_packs, pack_best_fit
+from planner.schema import DatasetInfo
+from runtime.conversations import ChatTokenizer, conversation_of, open_images, read_conversation_rows
+from runtime.data import IGNORE_INDEX, Sample
+
+UNDECODED_IMAGE = "image did not decode (trained as a black image)"
+"""Counted when an image whose header read fails to decode while its sample is built."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class IndexedSample:
+    """What every rank knows of a usable sample before building it."""
+
+    row: int
+    """Its row in the file."""
+    length: int
+    """LLM tokens."""
+    image_spans: tuple[tuple[int, int], ...]
+    """(first position, tokens) of each image's run of image tokens in its sequence."""
+    grids: tuple[tuple[int, int, int], ...]
+    """(frames, height, width) in patches of each image after the resize."""
+
+    @property
+    def image_positions(self) -> torch.Tensor:
+        """Positions of its image tokens in its own sequence."""
+        return torch.cat([torch.arange(a, a + n) for a, n in self.image_spans])
+
+
+class PackedConversations:
+    """A conversation file indexed, packed and ordered for a dataset plan (see the module docstring)."""
+
+    def __init__(self, path: str | Path, tokenizer_dir: str | Path, *, config: Any, dataset: DatasetInfo, seed: int):
+        self.path = Path(path)
+        vc = config.vision_config
+        self.patch_size, self.merge_size = vc.patch_size, vc.spatial_merge_size
+        self.min_pixels, self.max_pixels, self.budget = dataset.min_pixels, dataset.max_pixels, dataset.pack_tokens
+        self.seed = seed
+        self.chat = ChatTokenizer(tokenizer_dir, config.image_token_id)
+        self.processor = Qwen2VLImageProcessorPil(
+            patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
+            size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
+        )
+        self.rows, self.skipped = read_conversation_rows(self.path)
+        """``skipped``: rows left out, by reason (the index's, then images that did not decode on this rank)."""
+        self.samples = self._index()
+        if not self.samples:
+            raise ValueError(f"{self.path} has no usable sample for this plan: skipped {dict(self.skipped)}")
+        lengths = [s.length for s in self.samples]
+        self.packs = [[i] for i in range(len(lengths))] if self.budget is None else pack_best_fit(lengths, self.budget)
+        """Sample indexes of each pack of an epoch (before the epoch's shuffle)."""
+        self._built: dict[int, Sample] = {}
+
+    # ---- the index ------------------------------------------------------------------------------------------
+    def _index(self) -> list[IndexedSample]:
+        samples, sizes = [], {}
+        for row_number, row in enumerate(self.rows):
+            try:
+                samples.append(self._indexed(row_number, row, sizes))
+            except SkippedSample as reason:
+                self.skipped[str(reason)] += 1
+        return samples
+
+    def _indexed(self, row_number: int, row: Any, sizes: dict) -> IndexedSample:
+        messages, image_paths = conversation_of(row)
+        if not image_paths:
+            raise SkippedSample("no image")
+        found = [image_header_size(self.path.parent / p, sizes) for p in image_paths]
+        if any(size is None for size in found):
+            raise SkippedSample("missing or unreadable image")
+        grids = tuple((1, h // self.patch_size, w // self.patch_size) for h, w in map(self._resized, found))
+        image_tokens = [h * w // self.merge_size**2 for _, h, w in grids]
+        ids = self.chat.render(messages, image_tokens)
+        if self.budget is not None and len(ids) > self.budget:
+            raise SkippedSample("longer than the pack budget")
+        positions = np.flatnonzero(np.array(ids) == self.chat.image_token_id)
+        if len(positions) != sum(image_tokens):
+            raise SkippedSample("image markers differ from the images")
+        starts = np.cumsum([0] + image_tokens[:-1])
+        spans = tuple((int(positions[s]), n) for s, n in zip(starts, image_tokens))
+        return IndexedSample(row=row_number, length=len(ids), image_spans=spans, grids=grids)
+
+    def _resized(self, size: tuple[int, int]) -> tuple[int, int]:
+        try:
+            return smart_resize(*size, factor=self.patch_size * self.merge_size, min_pixels=self.min_pixels,
+                                max_pixels=self.max_pixels)
+        except ValueError:
+            raise SkippedSample("aspect ratio the processor refuses") from None
+
+    # ---- packs and steps ------------------------------------------------------------------------------------
+    def pack(self, position: int) -> list[int]:
+        """Sample indexes of the pack at global position ``position`` (epoch ``position // packs``, in that epoch's
+        seeded order)."""
+        epoch, at = divmod(position, len(self.packs))
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.packs))
+        return self.packs[int(order[at])]
+
+    def pack_tokens(self, pack: list[int]) -> int:
+        return sum(self.samples[i].length for i in pack)
+
+    def step_slots(self, first: int, micro_batches: int, replicas: int, per_replica: int) -> list[list[int]]:
+        """The packs (sample indexes each) of a step's slots, slot ``m * replicas * per_replica + e * per_replica + i``
+        being pack ``i`` of LLM replica ``e`` in micro-batch ``m``: the step's packs from position ``first`` on,
+        dealt to the replicas by LLM tokens (each replica's largest first, so micro-batch ``m`` holds every
+        replica's ``m``-th largest)."""
+        count = micro_batches * replicas * per_replica
+        packs = [self.pack(first + k) for k in range(count)]
+        dealt = balance_packs([self.pack_tokens(p) for p in packs], replicas, micro_batches * per_replica)
+        slots: list[list[int]] = [[] for _ in range(count)]
+        for e, mine in enumerate(dealt):
+            for j, k in enumerate(mine):
+                m, i = divmod(j, per_replica)
+                slots[(m * replicas + e) * per_replica + i] = packs[k]
+        return slots
+
+    # ---- samples ----------------------------------------------------------------------------------------------
+    def sample(self, index: int) -> Sample:
+        """Sample ``index`` of the index, built: pixel_values and image_grid_thw at native resolution, input_ids,
+        mm_token_type_ids and labels of its whole sequence (cached until ``forget``)."""
+        if index not in self._built:
+            self._built[index] = self._build(self.samples[index])
+        return self._built[index]
+
+    def forget(self) -> None:
+        """Drop the built samples (the trainer keeps what a step needs)."""
+        self._built.clear()
+
+    def _build(self, entry: IndexedSample) -> Sample:
+        messages, image_paths = conversation_of(self.rows[entry.row])
+        try:
+            images = open_images(self.path.parent, image_paths)
+        except SkippedSample:
+            self.skipped[UNDECODED_IMAGE] += 1
+            images = [Image.new("RGB", (w * self.patch_size, h * self.patch_size)) for _, h, w in entry.grids]
+        out = self.processor(images=images, return_tensors="pt")
+        grids = tuple(map(tuple, out["image_grid_thw"].tolist()))
+        assert grids == entry.grids, f"row {entry.row}: the processor gave grids {grids}, the index {entry.grids}"
+        image_tokens = [h * w // self.merge_size**2 for _, h, w in entry.grids]
+        ids, labels = self.chat.tokens(messages, image_tokens)
+        assert len(ids) == entry.length, f"row {entry.row}: {len(ids)} tokens, the index counted {entry.length}"
+        types = torch.tensor([1 if t == self.chat.image_token_id else 0 for t in ids], dtype=torch.int32)
+        labels_t = torch.tensor(labels)
+        return {"pixel_values": out["pixel_values"].float(), "image_grid_thw": out["image_grid_thw"],
+                "input_ids": torch.tensor(ids), "mm_token_type_ids": types,
+                "labels": labels_t.masked_fill(types.bool(), IGNORE_INDEX)}

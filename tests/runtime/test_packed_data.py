@@ -1,0 +1,173 @@
+"""Dataset plans in the runtime (runtime/packed_data.py): the index every rank builds, packs and epochs, balanced
+replicas, bad rows, packed rows and their positions, and parity of packed micro-batches against the single-process
+model run on the same samples one at a time."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from runtime.data import IGNORE_INDEX, pack_rows
+from runtime.llm import packed_position_ids
+from runtime.model import build_model, hf_config_from_dict, split_model
+from runtime.packed_data import UNDECODED_IMAGE, PackedConversations
+from runtime.parallel import attention
+from tests.runtime.plans import dataset_info, make_plan, tiny_hf_config
+from tests.runtime.tokenizer import save_tokenizer
+
+CONFIG = hf_config_from_dict(tiny_hf_config())
+IMAGE_SIZES = [(84, 140), (112, 168), (224, 56), (140, 140), (300, 400), (84, 196)]
+"""(height, width): every one at least two attention windows (112 px); 300 x 400 is above the test plans'
+max_pixels, so the processor shrinks it."""
+PACK_TOKENS = 512
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+def _row(image: str | list[str], question: str, answer: str) -> dict:
+    images = image if isinstance(image, list) else [image]
+    return {"image": image, "conversations": [{"from": "human", "value": "<image>\n" * len(images) + question},
+                                              {"from": "gpt", "value": answer}]}
+
+
+def write_dataset(folder, rows: int = 12, extra: list | None = None):
+    """``rows`` conversations over images of IMAGE_SIZES (random pixels), answers of different lengths, one row
+    with two images; ``extra`` rows appended (strings are written as they are)."""
+    rng = np.random.default_rng(0)
+    for k, (h, w) in enumerate(IMAGE_SIZES):
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / f"i{k}.png")
+    out = [_row(f"i{k % len(IMAGE_SIZES)}.png", f"What is in picture {k}?", "a thing " * (1 + 5 * k % 13))
+           for k in range(rows - 1)]
+    out.append(_row(["i0.png", "i2.png"], "Compare them.", "They differ."))
+    lines = [r if isinstance(r, str) else json.dumps(r) for r in out + (extra or [])]
+    (folder / "d.jsonl").write_text("".join(line + "\n" for line in lines))
+    return folder / "d.jsonl"
+
+
+def packed(path, tokenizer_dir, pack_tokens=PACK_TOKENS, seed=0) -> PackedConversations:
+    return PackedConversations(path, tokenizer_dir, config=CONFIG, dataset=dataset_info(pack_tokens), seed=seed)
+
+
+def test_the_index_counts_what_the_built_samples_hold(tmp_path, tokenizer_dir):
+    data = packed(write_dataset(tmp_path), tokenizer_dir)
+    assert len(data.samples) == 12 and not data.skipped
+    for index, entry in enumerate(data.samples):
+        sample = data.sample(index)
+        assert len(sample["input_ids"]) == entry.length
+        assert [tuple(g) for g in sample["image_grid_thw"].tolist()] == list(entry.grids)
+        image = (sample["input_ids"] == CONFIG.image_token_id).nonzero().flatten()
+        assert torch.equal(image, entry.image_positions)
+        assert len(sample["pixel_values"]) == sum(t * h * w for t, h, w in entry.grids)
+    sizes = {g[1:] for s in data.samples for g in s.grids}
+    assert len(sizes) == len(IMAGE_SIZES)  # native resolution: every image keeps its own grid
+    big = data.samples[4].grids[0]
+    assert big[1] * big[2] * 14 * 14 <= dataset_info(PACK_TOKENS).max_pixels < 300 * 400  # shrunk to max_pixels
+
+
+def test_packs_fit_the_budget_and_each_epoch_sees_every_sample_once(tmp_path, tokenizer_dir):
+    data = packed(write_dataset(tmp_path), tokenizer_dir)
+    assert all(data.pack_tokens(p) <= PACK_TOKENS for p in data.packs)
+    assert len(data.packs) < len(data.samples)  # samples do share packs
+    count = len(data.packs)
+    for epoch in range(3):
+        seen = sorted(i for k in range(count) for i in data.pack(epoch * count + k))
+        assert seen == list(range(len(data.samples)))
+    orders = [[data.packs.index(data.pack(epoch * count + k)) for k in range(count)] for epoch in range(3)]
+    assert len({tuple(o) for o in orders}) > 1  # each epoch is shuffled anew
+    again = packed(tmp_path / "d.jsonl", tokenizer_dir)
+    assert [again.pack(k) for k in range(2 * count)] == [data.pack(k) for k in range(2 * count)]  # every rank agrees
+
+
+def test_a_step_deals_its_packs_to_replicas_by_tokens(tmp_path, tokenizer_dir):
+    data = packed(write_dataset(tmp_path, rows=24), tokenizer_dir, pack_tokens=256)
+    micro_batches, replicas, per_replica = 2, 2, 2
+    slots = data.step_slots(0, micro_batches, replicas, per_replica)
+    step = [data.pack(k) for k in range(8)]
+    assert sorted(map(sorted, slots)) == sorted(map(sorted, step))  # the step's packs, each once
+    loads = [sum(data.pack_tokens(slots[(m * replicas + e) * per_replica + i]) for m in range(micro_batches)
+                 for i in range(per_replica)) for e in range(replicas)]
+    in_order = [sum(data.pack_tokens(p) for p in step[e::replicas]) for e in range(replicas)]
+    assert max(loads) - min(loads) <= max(max(in_order) - min(in_order), max(data.pack_tokens(p) for p in step) // 4)
+
+
+def test_bad_rows_are_skipped_and_counted(tmp_path, tokenizer_dir):
+    Image.new("RGB", (1000, 4)).save(tmp_path / "thin.png")
+    extra = ["{not json", _row("missing.png", "Q?", "A."), {"image": "i0.png", "conversations": [
+        {"from": "human", "value": "<image>\nQ?"}]}, {"conversations": [{"from": "human", "value": "Hi"},
+                                                                         {"from": "gpt", "value": "Hello"}]},
+             _row("i1.png", "Q?", "long " * 200), _row("thin.png", "Q?", "A.")]
+    data = packed(write_dataset(tmp_path, extra=extra), tokenizer_dir)
+    assert len(data.samples) == 12
+    assert data.skipped == {"malformed row": 1, "missing or unreadable image": 1, "no assistant turn": 1,
+                            "no image": 1, "longer than the pack budget": 1, "aspect ratio the processor refuses": 1}
+    (tmp_path / "i3.png").write_bytes((tmp_path / "i3.png").read_bytes()[:200])  # the header reads, the pixels do not
+    sample = data.sample(3)
+    assert data.skipped[UNDECODED_IMAGE] == 1 and len(sample["pixel_values"].unique()) == 3  # black, normalised
+    (tmp_path / "bad.jsonl").write_text("\n".join(json.dumps(r) for r in extra[1:4]) + "\n")
+    with pytest.raises(ValueError, match="has no usable sample for this plan: skipped"):
+        packed(tmp_path / "bad.jsonl", tokenizer_dir)
+
+
+def test_a_packed_row_masks_each_samples_first_label():
+    """The last token of a sample must not learn to predict the next sample's first token."""
+    def sample(labels):
+        n = len(labels)
+        return {"pixel_values": torch.zeros(4, 1), "image_grid_thw": torch.tensor([[1, 2, 2]]),
+                "input_ids": torch.arange(n), "mm_token_type_ids": torch.zeros(n, dtype=torch.int32),
+                "labels": torch.tensor(labels)}
+
+    batch = pack_rows([sample([5, 6, 7]), sample([8, IGNORE_INDEX])])
+    assert batch["labels"].tolist() == [[IGNORE_INDEX, 6, 7, IGNORE_INDEX, IGNORE_INDEX]]
+    assert batch["sample_lens"].tolist() == [3, 2] and batch["sample_images"].tolist() == [1, 1]
+
+
+def test_a_packed_row_gives_each_sample_its_own_logits(tmp_path, tokenizer_dir):
+    """The runtime's LLM on one packed row (4-row positions: each sample's text positions, then its M-RoPE) gives
+    the logits of each sample run alone, and each sample's first label is masked."""
+    data = packed(write_dataset(tmp_path), tokenizer_dir)
+    model = build_model(tiny_hf_config(), seed=0, attention=attention.register()).eval()
+    vision, llm, rope_index = split_model(model)
+    samples = [data.sample(i) for i in (0, 4, 11)]
+    batch = pack_rows(samples)
+    assert (batch["labels"][0, [0, len(samples[0]["input_ids"])]] == IGNORE_INDEX).all()
+    positions = packed_position_ids(batch, rope_index)
+    assert positions.shape == (4, 1, batch["input_ids"].shape[1])
+    with torch.no_grad():
+        embeds = model.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"]).pooler_output
+        logits = llm(batch["input_ids"], torch.cat(embeds), positions)
+        at = 0
+        for sample in samples:
+            alone = model(input_ids=sample["input_ids"][None], pixel_values=sample["pixel_values"],
+                          image_grid_thw=sample["image_grid_thw"], mm_token_type_ids=sample["mm_token_type_ids"][None])
+            n = len(sample["input_ids"])
+            torch.testing.assert_close(logits[:, at:at + n], alone.logits, rtol=1e-5, atol=1e-5)
+            at += n
+
+
+PACKED_PLANS = {
+    "vision_dp2__llm_dp2_zero3_accum2": dict(vision=dict(dp=2, grad_accum=2), llm=dict(dp=2, zero=3, grad_accum=2)),
+    "vision_sp2__llm_sp2": dict(vision=dict(sp=2, micro_batch=2), llm=dict(sp=2, micro_batch=2)),
+    "disjoint_vision_1__llm_dp2": dict(vision=dict(micro_batch=2), llm=dict(dp=2), placement="disjoint"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PACKED_PLANS))
+def test_packed_parity(name, tmp_path, tokenizer_dir, ray_cluster):
+    """Packed micro-batches of samples with different image sizes (vision DP, vision and LLM SP over ragged packs,
+    disjoint placement) give the loss, gradients and parameters of the single-process HF model run on the same
+    samples one at a time, each weighted by its share of the step's target tokens."""
+    from runtime.trainer import RunOptions
+    from tests.runtime.test_parity import LR, SEED, assert_parity
+
+    spec = dict(PACKED_PLANS[name])
+    plan = make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, pack_tokens=PACK_TOKENS, **spec)
+    options = RunOptions(seed=SEED, data=str(write_dataset(tmp_path)), tokenizer=str(tokenizer_dir))
+    assert_parity(plan, options)
