@@ -12,9 +12,14 @@ the header of every one). Prints:
   samples, for pack budgets of 1, 2 and 4 times the longest sample and for fixed budgets at the processor's
   default ``max_pixels`` and at 1,003,520 pixels (a common training setting);
 - the header scan of all rows (``planner.dataset.read_dataset``, empty cache), the cached read, and the whole
-  ``plan --dataset`` process with a cold and a warm cache.
-
-The loader's samples/s against the step's need is not measured: the runtime does not pack samples yet.
+  ``plan --dataset`` process with a cold and a warm cache;
+- the runtime's loader (``runtime.packed_data.PackedConversations``) on the first ``--loader-samples`` rows at
+  ``max_pixels`` 1,003,520: its start-up index per sample, and samples/s building samples (decode, the processor's
+  resize and patchify, chat template and labels) in one process, against what one rank must build per second for
+  the plan of Qwen2.5-VL-32B on 16 H100s for those rows (the plan's samples/s over its vision DP replicas: the
+  TP / SP ranks of a replica each build the replica's samples). The images are flat-coloured PNGs, which decode
+  faster than photographs; the tokenizer is the tests' byte-level one (one token per byte: slower per character
+  than Qwen2's BPE); the tiny model's config has the 32B's patch geometry (14-pixel patches, 2 x 2 merge).
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ from pathlib import Path
 from PIL import Image
 
 from planner.analysis import mixed_resolution_histogram
+from planner.api import plan
 from planner.catalog import get_model
 from planner.dataset import CACHE_ENV, pack_budgets, pack_dataset, read_dataset, sample_tokens
 
 MODEL = "qwen-vl-32b"
+LOADER_MAX_PIXELS = 1003520
 
 
 def write_dataset(folder: Path, samples: int, seed: int = 0) -> Path:
@@ -86,10 +93,40 @@ def plan_process_s(data: Path, env: dict) -> float:
     return time.perf_counter() - start
 
 
+def loader_lines(data: Path, folder: Path, samples: int) -> list[str]:
+    """The runtime loader's index and build rates on the first ``samples`` rows, against one rank's need."""
+    from runtime.model import hf_config_from_dict
+    from runtime.packed_data import PackedConversations
+    from tests.runtime.plans import tiny_hf_config
+    from tests.runtime.tokenizer import save_tokenizer
+
+    subset = data.parent / "loader.jsonl"  # beside the rows, whose image paths are relative
+    subset.write_text("".join(data.read_text().splitlines(keepends=True)[:samples]))
+    made = plan(MODEL, 16, dataset=str(subset), max_pixels=LOADER_MAX_PIXELS)
+    info = made.workload.dataset
+    need = made.predicted.samples_per_s / made.module("vision").dp
+    start = time.perf_counter()
+    loader = PackedConversations(subset, save_tokenizer(folder / "tokenizer"), config=hf_config_from_dict(
+        tiny_hf_config()), dataset=info.model_copy(update={"max_pixels": LOADER_MAX_PIXELS}), seed=0)
+    index_s = time.perf_counter() - start
+    built = min(len(loader.samples), 200)
+    start = time.perf_counter()
+    for i in range(built):
+        loader.sample(i)
+    rate = built / (time.perf_counter() - start)
+    return [f"\nruntime loader on {len(loader.samples):,} samples (max_pixels {LOADER_MAX_PIXELS:,}, packs of "
+            f"{info.pack_tokens:,} LLM tokens): index {index_s:.1f} s at start ({index_s / len(loader.samples) * 1e3:.2f}"
+            f" ms per sample, every rank)",
+            f"  builds {rate:.0f} samples/s in one process; one rank of the 32B plan on 16 H100s needs "
+            f"{need:.1f} samples/s ({made.predicted.samples_per_s:.1f} samples/s over {made.module('vision').dp} vision "
+            f"replicas): {rate / need:.1f}x its need"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=100_000)
     parser.add_argument("--packing-samples", type=int, default=5_000)
+    parser.add_argument("--loader-samples", type=int, default=3_000)
     parser.add_argument("--dir", help="where to write the dataset (default: a temporary folder)")
     args = parser.parse_args(argv)
     print("\n".join(packing_table(args.packing_samples)))
@@ -111,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         cold, warm = plan_process_s(data, env), plan_process_s(data, env)
         print(f"plan --dataset ({args.samples:,} samples, 16 GPUs, 3 pack budgets): {cold:.1f} s with an empty "
               f"cache, {warm:.1f} s with the cached histogram")
+        print("\n".join(loader_lines(data, folder, args.loader_samples)))
     return 0
 
 

@@ -1,5 +1,6 @@
 """``python -m runtime plan.json [--steps N] [--metrics FILE] [--checkpoint DIR] [--save DIR] [--data PATH] [--seed S]
-[--checkpoint-dir DIR [--checkpoint-every K] [--keep-last N] [--max-failures N]] [--resume [PATH]] [--dry-run]``
+[--tokenizer DIR] [--no-prefetch] [--checkpoint-dir DIR [--checkpoint-every K] [--keep-last N] [--max-failures N]]
+[--resume [PATH]] [--dry-run]``
 
 Runs locally (starts Ray) or on the Ray cluster at RAY_ADDRESS / under ``ray job submit``; under
 ``torchrun --nproc-per-node N -m runtime plan.json`` each process runs one rank, without Ray.
@@ -39,6 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", help="model folder whose tokenizer and chat template conversation data goes "
                         "through (loss on the assistant turns only)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random init and synthetic data")
+    parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+                        help="build the next step's samples in a worker process per rank during each step "
+                        "(default); --no-prefetch builds them in the step loop")
     parser.add_argument("--checkpoint-dir", help="write sharded training checkpoints (weights, optimizer, schedule, "
                         "data position) into this folder, after the last step and every --checkpoint-every steps")
     parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (default: only at the end)")
@@ -118,8 +122,8 @@ def _run_on_ray(plan: Plan, args: argparse.Namespace) -> int:
     from runtime.launcher import run
     from runtime.trainer import RunOptions
 
-    options = RunOptions(seed=args.seed, data=args.data, tokenizer=args.tokenizer, checkpoint=args.checkpoint,
-                         resume=args.resume)
+    options = RunOptions(seed=args.seed, data=args.data, tokenizer=args.tokenizer, prefetch=args.prefetch,
+                         checkpoint=args.checkpoint, resume=args.resume)
     try:
         run(plan, options, steps=args.steps, metrics_path=args.metrics, save=args.save,
             checkpoints=_checkpoint_options(args))
@@ -168,8 +172,8 @@ def _run_under_torchrun(plan: Plan, args: argparse.Namespace, env: preflight.Tor
     from runtime.torchrun import run
     from runtime.trainer import RunOptions
 
-    options = RunOptions(seed=args.seed, data=args.data, tokenizer=args.tokenizer, checkpoint=args.checkpoint,
-                         resume=args.resume)
+    options = RunOptions(seed=args.seed, data=args.data, tokenizer=args.tokenizer, prefetch=args.prefetch,
+                         checkpoint=args.checkpoint, resume=args.resume)
     try:
         validate_plan(plan, options)
     except USER_ERRORS as e:

@@ -116,6 +116,8 @@ class Worker:
         return [] if self.checkpointer is None else self.checkpointer.finish()
 
     def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

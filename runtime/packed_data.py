@@ -13,13 +13,12 @@ without reading a pixel, which is what the hand-off routes need. Only the ranks 
 
 Bad data is skipped and counted (``skipped``): malformed rows, no assistant turn, no image, a missing or unreadable
 image, an aspect ratio the processor refuses, a sample longer than the budget. An image whose header reads but
-whose pixels do not decode when the sample is built is trained on as a black image of its size and counted (the packs are fixed
-by then on every rank). Only data with nothing usable stops the run.
+whose pixels do not decode when the sample is built is trained on as a black image of its size and counted (the
+packs are fixed by then on every rank). Only data with nothing usable stops the run.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -76,12 +76,16 @@ def run(plan: Plan, options: RunOptions, env: TorchrunEnv, *, steps: int, metric
         pin_gpu(env.local_rank)
         torch.cuda.set_device(0)
     dist.init_process_group("gloo" if cpu else "nccl")
+    trainer = None
     try:
-        job = Job(plan=plan, trainer=Trainer(plan, rank=env.rank, options=options), rank=env.rank)
+        trainer = Trainer(plan, rank=env.rank, options=options)
+        job = Job(plan=plan, trainer=trainer, rank=env.rank)
         summary = _train(job, steps=steps, metrics_path=metrics_path, checkpoints=checkpoints)
         if save is not None:
             save_with_fallback(lambda folder: save_checkpoint(job, folder), save, agree=job.agree)
     finally:
+        if trainer is not None:
+            trainer.close()
         dist.destroy_process_group()
     return summary
 

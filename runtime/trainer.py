@@ -48,6 +48,7 @@ from runtime.dcp_checkpoint import Unfilled, load_checkpoint
 from runtime.model import RandomInit, hf_config_from_dict, meta_model, split_model
 from runtime.optim import build_optimizer, clip_grad_norm
 from runtime.packed_data import PackedConversations
+from runtime.prefetch import Prefetcher
 from runtime.parallel import attention
 from runtime.parallel.fsdp import all_reduce_gradients, set_gradient_sync
 from runtime.parallel.precision import module_precision
@@ -55,7 +56,7 @@ from runtime.parallel.tensor_parallel import qkv_from_tp_layout, qkv_row_order
 from runtime.parallel_dims import BATCH_AXIS, ParallelDims
 from runtime.preflight import MODULES, is_conversation_file
 from runtime.parallelize import parallelize_llm, parallelize_vision, uses_fsdp
-from runtime.vision import merged_positions_per_rank, shard_vision_batch, vision_forward
+from runtime.vision import merged_positions_per_rank, shard_vision_batch, vision_forward, window_layout
 
 
 MAX_VISION_IN_FLIGHT = 2
@@ -74,6 +75,8 @@ class RunOptions:
     """Model folder whose tokenizer and chat template conversation data goes through."""
     checkpoint: str | None = None
     """Hugging Face folder (save_pretrained or Hub download) to start from; random init when None."""
+    prefetch: bool = False
+    """Build the next step's samples in a worker process during each step (the command line's default)."""
     resume: str | None = None
     """Complete training checkpoint (runtime.dcp_checkpoint) to continue from: weights, optimizer, LR schedule,
     counters and RNG states; written under this plan or any other of the same model."""
@@ -125,6 +128,8 @@ class Trainer:
         self.layout = None if self.packed else layout_from_plan(plan.workload, config)
         self.vision_config = config.vision_config
         self.source = data_source(plan, options, config)
+        self.prefetcher = Prefetcher(self.source) if options.prefetch else None
+        self._step_slots: list[list[int]] | None = None
         self.modules, self.rope_index = self._build_modules(attention.register())
         self.trainable = {name: m for name, m in self.modules.items() if not self.dims[name].frozen}
         self.optimizers = {name: build_optimizer(m, plan.training) for name, m in self.trainable.items()}
@@ -132,6 +137,8 @@ class Trainer:
                                hidden=config.get_text_config().hidden_size, rank=self.rank,
                                dtype=self._handoff_dtype(), device=self.device)
         self._fixed_routes = None if self.packed else self._layout_routes()
+        if self.packed:
+            check_vision_windows(self.source, self.dims["vision"], self.vision_config)
         self.step = 0
         self.samples_seen = 0
         """Global index of the next sample: the data position, independent of the plan."""
@@ -228,13 +235,30 @@ class Trainer:
     def num_micro_batches(self) -> int:
         return self.dims["llm"].grad_accum
 
+    @property
+    def positions_per_step(self) -> int:
+        """How far a step moves the data position (samples; a dataset plan's packs)."""
+        llm = self.dims["llm"]
+        return llm.grad_accum * llm.dp * llm.micro_batch
+
+    def _slots_at(self, position: int) -> list[list[int]] | None:
+        """A dataset plan's packs of the step at data position ``position`` (``PackedConversations.step_slots``)."""
+        llm = self.dims["llm"]
+        return self.source.step_slots(position, llm.grad_accum, llm.dp, llm.micro_batch) if self.packed else None
+
     def _slot_samples(self, micro: int, dims: ParallelDims, replica: int) -> list[int]:
-        """Indexes of the samples of micro-batch ``micro`` for DP replica ``replica`` of a module: its slice of the
-        global micro-batch (sample indexes of a fixed-shape plan; a dataset plan's packs, flattened)."""
-        first = micro * dims.dp * dims.micro_batch + replica * dims.micro_batch
-        if not self.packed:
-            return list(range(self.samples_seen + first, self.samples_seen + first + dims.micro_batch))
-        return [i for pack in self._step_slots[first:first + dims.micro_batch] for i in pack]
+        """This step's ``slot_samples``."""
+        return slot_samples(micro, dims, replica, position=self.samples_seen, slots=self._step_slots)
+
+    def _indexes_at(self, position: int, slots: list[list[int]] | None) -> list[int]:
+        """The samples this rank's modules run in the step at ``position``, each once."""
+        indexes = {}
+        for micro in range(self.num_micro_batches):
+            for name in self.modules:
+                dims = self.dims[name]
+                replica = dims.coordinate(self.rank)["dp"]
+                indexes.update(dict.fromkeys(slot_samples(micro, dims, replica, position=position, slots=slots)))
+        return list(indexes)
 
     def _samples(self, micro: int, name: str) -> Sample:
         """This rank's samples of micro-batch ``micro`` for module ``name`` (its DP replica's slice), in host memory
@@ -244,7 +268,7 @@ class Trainer:
         dims = self.dims[name]
         key = tuple(self._slot_samples(micro, dims, dims.coordinate(self.rank)["dp"]))
         if key not in self._batches:
-            samples = [self.source.sample(i) for i in key]
+            samples = [self._step_samples[i] for i in key]
             batch = pack_rows(samples) if self.packed else collate(samples)
             pin = self.device.type == "cuda"
             self._batches[key] = {k: v.pin_memory() if pin else v for k, v in batch.items()}
@@ -257,21 +281,26 @@ class Trainer:
         ``runtime.dry_run.StepMemTracker.forget`` (host memory is not the device's, though on the CPU it is one)."""
 
     def _prepare_inputs(self) -> float:
-        """Synthesise (or load) this rank's samples of the step and the LLM's token shards before the step's clock
-        starts, as a DataLoader's workers would have; returns the seconds it took (reported as ``data_s``)."""
+        """This rank's samples of the step (from the prefetch worker, which built them during the previous step,
+        else built here), its micro-batches and the LLM's token shards, before the step's clock starts; then the
+        worker starts on the next step. Returns the seconds it took (reported as ``data_s``)."""
         start = time.perf_counter()
         self._batches: dict[tuple[int, ...], Sample] = {}
         self._llm_shards: dict[int, LLMShard] = {}
+        self._step_slots = self._slots_at(self.samples_seen)
         if self.packed:
-            llm = self.dims["llm"]
             self.source.forget()
-            self._step_slots = self.source.step_slots(self.samples_seen, self.num_micro_batches, llm.dp,
-                                                      llm.micro_batch)
             self._step_routes = [self._packed_routes(micro) for micro in range(self.num_micro_batches)]
             self._step_tokens = sum(self.source.pack_tokens(pack) for pack in self._step_slots)
         else:
-            llm = self.dims["llm"]
-            self._step_tokens = self.num_micro_batches * llm.dp * llm.micro_batch * self.layout.seq_len
+            self._step_tokens = self.positions_per_step * self.layout.seq_len
+        indexes = self._indexes_at(self.samples_seen, self._step_slots)
+        if self.prefetcher is None:
+            self._step_samples = {i: self.source.sample(i) for i in indexes}
+        else:
+            self._step_samples = self.prefetcher.take(self.samples_seen, indexes)
+            following = self.samples_seen + self.positions_per_step
+            self.prefetcher.submit(following, self._indexes_at(following, self._slots_at(following)))
         for micro in range(self.num_micro_batches):
             for name in self.modules:
                 self._samples(micro, name)
@@ -395,12 +424,13 @@ class Trainer:
         lr = next(iter(self.optimizers.values()))[1].get_last_lr()[0] if self.optimizers else None
         norm = self.optimizer_step()
         self.step += 1
-        self.samples_seen += self.num_micro_batches * self.dims["llm"].dp * self.dims["llm"].micro_batch
+        self.samples_seen += self.positions_per_step
         _sync(self.device)
         return {
             "rank": self.rank, "modules": sorted(self.modules), "loss": loss, "grad_norm": norm,
             "lr": lr,
-            "step_time_s": time.perf_counter() - start, "llm_tokens": self._step_tokens, "data_s": data_s, "handoff_comm_s": self.handoff.comm_seconds,
+            "step_time_s": time.perf_counter() - start, "llm_tokens": self._step_tokens, "data_s": data_s,
+            "handoff_comm_s": self.handoff.comm_seconds,
             "peak_memory_bytes": _peak_memory(self.device), **self.timings,
             **({"data_skipped": dict(self.source.skipped)} if getattr(self.source, "skipped", None) else {}),
         }
@@ -495,6 +525,11 @@ class Trainer:
         config._attn_implementation = None
         return config
 
+    def close(self) -> None:
+        """Stop the prefetch worker."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+
     def save_hf_folder(self, path: str, *, dtype: torch.dtype | None = None) -> None:
         """Write the weights as a Hugging Face folder from the shards (runtime.checkpoint.save_hf_folder);
         every rank calls it."""
@@ -506,6 +541,38 @@ class Trainer:
         yield
         _sync(self.device)
         self.timings[key] += time.perf_counter() - start
+
+
+def check_vision_windows(source: PackedConversations, vision: ParallelDims, config: Any) -> None:
+    """Every vision micro-batch of the data splits over the vision SP ranks on window boundaries: its fewest
+    attention windows (the smallest pack's, times the packs per micro-batch) are at least ``sp``.
+
+    Raises:
+        ValueError: in one line, with the smallest pack and what would make it fit.
+    """
+    if vision.sp == 1:
+        return
+    windows = {}
+    for pack in source.packs:
+        grid = torch.tensor([g for i in pack for g in source.samples[i].grids])
+        windows[len(window_layout(grid, config)[1]) - 1] = pack
+    fewest = min(windows)
+    if fewest * vision.micro_batch < vision.sp:
+        rows = [source.samples[i].row for i in windows[fewest]]
+        raise ValueError(f"vision sp={vision.sp} needs at least {vision.sp} attention windows per micro-batch, and a "
+                         f"pack of rows {rows} has {fewest} ({vision.micro_batch} pack(s) per micro-batch): plan with "
+                         "a lower vision sp, more packs per vision micro-batch, or a larger --min-pixels")
+
+
+def slot_samples(micro: int, dims: ParallelDims, replica: int, *, position: int,
+                 slots: list[list[int]] | None) -> list[int]:
+    """Indexes of the samples of micro-batch ``micro`` for DP replica ``replica`` of a module, in the step at data
+    position ``position``: its slice of the global micro-batch (consecutive samples of a fixed-shape plan; for a
+    dataset plan, its packs among the step's ``slots``, flattened)."""
+    first = micro * dims.dp * dims.micro_batch + replica * dims.micro_batch
+    if slots is None:
+        return list(range(position + first, position + first + dims.micro_batch))
+    return [i for pack in slots[first:first + dims.micro_batch] for i in pack]
 
 
 def _to_device(shard, device: torch.device):

@@ -151,11 +151,52 @@ def test_a_packed_row_gives_each_sample_its_own_logits(tmp_path, tokenizer_dir):
             at += n
 
 
+def test_the_prefetch_worker_builds_the_samples_and_reports_what_it_skipped(tmp_path, tokenizer_dir):
+    from runtime.prefetch import Prefetcher
+
+    data = packed(write_dataset(tmp_path), tokenizer_dir)
+    direct = {i: data.sample(i) for i in (0, 3, 5)}
+    data.forget()
+    (tmp_path / "i3.png").write_bytes((tmp_path / "i3.png").read_bytes()[:200])  # rows 3 and 9 now fail to decode
+    prefetcher = Prefetcher(data)
+    try:
+        prefetcher.submit(8, [0, 3, 5])
+        built = prefetcher.take(8, [0, 3, 5])
+        assert data.skipped == {UNDECODED_IMAGE: 1}  # counted in the worker, reported here
+        for i in (0, 5):
+            assert all(torch.equal(built[i][k], direct[i][k]) for k in direct[i])
+        assert not torch.equal(built[3]["pixel_values"], direct[3]["pixel_values"])
+        prefetcher.submit(16, [1])
+        assert list(prefetcher.take(8, [2])) == [2]  # another step than the one prefetched: built here
+    finally:
+        prefetcher.close()
+
+
+def test_vision_sequence_parallelism_needs_enough_windows_in_every_micro_batch(tmp_path, tokenizer_dir):
+    from runtime.parallel_dims import ParallelDims
+    from runtime.trainer import check_vision_windows
+
+    Image.new("RGB", (84, 56)).save(tmp_path / "small.png")  # 4 x 6 patches: one 8 x 8-patch window
+    (tmp_path / "d.jsonl").write_text(json.dumps(_row("small.png", "Q?", "A.")) + "\n")
+    data = packed(tmp_path / "d.jsonl", tokenizer_dir)
+
+    def vision(micro_batch):
+        return ParallelDims(name="vision", ranks=(0, 1), dp=1, cp=1, sp=2, tp=1, zero=0, recompute="none",
+                            micro_batch=micro_batch, grad_accum=1)
+
+    with pytest.raises(ValueError, match=r"vision sp=2 needs at least 2 attention windows per micro-batch, and a "
+                                         r"pack of rows \[0\] has 1 \(1 pack\(s\) per micro-batch\)"):
+        check_vision_windows(data, vision(1), CONFIG.vision_config)
+    check_vision_windows(data, vision(2), CONFIG.vision_config)
+
+
 PACKED_PLANS = {
     "vision_dp2__llm_dp2_zero3_accum2": dict(vision=dict(dp=2, grad_accum=2), llm=dict(dp=2, zero=3, grad_accum=2)),
     "vision_sp2__llm_sp2": dict(vision=dict(sp=2, micro_batch=2), llm=dict(sp=2, micro_batch=2)),
     "disjoint_vision_1__llm_dp2": dict(vision=dict(micro_batch=2), llm=dict(dp=2), placement="disjoint"),
 }
+PREFETCHED = {"disjoint_vision_1__llm_dp2"}
+"""Plans whose samples come from the prefetch worker."""
 
 
 @pytest.mark.slow
@@ -169,5 +210,41 @@ def test_packed_parity(name, tmp_path, tokenizer_dir, ray_cluster):
 
     spec = dict(PACKED_PLANS[name])
     plan = make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, pack_tokens=PACK_TOKENS, **spec)
-    options = RunOptions(seed=SEED, data=str(write_dataset(tmp_path)), tokenizer=str(tokenizer_dir))
+    options = RunOptions(seed=SEED, data=str(write_dataset(tmp_path)), tokenizer=str(tokenizer_dir),
+                         prefetch=name in PREFETCHED)
     assert_parity(plan, options)
+
+
+@pytest.mark.slow
+def test_a_model_folder_plans_for_and_trains_on_a_mixed_resolution_dataset(tmp_path, ray_cluster):
+    """``plan --model FOLDER --dataset d.jsonl`` (the folder's own tokenizer counts the text), then
+    ``python -m runtime plan.json --data d.jsonl --tokenizer FOLDER``: packed steps of different token counts,
+    bad rows counted, measured tokens/s and peak memory beside the plan's in the summary."""
+    import subprocess
+    import sys
+
+    from tests.runtime.test_cli import run_cli
+
+    folder = save_tokenizer(tmp_path / "model")
+    (folder / "config.json").write_text(json.dumps(tiny_hf_config()))
+    data = write_dataset(tmp_path, rows=16, extra=[_row("missing.png", "Q?", "A."), "{not json"])
+    plan = tmp_path / "plan.json"
+    made = subprocess.run([sys.executable, "-m", "planner.cli", "--model", str(folder), "--gpu", "cpu", "--gpus", "2",
+                           "--dataset", str(data), "--global-batch", "8", "--out", str(plan)],
+                          capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert f"text counted by {folder}/tokenizer.json" in made.stdout
+    metrics = tmp_path / "m.jsonl"
+    env = {"RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    result = run_cli(str(plan), "--data", str(data), "--tokenizer", str(folder), "--steps", "3",
+                     "--metrics", str(metrics), env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    *steps, summary = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert all(np.isfinite(s["loss"]) for s in steps)
+    budget = json.loads(plan.read_text())["workload"]["dataset"]["pack_tokens"]
+    packs = json.loads(plan.read_text())["workload"]["global_batch"]
+    assert all(0 < s["llm_tokens"] <= packs * budget for s in steps)
+    assert summary["data_skipped"] == {"missing or unreadable image": 1, "malformed row": 1}
+    assert summary["tokens_per_s"]["measured"] > 0 and summary["tokens_per_s"]["predicted"] > 0
+    assert summary["peak_memory_gib"]["measured"] > 0
+    assert "tokens/s" in result.stdout + result.stderr

@@ -73,8 +73,8 @@ def test_llm_slices_hold_their_image_tokens_and_next_token_targets(layout):
     slots = image_slots_per_rank([row], 4)  # slices of 16 tokens
     assert [s.tolist() for s in slots] == [list(range(15)), list(range(15, 24)), [], []]
     two = image_slots_per_rank([row, row], 4)  # each row split alike; the second row's tokens follow the first's
-    assert [s.tolist() for s in two] == [list(range(15)) + list(range(24, 39)), list(range(15, 24)) + list(range(39, 48)),
-                                         [], []]
+    assert [s.tolist() for s in two] == [list(range(15)) + list(range(24, 39)),
+                                         list(range(15, 24)) + list(range(39, 48)), [], []]
     labels = torch.tensor([[5, 6, IGNORE_INDEX, 7]])
     assert next_token_targets(labels).tolist() == [[6, IGNORE_INDEX, 7, IGNORE_INDEX]]
 
