@@ -35,10 +35,12 @@ from pathlib import Path
 
 from PIL import Image
 
-from planner.analysis import mixed_resolution_histogram
-from planner.api import plan
-from planner.catalog import get_model
-from planner.dataset import CACHE_ENV, pack_budgets, pack_dataset, read_dataset, sample_tokens
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' tokenizer and tiny config
+
+from planner.analysis import mixed_resolution_histogram  # noqa: E402
+from planner.api import plan  # noqa: E402
+from planner.catalog import get_model  # noqa: E402
+from planner.dataset import CACHE_ENV, pack_budgets, pack_dataset, read_dataset, sample_tokens  # noqa: E402
 
 MODEL = "qwen-vl-32b"
 LOADER_MAX_PIXELS = 1003520
