@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' token
 from planner.analysis import mixed_resolution_histogram  # noqa: E402
 from planner.api import plan  # noqa: E402
 from planner.catalog import get_model  # noqa: E402
-from planner.dataset import CACHE_ENV, pack_budgets, pack_dataset, read_dataset, sample_tokens  # noqa: E402
+from planner.data_rows import CACHE_ENV  # noqa: E402
+from planner.dataset import pack_budgets, pack_dataset, read_dataset, sample_tokens  # noqa: E402
 
 MODEL = "qwen-vl-32b"
 LOADER_MAX_PIXELS = 1003520

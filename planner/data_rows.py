@@ -14,11 +14,15 @@ Formats, one row per JSONL line (or a JSON list of rows):
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 IMAGE_MARKER = "<image>"
 """Where an image goes in a Qwen-VL / LLaVA turn."""
+CACHE_ENV = "DHPLAN_CACHE_DIR"
+"""Environment variable naming the folder where what was read of a dataset is cached (default
+``~/.cache/dhplan/datasets``): the planner's histograms and the runtime's indexes."""
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 """``from`` / ``role`` values -> chat-template roles."""
 
@@ -94,3 +98,8 @@ def image_header_size(path: Path, sizes: dict[Path, tuple[int, int] | None]) -> 
         except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError):
             sizes[path] = None
     return sizes[path]
+
+
+def cache_folder() -> Path:
+    """Where dataset caches live (``CACHE_ENV``)."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dhplan" / "datasets")

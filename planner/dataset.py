@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.data_rows import SkippedSample, image_header_size, messages_of, read_rows
+from planner.data_rows import SkippedSample, cache_folder, image_header_size, messages_of, read_rows
 from planner.models import ModelSpec
 from planner.packing import pack_best_fit
 from planner.workload import ModuleTokens, PackedTokens, Workload, image_windows, packed_workload
@@ -41,8 +40,6 @@ BYTES_PER_TOKEN = 4.0
 usual figure for English under byte-level BPE vocabularies such as Qwen2's); stated in the plan when used."""
 HISTOGRAM_FORMAT = "dhplan-dataset-histogram"
 HISTOGRAM_VERSION = 1
-CACHE_ENV = "DHPLAN_CACHE_DIR"
-"""Environment variable naming the folder of cached histograms (default ``~/.cache/dhplan/datasets``)."""
 PERCENTILES = (50, 95)
 
 
@@ -227,8 +224,7 @@ def _cache_file(path: Path, tokenizer_dir: str | None) -> Path:
     if tokenizer_dir is not None:
         tokenizer = Path(tokenizer_dir) / "tokenizer.json"
         key += [str(tokenizer.resolve()), tokenizer.stat().st_mtime_ns if tokenizer.exists() else 0]
-    folder = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "dhplan" / "datasets")
-    return folder / (hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + ".json")
+    return cache_folder() / (hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + ".json")
 
 
 def read_dataset(path: str | Path, tokenizer_dir: str | None = None) -> DatasetHistogram:

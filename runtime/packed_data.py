@@ -8,8 +8,9 @@ the usable samples are packed by best-fit decreasing into packs of at most the p
 (``planner.packing``: the packer the plan was priced with). An epoch visits its packs in a seeded order, so each
 sample is seen once per epoch; a step's packs are dealt to the LLM's data-parallel replicas by tokens
 (``balance_packs``). Every rank thus knows every micro-batch's composition — image grids and image-token positions —
-without reading a pixel, which is what the hand-off routes need. Only the ranks that run a sample build it
-(decode, patchify, tokenize with labels).
+without reading a pixel, which is what the hand-off routes need. The index is cached (beside the planner's
+histograms, ``planner.data_rows.cache_folder``), so a restart or a recovery reads it instead of rendering every
+conversation again. Only the ranks that run a sample build it (decode, patchify, tokenize with labels).
 
 Bad data is skipped and counted (``skipped``): malformed rows, no assistant turn, no image, a missing or unreadable
 image, an aspect ratio the processor refuses, a sample longer than the budget. An image whose header reads but
@@ -19,6 +20,10 @@ packs are fixed by then on every rank). Only data with nothing usable stops the 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,12 +33,16 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
-from planner.data_rows import SkippedSample, image_header_size
+from planner.data_rows import SkippedSample, cache_folder, image_header_size
 from planner.packing import balance_packs, pack_best_fit
 from planner.schema import DatasetInfo
 from runtime.conversations import ChatTokenizer, conversation_of, open_images, read_conversation_rows
 from runtime.data import IGNORE_INDEX, Sample
 
+INDEX_VERSION = 1
+"""Format of the cached index; a change makes new cache keys."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "vocab.json", "merges.txt")
+"""Files of a model folder that decide how a conversation tokenizes (their modification times key the cache)."""
 UNDECODED_IMAGE = "image did not decode (trained as a black image)"
 """Counted when an image whose header read fails to decode while its sample is built."""
 
@@ -66,6 +75,7 @@ class PackedConversations:
         self.patch_size, self.merge_size = vc.patch_size, vc.spatial_merge_size
         self.min_pixels, self.max_pixels, self.budget = dataset.min_pixels, dataset.max_pixels, dataset.pack_tokens
         self.seed = seed
+        self.tokenizer_dir = Path(tokenizer_dir)
         self.chat = ChatTokenizer(tokenizer_dir, config.image_token_id)
         self.processor = Qwen2VLImageProcessorPil(
             patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
@@ -73,7 +83,7 @@ class PackedConversations:
         )
         self.rows, self.skipped = read_conversation_rows(self.path)
         """``skipped``: rows left out, by reason (the index's, then images that did not decode on this rank)."""
-        self.samples = self._index()
+        self.samples = self._within_budget(self._cached_index())
         if not self.samples:
             raise ValueError(f"{self.path} has no usable sample for this plan: skipped {dict(self.skipped)}")
         lengths = [s.length for s in self.samples]
@@ -82,14 +92,51 @@ class PackedConversations:
         self._built: dict[int, Sample] = {}
 
     # ---- the index ------------------------------------------------------------------------------------------
-    def _index(self) -> list[IndexedSample]:
-        samples, sizes = [], {}
+    def _cached_index(self) -> list[IndexedSample]:
+        """The index of the file as it is now: from the cache (``planner.data_rows.cache_folder``), keyed by the
+        file, the tokenizer files and the resize and patch geometry, else built and cached (atomically: every
+        rank of a node may build it at once); a cache that cannot be read or written is ignored."""
+        cache = self._index_file()
+        try:
+            cached = json.loads(cache.read_text())
+            self.skipped.update(cached["skipped"])
+            return [IndexedSample(row=r, length=n, image_spans=tuple(map(tuple, spans)),
+                                  grids=tuple(map(tuple, grids))) for r, n, spans, grids in cached["samples"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        samples, sizes, skipped = [], {}, Counter()
         for row_number, row in enumerate(self.rows):
             try:
                 samples.append(self._indexed(row_number, row, sizes))
             except SkippedSample as reason:
-                self.skipped[str(reason)] += 1
+                skipped[str(reason)] += 1
+        self.skipped.update(skipped)
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            partial = cache.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps({"skipped": skipped, "samples": [
+                [s.row, s.length, s.image_spans, s.grids] for s in samples]}))
+            os.replace(partial, cache)
+        except OSError:
+            pass
         return samples
+
+    def _index_file(self) -> Path:
+        stat = self.path.stat()
+        key = [INDEX_VERSION, str(self.path.resolve()), stat.st_size, stat.st_mtime_ns, self.min_pixels,
+               self.max_pixels, self.patch_size, self.merge_size, self.chat.image_token_id]
+        for name in TOKENIZER_FILES:
+            file = self.tokenizer_dir / name
+            key += [name, file.stat().st_mtime_ns if file.exists() else 0]
+        return cache_folder() / "runtime-index" / (hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + ".json")
+
+    def _within_budget(self, samples: list[IndexedSample]) -> list[IndexedSample]:
+        if self.budget is None:
+            return samples
+        kept = [s for s in samples if s.length <= self.budget]
+        if len(kept) < len(samples):
+            self.skipped["longer than the pack budget"] += len(samples) - len(kept)
+        return kept
 
     def _indexed(self, row_number: int, row: Any, sizes: dict) -> IndexedSample:
         messages, image_paths = conversation_of(row)
@@ -101,8 +148,6 @@ class PackedConversations:
         grids = tuple((1, h // self.patch_size, w // self.patch_size) for h, w in map(self._resized, found))
         image_tokens = [h * w // self.merge_size**2 for _, h, w in grids]
         ids = self.chat.render(messages, image_tokens)
-        if self.budget is not None and len(ids) > self.budget:
-            raise SkippedSample("longer than the pack budget")
         positions = np.flatnonzero(np.array(ids) == self.chat.image_token_id)
         if len(positions) != sum(image_tokens):
             raise SkippedSample("image markers differ from the images")
@@ -164,10 +209,15 @@ class PackedConversations:
             images = [Image.new("RGB", (w * self.patch_size, h * self.patch_size)) for _, h, w in entry.grids]
         out = self.processor(images=images, return_tensors="pt")
         grids = tuple(map(tuple, out["image_grid_thw"].tolist()))
-        assert grids == entry.grids, f"row {entry.row}: the processor gave grids {grids}, the index {entry.grids}"
+        if grids != entry.grids:
+            raise ValueError(f"{self.path} row {entry.row}: its images are {grids} patches now, {entry.grids} when the "
+                             f"data was indexed: an image changed during the run, or the index in {cache_folder()} is "
+                             "stale (delete it)")
         image_tokens = [h * w // self.merge_size**2 for _, h, w in entry.grids]
         ids, labels = self.chat.tokens(messages, image_tokens)
-        assert len(ids) == entry.length, f"row {entry.row}: {len(ids)} tokens, the index counted {entry.length}"
+        if len(ids) != entry.length:
+            raise ValueError(f"{self.path} row {entry.row}: {len(ids)} tokens now, {entry.length} when the data was "
+                             f"indexed: the tokenizer changed, or the index in {cache_folder()} is stale (delete it)")
         types = torch.tensor([1 if t == self.chat.image_token_id else 0 for t in ids], dtype=torch.int32)
         labels_t = torch.tensor(labels)
         return {"pixel_values": out["pixel_values"].float(), "image_grid_thw": out["image_grid_thw"],

@@ -1,6 +1,13 @@
 """Shared fixtures. Keep additions additive: several areas of the project put fixtures here."""
 
+import os
+import tempfile
+
 import pytest
+
+os.environ.setdefault("DHPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="dhplan-test-cache-"))
+"""Dataset caches (planner histograms, runtime indexes) of the test session go to a fresh folder, which the Ray
+workers inherit (set before Ray starts), not to ~/.cache."""
 
 
 @pytest.fixture(scope="session")

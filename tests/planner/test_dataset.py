@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from planner import api, dataset
+from planner.data_rows import CACHE_ENV
 from planner.catalog import get_model
 from planner.cost import module_cost
 from planner.dataset import (
@@ -31,7 +32,7 @@ MODEL = get_model("qwen-vl-32b")
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(dataset.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
 
 
 def _image(path, width, height):

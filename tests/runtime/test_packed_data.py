@@ -248,3 +248,23 @@ def test_a_model_folder_plans_for_and_trains_on_a_mixed_resolution_dataset(tmp_p
     assert summary["tokens_per_s"]["measured"] > 0 and summary["tokens_per_s"]["predicted"] > 0
     assert summary["peak_memory_gib"]["measured"] > 0
     assert "tokens/s" in result.stdout + result.stderr
+
+
+def test_the_index_is_cached_until_the_data_or_the_tokenizer_changes(tmp_path, tokenizer_dir, monkeypatch):
+    from runtime.conversations import ChatTokenizer
+
+    monkeypatch.setenv("DHPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_dataset(tmp_path, extra=[_row("missing.png", "Q?", "A."), _row("i1.png", "Q?", "long " * 200)])
+    first = packed(path, tokenizer_dir)
+    assert len(list((tmp_path / "cache" / "runtime-index").iterdir())) == 1
+    with monkeypatch.context() as patched:
+        patched.setattr(ChatTokenizer, "render", lambda *a, **k: pytest.fail("rendered despite the cache"))
+        again = packed(path, tokenizer_dir)
+        assert again.samples == first.samples and again.skipped == first.skipped
+        assert packed(path, tokenizer_dir, pack_tokens=4096).skipped == {"missing or unreadable image": 1}  # one index
+    path.write_text(path.read_text() + json.dumps(_row("i2.png", "Q?", "A.")) + "\n")
+    assert len(packed(path, tokenizer_dir).samples) == len(first.samples) + 1  # a changed file is indexed anew
+    (tmp_path / "i0.png").unlink()
+    Image.new("RGB", (56, 300)).save(tmp_path / "i0.png")  # another size under the indexed name
+    with pytest.raises(ValueError, match=r"row 0: its images are .* patches now, .* when the data was indexed"):
+        packed(path, tokenizer_dir).sample(0)
