@@ -5,7 +5,6 @@ Files a case needs are written to a temporary folder; ``{dir}`` in its arguments
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
