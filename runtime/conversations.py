@@ -107,13 +107,10 @@ class ConversationData:
     """Samples of a conversation file in a fixed-shape plan's layout (see the module docstring)."""
 
     def __init__(self, path: str | Path, layout: SampleLayout, tokenizer_dir: str | Path):
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"data file {path} does not exist")
+        self.path, self.layout = Path(path), layout
+        self.rows, self.skipped = read_conversation_rows(self.path)
         self.chat = ChatTokenizer(tokenizer_dir, layout.image_token_id)
-        self.path, self.layout = path, layout
         self.processor = layout_image_processor(layout)
-        self.rows, self.skipped = read_conversation_rows(path)
         """``skipped``: rows skipped so far (this process), by reason."""
         self._seen: set[int] = set()
 

@@ -16,6 +16,7 @@ Shape legend: m rows of one piece, n image tokens of one LLM rank, D LLM hidden 
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -73,10 +74,6 @@ def llm_needs(llm: ParallelDims, slots: list[list[torch.Tensor]], offsets: list[
     return needs
 
 
-def _starts(sizes: list[int]) -> list[int]:
-    return [sum(sizes[:i]) for i in range(len(sizes))]
-
-
 @dataclass(kw_only=True, frozen=True)
 class Routes:
     """Who sends which rows of one micro-batch to whom."""
@@ -96,8 +93,8 @@ class Routes:
         produced = [sum(len(p) for p in replica) for replica in vision_positions]
         placed = [sum(len(s) for s in replica) for replica in llm_slots]
         assert sum(produced) == sum(placed), f"vision emits {sum(produced)} image tokens, the LLM places {sum(placed)}"
-        pieces = build_pieces(vision, vision_positions, _starts(produced))
-        needs = llm_needs(llm, llm_slots, _starts(placed))
+        pieces = build_pieces(vision, vision_positions, list(itertools.accumulate(produced[:-1], initial=0)))
+        needs = llm_needs(llm, llm_slots, list(itertools.accumulate(placed[:-1], initial=0)))
         table = {}
         for i, piece in enumerate(pieces):
             for rank in llm.ranks:

@@ -89,10 +89,9 @@ def packed_position_ids(batch: dict[str, torch.Tensor], rope_index: Any) -> torc
     """[4, 1, L] positions of a packed row: each sample's text positions (from 0), then its own M-RoPE positions
     (the model's ``get_rope_index`` on the sample alone)."""
     rows, at, images = [], 0, 0
-    for length in batch["sample_lens"].tolist():
+    for length, count in zip(batch["sample_lens"].tolist(), batch["sample_images"].tolist()):
         ids = batch["input_ids"][:, at:at + length]
         types = batch["mm_token_type_ids"][:, at:at + length]
-        count = int(batch["sample_images"][len(rows)])
         grids = batch["image_grid_thw"][images:images + count]
         mrope, _ = rope_index(ids, mm_token_type_ids=types, image_grid_thw=grids)
         rows.append(torch.cat([torch.arange(length).view(1, 1, length), mrope]))

@@ -89,7 +89,8 @@ class PackedConversations:
         lengths = [s.length for s in self.samples]
         self.packs = [[i] for i in range(len(lengths))] if self.budget is None else pack_best_fit(lengths, self.budget)
         """Sample indexes of each pack of an epoch (before the epoch's shuffle)."""
-        self._built: dict[int, Sample] = {}
+        self._order: tuple[int, np.ndarray] | None = None
+        """(epoch, its pack order): the last epoch asked for."""
 
     # ---- the index ------------------------------------------------------------------------------------------
     def _cached_index(self) -> list[IndexedSample]:
@@ -167,8 +168,9 @@ class PackedConversations:
         """Sample indexes of the pack at global position ``position`` (epoch ``position // packs``, in that epoch's
         seeded order)."""
         epoch, at = divmod(position, len(self.packs))
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.packs))
-        return self.packs[int(order[at])]
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.packs)))
+        return self.packs[int(self._order[1][at])]
 
     def pack_tokens(self, pack: list[int]) -> int:
         return sum(self.samples[i].length for i in pack)
@@ -191,16 +193,8 @@ class PackedConversations:
     # ---- samples ----------------------------------------------------------------------------------------------
     def sample(self, index: int) -> Sample:
         """Sample ``index`` of the index, built: pixel_values and image_grid_thw at native resolution, input_ids,
-        mm_token_type_ids and labels of its whole sequence (cached until ``forget``)."""
-        if index not in self._built:
-            self._built[index] = self._build(self.samples[index])
-        return self._built[index]
-
-    def forget(self) -> None:
-        """Drop the built samples (the trainer keeps what a step needs)."""
-        self._built.clear()
-
-    def _build(self, entry: IndexedSample) -> Sample:
+        mm_token_type_ids and labels of its whole sequence."""
+        entry = self.samples[index]
         messages, image_paths = conversation_of(self.rows[entry.row])
         try:
             images = open_images(self.path.parent, image_paths)

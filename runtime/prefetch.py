@@ -31,8 +31,6 @@ def _install(source: Any) -> None:
 def _build(indexes: list[int]) -> tuple[dict[int, dict[str, torch.Tensor]], Counter]:
     before = Counter(getattr(_SOURCE, "skipped", {}))
     samples = {i: _SOURCE.sample(i) for i in indexes}
-    if hasattr(_SOURCE, "forget"):
-        _SOURCE.forget()
     return samples, Counter(getattr(_SOURCE, "skipped", {})) - before
 
 

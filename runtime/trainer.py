@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 import resource
 import time
 from collections import defaultdict
@@ -208,7 +209,7 @@ class Trainer:
         slots = []
         for e in range(llm.dp):
             samples = [index[i] for i in self._slot_samples(micro, llm, e)]
-            starts = [sum(s.length for s in samples[:k]) for k in range(len(samples))]
+            starts = itertools.accumulate((s.length for s in samples), initial=0)
             row = (sum(s.length for s in samples), torch.cat([s.image_positions + a for s, a in zip(samples, starts)]))
             slots.append(image_slots_per_rank([row], llm.sp))
         return Routes.build(vision, llm, positions, slots, self.device)
@@ -289,7 +290,6 @@ class Trainer:
         self._llm_shards: dict[int, LLMShard] = {}
         self._step_slots = self._slots_at(self.samples_seen)
         if self.packed:
-            self.source.forget()
             self._step_routes = [self._packed_routes(micro) for micro in range(self.num_micro_batches)]
             self._step_tokens = sum(self.source.pack_tokens(pack) for pack in self._step_slots)
         else:

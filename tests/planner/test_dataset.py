@@ -23,7 +23,7 @@ from planner.dataset import (
     scan_dataset,
     smart_resize,
 )
-from planner.packing import pack_best_fit
+from planner.packing import balance_packs, pack_best_fit
 from planner.strategy import ModuleStrategy
 from planner.workload import PackedTokens, packed_workload
 
@@ -251,3 +251,10 @@ def test_histogram_out_counts_with_the_model_folders_tokenizer(tmp_path, capsys)
     assert main(["--model", str(folder), "--gpus", "1", "--gpu", "cpu", "--profile", "none", "--dataset", str(path),
                  "--histogram-out", str(tmp_path / "h.json"), "--out", str(tmp_path / "p.json")]) == 0
     assert read_dataset(tmp_path / "h.json").text_tokens.startswith(f"counted by {folder}")
+
+
+def test_balance_packs_deals_largest_first_to_the_least_loaded_bin_with_room():
+    # largest first: 10 -> bin 0; 9 -> bin 1; 8 -> bin 1 (9 < 10); the 1s: bin 0 (10 < 17), bin 0 (now full), bin 1
+    assert balance_packs([1, 10, 1, 9, 8, 1], bins=2, per_bin=3) == [[1, 0, 2], [3, 4, 5]]
+    with pytest.raises(ValueError, match="5 loads cannot fill 2 bins of 3"):
+        balance_packs([1] * 5, bins=2, per_bin=3)
