@@ -27,7 +27,7 @@ import pandas as pd
 
 from planner.api import DEFAULT_GPU, Infeasible, evaluate, make_problem, max_seq, plan
 from planner.dataset import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, DatasetHistogram, smart_resize
-from planner.baselines import best_of, uniform_tp_family, zero3_family
+from planner.baselines import best_of, megatron_family, uniform_tp_family, zero3_family
 from planner.candidates import Problem
 from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, estimate
@@ -47,15 +47,15 @@ __all__ = [
     "mixed_resolution_histogram", "strategy_of",
 ]
 
-BASELINES = {"uniform_tp": uniform_tp_family, "zero3": zero3_family}
+BASELINES = {"uniform_tp": uniform_tp_family, "zero3": zero3_family, "megatron": megatron_family}
 """Baseline name -> the family of module strategies it is the best of (``planner.baselines``)."""
 STRATEGIES = ("auto", *BASELINES)
 """What a row's ``strategy`` column holds: the planner's plan (auto) or a baseline."""
-STRATEGY_LABELS = {"auto": "planner (auto)", "uniform_tp": "uniform TP", "zero3": "ZeRO-3"}
+STRATEGY_LABELS = {"auto": "planner (auto)", "uniform_tp": "uniform TP", "zero3": "ZeRO-3", "megatron": "Megatron"}
 """Short names for legends."""
 MEMORY_PARTS = ("weights", "gradients", "optimizer", "activations", "buffers", "overhead")
 """Memory breakdown columns ``<part>_gib`` (per GPU, on the GPU with the peak)."""
-MODULE_FIELDS = ("dp", "tp", "sp", "cp", "zero", "recompute", "micro_batch", "grad_accum")
+MODULE_FIELDS = ("dp", "tp", "sp", "cp", "pp", "zero", "recompute", "micro_batch", "grad_accum")
 """Per-module degree columns ``<module>_<field>``."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per activation element of a profile's dtype."""
@@ -121,7 +121,8 @@ def plan_row(plan: Plan) -> dict[str, Any]:
 def compare(plans: Sequence[Plan] | Mapping[str, Plan]) -> pd.DataFrame:
     """One row per plan: placement, per-module degrees (``vision_tp``, ``llm_dp``, ...), step time, tokens/s,
     MFU, peak memory per GPU and its breakdown (``weights_gib`` ...), the binding module, and the speed-up over
-    each baseline the plan file records (``speedup_vs_uniform_tp``, ``speedup_vs_zero3``; NaN where a baseline
+    each baseline the plan file records (``speedup_vs_uniform_tp``, ``speedup_vs_zero3``, ``speedup_vs_megatron``;
+    NaN where a baseline
     does not fit) and over the best of them.
 
     Args:
@@ -346,7 +347,7 @@ def mixed_resolution_histogram(samples: int = 5000, seed: int = 0) -> DatasetHis
 
 def strategy_of(plan: Plan) -> Strategy:
     """The strategy a plan file records."""
-    modules = {m.name: ModuleStrategy(**{f: getattr(m, f) for f in MODULE_FIELDS}) for m in plan.modules}
+    modules = {m.name: ModuleStrategy.of_plan_module(m) for m in plan.modules}
     return Strategy(placement=plan.placement, modules=modules, precision=plan.training.precision)
 
 

@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Any, Iterable, Mapping, Sequence
 
 from planner.baselines import BASELINE_DESCRIPTIONS, BaselineOutcome, baselines
-from planner.candidates import Problem
+from planner.candidates import Candidates, Problem
 from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, Estimate, estimate
 from planner.cost.assumptions import FP32_STATES
@@ -285,6 +285,7 @@ def make_problem(
     profile: str | None = "auto",
     assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
     allow_ring_cp: bool = False,
+    allow_pp: bool = False,
     dataset: str | DatasetHistogram | None = None,
     tokenizer: str | None = None,
     min_pixels: int | None = None,
@@ -313,6 +314,7 @@ def make_problem(
         profile: Profile file, "auto" (the committed profile of this device/model if any) or None.
         assumptions: Cost-model knobs.
         allow_ring_cp: Also search ring context parallelism, which the runtime cannot execute yet.
+        allow_pp: Also search pipeline parallelism of the LLM, which the runtime cannot execute yet.
         dataset: A conversation / caption JSONL or JSON file, or a dataset histogram (``planner.dataset``): plan for
             its samples, packed; replaces the per-sample inputs (``global_batch`` still counts samples).
         tokenizer: Folder with the tokenizer.json that counts the dataset's text (default: the model's folder when
@@ -356,7 +358,8 @@ def make_problem(
     _check_sample(workload, spec)
     cluster, layer_costs, assumptions = _profile_source(spec, cluster, profile, assumptions)
     return Problem(model=spec, cluster=cluster, workload=workload, precision=precision, assumptions=assumptions,
-                   layer_costs=layer_costs, allow_ring_cp=allow_ring_cp, dataset=dataset_info)
+                   layer_costs=layer_costs, allow_ring_cp=allow_ring_cp, allow_pp=allow_pp,
+                   dataset=dataset_info)
 
 
 def model_folder_tokenizer(model: str | ModelSpec) -> str | None:
@@ -461,14 +464,31 @@ def _check_time_limit(time_limit_s: float | None) -> None:
                          f"got {time_limit_s:g}")
 
 
-def _solve(problem: Problem, placement: str, fix: Any, top_k: int, time_limit_s: float | None) -> tuple[list[_Ranked], dict]:
-    """Ranked strategies (best first) over the requested placements, and the fixes as given."""
-    from planner.solver.cp_sat import DEFAULT_SETTINGS, solve
+def _solve(problem: Problem, placement: str, fix: Any, top_k: int, time_limit_s: float | None
+           ) -> tuple[list[_Ranked], dict, list[_Ranked] | None]:
+    """Ranked strategies (best first) over the requested placements, the fixes as given, and, when pipeline
+    parallelism was in the space, the best plan on the other side of it (without PP if the best pipelines, with
+    PP if not: ``pipeline_alternative``)."""
+    from planner.solver.cp_sat import DEFAULT_SETTINGS
 
     pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus)
-    placements = placements_to_solve(problem, placement, pinned)
+    placements = placements_to_solve(problem, placement, pinned, fixes)
     all_cands = candidates_or_error(problem, placements, fixes)
     settings = DEFAULT_SETTINGS if time_limit_s is None else replace(DEFAULT_SETTINGS, time_limit_s=time_limit_s)
+    ranked = _ranked(problem, all_cands, top_k, settings)
+    if not ranked:
+        raise Infeasible(explain_infeasible(problem, all_cands, fixes))
+    alternative = None
+    if any(c.pipelined for cands in all_cands.values() for cs in cands.by_module.values() for c in cs):
+        other = not is_pipelined(ranked[0].strategy)
+        alternative = _ranked(problem, {p: _only_pipelined(c, other) for p, c in all_cands.items()}, 1, settings)
+    return ranked[:top_k], fixed_text(pinned, fixes), alternative
+
+
+def _ranked(problem: Problem, all_cands: Mapping[str, Candidates], top_k: int, settings: Any) -> list[_Ranked]:
+    """The ``top_k`` best solutions over the placements' candidates, best first."""
+    from planner.solver.cp_sat import solve
+
     budget = problem.usable_bytes - problem.overhead_bytes
     ranked = []
     for p, cands in all_cands.items():
@@ -476,10 +496,33 @@ def _solve(problem: Problem, placement: str, fix: Any, top_k: int, time_limit_s:
             ranked.append(_Ranked(strategy=_strategy(problem, p, sol.choice), status=sol.status,
                                   objective_s=sol.objective_ns / 1e9 + problem.assumptions.step_overhead_s,
                                   num_candidates=cands.count))
-    if not ranked:
-        raise Infeasible(explain_infeasible(problem, all_cands, fixes))
     ranked.sort(key=lambda r: (r.objective_s, PLACEMENTS.index(r.strategy.placement)))
-    return ranked[:top_k], fixed_text(pinned, fixes)
+    return ranked[:top_k]
+
+
+def _only_pipelined(cands: Candidates, pipelined: bool) -> Candidates:
+    """The candidates of plans whose LLM is (or is not) pipelined."""
+    return replace(cands, by_module={m: [c for c in cs if c.pipelined == pipelined]
+                                     for m, cs in cands.by_module.items()})
+
+
+def is_pipelined(strategy: Strategy) -> bool:
+    """Whether a strategy pipelines a module."""
+    return any(s.pp > 1 for s in strategy.modules.values())
+
+
+def pipeline_alternative(problem: Problem, alternative: list[_Ranked] | None, chosen: Strategy
+                         ) -> dict[str, BaselineOutcome]:
+    """The best plan on the other side of pipeline parallelism (``_solve``) as a reference row, ``without_pp`` or
+    ``with_pp``, so that a plan shows what pipelining gains or loses; {} when PP was not searched."""
+    if alternative is None:
+        return {}
+    name = "without_pp" if is_pipelined(chosen) else "with_pp"
+    if not alternative:
+        return {name: BaselineOutcome(name=name, estimate=None, infeasible="no plan fits")}
+    e = estimate(problem.model, problem.cluster, problem.workload, alternative[0].strategy, problem.assumptions,
+                 problem.layer_costs)
+    return {name: BaselineOutcome(name=name, estimate=e)}
 
 
 # --- Plan document ----------------------------------------------------------------------------------------------
@@ -496,12 +539,14 @@ def planner_version() -> str:
         return "unknown"
 
 
-def _module_plan(problem: Problem, strategy: Strategy, name: str, prediction: ModulePrediction) -> ModulePlan:
+def _module_plan(problem: Problem, strategy: Strategy, name: str, prediction: ModulePrediction,
+                 pp_layers: list[int] | None) -> ModulePlan:
     s = strategy.modules[name]
     spec = problem.model.module(name)
     return ModulePlan(
-        name=name, ranks=strategy.module_ranks()[name], dp=s.dp, tp=s.tp, sp=s.sp, cp=s.cp, zero=s.zero,
-        recompute=s.recompute, micro_batch=s.micro_batch, grad_accum=s.grad_accum, frozen=spec.frozen,
+        name=name, ranks=strategy.module_ranks()[name], dp=s.dp, tp=s.tp, sp=s.sp, cp=s.cp, pp=s.pp,
+        pp_schedule=s.pp_schedule, virtual_stages=s.virtual_stages, pp_layers=pp_layers,
+        zero=s.zero, recompute=s.recompute, micro_batch=s.micro_batch, grad_accum=s.grad_accum, frozen=spec.frozen,
         num_params=spec.num_params, predicted=prediction,
     )
 
@@ -578,7 +623,8 @@ def build_plan(
         ),
         training=TrainingInfo(precision=problem.precision),
         placement=strategy.placement,
-        modules=[_module_plan(problem, strategy, m, predictions[m]) for m in model.module_names],
+        modules=[_module_plan(problem, strategy, m, predictions[m], list(e.modules[m].chunk_layers) or None)
+                 for m in model.module_names],
         predicted=predicted,
         baselines={name: _baseline_result(o, predicted.step_time_s) for name, o in reference.items()},
         solver=SolverInfo(status=status, num_candidates=num_candidates, rank=rank, fixed=dict(fixed or {})),
@@ -614,10 +660,11 @@ def top_plans(
     reference = baselines(problem)
     if pinned is not None:
         return [_evaluated(problem, pinned, fix, reference)]
-    ranked, fixed = _solve(problem, placement, fix, k, time_limit_s)
+    ranked, fixed, alternative = _solve(problem, placement, fix, k, time_limit_s)
     return [
         build_plan(problem, r.strategy, status=r.status, num_candidates=r.num_candidates, rank=i + 1, fixed=fixed,
-                   reference=reference, objective_s=r.objective_s)
+                   reference={**reference, **pipeline_alternative(problem, alternative, ranked[0].strategy)},
+                   objective_s=r.objective_s)
         for i, r in enumerate(ranked)
     ]
 
@@ -725,7 +772,7 @@ def max_seq(
     if problem.model.vision_input is None:
         raise ValueError(f"--max-seq searches image sequence lengths; {problem.model.name} has no vision encoder")
     pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus)
-    placements = placements_to_solve(problem, placement, pinned)
+    placements = placements_to_solve(problem, placement, pinned, fixes)
     side = longest_side(problem, placements, fixes)
     if side is None:
         smallest = variant(problem, workload=vision_workload(problem, problem.model.vision_input.spatial_merge_size))

@@ -5,6 +5,10 @@
   micro-batch, the same settings for every module (one command line).
 * ``zero3``: pure sharded data parallelism (FSDP / ZeRO-3 on all GPUs, tp = sp = cp = 1), colocated. Best over
   recompute and micro-batch.
+* ``megatron``: what a Megatron-LM user configures for a large model: TP inside the node, the LLM pipelined (1F1B)
+  across the GPUs' blocks, DP over the rest (Narayanan et al. 2021, Sec. 3.3: "use tensor parallelism up to the
+  GPUs of a server, then pipeline parallelism across servers"); the vision tower with the same TP and data
+  parallel over all GPUs (it is small). Best over TP, PP (> 1), ZeRO 0/1, recompute and micro-batch.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Strategy
 BASELINE_DESCRIPTIONS = {
     "uniform_tp": "uniform TP: every module with the same TP degree, DP over the rest, colocated (Megatron-style)",
     "zero3": "ZeRO-3: pure sharded data parallelism on all GPUs, colocated (FSDP-style)",
+    "megatron": "Megatron-style: TP inside a node, the LLM pipelined (1F1B) across nodes, DP over the rest",
+    "without_pp": "the planner's best plan without pipeline parallelism (pp = 1)",
+    "with_pp": "the planner's best plan with the LLM pipelined (pp > 1)",
 }
 """Baseline name -> one line for tables and the plan file."""
 
@@ -66,18 +73,51 @@ def zero3_family(problem: Problem) -> Iterable[ModuleStrategy]:
             yield ModuleStrategy(dp=n, zero=3, recompute=rc, micro_batch=batch // (n * ga), grad_accum=ga)
 
 
-def best_of(problem: Problem, name: str, family: Iterable[ModuleStrategy]) -> BaselineOutcome:
-    """The fastest fitting member of ``family`` (ties: the first), or the reason none fits."""
+def megatron_family(problem: Problem) -> Iterable[Strategy]:
+    """Every (tp dividing a node, pp > 1 up to the decoder layers, zero <= 1, recompute, micro-batch): the LLM
+    PP x DP x TP with 1F1B (at least pp micro-batches), every other module DP x TP on all GPUs."""
+    n, batch = problem.num_gpus, problem.workload.global_batch
+    if "llm" not in problem.model.module_names:
+        return
+    layers = sum(layer.count for layer in problem.model.module("llm").layers if layer.kind == "decoder_layer")
+    for tp in divisors(problem.cluster.devices_per_node):
+        if n % tp:
+            continue
+        for pp in (d for d in divisors(n // tp) if 1 < d <= layers):
+            dp = n // (tp * pp)
+            if batch % (dp * pp):
+                continue
+            for ga in (g for g in divisors(batch // (dp * pp)) if g >= pp):
+                for zero in (0, 1):
+                    for rc in RECOMPUTE_CHOICES:
+                        llm = ModuleStrategy(dp=dp, tp=tp, pp=pp, zero=zero, recompute=rc,
+                                             micro_batch=batch // (dp * ga), grad_accum=ga)
+                        other = ModuleStrategy(dp=dp * pp, tp=tp, zero=zero, recompute=rc,
+                                               micro_batch=batch // (dp * pp * ga), grad_accum=ga)
+                        yield Strategy(placement="colocated", precision=problem.precision,
+                                       modules={m: llm if m == "llm" else other for m in problem.model.module_names})
+
+
+MEGATRON_EMPTY = ("no TP x PP layout gives every pipeline stage at least pp micro-batches per step with the vision "
+                  "tower data-parallel over all GPUs (raise the global batch)")
+"""Why the Megatron-style family can be empty."""
+
+
+def best_of(problem: Problem, name: str, family: Iterable[ModuleStrategy | Strategy],
+            empty_reason: str | None = None) -> BaselineOutcome:
+    """The fastest fitting member of ``family`` (a module strategy used by every module, or whole strategies;
+    ties: the first), or the reason none fits (``empty_reason`` when the family has no member)."""
     best: Estimate | None = None
     smallest: Estimate | None = None
     reason = None
-    for s in family:
-        problems = [p for m in problem.model.module_names
+    for member in family:
+        strategy = member if isinstance(member, Strategy) else _uniform(problem, member)
+        problems = [p for m, s in strategy.modules.items()
                     for p in check_strategy(problem.model, m, s, problem.cluster, problem.workload)]
         if problems:
             reason = reason or problems[0]
             continue
-        e = estimate(problem.model, problem.cluster, problem.workload, _uniform(problem, s),
+        e = estimate(problem.model, problem.cluster, problem.workload, strategy,
                      problem.assumptions, problem.layer_costs)
         if smallest is None or e.peak_memory_bytes < smallest.peak_memory_bytes:
             smallest = e
@@ -86,20 +126,21 @@ def best_of(problem: Problem, name: str, family: Iterable[ModuleStrategy]) -> Ba
     if best is not None:
         return BaselineOutcome(name=name, estimate=best)
     if smallest is not None:
-        s = next(iter(smallest.modules.values())).strategy
+        s = smallest.modules["llm"].strategy if "llm" in smallest.modules else next(iter(smallest.modules.values())).strategy
         return BaselineOutcome(name=name, estimate=None, infeasible=(
             f"does not fit: needs at least {smallest.peak_memory_bytes / GIB:.1f} GiB per GPU ({s.describe()}) "
             f"of {smallest.usable_memory_bytes / GIB:.1f} GiB usable"
         ))
     if reason is None:
-        reason = (f"the global batch of {problem.workload.global_batch} does not divide over "
-                  f"{problem.num_gpus} GPUs' data-parallel ranks")
+        reason = empty_reason or (f"the global batch of {problem.workload.global_batch} does not divide over "
+                                  f"{problem.num_gpus} GPUs' data-parallel ranks")
     return BaselineOutcome(name=name, estimate=None, infeasible=f"not applicable: {reason}")
 
 
 def baselines(problem: Problem) -> dict[str, BaselineOutcome]:
-    """Both baselines of ``problem``."""
+    """Every baseline of ``problem``."""
     return {
         "uniform_tp": best_of(problem, "uniform_tp", uniform_tp_family(problem)),
         "zero3": best_of(problem, "zero3", zero3_family(problem)),
+        "megatron": best_of(problem, "megatron", megatron_family(problem), MEGATRON_EMPTY),
     }

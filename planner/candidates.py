@@ -8,7 +8,10 @@ Strategy space of one module on ``gpus`` GPUs, for a global batch B:
 
 * ``grad_accum`` divides B; ``dp`` divides B / grad_accum and ``gpus``; ``micro_batch = B / (dp * grad_accum)``;
 * ``tp`` divides the GPUs of a node; ``sp`` divides the attention heads of a TP rank; ``cp`` fills the rest
-  (``gpus = dp * tp * sp * cp``) and is searched only with ``Problem.allow_ring_cp`` or a pinned cp; ZeRO 0-3 (only 0 when nothing is reduced); recompute none/selective/full;
+  (``gpus = pp * dp * tp * sp * cp``) and is searched only with ``Problem.allow_ring_cp`` or a pinned cp; ZeRO 0-3 (only 0 when nothing is reduced); recompute none/selective/full;
+* ``pp`` (colocated LLM, with ``Problem.allow_pp`` or a pinned pp) divides the GPUs, with 1F1B or interleaved 1F1B
+  (``PIPELINE_CHUNKS``); encoders are then costed twice, for an LLM that is pipelined (they hold every
+  micro-batch's activations across its schedule) and one that is not, and the solver keeps a plan consistent;
 * ``planner.cost.check_strategy`` decides validity (heads, node size, encoder/LLM axes, windows, tokens).
 
 Group sizes: colocated, every module spans all N GPUs. Disjoint (exactly one encoder): the encoder takes
@@ -40,7 +43,7 @@ from planner.workload import Workload
 
 NS_PER_S = 1_000_000_000
 """The solver's time unit is the nanosecond: integer coefficients, rounding error <= 0.5 ns per term."""
-FIX_FIELDS = ("dp", "tp", "sp", "cp", "zero", "recompute", "micro_batch", "grad_accum", "gpus")
+FIX_FIELDS = ("dp", "tp", "sp", "cp", "pp", "virtual_stages", "zero", "recompute", "micro_batch", "grad_accum", "gpus")
 """Fields ``--fix MODULE.FIELD=VALUE`` may pin."""
 
 DENSE_NODE_COUNTS = 16
@@ -71,6 +74,9 @@ class Problem:
     allow_ring_cp: bool = False
     """Search ring context parallelism (cp > 1). Off by default: the cost model prices it, but the runtime cannot
     execute it yet, so a default plan is always one ``python -m runtime`` runs. ``--fix MODULE.cp=N`` pins it."""
+    allow_pp: bool = False
+    """Search pipeline parallelism of the LLM (pp > 1, colocated placement). Off by default until the runtime
+    executes it; ``--fix llm.pp=N`` pins it."""
 
     @property
     def num_gpus(self) -> int:
@@ -105,6 +111,9 @@ class Candidate:
     phase_bytes: tuple[int, ...]
     """Colocated: per-GPU bytes this module holds at each phase of the step (``planner.cost.phases.step_phases`` of
     the model's modules); disjoint: one entry, its group's peak (it is alone on its GPUs)."""
+    pipelined: bool = False
+    """Part of a plan whose LLM is pipelined: the LLM with pp > 1, or an encoder costed as feeding one (every
+    module of a plan agrees; ``planner.solver`` links them)."""
 
     @property
     def memory_bytes(self) -> int:
@@ -212,31 +221,58 @@ def _choices(values: Iterable, fixed: Mapping[str, int | str], name: str) -> lis
     return [fixed[name]] if name in fixed else list(values)
 
 
-def _layouts(problem: Problem, module: str, gpus: int, fixed: Mapping[str, int | str]) -> list[tuple[int, ...]]:
-    """(dp, tp, sp, cp) grids of ``gpus`` GPUs whose dp divides the global batch, honouring ``fixed``."""
+def pipeline_degrees(problem: Problem, module: str, gpus: int, placement: Placement,
+                     fixed: Mapping[str, int | str]) -> list[int]:
+    """Pipeline degrees to try: 1, and with ``allow_pp`` (or a pinned pp) for the colocated LLM every divisor of its
+    GPUs (``check_strategy`` rules out more stages than decoder layers); only the pinned one when pinned."""
+    degrees = [1]
+    if module not in ENCODER_MODULES and placement == "colocated" and (problem.allow_pp or "pp" in fixed):
+        degrees = divisors(gpus)
+    return [d for d in degrees if fixed.get("pp", d) == d]
+
+
+PIPELINE_CHUNKS = (1, 2)
+"""Model chunks per pipeline rank searched: 1F1B, and interleaved 1F1B with 2 (``--fix llm.virtual_stages=N`` pins
+another)."""
+
+
+def _schedules(pp: int, fixed: Mapping[str, int | str]) -> list[tuple[str, int]]:
+    """(pp_schedule, virtual_stages) to try for ``pp`` stages."""
+    if pp == 1:
+        return [("1f1b", 1)] if fixed.get("virtual_stages", 1) == 1 else []
+    return [("interleaved_1f1b" if v > 1 else "1f1b", v) for v in _choices(PIPELINE_CHUNKS, fixed, "virtual_stages")]
+
+
+def _layouts(problem: Problem, module: str, gpus: int, fixed: Mapping[str, int | str],
+             placement: Placement = "colocated") -> list[tuple[int, ...]]:
+    """(pp, dp, tp, sp, cp) grids of ``gpus`` GPUs whose dp divides the global batch, honouring ``fixed``."""
     batch = problem.workload.global_batch
     layouts = []
-    for dp in _choices(divisors(batch), fixed, "dp"):
-        for tp in _choices(divisors(problem.cluster.devices_per_node), fixed, "tp"):
-            for sp in _choices(sp_degrees(problem.model, module), fixed, "sp"):
-                if batch % dp or gpus % (dp * tp * sp):
-                    continue
-                cp = gpus // (dp * tp * sp)
-                if cp > 1 and not (problem.allow_ring_cp or "cp" in fixed):
-                    continue
-                if fixed.get("cp", cp) == cp:
-                    layouts.append((dp, tp, sp, cp))
+    for pp in pipeline_degrees(problem, module, gpus, placement, fixed):
+        for dp in _choices(divisors(batch), fixed, "dp"):
+            for tp in _choices(divisors(problem.cluster.devices_per_node), fixed, "tp"):
+                for sp in _choices(sp_degrees(problem.model, module), fixed, "sp"):
+                    if batch % dp or gpus % (pp * dp * tp * sp):
+                        continue
+                    cp = gpus // (pp * dp * tp * sp)
+                    if cp > 1 and not (problem.allow_ring_cp or "cp" in fixed):
+                        continue
+                    if fixed.get("cp", cp) == cp:
+                        layouts.append((pp, dp, tp, sp, cp))
     return layouts
 
 
-Verdicts = dict[tuple[int, int, int, int], list[str]]
-"""(tp, sp, cp, micro_batch) -> check_strategy's reasons (empty: valid)."""
+Verdicts = dict[tuple[int, ...], list[str]]
+"""(tp, sp, cp, micro_batch, pp, virtual_stages, grad_accum) -> check_strategy's reasons (empty: valid)."""
 
 
 def _verdict(problem: Problem, module: str, probe: ModuleStrategy, verdicts: Verdicts) -> list[str]:
     """``check_strategy`` of ``probe``, memoised: once the GPU count and batch are right (``module_strategies``
-    guarantees both) validity depends on (tp, sp, cp, micro_batch) only."""
+    guarantees both) validity depends on (tp, sp, cp, micro_batch) only, and with PP on (pp, virtual_stages,
+    grad_accum)."""
     key = (probe.tp, probe.sp, probe.cp, probe.micro_batch)
+    if probe.pp > 1:
+        key += (probe.pp, probe.virtual_stages, probe.grad_accum)
     if key not in verdicts:
         verdicts[key] = check_strategy(problem.model, module, probe, problem.cluster, problem.workload)
     return verdicts[key]
@@ -249,6 +285,7 @@ def module_strategies(
     fixed: Mapping[str, int | str],
     verdicts: Verdicts,
     accums: set[int] | None = None,
+    placement: Placement = "colocated",
 ) -> tuple[list[list[ModuleStrategy]], str | None]:
     """Every valid strategy of ``module`` on exactly ``gpus`` GPUs that consumes the global batch and honours
     ``fixed`` (and uses one of ``accums`` when given), as series that differ only in micro-batch size (ascending;
@@ -256,30 +293,32 @@ def module_strategies(
     if none was rejected)."""
     batch = problem.workload.global_batch
     series, reason = [], None
-    for dp, tp, sp, cp in _layouts(problem, module, gpus, fixed):
+    for pp, dp, tp, sp, cp in _layouts(problem, module, gpus, fixed, placement):
         per_replica = batch // dp
-        usable_accums = []
-        for ga in sorted(_choices(divisors(per_replica), fixed, "grad_accum"), reverse=True):
-            if accums is not None and ga not in accums:
+        for schedule, chunks in _schedules(pp, fixed):
+            usable_accums = []
+            for ga in sorted(_choices(divisors(per_replica), fixed, "grad_accum"), reverse=True):
+                if accums is not None and ga not in accums:
+                    continue
+                mb = per_replica // ga if per_replica % ga == 0 else 0
+                if not mb or fixed.get("micro_batch", mb) != mb:
+                    continue
+                probe = ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, pp_schedule=schedule, virtual_stages=chunks,
+                                       micro_batch=mb, grad_accum=ga)
+                problems = _verdict(problem, module, probe, verdicts)
+                reason = reason or (problems[0] if problems else None)
+                if not problems:
+                    usable_accums.append(ga)
+            if not usable_accums:
                 continue
-            mb = per_replica // ga if per_replica % ga == 0 else 0
-            if not mb or fixed.get("micro_batch", mb) != mb:
-                continue
-            problems = _verdict(problem, module, ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, micro_batch=mb,
-                                                                grad_accum=ga), verdicts)
-            reason = reason or (problems[0] if problems else None)
-            if not problems:
-                usable_accums.append(ga)
-        if not usable_accums:
-            continue
-        zeros = (0, 1, 2, 3) if dp * sp * cp > 1 else (0,)
-        for zero in _choices(zeros, fixed, "zero"):
-            for rc in _choices(RECOMPUTE_CHOICES, fixed, "recompute"):
-                series.append([
-                    ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, zero=zero, recompute=rc,
-                                   micro_batch=per_replica // ga, grad_accum=ga)
-                    for ga in usable_accums
-                ])
+            zeros = (0, 1, 2, 3) if dp * sp * cp > 1 else (0,)
+            for zero in _choices(zeros, fixed, "zero"):
+                for rc in _choices(RECOMPUTE_CHOICES, fixed, "recompute"):
+                    series.append([
+                        ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, pp_schedule=schedule, virtual_stages=chunks,
+                                       zero=zero, recompute=rc, micro_batch=per_replica // ga, grad_accum=ga)
+                        for ga in usable_accums
+                    ])
     return series, reason
 
 
@@ -293,8 +332,10 @@ def first_rank(problem: Problem, module: str, gpus: int, placement: Placement) -
     return problem.num_gpus - gpus
 
 
-def cost_candidate(problem: Problem, module: str, strategy: ModuleStrategy, placement: Placement) -> Candidate:
-    """Cost ``strategy`` with the cost model and convert to the solver's integers."""
+def cost_candidate(problem: Problem, module: str, strategy: ModuleStrategy, placement: Placement,
+                   feeds_pipeline: bool = False) -> Candidate:
+    """Cost ``strategy`` with the cost model and convert to the solver's integers (``feeds_pipeline``: an encoder
+    in a plan whose LLM is pipelined)."""
     num_stages = 2 if placement == "disjoint" else 1
     cost = module_cost(
         problem.model,
@@ -307,10 +348,10 @@ def cost_candidate(problem: Problem, module: str, strategy: ModuleStrategy, plac
         first_rank=first_rank(problem, module, strategy.gpus, placement),
         num_stages=num_stages,
         stage_index=num_stages - 1 if module == "llm" else 0,
+        feeds_pipeline=feeds_pipeline,
         assumptions=problem.assumptions,
         layer_costs=problem.layer_costs,
     )
-    ga = strategy.grad_accum
     if placement == "colocated":
         order = data_flow_order(problem.model.module_names)
         position = order.index(module)
@@ -321,10 +362,11 @@ def cost_candidate(problem: Problem, module: str, strategy: ModuleStrategy, plac
     return Candidate(
         module=module,
         cost=cost,
-        step_ns=round((ga * cost.per_micro_batch_s + cost.step_tail_s) * NS_PER_S),
+        step_ns=round((cost.micro_batches_s + cost.step_tail_s) * NS_PER_S),
         path_ns=tuple(round(t * NS_PER_S) for t in module_path_terms(cost)),
         tail_ns=round(cost.step_tail_s * NS_PER_S),
         phase_bytes=phase_bytes,
+        pipelined=feeds_pipeline or strategy.pp > 1,
     )
 
 
@@ -335,7 +377,8 @@ _RECOMPUTE_ORDER = {name: i for i, name in enumerate(RECOMPUTE_CHOICES)}
 
 def strategy_key(s: ModuleStrategy) -> tuple:
     """A total order on strategies, for deterministic tie-breaking (fewer GPUs, less parallelism first)."""
-    return (s.gpus, s.grad_accum, s.tp, s.sp, s.cp, s.dp, s.zero, _RECOMPUTE_ORDER[s.recompute], s.micro_batch)
+    return (s.gpus, s.grad_accum, s.pp, s.virtual_stages, s.tp, s.sp, s.cp, s.dp, s.zero,
+            _RECOMPUTE_ORDER[s.recompute], s.micro_batch)
 
 
 def solver_key(c: Candidate, placement: Placement) -> tuple[int, ...]:
@@ -360,10 +403,11 @@ def pareto_front(cands: list[Candidate], placement: Placement) -> list[Candidate
 
 
 def prune(cands: list[Candidate], placement: Placement) -> list[Candidate]:
-    """Pareto-prune per (gpus, grad_accum) group; result ordered best first (by step term or per-micro time)."""
-    groups: dict[tuple[int, int], list[Candidate]] = {}
+    """Pareto-prune per (gpus, grad_accum, pipelined) group; result ordered best first (by step term or per-micro
+    time)."""
+    groups: dict[tuple[int, int, bool], list[Candidate]] = {}
     for c in cands:
-        groups.setdefault((c.gpus, c.grad_accum), []).append(c)
+        groups.setdefault((c.gpus, c.grad_accum, c.pipelined), []).append(c)
     kept = [c for group in groups.values() for c in pareto_front(group, placement)]
     return sorted(kept, key=lambda c: (*solver_key(c, placement), c.memory_bytes, strategy_key(c.strategy)))
 
@@ -376,13 +420,14 @@ def fits_alone(problem: Problem, c: Candidate) -> bool:
 # --- Building ---------------------------------------------------------------------------------------------------
 
 
-def cost_series(problem: Problem, module: str, series: list[ModuleStrategy], placement: Placement) -> list[Candidate]:
+def cost_series(problem: Problem, module: str, series: list[ModuleStrategy], placement: Placement,
+                feeds_pipeline: bool = False) -> list[Candidate]:
     """Cost a series of strategies differing only in micro-batch size, smallest first, stopping at the first whose
     weights + optimizer states + ONE micro-batch of activations do not fit: every larger micro-batch needs more
     (gradients are left out: with a single micro-batch per step they are not alive in the forward)."""
     costed = []
     for s in series:
-        c = cost_candidate(problem, module, s, placement)
+        c = cost_candidate(problem, module, s, placement, feeds_pipeline)
         costed.append(c)
         least = c.cost.weights_bytes + c.cost.optimizer_bytes + c.cost.activations_per_micro_batch_bytes
         if least + problem.overhead_bytes > problem.usable_bytes:
@@ -396,11 +441,13 @@ def module_candidates(
     placement: Placement,
     fixed: Mapping[str, int | str],
     partners: Mapping[int, set[int]] | None = None,
+    feeds: tuple[bool, ...] = (False,),
 ) -> tuple[list[Candidate], Candidate | None, str | None, int]:
     """(fitting pruned candidates, least-memory valid candidate, a rejection reason if none is valid, number costed).
 
     ``partners`` (disjoint LLM): GPU count -> the grad_accum values the other group can match on the rest of the
-    GPUs; other sizes and values cannot be part of a plan and are not costed.
+    GPUs; other sizes and values cannot be part of a plan and are not costed. ``feeds`` (colocated encoder): cost
+    it for an LLM that is not pipelined, is, or both (``pipelined_options``).
     """
     sizes = group_sizes(problem, module, placement)
     if "gpus" in fixed:
@@ -410,15 +457,16 @@ def module_candidates(
     for g in sizes:
         if partners is not None and g not in partners:
             continue
-        more, why = module_strategies(problem, module, g, fixed, verdicts, None if partners is None else partners[g])
+        more, why = module_strategies(problem, module, g, fixed, verdicts, None if partners is None else partners[g],
+                                      placement)
         series += more
         reason = reason or why
     if partners is not None and not series:
-        everywhere = [module_strategies(problem, module, g, fixed, verdicts) for g in sizes]
+        everywhere = [module_strategies(problem, module, g, fixed, verdicts, None, placement) for g in sizes]
         if any(found for found, _ in everywhere):
             return [], None, None, 0  # valid, but on no size the other group complements: infeasible, not invalid
         reason = next((why for _, why in everywhere if why), reason)
-    costed = [c for s in series for c in cost_series(problem, module, s, placement)]
+    costed = [c for feed in feeds for s in series for c in cost_series(problem, module, s, placement, feed)]
     smallest = min(costed, key=lambda c: (c.memory_bytes, strategy_key(c.strategy)), default=None)
     fitting = [c for c in costed if fits_alone(problem, c)]
     if not series and reason is None:
@@ -434,6 +482,15 @@ def _sizes_text(sizes: list[int]) -> str:
     if len(sizes) <= 3:
         return " or ".join(map(str, sizes))
     return f"{sizes[0]}..{sizes[-1]}"
+
+
+def pipelined_options(problem: Problem, fixes: Fixes) -> tuple[bool, ...]:
+    """Whether a colocated plan's LLM can be pipelined: (False,) without PP in the space, (True,) with llm.pp pinned
+    above 1, else both (encoders are then costed for either)."""
+    pinned = fixes.get("llm", {}).get("pp")
+    if "llm" not in problem.model.module_names or pinned == 1 or not (problem.allow_pp or pinned):
+        return (False,)
+    return (True,) if pinned else (False, True)
 
 
 def build_candidates(problem: Problem, placement: Placement, fixes: Fixes | None = None) -> Candidates:
@@ -454,8 +511,11 @@ def build_candidates(problem: Problem, placement: Placement, fixes: Fixes | None
             partners = {}
             for c in result.by_module[encoder_names(problem.model)[0]]:
                 partners.setdefault(problem.num_gpus - c.gpus, set()).add(c.grad_accum)
+        feeds = (False,)
+        if module in ENCODER_MODULES and placement == "colocated":
+            feeds = pipelined_options(problem, fixes)
         kept, smallest, invalid, costed = module_candidates(problem, module, placement, fixes.get(module, {}),
-                                                            partners)
+                                                            partners, feeds)
         result.by_module[module] = kept
         result.num_costed += costed
         if smallest is not None:
@@ -477,13 +537,14 @@ def memory_front(cands: Iterable[Candidate]) -> list[Candidate]:
 
 def least_colocated_need(cands: Candidates) -> tuple[int, int] | None:
     """(grad_accum, bytes) of the colocated choice whose heaviest phase needs the least memory, overhead excluded
-    (exact: over every combination of the modules' memory fronts at each grad_accum they share); None when the
-    modules have no grad_accum in common."""
+    (exact: over every combination of the modules' memory fronts at each grad_accum and pipelining they share);
+    None when the modules have no such pair in common."""
     modules = list(cands.by_module)
-    accums = set.intersection(*({c.grad_accum for c in cands.by_module[m]} for m in modules))
+    worlds = set.intersection(*({(c.grad_accum, c.pipelined) for c in cands.by_module[m]} for m in modules))
     best = None
-    for ga in sorted(accums):
-        fronts = [memory_front(c for c in cands.by_module[m] if c.grad_accum == ga) for m in modules]
+    for ga, pipelined in sorted(worlds):
+        fronts = [memory_front(c for c in cands.by_module[m] if (c.grad_accum, c.pipelined) == (ga, pipelined))
+                  for m in modules]
         for combination in itertools.product(*fronts):
             need = max(map(sum, zip(*(c.phase_bytes for c in combination))))
             if best is None or need < best[1]:

@@ -107,11 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="colocated: every module on all GPUs; disjoint: one GPU group per module; "
                              "auto (default): the faster")
     search.add_argument("--fix", action="append", default=[], metavar="MODULE.FIELD=VALUE",
-                        help="pin a degree (fields: dp tp sp cp zero recompute micro_batch grad_accum gpus; "
-                             "or placement=...); pinning every field evaluates that exact strategy")
+                        help="pin a degree (fields: dp tp sp cp pp virtual_stages zero recompute micro_batch "
+                             "grad_accum gpus; or placement=...); pinning every field evaluates that exact strategy")
     search.add_argument("--allow-cp", action="store_true",
                         help="also search ring context parallelism (cp > 1): costed, but `python -m runtime` "
                              "cannot run it yet")
+    search.add_argument("--allow-pp", action="store_true",
+                        help="also search pipeline parallelism of the LLM (pp > 1, 1F1B or interleaved, colocated): "
+                             "costed, but `python -m runtime` cannot run it yet")
     search.add_argument("--top-k", type=int, metavar="K",
                         help=f"show the K best distinct plans (default 1, at most {api.MAX_TOP_K})")
     search.add_argument("--max-seq", action="store_true",
@@ -155,7 +158,7 @@ def _inputs(args: argparse.Namespace) -> dict:
         vision_tokens=args.vision_tokens, text_tokens=args.text_tokens, images_per_sample=args.images_per_sample,
         audio_seconds=args.audio_seconds, global_batch=args.global_batch, precision=args.precision,
         frozen=args.frozen, profile=None if (args.profile or "").lower() == "none" else (args.profile or "auto"),
-        allow_ring_cp=args.allow_cp, dataset=args.dataset, tokenizer=args.tokenizer, min_pixels=args.min_pixels,
+        allow_ring_cp=args.allow_cp, allow_pp=args.allow_pp, dataset=args.dataset, tokenizer=args.tokenizer, min_pixels=args.min_pixels,
         max_pixels=args.max_pixels, pack_tokens=args.pack_tokens,
     )
 
@@ -286,16 +289,32 @@ def _module_block(m) -> list[str]:
     t = m.predicted.time_s
     frozen = " (frozen)" if m.frozen else ""
     mem = m.predicted.memory_gib
-    return [
+    pipeline = f"PP {m.pp} x " if m.pp > 1 else ""
+    lines = [
         f"{m.name}{frozen}: {len(m.ranks)} GPUs (ranks {_ranks(m.ranks)}), {_count(m.num_params)} params",
-        f"    DP {m.dp} x TP {m.tp} x SP {m.sp} x CP {m.cp}   ZeRO-{m.zero}   recompute {m.recompute}   "
+        f"    {pipeline}DP {m.dp} x TP {m.tp} x SP {m.sp} x CP {m.cp}   ZeRO-{m.zero}   recompute {m.recompute}   "
         f"micro-batch {m.micro_batch}   grad accum {m.grad_accum}",
         f"    per step: forward {t.forward:.3f} s, backward {t.backward:.3f} s, recompute {t.recompute:.3f} s, "
         f"TP {t.tp_comm:.3f} s, SP {t.sp_comm:.3f} s, CP {t.cp_comm:.3f} s, DP exposed {t.dp_comm:.3f} s, "
-        f"optimizer {t.optimizer:.3f} s, hand-off {t.handoff:.3f} s",
+        f"optimizer {t.optimizer:.3f} s, hand-off {t.handoff:.3f} s"
+        + (f", PP sends {t.pp_comm:.3f} s, PP bubble {t.pp_bubble:.3f} s" if m.pp > 1 else ""),
         f"    memory per GPU {mem.total:.1f} GiB (weights {mem.weights:.1f}, grads {mem.gradients:.1f}, "
         f"optimizer {mem.optimizer:.1f}, activations {mem.activations:.1f}, buffers {mem.buffers:.1f})",
     ]
+    if m.pp > 1:
+        lines.append(f"    pipeline: {_pipeline_line(m)}")
+    return lines
+
+
+def _pipeline_line(m) -> str:
+    """``1f1b over 4 stages, decoder layers 15/17/17/15 (+embedding first, +norm, lm_head, loss last); per
+    micro-batch 0.412/0.398/... s; stage peaks 61.2/55.0/... GiB``."""
+    chunks = "/".join(map(str, m.pp_layers))
+    schedule = m.pp_schedule + (f" x{m.virtual_stages} chunks per stage" if m.virtual_stages > 1 else "")
+    times = "/".join(f"{t:.3f}" for t in m.predicted.stage_per_micro_batch_s or [])
+    peaks = "/".join(f"{g:.1f}" for g in m.predicted.stage_peak_memory_gib or [])
+    return (f"{schedule} over {m.pp} stages, decoder layers {chunks} (+embedding first; +norm, lm_head, loss last); "
+            f"per micro-batch {times} s; own peak {peaks} GiB per stage")
 
 
 def _breakdown(b) -> str:
@@ -312,7 +331,8 @@ def _baseline_table(plan) -> list[str]:
     rows = [f"{'':12} {'step time':>10} {'tokens/s':>10} {'MFU':>6} {'peak mem':>9}  plan speed-up",
             f"{'this plan':12} {plan.predicted.step_time_s:9.3f}s {plan.predicted.tokens_per_s:10,.0f} "
             f"{plan.predicted.mfu:6.1%} {plan.predicted.peak_memory_gib:6.1f}GiB  1.00x"]
-    for name, label in (("uniform_tp", "uniform TP"), ("zero3", "ZeRO-3")):
+    for name, label in (("without_pp", "without PP"), ("with_pp", "with PP"), ("uniform_tp", "uniform TP"),
+                        ("zero3", "ZeRO-3"), ("megatron", "Megatron")):
         b = plan.baselines.get(name)
         if b is None:
             continue

@@ -12,9 +12,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)
-"""Version 2 added ``workload.dataset``; a version-1 plan reads as one without it."""
+SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+"""Version 2 added ``workload.dataset``, version 3 pipeline parallelism (``pp``, ``pp_schedule``,
+``virtual_stages``, ``pp_layers``); an older plan reads as one without them."""
 Source = Literal["analytical", "measured", "calibrated"]
 
 
@@ -62,7 +63,10 @@ class ModuleTime(_PassTime):
     dp_comm: float = Field(description="exposed (not overlapped) data-parallel / ZeRO communication")
     optimizer: float = Field(description="the optimizer step over this GPU's optimizer shard")
     handoff: float = Field(description="sending this module's output to the next module and its gradient back")
-    per_micro_batch: float = Field(description="forward+backward+recompute+tp/sp/cp comm+handoff of one micro-batch")
+    pp_comm: float = Field(default=0.0, description="exposed point-to-point sends between pipeline stages")
+    pp_bubble: float = Field(default=0.0, description="pipeline fill and drain (idle) on the slowest stage")
+    per_micro_batch: float = Field(description="forward+backward+recompute+tp/sp/cp comm+handoff+pp sends of one "
+                                   "micro-batch (pipelined: on the slowest stage)")
 
 
 class ModulePrediction(_Frozen):
@@ -72,17 +76,27 @@ class ModulePrediction(_Frozen):
     memory_gib: MemoryBreakdown
     flops_per_step: float = Field(description="model FLOPs of this module per step, all GPUs")
     sources: dict[str, Source] = Field(description="which source each number came from, by layer or quantity")
+    stage_per_micro_batch_s: list[float] | None = Field(default=None, description="pp > 1: each pipeline stage's "
+                                                        "time for one micro-batch (its compute and transfers)")
+    stage_peak_memory_gib: list[float] | None = Field(default=None, description="pp > 1: each pipeline stage's own "
+                                                      "peak (this module's share alone)")
 
 
 class ModulePlan(_Frozen):
     """One module's layout."""
 
     name: str
-    ranks: list[int] = Field(description="global ranks; rank r of the module is ranks[r], grid dp x cp x sp x tp")
+    ranks: list[int] = Field(description="global ranks; rank r of the module is ranks[r], grid pp x dp x cp x sp x tp")
     dp: int = Field(ge=1)
     tp: int = Field(ge=1)
     sp: int = Field(ge=1)
     cp: int = Field(ge=1)
+    pp: int = Field(default=1, ge=1, description="pipeline stages")
+    pp_schedule: Literal["1f1b", "interleaved_1f1b"] = "1f1b"
+    virtual_stages: int = Field(default=1, ge=1, description="model chunks per pipeline rank (interleaved 1F1B)")
+    pp_layers: list[int] | None = Field(default=None, description="pp > 1: decoder layers of each model chunk in "
+                                        "pipeline order (chunk c runs on stage c % pp); the first chunk also holds "
+                                        "the embedding, the last the final norm, lm_head and loss")
     zero: int = Field(ge=0, le=3)
     recompute: Literal["none", "selective", "full"]
     micro_batch: int = Field(ge=1)
@@ -93,10 +107,18 @@ class ModulePlan(_Frozen):
 
     @model_validator(mode="after")
     def _ranks_match_degrees(self) -> "ModulePlan":
-        if len(self.ranks) != self.dp * self.tp * self.sp * self.cp:
-            raise ValueError(
-                f"module {self.name}: {len(self.ranks)} ranks but dp*tp*sp*cp = {self.dp * self.tp * self.sp * self.cp}"
-            )
+        degrees = self.pp * self.dp * self.tp * self.sp * self.cp
+        if len(self.ranks) != degrees:
+            raise ValueError(f"module {self.name}: {len(self.ranks)} ranks but pp*dp*tp*sp*cp = {degrees}")
+        if (self.pp_schedule == "interleaved_1f1b") != (self.virtual_stages > 1):
+            raise ValueError(f"module {self.name}: virtual_stages={self.virtual_stages} with pp_schedule "
+                             f"{self.pp_schedule}")
+        chunks = self.pp * self.virtual_stages
+        if self.pp > 1 and (self.pp_layers is None or len(self.pp_layers) != chunks or min(self.pp_layers) < 1):
+            raise ValueError(f"module {self.name}: pp={self.pp} x virtual_stages={self.virtual_stages} needs pp_layers "
+                             f"of {chunks} positive counts, got {self.pp_layers}")
+        if self.pp == 1 and (self.pp_layers is not None or self.virtual_stages > 1):
+            raise ValueError(f"module {self.name}: pp_layers / virtual_stages are for pp > 1")
         return self
 
 

@@ -1,22 +1,28 @@
 """Per-module parallel strategies: the degrees the planner chooses and their validity rules.
 
 A module (vision encoder, audio encoder, LLM decoder) runs on ``gpus`` devices arranged as a
-``dp x cp x sp x tp`` grid (tp innermost, so a TP group is a run of consecutive ranks inside a node).
+``pp x dp x cp x sp x tp`` grid (tp innermost, so a TP group is a run of consecutive ranks inside a node; pp
+outermost, so each pipeline stage is a block of consecutive ranks and, once a stage spans a node, stages meet
+across nodes: TP inside a node, PP across nodes, as Megatron-LM lays them out).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Any, Literal, Mapping
 
 Recompute = Literal["none", "selective", "full"]
 Placement = Literal["colocated", "disjoint"]
 Precision = Literal["bf16_mixed", "bf16_pure"]
+PipelineSchedule = Literal["1f1b", "interleaved_1f1b"]
 
 RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("none", "selective", "full")
 PLACEMENTS: tuple[Placement, ...] = ("colocated", "disjoint")
 PRECISIONS: tuple[Precision, ...] = ("bf16_mixed", "bf16_pure")
-DEGREE_FIELDS = ("dp", "tp", "sp", "cp", "zero", "recompute", "micro_batch", "grad_accum")
+PIPELINE_SCHEDULES: tuple[PipelineSchedule, ...] = ("1f1b", "interleaved_1f1b")
+DEGREE_FIELDS = ("dp", "tp", "sp", "cp", "pp", "zero", "recompute", "micro_batch", "grad_accum")
+STRATEGY_FIELDS = (*DEGREE_FIELDS, "pp_schedule", "virtual_stages")
+"""Every field of a ``ModuleStrategy`` (a plan file's module has each of them)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -39,19 +45,42 @@ class ModuleStrategy:
     """Samples per micro-batch on one DP replica."""
     grad_accum: int = 1
     """Micro-batches per optimizer step (the same for every module of a plan)."""
+    pp: int = 1
+    """Pipeline stages (ranks along the pipeline; each holds a contiguous run of the module's layers)."""
+    pp_schedule: PipelineSchedule = "1f1b"
+    """Pipeline schedule when pp > 1: 1F1B, or interleaved 1F1B with ``virtual_stages`` model chunks per rank."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (1 for 1F1B; >= 2 for the interleaved schedule)."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "sp", "cp", "micro_batch", "grad_accum"):
+        for name in ("dp", "tp", "sp", "cp", "pp", "virtual_stages", "micro_batch", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.pp_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pp_schedule must be one of {PIPELINE_SCHEDULES}, got {self.pp_schedule!r}")
+        if (self.pp_schedule == "interleaved_1f1b") != (self.virtual_stages > 1):
+            raise ValueError(f"virtual_stages={self.virtual_stages} goes with pp_schedule "
+                             f"{'interleaved_1f1b' if self.virtual_stages > 1 else '1f1b'}, got {self.pp_schedule!r}")
+        if self.pp == 1 and self.virtual_stages > 1:
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs pp > 1")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.recompute not in RECOMPUTE_CHOICES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, got {self.recompute!r}")
 
+    @classmethod
+    def of_plan_module(cls, module: Any) -> "ModuleStrategy":
+        """The strategy a plan file's module records (``planner.schema.ModulePlan``)."""
+        return cls(**{name: getattr(module, name) for name in STRATEGY_FIELDS})
+
     @property
     def gpus(self) -> int:
-        """Devices the module occupies: dp * cp * sp * tp."""
+        """Devices the module occupies: pp * dp * cp * sp * tp."""
+        return self.pp * self.dp * self.cp * self.sp * self.tp
+
+    @property
+    def stage_gpus(self) -> int:
+        """Devices of one pipeline stage: dp * cp * sp * tp (all of them without PP)."""
         return self.dp * self.cp * self.sp * self.tp
 
     @property
@@ -60,9 +89,14 @@ class ModuleStrategy:
         return self.dp * self.micro_batch * self.grad_accum
 
     def describe(self) -> str:
-        """Short human-readable form, e.g. ``DP2-TP4-SP1-CP1 ZeRO1 rc=none mb=1 ga=8``."""
+        """Short human-readable form, e.g. ``DP2-TP4-SP1-CP1 ZeRO1 rc=none mb=1 ga=8`` (with PP:
+        ``PP4(1f1b)-DP2-TP4-...``, ``PP4(interleaved_1f1b x2)-...``)."""
+        pipeline = ""
+        if self.pp > 1:
+            chunks = f" x{self.virtual_stages}" if self.virtual_stages > 1 else ""
+            pipeline = f"PP{self.pp}({self.pp_schedule}{chunks})-"
         return (
-            f"DP{self.dp}-TP{self.tp}-SP{self.sp}-CP{self.cp} ZeRO{self.zero} "
+            f"{pipeline}DP{self.dp}-TP{self.tp}-SP{self.sp}-CP{self.cp} ZeRO{self.zero} "
             f"rc={self.recompute} mb={self.micro_batch} ga={self.grad_accum}"
         )
 

@@ -64,6 +64,12 @@ def context_parallel_refusal(module: str, cp: int) -> str:
     )
 
 
+def pipeline_parallel_refusal(module: str, pp: int) -> str:
+    """Why the runtime refuses a pipelined module (until it runs torch.distributed.pipelining schedules)."""
+    return (f"{module}: pipeline parallelism (pp={pp}) is planned but not run yet: plan without --allow-pp (or "
+            f"--fix {module}.pp=1) to get a plan this runtime executes")
+
+
 def check_plan(plan: Plan) -> None:
     """The plan's structure: its modules, their ranks and how the two modules' batches line up.
 
@@ -77,6 +83,8 @@ def check_plan(plan: Plan) -> None:
     for module in (vision, llm):
         if module.cp > 1:
             raise NotImplementedError(context_parallel_refusal(module.name, module.cp))
+        if module.pp > 1:
+            raise NotImplementedError(pipeline_parallel_refusal(module.name, module.pp))
     if vision.frozen and llm.frozen:
         raise ValueError("every module of the plan is frozen: nothing to train")
     if vision.grad_accum != llm.grad_accum or vision.dp * vision.micro_batch != llm.dp * llm.micro_batch:

@@ -120,9 +120,9 @@ def test_sweep_gpu_types_change_the_device():
 def test_sweep_baseline_rows_are_consistent_with_the_plans_speedups():
     table = sweep("qwen-vl-7b", gpus=[8], image_sizes=[896], baselines=True)
     rows = table.set_index("strategy")
-    assert list(rows.index) == ["auto", "uniform_tp", "zero3"]
+    assert list(rows.index) == ["auto", "uniform_tp", "zero3", "megatron"]
     auto = rows.loc["auto"]
-    for name in ("uniform_tp", "zero3"):
+    for name in ("uniform_tp", "zero3", "megatron"):
         baseline = rows.loc[name]
         assert baseline.feasible and baseline.placement == "colocated"
         assert baseline[f"speedup_vs_{name}"] == pytest.approx(1.0)

@@ -181,6 +181,10 @@ class CostAssumptions:
     """Fraction of Ulysses all-to-all time hidden behind compute."""
     cp_comm_overlap: float = 0.90
     """Fraction of the attention compute that can hide ring-attention KV passing (Liu et al. 2023, Sec. 3)."""
+    pp_p2p_overlap: float = 0.0
+    """Fraction of a pipeline stage's point-to-point activation / gradient sends hidden behind its compute. 0:
+    torch.distributed.pipelining's 1F1B waits for each receive before the compute that needs it (Megatron-LM's
+    ``--overlap-p2p-communication`` of the interleaved schedule would hide most of it)."""
 
     def __post_init__(self) -> None:
         if self.attention_implementation not in ATTENTION_IMPLEMENTATIONS:
@@ -208,7 +212,7 @@ class CostAssumptions:
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1) seconds, got {getattr(self, name)}")
         for name in ("dp_comm_overlap", "zero0_grad_sync_overlap", "tp_comm_overlap", "sp_comm_overlap",
-                     "cp_comm_overlap"):
+                     "cp_comm_overlap", "pp_p2p_overlap"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 

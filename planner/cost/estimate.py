@@ -3,9 +3,11 @@
 The combination rules are linear in per-module quantities (sums, and one max per quantity), so a CP-SAT model
 with one boolean per (module, candidate) reproduces ``combine`` exactly:
 
-* colocated: ``step = sum_m (grad_accum * per_micro_batch_m + tail_m)`` where ``tail = dp_comm + optimizer``
-  (``ModuleCost.step_tail_s``); ``memory = max_phase sum_m alive_m(phase) + overhead``, what each module holds
-  at each moment of the step (``planner.cost.phases``).
+* colocated: ``step = sum_m (grad_accum * per_micro_batch_m + bubble_m + tail_m)`` where ``tail = dp_comm +
+  optimizer`` (``ModuleCost.step_tail_s``) and ``bubble`` is a pipelined module's fill and drain (0 without PP);
+  ``memory = max_phase sum_m alive_m(phase) + overhead``, what each module holds at each moment of the step
+  (``planner.cost.phases``). Encoders feeding a pipelined LLM run every micro-batch's forward before its schedule
+  and every backward after it, so they hold ``grad_accum`` micro-batches' activations.
 * disjoint (encoders -> LLM, 1F1B over grad_accum micro-batches as the runtime schedules them):
   ``step = max_k (encoder_term_k + llm_term_k) + max_m tail_m``, the longest of the schedule's critical paths
   (``planner.cost.pipeline``), each a sum of per-module terms; each group's memory is its own module's plus the
@@ -44,9 +46,8 @@ def combine(
     assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
 ) -> Estimate:
     """Combine per-module costs into a plan estimate with the linear rules of this module's docstring."""
-    grad_accum = next(iter(costs.values())).strategy.grad_accum
     if placement == "colocated":
-        step = sum(grad_accum * c.per_micro_batch_s + c.step_tail_s for c in costs.values())
+        step = sum(c.micro_batches_s + c.step_tail_s for c in costs.values())
         phase, memory = colocated_peak(costs, assumptions)
         groups, phases = {"all": memory}, {"all": phase}
         num_gpus = max(c.strategy.gpus for c in costs.values())
@@ -142,7 +143,7 @@ def _binding_constraint(
         name = max(costs, key=lambda m: costs[m].per_micro_batch_s)
         lead = f"pipeline: {name} stage is the slowest ({costs[name].per_micro_batch_s * 1e3:.1f} ms per micro-batch)"
     else:
-        name = max(costs, key=lambda m: costs[m].strategy.grad_accum * costs[m].per_micro_batch_s + costs[m].step_tail_s)
+        name = max(costs, key=lambda m: costs[m].micro_batches_s + costs[m].step_tail_s)
         lead = f"time: {name} takes the most of the step"
     parts = costs[name].time_parts()
     part = max(parts, key=parts.get)
@@ -175,6 +176,11 @@ def estimate(
         for name, s in strategy.modules.items()
         for reason in check_strategy(model, name, s, cluster, workload)
     ]
+    pipelined = strategy.modules["llm"].pp > 1 if "llm" in strategy.modules else False
+    if pipelined and strategy.placement == "disjoint":
+        problems.append("llm: pipeline parallelism (pp > 1) is planned in colocated placement only")
+    problems += [f"{name}: pp={s.pp}; pipeline parallelism is planned for the LLM only"
+                 for name, s in strategy.modules.items() if name != "llm" and s.pp > 1]
     if problems:
         raise ValueError("; ".join(problems))
     firsts = strategy.first_ranks()
@@ -191,6 +197,7 @@ def estimate(
             first_rank=firsts[name],
             num_stages=num_stages,
             stage_index=num_stages - 1 if name == "llm" else 0,
+            feeds_pipeline=pipelined and name != "llm",
             assumptions=assumptions,
             layer_costs=layer_costs,
         )

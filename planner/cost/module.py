@@ -18,6 +18,8 @@ from planner.cost.comm import Link, all_gather_time, axis_within_node, link, p2p
 from planner.cost.layer_costs import ANALYTICAL, MEASURED, LayerCostSource, LayerMeasurement
 from planner.cost.layers import Shard, layer_terms
 from planner.cost.op_counts import LAYER_OPS
+from planner.cost.phases import own_phases
+from planner.cost.pipeline import balanced_chunk_layers, in_flight_chunks, pipeline_bubble_time
 from planner.cost.memory import (
     FSDP_BLOCK_KINDS,
     bucket_bytes,
@@ -78,6 +80,8 @@ class _Static:
     """Sources when every number is analytical."""
     sums: dict = field(default_factory=dict)
     params: dict = field(default_factory=dict)
+    parts: dict = field(default_factory=dict)
+    """Memo of pipeline ranks' part costs and of balanced chunk splits (analytical model only)."""
     flops_per_sample: float | None = None
 
 
@@ -178,13 +182,16 @@ class _Sums(PassTimes):
 
 
 def _layer_sums(
-    static: _Static, s: ModuleStrategy, links: tuple[Link, Link, Link], layer_costs: LayerCostSource | None
+    static: _Static, s: ModuleStrategy, links: tuple[Link, Link, Link], layer_costs: LayerCostSource | None,
+    layers: tuple[LayerSpec, ...], sharding: tuple | None = None,
 ) -> _Sums:
     """Sum the layers' terms for one micro-batch; measured numbers replace analytical ones where available.
     A measurement that includes the layer's TP/SP collectives replaces their analytical time too (source
     ``<layer>.tp_sp_collectives: measured``).
 
-    Buffers: see ``_Sums.forward_buffer_bytes`` and ``backward_buffer_bytes``.
+    Buffers: see ``_Sums.forward_buffer_bytes`` and ``backward_buffer_bytes``. ``sharding`` (analytical model):
+    the key under which one instance's terms of each layer are memoised (pipeline stages sum different counts of
+    the same layers).
     """
     shard = _shard(static, s, links)
     times = PassTimes()
@@ -194,9 +201,9 @@ def _layer_sums(
     loss_buffers = (0.0, 0.0, 0.0)
     formula_params = formula_tensors = 0.0
     sources = dict(static.analytical_sources)
-    optimizer_measured = bool(static.spec.layers)
-    for layer in static.spec.layers:
-        t = layer_terms(layer, shard)
+    optimizer_measured = bool(layers)
+    for layer in layers:
+        t = _instance_terms(static, layer, shard, sharding)
         layer_times, act = t.pass_times(), t.saved_bytes
         measured = None if layer_costs is None else _measure(layer_costs, static, layer, s)
         if measured is not None:
@@ -252,17 +259,35 @@ def _measure(
 
 
 def _sums(
-    static: _Static, s: ModuleStrategy, within: tuple[bool, bool, bool], layer_costs: LayerCostSource | None
+    static: _Static, s: ModuleStrategy, within: tuple[bool, bool, bool], layer_costs: LayerCostSource | None,
+    layers: tuple[LayerSpec, ...],
 ) -> _Sums:
-    """Layer sums, memoised for the analytical model by the sharding that determines them."""
+    """Sums over ``layers`` (the module's, or one pipeline stage's), memoised for the analytical model by the
+    sharding and the layer counts that determine them."""
     links = tuple(static.links[not w] for w in within)
     if layer_costs is not None:
-        return _layer_sums(static, s, links, layer_costs)
-    key = (s.tp, s.sp, s.cp, s.micro_batch, s.recompute, within)
+        return _layer_sums(static, s, links, layer_costs, layers)
+    key = (s.tp, s.sp, s.cp, s.micro_batch, s.recompute, within, _counts(layers))
     sums = static.sums.get(key)
     if sums is None:
-        sums = static.sums[key] = _layer_sums(static, s, links, None)
+        sums = static.sums[key] = _layer_sums(static, s, links, None, layers, key[:-1])
     return sums
+
+
+def _instance_terms(static: _Static, layer: LayerSpec, shard: Shard, sharding: tuple | None):
+    """``layer_terms`` of one instance of ``layer``, memoised under ``sharding`` when given."""
+    if sharding is None:
+        return layer_terms(layer, shard)
+    key = (sharding, layer.name)
+    terms = static.sums.get(key)
+    if terms is None:
+        terms = static.sums[key] = layer_terms(layer, shard)
+    return terms
+
+
+def _counts(layers: tuple[LayerSpec, ...]) -> tuple[tuple[str, int], ...]:
+    """What identifies a run of a module's layers: (name, count) of each."""
+    return tuple((layer.name, layer.count) for layer in layers)
 
 
 def zero1_gradient_bytes(
@@ -277,17 +302,18 @@ def zero1_gradient_bytes(
     return params * recipe.gradients / shards
 
 
-def _params_per_rank(static: _Static, tp: int) -> tuple[float, float, float, float]:
-    """On one TP rank: (module parameters, largest single layer instance, the FSDP root unit's parameters (every
-    layer but the blocks, ``FSDP_BLOCK_KINDS``), largest block instance)."""
-    cached = static.params.get(tp)
+def _params_per_rank(static: _Static, tp: int, layers: tuple[LayerSpec, ...]) -> tuple[float, float, float, float]:
+    """On one TP rank, of ``layers`` (the module's, or one pipeline stage's): (parameters, largest single layer
+    instance, the FSDP root unit's parameters (every layer but the blocks, ``FSDP_BLOCK_KINDS``), largest block
+    instance)."""
+    key = (tp, _counts(layers))
+    cached = static.params.get(key)
     if cached is None:
-        layers = static.spec.layers
         per_layer = [layer_params_per_rank(layer, tp) for layer in layers]
         total = sum(p * layer.count for p, layer in zip(per_layer, layers))
         root = sum(p * layer.count for p, layer in zip(per_layer, layers) if layer.kind not in FSDP_BLOCK_KINDS)
         block = max((p for p, layer in zip(per_layer, layers) if layer.kind in FSDP_BLOCK_KINDS), default=0.0)
-        cached = static.params[tp] = (total, max(per_layer), root, block)
+        cached = static.params[key] = (total, max(per_layer), root, block)
     return cached
 
 
@@ -358,6 +384,7 @@ def module_cost(
     first_rank: int,
     num_stages: int = 1,
     stage_index: int = 0,
+    feeds_pipeline: bool = False,
     assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
     layer_costs: LayerCostSource | None = None,
 ) -> ModuleCost:
@@ -372,25 +399,34 @@ def module_cost(
         placement: colocated (hand-off is a re-layout) or disjoint (hand-off is point-to-point).
         precision: bf16_mixed or bf16_pure.
         first_rank: Global rank of the module's rank 0 (``Strategy.first_ranks()``); decides the links.
-        num_stages: Pipeline stages of the chain (disjoint: 2, colocated: 1).
-        stage_index: This module's stage (encoders 0, LLM num_stages - 1).
+        num_stages: Stages of the disjoint chain (disjoint: 2, colocated: 1).
+        stage_index: This module's stage in that chain (encoders 0, LLM num_stages - 1).
+        feeds_pipeline: (colocated encoder) the LLM is pipelined (pp > 1): its schedule takes every micro-batch
+            at once, so the encoder runs all forwards before it and all backwards after it, holding every
+            micro-batch's activations in between.
         assumptions: Cost-model knobs.
         layer_costs: Optional measured per-layer source; analytical where it returns None.
 
-    Composes per-layer terms, model states, DP/ZeRO communication, the optimizer step and the hand-off.
+    Composes per-layer terms, model states, DP/ZeRO communication, the optimizer step and the hand-off; with
+    pp > 1, one such cost per pipeline rank (``_pipelined_cost``).
     Cost: ~20 us per call when the (tp, sp, cp, micro_batch, recompute) sharding was costed before for the same
     model/workload/cluster/assumptions OBJECTS (memoised by identity: reuse them across calls), ~70 us when not.
     """
-    cost = _module_cost(model, module, cluster, workload, strategy, placement=placement, precision=precision,
-                        first_rank=first_rank, num_stages=num_stages, stage_index=stage_index,
-                        assumptions=assumptions, layer_costs=layer_costs)
+    options = dict(placement=placement, precision=precision, first_rank=first_rank, num_stages=num_stages,
+                   stage_index=stage_index, feeds_pipeline=feeds_pipeline, assumptions=assumptions,
+                   layer_costs=layer_costs)
+    cost = _module_cost(model, module, cluster, workload, strategy, **options)
     heaviest = workload.heaviest()
     if heaviest is None:
         return cost
-    heavy = _module_cost(model, module, cluster, heaviest, strategy, placement=placement, precision=precision,
-                         first_rank=first_rank, num_stages=num_stages, stage_index=stage_index,
-                         assumptions=assumptions, layer_costs=layer_costs)
-    return replace(cost, **{name: getattr(heavy, name) for name in PACK_MEMORY_FIELDS})
+    heavy = _module_cost(model, module, cluster, heaviest, strategy, **options)
+    return _with_heavy_memory(cost, heavy)
+
+
+def _with_heavy_memory(cost: ModuleCost, heavy: ModuleCost) -> ModuleCost:
+    """``cost`` with the memory that grows with a micro-batch's tokens taken from ``heavy`` (per pipeline rank)."""
+    stages = tuple(_with_heavy_memory(c, h) for c, h in zip(cost.stage_costs, heavy.stage_costs, strict=True))
+    return replace(cost, stage_costs=stages, **{name: getattr(heavy, name) for name in PACK_MEMORY_FIELDS})
 
 
 PACK_MEMORY_FIELDS = ("forward_buffers_bytes", "backward_buffers_bytes", "loss_backward_buffers_bytes",
@@ -402,21 +438,46 @@ micro-batch of the step must fit), the times the mean pack's."""
 def _module_cost(
     model: ModelSpec, module: str, cluster: Cluster, workload: Workload, strategy: ModuleStrategy, *,
     placement: Placement, precision: Precision, first_rank: int, num_stages: int, stage_index: int,
-    assumptions: CostAssumptions, layer_costs: LayerCostSource | None,
+    feeds_pipeline: bool, assumptions: CostAssumptions, layer_costs: LayerCostSource | None,
 ) -> ModuleCost:
     s = strategy
     static = _with_measured_collectives(_static(model, module, workload, cluster, assumptions), s, layer_costs)
+    if s.pp > 1:
+        return _pipelined_cost(static, s, placement=placement, precision=precision, first_rank=first_rank,
+                               layer_costs=layer_costs)
+    in_flight = 1 if placement == "colocated" else min(num_stages - stage_index, s.grad_accum)
+    if feeds_pipeline:
+        in_flight = s.grad_accum
+    handoff = None
+    if placement == "colocated":
+        sp_within = axis_within_node(first_rank, s.tp, s.sp, s.gpus, cluster.devices_per_node)
+        handoff = handoff_per_micro_batch(static, s, placement=placement, first_rank=first_rank,
+                                          sp_link=static.links[not sp_within])
+    else:
+        handoff = handoff_per_micro_batch(static, s, placement=placement, first_rank=first_rank, sp_link=_UNUSED_LINK)
+    return _part_cost(static, s, static.spec.layers, precision=precision, first_rank=first_rank,
+                      layer_costs=layer_costs, in_flight_chunks=in_flight, handoff_s=handoff, pp_comm_s=0.0)
+
+
+def _part_cost(
+    static: _Static, s: ModuleStrategy, layers: tuple[LayerSpec, ...], *, precision: Precision, first_rank: int,
+    layer_costs: LayerCostSource | None, in_flight_chunks: int, handoff_s: float, pp_comm_s: float,
+) -> ModuleCost:
+    """The cost on one GPU that runs ``layers`` (all of the module's, or one pipeline rank's chunks) for every
+    micro-batch, with ``handoff_s`` and ``pp_comm_s`` of transfers per micro-batch and ``in_flight_chunks``
+    micro-batches' (with PP: model chunks') activations alive at its peak."""
+    assumptions, cluster = static.assumptions, static.cluster
     dpn = cluster.devices_per_node
     within = (
         axis_within_node(first_rank, 1, s.tp, s.gpus, dpn),
         axis_within_node(first_rank, s.tp, s.sp, s.gpus, dpn),
         axis_within_node(first_rank, s.tp * s.sp, s.cp, s.gpus, dpn),
     )
-    sums = _sums(static, s, within, layer_costs)
+    sums = _sums(static, s, within, layer_costs, layers)
     forward_buffers, backward_buffers = sums.forward_buffer_bytes, sums.backward_buffer_bytes
 
     recipe = assumptions.bytes_per_param(precision)
-    params, largest, root, block = _params_per_rank(static, s.tp)
+    params, largest, root, block = _params_per_rank(static, s.tp, layers)
     reduce_group = s.dp * s.cp * s.sp
     shards = reduce_group if assumptions.zero_shards_over_sequence_ranks else s.dp
     trainable = not static.spec.frozen
@@ -436,9 +497,6 @@ def _module_cost(
     forward_buffers = max(forward_buffers, sums.loss_buffer_bytes[0])
     loss_backward_buffers, loss_saved = sums.loss_buffer_bytes[1:]
 
-    handoff = handoff_per_micro_batch(
-        static, s, placement=placement, first_rank=first_rank, sp_link=static.links[not within[1]]
-    )
     dp_comm = zero_comm_time(
         zero=s.zero,
         gradient_bytes=params * recipe.gradients,
@@ -463,18 +521,19 @@ def _module_cost(
         sums.optimizer_formula_params / optimizer_shards, sums.optimizer_formula_tensors, recipe,
         dtensor=s.tp > 1 or s.zero >= 1, device=cluster.device, assumptions=assumptions)
     ga = s.grad_accum
-    per_mb = sums.total_s + handoff
+    transfers = handoff_s + pp_comm_s
     passes = 1 + (static.backward != "none") + (s.recompute == "full")  # forwards and backwards a collective repeats in
-    forward_per_mb = sums.forward_s + sums.collectives_s / passes + handoff / (2 if static.backward == "full" else 1)
-    in_flight = 1 if placement == "colocated" else min(num_stages - stage_index, ga)
+    forward_share = 2 if static.backward == "full" else 1
+    forward_per_mb = sums.forward_s + sums.collectives_s / passes + transfers / forward_share
     return ModuleCost(
-        module=module,
+        module=static.spec.name,
         strategy=s,
         **sums.scaled(ga).terms(),
         dp_comm_s=dp_comm,
         optimizer_s=optimizer_time if trainable else 0.0,
-        handoff_s=ga * handoff,
-        per_micro_batch_s=per_mb,
+        handoff_s=ga * handoff_s,
+        pp_comm_s=ga * pp_comm_s,
+        per_micro_batch_s=sums.total_s + transfers,
         forward_per_micro_batch_s=forward_per_mb,
         weights_bytes=math.ceil(weights),
         gradients_bytes=math.ceil(grads),
@@ -483,8 +542,146 @@ def _module_cost(
         backward_buffers_bytes=math.ceil(backward_buffers),
         loss_backward_buffers_bytes=math.ceil(loss_backward_buffers),
         loss_saved_bytes=math.ceil(loss_saved),
-        activations_per_micro_batch_bytes=math.ceil(sums.saved_bytes),
-        in_flight_micro_batches=in_flight,
+        activations_per_micro_batch_bytes=math.ceil(sums.saved_bytes / s.virtual_stages),
+        in_flight_micro_batches=in_flight_chunks,
         flops_per_step=_flops_per_sample(static) * s.samples_per_step,
         sources=sums.sources,
+    )
+
+
+# --- Pipeline parallelism ---------------------------------------------------------------------------------------
+
+
+def pipeline_chunks(static: _Static, s: ModuleStrategy, layer_costs: LayerCostSource | None,
+                    within: tuple[bool, bool, bool], extra_first_s: float, p2p_s: float) -> tuple[int, ...]:
+    """Decoder layers of each of the ``pp * virtual_stages`` model chunks, balanced on time per micro-batch
+    (``balanced_chunk_layers``): the first chunk also runs the layers before the decoder (embedding) and receives
+    the hand-off (``extra_first_s``), the last the layers after it (final norm, lm_head and the loss), and every
+    chunk but the last sends its output and receives its gradient (``p2p_s``)."""
+    key = ("chunks", s.tp, s.sp, s.cp, s.micro_batch, s.recompute, s.pp, s.virtual_stages, within, extra_first_s,
+           p2p_s)
+    if layer_costs is None and key in static.parts:
+        return static.parts[key]
+    layers = static.spec.layers
+    blocks = [i for i, layer in enumerate(layers) if layer.kind in PIPELINED_KINDS]
+    assert len(blocks) == 1, f"{static.spec.name}: pipeline parallelism needs one repeated block type"
+    index = blocks[0]
+    before, block, after = layers[:index], layers[index], layers[index + 1:]
+    layer_s = _sums(static, s, within, layer_costs, (replace(block, count=1),)).total_s
+    head_s = _sums(static, s, within, layer_costs, before).total_s if before else 0.0
+    tail_s = _sums(static, s, within, layer_costs, after).total_s if after else 0.0
+    chunks = s.pp * s.virtual_stages
+    extra = [p2p_s] * (chunks - 1) + [tail_s]
+    extra[0] += head_s + extra_first_s
+    chunks = balanced_chunk_layers(block.count, extra, layer_s)
+    if layer_costs is None:
+        static.parts[key] = chunks
+    return chunks
+
+
+PIPELINED_KINDS = ("decoder_layer",)
+"""The repeated block whose instances pipeline stages divide (the LLM's decoder layers)."""
+
+
+def rank_layers(layers: tuple[LayerSpec, ...], chunk_layers: tuple[int, ...], rank: int, pp: int) -> tuple[LayerSpec, ...]:
+    """The layers pipeline rank ``rank`` holds: the decoder layers of its chunks (``rank``, ``rank + pp``, ...), the
+    layers before the decoder on rank 0 (chunk 0), the ones after it on the rank of the last chunk."""
+    index = next(i for i, layer in enumerate(layers) if layer.kind in PIPELINED_KINDS)
+    mine = range(rank, len(chunk_layers), pp)
+    held = [replace(layers[index], count=sum(chunk_layers[c] for c in mine))]
+    if 0 in mine:
+        held = list(layers[:index]) + held
+    if len(chunk_layers) - 1 in mine:
+        held += list(layers[index + 1:])
+    return tuple(held)
+
+
+def _within_all(s: ModuleStrategy, first_rank: int, devices_per_node: int) -> tuple[bool, ...]:
+    """Whether each of the TP, SP, CP and DP-reduce axes of a grid starting at ``first_rank`` stays in a node (what
+    the links of a part cost depend on)."""
+    return tuple(axis_within_node(first_rank, stride, size, s.gpus, devices_per_node) for stride, size in
+                 ((1, s.tp), (s.tp, s.sp), (s.tp * s.sp, s.cp), (s.tp, s.dp * s.cp * s.sp)))
+
+
+def encoder_handoff_bytes(static: _Static) -> tuple[float, bool]:
+    """(bytes per sample every encoder hands the LLM, whether any of them takes the gradient back)."""
+    total, backward = 0.0, False
+    for name in static.model.module_names:
+        if name in ENCODER_MODULES:
+            encoder = _static(static.model, name, static.workload, static.cluster, static.assumptions)
+            total += encoder.handoff_bytes_per_sample
+            backward = backward or encoder.backward == "full"
+    return total, backward
+
+
+def _pipelined_cost(
+    static: _Static, s: ModuleStrategy, *, placement: Placement, precision: Precision, first_rank: int,
+    layer_costs: LayerCostSource | None,
+) -> ModuleCost:
+    """The cost of a pipelined module (pp > 1): one ``_part_cost`` per distinct pipeline rank (its layers and
+    transfers; ranks that hold the same differ only in what they keep in flight, and the first of them holds the
+    most), then the step of the schedule (``pipeline_bubble_time``): time is the slowest rank's plus the bubble, the
+    tail the longest rank's, memory the rank whose own peak is the largest (``stage_costs`` keeps every distinct
+    rank's, which ``planner.cost.phases`` reads).
+
+    Transfers per micro-batch: a stage boundary carries the micro-batch's hidden states forward and their
+    gradient back, point-to-point between the ranks of the same grid position in consecutive stages (Hockney
+    alpha-beta over the link joining them); stage 0 also receives the encoders' output, which colocated encoders
+    on every GPU produce (over the NIC once the module spans nodes), and sends its gradient back.
+    """
+    assert placement == "colocated", "pipelined modules are costed in colocated placement only"
+    cluster, assumptions, dpn = static.cluster, static.assumptions, static.cluster.devices_per_node
+    within = (
+        axis_within_node(first_rank, 1, s.tp, s.gpus, dpn),
+        axis_within_node(first_rank, s.tp, s.sp, s.gpus, dpn),
+        axis_within_node(first_rank, s.tp * s.sp, s.cp, s.gpus, dpn),
+    )
+    hidden = next(layer.hidden_size for layer in static.spec.layers if layer.kind in PIPELINED_KINDS)
+    boundary_bytes = s.micro_batch * static.tokens.tokens / (s.sp * s.cp) * hidden * assumptions.activation_bytes
+    stage_link = static.links[not axis_within_node(first_rank, s.stage_gpus, s.pp, s.gpus, dpn)]
+    p2p = 2 * p2p_time(boundary_bytes, stage_link) * (1 - assumptions.pp_p2p_overlap)
+    per_sample, backward = encoder_handoff_bytes(static)
+    handoff = (1 + backward) * p2p_time(s.micro_batch * per_sample, static.links[s.gpus > dpn])
+    chunks = pipeline_chunks(static, s, layer_costs, within, handoff, p2p)
+    num_chunks = len(chunks)
+    parts: dict[tuple, ModuleCost] = {}
+    rank_stages = []
+    for rank in range(s.pp):
+        mine = range(rank, num_chunks, s.pp)
+        layers = rank_layers(static.spec.layers, chunks, rank, s.pp)
+        rank_first = first_rank + rank * s.stage_gpus
+        transfers = (handoff if rank == 0 else 0.0, p2p * sum(c < num_chunks - 1 for c in mine))
+        key = ("part", s, precision, _counts(layers), transfers, _within_all(s, rank_first, dpn))
+        in_flight = in_flight_chunks(rank, s.pp, s.grad_accum, s.virtual_stages)
+        if key not in parts:  # the first rank of a part holds the most in flight (in-flight falls with the rank)
+            part = static.parts.get(key) if layer_costs is None else None
+            if part is None:
+                part = _part_cost(static, s, layers, precision=precision, first_rank=rank_first,
+                                  layer_costs=layer_costs, in_flight_chunks=1, handoff_s=transfers[0],
+                                  pp_comm_s=transfers[1])
+                if layer_costs is None:
+                    static.parts[key] = part
+            parts[key] = replace(part, in_flight_micro_batches=in_flight)
+        rank_stages.append((list(parts).index(key), in_flight))
+    ranks = list(parts.values())
+    slowest = max(ranks, key=lambda c: c.per_micro_batch_s)
+    tail = max(ranks, key=lambda c: c.step_tail_s)
+    memory = max(ranks, key=lambda c: max(m.total for m in own_phases(c)))
+    bubble = pipeline_bubble_time([ranks[i].per_micro_batch_s for i, _ in rank_stages], s.virtual_stages)
+    sources = {k: v for c in ranks for k, v in c.sources.items()}
+    return replace(
+        memory,
+        **slowest.terms(),
+        handoff_s=slowest.handoff_s,
+        pp_comm_s=slowest.pp_comm_s,
+        per_micro_batch_s=slowest.per_micro_batch_s,
+        forward_per_micro_batch_s=slowest.forward_per_micro_batch_s,
+        dp_comm_s=tail.dp_comm_s,
+        optimizer_s=tail.optimizer_s,
+        pipeline_bubble_s=bubble,
+        chunk_layers=chunks,
+        stage_costs=tuple(ranks),
+        rank_stages=tuple(rank_stages),
+        flops_per_step=_flops_per_sample(static) * s.samples_per_step,
+        sources=MappingProxyType(sources),
     )

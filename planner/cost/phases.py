@@ -62,7 +62,11 @@ def alive(cost: ModuleCost, position: int, phase: Phase, phase_position: int) ->
     """What ``cost``'s module (``position`` in data-flow order) holds during ``phase`` (whose module is at
     ``phase_position``). Weights and optimizer states always; gradients always when the step has several
     micro-batches (they accumulate), else once the module's backward has run (its end, for its own phases);
-    activations from its forward until its backward; transients only in its own phases."""
+    activations from its forward until its backward; transients only in its own phases. A pipelined module
+    holds what its heaviest pipeline rank holds at that moment (the other modules are the same on every GPU, so
+    the GPU's total is the largest there)."""
+    if cost.stage_costs:
+        return max((alive(c, position, phase, phase_position) for c in cost.stage_costs), key=lambda m: m.total)
     own = position == phase_position
     several = cost.strategy.grad_accum > 1
     if phase.kind == "forward":

@@ -19,6 +19,7 @@ forward.
 
 from __future__ import annotations
 
+import heapq
 from typing import Literal, Sequence
 
 NUM_PATHS = 4
@@ -50,3 +51,63 @@ def pipeline_step_time(encoder_terms: Sequence[float], llm_terms: Sequence[float
     Several encoders (vision and audio) are costed as one stage running them in turn: their terms are summed
     before this call (at least the exact value, since a sum of minima is at most the minimum of sums)."""
     return max(e + l for e, l in zip(encoder_terms, llm_terms, strict=True))
+
+
+# --- Pipeline parallelism of one module (pp > 1) -------------------------------------------------------------------
+
+
+def balanced_chunk_layers(num_layers: int, chunk_extra_s: Sequence[float], layer_s: float) -> tuple[int, ...]:
+    """Decoder layers per model chunk (pipeline stage, or virtual stage) that minimise the slowest chunk's time
+    ``extra_c + n_c * layer_s``, each chunk holding at least one layer.
+
+    A chunk's ``extra`` is what it holds besides decoder layers: the first the token embedding and the encoders'
+    hand-off, the last the final norm, the vocabulary projection and the loss (at a 152K vocabulary worth several
+    decoder layers), so an even split is not the balanced one. Adding layers one at a time to the chunk that stays
+    fastest is optimal for identical layers (it is list scheduling of identical jobs on machines with different
+    ready times; Graham 1969, whose bound is tight at 0 for unit jobs); ties go to the earliest chunk.
+
+    Raises:
+        ValueError: fewer layers than chunks.
+    """
+    chunks = len(chunk_extra_s)
+    if num_layers < chunks:
+        raise ValueError(f"{num_layers} layers cannot fill {chunks} pipeline chunks")
+    counts = [1] * chunks
+    heap = [(extra + 2 * layer_s, c) for c, extra in enumerate(chunk_extra_s)]
+    heapq.heapify(heap)
+    for _ in range(num_layers - chunks):
+        _, c = heapq.heappop(heap)
+        counts[c] += 1
+        heapq.heappush(heap, (chunk_extra_s[c] + (counts[c] + 1) * layer_s, c))
+    return tuple(counts)
+
+
+def pipeline_bubble_time(device_s: Sequence[float], virtual_stages: int) -> float:
+    """Idle seconds per step a pipeline adds to ``grad_accum * max(device_s)``: ``(sum_k t_k - max_k t_k) / v``.
+
+    ``device_s[k]`` is pipeline rank k's time for one micro-batch's forward and backward over all of its chunks.
+    1F1B (v = 1) takes ``sum_k t_k + (m - 1) max_k t_k`` from the first forward to the last backward (Zheng et
+    al. 2022, Alpa, Eq. 2; for equal stages Narayanan et al. 2021, Sec. 2.2.1: bubble ``(p - 1) t``, a fraction
+    ``(p - 1) / m``); the interleaved schedule with v chunks per rank shrinks the bubble v times (Narayanan et al.
+    2021, Sec. 2.2.2: ``(p - 1) t / v``).
+    """
+    if len(device_s) <= 1:
+        return 0.0
+    return (sum(device_s) - max(device_s)) / virtual_stages
+
+
+def in_flight_chunks(stage: int, num_stages: int, grad_accum: int, virtual_stages: int) -> int:
+    """Model chunks whose activations pipeline rank ``stage`` holds at its peak (a chunk: 1 / v of the rank's
+    layers for one micro-batch).
+
+    1F1B (v = 1): rank k runs ``p - 1 - k`` warm-up forwards before its first backward, so it holds
+    ``min(p - k, m)`` micro-batches (Narayanan et al. 2021, Sec. 2.2.1; torch's ``Schedule1F1B``). Interleaved:
+    ``(v - 1) r + 2 (p - 1 - k)`` warm-up chunk forwards with ``r`` micro-batches per round (``m`` over
+    ``max(1, m // p)`` rounds), capped at ``m v``, plus the one in flight (torch's ``_get_warmup_ops`` for
+    ``ScheduleInterleaved1F1B``, Megatron-LM's interleaved warm-up).
+    """
+    p, m, v = num_stages, grad_accum, virtual_stages
+    if v == 1:
+        return min(p - stage, m)
+    per_round = m // max(1, m // p)
+    return min((v - 1) * per_round + 2 * (p - 1 - stage) + 1, m * v)

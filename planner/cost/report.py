@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from planner.cost.phases import own_phases
 from planner.cost.results import GIB, Estimate, MemoryBreakdown, ModuleCost
 from planner.schema import MemoryBreakdown as MemoryGiB
 from planner.schema import ModulePrediction, ModuleTime, Prediction
@@ -26,6 +27,8 @@ def module_time(cost: ModuleCost) -> ModuleTime:
         dp_comm=cost.dp_comm_s,
         optimizer=cost.optimizer_s,
         handoff=cost.handoff_s,
+        pp_comm=cost.pp_comm_s,
+        pp_bubble=cost.pipeline_bubble_s,
         per_micro_batch=cost.per_micro_batch_s,
     )
 
@@ -40,6 +43,8 @@ def module_predictions(estimate: Estimate) -> dict[str, ModulePrediction]:
             memory_gib=memory_gib(memory),
             flops_per_step=cost.flops_per_step,
             sources=dict(cost.sources),
+            stage_per_micro_batch_s=[c.per_micro_batch_s for c in cost.rank_costs()] or None,
+            stage_peak_memory_gib=[max(m.total for m in own_phases(c)) / GIB for c in cost.rank_costs()] or None,
         )
     return predictions
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 from planner.cost.times import PassTimes
@@ -63,9 +63,13 @@ class ModuleCost(PassTimes):
     optimizer_s: float
     """The optimizer step over this GPU's optimizer shard, once per step."""
     handoff_s: float
-    """Per step: sending this encoder's output to the LLM layout and its gradient back (0 for the LLM)."""
+    """Per step: sending this encoder's output to the LLM layout and its gradient back (a pipelined LLM: stage 0
+    receiving it)."""
+    pp_comm_s: float = 0.0
+    """Per step: exposed point-to-point sends between pipeline stages (hidden states forward, gradients back)."""
     per_micro_batch_s: float
-    """forward + backward + recompute + tp/sp/cp comm + handoff of ONE micro-batch."""
+    """forward + backward + recompute + tp/sp/cp comm + handoff + pp sends of ONE micro-batch (pipelined: on the
+    slowest pipeline rank)."""
     forward_per_micro_batch_s: float
     """The forward part of ``per_micro_batch_s``: forward compute, the forward's share of the layer collectives and
     the outbound hand-off (what a disjoint pipeline's next stage waits for)."""
@@ -93,6 +97,25 @@ class ModuleCost(PassTimes):
     """Model FLOPs of this module per step over ALL its GPUs (no recomputation)."""
     sources: Mapping[str, str]
     """Where each number came from, e.g. ``{"window_block.forward": "analytical"}``."""
+    pipeline_bubble_s: float = 0.0
+    """Per step, pp > 1: the pipeline's fill and drain, idle on the slowest rank (``planner.cost.pipeline``)."""
+    chunk_layers: tuple[int, ...] = ()
+    """pp > 1: repeated blocks (decoder layers) of each model chunk, in pipeline order (chunk c on rank c % pp)."""
+    stage_costs: tuple["ModuleCost", ...] = ()
+    """pp > 1: the cost of each distinct pipeline rank (its layers and transfers, with the most in-flight
+    activations of the ranks alike); the fields above are the slowest rank's times, the longest tail and the
+    memory of the rank with the largest own peak."""
+    rank_stages: tuple[tuple[int, int], ...] = ()
+    """pp > 1: for each pipeline rank, (its entry in ``stage_costs``, the model chunks it holds in flight)."""
+
+    def rank_costs(self) -> tuple["ModuleCost", ...]:
+        """pp > 1: every pipeline rank's own cost, in pipeline order."""
+        return tuple(replace(self.stage_costs[i], in_flight_micro_batches=n) for i, n in self.rank_stages)
+
+    @property
+    def micro_batches_s(self) -> float:
+        """Every micro-batch of the step through the module: ``grad_accum * per_micro_batch + pipeline bubble``."""
+        return self.strategy.grad_accum * self.per_micro_batch_s + self.pipeline_bubble_s
 
     @property
     def step_tail_s(self) -> float:
@@ -131,6 +154,8 @@ class ModuleCost(PassTimes):
             "dp_comm": self.dp_comm_s,
             "optimizer": self.optimizer_s,
             "handoff": self.handoff_s,
+            "pp_comm": self.pp_comm_s,
+            "pp_bubble": self.pipeline_bubble_s,
         }
 
 

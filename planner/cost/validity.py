@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from planner.hardware import Cluster
-from planner.models import ENCODER_MODULES, ModelSpec
+from planner.models import ENCODER_MODULES, ModelSpec, ModuleSpec
 from planner.strategy import ModuleStrategy
 from planner.workload import Workload, module_tokens
 
@@ -35,13 +35,16 @@ def check_strategy(
     Rules: TP divides the attention heads (KV heads divided or replicated) and Ulysses SP divides the heads of
     a TP rank (KV heads are repeated as needed); the module fits the cluster; TP stays inside a node unless
     allowed; SP leaves at least one attention window per rank on window-attention blocks; encoders use no CP
-    (ring attention is priced for the LLM only); dp * micro_batch * grad_accum equals the global batch.
+    (ring attention is priced for the LLM only); dp * micro_batch * grad_accum equals the global batch; pipeline
+    parallelism as ``pipeline_reasons`` allows.
     """
     spec = model.module(module)
     s = strategy
     reasons: list[str] = []
     if s.gpus > cluster.num_devices:
-        reasons.append(f"dp*cp*sp*tp = {s.gpus} GPUs but the cluster has {cluster.num_devices}")
+        reasons.append(f"pp*dp*cp*sp*tp = {s.gpus} GPUs but the cluster has {cluster.num_devices}")
+    if s.pp > 1:
+        reasons += pipeline_reasons(spec, s)
     if s.samples_per_step != workload.global_batch:
         reasons.append(
             f"dp*micro_batch*grad_accum = {s.dp}*{s.micro_batch}*{s.grad_accum} = {s.samples_per_step} "
@@ -73,4 +76,26 @@ def check_strategy(
         )
     if s.cp > 1 and tokens.tokens < 2 * s.cp:
         reasons.append(f"cp={s.cp} needs at least {2 * s.cp} tokens per sample, got {tokens.tokens}")
+    return reasons
+
+
+def pipeline_reasons(spec: ModuleSpec, s: ModuleStrategy) -> list[str]:
+    """Why ``spec`` cannot be pipelined as ``s`` says: only the LLM is (its decoder layers are the repeated block
+    stages divide); every model chunk needs a decoder layer; torch's ``Schedule1F1B`` needs at least as many
+    micro-batches as stages, and ``ScheduleInterleaved1F1B`` a micro-batch count that its rounds
+    (``max(1, grad_accum // pp)``) divide."""
+    if spec.name != "llm":
+        return [f"{spec.name} uses pp={s.pp}; pipeline parallelism is planned for the LLM only"]
+    reasons = []
+    layers = sum(layer.count for layer in spec.layers if layer.kind == "decoder_layer")
+    chunks = s.pp * s.virtual_stages
+    if layers < chunks:
+        reasons.append(f"pp={s.pp} x virtual_stages={s.virtual_stages} = {chunks} pipeline chunks but {spec.name} "
+                       f"has {layers} decoder layers")
+    if s.grad_accum < s.pp:
+        reasons.append(f"pp={s.pp} needs grad_accum >= {s.pp} micro-batches (1F1B), got {s.grad_accum}")
+    rounds = max(1, s.grad_accum // s.pp)
+    if s.virtual_stages > 1 and s.grad_accum % rounds:
+        reasons.append(f"interleaved 1F1B over pp={s.pp} runs grad_accum in {rounds} rounds, which do not divide "
+                       f"grad_accum={s.grad_accum}")
     return reasons

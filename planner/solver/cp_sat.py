@@ -4,8 +4,10 @@ Data (``planner.candidates``: integers, ns and bytes) -> ``CpModel`` -> variable
 family -> objective -> parameters -> status -> typed ``Solution``s. The objective reproduces
 ``planner.cost.combine`` exactly (up to 0.5 ns rounding per term):
 
-* colocated: ``step = sum_m (grad_accum * per_micro_batch_m + tail_m)`` (tail = exposed DP comm + optimizer); memory on every GPU
-  at every phase of the step ``sum_m memory_m[phase] + overhead <= usable`` (``planner.cost.phases``).
+* colocated: ``step = sum_m (grad_accum * per_micro_batch_m + bubble_m + tail_m)`` (tail = exposed DP comm +
+  optimizer, bubble = a pipelined LLM's fill and drain); memory on every GPU at every phase of the step
+  ``sum_m memory_m[phase] + overhead <= usable`` (``planner.cost.phases``); encoders costed for a pipelined LLM
+  are chosen exactly when the LLM is pipelined.
 * disjoint (one encoder, one LLM, 1F1B over grad_accum micro-batches): ``step = max_k sum_m path_m[k] +
   max_m tail_m``, the longest critical path of the runtime's schedule (``planner.cost.pipeline``), linear because
   each candidate carries its own terms for its grad_accum, one shared choice; each group fits by itself
@@ -176,6 +178,18 @@ def add_longest_path(model: cp_model.CpModel, x: Vars, cands: Candidates, units:
     return p
 
 
+def add_pipeline_link(model: cp_model.CpModel, x: Vars, cands: Candidates) -> None:
+    """Encoders are costed for the LLM they feed: for every encoder m,
+    sum_{c in C_m, c pipelined} x[m,c] == sum_{c in C_llm, pp_c > 1} x[llm,c]."""
+    llm = [x["llm", i] for i, c in enumerate(cands.by_module.get("llm", [])) if c.pipelined]
+    if not any(c.pipelined for cs in cands.by_module.values() for c in cs):
+        return
+    for m, cs in cands.by_module.items():
+        if m != "llm":
+            model.add(cp_model.LinearExpr.sum([x[m, i] for i, c in enumerate(cs) if c.pipelined])
+                      == cp_model.LinearExpr.sum(llm))
+
+
 def add_no_good_cuts(model: cp_model.CpModel, x: Vars, cuts: list[Mapping[str, int]]) -> None:
     """Exclude plans already listed: for each, sum_m x[m, chosen_m] <= M - 1."""
     for cut in cuts:
@@ -198,6 +212,7 @@ def build_model(
     add_no_good_cuts(model, x, cuts)
     if cands.placement == "colocated":
         add_colocated_memory(model, x, cands, memory_budget_bytes, units)
+        add_pipeline_link(model, x, cands)
         step = weighted(x, cands, lambda c: units.time(c.step_ns))
     else:
         add_disjoint_gpus(model, x, cands, num_gpus)

@@ -92,20 +92,39 @@ def _check_fix_consistency(placement: str | None, fixes: Fixes, num_gpus: int) -
             raise ValueError(f"--fix {m}.gpus={f['gpus']}: the cluster has {num_gpus} GPUs")
         if placement == "colocated" and "gpus" in f and f["gpus"] != num_gpus:
             raise ValueError(f"contradictory --fix: placement=colocated spans all {num_gpus} GPUs but {m}.gpus={f['gpus']}")
+    for m, f in fixes.items():
+        if m != "llm" and (f.get("pp", 1) > 1 or f.get("virtual_stages", 1) > 1):
+            raise ValueError(f"--fix {m}.pp / {m}.virtual_stages: pipeline parallelism is planned for the LLM only")
+        if f.get("pp", 1) > 1 and placement == "disjoint":
+            raise ValueError(f"contradictory --fix: {m}.pp={f['pp']} but pipeline parallelism is planned in "
+                             "colocated placement only (placement=disjoint)")
+        if f.get("virtual_stages", 1) > 1 and f.get("pp") == 1:
+            raise ValueError(f"contradictory --fix: {m}.virtual_stages={f['virtual_stages']} needs pp > 1")
     pinned = [f["gpus"] for f in fixes.values() if "gpus" in f]
     if placement == "disjoint" and sum(pinned) > num_gpus:
         raise ValueError(f"contradictory --fix: disjoint groups pinned to {sum(pinned)} GPUs, the cluster has {num_gpus}")
 
 
-def placements_to_solve(problem: Problem, requested: str, pinned: str | None) -> list[Placement]:
-    """Placements to solve: the pinned or requested one, or both for auto (disjoint only with one encoder)."""
+def placements_to_solve(problem: Problem, requested: str, pinned: str | None, fixes: Fixes | None = None
+                        ) -> list[Placement]:
+    """Placements to solve: the pinned or requested one, or both for auto (disjoint only with one encoder; colocated
+    only when ``fixes`` pin a pipeline)."""
     if requested not in PLACEMENT_CHOICES:
         raise ValueError(f"--placement must be one of {', '.join(PLACEMENT_CHOICES)}, got {requested!r}")
     if pinned and requested not in ("auto", pinned):
         raise ValueError(f"contradictory: --placement {requested} and --fix placement={pinned}")
     choice = pinned or requested
+    pipelined = any(f.get("pp", 1) > 1 for f in (fixes or {}).values())
+    chunked = [m for m, f in (fixes or {}).items() if f.get("virtual_stages", 1) > 1 and "pp" not in f]
+    if chunked and not problem.allow_pp:
+        raise ValueError(f"--fix {chunked[0]}.virtual_stages needs pipeline parallelism: add --allow-pp or "
+                         f"--fix {chunked[0]}.pp=N")
+    if pipelined and choice == "disjoint":
+        raise ValueError("--placement disjoint: a pinned pp > 1 is planned in colocated placement only")
     if choice != "auto":
         return [choice]
+    if pipelined:
+        return ["colocated"]
     one_encoder = len(encoder_names(problem.model)) == 1 and problem.num_gpus >= 2
     return ["colocated", "disjoint"] if one_encoder else ["colocated"]
 
@@ -127,7 +146,7 @@ def pinned_strategy(problem: Problem, placement: str, fix: Any) -> Strategy | No
         return None
     gpus = [s.gpus for s in modules.values()]
     total = {"colocated": max(gpus) if len(set(gpus)) == 1 else None, "disjoint": sum(gpus)}
-    exact = [p for p in placements_to_solve(problem, placement, pinned) if total[p] == problem.num_gpus]
+    exact = [p for p in placements_to_solve(problem, placement, pinned, fixes) if total[p] == problem.num_gpus]
     if len(exact) != 1:
         return None
     for m, f in fixes.items():
@@ -140,7 +159,8 @@ def pinned_strategy(problem: Problem, placement: str, fix: Any) -> Strategy | No
 
 
 def _only_strategy(problem: Problem, fixed: Mapping[str, Any]) -> ModuleStrategy | None:
-    """The module's strategy when ``fixed`` determines every field (grad_accum may follow from the batch)."""
+    """The module's strategy when ``fixed`` determines every field (grad_accum may follow from the batch; pp and
+    virtual_stages are 1 unless pinned)."""
     needed = ("dp", "tp", "sp", "cp", "zero", "recompute", "micro_batch")
     if not all(k in fixed for k in needed):
         return None
@@ -149,4 +169,10 @@ def _only_strategy(problem: Problem, fixed: Mapping[str, Any]) -> ModuleStrategy
     ga = fixed.get("grad_accum", batch // per_step if batch % per_step == 0 else None)
     if ga is None or per_step * ga != batch:
         raise ValueError(f"contradictory --fix: dp*micro_batch*grad_accum must equal the global batch of {batch}")
-    return ModuleStrategy(grad_accum=ga, **{k: fixed[k] for k in needed})
+    chunks = fixed.get("virtual_stages", 1)
+    try:
+        return ModuleStrategy(grad_accum=ga, pp=fixed.get("pp", 1), virtual_stages=chunks,
+                              pp_schedule="interleaved_1f1b" if chunks > 1 else "1f1b",
+                              **{k: fixed[k] for k in needed})
+    except ValueError as e:
+        raise ValueError(f"contradictory --fix: {e}") from None

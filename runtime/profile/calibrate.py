@@ -123,9 +123,7 @@ def plan_inputs(plan: Plan):
         placement=plan.placement,
         precision=plan.training.precision,
         modules={
-            m.name: ModuleStrategy(dp=m.dp, tp=m.tp, sp=m.sp, cp=m.cp, zero=m.zero, recompute=m.recompute,
-                                   micro_batch=m.micro_batch, grad_accum=m.grad_accum)
-            for m in plan.modules
+            m.name: ModuleStrategy.of_plan_module(m) for m in plan.modules
         },
     )
     return model, cluster, workload, strategy

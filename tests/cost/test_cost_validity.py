@@ -54,7 +54,7 @@ def test_global_batch_must_match():
 
 def test_too_many_gpus():
     reasons = check_strategy(MODEL, "llm", ModuleStrategy(dp=16), toy_cluster(8), toy_workload(16))
-    assert reasons == ["dp*cp*sp*tp = 16 GPUs but the cluster has 8"]
+    assert reasons == ["pp*dp*cp*sp*tp = 16 GPUs but the cluster has 8"]
 
 
 def test_encoder_rules():

@@ -27,11 +27,13 @@ def problem(
     precision: str = "bf16_mixed",
     overhead_gib: float | None = None,
     allow_ring_cp: bool = False,
+    allow_pp: bool = False,
     packed: bool = False,
+    gpus_per_node: int | None = None,
 ) -> Problem:
     """A small problem; ``memory_gib`` shrinks the device so that the memory limit binds; ``packed``: ``batch``
     packs of a mixed-resolution dataset (images ``image`` / 2 to 2 * ``image`` px, ``text`` tokens each) instead
-    of one sample shape."""
+    of one sample shape; ``gpus_per_node`` overrides the device's."""
     spec = get_device(device)
     if memory_gib is not None:
         spec = replace(spec, memory_bytes=int(memory_gib * GiB))
@@ -40,12 +42,13 @@ def problem(
         assumptions = replace(assumptions, framework_overhead_bytes=int(overhead_gib * GiB))
     return Problem(
         model=get_model(model),
-        cluster=make_cluster(spec, gpus),
+        cluster=make_cluster(spec, gpus, gpus_per_node),
         workload=_packed(get_model(model), image, text, batch) if packed else
         Workload(image_sizes=((image, image),), text_tokens=text, global_batch=batch),
         precision=precision,
         assumptions=assumptions,
         allow_ring_cp=allow_ring_cp,
+        allow_pp=allow_pp,
     )
 
 
@@ -57,27 +60,34 @@ def _packed(model, image: int, text: int, packs: int) -> Workload:
     return packed_workload(pack_dataset(tokens, model, int(tokens.llm.max()) * 2).packed, packs)
 
 
-def all_strategies(p: Problem, module: str, gpus: int) -> list[ModuleStrategy]:
+def all_strategies(p: Problem, module: str, gpus: int, placement: str = "colocated") -> list[ModuleStrategy]:
     """Every valid strategy of ``module`` on ``gpus`` GPUs: all integer grids, ZeRO 0-3, every recompute mode
     and micro-batch, filtered by ``check_strategy`` only (independent of planner.candidates' enumeration); ring CP
-    (cp > 1) only when the problem allows it."""
+    (cp > 1) only when the problem allows it; pipeline parallelism (every pp, 1F1B and interleaved with 2 chunks)
+    when it allows that, colocated."""
     batch = p.workload.global_batch
+    pipelines = [(1, "1f1b", 1)]
+    if p.allow_pp and placement == "colocated":
+        pipelines += [(pp, schedule, v) for pp in divisors(gpus) if pp > 1
+                      for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2))]
     found = []
-    for dp in divisors(gpus):
-        if batch % dp:
-            continue
-        for ga in divisors(batch // dp):
-            for tp in divisors(gpus // dp):
-                for sp in divisors(gpus // (dp * tp)):
-                    cp = gpus // (dp * tp * sp)
-                    if cp > 1 and not p.allow_ring_cp:
-                        continue
-                    for zero in range(4):
-                        for rc in RECOMPUTE_CHOICES:
-                            s = ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, zero=zero, recompute=rc,
-                                               micro_batch=batch // (dp * ga), grad_accum=ga)
-                            if not check_strategy(p.model, module, s, p.cluster, p.workload):
-                                found.append(s)
+    for pp, schedule, chunks in pipelines:
+        for dp in divisors(gpus // pp):
+            if batch % dp:
+                continue
+            for ga in divisors(batch // dp):
+                for tp in divisors(gpus // (pp * dp)):
+                    for sp in divisors(gpus // (pp * dp * tp)):
+                        cp = gpus // (pp * dp * tp * sp)
+                        if cp > 1 and not p.allow_ring_cp:
+                            continue
+                        for zero in range(4):
+                            for rc in RECOMPUTE_CHOICES:
+                                s = ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, pp_schedule=schedule,
+                                                   virtual_stages=chunks, zero=zero, recompute=rc,
+                                                   micro_batch=batch // (dp * ga), grad_accum=ga)
+                                if not check_strategy(p.model, module, s, p.cluster, p.workload):
+                                    found.append(s)
     return found
 
 
@@ -90,9 +100,9 @@ def brute_force(p: Problem, placement: str) -> tuple[float, Strategy] | None:
     best = None
     for g_enc, g_llm in splits:
         llm_by_ga: dict[int, list[ModuleStrategy]] = {}
-        for s in all_strategies(p, llm, g_llm):
+        for s in all_strategies(p, llm, g_llm, placement):
             llm_by_ga.setdefault(s.grad_accum, []).append(s)
-        for s_enc in all_strategies(p, encoder, g_enc):
+        for s_enc in all_strategies(p, encoder, g_enc, placement):
             for s_llm in llm_by_ga.get(s_enc.grad_accum, []):
                 strategy = Strategy(placement=placement, modules={encoder: s_enc, llm: s_llm},
                                     precision=p.precision)

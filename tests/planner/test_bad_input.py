@@ -150,7 +150,7 @@ def test_plan_schema_version_as_a_string_is_named(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"schema_version": "1"}))
     with pytest.raises(PlanError, match=r"schema_version must be a whole number, got '1' \(str\); this tool reads "
-                                        r"versions 1, 2"):
+                                        r"versions 1, 2, 3"):
         load_plan(path)
 
 

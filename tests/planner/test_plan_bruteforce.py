@@ -1,7 +1,7 @@
 """CP-SAT (with candidate pruning) finds the same optimum as trying every strategy combination.
 
-Coverage: the tiny model on 2, 4 (with and without ring CP in the space, and on packs of a mixed-resolution
-dataset) and 8 CPU "GPUs" and Qwen2.5-VL-32B on 4 H200 (bf16 pure) and 8 H100, both
+Coverage: the tiny model on 2, 4 (with and without ring CP in the space, with pipeline parallelism in it, and on
+packs of a mixed-resolution dataset) and 8 CPU "GPUs" (with and without pipeline parallelism) and Qwen2.5-VL-32B on 4 H200 (bf16 pure) and 8 H100, both
 placements, with the memory limit loose and tightened below the unconstrained optimum's peak (so that memory
 binds). Brute force enumerates every integer grid, ZeRO stage, recompute mode and micro-batch that
 ``check_strategy`` accepts (and, disjoint, every split of the GPUs) and costs each pair with ``cost.estimate``.
@@ -26,18 +26,34 @@ CASES = {
     "tiny-4gpu-cp": dict(TINY, gpus=4, batch=4, allow_ring_cp=True),
     "tiny-8gpu": dict(TINY, gpus=8, batch=8),
     "tiny-4gpu-packed": dict(TINY, gpus=4, batch=4, packed=True),
+    "tiny-4gpu-pp": dict(TINY, gpus=4, batch=8, allow_pp=True),
+    "tiny-8gpu-pp": dict(TINY, gpus=8, batch=16, allow_pp=True),
     "32b-h200-4gpu-pure": dict(model="qwen-vl-32b", device="h200-141gb", gpus=4, batch=4, image=448, text=128,
                                precision="bf16_pure"),
+    "32b-h200-4nodes-pp": dict(model="qwen-vl-32b", device="h200-141gb", gpus=4, batch=4, image=448, text=128,
+                               precision="bf16_pure", gpus_per_node=1, allow_pp=True),  # the optimum pipelines
     "32b-h100-8gpu": dict(model="qwen-vl-32b", device="h100-80gb", gpus=8, batch=8, image=896, text=256),
 }
-FAST = ["tiny-2gpu", "tiny-4gpu", "tiny-4gpu-cp", "tiny-4gpu-packed", "32b-h200-4gpu-pure"]
-SLOW = ["tiny-8gpu", "32b-h100-8gpu"]
+FAST = ["tiny-2gpu", "tiny-4gpu", "tiny-4gpu-cp", "tiny-4gpu-packed", "tiny-4gpu-pp", "32b-h200-4gpu-pure"]
+SLOW = ["tiny-8gpu", "tiny-8gpu-pp", "32b-h100-8gpu"]
 
 
 @lru_cache(maxsize=None)
 def _unconstrained(case, placement):
     p = problem(**CASES[case])
     return p, brute_force(p, placement)
+
+
+@pytest.mark.parametrize("fraction", [None, 0.95, 0.8])
+def test_same_optimum_when_the_optimum_pipelines(fraction):
+    """One GPU per node: PP sends activations where ZeRO gathers weights over the NIC, and the optimum pipelines
+    (no disjoint plan fits here)."""
+    p, (step, best) = _unconstrained("32b-h200-4nodes-pp", "colocated")
+    assert best.modules["llm"].pp > 1
+    if fraction is None:
+        _check(p, "colocated", (step, best))
+    else:
+        _check_tightened("32b-h200-4nodes-pp", "colocated", fraction)
 
 
 def _check(p, placement, expected):
@@ -70,7 +86,8 @@ def test_same_optimum_as_brute_force(case, placement):
 
 
 @pytest.mark.parametrize("placement", ["colocated", "disjoint"])
-@pytest.mark.parametrize("case,fraction", [("tiny-4gpu", 0.6), ("tiny-4gpu-packed", 0.6), ("32b-h200-4gpu-pure", 0.9)])
+@pytest.mark.parametrize("case,fraction", [("tiny-4gpu", 0.6), ("tiny-4gpu-packed", 0.6), ("tiny-4gpu-pp", 0.6),
+                                           ("32b-h200-4gpu-pure", 0.9)])
 def test_same_optimum_when_memory_binds(case, placement, fraction):
     _check_tightened(case, placement, fraction)
 

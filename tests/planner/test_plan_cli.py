@@ -1,6 +1,7 @@
 """The ``plan`` command: readable output, --json, files, and one-line errors with exit status 2."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -132,6 +133,11 @@ def test_help_documents_the_defaults(capsys):
     (["--model", "qwen-vl-32b", "--gpus", "8", "--time-limit", "0"], "--time-limit must be more than 0 and at most 3600 seconds"),
     (["--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--out", "/nonexistent/dir/p.json"],
      "cannot write /nonexistent/dir/p.json"),
+    (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "vision.pp=2"], "planned for the LLM only"),
+    (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.pp=2", "--placement", "disjoint"],
+     "colocated placement only"),
+    (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.virtual_stages=2"], "add --allow-pp"),
+    (["--model", "qwen-vl-32b", "--gpus", "128", "--fix", "llm.pp=128"], "128 pipeline chunks but llm has 64"),
 ])
 def test_errors_are_one_line_exit_2(argv, match, capsys):
     assert match in _fails(argv, capsys)
@@ -188,3 +194,14 @@ def test_dataset_plan_and_its_histogram(tmp_path, capsys, monkeypatch):
         "plan: error: --dataset gives every sample's shape: drop --image-size\n")
     assert "apply to --dataset" in _fails(argv[:-2] + ["--pack-tokens", "512"], capsys)
     assert "--max-seq searches one image size per sample" in _fails(argv + ["--max-seq"], capsys)
+
+
+def test_pipelined_plan_shows_its_stages_and_the_best_plan_without(capsys, tmp_path):
+    argv = ["--model", "qwen-vl-32b", "--gpus", "4", "--gpu", "h200", "--gpus-per-node", "1", "--precision",
+            "bf16_pure", "--image-size", "448", "--text-tokens", "128", "--global-batch", "4", "--allow-pp",
+            "--out", str(tmp_path / "plan.json")]
+    main(argv)
+    out = capsys.readouterr().out
+    assert re.search(r"llm: 4 GPUs .*\n    PP 4 x DP 1 x TP 1", out)
+    assert re.search(r"    pipeline: .+ over 4 stages, decoder layers [\d/]+ \(\+embedding first", out)
+    assert re.search(r"without PP +\d+\.\d+s", out) and "Megatron" in out

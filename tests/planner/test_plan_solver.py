@@ -134,3 +134,16 @@ def test_statuses_without_proof_are_reported(monkeypatch):
     monkeypatch.setattr(cp_sat, "_run", lambda model, settings: (None, "UNKNOWN"))
     with pytest.raises(cp_sat.SolverTimeout, match="no colocated plan within 20 s; raise --time-limit"):
         solve(cands, p.num_gpus, budget)
+
+
+def test_encoders_are_costed_for_the_llm_they_feed():
+    """With PP in the space every encoder has a candidate for a pipelined LLM (holding every micro-batch's
+    activations) and one for a flat LLM, at the same step time; the solver must pick the one that matches."""
+    p = problem("qwen-vl-32b", device="h200-141gb", gpus=4, batch=4, image=448, text=128, precision="bf16_pure",
+                gpus_per_node=1, allow_pp=True)
+    cands = build_candidates(p, "colocated")
+    assert {c.pipelined for c in cands.by_module["vision"]} == {False, True}
+    for top in solve(cands, p.num_gpus, p.usable_bytes - p.overhead_bytes, top_k=3):
+        llm_pipelined = top.choice["llm"].strategy.pp > 1
+        assert top.choice["vision"].pipelined == top.choice["llm"].pipelined == llm_pipelined
+    assert any(top.choice["llm"].strategy.pp > 1 for top in solve(cands, p.num_gpus, p.usable_bytes, top_k=1))

@@ -59,10 +59,11 @@ def _prediction() -> ModulePrediction:
 
 
 def module(name: str, ranks: list[int], *, dp=1, tp=1, sp=1, cp=1, zero=0, recompute="none", micro_batch=1,
-           grad_accum=1, frozen=False) -> ModulePlan:
+           grad_accum=1, frozen=False, **pipeline) -> ModulePlan:
+    """A plan's module; ``pipeline``: pp, pp_schedule, virtual_stages, pp_layers."""
     return ModulePlan(name=name, ranks=ranks, dp=dp, tp=tp, sp=sp, cp=cp, zero=zero, recompute=recompute,
                       micro_batch=micro_batch, grad_accum=grad_accum, frozen=frozen, num_params=1,
-                      predicted=_prediction())
+                      predicted=_prediction(), **pipeline)
 
 
 def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAGE_SIZE, text_tokens=TEXT_TOKENS,
@@ -71,7 +72,8 @@ def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAG
     """A CPU plan for the tiny model; ``vision``/``llm`` are module() keyword arguments (ranks defaulted). With
     ``pack_tokens`` it is a dataset plan (packs of that many LLM tokens; the data is the run's ``--data``)."""
     hf_config = hf_config or tiny_hf_config()
-    v_size, l_size = (d.get("dp", 1) * d.get("tp", 1) * d.get("sp", 1) * d.get("cp", 1) for d in (vision, llm))
+    v_size, l_size = (d.get("pp", 1) * d.get("dp", 1) * d.get("tp", 1) * d.get("sp", 1) * d.get("cp", 1)
+                      for d in (vision, llm))
     if placement == "colocated":
         v_ranks, l_ranks = list(range(v_size)), list(range(l_size))
     else:

@@ -45,6 +45,13 @@ def test_context_parallel_plan_is_refused_before_ray(tmp_path):
     assert_one_line_error(run_cli(str(tmp_path / "plan.json")), "context parallelism (cp=2) is not implemented")
 
 
+def test_pipelined_plan_is_refused_before_ray(tmp_path):
+    plan = make_plan(dict(dp=2, grad_accum=2), dict(pp=2, pp_layers=[2, 2], micro_batch=2, grad_accum=2))
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    assert_one_line_error(run_cli(str(tmp_path / "plan.json")), "pipeline parallelism (pp=2) is planned but not run")
+    assert_one_line_error(run_cli(str(tmp_path / "plan.json"), "--dry-run"), "pipeline parallelism (pp=2)")
+
+
 @pytest.mark.slow
 def test_too_few_cpu_slots_is_refused_before_any_actor_starts(ray_cluster):
     plan = make_plan(dict(dp=8), dict(dp=8))

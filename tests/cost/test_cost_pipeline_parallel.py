@@ -1,0 +1,167 @@
+"""Pipeline parallelism of the LLM (pp > 1): the schedule's formulas by hand, against torch's own schedule, and a
+pipelined module's cost by hand on the toy model."""
+
+from dataclasses import replace
+
+import pytest
+from cost_toys import COMPUTE_ONLY, LLM_HIDDEN, VOCAB, colocated, decoder_layer, toy_cluster, toy_model, toy_workload
+
+from planner.cost import estimate, module_cost
+from planner.cost.phases import Phase, alive, own_phases
+from planner.cost.pipeline import balanced_chunk_layers, in_flight_chunks, pipeline_bubble_time
+from planner.models import ModelSpec
+from planner.strategy import ModuleStrategy
+
+
+def test_balanced_chunk_layers_by_hand():
+    # max(0.5 + n0, n1, n2, 2 + n3) with n0 + n1 + n2 + n3 = 10, every n >= 1: 3.5 at (3, 3, 3, 1); at 3.0 the
+    # chunks take at most 2 + 3 + 3 + 1 = 9 layers.
+    assert balanced_chunk_layers(10, [0.5, 0.0, 0.0, 2.0], 1.0) == (3, 3, 3, 1)
+    assert balanced_chunk_layers(8, [0.0, 0.0], 1.0) == (4, 4)
+    assert balanced_chunk_layers(4, [0.0, 0.0, 0.0, 9.0], 1.0) == (1, 1, 1, 1)  # at least one layer each
+    with pytest.raises(ValueError, match="3 layers cannot fill 4"):
+        balanced_chunk_layers(3, [0.0] * 4, 1.0)
+
+
+def test_bubble_by_hand():
+    # Alpa Eq. 2: sum t + (m - 1) max t; the bubble is what it adds to m * max t.
+    assert pipeline_bubble_time([1.0, 2.0, 1.5], 1) == pytest.approx(2.5)
+    # equal stages: (p - 1) t (Narayanan et al. 2021), v times less interleaved
+    assert pipeline_bubble_time([1.0] * 4, 1) == pytest.approx(3.0)
+    assert pipeline_bubble_time([1.0] * 4, 2) == pytest.approx(1.5)
+    assert pipeline_bubble_time([3.0], 1) == 0.0
+
+
+def test_in_flight_of_1f1b_by_hand():
+    assert [in_flight_chunks(k, 4, 8, 1) for k in range(4)] == [4, 3, 2, 1]
+    assert [in_flight_chunks(k, 4, 2, 1) for k in range(4)] == [2, 2, 2, 1]
+
+
+@pytest.mark.parametrize("pp,micro_batches,chunks", [(2, 4, 2), (4, 8, 2), (4, 6, 2), (2, 3, 3), (4, 4, 4)])
+def test_in_flight_of_interleaved_matches_torch_warmup(pp, micro_batches, chunks):
+    """Warm-up chunk forwards of torch's ScheduleInterleaved1F1B, plus the one running."""
+    from torch.distributed.pipelining.schedules import _get_warmup_ops
+
+    per_round = micro_batches // max(1, micro_batches // pp)
+    for rank in range(pp):
+        warmup = _get_warmup_ops(rank, chunks, per_round, pp, micro_batches)
+        assert in_flight_chunks(rank, pp, micro_batches, chunks) == min(warmup + 1, micro_batches * chunks)
+
+
+def deep_model(decoder_layers: int = 6) -> ModelSpec:
+    """The toy model with more decoder layers, so that stages can split them."""
+    model = toy_model()
+    llm = model.module("llm")
+    layers = tuple(decoder_layer(decoder_layers) if layer.kind == "decoder_layer" else layer for layer in llm.layers)
+    return replace(model, modules=(model.module("vision"), replace(llm, layers=layers)))
+
+
+def llm_cost(strategy: ModuleStrategy, model: ModelSpec, gpus: int = 8, cluster=None):
+    return module_cost(model, "llm", cluster or toy_cluster(gpus), toy_workload(strategy.samples_per_step), strategy,
+                       placement="colocated", precision="bf16_mixed", first_rank=0, assumptions=COMPUTE_ONLY)
+
+
+def instant_links(gpus: int = 8):
+    """Toy GPUs whose links take no time, so that compute alone shapes the pipeline (the toy's compute is
+    nanoseconds, far below any link latency)."""
+    cluster = toy_cluster(gpus)
+    device = replace(cluster.device, intra_node_latency=0.0, inter_node_latency=0.0, intra_node_bandwidth=1e30,
+                     inter_node_bandwidth=1e30)
+    return replace(cluster, device=device)
+
+
+def test_pipelined_llm_by_hand():
+    model = deep_model(6)
+    s = ModuleStrategy(dp=4, pp=2, micro_batch=1, grad_accum=4)
+    cost = llm_cost(s, model)
+    ranks = cost.rank_costs()
+    first, last = ranks
+    decoder = model.module("llm").layers[1]
+    n0, n1 = cost.chunk_layers
+    assert n0 + n1 == 6 and min(n0, n1) >= 1
+    # each rank holds its own layers' bf16 weights: the embedding and n0 decoders, n1 decoders + norm + lm_head
+    assert first.weights_bytes == 2 * (VOCAB * LLM_HIDDEN + n0 * decoder.params)
+    assert last.weights_bytes == 2 * (n1 * decoder.params + LLM_HIDDEN + VOCAB * LLM_HIDDEN)
+    # 1F1B: rank 0 holds min(pp, m) = 2 micro-batches, the last rank 1
+    assert first.activations_bytes == 2 * first.activations_per_micro_batch_bytes
+    assert last.activations_bytes == last.activations_per_micro_batch_bytes
+    # stage boundary: 4 GPUs per stage and per node, so it crosses the NIC; hidden states of one micro-batch
+    # (64 tokens x 128 x 2 bytes) forward and their gradient back, once per micro-batch on rank 0
+    nic = toy_cluster().device.inter_node_bandwidth * COMPUTE_ONLY.inter_node_bus_efficiency
+    send = 64 * LLM_HIDDEN * 2 / nic + toy_cluster().device.inter_node_latency
+    assert first.pp_comm_s == pytest.approx(4 * 2 * send)
+    assert last.pp_comm_s == 0.0
+    # the step: m * slowest + (sum - slowest) (Alpa Eq. 2)
+    t = [first.per_micro_batch_s, last.per_micro_batch_s]
+    assert cost.per_micro_batch_s == max(t)
+    assert cost.micro_batches_s == pytest.approx(4 * max(t) + min(t))
+
+
+def test_stage_split_balances_the_loss_against_decoder_layers():
+    """The last stage's lm_head + loss over a large vocabulary costs layers: it gets fewer decoder layers."""
+    model = deep_model(6)
+    llm = model.module("llm")
+    big_vocab = tuple(replace(layer, params=50 * layer.params, out_features=50 * VOCAB) if layer.kind == "lm_head"
+                      else layer for layer in llm.layers)
+    heavy = replace(model, modules=(model.module("vision"), replace(llm, layers=big_vocab)))
+    s = ModuleStrategy(dp=4, pp=2, micro_batch=1, grad_accum=4)
+    n0, n1 = llm_cost(s, heavy, cluster=instant_links()).chunk_layers
+    assert n1 < n0
+    assert llm_cost(s, model, cluster=instant_links()).chunk_layers[1] > n1
+
+
+def test_interleaved_chunks_shrink_the_bubble_and_hold_more():
+    model = deep_model(8)
+    plain = llm_cost(ModuleStrategy(dp=2, pp=4, micro_batch=1, grad_accum=4), model, cluster=instant_links())
+    interleaved = llm_cost(ModuleStrategy(dp=2, pp=4, pp_schedule="interleaved_1f1b", virtual_stages=2,
+                                          micro_batch=1, grad_accum=4), model, cluster=instant_links())
+    assert len(interleaved.chunk_layers) == 8 and sum(interleaved.chunk_layers) == 8
+    t = [c.per_micro_batch_s for c in interleaved.rank_costs()]
+    assert interleaved.pipeline_bubble_s == pytest.approx((sum(t) - max(t)) / 2)
+    assert interleaved.pipeline_bubble_s < plain.pipeline_bubble_s
+    first_plain, first_interleaved = plain.rank_costs()[0], interleaved.rank_costs()[0]
+    # rank 0 of interleaved warms up (v - 1) * 4 + 2 * 3 = 10 chunk forwards, capped at all m * v = 8 chunks (half
+    # its layers each): 4 micro-batches' worth, like 1F1B's 4 here, but of one more chunk's layers at most
+    assert first_interleaved.in_flight_micro_batches == 8
+    assert [c.in_flight_micro_batches for c in interleaved.rank_costs()] == [8, 8, 7, 5]
+    assert first_interleaved.activations_bytes >= first_plain.activations_bytes
+
+
+def test_pipelined_memory_is_its_heaviest_rank_at_every_phase():
+    model = deep_model(6)
+    cost = llm_cost(ModuleStrategy(dp=4, pp=2, micro_batch=1, grad_accum=4), model)
+    for kind in ("forward", "backward_start", "backward_end"):
+        phase = Phase("llm", kind)
+        heaviest = max(alive(c, 0, phase, 0).total for c in cost.rank_costs())
+        assert alive(cost, 0, phase, 0).total == heaviest
+    assert max(m.total for m in own_phases(cost)) == max(max(m.total for m in own_phases(c))
+                                                          for c in cost.rank_costs())
+
+
+def test_encoders_feeding_a_pipeline_hold_every_micro_batch():
+    model = deep_model(6)
+    vision = ModuleStrategy(dp=8, micro_batch=1, grad_accum=4)
+    pipelined = estimate(model, toy_cluster(8), toy_workload(32), colocated(
+        vision, ModuleStrategy(dp=4, pp=2, micro_batch=2, grad_accum=4)), COMPUTE_ONLY)
+    flat = estimate(model, toy_cluster(8), toy_workload(32), colocated(
+        vision, ModuleStrategy(dp=8, micro_batch=1, grad_accum=4)), COMPUTE_ONLY)
+    v_pipe, v_flat = pipelined.modules["vision"], flat.modules["vision"]
+    assert v_flat.activations_bytes == v_flat.activations_per_micro_batch_bytes
+    assert v_pipe.activations_bytes == 4 * v_pipe.activations_per_micro_batch_bytes
+    llm = pipelined.modules["llm"]
+    step = v_pipe.micro_batches_s + v_pipe.step_tail_s + llm.micro_batches_s + llm.step_tail_s
+    assert pipelined.step_time_s == pytest.approx(step + COMPUTE_ONLY.step_overhead_s)
+
+
+def test_pipeline_rules():
+    model = deep_model(6)
+    flat = ModuleStrategy(dp=8, micro_batch=1, grad_accum=4)
+    with pytest.raises(ValueError, match="planned for the LLM only"):
+        estimate(model, toy_cluster(8), toy_workload(32),
+                 colocated(ModuleStrategy(dp=4, pp=2, micro_batch=2, grad_accum=4), flat), COMPUTE_ONLY)
+    with pytest.raises(ValueError, match=r"needs grad_accum >= 4"):
+        estimate(model, toy_cluster(8), toy_workload(8), colocated(
+            ModuleStrategy(dp=8), ModuleStrategy(dp=2, pp=4, micro_batch=4)), COMPUTE_ONLY)
+    with pytest.raises(ValueError, match="8 pipeline chunks but llm has 6 decoder layers"):
+        estimate(model, toy_cluster(8), toy_workload(32), colocated(flat, ModuleStrategy(
+            dp=2, pp=4, pp_schedule="interleaved_1f1b", virtual_stages=2, micro_batch=4, grad_accum=4)), COMPUTE_ONLY)
