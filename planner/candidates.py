@@ -9,7 +9,7 @@ Strategy space of one module on ``gpus`` GPUs, for a global batch B:
 * ``grad_accum`` divides B; ``dp`` divides B / grad_accum and ``gpus``; ``micro_batch = B / (dp * grad_accum)``;
 * ``tp`` divides the GPUs of a node; ``sp`` divides the attention heads of a TP rank; ``cp`` fills the rest
   (``gpus = pp * dp * tp * sp * cp``) and is searched only with ``Problem.allow_ring_cp`` or a pinned cp; ZeRO 0-3 (only 0 when nothing is reduced); recompute none/selective/full;
-* ``pp`` (colocated LLM, with ``Problem.allow_pp`` or a pinned pp) divides the GPUs, with 1F1B or interleaved 1F1B
+* ``pp`` (the LLM, with ``Problem.allow_pp`` or a pinned pp) divides its GPUs, with 1F1B or interleaved 1F1B
   (``PIPELINE_CHUNKS``); encoders are then costed twice, for an LLM that is pipelined (they hold every
   micro-batch's activations across its schedule) and one that is not, and the solver keeps a plan consistent;
 * ``planner.cost.check_strategy`` decides validity (heads, node size, encoder/LLM axes, windows, tokens).
@@ -75,8 +75,8 @@ class Problem:
     """Search ring context parallelism (cp > 1). Off by default: the cost model prices it, but the runtime cannot
     execute it yet, so a default plan is always one ``python -m runtime`` runs. ``--fix MODULE.cp=N`` pins it."""
     allow_pp: bool = False
-    """Search pipeline parallelism of the LLM (pp > 1, colocated placement). Off by default until the runtime
-    executes it; ``--fix llm.pp=N`` pins it."""
+    """Search pipeline parallelism of the LLM (pp > 1). Off by default while the runtime runs it without
+    checkpoints, ``--save`` and the dry-run; ``--fix llm.pp=N`` pins it."""
 
     @property
     def num_gpus(self) -> int:
@@ -223,10 +223,11 @@ def _choices(values: Iterable, fixed: Mapping[str, int | str], name: str) -> lis
 
 def pipeline_degrees(problem: Problem, module: str, gpus: int, placement: Placement,
                      fixed: Mapping[str, int | str]) -> list[int]:
-    """Pipeline degrees to try: 1, and with ``allow_pp`` (or a pinned pp) for the colocated LLM every divisor of its
-    GPUs (``check_strategy`` rules out more stages than decoder layers); only the pinned one when pinned."""
+    """Pipeline degrees to try: 1, and with ``allow_pp`` (or a pinned pp) for the LLM every divisor of its GPUs
+    (``check_strategy`` rules out more stages than decoder layers) unless the plan is for a dataset's packs, whose
+    micro-batches differ in shape (the runtime's schedule needs one); only the pinned one when pinned."""
     degrees = [1]
-    if module not in ENCODER_MODULES and placement == "colocated" and (problem.allow_pp or "pp" in fixed):
+    if module not in ENCODER_MODULES and (problem.allow_pp and problem.dataset is None or "pp" in fixed):
         degrees = divisors(gpus)
     return [d for d in degrees if fixed.get("pp", d) == d]
 
@@ -488,7 +489,8 @@ def pipelined_options(problem: Problem, fixes: Fixes) -> tuple[bool, ...]:
     """Whether a colocated plan's LLM can be pipelined: (False,) without PP in the space, (True,) with llm.pp pinned
     above 1, else both (encoders are then costed for either)."""
     pinned = fixes.get("llm", {}).get("pp")
-    if "llm" not in problem.model.module_names or pinned == 1 or not (problem.allow_pp or pinned):
+    searched = problem.allow_pp and problem.dataset is None
+    if "llm" not in problem.model.module_names or pinned == 1 or not (searched or pinned):
         return (False,)
     return (True,) if pinned else (False, True)
 
@@ -511,9 +513,7 @@ def build_candidates(problem: Problem, placement: Placement, fixes: Fixes | None
             partners = {}
             for c in result.by_module[encoder_names(problem.model)[0]]:
                 partners.setdefault(problem.num_gpus - c.gpus, set()).add(c.grad_accum)
-        feeds = (False,)
-        if module in ENCODER_MODULES and placement == "colocated":
-            feeds = pipelined_options(problem, fixes)
+        feeds = pipelined_options(problem, fixes) if module in ENCODER_MODULES else (False,)
         kept, smallest, invalid, costed = module_candidates(problem, module, placement, fixes.get(module, {}),
                                                             partners, feeds)
         result.by_module[module] = kept
@@ -565,7 +565,8 @@ def feasible(problem: Problem, cands: Candidates) -> bool:
         return least is not None and least[1] <= problem.usable_bytes - problem.overhead_bytes
     encoder, llm = modules
     for ga in accums:
-        llm_sizes = {c.gpus for c in cands.by_module[llm] if c.grad_accum == ga}
-        if any(problem.num_gpus - c.gpus in llm_sizes for c in cands.by_module[encoder] if c.grad_accum == ga):
+        llm_sizes = {(c.gpus, c.pipelined) for c in cands.by_module[llm] if c.grad_accum == ga}
+        if any((problem.num_gpus - c.gpus, c.pipelined) in llm_sizes for c in cands.by_module[encoder]
+               if c.grad_accum == ga):
             return True
     return False

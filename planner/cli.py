@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also search ring context parallelism (cp > 1): costed, but `python -m runtime` "
                              "cannot run it yet")
     search.add_argument("--allow-pp", action="store_true",
-                        help="also search pipeline parallelism of the LLM (pp > 1, 1F1B or interleaved, colocated): "
-                             "costed, but `python -m runtime` cannot run it yet")
+                        help="also search pipeline parallelism of the LLM (pp > 1, 1F1B or interleaved 1F1B): "
+                             "`python -m runtime` runs it, but not yet with --save, checkpoints or --dry-run")
     search.add_argument("--top-k", type=int, metavar="K",
                         help=f"show the K best distinct plans (default 1, at most {api.MAX_TOP_K})")
     search.add_argument("--max-seq", action="store_true",

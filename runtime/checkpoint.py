@@ -215,8 +215,8 @@ def save_hf_folder(trainer: Any, path: str, *, dtype: torch.dtype | None = None,
                    max_file_bytes: int = MAX_FILE_BYTES) -> None:
     """Write the trainer's weights as a Hugging Face folder (``from_pretrained`` and ``--checkpoint`` load it).
 
-    Collective: every rank of the world calls it. Each module's ranks gather its tensors one at a time, each
-    file's owner keeps and writes its own; rank 0 writes the index and ``config.json``.
+    Collective: every rank of the world calls it. Each module's (or pipeline stage's) ranks gather its tensors one
+    at a time, each file's owner keeps and writes its own; rank 0 writes the index and ``config.json``.
 
     Args:
         trainer: a runtime.trainer.Trainer.
@@ -224,11 +224,11 @@ def save_hf_folder(trainer: Any, path: str, *, dtype: torch.dtype | None = None,
         dtype: dtype of the written tensors (default: the parameters' own, so a reload is exact).
         max_file_bytes: size cap of one file (one tensor at least).
     """
-    specs = {m: [(name, shape, dtype or own) for name, shape, own in entries]
-             for m, entries in trainer.tensor_specs().items()}
+    parts = trainer.tensor_parts()
+    specs = {m: [(name, shape, dtype or own) for name, shape, own in entries] for m, (_, entries) in parts.items()}
     dtypes = {name: dt for entries in specs.values() for name, _, dt in entries}
     sizes = {m: [(name, shape.numel() * dt.itemsize) for name, shape, dt in entries] for m, entries in specs.items()}
-    files = plan_files(sizes, {m: trainer.dims[m].ranks for m in specs}, max_file_bytes)
+    files = plan_files(sizes, {m: ranks for m, (ranks, _) in parts.items()}, max_file_bytes)
     mine = {name: f for f in files if f.owner == trainer.rank for name in f.tensors}
     failure = _attempt(os.makedirs, path, exist_ok=True)
     pending: dict[str, dict[str, torch.Tensor]] = {}

@@ -18,8 +18,8 @@ from tqdm import tqdm
 from planner.schema import Plan
 
 GIB = 1024**3
-TIMED = ("vision_forward_s", "vision_backward_s", "llm_forward_s", "llm_backward_s", "grad_sync_s", "optimizer_s",
-         "handoff_comm_s", "data_s")
+TIMED = ("vision_forward_s", "vision_backward_s", "llm_forward_s", "llm_backward_s", "llm_pipeline_s", "grad_sync_s",
+         "optimizer_s", "handoff_comm_s", "data_s")
 """Per-rank timers reported as the max over ranks (and each rank's own under ``ranks``)."""
 
 
@@ -42,9 +42,25 @@ def step_record(step: int, results: list[dict[str, Any]]) -> dict[str, Any]:
     skipped = [r["data_skipped"] for r in results if r.get("data_skipped")]
     if skipped:  # the rank that skipped most so far (DP replicas read different rows, TP peers the same ones)
         record["data_skipped"] = max(skipped, key=lambda counts: sum(counts.values()))
+    stages = pipeline_stages(results)
+    if stages:
+        record["pp_stages"] = stages
     record["ranks"] = [{"rank": r["rank"], "step_time_s": r["step_time_s"], **{k: r[k] for k in TIMED if k in r}}
                        for r in results]
     return record
+
+
+def pipeline_stages(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A pipelined LLM's stages, each with its compute (its micro-batches' forwards and backwards) and idle time
+    (the rest of its schedule: bubbles and waits for sends) of the step, the slowest rank of the stage's; [] without
+    pipeline parallelism."""
+    stages: dict[int, dict[str, Any]] = {}
+    for r in results:
+        if "pp_stage" in r:
+            stage = stages.setdefault(r["pp_stage"], {"stage": r["pp_stage"], "compute_s": 0.0, "idle_s": 0.0})
+            stage["compute_s"] = max(stage["compute_s"], r["pp_compute_s"])
+            stage["idle_s"] = max(stage["idle_s"], r["pp_idle_s"])
+    return [stages[k] for k in sorted(stages)]
 
 
 class MetricsLog:

@@ -1,16 +1,17 @@
 """Per-module parallel degrees read from the Plan, and the device mesh each module runs on.
 
-A module's ranks form a ``dp x cp x sp x tp`` grid (tp innermost), as the planner lays them out. Two meshes are
-built over it: ``mesh`` with axes (``dp_cp_sp``, ``tp``) — the root that FSDP (on ``dp_cp_sp``, the module's
-data-parallel / gradient-sum group) and TP (on ``tp``) share, as 2-D FSDP+TP requires — and ``grid_mesh`` with
-the four named axes, for the SP and DP groups. (Both are built directly rather than by flattening a slice:
+A module's ranks form a ``pp x dp x cp x sp x tp`` grid (tp innermost, pp outermost: each pipeline stage is a
+block of consecutive ranks), as the planner lays them out. Two meshes are built over it: ``mesh`` with axes
+(``dp_cp_sp``, ``tp``), and ``pp`` in front when the module is pipelined — the root that FSDP (on ``dp_cp_sp``, the
+module's data-parallel / gradient-sum group within a stage), TP (on ``tp``) and the pipeline (on ``pp``) share, as
+torchtitan composes them — and ``grid_mesh`` with the named axes, for the SP and DP groups. (Both are built directly rather than by flattening a slice:
 flattening creates process groups that every rank of the world, including ranks outside a disjoint module,
 would have to join.) The runtime never re-decides any of these numbers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -18,8 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from planner.schema import ModulePlan
 from runtime.preflight import context_parallel_refusal
 
-AXES = ("dp", "cp", "sp", "tp")
-"""Mesh axis names, outermost first."""
+AXES = ("pp", "dp", "cp", "sp", "tp")
+"""Grid axis names, outermost first (``pp`` is a mesh axis only when the module is pipelined)."""
 
 BATCH_AXIS = "dp_cp_sp"
 """Flattened axis over which a module's gradients are summed and ZeRO shards."""
@@ -49,16 +50,24 @@ class ParallelDims:
     """Samples per micro-batch per DP replica."""
     grad_accum: int
     """Micro-batches per optimizer step."""
+    pp: int = 1
+    """Pipeline stages."""
+    pp_schedule: str = "1f1b"
+    """1f1b or interleaved_1f1b (runtime.pipeline)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank."""
+    pp_layers: tuple[int, ...] = ()
+    """Decoder layers of each model chunk, in pipeline order (chunk c on stage c % pp)."""
     frozen: bool = False
     """Weights are not trained: no gradients, no optimizer (the module still passes gradients through)."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
-    """(dp_cp_sp, tp) mesh, the root of FSDP and TP (``build_mesh``)."""
+    """([pp,] dp_cp_sp, tp) mesh, the root of FSDP, TP and the pipeline (``build_mesh``)."""
     grid_mesh: DeviceMesh | None = field(default=None, repr=False)
-    """(dp, cp, sp, tp) mesh (``build_mesh``)."""
+    """([pp,] dp, cp, sp, tp) mesh (``build_mesh``)."""
 
     def __post_init__(self) -> None:
-        if len(self.ranks) != self.dp * self.cp * self.sp * self.tp:
-            raise ValueError(f"{self.name}: {len(self.ranks)} ranks for dp*cp*sp*tp = {self.num_devices}")
+        if len(self.ranks) != self.num_devices:
+            raise ValueError(f"{self.name}: {len(self.ranks)} ranks for pp*dp*cp*sp*tp = {self.num_devices}")
         if len(set(self.ranks)) != len(self.ranks):
             raise ValueError(f"{self.name}: a rank appears twice in {self.ranks}")
         if self.cp > 1:
@@ -70,12 +79,32 @@ class ParallelDims:
         return cls(
             name=module.name, ranks=tuple(module.ranks), dp=module.dp, cp=module.cp, sp=module.sp, tp=module.tp,
             zero=module.zero, recompute=module.recompute, micro_batch=module.micro_batch,
-            grad_accum=module.grad_accum, frozen=module.frozen,
+            grad_accum=module.grad_accum, frozen=module.frozen, pp=module.pp, pp_schedule=module.pp_schedule,
+            virtual_stages=module.virtual_stages, pp_layers=tuple(module.pp_layers or ()),
         )
 
     @property
     def num_devices(self) -> int:
+        return self.pp * self.stage_devices
+
+    @property
+    def stage_devices(self) -> int:
+        """Ranks of one pipeline stage (all of them without PP): dp * cp * sp * tp."""
         return self.dp * self.cp * self.sp * self.tp
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage a global rank of this module runs."""
+        return self.ranks.index(rank) // self.stage_devices
+
+    def stage_view(self, stage: int) -> "ParallelDims":
+        """The degrees of one pipeline stage's ranks alone (pp = 1, no mesh): what the hand-off routes to (stage 0)."""
+        ranks = self.ranks[stage * self.stage_devices:(stage + 1) * self.stage_devices]
+        return replace(self, ranks=ranks, pp=1, pp_schedule="1f1b", virtual_stages=1, pp_layers=(), mesh=None,
+                       grid_mesh=None)
 
     @property
     def batch_degree(self) -> int:
@@ -95,10 +124,10 @@ class ParallelDims:
         return self.batch_degree > 1
 
     def coordinate(self, rank: int) -> dict[str, int]:
-        """Grid position of a global rank of this module, e.g. ``{"dp": 1, "cp": 0, "sp": 0, "tp": 1}``."""
+        """Grid position of a global rank of this module, e.g. ``{"pp": 0, "dp": 1, "cp": 0, "sp": 0, "tp": 1}``."""
         index = self.ranks.index(rank)
         coord = {}
-        for axis, size in zip(reversed(AXES), reversed([self.dp, self.cp, self.sp, self.tp])):
+        for axis, size in zip(reversed(AXES), reversed([self.pp, self.dp, self.cp, self.sp, self.tp])):
             coord[axis] = index % size
             index //= size
         return {axis: coord[axis] for axis in AXES}
@@ -110,12 +139,18 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> None:
         """Create the module's meshes; every rank of the world must call this, for every module, in the same
         order (creating a process group is collective), and only the module's ranks may slice them."""
-        grid = torch.tensor(self.ranks).view(self.dp, self.cp, self.sp, self.tp)
+        grid = torch.tensor(self.ranks).view(self.pp, self.dp, self.cp, self.sp, self.tp)
+        if self.pp_enabled:
+            self.mesh = DeviceMesh(device_type, grid.view(self.pp, self.batch_degree, self.tp),
+                                   mesh_dim_names=("pp", BATCH_AXIS, "tp"))
+            self.grid_mesh = DeviceMesh(device_type, grid, mesh_dim_names=AXES)
+            return
         self.mesh = DeviceMesh(device_type, grid.view(self.batch_degree, self.tp), mesh_dim_names=(BATCH_AXIS, "tp"))
-        self.grid_mesh = DeviceMesh(device_type, grid, mesh_dim_names=AXES)
+        self.grid_mesh = DeviceMesh(device_type, grid[0], mesh_dim_names=AXES[1:])
 
     def __str__(self) -> str:
+        pipeline = f"PP{self.pp}-" if self.pp_enabled else ""
         return (
-            f"{self.name}: DP{self.dp}-CP{self.cp}-SP{self.sp}-TP{self.tp} ZeRO{self.zero} "
+            f"{self.name}: {pipeline}DP{self.dp}-CP{self.cp}-SP{self.sp}-TP{self.tp} ZeRO{self.zero} "
             f"rc={self.recompute} mb={self.micro_batch} ga={self.grad_accum} ranks={list(self.ranks)}"
         )

@@ -11,6 +11,7 @@ argument.
 from __future__ import annotations
 
 from runtime.model import LanguageModel, VisionTower
+from runtime.pipeline import PipelinedLanguageModel, split_language_model
 from runtime.parallel.fsdp import apply_fsdp
 from runtime.parallel.precision import Precision
 from runtime.parallel.recompute import apply_recompute
@@ -43,3 +44,19 @@ def parallelize_llm(llm: LanguageModel, dims: ParallelDims, precision: Precision
     if uses_fsdp(dims):
         apply_fsdp(llm, list(llm.language_model.layers), dims.mesh[BATCH_AXIS], zero=dims.zero,
                    mp_policy=precision.fsdp_policy)
+
+
+def parallelize_pipelined_llm(llm: LanguageModel, dims: ParallelDims, precision: Precision,
+                              rank: int) -> PipelinedLanguageModel:
+    """A pipelined language model: recomputation on every layer first (transformers sets it per layer), then this
+    rank's chunks (runtime.pipeline), each with TP and ZeRO over its stage's ``dp x sp`` as one FSDP root."""
+    assert dims.mesh is not None, "build_mesh first"
+    apply_recompute(llm.language_model, dims.recompute)
+    pipelined = split_language_model(llm, dims, rank)
+    for chunk in pipelined.chunks:
+        if dims.tp_enabled:
+            parallelize_llm_tp(chunk, dims.mesh["tp"])
+        if uses_fsdp(dims):
+            apply_fsdp(chunk, list(chunk.language_model.layers.values()), dims.mesh[BATCH_AXIS], zero=dims.zero,
+                       mp_policy=precision.fsdp_policy)
+    return pipelined

@@ -64,10 +64,34 @@ def context_parallel_refusal(module: str, cp: int) -> str:
     )
 
 
-def pipeline_parallel_refusal(module: str, pp: int) -> str:
-    """Why the runtime refuses a pipelined module (until it runs torch.distributed.pipelining schedules)."""
-    return (f"{module}: pipeline parallelism (pp={pp}) is planned but not run yet: plan without --allow-pp (or "
-            f"--fix {module}.pp=1) to get a plan this runtime executes")
+def check_pipeline(plan: Plan, module: Any) -> None:
+    """What the runtime's pipeline (runtime.pipeline) does not run yet, in one line each."""
+    name = f"{module.name}: pipeline parallelism (pp={module.pp})"
+    if module.name != "llm":
+        raise NotImplementedError(f"{name} is run for the LLM only")
+    if module.sp > 1:
+        raise NotImplementedError(f"{name} with Ulysses SP (sp={module.sp}) is not run yet: plan with "
+                                  f"--fix llm.sp=1")
+    if plan.workload.dataset is not None:
+        raise NotImplementedError(f"{name} on a dataset plan's packs is not run yet (the schedule needs one "
+                                  "micro-batch shape): plan with --image-size/--text-tokens")
+    config = plan.model.hf_config
+    if config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False)):
+        raise NotImplementedError(f"{name} with lm_head tied to the embedding (first and last stage) is not run yet")
+
+
+PIPELINE_UNSUPPORTED_FLAGS = ("dry_run",)
+"""Options the runtime does not combine with a pipelined plan yet."""
+
+
+def check_pipeline_flags(plan: Plan, **flags: Any) -> None:
+    """Refuse, in one line, the options not yet run with a pipelined plan."""
+    if not any(m.pp > 1 for m in plan.modules):
+        return
+    used = [name for name in PIPELINE_UNSUPPORTED_FLAGS if flags.get(name)]
+    if used:
+        raise NotImplementedError(f"--{used[0].replace('_', '-')} is not run with pipeline parallelism yet (it "
+                                  "measures one step of each rank role without a pipeline schedule)")
 
 
 def check_plan(plan: Plan) -> None:
@@ -84,7 +108,7 @@ def check_plan(plan: Plan) -> None:
         if module.cp > 1:
             raise NotImplementedError(context_parallel_refusal(module.name, module.cp))
         if module.pp > 1:
-            raise NotImplementedError(pipeline_parallel_refusal(module.name, module.pp))
+            check_pipeline(plan, module)
     if vision.frozen and llm.frozen:
         raise ValueError("every module of the plan is frozen: nothing to train")
     if vision.grad_accum != llm.grad_accum or vision.dp * vision.micro_batch != llm.dp * llm.micro_batch:

@@ -56,7 +56,8 @@ from runtime.parallel.precision import module_precision
 from runtime.parallel.tensor_parallel import qkv_from_tp_layout, qkv_row_order
 from runtime.parallel_dims import BATCH_AXIS, ParallelDims
 from runtime.preflight import MODULES, is_conversation_file
-from runtime.parallelize import parallelize_llm, parallelize_vision, uses_fsdp
+from runtime.parallelize import parallelize_llm, parallelize_pipelined_llm, parallelize_vision, uses_fsdp
+from runtime.pipeline import build_schedule, stage_of_parameter
 from runtime.vision import merged_positions_per_rank, shard_vision_batch, vision_forward, window_layout
 
 
@@ -134,10 +135,14 @@ class Trainer:
         self.modules, self.rope_index = self._build_modules(attention.register())
         self.trainable = {name: m for name, m in self.modules.items() if not self.dims[name].frozen}
         self.optimizers = {name: build_optimizer(m, plan.training) for name, m in self.trainable.items()}
-        self.handoff = Handoff(llm=self.dims["llm"], vision_trainable=not self.dims["vision"].frozen,
+        self.handoff = Handoff(llm=self._receiving_llm, vision_trainable=not self.dims["vision"].frozen,
                                hidden=config.get_text_config().hidden_size, rank=self.rank,
                                dtype=self._handoff_dtype(), device=self.device)
         self._fixed_routes = None if self.packed else self._layout_routes()
+        self.schedule = None
+        if self.dims["llm"].pp_enabled and "llm" in self.modules:
+            self.schedule = build_schedule(self.modules["llm"], self.dims["llm"], self.device, self._pipeline_loss,
+                                           functools.partial(self._timed, "pp_compute_s"))
         if self.packed:
             check_vision_windows(self.source, self.dims["vision"], self.vision_config)
         self.step = 0
@@ -163,7 +168,9 @@ class Trainer:
             modules["vision"] = vision
         else:
             model.model.visual = None
-        if self.rank in self.dims["llm"].ranks:
+        if self.rank in self.dims["llm"].ranks and self.dims["llm"].pp_enabled:
+            modules["llm"] = parallelize_pipelined_llm(llm, self.dims["llm"], self.precision["llm"], self.rank)
+        elif self.rank in self.dims["llm"].ranks:
             parallelize_llm(llm, self.dims["llm"], self.precision["llm"])
             modules["llm"] = llm
         else:
@@ -189,9 +196,15 @@ class Trainer:
             return qkv_row_order(rows, dims.tp)
         return None
 
+    @property
+    def _receiving_llm(self) -> ParallelDims:
+        """The LLM ranks the hand-off feeds: all of them, or a pipeline's first stage."""
+        llm = self.dims["llm"]
+        return llm.stage_view(0) if llm.pp_enabled else llm
+
     def _layout_routes(self) -> Routes:
         """The hand-off routes of every micro-batch of a fixed-shape plan (all samples share the layout)."""
-        vision, llm = self.dims["vision"], self.dims["llm"]
+        vision, llm = self.dims["vision"], self._receiving_llm
         positions = merged_positions_per_rank(self._grid(vision.micro_batch), self.vision_config, vision.sp)
         template = token_sequence([], self.layout)["input_ids"]  # every sample has its image tokens here
         row = (len(template), (template == self.layout.image_token_id).nonzero().flatten())
@@ -392,11 +405,23 @@ class Trainer:
                 if dims.zero == 0 and dims.batch_enabled:
                     all_reduce_gradients(module, dims.mesh[BATCH_AXIS].get_group())
         with self._timed("optimizer_s"):
-            norm = clip_grad_norm(self.trainable, list(MODULES), self.plan.training.grad_clip_norm, self.device)
+            norm = clip_grad_norm(*self._norm_parts(), self.plan.training.grad_clip_norm, self.device)
             for optimizer, schedule in self.optimizers.values():
                 optimizer.step()
                 schedule.step()
         return norm
+
+    def _norm_parts(self) -> tuple[dict[str, torch.nn.Module], list[str]]:
+        """The trainable parts whose gradient norms make the global norm: each module, or each pipeline stage of a
+        pipelined one (its stages hold different parameters), as (the parts this rank holds, all parts)."""
+        held, every = {}, []
+        for name in MODULES:
+            dims = self.dims[name]
+            keys = [f"{name}.stage{k}" for k in range(dims.pp)] if dims.pp_enabled else [name]
+            every += keys
+            if name in self.trainable:
+                held[keys[dims.stage_of(self.rank)] if dims.pp_enabled else name] = self.trainable[name]
+        return held, every
 
     @staticmethod
     def _loss(logits: torch.Tensor, targets: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
@@ -416,12 +441,18 @@ class Trainer:
         for optimizer, _ in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
         num_tokens = self._count_target_tokens() if "llm" in self.modules else None
-        if self.plan.placement == "colocated":
+        if self.dims["llm"].pp_enabled:
+            loss = self._pipelined_step(num_tokens)
+        elif self.plan.placement == "colocated":
             loss = self._colocated_step(num_tokens)
         else:
             loss = self._disjoint_step(num_tokens)
         loss = self._reduce_loss(loss)
         lr = next(iter(self.optimizers.values()))[1].get_last_lr()[0] if self.optimizers else None
+        pipeline = {}
+        if self.schedule is not None:  # this rank's stage: its compute, and the rest of the schedule's time idle
+            idle = self.timings["llm_pipeline_s"] - self.timings["pp_compute_s"]
+            pipeline = {"pp_stage": self.dims["llm"].stage_of(self.rank), "pp_idle_s": max(idle, 0.0)}
         norm = self.optimizer_step()
         self.step += 1
         self.samples_seen += self.positions_per_step
@@ -431,7 +462,7 @@ class Trainer:
             "lr": lr,
             "step_time_s": time.perf_counter() - start, "llm_tokens": self._step_tokens, "data_s": data_s,
             "handoff_comm_s": self.handoff.comm_seconds,
-            "peak_memory_bytes": _peak_memory(self.device), **self.timings,
+            "peak_memory_bytes": _peak_memory(self.device), **self.timings, **pipeline,
             **({"data_skipped": dict(self.source.skipped)} if getattr(self.source, "skipped", None) else {}),
         }
 
@@ -444,6 +475,52 @@ class Trainer:
             loss += share
             self.vision_backward(rows, self.handoff.wait(self.hand_back(grad, micro)), micro)
         return loss
+
+    def _pipelined_step(self, num_tokens: torch.Tensor | None) -> float:
+        """With the LLM pipelined, in either placement: every micro-batch's vision forward and hand-off to the first
+        stage, the LLM's pipeline schedule over all of them, then every hand-back and vision backward (each rank
+        does the parts of the modules it holds)."""
+        micros = range(self.num_micro_batches)
+        rows = [self.vision_forward(micro) if "vision" in self.modules else None for micro in micros]
+        embeds = [self.handoff.wait(self.hand_off(rows[micro], micro)) for micro in micros]
+        grads, loss = [None] * len(micros), 0.0
+        if "llm" in self.modules:
+            grads, loss = self.llm_pipeline(embeds, num_tokens)
+        for micro in micros:
+            grad = self.handoff.wait(self.hand_back(grads[micro], micro))
+            if "vision" in self.modules:
+                self.vision_backward(rows[micro], grad, micro)
+        return loss
+
+    def llm_pipeline(self, embeds: list[torch.Tensor | None], num_tokens: torch.Tensor
+                     ) -> tuple[list[torch.Tensor | None], float]:
+        """Every micro-batch through the LLM's pipeline schedule (runtime.pipeline). Returns, on the first stage,
+        the gradient of each micro-batch's image tokens (None elsewhere) and this rank's loss share (0 off the
+        last stage)."""
+        dims = self.dims["llm"]
+        shards = [self._llm_shard(micro) for micro in range(self.num_micro_batches)]
+        position_ids = torch.cat([s.position_ids_3Bs for s in shards], dim=1)
+        chunks = self.modules["llm"].ids
+        first, last = 0 in chunks, len(dims.pp_layers) - 1 in chunks
+        inputs, rows = (), None
+        if first:
+            per_micro = [e.reshape(dims.micro_batch, -1, e.shape[-1]) for e in embeds]
+            rows = torch.cat(per_micro).requires_grad_(not self.dims["vision"].frozen)
+            inputs = (torch.cat([s.input_ids_Bs for s in shards]), rows)
+        losses: list[torch.Tensor] = []
+        target = torch.cat([s.targets_Bs for s in shards]) if last else None
+        self._step_num_tokens = num_tokens
+        with loss_parallel() if dims.tp_enabled else contextlib.nullcontext(), self._autocast("llm"):
+            with self._timed("llm_pipeline_s"):
+                self.schedule.step(*inputs, target=target, losses=losses if last else None, position_ids=position_ids)
+        loss = sum((float((l.full_tensor() if isinstance(l, DTensor) else l).detach()) for l in losses), 0.0)
+        if rows is None or rows.grad is None:
+            return [None] * self.num_micro_batches, loss
+        return [g.reshape(-1, g.shape[-1]) for g in rows.grad.chunk(self.num_micro_batches)], loss
+
+    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss of one micro-batch on the last stage (``_loss`` over the step's target tokens)."""
+        return self._loss(logits, targets, self._step_num_tokens)
 
     def _disjoint_step(self, num_tokens: torch.Tensor | None) -> float:
         """1F1B across the two groups: the vision group runs up to MAX_VISION_IN_FLIGHT forwards ahead, then
@@ -479,6 +556,8 @@ class Trainer:
         if "llm" not in self.modules:
             return None
         value = torch.tensor(loss, device=self.device)
+        if dims.pp_enabled:  # the last stage computed it
+            dist.all_reduce(value, group=dims.mesh["pp"].get_group())
         if dims.batch_enabled:
             dist.all_reduce(value, group=dims.mesh[BATCH_AXIS].get_group())
         return float(value)
@@ -502,22 +581,35 @@ class Trainer:
     def full_tensors(self, kind: str) -> dict[str, torch.Tensor]:
         """Unsharded parameters (``kind="param"``) or gradients (``"grad"``) under their HF names, on CPU, fp32.
 
-        Every rank of a module must call this (gathering is collective); the module's first rank returns them.
+        Every rank of a module must call this (gathering is collective); the module's first rank (of each pipeline
+        stage) returns them.
         """
         out = {}
         for name in self.modules:
+            dims = self.dims[name]
+            first = dims.ranks[dims.stage_of(self.rank) * dims.stage_devices]
             for hf_name, tensor in self.iter_full_tensors(name, kind):
-                if self.rank == self.dims[name].ranks[0]:
+                if self.rank == first:
                     out[hf_name] = tensor.float().clone()
         return out
 
-    def tensor_specs(self) -> dict[str, list[tuple[str, torch.Size, torch.dtype]]]:
-        """(HF name, full shape, dtype) of every parameter of every module, held here or not (tied weights
-        once), in ``iter_full_tensors`` order: what a saved checkpoint holds."""
+    def tensor_parts(self) -> dict[str, tuple[tuple[int, ...], list[tuple[str, torch.Size, torch.dtype]]]]:
+        """Every parameter of every module, held here or not (tied weights once), as (HF name, full shape, dtype)
+        in ``iter_full_tensors`` order, by the ranks that hold it: each module's, or each pipeline stage's of a
+        pipelined one (``part -> (ranks, parameters)``). What a saved checkpoint holds."""
         vision, llm, _ = split_model(self._init.meta)
-        return {name: [(module.hf_name(n), p.shape, self.precision[name].param_dtype)
+        parts = {}
+        for name, module in (("vision", vision), ("llm", llm)):
+            dims = self.dims[name]
+            entries = [(module.hf_name(n), p.shape, self.precision[name].param_dtype)
                        for n, p in module.named_parameters()]
-                for name, module in (("vision", vision), ("llm", llm))}
+            if not dims.pp_enabled:
+                parts[name] = (dims.ranks, entries)
+                continue
+            for stage in range(dims.pp):
+                mine = [e for e in entries if stage_of_parameter(e[0], dims) == stage]
+                parts[f"{name}.stage{stage}"] = (dims.stage_view(stage).ranks, mine)
+        return parts
 
     def hf_config(self) -> PretrainedConfig:
         """The model's transformers config, as a saved checkpoint's ``config.json`` has it."""

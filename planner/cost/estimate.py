@@ -7,7 +7,7 @@ with one boolean per (module, candidate) reproduces ``combine`` exactly:
   optimizer`` (``ModuleCost.step_tail_s``) and ``bubble`` is a pipelined module's fill and drain (0 without PP);
   ``memory = max_phase sum_m alive_m(phase) + overhead``, what each module holds at each moment of the step
   (``planner.cost.phases``). Encoders feeding a pipelined LLM run every micro-batch's forward before its schedule
-  and every backward after it, so they hold ``grad_accum`` micro-batches' activations.
+  and every backward after it, so they hold ``grad_accum`` micro-batches' activations (either placement).
 * disjoint (encoders -> LLM, 1F1B over grad_accum micro-batches as the runtime schedules them):
   ``step = max_k (encoder_term_k + llm_term_k) + max_m tail_m``, the longest of the schedule's critical paths
   (``planner.cost.pipeline``), each a sum of per-module terms; each group's memory is its own module's plus the
@@ -24,7 +24,7 @@ from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.layer_costs import LayerCostSource
 from planner.cost.module import module_cost
 from planner.cost.phases import PHASE_KINDS, Phase, alive, data_flow_order, own_phases, step_phases
-from planner.cost.pipeline import path_terms, pipeline_step_time
+from planner.cost.pipeline import NUM_PATHS, path_terms, pipeline_step_time
 from planner.cost.results import GIB, Estimate, MemoryBreakdown, ModuleCost
 from planner.cost.validity import check_strategy
 from planner.hardware import Cluster
@@ -87,7 +87,11 @@ def combine(
 
 def module_path_terms(cost: ModuleCost) -> tuple[float, ...]:
     """The module's terms of the disjoint pipeline's critical paths: the LLM is the second stage, encoders the
-    first (``planner.cost.pipeline.path_terms``)."""
+    first (``planner.cost.pipeline.path_terms``). A pipelined LLM runs its schedule over every micro-batch once
+    the encoders' forwards are done, and they run their backwards after it: its step is on every path, whose
+    longest is then the encoders' ``m P`` plus it (exact for that sequence)."""
+    if cost.stage_costs:
+        return (cost.micro_batches_s,) * NUM_PATHS
     stage = "llm" if cost.module == "llm" else "encoder"
     return path_terms(cost.per_micro_batch_s, cost.forward_per_micro_batch_s, cost.strategy.grad_accum, stage=stage)
 
@@ -177,8 +181,6 @@ def estimate(
         for reason in check_strategy(model, name, s, cluster, workload)
     ]
     pipelined = strategy.modules["llm"].pp > 1 if "llm" in strategy.modules else False
-    if pipelined and strategy.placement == "disjoint":
-        problems.append("llm: pipeline parallelism (pp > 1) is planned in colocated placement only")
     problems += [f"{name}: pp={s.pp}; pipeline parallelism is planned for the LLM only"
                  for name, s in strategy.modules.items() if name != "llm" and s.pp > 1]
     if problems:

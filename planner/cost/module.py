@@ -626,10 +626,9 @@ def _pipelined_cost(
 
     Transfers per micro-batch: a stage boundary carries the micro-batch's hidden states forward and their
     gradient back, point-to-point between the ranks of the same grid position in consecutive stages (Hockney
-    alpha-beta over the link joining them); stage 0 also receives the encoders' output, which colocated encoders
-    on every GPU produce (over the NIC once the module spans nodes), and sends its gradient back.
+    alpha-beta over the link joining them); stage 0 also receives the encoders' output (colocated: from every
+    GPU; disjoint: from the encoder group) over the NIC once the module spans nodes, and sends its gradient back.
     """
-    assert placement == "colocated", "pipelined modules are costed in colocated placement only"
     cluster, assumptions, dpn = static.cluster, static.assumptions, static.cluster.devices_per_node
     within = (
         axis_within_node(first_rank, 1, s.tp, s.gpus, dpn),

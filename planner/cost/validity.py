@@ -44,7 +44,7 @@ def check_strategy(
     if s.gpus > cluster.num_devices:
         reasons.append(f"pp*dp*cp*sp*tp = {s.gpus} GPUs but the cluster has {cluster.num_devices}")
     if s.pp > 1:
-        reasons += pipeline_reasons(spec, s)
+        reasons += pipeline_reasons(model, spec, s)
     if s.samples_per_step != workload.global_batch:
         reasons.append(
             f"dp*micro_batch*grad_accum = {s.dp}*{s.micro_batch}*{s.grad_accum} = {s.samples_per_step} "
@@ -79,14 +79,21 @@ def check_strategy(
     return reasons
 
 
-def pipeline_reasons(spec: ModuleSpec, s: ModuleStrategy) -> list[str]:
+def pipeline_reasons(model: ModelSpec, spec: ModuleSpec, s: ModuleStrategy) -> list[str]:
     """Why ``spec`` cannot be pipelined as ``s`` says: only the LLM is (its decoder layers are the repeated block
     stages divide); every model chunk needs a decoder layer; torch's ``Schedule1F1B`` needs at least as many
     micro-batches as stages, and ``ScheduleInterleaved1F1B`` a micro-batch count that its rounds
-    (``max(1, grad_accum // pp)``) divide."""
+    (``max(1, grad_accum // pp)``) divide. What the runtime does not run inside a pipeline yet is ruled out too:
+    Ulysses SP, and an lm_head tied to the embedding (on the first and the last stage)."""
     if spec.name != "llm":
         return [f"{spec.name} uses pp={s.pp}; pipeline parallelism is planned for the LLM only"]
     reasons = []
+    if s.sp > 1:
+        reasons.append(f"pp={s.pp} with sp={s.sp}: the runtime does not run Ulysses SP inside a pipeline yet")
+    config = model.hf_config
+    if config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False)):
+        reasons.append(f"pp={s.pp}: {model.name} ties lm_head to the embedding, which the runtime does not split "
+                       "over pipeline stages yet")
     layers = sum(layer.count for layer in spec.layers if layer.kind == "decoder_layer")
     chunks = s.pp * s.virtual_stages
     if layers < chunks:

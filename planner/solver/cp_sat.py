@@ -216,6 +216,7 @@ def build_model(
         step = weighted(x, cands, lambda c: units.time(c.step_ns))
     else:
         add_disjoint_gpus(model, x, cands, num_gpus)
+        add_pipeline_link(model, x, cands)
         pipeline = add_longest_path(model, x, cands, units)
         tail = add_max_over_modules(model, x, cands, lambda c: units.time(c.tail_ns), "tail_max")
         step = pipeline + tail

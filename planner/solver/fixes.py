@@ -95,9 +95,6 @@ def _check_fix_consistency(placement: str | None, fixes: Fixes, num_gpus: int) -
     for m, f in fixes.items():
         if m != "llm" and (f.get("pp", 1) > 1 or f.get("virtual_stages", 1) > 1):
             raise ValueError(f"--fix {m}.pp / {m}.virtual_stages: pipeline parallelism is planned for the LLM only")
-        if f.get("pp", 1) > 1 and placement == "disjoint":
-            raise ValueError(f"contradictory --fix: {m}.pp={f['pp']} but pipeline parallelism is planned in "
-                             "colocated placement only (placement=disjoint)")
         if f.get("virtual_stages", 1) > 1 and f.get("pp") == 1:
             raise ValueError(f"contradictory --fix: {m}.virtual_stages={f['virtual_stages']} needs pp > 1")
     pinned = [f["gpus"] for f in fixes.values() if "gpus" in f]
@@ -107,24 +104,18 @@ def _check_fix_consistency(placement: str | None, fixes: Fixes, num_gpus: int) -
 
 def placements_to_solve(problem: Problem, requested: str, pinned: str | None, fixes: Fixes | None = None
                         ) -> list[Placement]:
-    """Placements to solve: the pinned or requested one, or both for auto (disjoint only with one encoder; colocated
-    only when ``fixes`` pin a pipeline)."""
+    """Placements to solve: the pinned or requested one, or both for auto (disjoint only with one encoder)."""
     if requested not in PLACEMENT_CHOICES:
         raise ValueError(f"--placement must be one of {', '.join(PLACEMENT_CHOICES)}, got {requested!r}")
     if pinned and requested not in ("auto", pinned):
         raise ValueError(f"contradictory: --placement {requested} and --fix placement={pinned}")
     choice = pinned or requested
-    pipelined = any(f.get("pp", 1) > 1 for f in (fixes or {}).values())
     chunked = [m for m, f in (fixes or {}).items() if f.get("virtual_stages", 1) > 1 and "pp" not in f]
     if chunked and not problem.allow_pp:
         raise ValueError(f"--fix {chunked[0]}.virtual_stages needs pipeline parallelism: add --allow-pp or "
                          f"--fix {chunked[0]}.pp=N")
-    if pipelined and choice == "disjoint":
-        raise ValueError("--placement disjoint: a pinned pp > 1 is planned in colocated placement only")
     if choice != "auto":
         return [choice]
-    if pipelined:
-        return ["colocated"]
     one_encoder = len(encoder_names(problem.model)) == 1 and problem.num_gpus >= 2
     return ["colocated", "disjoint"] if one_encoder else ["colocated"]
 

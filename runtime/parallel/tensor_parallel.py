@@ -109,22 +109,23 @@ def _local_rows_lookup(embedding: nn.Embedding, ids: DTensor) -> DTensor:
 
 
 def parallelize_llm_tp(llm: nn.Module, mesh: DeviceMesh) -> None:
-    """Shard the decoder blocks, the embedding (vocab-parallel) and lm_head (logits sharded on vocab)."""
+    """Shard the decoder blocks, the embedding (vocab-parallel) and lm_head (logits sharded on vocab); a pipeline
+    chunk (runtime.pipeline) has the embedding only on the first stage and lm_head only on the last."""
     tp = mesh.size()
     config = llm.language_model.config
     _check_divisible("LLM attention heads", config.num_attention_heads, tp)
     _check_divisible("LLM key/value heads", config.num_key_value_heads, tp)
     _check_divisible("vocabulary entries", config.vocab_size, tp)
-    tied = llm.lm_head.weight is llm.language_model.embed_tokens.weight
-    parallelize_module(
-        llm,
-        mesh,
-        {
-            "language_model.embed_tokens": VocabParallelEmbedding(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-        },
-    )
+    embedding, lm_head = getattr(llm.language_model, "embed_tokens", None), getattr(llm, "lm_head", None)
+    tied = embedding is not None and lm_head is not None and lm_head.weight is embedding.weight
+    plan = {}
+    if embedding is not None:
+        plan["language_model.embed_tokens"] = VocabParallelEmbedding(input_layouts=Replicate())
+    if lm_head is not None:
+        plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(llm, mesh, plan)
     if tied:  # both are sharded on the vocabulary dim, so the shards can stay shared
         llm.lm_head.weight = llm.language_model.embed_tokens.weight
-    for block in llm.language_model.layers:
+    layers = llm.language_model.layers
+    for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         parallelize_module(block, mesh, LLM_BLOCK_PLAN)

@@ -10,7 +10,7 @@ from planner.cost import estimate, module_cost
 from planner.cost.phases import Phase, alive, own_phases
 from planner.cost.pipeline import balanced_chunk_layers, in_flight_chunks, pipeline_bubble_time
 from planner.models import ModelSpec
-from planner.strategy import ModuleStrategy
+from planner.strategy import ModuleStrategy, Strategy
 
 
 def test_balanced_chunk_layers_by_hand():
@@ -165,3 +165,17 @@ def test_pipeline_rules():
     with pytest.raises(ValueError, match="8 pipeline chunks but llm has 6 decoder layers"):
         estimate(model, toy_cluster(8), toy_workload(32), colocated(flat, ModuleStrategy(
             dp=2, pp=4, pp_schedule="interleaved_1f1b", virtual_stages=2, micro_batch=4, grad_accum=4)), COMPUTE_ONLY)
+
+
+def test_disjoint_encoder_feeding_a_pipeline_runs_before_and_after_it():
+    """The runtime runs every vision forward, then the LLM's schedule, then every vision backward: the step is
+    their sum (plus the longest tail), and the vision group holds every micro-batch's activations."""
+    model = deep_model(6)
+    strategy = Strategy(placement="disjoint", modules={
+        "vision": ModuleStrategy(dp=4, micro_batch=1, grad_accum=4),
+        "llm": ModuleStrategy(dp=2, pp=2, micro_batch=2, grad_accum=4)})
+    e = estimate(model, toy_cluster(8), toy_workload(16), strategy, COMPUTE_ONLY)
+    vision, llm = e.modules["vision"], e.modules["llm"]
+    assert vision.activations_bytes == 4 * vision.activations_per_micro_batch_bytes
+    expected = vision.micro_batches_s + llm.micro_batches_s + max(vision.step_tail_s, llm.step_tail_s)
+    assert e.step_time_s == pytest.approx(expected + COMPUTE_ONLY.step_overhead_s)

@@ -60,14 +60,14 @@ def _packed(model, image: int, text: int, packs: int) -> Workload:
     return packed_workload(pack_dataset(tokens, model, int(tokens.llm.max()) * 2).packed, packs)
 
 
-def all_strategies(p: Problem, module: str, gpus: int, placement: str = "colocated") -> list[ModuleStrategy]:
+def all_strategies(p: Problem, module: str, gpus: int) -> list[ModuleStrategy]:
     """Every valid strategy of ``module`` on ``gpus`` GPUs: all integer grids, ZeRO 0-3, every recompute mode
     and micro-batch, filtered by ``check_strategy`` only (independent of planner.candidates' enumeration); ring CP
-    (cp > 1) only when the problem allows it; pipeline parallelism (every pp, 1F1B and interleaved with 2 chunks)
-    when it allows that, colocated."""
+    (cp > 1) only when the problem allows it; pipeline parallelism of the LLM (every pp, 1F1B and interleaved with
+    2 chunks) when it allows that."""
     batch = p.workload.global_batch
     pipelines = [(1, "1f1b", 1)]
-    if p.allow_pp and placement == "colocated":
+    if p.allow_pp and module == "llm":
         pipelines += [(pp, schedule, v) for pp in divisors(gpus) if pp > 1
                       for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2))]
     found = []
@@ -100,9 +100,9 @@ def brute_force(p: Problem, placement: str) -> tuple[float, Strategy] | None:
     best = None
     for g_enc, g_llm in splits:
         llm_by_ga: dict[int, list[ModuleStrategy]] = {}
-        for s in all_strategies(p, llm, g_llm, placement):
+        for s in all_strategies(p, llm, g_llm):
             llm_by_ga.setdefault(s.grad_accum, []).append(s)
-        for s_enc in all_strategies(p, encoder, g_enc, placement):
+        for s_enc in all_strategies(p, encoder, g_enc):
             for s_llm in llm_by_ga.get(s_enc.grad_accum, []):
                 strategy = Strategy(placement=placement, modules={encoder: s_enc, llm: s_llm},
                                     precision=p.precision)

@@ -44,16 +44,17 @@ def _unconstrained(case, placement):
     return p, brute_force(p, placement)
 
 
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
 @pytest.mark.parametrize("fraction", [None, 0.95, 0.8])
-def test_same_optimum_when_the_optimum_pipelines(fraction):
-    """One GPU per node: PP sends activations where ZeRO gathers weights over the NIC, and the optimum pipelines
-    (no disjoint plan fits here)."""
-    p, (step, best) = _unconstrained("32b-h200-4nodes-pp", "colocated")
+def test_same_optimum_when_the_optimum_pipelines(placement, fraction):
+    """One GPU per node: PP sends activations where ZeRO gathers weights over the NIC, and the optimum pipelines the
+    LLM in either placement (disjoint: the vision tower on its own GPU feeding stage 0)."""
+    p, (step, best) = _unconstrained("32b-h200-4nodes-pp", placement)
     assert best.modules["llm"].pp > 1
     if fraction is None:
-        _check(p, "colocated", (step, best))
+        _check(p, placement, (step, best))
     else:
-        _check_tightened("32b-h200-4nodes-pp", "colocated", fraction)
+        _check_tightened("32b-h200-4nodes-pp", placement, fraction)
 
 
 def _check(p, placement, expected):

@@ -138,10 +138,20 @@ def call_on_workers(job, fn) -> list[Any]:
 
 
 # ---- expectations (from the plan only) -----------------------------------------------------------------
+def stage_ranks(module: ModulePlan, rank: int) -> list[int]:
+    """The ranks of ``rank``'s pipeline stage: the module's ranks form a pp x (dp x cp x sp x tp) grid, pp
+    outermost (all of them without PP)."""
+    size = len(module.ranks) // module.pp
+    first = module.ranks.index(rank) // size * size
+    return list(module.ranks[first:first + size])
+
+
 def axis_groups(module: ModulePlan, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(TP group, batch group) of ``rank`` in ``module``: its ranks form a dp x cp x sp x tp grid, tp innermost;
-    the TP group varies only the TP coordinate, the batch group (gradient sum, ZeRO) only the others."""
-    ranks, index = list(module.ranks), module.ranks.index(rank)
+    """(TP group, batch group) of ``rank`` in ``module``: the ranks of its pipeline stage form a dp x cp x sp x tp
+    grid, tp innermost; the TP group varies only the TP coordinate, the batch group (gradient sum, ZeRO) only the
+    others."""
+    ranks = stage_ranks(module, rank)
+    index = ranks.index(rank)
     first = index - index % module.tp
     tp_group = tuple(ranks[first : first + module.tp])
     batch_group = tuple(r for i, r in enumerate(ranks) if i % module.tp == index % module.tp)
@@ -198,6 +208,29 @@ def assert_parameters_sharded_as_planned(plan: Plan, summaries: list[dict[str, A
                     f"{local_shape(p['shape'], expected)}"
                 )
                 assert p["requires_grad"] == (not module.frozen), f"{where}: requires_grad {p['requires_grad']}"
+            if module.pp > 1:
+                assert_holds_its_stage(module, rank, set(params))
+
+
+DECODER_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+"""A decoder layer's parameter, with the layer's HF index."""
+
+
+def assert_holds_its_stage(module: ModulePlan, rank: int, names: set[str]) -> None:
+    """A pipeline rank holds exactly the decoder layers of its model chunks (stage s: chunks s, s + pp, ...; chunk
+    c the ``pp_layers[c]`` layers after the previous chunks'), the embedding only on the first stage, the final
+    norm and lm_head only on the last."""
+    stage = module.ranks.index(rank) // (len(module.ranks) // module.pp)
+    starts = [sum(module.pp_layers[:c]) for c in range(len(module.pp_layers) + 1)]
+    chunks = range(stage, len(module.pp_layers), module.pp)
+    planned = {i for c in chunks for i in range(starts[c], starts[c + 1])}
+    held = {int(m.group(2)) for name in names if (m := DECODER_LAYER.search(name))}
+    assert held == planned, f"rank {rank} (stage {stage}) holds decoder layers {sorted(held)}, plan: {sorted(planned)}"
+    parts = {"embed_tokens": r"\.embed_tokens\.", "lm_head": r"(^|\.)lm_head\.", "final norm": r"language_model\.norm\."}
+    has = {part: any(re.search(pattern, name) for name in names) for part, pattern in parts.items()}
+    last = len(module.pp_layers) - 1 in chunks
+    expected = {"embed_tokens": 0 in chunks, "lm_head": last, "final norm": last}
+    assert has == expected, f"rank {rank} (stage {stage}) holds {has}, plan: {expected}"
 
 
 def assert_gradients_sharded_as_parameters(summaries: list[dict[str, Any]]) -> None:
@@ -234,6 +267,8 @@ def assert_reshard_as_planned(plan: Plan, summaries: list[dict[str, Any]]) -> No
             seen[module_name, block_name].append((moment, layout))
         for (module_name, block_name), events in seen.items():
             module = plan.module(module_name)
+            if module.pp > 1:  # the schedule runs a shape-inference forward and manages FSDP's sync itself
+                continue
             name, after = summary["after_step"][module_name, block_name]
             expected = expected_block_events(module, rank, name)
             where = f"rank {rank} {module_name} {block_name} (ZeRO-{module.zero}, {module.grad_accum} micro-batches)"

@@ -72,6 +72,31 @@ PLANS = {
     ),
 }
 
+PIPELINE_PLANS = {
+    # the LLM's 4 decoder layers over 2 stages (1F1B over 2 micro-batches); the vision tower on both ranks
+    "llm_pp2__vision_dp2": dict(vision=dict(dp=2, grad_accum=2),
+                                llm=dict(pp=2, pp_layers=[2, 2], micro_batch=2, grad_accum=2)),
+    # TP inside each stage (vocab-parallel embedding on stage 0, loss_parallel on stage 1)
+    "llm_pp2xtp2__vision_dp2xtp2": dict(vision=dict(dp=2, tp=2, grad_accum=2),
+                                        llm=dict(pp=2, tp=2, pp_layers=[2, 2], micro_batch=2, grad_accum=2)),
+    # vision Ulysses SP2 on the same ranks; an uneven split
+    "llm_pp2_3_1__vision_sp2": dict(vision=dict(sp=2, grad_accum=2),
+                                    llm=dict(pp=2, pp_layers=[3, 1], grad_accum=2)),
+    # the vision tower on its own rank feeding stage 0
+    "disjoint_vision_1__llm_pp2": dict(vision=dict(grad_accum=2), llm=dict(pp=2, pp_layers=[2, 2], grad_accum=2),
+                                       placement="disjoint"),
+    # 2 model chunks per stage: stage 0 runs layers 0 and 2, stage 1 layers 1 and 3
+    "llm_pp2_interleaved_2_chunks": dict(vision=dict(dp=2, grad_accum=2), llm=dict(
+        pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2, pp_layers=[1, 1, 1, 1], micro_batch=2,
+        grad_accum=2)),
+    # ZeRO-3 over each stage's 2 DP ranks
+    "llm_pp2xdp2_zero3__vision_dp4_zero1": dict(vision=dict(dp=4, zero=1, grad_accum=2),
+                                                llm=dict(pp=2, dp=2, zero=3, pp_layers=[2, 2], micro_batch=2,
+                                                         grad_accum=2)),
+}
+"""Pipelined LLM plans (runtime.pipeline)."""
+
+
 def tied_embeddings_config() -> dict:
     """The tiny model with lm_head tied to the embedding (as Qwen2.5-VL-3B and Qwen2-VL-2B are)."""
     return {**tiny_hf_config(), "tie_word_embeddings": True}
@@ -173,6 +198,13 @@ def test_parity(name, ray_cluster):
 @pytest.mark.parametrize("name", list(SLOW_PLANS))
 def test_parity_more_plans(name, ray_cluster):
     spec = dict(SLOW_PLANS[name])
+    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PIPELINE_PLANS))
+def test_parity_pipelined(name, ray_cluster):
+    spec = dict(PIPELINE_PLANS[name])
     assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec))
 
 

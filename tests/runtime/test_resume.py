@@ -37,6 +37,10 @@ SAME_PLAN = {
     "colocated_zero3_dp2": dict(vision=dict(dp=2, zero=3), llm=dict(dp=2, zero=3)),
     "colocated_vision_tp2__llm_sp2": dict(vision=dict(tp=2), llm=dict(sp=2)),
     "disjoint_1_1__2_micro_batches": dict(vision=dict(grad_accum=2), llm=dict(grad_accum=2), placement="disjoint"),
+    "colocated_llm_pp2": dict(vision=dict(dp=2, grad_accum=2), llm=dict(pp=2, pp_layers=[2, 2], micro_batch=2,
+                                                                        grad_accum=2)),
+    "colocated_llm_pp2_interleaved": dict(vision=dict(dp=2, grad_accum=2), llm=dict(
+        pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2, pp_layers=[1, 1, 1, 1], micro_batch=2, grad_accum=2)),
 }
 
 OVERLAPPED = {"colocated_zero3_dp2", "disjoint_1_1__2_micro_batches"}
@@ -46,6 +50,7 @@ ACROSS_PLANS = [  # the same global batch (2 samples) in each
     dict(vision=dict(tp=2, grad_accum=2), llm=dict(tp=2, grad_accum=2)),
     dict(vision=dict(dp=2, zero=3), llm=dict(dp=2, zero=3)),
     dict(vision=dict(sp=2, grad_accum=2), llm=dict(tp=2, grad_accum=2)),
+    dict(vision=dict(sp=2, grad_accum=2), llm=dict(pp=2, pp_layers=[3, 1], grad_accum=2)),
 ]
 
 
@@ -86,7 +91,7 @@ def test_resume_under_other_plans_follows_the_uninterrupted_curve(tmp_path):
     plans = [make_plan(**{k: dict(v) for k, v in p.items()}) for p in ACROSS_PLANS]
     outs = spawn(2, straight_and_legs, plans[0], [(p, 2) for p in plans], str(tmp_path))
     straight, legs = _curve(outs, "straight"), _curve(outs, "legs")
-    assert len(legs) == len(straight) == 6
+    assert len(legs) == len(straight) == 8
     for a, b in zip(straight, legs):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
@@ -96,7 +101,7 @@ def test_resume_under_other_plans_follows_the_uninterrupted_curve(tmp_path):
     for hf_name, tensor in reference.items():  # Adam noise floor, as in test_parity: a tenth of one step (lr 1e-3)
         assert (tensor - resumed[hf_name]).abs().max() <= 1e-4, hf_name
     kept = checkpoint_dir.complete_checkpoints(str(tmp_path))
-    assert [step for step, _ in kept] == [6]  # keep_last=1 pruned steps 2 and 4
+    assert [step for step, _ in kept] == [8]  # keep_last=1 pruned steps 2, 4 and 6
     assert not [n for n in os.listdir(tmp_path) if n.endswith(checkpoint_dir.TMP_SUFFIX)]
     _assert_exports_to_hf(kept[0][1], tmp_path / "hf", resumed)
 

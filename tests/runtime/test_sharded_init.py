@@ -34,6 +34,8 @@ SPECS = {
         "uniform_tp2": dict(vision=dict(tp=2), llm=dict(tp=2)),
         "vision_sp2_zero2__llm_tp2": dict(vision=dict(sp=2, zero=2), llm=dict(tp=2)),
         "disjoint_1_1": dict(vision=dict(), llm=dict(), placement="disjoint"),
+        "llm_pp2__vision_dp2": dict(vision=dict(dp=2, grad_accum=2),
+                                    llm=dict(pp=2, pp_layers=[3, 1], micro_batch=2, grad_accum=2)),
     },
     4: {
         "vision_dp2xtp2_zero3__llm_tp2xdp2_zero3": dict(
@@ -44,10 +46,10 @@ SPECS = {
         ),
     },
 }
-"""Plans per world size: TP, SP, DP, ZeRO 1-3, FSDP x TP, colocated and disjoint."""
+"""Plans per world size: TP, SP, DP, ZeRO 1-3, FSDP x TP, PP, colocated and disjoint."""
 
 ROUND_TRIPS = {
-    2: {"uniform_tp2": "zero3_dp2", "zero3_dp2": "uniform_tp2"},
+    2: {"uniform_tp2": "zero3_dp2", "zero3_dp2": "llm_pp2__vision_dp2", "llm_pp2__vision_dp2": "uniform_tp2"},
     4: {"vision_dp2xtp2_zero3__llm_tp2xdp2_zero3": "vision_tp4__llm_tp2xsp2_zero1"},
 }
 """Saving plan -> loading plan."""

@@ -110,12 +110,20 @@ def _dims(**kw) -> ParallelDims:
 
 def test_parallel_dims_grid_is_dp_cp_sp_tp_with_tp_innermost():
     dims = _dims()
-    assert dims.coordinate(0) == {"dp": 0, "cp": 0, "sp": 0, "tp": 0}
-    assert dims.coordinate(1) == {"dp": 0, "cp": 0, "sp": 0, "tp": 1}
-    assert dims.coordinate(2) == {"dp": 0, "cp": 0, "sp": 1, "tp": 0}
-    assert dims.coordinate(5) == {"dp": 1, "cp": 0, "sp": 0, "tp": 1}
+    assert dims.coordinate(0) == {"pp": 0, "dp": 0, "cp": 0, "sp": 0, "tp": 0}
+    assert dims.coordinate(1) == {"pp": 0, "dp": 0, "cp": 0, "sp": 0, "tp": 1}
+    assert dims.coordinate(2) == {"pp": 0, "dp": 0, "cp": 0, "sp": 1, "tp": 0}
+    assert dims.coordinate(5) == {"pp": 0, "dp": 1, "cp": 0, "sp": 0, "tp": 1}
     assert dims.ranks_where(dp=1, sp=1) == [6, 7]
     assert dims.batch_degree == 4
+
+
+def test_pipeline_stages_are_the_outermost_blocks_of_ranks():
+    dims = _dims(name="llm", dp=1, sp=1, pp=4, pp_layers=(1, 1, 1, 1))
+    assert [dims.stage_of(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert dims.coordinate(5) == {"pp": 2, "dp": 0, "cp": 0, "sp": 0, "tp": 1}
+    first = dims.stage_view(0)
+    assert first.ranks == (0, 1) and first.pp == 1 and first.coordinate(1)["tp"] == 1
 
 
 def test_parallel_dims_validation():

@@ -1,0 +1,161 @@
+"""Pipeline parallelism of the language model with ``torch.distributed.pipelining``.
+
+The plan splits the decoder layers into ``pp * virtual_stages`` model chunks (``pp_layers``, chunk c on stage
+c % pp). Each chunk is a ``LanguageModelChunk`` holding transformers' own submodules of its layers (the embedding
+on the first chunk, the final norm and lm_head on the last, the rotary embedding on all), under the same names as
+in the whole model, so checkpoints and the random init address them by their Hugging Face names. A rank's chunks
+sit in one ``PipelinedLanguageModel`` (what the optimizer and the checkpoint code see); each chunk is a
+``PipelineStage``, and ``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` runs every micro-batch of the step.
+
+Inputs of a step, all micro-batches at once (the schedule splits them on the batch dim): the first stage takes the
+token ids and the hand-off's image rows ``[B, M, D]`` (every sample of a fixed-shape plan has M image tokens); every
+stage takes the M-RoPE positions (a keyword, split on its batch dim 1) and recomputes its rotary embedding; the last
+stage's output goes to the loss with the targets. The image rows are a leaf: their gradient is the hand-back.
+
+Shape legend: B samples, L sequence, M image tokens per sample, D hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, ContextManager
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.microbatch import TensorChunkSpec
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from runtime.model import LanguageModel
+from runtime.parallel_dims import ParallelDims
+
+
+class _Decoder(nn.Module):
+    """The part of ``model.model.language_model`` one chunk holds (same attribute names)."""
+
+    def __init__(self, language_model: nn.Module, layer_ids: range, *, first: bool, last: bool):
+        super().__init__()
+        self.config = language_model.config
+        self.embed_tokens = language_model.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): language_model.layers[i] for i in layer_ids})  # keys: HF layer index
+        self.norm = language_model.norm if last else None
+        self.rotary_emb = language_model.rotary_emb
+
+
+class LanguageModelChunk(nn.Module):
+    """One model chunk of the decoder: ``forward(input_ids_BL, image_rows_BMD)`` (first chunk) or
+    ``forward(hidden_BLD)``, with ``position_ids`` [3, B, L] (or 4 rows, packed) as a keyword; returns the hidden
+    states, or on the last chunk the logits [B, L, V] (a DTensor sharded on V under tensor parallelism)."""
+
+    def __init__(self, llm: LanguageModel, layer_ids: range, *, first: bool, last: bool):
+        super().__init__()
+        self.language_model = _Decoder(llm.language_model, layer_ids, first=first, last=last)
+        self.lm_head = llm.lm_head if last else None
+        self.image_token_id = llm.image_token_id
+        self.first, self.last = first, last
+
+    def forward(self, *inputs: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        decoder = self.language_model
+        if self.first:
+            input_ids_BL, rows_BMD = inputs
+            hidden_BLD = decoder.embed_tokens(input_ids_BL)
+            device_type = hidden_BLD.device.type
+            if torch.is_autocast_enabled(device_type):  # the residual stream in the compute dtype (LanguageModel)
+                hidden_BLD = hidden_BLD.to(torch.get_autocast_dtype(device_type))
+            image_BL1 = (input_ids_BL == self.image_token_id).unsqueeze(-1)
+            hidden_BLD = hidden_BLD.masked_scatter(image_BL1, rows_BMD.to(hidden_BLD.dtype))
+        else:
+            (hidden_BLD,) = inputs
+        # as Qwen2_5_VLTextModel.forward: 4 position rows are packed samples (row 0 the text positions the mask is
+        # made from), 3 rows plain causal
+        text_positions = None
+        if position_ids.shape[0] == 4:
+            text_positions, position_ids = position_ids[0], position_ids[1:]
+        mask_kwargs = dict(config=decoder.config, inputs_embeds=hidden_BLD, attention_mask=None, cache=None,
+                           position_ids=text_positions)
+        masks = {"full_attention": create_causal_mask(**mask_kwargs)}
+        if "sliding_attention" in getattr(decoder.config, "layer_types", ()):
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+        position_embeddings = decoder.rotary_emb(hidden_BLD, position_ids)
+        for index, layer in decoder.layers.items():
+            hidden_BLD = layer(hidden_BLD, attention_mask=masks[decoder.config.layer_types[int(index)]],
+                               position_embeddings=position_embeddings, position_ids=text_positions, use_cache=False)
+        if self.last:
+            return self.lm_head(decoder.norm(hidden_BLD))
+        return hidden_BLD
+
+
+class PipelinedLanguageModel(nn.Module):
+    """The model chunks one pipeline rank holds (``chunks[i]`` is chunk ``ids[i]``)."""
+
+    def __init__(self, chunks: list[LanguageModelChunk], ids: list[int]):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.ids = ids
+
+    @staticmethod
+    def hf_name(name: str) -> str:
+        """HF parameter name of a parameter name of this module (``chunks.<i>.`` dropped)."""
+        return LanguageModel.hf_name(name.split(".", 2)[2])
+
+
+def chunk_layer_ids(pp_layers: tuple[int, ...]) -> list[range]:
+    """The decoder layer indices of every chunk."""
+    starts = [sum(pp_layers[:c]) for c in range(len(pp_layers) + 1)]
+    return [range(a, b) for a, b in zip(starts[:-1], starts[1:])]
+
+
+def split_language_model(llm: LanguageModel, dims: ParallelDims, rank: int) -> PipelinedLanguageModel:
+    """The chunks of ``llm`` (on ``meta``) that global rank ``rank`` runs: stage s holds chunks s, s + pp, ..."""
+    layers = chunk_layer_ids(dims.pp_layers)
+    assert sum(dims.pp_layers) == len(llm.language_model.layers), (dims.pp_layers, len(llm.language_model.layers))
+    ids = list(range(dims.stage_of(rank), len(layers), dims.pp))
+    chunks = [LanguageModelChunk(llm, layers[c], first=c == 0, last=c == len(layers) - 1) for c in ids]
+    return PipelinedLanguageModel(chunks, ids)
+
+
+DECODER_LAYER = re.compile(r"\.layers\.(\d+)\.")
+"""A decoder layer's parameter (HF name), with the layer's index."""
+
+
+def stage_of_parameter(hf_name: str, dims: ParallelDims) -> int:
+    """The pipeline stage holding a language-model parameter: its decoder layer's chunk's, the embedding's (first
+    chunk) or the final norm's and lm_head's (last chunk)."""
+    layers = chunk_layer_ids(dims.pp_layers)
+    match = DECODER_LAYER.search(hf_name)
+    if match:
+        chunk = next(c for c, ids in enumerate(layers) if int(match.group(1)) in ids)
+    else:
+        chunk = 0 if "embed_tokens" in hf_name else len(layers) - 1
+    return chunk % dims.pp
+
+
+def build_schedule(model: PipelinedLanguageModel, dims: ParallelDims, device: torch.device,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   compute_timer: Callable[[], ContextManager]):
+    """The plan's schedule over this rank's chunks, on the pipeline group of its grid position. Gradients are not
+    rescaled (``scale_grads=False``): the loss is already divided by the step's target tokens. Every chunk's
+    forward and backward runs inside ``compute_timer()`` (what is left of the schedule's time is waiting)."""
+    group = dims.mesh["pp"].get_group()
+    num_chunks = len(dims.pp_layers)
+    stages = [PipelineStage(chunk, c, num_chunks, device, group=group) for chunk, c in zip(model.chunks, model.ids)]
+    for stage in stages:
+        _time_compute(stage, compute_timer)
+    options = dict(n_microbatches=dims.grad_accum, loss_fn=loss_fn, scale_grads=False,
+                   kwargs_chunk_spec={"position_ids": TensorChunkSpec(1)})
+    if dims.pp_schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(stages, **options)
+    (stage,) = stages
+    return Schedule1F1B(stage, **options)
+
+
+def _time_compute(stage: PipelineStage, timer: Callable[[], ContextManager]) -> None:
+    """Run the stage's per-micro-batch forward and backward (the schedule's compute actions) inside ``timer()``."""
+    for name in ("forward_one_chunk", "backward_one_chunk"):
+        call = getattr(stage, name)
+
+        def timed(*args, _call=call, **kwargs):
+            with timer():
+                return _call(*args, **kwargs)
+
+        setattr(stage, name, timed)
