@@ -105,6 +105,10 @@ CONFIGS = (
            fixes=("placement=colocated", *_both(dp=1, tp=2, sp=1, micro_batch=1)), held_out=True),
     Config(name="held-out 2w disjoint mb3", gpus=2, vision_tokens=784, text_tokens=384, global_batch=6,
            fixes=("placement=disjoint", *_both(dp=1, tp=1, sp=1, micro_batch=3)), held_out=True),
+    Config(name="held-out 2w LLM PP2", gpus=2, vision_tokens=576, text_tokens=128, global_batch=8,
+           fixes=("placement=colocated", *_both(), "vision.dp=2", "vision.tp=1", "vision.sp=1",
+                  "vision.micro_batch=1", "llm.pp=2", "llm.dp=1", "llm.tp=1", "llm.sp=1", "llm.micro_batch=2"),
+           held_out=True),
 )
 
 
@@ -190,7 +194,7 @@ def run_plan(plan_file: Path, steps: int, metrics: Path) -> float:
 
 def describe(plan_file: Path) -> str:
     plan = load_plan(plan_file)
-    parts = [f"{m.name[0]}:dp{m.dp}tp{m.tp}sp{m.sp} mb{m.micro_batch}x{m.grad_accum}"
+    parts = [f"{m.name[0]}:{f'pp{m.pp}' if m.pp > 1 else ''}dp{m.dp}tp{m.tp}sp{m.sp} mb{m.micro_batch}x{m.grad_accum}"
              + ("" if m.recompute == "none" else f" rc={m.recompute}") for m in plan.modules]
     return f"{plan.placement[:5]} " + " ".join(parts)
 

@@ -1,6 +1,6 @@
 """Latency of the planner: the whole ``plan`` process, and candidate building + CP-SAT alone per cluster size.
 
-    .venv/bin/python benchmarks/plan_latency.py [--repeats 5] [--sizes 8 16 64 256 1024]
+    .venv/bin/python benchmarks/plan_latency.py [--repeats 5] [--sizes 8 16 64 256 1024] [--allow-pp]
 
 Whole process: ``plan --model qwen-vl-32b --gpus N --out <tmp>`` as a fresh process (Python start-up, imports,
 candidates, both placements, tie-break, baselines, report), median of ``--repeats`` runs, at 16 and 1024 GPUs.
@@ -31,28 +31,28 @@ def plan_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "planner.cli"]
 
 
-def whole_process_s(num_gpus: int, repeats: int) -> tuple[float, float]:
+def whole_process_s(num_gpus: int, repeats: int, extra: list[str]) -> tuple[float, float]:
     """Median (wall, CPU) seconds of ``plan --model MODEL --gpus num_gpus``; CPU time (user + system) shows how much
     of the wall time was the planner's own work when other processes load the machine."""
     walls, cpus = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(repeats):
             before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-            subprocess.run([*plan_command(), "--model", MODEL, "--gpus", str(num_gpus), "--out", f"{tmp}/p.json"],
-                           check=True, capture_output=True)
+            subprocess.run([*plan_command(), "--model", MODEL, "--gpus", str(num_gpus), "--out", f"{tmp}/p.json",
+                            *extra], check=True, capture_output=True)
             walls.append(time.perf_counter() - start)
             after = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
     return statistics.median(walls), statistics.median(cpus)
 
 
-def solver_row(num_gpus: int, placement: str) -> dict:
+def solver_row(num_gpus: int, placement: str, allow_pp: bool) -> dict:
     """Candidate and CP-SAT timings of one placement at ``num_gpus`` GPUs."""
     from planner.api import make_problem
     from planner.candidates import build_candidates
     from planner.solver.cp_sat import solve
 
-    problem = make_problem(MODEL, num_gpus, profile=None)
+    problem = make_problem(MODEL, num_gpus, profile=None, allow_pp=allow_pp)
     start = time.perf_counter()
     cands = build_candidates(problem, placement)
     built = time.perf_counter()
@@ -70,6 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs of the whole process (median)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 64, 256, 1024])
+    parser.add_argument("--allow-pp", action="store_true", help="search pipeline parallelism too (plan --allow-pp)")
     args = parser.parse_args()
 
     print(f"{'GPUs':>5} {'placement':>10} {'costed':>7} {'kept':>5} {'candidates':>10} {'CP-SAT':>7} "
@@ -78,13 +79,15 @@ def main() -> None:
 
     for n in args.sizes:
         for placement in ("colocated", "disjoint"):
-            r = solver_row(n, placement)
+            r = solver_row(n, placement, args.allow_pp)
             print(f"{r['gpus']:5d} {r['placement']:>10} {r['costed']:7d} {r['kept']:5d} {r['candidates_s']:9.2f}s "
                   f"{r['cp_sat_s']:6.2f}s {r['status']:>10} {r['step_s']:8.3f}s")
     print()
     for n, target in ((16, 1.5), (1024, 10.0)):
-        wall, cpu = whole_process_s(n, args.repeats if n <= 64 else max(1, args.repeats // 2))
-        print(f"whole process `plan --model {MODEL} --gpus {n}`: median {wall:.2f} s wall, {cpu:.2f} s CPU "
+        extra = ["--allow-pp"] if args.allow_pp else []
+        wall, cpu = whole_process_s(n, args.repeats if n <= 64 else max(1, args.repeats // 2), extra)
+        print(f"whole process `plan --model {MODEL} --gpus {n}{' --allow-pp' if extra else ''}`: median {wall:.2f} s "
+              f"wall, {cpu:.2f} s CPU "
               f"(target <= {target:g} s wall)")
     print(f"load average (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
 

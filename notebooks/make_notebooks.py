@@ -206,6 +206,33 @@ plt.show()
 display(colocated_gain.round(2))
 display(table.pivot(index="model", columns=["num_gpus", "requested_placement"], values="binding_module"))
 table[~table.feasible][["model", "num_gpus", "requested_placement", "reason"]]"""),
+    new_markdown_cell("""\
+## Pipeline parallelism: Qwen2.5-VL-72B and -32B on 64 to 1024 H100s
+The planner searched with the LLM's pipeline parallelism in the space (`allow_pp`: 1F1B and interleaved 1F1B,
+stages balanced on time, the vision tower feeding stage 0) and without it, on the catalog's H100 nodes (400 Gb/s
+per GPU between nodes) and on the same nodes behind a 50 Gb/s-per-GPU network. `pp gain` is the best plan's
+throughput over the best plan on the other side of PP (>1: pipelining pays; <1 never happens when the best plan
+does not pipeline, the row then shows what the best pipelined plan would lose)."""),
+    new_code_cell("""\
+import os, tempfile
+
+slow = os.path.join(tempfile.mkdtemp(), "slow_network.yaml")
+with open(slow, "w") as f:
+    f.write("device: h100-80gb\\ninter_node_bandwidth: 6.25e9\\n")
+pp_rows = []
+for network, extra in (("400 Gb/s", {}), ("50 Gb/s", {"cluster_file": slow})):
+    part = sweep(["qwen-vl-72b", "qwen-vl-32b"], gpus=[64, 256, 1024], allow_pp=True, **extra)
+    pp_rows.append(part.assign(network=network))
+pp = pd.concat(pp_rows, ignore_index=True)
+pp["pipelined"] = pp.llm_pp > 1
+pp["pp_gain"] = pp.speedup_vs_without_pp.where(pp.pipelined, 1 / pp.speedup_vs_with_pp)
+pp[["model", "num_gpus", "network", "placement", "llm_pp", "llm_tp", "llm_dp", "llm_zero", "tokens_per_s", "mfu",
+    "pp_gain", "binding_module", "peak_memory_gib"]].round(3)"""),
+    new_code_cell("""\
+ax = pp.pivot(index=["model", "num_gpus"], columns="network", values="pp_gain").plot.bar(figsize=(9, 4), rot=20)
+ax.axhline(1.0, color="black", linewidth=0.8)
+ax.set_ylabel("best plan / best plan on the other side of PP")
+plt.show()"""),
     new_markdown_cell("## Conclusion"),
     new_code_cell("""\
 def weak_scaling(model):
@@ -213,6 +240,15 @@ def weak_scaling(model):
     first, last = rows.iloc[0], rows.iloc[-1]
     return (f"{model} {last.tokens_per_s / first.tokens_per_s:.0f}x from {first.num_gpus} to {last.num_gpus} GPUs "
             f"(per-GPU throughput x{last.tokens_per_s_per_gpu / first.tokens_per_s_per_gpu:.2f})")
+
+def pp_note():
+    chosen, others = pp[pp.pipelined], pp[~pp.pipelined]
+    picked = "; ".join(f"{r.model} on {r.num_gpus} GPUs behind {r.network} (PP{r.llm_pp}, {r.pp_gain:.2f}x over "
+                       f"the best plan without)" for r in chosen.itertuples()) or "none"
+    losses = (1 / others.pp_gain).dropna()
+    lost = (f" Elsewhere the best pipelined plan is {losses.min():.2f}x to {losses.max():.2f}x slower than the best "
+            f"plan without PP." if len(losses) else "")
+    return f"With pipeline parallelism in the search it pipelines the LLM at {len(chosen)} of {len(pp)} points: {picked}." + lost
 
 gains = colocated_gain.stack().dropna()
 binding = fitting.binding_module.value_counts()
@@ -225,7 +261,8 @@ display(Markdown(
     f"(throughput ratio {gains.min():.2f}x to {gains.max():.2f}x, median {gains.median():.2f}x). "
     f"The binding module is {', '.join(f'{m} in {c}' for m, c in binding.items())} of the {len(fitting)} plans. "
     f"{len(missing)} points do not fit: "
-    f"{'; '.join(f'{r.model} on {r.num_gpus} GPUs {r.requested_placement}' for r in missing.itertuples())}."
+    f"{'; '.join(f'{r.model} on {r.num_gpus} GPUs {r.requested_placement}' for r in missing.itertuples())}. "
+    + pp_note()
 ))"""),
 ]
 

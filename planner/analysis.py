@@ -84,11 +84,12 @@ def binding_module(plan: Plan) -> str:
 
 
 def _speedups(plan: Plan) -> dict[str, float]:
-    """``speedup_vs_<baseline>`` (baseline step / plan step; NaN when the baseline does not fit) and the speed-up
-    over the fastest baseline that fits."""
+    """``speedup_vs_<baseline>`` (baseline step / plan step; NaN when the baseline does not fit; also over the
+    planner's best plan on the other side of pipeline parallelism, ``with_pp`` / ``without_pp``, when it searched
+    PP) and the speed-up over the fastest reference baseline (``BASELINES``) that fits."""
     speedups = {f"speedup_vs_{name}": (math.nan if b.speedup is None else b.speedup)
                 for name, b in plan.baselines.items()}
-    fitting = [s for s in speedups.values() if not math.isnan(s)]
+    fitting = [s for name, s in speedups.items() if name.removeprefix("speedup_vs_") in BASELINES and not math.isnan(s)]
     speedups["speedup_vs_best_baseline"] = min(fitting) if fitting else math.nan
     return speedups
 

@@ -471,7 +471,7 @@ def _solve(problem: Problem, placement: str, fix: Any, top_k: int, time_limit_s:
     PP if not: ``pipeline_alternative``)."""
     from planner.solver.cp_sat import DEFAULT_SETTINGS
 
-    pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus)
+    pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus, allow_pp=problem.allow_pp)
     placements = placements_to_solve(problem, placement, pinned, fixes)
     all_cands = candidates_or_error(problem, placements, fixes)
     settings = DEFAULT_SETTINGS if time_limit_s is None else replace(DEFAULT_SETTINGS, time_limit_s=time_limit_s)
@@ -725,7 +725,8 @@ def plan(
 
 def _evaluated(problem: Problem, strategy: Strategy, fix: Any, reference: Mapping[str, BaselineOutcome]) -> Plan:
     _check_fits(problem, strategy)
-    fixed = {} if fix is None else fixed_text(*parse_fixes(fix, problem.model, problem.num_gpus))
+    fixed = {} if fix is None else fixed_text(*parse_fixes(fix, problem.model, problem.num_gpus,
+                                                           allow_pp=problem.allow_pp))
     return build_plan(problem, strategy, status="EVALUATED", num_candidates=1, fixed=fixed, reference=reference)
 
 
@@ -771,7 +772,7 @@ def max_seq(
         raise ValueError("--max-seq searches one image size per sample; a dataset gives its own: drop one of them")
     if problem.model.vision_input is None:
         raise ValueError(f"--max-seq searches image sequence lengths; {problem.model.name} has no vision encoder")
-    pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus)
+    pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus, allow_pp=problem.allow_pp)
     placements = placements_to_solve(problem, placement, pinned, fixes)
     side = longest_side(problem, placements, fixes)
     if side is None:

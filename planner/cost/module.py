@@ -80,8 +80,8 @@ class _Static:
     """Sources when every number is analytical."""
     sums: dict = field(default_factory=dict)
     params: dict = field(default_factory=dict)
-    parts: dict = field(default_factory=dict)
-    """Memo of pipeline ranks' part costs and of balanced chunk splits (analytical model only)."""
+    chunks: dict = field(default_factory=dict)
+    """Memo of balanced pipeline chunk splits (analytical model only)."""
     flops_per_sample: float | None = None
 
 
@@ -468,11 +468,7 @@ def _part_cost(
     micro-batches' (with PP: model chunks') activations alive at its peak."""
     assumptions, cluster = static.assumptions, static.cluster
     dpn = cluster.devices_per_node
-    within = (
-        axis_within_node(first_rank, 1, s.tp, s.gpus, dpn),
-        axis_within_node(first_rank, s.tp, s.sp, s.gpus, dpn),
-        axis_within_node(first_rank, s.tp * s.sp, s.cp, s.gpus, dpn),
-    )
+    within = _within_all(s, first_rank, dpn)[:3]
     sums = _sums(static, s, within, layer_costs, layers)
     forward_buffers, backward_buffers = sums.forward_buffer_bytes, sums.backward_buffer_bytes
 
@@ -504,7 +500,7 @@ def _part_cost(
         layer_weight_bytes=largest * recipe.weights,
         bucket_bytes=bucket,
         group_size=reduce_group,
-        link=static.links[not axis_within_node(first_rank, s.tp, reduce_group, s.gpus, dpn)],
+        link=static.links[not _within_all(s, first_rank, dpn)[3]],
         grad_accum=s.grad_accum,
         forward_s=sums.forward_s,
         backward_s=sums.backward_s,
@@ -560,8 +556,8 @@ def pipeline_chunks(static: _Static, s: ModuleStrategy, layer_costs: LayerCostSo
     chunk but the last sends its output and receives its gradient (``p2p_s``)."""
     key = ("chunks", s.tp, s.sp, s.cp, s.micro_batch, s.recompute, s.pp, s.virtual_stages, within, extra_first_s,
            p2p_s)
-    if layer_costs is None and key in static.parts:
-        return static.parts[key]
+    if layer_costs is None and key in static.chunks:
+        return static.chunks[key]
     layers = static.spec.layers
     blocks = [i for i, layer in enumerate(layers) if layer.kind in PIPELINED_KINDS]
     assert len(blocks) == 1, f"{static.spec.name}: pipeline parallelism needs one repeated block type"
@@ -575,7 +571,7 @@ def pipeline_chunks(static: _Static, s: ModuleStrategy, layer_costs: LayerCostSo
     extra[0] += head_s + extra_first_s
     chunks = balanced_chunk_layers(block.count, extra, layer_s)
     if layer_costs is None:
-        static.parts[key] = chunks
+        static.chunks[key] = chunks
     return chunks
 
 
@@ -597,10 +593,19 @@ def rank_layers(layers: tuple[LayerSpec, ...], chunk_layers: tuple[int, ...], ra
 
 
 def _within_all(s: ModuleStrategy, first_rank: int, devices_per_node: int) -> tuple[bool, ...]:
-    """Whether each of the TP, SP, CP and DP-reduce axes of a grid starting at ``first_rank`` stays in a node (what
-    the links of a part cost depend on)."""
-    return tuple(axis_within_node(first_rank, stride, size, s.gpus, devices_per_node) for stride, size in
-                 ((1, s.tp), (s.tp, s.sp), (s.tp * s.sp, s.cp), (s.tp, s.dp * s.cp * s.sp)))
+    """Whether each of the TP, SP, CP and DP-reduce axes of the (pipeline stage's) grid starting at ``first_rank``
+    stays in a node: what the links of a part cost depend on. Memoised: it depends on ``first_rank`` only through
+    its offset in a node."""
+    key = (s.tp, s.sp, s.cp, s.dp, first_rank % devices_per_node, devices_per_node)
+    found = _WITHIN.get(key)
+    if found is None:
+        found = _WITHIN[key] = tuple(
+            axis_within_node(first_rank % devices_per_node, stride, size, s.stage_gpus, devices_per_node)
+            for stride, size in ((1, s.tp), (s.tp, s.sp), (s.tp * s.sp, s.cp), (s.tp, s.dp * s.cp * s.sp)))
+    return found
+
+
+_WITHIN: dict[tuple, tuple[bool, ...]] = {}
 
 
 def encoder_handoff_bytes(static: _Static) -> tuple[float, bool]:
@@ -618,9 +623,8 @@ def _pipelined_cost(
     static: _Static, s: ModuleStrategy, *, placement: Placement, precision: Precision, first_rank: int,
     layer_costs: LayerCostSource | None,
 ) -> ModuleCost:
-    """The cost of a pipelined module (pp > 1): one ``_part_cost`` per distinct pipeline rank (its layers and
-    transfers; ranks that hold the same differ only in what they keep in flight, and the first of them holds the
-    most), then the step of the schedule (``pipeline_bubble_time``): time is the slowest rank's plus the bubble, the
+    """The cost of a pipelined module (pp > 1): one ``_part_cost`` per distinct pipeline rank (its layers, transfers
+    and links; ranks alike differ only in what they keep in flight, and the first of them holds the most), then the step of the schedule (``pipeline_bubble_time``): time is the slowest rank's plus the bubble, the
     tail the longest rank's, memory the rank whose own peak is the largest (``stage_costs`` keeps every distinct
     rank's, which ``planner.cost.phases`` reads).
 
@@ -630,11 +634,7 @@ def _pipelined_cost(
     GPU; disjoint: from the encoder group) over the NIC once the module spans nodes, and sends its gradient back.
     """
     cluster, assumptions, dpn = static.cluster, static.assumptions, static.cluster.devices_per_node
-    within = (
-        axis_within_node(first_rank, 1, s.tp, s.gpus, dpn),
-        axis_within_node(first_rank, s.tp, s.sp, s.gpus, dpn),
-        axis_within_node(first_rank, s.tp * s.sp, s.cp, s.gpus, dpn),
-    )
+    within = _within_all(s, first_rank, dpn)[:3]
     hidden = next(layer.hidden_size for layer in static.spec.layers if layer.kind in PIPELINED_KINDS)
     boundary_bytes = s.micro_batch * static.tokens.tokens / (s.sp * s.cp) * hidden * assumptions.activation_bytes
     stage_link = static.links[not axis_within_node(first_rank, s.stage_gpus, s.pp, s.gpus, dpn)]
@@ -647,20 +647,15 @@ def _pipelined_cost(
     rank_stages = []
     for rank in range(s.pp):
         mine = range(rank, num_chunks, s.pp)
-        layers = rank_layers(static.spec.layers, chunks, rank, s.pp)
         rank_first = first_rank + rank * s.stage_gpus
         transfers = (handoff if rank == 0 else 0.0, p2p * sum(c < num_chunks - 1 for c in mine))
-        key = ("part", s, precision, _counts(layers), transfers, _within_all(s, rank_first, dpn))
+        held = (0 in mine, num_chunks - 1 in mine, sum(chunks[c] for c in mine))
+        key = (held, transfers, _within_all(s, rank_first, dpn))
         in_flight = in_flight_chunks(rank, s.pp, s.grad_accum, s.virtual_stages)
         if key not in parts:  # the first rank of a part holds the most in flight (in-flight falls with the rank)
-            part = static.parts.get(key) if layer_costs is None else None
-            if part is None:
-                part = _part_cost(static, s, layers, precision=precision, first_rank=rank_first,
-                                  layer_costs=layer_costs, in_flight_chunks=1, handoff_s=transfers[0],
-                                  pp_comm_s=transfers[1])
-                if layer_costs is None:
-                    static.parts[key] = part
-            parts[key] = replace(part, in_flight_micro_batches=in_flight)
+            parts[key] = _part_cost(static, s, rank_layers(static.spec.layers, chunks, rank, s.pp),
+                                    precision=precision, first_rank=rank_first, layer_costs=layer_costs,
+                                    in_flight_chunks=in_flight, handoff_s=transfers[0], pp_comm_s=transfers[1])
         rank_stages.append((list(parts).index(key), in_flight))
     ranks = list(parts.values())
     slowest = max(ranks, key=lambda c: c.per_micro_batch_s)

@@ -18,9 +18,11 @@ PLACEMENT_CHOICES = ("auto", *PLACEMENTS)
 """What ``placement`` accepts; auto solves both and keeps the faster."""
 
 
-def parse_fixes(items: Iterable[str] | Mapping[str, Any], model: ModelSpec, num_gpus: int) -> tuple[str | None, Fixes]:
+def parse_fixes(items: Iterable[str] | Mapping[str, Any], model: ModelSpec, num_gpus: int, *,
+                allow_pp: bool = False) -> tuple[str | None, Fixes]:
     """``MODULE.FIELD=VALUE`` / ``placement=VALUE`` items (or a {"vision.tp": 2, ...} mapping) into
-    (pinned placement or None, module -> {field: value}).
+    (pinned placement or None, module -> {field: value}); ``allow_pp``: pipeline parallelism is searched (an
+    unpinned pp may fill the GPUs the other degrees leave).
 
     Raises:
         ValueError: unknown module or field, bad value, or fixes that contradict each other, in one line.
@@ -46,7 +48,7 @@ def parse_fixes(items: Iterable[str] | Mapping[str, Any], model: ModelSpec, num_
         if previous is not None and previous != value:
             raise ValueError(f"contradictory --fix: {key}={previous} and {key}={value}")
         fixes[module][fieldname] = value
-    _check_fix_consistency(placement, fixes, num_gpus)
+    _check_fix_consistency(placement, fixes, num_gpus, allow_pp)
     return placement, fixes
 
 
@@ -73,7 +75,7 @@ def _fix_value(key: str, fieldname: str, raw: Any) -> int | str:
     return value
 
 
-def _check_fix_consistency(placement: str | None, fixes: Fixes, num_gpus: int) -> None:
+def _check_fix_consistency(placement: str | None, fixes: Fixes, num_gpus: int, allow_pp: bool) -> None:
     """Contradictions visible without costing: grad_accum differs between modules; pinned degrees that do not
     multiply to a pinned GPU count; colocated modules pinned to fewer GPUs than the cluster; disjoint groups
     pinned to more GPUs than there are."""
@@ -82,10 +84,12 @@ def _check_fix_consistency(placement: str | None, fixes: Fixes, num_gpus: int) -
         listed = " and ".join(f"{m}.grad_accum={a}" for m, a in accums.items())
         raise ValueError(f"contradictory --fix: {listed} (all modules share one grad_accum)")
     for m, f in fixes.items():
-        grid = [f[k] for k in ("dp", "tp", "sp", "cp") if k in f]
+        grid = [f[k] for k in ("dp", "tp", "sp", "cp", "pp") if k in f]
         gpus = f.get("gpus", num_gpus if placement == "colocated" else None)
-        if gpus is not None and len(grid) == 4 and math.prod(grid) != gpus:
-            raise ValueError(f"contradictory --fix: {m}.dp*tp*sp*cp = {math.prod(grid)} but {m} has {gpus} GPUs")
+        complete = all(k in f for k in ("dp", "tp", "sp", "cp")) and ("pp" in f or not allow_pp)
+        if gpus is not None and complete and math.prod(grid) != gpus:
+            raise ValueError(f"contradictory --fix: {m}.{'pp*' if 'pp' in f else ''}dp*tp*sp*cp = {math.prod(grid)} "
+                             f"but {m} has {gpus} GPUs")
         if gpus is not None and math.prod(grid) and gpus % math.prod(grid):
             raise ValueError(f"contradictory --fix: {m} degrees {'*'.join(map(str, grid))} do not divide its {gpus} GPUs")
         if "gpus" in f and f["gpus"] > num_gpus:
@@ -131,7 +135,7 @@ def fixed_text(pinned: str | None, fixes: Fixes) -> dict[str, str]:
 def pinned_strategy(problem: Problem, placement: str, fix: Any) -> Strategy | None:
     """The one strategy the fixes leave when they pin every field of every module (grad_accum may follow from
     the batch; the placement from the GPU counts), else None."""
-    pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus)
+    pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus, allow_pp=problem.allow_pp)
     modules = {m: _only_strategy(problem, fixes.get(m, {})) for m in problem.model.module_names}
     if any(s is None for s in modules.values()):
         return None
