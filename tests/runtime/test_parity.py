@@ -89,6 +89,9 @@ PIPELINE_PLANS = {
     "llm_pp2_interleaved_2_chunks": dict(vision=dict(dp=2, grad_accum=2), llm=dict(
         pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2, pp_layers=[1, 1, 1, 1], micro_batch=2,
         grad_accum=2)),
+    # a frozen pipeline still passes the image tokens' gradient back to the vision tower
+    "frozen_llm_pp2__vision_dp2": dict(vision=dict(dp=2, grad_accum=2), llm=dict(
+        pp=2, pp_layers=[2, 2], micro_batch=2, grad_accum=2, frozen=True)),
     # ZeRO-3 over each stage's 2 DP ranks
     "llm_pp2xdp2_zero3__vision_dp4_zero1": dict(vision=dict(dp=4, zero=1, grad_accum=2),
                                                 llm=dict(pp=2, dp=2, zero=3, pp_layers=[2, 2], micro_batch=2,
