@@ -17,6 +17,7 @@ Shape legend: B samples, L sequence, M image tokens per sample, D hidden, V voca
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Callable, ContextManager
 
@@ -53,8 +54,15 @@ class LanguageModelChunk(nn.Module):
         self.lm_head = llm.lm_head if last else None
         self.image_token_id = llm.image_token_id
         self.first, self.last = first, last
+        self.forward_context: Callable[[], ContextManager] = contextlib.nullcontext
+        """Entered around each forward (the trainer's autocast): the schedule runs forwards and backwards in one
+        call, and autocast must wrap the forwards only."""
 
     def forward(self, *inputs: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        with self.forward_context():
+            return self._forward(*inputs, position_ids=position_ids)
+
+    def _forward(self, *inputs: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         decoder = self.language_model
         if self.first:
             input_ids_BL, rows_BMD = inputs

@@ -170,6 +170,8 @@ class Trainer:
             model.model.visual = None
         if self.rank in self.dims["llm"].ranks and self.dims["llm"].pp_enabled:
             modules["llm"] = parallelize_pipelined_llm(llm, self.dims["llm"], self.precision["llm"], self.rank)
+            for chunk in modules["llm"].chunks:
+                chunk.forward_context = functools.partial(self._autocast, "llm")
         elif self.rank in self.dims["llm"].ranks:
             parallelize_llm(llm, self.dims["llm"], self.precision["llm"])
             modules["llm"] = llm
@@ -510,7 +512,7 @@ class Trainer:
         losses: list[torch.Tensor] = []
         target = torch.cat([s.targets_Bs for s in shards]) if last else None
         self._step_num_tokens = num_tokens
-        with loss_parallel() if dims.tp_enabled else contextlib.nullcontext(), self._autocast("llm"):
+        with loss_parallel() if dims.tp_enabled else contextlib.nullcontext():
             with self._timed("llm_pipeline_s"):
                 self.schedule.step(*inputs, target=target, losses=losses if last else None, position_ids=position_ids)
         loss = sum((float((l.full_tensor() if isinstance(l, DTensor) else l).detach()) for l in losses), 0.0)
