@@ -314,7 +314,8 @@ def make_problem(
         profile: Profile file, "auto" (the committed profile of this device/model if any) or None.
         assumptions: Cost-model knobs.
         allow_ring_cp: Also search ring context parallelism, which the runtime cannot execute yet.
-        allow_pp: Also search pipeline parallelism of the LLM (the runtime runs it, not yet with checkpoints).
+        allow_pp: Also search pipeline parallelism of the LLM (slower to plan; the runtime runs it, but not its
+            dry-run).
         dataset: A conversation / caption JSONL or JSON file, or a dataset histogram (``planner.dataset``): plan for
             its samples, packed; replaces the per-sample inputs (``global_batch`` still counts samples).
         tokenizer: Folder with the tokenizer.json that counts the dataset's text (default: the model's folder when

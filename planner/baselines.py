@@ -126,7 +126,7 @@ def best_of(problem: Problem, name: str, family: Iterable[ModuleStrategy | Strat
     if best is not None:
         return BaselineOutcome(name=name, estimate=best)
     if smallest is not None:
-        s = smallest.modules["llm"].strategy if "llm" in smallest.modules else next(iter(smallest.modules.values())).strategy
+        s = smallest.modules.get("llm", next(iter(smallest.modules.values()))).strategy
         return BaselineOutcome(name=name, estimate=None, infeasible=(
             f"does not fit: needs at least {smallest.peak_memory_bytes / GIB:.1f} GiB per GPU ({s.describe()}) "
             f"of {smallest.usable_memory_bytes / GIB:.1f} GiB usable"

@@ -75,8 +75,14 @@ class Problem:
     """Search ring context parallelism (cp > 1). Off by default: the cost model prices it, but the runtime cannot
     execute it yet, so a default plan is always one ``python -m runtime`` runs. ``--fix MODULE.cp=N`` pins it."""
     allow_pp: bool = False
-    """Search pipeline parallelism of the LLM (pp > 1). Off by default while the runtime runs it without
-    checkpoints, ``--save`` and the dry-run; ``--fix llm.pp=N`` pins it."""
+    """Search pipeline parallelism of the LLM (pp > 1). Off by default: planning takes several times longer with it
+    and the runtime's dry-run cannot measure it yet; ``--fix llm.pp=N`` pins it."""
+
+    @property
+    def searches_pp(self) -> bool:
+        """Whether pipeline parallelism is in the space: asked for, and not a plan for a dataset's packs, whose
+        micro-batches differ in shape (the runtime's schedule needs one)."""
+        return self.allow_pp and self.dataset is None
 
     @property
     def num_gpus(self) -> int:
@@ -221,13 +227,12 @@ def _choices(values: Iterable, fixed: Mapping[str, int | str], name: str) -> lis
     return [fixed[name]] if name in fixed else list(values)
 
 
-def pipeline_degrees(problem: Problem, module: str, gpus: int, placement: Placement,
-                     fixed: Mapping[str, int | str]) -> list[int]:
-    """Pipeline degrees to try: 1, and with ``allow_pp`` (or a pinned pp) for the LLM every divisor of its GPUs
-    (``check_strategy`` rules out more stages than decoder layers) unless the plan is for a dataset's packs, whose
-    micro-batches differ in shape (the runtime's schedule needs one); only the pinned one when pinned."""
+def pipeline_degrees(problem: Problem, module: str, gpus: int, fixed: Mapping[str, int | str]) -> list[int]:
+    """Pipeline degrees to try: 1, and when PP is searched (``Problem.searches_pp``) or pinned, for the LLM every
+    divisor of its GPUs (``check_strategy`` rules out more stages than decoder layers); only the pinned one when
+    pinned."""
     degrees = [1]
-    if module not in ENCODER_MODULES and (problem.allow_pp and problem.dataset is None or "pp" in fixed):
+    if module not in ENCODER_MODULES and (problem.searches_pp or "pp" in fixed):
         degrees = divisors(gpus)
     return [d for d in degrees if fixed.get("pp", d) == d]
 
@@ -244,12 +249,11 @@ def _schedules(pp: int, fixed: Mapping[str, int | str]) -> list[tuple[str, int]]
     return [("interleaved_1f1b" if v > 1 else "1f1b", v) for v in _choices(PIPELINE_CHUNKS, fixed, "virtual_stages")]
 
 
-def _layouts(problem: Problem, module: str, gpus: int, fixed: Mapping[str, int | str],
-             placement: Placement = "colocated") -> list[tuple[int, ...]]:
+def _layouts(problem: Problem, module: str, gpus: int, fixed: Mapping[str, int | str]) -> list[tuple[int, ...]]:
     """(pp, dp, tp, sp, cp) grids of ``gpus`` GPUs whose dp divides the global batch, honouring ``fixed``."""
     batch = problem.workload.global_batch
     layouts = []
-    for pp in pipeline_degrees(problem, module, gpus, placement, fixed):
+    for pp in pipeline_degrees(problem, module, gpus, fixed):
         for dp in _choices(divisors(batch), fixed, "dp"):
             for tp in _choices(divisors(problem.cluster.devices_per_node), fixed, "tp"):
                 for sp in _choices(sp_degrees(problem.model, module), fixed, "sp"):
@@ -286,7 +290,6 @@ def module_strategies(
     fixed: Mapping[str, int | str],
     verdicts: Verdicts,
     accums: set[int] | None = None,
-    placement: Placement = "colocated",
 ) -> tuple[list[list[ModuleStrategy]], str | None]:
     """Every valid strategy of ``module`` on exactly ``gpus`` GPUs that consumes the global batch and honours
     ``fixed`` (and uses one of ``accums`` when given), as series that differ only in micro-batch size (ascending;
@@ -294,7 +297,7 @@ def module_strategies(
     if none was rejected)."""
     batch = problem.workload.global_batch
     series, reason = [], None
-    for pp, dp, tp, sp, cp in _layouts(problem, module, gpus, fixed, placement):
+    for pp, dp, tp, sp, cp in _layouts(problem, module, gpus, fixed):
         per_replica = batch // dp
         for schedule, chunks in _schedules(pp, fixed):
             usable_accums = []
@@ -447,8 +450,8 @@ def module_candidates(
     """(fitting pruned candidates, least-memory valid candidate, a rejection reason if none is valid, number costed).
 
     ``partners`` (disjoint LLM): GPU count -> the grad_accum values the other group can match on the rest of the
-    GPUs; other sizes and values cannot be part of a plan and are not costed. ``feeds`` (colocated encoder): cost
-    it for an LLM that is not pipelined, is, or both (``pipelined_options``).
+    GPUs; other sizes and values cannot be part of a plan and are not costed. ``feeds`` (encoder): cost it for an
+    LLM that is not pipelined, is, or both (``pipelined_options``).
     """
     sizes = group_sizes(problem, module, placement)
     if "gpus" in fixed:
@@ -458,12 +461,11 @@ def module_candidates(
     for g in sizes:
         if partners is not None and g not in partners:
             continue
-        more, why = module_strategies(problem, module, g, fixed, verdicts, None if partners is None else partners[g],
-                                      placement)
+        more, why = module_strategies(problem, module, g, fixed, verdicts, None if partners is None else partners[g])
         series += more
         reason = reason or why
     if partners is not None and not series:
-        everywhere = [module_strategies(problem, module, g, fixed, verdicts, None, placement) for g in sizes]
+        everywhere = [module_strategies(problem, module, g, fixed, verdicts) for g in sizes]
         if any(found for found, _ in everywhere):
             return [], None, None, 0  # valid, but on no size the other group complements: infeasible, not invalid
         reason = next((why for _, why in everywhere if why), reason)
@@ -486,11 +488,10 @@ def _sizes_text(sizes: list[int]) -> str:
 
 
 def pipelined_options(problem: Problem, fixes: Fixes) -> tuple[bool, ...]:
-    """Whether a colocated plan's LLM can be pipelined: (False,) without PP in the space, (True,) with llm.pp pinned
-    above 1, else both (encoders are then costed for either)."""
+    """Whether a plan's LLM can be pipelined: (False,) without PP in the space, (True,) with llm.pp pinned above 1,
+    else both (encoders are then costed for either)."""
     pinned = fixes.get("llm", {}).get("pp")
-    searched = problem.allow_pp and problem.dataset is None
-    if "llm" not in problem.model.module_names or pinned == 1 or not (searched or pinned):
+    if "llm" not in problem.model.module_names or pinned == 1 or not (problem.searches_pp or pinned):
         return (False,)
     return (True,) if pinned else (False, True)
 

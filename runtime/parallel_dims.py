@@ -4,7 +4,8 @@ A module's ranks form a ``pp x dp x cp x sp x tp`` grid (tp innermost, pp outerm
 block of consecutive ranks), as the planner lays them out. Two meshes are built over it: ``mesh`` with axes
 (``dp_cp_sp``, ``tp``), and ``pp`` in front when the module is pipelined — the root that FSDP (on ``dp_cp_sp``, the
 module's data-parallel / gradient-sum group within a stage), TP (on ``tp``) and the pipeline (on ``pp``) share, as
-torchtitan composes them — and ``grid_mesh`` with the named axes, for the SP and DP groups. (Both are built directly rather than by flattening a slice:
+torchtitan composes them — and ``grid_mesh`` with the named axes, for the SP and DP groups. (Both are built
+directly rather than by flattening a slice:
 flattening creates process groups that every rank of the world, including ranks outside a disjoint module,
 would have to join.) The runtime never re-decides any of these numbers.
 """
@@ -101,7 +102,8 @@ class ParallelDims:
         return self.ranks.index(rank) // self.stage_devices
 
     def stage_view(self, stage: int) -> "ParallelDims":
-        """The degrees of one pipeline stage's ranks alone (pp = 1, no mesh): what the hand-off routes to (stage 0)."""
+        """The degrees of one pipeline stage's ranks alone (pp = 1, no mesh): what the hand-off routes to (stage
+        0)."""
         ranks = self.ranks[stage * self.stage_devices:(stage + 1) * self.stage_devices]
         return replace(self, ranks=ranks, pp=1, pp_schedule="1f1b", virtual_stages=1, pp_layers=(), mesh=None,
                        grid_mesh=None)

@@ -76,7 +76,7 @@ def check_pipeline(plan: Plan, module: Any) -> None:
         raise NotImplementedError(f"{name} on a dataset plan's packs is not run yet (the schedule needs one "
                                   "micro-batch shape): plan with --image-size/--text-tokens")
     config = plan.model.hf_config
-    if config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False)):
+    if config.get("tie_word_embeddings") or config.get("text_config", {}).get("tie_word_embeddings"):
         raise NotImplementedError(f"{name} with lm_head tied to the embedding (first and last stage) is not run yet")
 
 

@@ -401,9 +401,9 @@ def module_cost(
         first_rank: Global rank of the module's rank 0 (``Strategy.first_ranks()``); decides the links.
         num_stages: Stages of the disjoint chain (disjoint: 2, colocated: 1).
         stage_index: This module's stage in that chain (encoders 0, LLM num_stages - 1).
-        feeds_pipeline: (colocated encoder) the LLM is pipelined (pp > 1): its schedule takes every micro-batch
-            at once, so the encoder runs all forwards before it and all backwards after it, holding every
-            micro-batch's activations in between.
+        feeds_pipeline: (encoder) the LLM is pipelined (pp > 1): its schedule takes every micro-batch at once, so
+            the encoder runs all forwards before it and all backwards after it, holding every micro-batch's
+            activations in between.
         assumptions: Cost-model knobs.
         layer_costs: Optional measured per-layer source; analytical where it returns None.
 
@@ -443,18 +443,12 @@ def _module_cost(
     s = strategy
     static = _with_measured_collectives(_static(model, module, workload, cluster, assumptions), s, layer_costs)
     if s.pp > 1:
-        return _pipelined_cost(static, s, placement=placement, precision=precision, first_rank=first_rank,
-                               layer_costs=layer_costs)
+        return _pipelined_cost(static, s, precision=precision, first_rank=first_rank, layer_costs=layer_costs)
     in_flight = 1 if placement == "colocated" else min(num_stages - stage_index, s.grad_accum)
     if feeds_pipeline:
         in_flight = s.grad_accum
-    handoff = None
-    if placement == "colocated":
-        sp_within = axis_within_node(first_rank, s.tp, s.sp, s.gpus, cluster.devices_per_node)
-        handoff = handoff_per_micro_batch(static, s, placement=placement, first_rank=first_rank,
-                                          sp_link=static.links[not sp_within])
-    else:
-        handoff = handoff_per_micro_batch(static, s, placement=placement, first_rank=first_rank, sp_link=_UNUSED_LINK)
+    sp_link = static.links[not _within_all(s, first_rank, cluster.devices_per_node)[1]]
+    handoff = handoff_per_micro_batch(static, s, placement=placement, first_rank=first_rank, sp_link=sp_link)
     return _part_cost(static, s, static.spec.layers, precision=precision, first_rank=first_rank,
                       layer_costs=layer_costs, in_flight_chunks=in_flight, handoff_s=handoff, pp_comm_s=0.0)
 
@@ -554,8 +548,7 @@ def pipeline_chunks(static: _Static, s: ModuleStrategy, layer_costs: LayerCostSo
     (``balanced_chunk_layers``): the first chunk also runs the layers before the decoder (embedding) and receives
     the hand-off (``extra_first_s``), the last the layers after it (final norm, lm_head and the loss), and every
     chunk but the last sends its output and receives its gradient (``p2p_s``)."""
-    key = ("chunks", s.tp, s.sp, s.cp, s.micro_batch, s.recompute, s.pp, s.virtual_stages, within, extra_first_s,
-           p2p_s)
+    key = (s.tp, s.sp, s.cp, s.micro_batch, s.recompute, s.pp, s.virtual_stages, within, extra_first_s, p2p_s)
     if layer_costs is None and key in static.chunks:
         return static.chunks[key]
     layers = static.spec.layers
@@ -579,7 +572,8 @@ PIPELINED_KINDS = ("decoder_layer",)
 """The repeated block whose instances pipeline stages divide (the LLM's decoder layers)."""
 
 
-def rank_layers(layers: tuple[LayerSpec, ...], chunk_layers: tuple[int, ...], rank: int, pp: int) -> tuple[LayerSpec, ...]:
+def rank_layers(layers: tuple[LayerSpec, ...], chunk_layers: tuple[int, ...], rank: int, pp: int
+                ) -> tuple[LayerSpec, ...]:
     """The layers pipeline rank ``rank`` holds: the decoder layers of its chunks (``rank``, ``rank + pp``, ...), the
     layers before the decoder on rank 0 (chunk 0), the ones after it on the rank of the last chunk."""
     index = next(i for i, layer in enumerate(layers) if layer.kind in PIPELINED_KINDS)
@@ -620,20 +614,20 @@ def encoder_handoff_bytes(static: _Static) -> tuple[float, bool]:
 
 
 def _pipelined_cost(
-    static: _Static, s: ModuleStrategy, *, placement: Placement, precision: Precision, first_rank: int,
-    layer_costs: LayerCostSource | None,
+    static: _Static, s: ModuleStrategy, *, precision: Precision, first_rank: int, layer_costs: LayerCostSource | None,
 ) -> ModuleCost:
     """The cost of a pipelined module (pp > 1): one ``_part_cost`` per distinct pipeline rank (its layers, transfers
-    and links; ranks alike differ only in what they keep in flight, and the first of them holds the most), then the step of the schedule (``pipeline_bubble_time``): time is the slowest rank's plus the bubble, the
-    tail the longest rank's, memory the rank whose own peak is the largest (``stage_costs`` keeps every distinct
-    rank's, which ``planner.cost.phases`` reads).
+    and links; ranks alike differ only in what they keep in flight, and the first of them holds the most), then the
+    step of the schedule (``pipeline_bubble_time``): time is the slowest rank's plus the bubble, the tail the longest
+    rank's, memory the rank whose own peak is the largest (``stage_costs`` keeps every distinct rank's, which
+    ``planner.cost.phases`` reads).
 
     Transfers per micro-batch: a stage boundary carries the micro-batch's hidden states forward and their
     gradient back, point-to-point between the ranks of the same grid position in consecutive stages (Hockney
     alpha-beta over the link joining them); stage 0 also receives the encoders' output (colocated: from every
     GPU; disjoint: from the encoder group) over the NIC once the module spans nodes, and sends its gradient back.
     """
-    cluster, assumptions, dpn = static.cluster, static.assumptions, static.cluster.devices_per_node
+    assumptions, dpn = static.assumptions, static.cluster.devices_per_node
     within = _within_all(s, first_rank, dpn)[:3]
     hidden = next(layer.hidden_size for layer in static.spec.layers if layer.kind in PIPELINED_KINDS)
     boundary_bytes = s.micro_batch * static.tokens.tokens / (s.sp * s.cp) * hidden * assumptions.activation_bytes

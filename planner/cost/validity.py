@@ -90,8 +90,7 @@ def pipeline_reasons(model: ModelSpec, spec: ModuleSpec, s: ModuleStrategy) -> l
     reasons = []
     if s.sp > 1:
         reasons.append(f"pp={s.pp} with sp={s.sp}: the runtime does not run Ulysses SP inside a pipeline yet")
-    config = model.hf_config
-    if config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False)):
+    if model.tie_word_embeddings:
         reasons.append(f"pp={s.pp}: {model.name} ties lm_head to the embedding, which the runtime does not split "
                        "over pipeline stages yet")
     layers = sum(layer.count for layer in spec.layers if layer.kind == "decoder_layer")

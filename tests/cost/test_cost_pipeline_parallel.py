@@ -110,7 +110,7 @@ def test_stage_split_balances_the_loss_against_decoder_layers():
     assert llm_cost(s, model, cluster=instant_links()).chunk_layers[1] > n1
 
 
-def test_interleaved_chunks_shrink_the_bubble_and_hold_more():
+def test_interleaved_chunks_shrink_the_bubble_and_hold_what_torch_warms_up():
     model = deep_model(8)
     plain = llm_cost(ModuleStrategy(dp=2, pp=4, micro_batch=1, grad_accum=4), model, cluster=instant_links())
     interleaved = llm_cost(ModuleStrategy(dp=2, pp=4, pp_schedule="interleaved_1f1b", virtual_stages=2,
@@ -121,7 +121,7 @@ def test_interleaved_chunks_shrink_the_bubble_and_hold_more():
     assert interleaved.pipeline_bubble_s < plain.pipeline_bubble_s
     first_plain, first_interleaved = plain.rank_costs()[0], interleaved.rank_costs()[0]
     # rank 0 of interleaved warms up (v - 1) * 4 + 2 * 3 = 10 chunk forwards, capped at all m * v = 8 chunks (half
-    # its layers each): 4 micro-batches' worth, like 1F1B's 4 here, but of one more chunk's layers at most
+    # its layers each): 4 micro-batches' worth, as many as 1F1B's 4 here
     assert first_interleaved.in_flight_micro_batches == 8
     assert [c.in_flight_micro_batches for c in interleaved.rank_costs()] == [8, 8, 7, 5]
     assert first_interleaved.activations_bytes >= first_plain.activations_bytes

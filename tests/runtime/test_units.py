@@ -325,3 +325,19 @@ def test_the_llm_forward_keeps_no_kv_cache(tiny_model):
         torch.arange(12).expand(3, 1, 12))
     handle.remove()
     assert tiny_model.config.text_config.use_cache and outputs[0].past_key_values is None
+
+
+def test_a_step_record_has_each_pipeline_stage_slowest_rank():
+    """Per stage, the compute and idle time of its slowest rank (each of a stage's TP / DP ranks reports its own)."""
+    from runtime.metrics import step_record
+
+    def result(rank, stage, compute, idle):
+        return {"rank": rank, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "step_time_s": 1.0, "llm_tokens": 10,
+                "peak_memory_bytes": 0, "pp_stage": stage, "pp_compute_s": compute, "pp_idle_s": idle}
+
+    record = step_record(0, [result(0, 0, 0.5, 0.2), result(1, 0, 0.4, 0.3), result(2, 1, 0.7, 0.1),
+                             result(3, 1, 0.6, 0.05)])
+    assert record["pp_stages"] == [{"stage": 0, "compute_s": 0.5, "idle_s": 0.3},
+                                   {"stage": 1, "compute_s": 0.7, "idle_s": 0.1}]
+    plain = {k: v for k, v in result(0, 0, 0, 0).items() if not k.startswith("pp_")}
+    assert "pp_stages" not in step_record(0, [plain])
