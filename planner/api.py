@@ -292,6 +292,7 @@ def make_problem(
     max_pixels: int | None = None,
     pack_tokens: int | None = None,
     pack: bool = True,
+    workers: int = 1,
 ) -> Problem:
     """Everything a plan depends on, from user-level inputs.
 
@@ -326,11 +327,14 @@ def make_problem(
             also tries twice and four times that and keeps the fastest).
         pack: False: every dataset sample is a micro-batch unit of its own (how a plan made for one image size
             meets the dataset); ``pack_tokens`` then does not apply.
+        workers: Processes that cost candidates (``Problem.workers``): the same plan, sooner on several cores.
 
     Raises:
         ValueError: any bad input, in one line.
     """
     spec = get_model(model) if isinstance(model, str) else model
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
     if precision not in PRECISIONS:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     frozen = list(frozen)
@@ -360,7 +364,7 @@ def make_problem(
     cluster, layer_costs, assumptions = _profile_source(spec, cluster, profile, assumptions)
     return Problem(model=spec, cluster=cluster, workload=workload, precision=precision, assumptions=assumptions,
                    layer_costs=layer_costs, allow_ring_cp=allow_ring_cp, allow_pp=allow_pp,
-                   dataset=dataset_info)
+                   dataset=dataset_info, workers=workers)
 
 
 def model_folder_tokenizer(model: str | ModelSpec) -> str | None:

@@ -27,14 +27,19 @@ after dropping candidates whose group does not fit.
 
 from __future__ import annotations
 
+import copyreg
+import functools
 import itertools
 import math
+import multiprocessing
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Iterable, Mapping
 
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, LayerCostSource, ModuleCost, check_strategy, module_cost
+from planner.cost.module import feeding_pipeline
 from planner.cost.estimate import module_path_terms
-from planner.cost.phases import alive, data_flow_order, own_phases, step_phases
+from planner.cost.phases import alive_bytes, data_flow_order, own_peak_bytes, step_phases
 from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, ModelSpec
 from planner.schema import DatasetInfo
@@ -77,6 +82,9 @@ class Problem:
     allow_pp: bool = False
     """Search pipeline parallelism of the LLM (pp > 1). Off by default: planning takes several times longer with it
     and the runtime's dry-run cannot measure it yet; ``--fix llm.pp=N`` pins it."""
+
+    workers: int = 1
+    """Processes that cost candidates (forked; ``PARALLEL_MIN_STRATEGIES``): the same plan, sooner on several cores."""
 
     @property
     def searches_pp(self) -> bool:
@@ -336,12 +344,26 @@ def first_rank(problem: Problem, module: str, gpus: int, placement: Placement) -
     return problem.num_gpus - gpus
 
 
+@functools.lru_cache(maxsize=64)
+def _phase_positions(module_names: tuple[str, ...], module: str) -> tuple[int, tuple[tuple[str, int], ...]]:
+    """(``module``'s position in data-flow order, (kind, its module's position) of each phase of the step)."""
+    order = data_flow_order(module_names)
+    return order.index(module), tuple((phase.kind, order.index(phase.module)) for phase in step_phases(order))
+
+
 def cost_candidate(problem: Problem, module: str, strategy: ModuleStrategy, placement: Placement,
                    feeds_pipeline: bool = False) -> Candidate:
     """Cost ``strategy`` with the cost model and convert to the solver's integers (``feeds_pipeline``: an encoder
     in a plan whose LLM is pipelined)."""
+    cost = placed_cost(problem, module, strategy, placement, feeds_pipeline)
+    return as_candidate(problem, cost, placement, pipelined=feeds_pipeline or strategy.pp > 1)
+
+
+def placed_cost(problem: Problem, module: str, strategy: ModuleStrategy, placement: Placement,
+                feeds_pipeline: bool = False) -> ModuleCost:
+    """The cost model's answer for ``module`` under ``strategy`` where ``placement`` puts it."""
     num_stages = 2 if placement == "disjoint" else 1
-    cost = module_cost(
+    return module_cost(
         problem.model,
         module,
         problem.cluster,
@@ -356,21 +378,23 @@ def cost_candidate(problem: Problem, module: str, strategy: ModuleStrategy, plac
         assumptions=problem.assumptions,
         layer_costs=problem.layer_costs,
     )
+
+
+def as_candidate(problem: Problem, cost: ModuleCost, placement: Placement, *, pipelined: bool) -> Candidate:
+    """The solver's integers of a module's cost (``pipelined``: part of a plan whose LLM is pipelined)."""
     if placement == "colocated":
-        order = data_flow_order(problem.model.module_names)
-        position = order.index(module)
-        phase_bytes = tuple(alive(cost, position, phase, order.index(phase.module)).total
-                            for phase in step_phases(order))
+        position, phases = _phase_positions(problem.model.module_names, cost.module)
+        phase_bytes = tuple(alive_bytes(cost, position, kind, at) for kind, at in phases)
     else:
-        phase_bytes = (max(m.total for m in own_phases(cost)),)
+        phase_bytes = (own_peak_bytes(cost),)
     return Candidate(
-        module=module,
+        module=cost.module,
         cost=cost,
         step_ns=round((cost.micro_batches_s + cost.step_tail_s) * NS_PER_S),
         path_ns=tuple(round(t * NS_PER_S) for t in module_path_terms(cost)),
         tail_ns=round(cost.step_tail_s * NS_PER_S),
         phase_bytes=phase_bytes,
-        pipelined=feeds_pipeline or strategy.pp > 1,
+        pipelined=pipelined,
     )
 
 
@@ -425,15 +449,18 @@ def fits_alone(problem: Problem, c: Candidate) -> bool:
 
 
 def cost_series(problem: Problem, module: str, series: list[ModuleStrategy], placement: Placement,
-                feeds_pipeline: bool = False) -> list[Candidate]:
+                feeds: tuple[bool, ...] = (False,)) -> list[Candidate]:
     """Cost a series of strategies differing only in micro-batch size, smallest first, stopping at the first whose
     weights + optimizer states + ONE micro-batch of activations do not fit: every larger micro-batch needs more
-    (gradients are left out: with a single micro-batch per step they are not alive in the forward)."""
+    (gradients are left out: with a single micro-batch per step they are not alive in the forward). An encoder is
+    costed once and given as a candidate for each of ``feeds`` (an LLM that is not pipelined, is, or both;
+    ``feeding_pipeline``)."""
     costed = []
     for s in series:
-        c = cost_candidate(problem, module, s, placement, feeds_pipeline)
-        costed.append(c)
-        least = c.cost.weights_bytes + c.cost.optimizer_bytes + c.cost.activations_per_micro_batch_bytes
+        cost = placed_cost(problem, module, s, placement)
+        costed += [as_candidate(problem, feeding_pipeline(cost) if feed else cost, placement,
+                                pipelined=feed or s.pp > 1) for feed in feeds]
+        least = cost.weights_bytes + cost.optimizer_bytes + cost.activations_per_micro_batch_bytes
         if least + problem.overhead_bytes > problem.usable_bytes:
             break
     return costed
@@ -469,13 +496,69 @@ def module_candidates(
         if any(found for found, _ in everywhere):
             return [], None, None, 0  # valid, but on no size the other group complements: infeasible, not invalid
         reason = next((why for _, why in everywhere if why), reason)
-    costed = [c for feed in feeds for s in series for c in cost_series(problem, module, s, placement, feed)]
-    smallest = min(costed, key=lambda c: (c.memory_bytes, strategy_key(c.strategy)), default=None)
-    fitting = [c for c in costed if fits_alone(problem, c)]
+    kept, smallest, costed = _cost_in_processes(problem, module, series, placement, feeds)
     if not series and reason is None:
         reason = f"no {module} layout on {_sizes_text(sizes)} GPUs consumes the global batch of " \
                  f"{problem.workload.global_batch}" + "".join(f", {k}={v}" for k, v in sorted(fixed.items()))
-    return prune(fitting, placement), smallest, None if series else reason, len(costed)
+    return kept, smallest, None if series else reason, costed
+
+
+CostedShare = tuple[list[Candidate], Candidate | None, int]
+"""(fitting pruned candidates, least-memory valid candidate, number costed) of some strategy series."""
+
+
+def _cost_share(problem: Problem, module: str, series: list[list[ModuleStrategy]], placement: Placement,
+                feeds: tuple[bool, ...]) -> CostedShare:
+    """Cost ``series`` (``cost_series``) and keep what the solver and the explanations need."""
+    costed = [c for s in series for c in cost_series(problem, module, s, placement, feeds)]
+    smallest = min(costed, key=_memory_order, default=None)
+    return prune([c for c in costed if fits_alone(problem, c)], placement), smallest, len(costed)
+
+
+def _memory_order(c: Candidate) -> tuple:
+    """Least memory first, then ``strategy_key`` (the feeding variants of one encoder strategy: as costed)."""
+    return c.memory_bytes, strategy_key(c.strategy)
+
+
+PARALLEL_MIN_STRATEGIES = 1000
+"""Strategies (about 0.1 s of costing) below which ``Problem.workers`` is ignored: forking would cost more than it
+saves."""
+
+_SHARED_WORK: tuple | None = None
+"""The work of ``_cost_in_processes``, inherited by its forked workers."""
+
+
+def _cost_in_processes(problem: Problem, module: str, series: list[list[ModuleStrategy]], placement: Placement,
+                       feeds: tuple[bool, ...]) -> CostedShare:
+    """``_cost_share`` of all ``series``, split over ``problem.workers`` forked processes (each prunes its share,
+    the union of the shares' Pareto fronts is pruned again, which gives the same front: the result equals the
+    serial one)."""
+    global _SHARED_WORK
+    workers = problem.workers if sum(map(len, series)) >= PARALLEL_MIN_STRATEGIES else 1
+    if workers <= 1:
+        return _cost_share(problem, module, series, placement, feeds)
+    _SHARED_WORK = (problem, module, series, placement, feeds, workers)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            shares = pool.map(_cost_share_of_worker, range(workers))
+    finally:
+        _SHARED_WORK = None
+    smallest = min((s for _, s, _ in shares if s is not None), key=_memory_order, default=None)
+    return prune([c for kept, _, _ in shares for c in kept], placement), smallest, sum(n for _, _, n in shares)
+
+
+def _cost_share_of_worker(index: int) -> CostedShare:
+    """Worker ``index``'s share: every ``workers``-th series (sizes and layouts interleave, balancing the work)."""
+    problem, module, series, placement, feeds, workers = _SHARED_WORK
+    return _cost_share(problem, module, series[index::workers], placement, feeds)
+
+
+def _read_only(mapping: dict) -> MappingProxyType:
+    """A read-only view of ``mapping`` (how a worker's ``ModuleCost.sources`` are rebuilt)."""
+    return MappingProxyType(mapping)
+
+
+copyreg.pickle(MappingProxyType, lambda proxy: (_read_only, (dict(proxy),)))
 
 
 def _sizes_text(sizes: list[int]) -> str:

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--allow-pp", action="store_true",
                         help="also search pipeline parallelism of the LLM (pp > 1, 1F1B or interleaved 1F1B): "
                              "`python -m runtime` runs it, but not yet with --save, checkpoints or --dry-run")
+    search.add_argument("--workers", type=int, metavar="N", default=default_workers(),
+                        help="processes that cost candidates (default: the CPUs this process may use, "
+                             f"{default_workers()} here); the plan is the same for any N")
     search.add_argument("--top-k", type=int, metavar="K",
                         help=f"show the K best distinct plans (default 1, at most {api.MAX_TOP_K})")
     search.add_argument("--max-seq", action="store_true",
@@ -130,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--list-models", action="store_true", help="list catalog models and exit")
     out.add_argument("--list-gpus", action="store_true", help="list hardware and exit")
     return p
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _fail(message: str) -> None:
@@ -159,7 +167,7 @@ def _inputs(args: argparse.Namespace) -> dict:
         audio_seconds=args.audio_seconds, global_batch=args.global_batch, precision=args.precision,
         frozen=args.frozen, profile=None if (args.profile or "").lower() == "none" else (args.profile or "auto"),
         allow_ring_cp=args.allow_cp, allow_pp=args.allow_pp, dataset=args.dataset, tokenizer=args.tokenizer, min_pixels=args.min_pixels,
-        max_pixels=args.max_pixels, pack_tokens=args.pack_tokens,
+        max_pixels=args.max_pixels, pack_tokens=args.pack_tokens, workers=args.workers,
     )
 
 

@@ -72,7 +72,7 @@ def reduce_scatter_time(num_bytes: float, group_size: int, link: Link) -> float:
     measured = _measured(link, "reduce_scatter", group_size, num_bytes) if group_size > 1 and num_bytes > 0 else None
     if measured is not None:
         return measured
-    return all_gather_time(num_bytes, group_size, replace(link, curve=None))
+    return all_gather_time(num_bytes, group_size, link if link.curve is None else replace(link, curve=None))
 
 
 def all_to_all_time(num_bytes: float, group_size: int, link: Link) -> float:

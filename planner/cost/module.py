@@ -18,7 +18,7 @@ from planner.cost.comm import Link, all_gather_time, axis_within_node, link, p2p
 from planner.cost.layer_costs import ANALYTICAL, MEASURED, LayerCostSource, LayerMeasurement
 from planner.cost.layers import Shard, layer_terms
 from planner.cost.op_counts import LAYER_OPS
-from planner.cost.phases import own_phases
+from planner.cost.phases import own_peak_bytes
 from planner.cost.pipeline import balanced_chunk_layers, in_flight_chunks, pipeline_bubble_time
 from planner.cost.memory import (
     FSDP_BLOCK_KINDS,
@@ -413,14 +413,18 @@ def module_cost(
     model/workload/cluster/assumptions OBJECTS (memoised by identity: reuse them across calls), ~70 us when not.
     """
     options = dict(placement=placement, precision=precision, first_rank=first_rank, num_stages=num_stages,
-                   stage_index=stage_index, feeds_pipeline=feeds_pipeline, assumptions=assumptions,
-                   layer_costs=layer_costs)
+                   stage_index=stage_index, assumptions=assumptions, layer_costs=layer_costs)
     cost = _module_cost(model, module, cluster, workload, strategy, **options)
     heaviest = workload.heaviest()
-    if heaviest is None:
-        return cost
-    heavy = _module_cost(model, module, cluster, heaviest, strategy, **options)
-    return _with_heavy_memory(cost, heavy)
+    if heaviest is not None:
+        cost = _with_heavy_memory(cost, _module_cost(model, module, cluster, heaviest, strategy, **options))
+    return feeding_pipeline(cost) if feeds_pipeline else cost
+
+
+def feeding_pipeline(cost: ModuleCost) -> ModuleCost:
+    """An encoder's ``cost`` in a plan whose LLM is pipelined: the same, but holding every micro-batch's activations
+    (it runs all of the step's forwards before the LLM's schedule and all backwards after it)."""
+    return replace(cost, in_flight_micro_batches=cost.strategy.grad_accum)
 
 
 def _with_heavy_memory(cost: ModuleCost, heavy: ModuleCost) -> ModuleCost:
@@ -438,15 +442,13 @@ micro-batch of the step must fit), the times the mean pack's."""
 def _module_cost(
     model: ModelSpec, module: str, cluster: Cluster, workload: Workload, strategy: ModuleStrategy, *,
     placement: Placement, precision: Precision, first_rank: int, num_stages: int, stage_index: int,
-    feeds_pipeline: bool, assumptions: CostAssumptions, layer_costs: LayerCostSource | None,
+    assumptions: CostAssumptions, layer_costs: LayerCostSource | None,
 ) -> ModuleCost:
     s = strategy
     static = _with_measured_collectives(_static(model, module, workload, cluster, assumptions), s, layer_costs)
     if s.pp > 1:
         return _pipelined_cost(static, s, precision=precision, first_rank=first_rank, layer_costs=layer_costs)
     in_flight = 1 if placement == "colocated" else min(num_stages - stage_index, s.grad_accum)
-    if feeds_pipeline:
-        in_flight = s.grad_accum
     sp_link = static.links[not _within_all(s, first_rank, cluster.devices_per_node)[1]]
     handoff = handoff_per_micro_batch(static, s, placement=placement, first_rank=first_rank, sp_link=sp_link)
     return _part_cost(static, s, static.spec.layers, precision=precision, first_rank=first_rank,
@@ -461,9 +463,8 @@ def _part_cost(
     micro-batch, with ``handoff_s`` and ``pp_comm_s`` of transfers per micro-batch and ``in_flight_chunks``
     micro-batches' (with PP: model chunks') activations alive at its peak."""
     assumptions, cluster = static.assumptions, static.cluster
-    dpn = cluster.devices_per_node
-    within = _within_all(s, first_rank, dpn)[:3]
-    sums = _sums(static, s, within, layer_costs, layers)
+    within_all = _within_all(s, first_rank, cluster.devices_per_node)
+    sums = _sums(static, s, within_all[:3], layer_costs, layers)
     forward_buffers, backward_buffers = sums.forward_buffer_bytes, sums.backward_buffer_bytes
 
     recipe = assumptions.bytes_per_param(precision)
@@ -494,7 +495,7 @@ def _part_cost(
         layer_weight_bytes=largest * recipe.weights,
         bucket_bytes=bucket,
         group_size=reduce_group,
-        link=static.links[not _within_all(s, first_rank, dpn)[3]],
+        link=static.links[not within_all[3]],
         grad_accum=s.grad_accum,
         forward_s=sums.forward_s,
         backward_s=sums.backward_s,
@@ -586,6 +587,59 @@ def rank_layers(layers: tuple[LayerSpec, ...], chunk_layers: tuple[int, ...], ra
     return tuple(held)
 
 
+def _rank_layers(static: _Static, chunk_layers: tuple[int, ...], rank: int, pp: int) -> tuple[LayerSpec, ...]:
+    """``rank_layers`` of the module, memoised."""
+    key = ("rank_layers", chunk_layers, rank, pp)
+    held = static.chunks.get(key)
+    if held is None:
+        held = static.chunks[key] = rank_layers(static.spec.layers, chunk_layers, rank, pp)
+    return held
+
+
+def pipeline_parts(s: ModuleStrategy, first_rank: int, devices_per_node: int, chunk_layers: tuple[int, ...]
+                   ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """(the distinct pipeline ranks as (first rank of its kind, chunks it sends onward), each rank's (index of its
+    kind, chunks it holds in flight)). Ranks are alike when they hold the same chunks' worth of layers (and whether
+    the first or the last), send as many chunks onward and have the same links; the first of a kind holds the most
+    in flight (in-flight falls with the rank), so its cost stands for the kind. Memoised."""
+    key = (s.pp, s.virtual_stages, s.grad_accum, s.tp, s.sp, s.cp, s.dp, first_rank % devices_per_node,
+           devices_per_node, chunk_layers)
+    found = _PARTS.get(key)
+    if found is not None:
+        return found
+    num_chunks = len(chunk_layers)
+    kinds: dict[tuple, int] = {}
+    parts, rank_stages = [], []
+    for rank in range(s.pp):
+        mine = range(rank, num_chunks, s.pp)
+        sends = sum(c < num_chunks - 1 for c in mine)
+        kind = (0 in mine, num_chunks - 1 in mine, sum(chunk_layers[c] for c in mine), sends,
+                _within_all(s, first_rank + rank * s.stage_gpus, devices_per_node))
+        if kind not in kinds:
+            kinds[kind] = len(parts)
+            parts.append((rank, sends))
+        rank_stages.append((kinds[kind], in_flight_chunks(rank, s.pp, s.grad_accum, s.virtual_stages)))
+    found = _PARTS[key] = (tuple(parts), tuple(rank_stages))
+    return found
+
+
+_PARTS: dict[tuple, tuple] = {}
+
+
+def _stages_within_node(s: ModuleStrategy, first_rank: int, devices_per_node: int) -> bool:
+    """Whether consecutive pipeline stages of the grid starting at ``first_rank`` exchange within a node (one
+    memoised ``axis_within_node`` along the pipeline axis)."""
+    key = (s.stage_gpus, s.pp, first_rank % devices_per_node, devices_per_node)
+    found = _STAGES_WITHIN.get(key)
+    if found is None:
+        found = _STAGES_WITHIN[key] = axis_within_node(first_rank % devices_per_node, s.stage_gpus, s.pp, s.gpus,
+                                                        devices_per_node)
+    return found
+
+
+_STAGES_WITHIN: dict[tuple, bool] = {}
+
+
 def _within_all(s: ModuleStrategy, first_rank: int, devices_per_node: int) -> tuple[bool, ...]:
     """Whether each of the TP, SP, CP and DP-reduce axes of the (pipeline stage's) grid starting at ``first_rank``
     stays in a node: what the links of a part cost depend on. Memoised: it depends on ``first_rank`` only through
@@ -631,32 +685,26 @@ def _pipelined_cost(
     within = _within_all(s, first_rank, dpn)[:3]
     hidden = next(layer.hidden_size for layer in static.spec.layers if layer.kind in PIPELINED_KINDS)
     boundary_bytes = s.micro_batch * static.tokens.tokens / (s.sp * s.cp) * hidden * assumptions.activation_bytes
-    stage_link = static.links[not axis_within_node(first_rank, s.stage_gpus, s.pp, s.gpus, dpn)]
+    stage_link = static.links[not _stages_within_node(s, first_rank, dpn)]
     p2p = 2 * p2p_time(boundary_bytes, stage_link) * (1 - assumptions.pp_p2p_overlap)
     per_sample, backward = encoder_handoff_bytes(static)
     handoff = (1 + backward) * p2p_time(s.micro_batch * per_sample, static.links[s.gpus > dpn])
     chunks = pipeline_chunks(static, s, layer_costs, within, handoff, p2p)
-    num_chunks = len(chunks)
-    parts: dict[tuple, ModuleCost] = {}
-    rank_stages = []
-    for rank in range(s.pp):
-        mine = range(rank, num_chunks, s.pp)
-        rank_first = first_rank + rank * s.stage_gpus
-        transfers = (handoff if rank == 0 else 0.0, p2p * sum(c < num_chunks - 1 for c in mine))
-        held = (0 in mine, num_chunks - 1 in mine, sum(chunks[c] for c in mine))
-        key = (held, transfers, _within_all(s, rank_first, dpn))
-        in_flight = in_flight_chunks(rank, s.pp, s.grad_accum, s.virtual_stages)
-        if key not in parts:  # the first rank of a part holds the most in flight (in-flight falls with the rank)
-            parts[key] = _part_cost(static, s, rank_layers(static.spec.layers, chunks, rank, s.pp),
-                                    precision=precision, first_rank=rank_first, layer_costs=layer_costs,
-                                    in_flight_chunks=in_flight, handoff_s=transfers[0], pp_comm_s=transfers[1])
-        rank_stages.append((list(parts).index(key), in_flight))
-    ranks = list(parts.values())
+    parts, rank_stages = pipeline_parts(s, first_rank, dpn, chunks)
+    ranks = [
+        _part_cost(static, s, _rank_layers(static, chunks, rank, s.pp), precision=precision,
+                   first_rank=first_rank + rank * s.stage_gpus, layer_costs=layer_costs,
+                   in_flight_chunks=in_flight_chunks(rank, s.pp, s.grad_accum, s.virtual_stages),
+                   handoff_s=handoff if rank == 0 else 0.0, pp_comm_s=p2p * sends)
+        for rank, sends in parts
+    ]
     slowest = max(ranks, key=lambda c: c.per_micro_batch_s)
     tail = max(ranks, key=lambda c: c.step_tail_s)
-    memory = max(ranks, key=lambda c: max(m.total for m in own_phases(c)))
+    memory = max(ranks, key=own_peak_bytes)
     bubble = pipeline_bubble_time([ranks[i].per_micro_batch_s for i, _ in rank_stages], s.virtual_stages)
-    sources = {k: v for c in ranks for k, v in c.sources.items()}
+    sources = ranks[0].sources
+    if any(c.sources is not sources for c in ranks):
+        sources = MappingProxyType({k: v for c in ranks for k, v in c.sources.items()})
     return replace(
         memory,
         **slowest.terms(),
@@ -671,5 +719,5 @@ def _pipelined_cost(
         stage_costs=tuple(ranks),
         rank_stages=tuple(rank_stages),
         flops_per_step=_flops_per_sample(static) * s.samples_per_step,
-        sources=MappingProxyType(sources),
+        sources=sources,
     )

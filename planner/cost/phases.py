@@ -65,37 +65,48 @@ def alive(cost: ModuleCost, position: int, phase: Phase, phase_position: int) ->
     activations from its forward until its backward; transients only in its own phases. A pipelined module
     holds what its heaviest pipeline rank holds at that moment (the other modules are the same on every GPU, so
     the GPU's total is the largest there)."""
-    if cost.stage_costs:
-        return max((alive(c, position, phase, phase_position) for c in cost.stage_costs), key=lambda m: m.total)
+    held = max((_held(c, position, phase.kind, phase_position) for c in cost.stage_costs or (cost,)), key=sum)
+    return MemoryBreakdown(**dict(zip(("weights", "gradients", "optimizer", "activations", "buffers"), held)),
+                           overhead=0)
+
+
+def alive_bytes(cost: ModuleCost, position: int, kind: PhaseKind, phase_position: int) -> int:
+    """``alive(...).total`` for a phase of this ``kind``, without building the breakdown (the candidates' hot
+    path)."""
+    return max(sum(_held(c, position, kind, phase_position)) for c in cost.stage_costs or (cost,))
+
+
+def _held(cost: ModuleCost, position: int, kind: PhaseKind, phase_position: int) -> tuple[int, int, int, int, int]:
+    """(weights, gradients, optimizer states, activations, buffers) of one pipeline rank (or an unpipelined
+    module) in a phase of ``kind`` (``alive``)."""
     own = position == phase_position
     several = cost.strategy.grad_accum > 1
-    if phase.kind == "forward":
+    if kind == "forward":
         has_gradients = several
         activations = cost.activations_bytes if position <= phase_position else 0
         buffers = cost.forward_buffers_bytes if own else 0
     else:
-        backward_done = position > phase_position or (own and phase.kind == "backward_end")
+        backward_done = position > phase_position or (own and kind == "backward_end")
         has_gradients = several or backward_done
         activations, buffers = 0, 0
         if position < phase_position:
             activations = cost.activations_bytes
-        elif own and phase.kind == "backward_start":
+        elif own and kind == "backward_start":
             at_loss = (cost.activations_bytes, cost.loss_backward_buffers_bytes)
             at_last_block = (cost.activations_bytes - cost.loss_saved_bytes, cost.backward_buffers_bytes)
             activations, buffers = max(at_loss, at_last_block, key=sum)
         elif own:
             activations = cost.activations_bytes - cost.activations_per_micro_batch_bytes
             buffers = cost.backward_buffers_bytes
-    return MemoryBreakdown(
-        weights=cost.weights_bytes,
-        gradients=cost.gradients_bytes if has_gradients else 0,
-        optimizer=cost.optimizer_bytes,
-        activations=activations,
-        buffers=buffers,
-        overhead=0,
-    )
+    gradients = cost.gradients_bytes if has_gradients else 0
+    return cost.weights_bytes, gradients, cost.optimizer_bytes, activations, buffers
 
 
 def own_phases(cost: ModuleCost) -> tuple[MemoryBreakdown, ...]:
     """The module's memory in each of its own phases, alone on its GPUs (a disjoint group)."""
     return tuple(alive(cost, 0, Phase(cost.module, kind), 0) for kind in PHASE_KINDS)
+
+
+def own_peak_bytes(cost: ModuleCost) -> int:
+    """The largest total of ``own_phases``."""
+    return max(alive_bytes(cost, 0, kind, 0) for kind in PHASE_KINDS)

@@ -7,7 +7,7 @@ import pytest
 from cost_toys import COMPUTE_ONLY, LLM_HIDDEN, VOCAB, colocated, decoder_layer, toy_cluster, toy_model, toy_workload
 
 from planner.cost import estimate, module_cost
-from planner.cost.phases import Phase, alive, own_phases
+from planner.cost.phases import Phase, alive, alive_bytes, own_peak_bytes, own_phases
 from planner.cost.pipeline import balanced_chunk_layers, in_flight_chunks, pipeline_bubble_time
 from planner.models import ModelSpec
 from planner.strategy import ModuleStrategy, Strategy
@@ -179,3 +179,13 @@ def test_disjoint_encoder_feeding_a_pipeline_runs_before_and_after_it():
     assert vision.activations_bytes == 4 * vision.activations_per_micro_batch_bytes
     expected = vision.micro_batches_s + llm.micro_batches_s + max(vision.step_tail_s, llm.step_tail_s)
     assert e.step_time_s == pytest.approx(expected + COMPUTE_ONLY.step_overhead_s)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_phase_totals_of_the_hot_path_match_the_breakdowns(pp):
+    model = deep_model(6)
+    cost = llm_cost(ModuleStrategy(dp=4 // pp, pp=pp, micro_batch=1, grad_accum=4), model)
+    for kind in ("forward", "backward_start", "backward_end"):
+        for position, at in ((0, 0), (0, 1), (1, 0)):
+            assert alive_bytes(cost, position, kind, at) == alive(cost, position, Phase("llm", kind), at).total
+    assert own_peak_bytes(cost) == max(m.total for m in own_phases(cost))

@@ -83,6 +83,7 @@ CASES = [
      "a sample has 16,000,000 vision tokens, at most 4,194,304 are supported"),
     (M32 + ["--text-tokens", "10000000"], {}, "--text-tokens must be between 0 and 1,048,576, got 10000000"),
     (M32 + ["--gpus-per-node", "100000"], {}, "--gpus-per-node must be between 1 and 1,024, got 100000"),
+    (M32 + ["--workers", "0"], {}, "--workers must be at least 1, got 0"),
     (M32 + ["--top-k", "1000"], {}, "--top-k must be between 1 and 20, got 1000"),
     (M32 + ["--top-k", "100000000000000000000"], {},  # once named 1e20 output files before checking the bound
      "--top-k must be between 1 and 20, got 100000000000000000000"),

@@ -161,3 +161,43 @@ def test_feasible_agrees_with_the_solver(placement):
 def test_empty_candidates_are_infeasible():
     p = problem()
     assert not feasible(p, Candidates(placement="colocated", by_module={"vision": [], "llm": []}))
+
+
+def _solver_view(cands: Candidates) -> dict:
+    """What the solver and the explanations read of candidates."""
+    return {
+        "kept": {m: [(c.strategy, c.pipelined, c.step_ns, c.path_ns, c.tail_ns, c.phase_bytes, c.cost) for c in cs]
+                 for m, cs in cands.by_module.items()},
+        "smallest": {m: (c.strategy, c.pipelined, c.phase_bytes) for m, c in cands.smallest.items()},
+        "costed": cands.num_costed,
+    }
+
+
+_WORKER_LOG: list = []
+"""(folder, original share function) of the running worker test: each worker leaves a file named by its pid."""
+
+
+def _logged_share_of_worker(index):
+    import os
+
+    folder, share_of_worker = _WORKER_LOG
+    (folder / f"{os.getpid()}-{index}").touch()
+    return share_of_worker(index)
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+def test_costing_in_worker_processes_gives_the_serial_candidates(placement, monkeypatch, tmp_path):
+    import os
+
+    import planner.candidates as candidates
+
+    p = problem("qwen-vl-32b", 32, device="h100-80gb", batch=128, image=1344, text=512, allow_pp=True)
+    serial = build_candidates(p, placement)
+    _WORKER_LOG[:] = [tmp_path, candidates._cost_share_of_worker]
+    monkeypatch.setattr(candidates, "_cost_share_of_worker", _logged_share_of_worker)
+    monkeypatch.setattr(candidates, "PARALLEL_MIN_STRATEGIES", 1)
+    forked = build_candidates(replace(p, workers=3), placement)
+    assert _solver_view(forked) == _solver_view(serial)
+    ran = {int(f.name.split("-")[0]) for f in tmp_path.iterdir()}
+    assert ran and os.getpid() not in ran
+    assert any(c.pipelined for cs in serial.by_module.values() for c in cs)
