@@ -9,7 +9,8 @@ Strategy space of one module on ``gpus`` GPUs, for a global batch B:
 * ``grad_accum`` divides B; ``dp`` divides B / grad_accum and ``gpus``; ``micro_batch = B / (dp * grad_accum)``;
 * ``tp`` divides the GPUs of a node; ``sp`` divides the attention heads of a TP rank; ``cp`` fills the rest
   (``gpus = pp * dp * tp * sp * cp``) and is searched only with ``Problem.allow_ring_cp`` or a pinned cp; ZeRO 0-3 (only 0 when nothing is reduced); recompute none/selective/full;
-* ``pp`` (the LLM, with ``Problem.allow_pp`` or a pinned pp) divides its GPUs, with 1F1B or interleaved 1F1B
+* ``pp`` (the LLM, with ``Problem.allow_pp`` or a pinned pp) divides its GPUs, with 1F1B, interleaved 1F1B or
+  interleaved zero-bubble
   (``PIPELINE_CHUNKS``); encoders are then costed twice, for an LLM that is pipelined (they hold every
   micro-batch's activations across its schedule) and one that is not, and the solver keeps a plan consistent;
 * ``planner.cost.check_strategy`` decides validity (heads, node size, encoder/LLM axes, windows, tokens).
@@ -38,17 +39,19 @@ from typing import Iterable, Mapping
 
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, LayerCostSource, ModuleCost, check_strategy, module_cost
 from planner.cost.module import feeding_pipeline
+from planner.cost.validity import zero_bubble_reasons
 from planner.cost.estimate import module_path_terms
 from planner.cost.phases import alive_bytes, data_flow_order, own_peak_bytes, step_phases
 from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, ModelSpec
 from planner.schema import DatasetInfo
-from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Placement, Precision
+from planner.strategy import RECOMPUTE_CHOICES, ZERO_BUBBLE_SCHEDULES, ModuleStrategy, Placement, Precision
 from planner.workload import Workload
 
 NS_PER_S = 1_000_000_000
 """The solver's time unit is the nanosecond: integer coefficients, rounding error <= 0.5 ns per term."""
-FIX_FIELDS = ("dp", "tp", "sp", "cp", "pp", "virtual_stages", "zero", "recompute", "micro_batch", "grad_accum", "gpus")
+FIX_FIELDS = ("dp", "tp", "sp", "cp", "pp", "virtual_stages", "pp_schedule", "zero", "recompute", "micro_batch",
+              "grad_accum", "gpus")
 """Fields ``--fix MODULE.FIELD=VALUE`` may pin."""
 
 DENSE_NODE_COUNTS = 16
@@ -246,15 +249,20 @@ def pipeline_degrees(problem: Problem, module: str, gpus: int, fixed: Mapping[st
 
 
 PIPELINE_CHUNKS = (1, 2)
-"""Model chunks per pipeline rank searched: 1F1B, and interleaved 1F1B with 2 (``--fix llm.virtual_stages=N`` pins
-another)."""
+"""Model chunks per pipeline rank searched: 1F1B, and the interleaved schedules with 2 (``--fix
+llm.virtual_stages=N`` pins another)."""
 
 
 def _schedules(pp: int, fixed: Mapping[str, int | str]) -> list[tuple[str, int]]:
-    """(pp_schedule, virtual_stages) to try for ``pp`` stages."""
+    """(pp_schedule, virtual_stages) to try for ``pp`` stages: 1F1B with one chunk per rank, interleaved 1F1B and
+    interleaved zero-bubble with more."""
     if pp == 1:
-        return [("1f1b", 1)] if fixed.get("virtual_stages", 1) == 1 else []
-    return [("interleaved_1f1b" if v > 1 else "1f1b", v) for v in _choices(PIPELINE_CHUNKS, fixed, "virtual_stages")]
+        options = [("1f1b", 1)]
+    else:
+        options = [(schedule, v) for v in _choices(PIPELINE_CHUNKS, fixed, "virtual_stages")
+                   for schedule in (("interleaved_1f1b", "interleaved_zb") if v > 1 else ("1f1b",))]
+    return [(schedule, v) for schedule, v in options
+            if fixed.get("pp_schedule", schedule) == schedule and fixed.get("virtual_stages", v) == v]
 
 
 def _layouts(problem: Problem, module: str, gpus: int, fixed: Mapping[str, int | str]) -> list[tuple[int, ...]]:
@@ -276,16 +284,17 @@ def _layouts(problem: Problem, module: str, gpus: int, fixed: Mapping[str, int |
 
 
 Verdicts = dict[tuple[int, ...], list[str]]
-"""(tp, sp, cp, micro_batch, pp, virtual_stages, grad_accum) -> check_strategy's reasons (empty: valid)."""
+"""(tp, sp, cp, micro_batch[, pp, pp_schedule, virtual_stages, grad_accum]) -> check_strategy's reasons (empty:
+valid)."""
 
 
 def _verdict(problem: Problem, module: str, probe: ModuleStrategy, verdicts: Verdicts) -> list[str]:
     """``check_strategy`` of ``probe``, memoised: once the GPU count and batch are right (``module_strategies``
-    guarantees both) validity depends on (tp, sp, cp, micro_batch) only, and with PP on (pp, virtual_stages,
-    grad_accum)."""
+    guarantees both) validity depends on (tp, sp, cp, micro_batch) only, and with PP on (pp, pp_schedule,
+    virtual_stages, grad_accum); a zero-bubble schedule's ZeRO and recomputation rules are applied by the caller."""
     key = (probe.tp, probe.sp, probe.cp, probe.micro_batch)
     if probe.pp > 1:
-        key += (probe.pp, probe.virtual_stages, probe.grad_accum)
+        key += (probe.pp, probe.pp_schedule, probe.virtual_stages, probe.grad_accum)
     if key not in verdicts:
         verdicts[key] = check_strategy(problem.model, module, probe, problem.cluster, problem.workload)
     return verdicts[key]
@@ -326,6 +335,9 @@ def module_strategies(
             zeros = (0, 1, 2, 3) if dp * sp * cp > 1 else (0,)
             for zero in _choices(zeros, fixed, "zero"):
                 for rc in _choices(RECOMPUTE_CHOICES, fixed, "recompute"):
+                    if schedule in ZERO_BUBBLE_SCHEDULES and zero_bubble_reasons(zero, rc):
+                        reason = reason or zero_bubble_reasons(zero, rc)[0]
+                        continue
                     series.append([
                         ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, pp_schedule=schedule, virtual_stages=chunks,
                                        zero=zero, recompute=rc, micro_batch=per_replica // ga, grad_accum=ga)

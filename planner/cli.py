@@ -107,14 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="colocated: every module on all GPUs; disjoint: one GPU group per module; "
                              "auto (default): the faster")
     search.add_argument("--fix", action="append", default=[], metavar="MODULE.FIELD=VALUE",
-                        help="pin a degree (fields: dp tp sp cp pp virtual_stages zero recompute micro_batch "
-                             "grad_accum gpus; or placement=...); pinning every field evaluates that exact strategy")
+                        help="pin a degree (fields: dp tp sp cp pp virtual_stages pp_schedule zero recompute "
+                             "micro_batch grad_accum gpus; or placement=...); pinning every field evaluates that "
+                             "exact strategy")
     search.add_argument("--allow-cp", action="store_true",
                         help="also search ring context parallelism (cp > 1): costed, but `python -m runtime` "
                              "cannot run it yet")
     search.add_argument("--allow-pp", action="store_true",
-                        help="also search pipeline parallelism of the LLM (pp > 1, 1F1B or interleaved 1F1B): "
-                             "`python -m runtime` runs it, but not yet with --save, checkpoints or --dry-run")
+                        help="also search pipeline parallelism of the LLM (pp > 1: 1F1B, interleaved 1F1B or "
+                             "interleaved zero-bubble): `python -m runtime` runs it, but not yet with --dry-run")
     search.add_argument("--workers", type=int, metavar="N", default=default_workers(),
                         help="processes that cost candidates (default: the CPUs this process may use, "
                              f"{default_workers()} here); the plan is the same for any N")

@@ -92,8 +92,9 @@ class ModulePlan(_Frozen):
     sp: int = Field(ge=1)
     cp: int = Field(ge=1)
     pp: int = Field(default=1, ge=1, description="pipeline stages")
-    pp_schedule: Literal["1f1b", "interleaved_1f1b"] = "1f1b"
-    virtual_stages: int = Field(default=1, ge=1, description="model chunks per pipeline rank (interleaved 1F1B)")
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "interleaved_zb"] = "1f1b"
+    virtual_stages: int = Field(default=1, ge=1, description="model chunks per pipeline rank (the interleaved "
+                                "schedules)")
     pp_layers: list[int] | None = Field(default=None, description="pp > 1: decoder layers of each model chunk in "
                                         "pipeline order (chunk c runs on stage c % pp); the first chunk also holds "
                                         "the embedding, the last the final norm, lm_head and loss")
@@ -110,7 +111,7 @@ class ModulePlan(_Frozen):
         degrees = self.pp * self.dp * self.tp * self.sp * self.cp
         if len(self.ranks) != degrees:
             raise ValueError(f"module {self.name}: {len(self.ranks)} ranks but pp*dp*tp*sp*cp = {degrees}")
-        if (self.pp_schedule == "interleaved_1f1b") != (self.virtual_stages > 1):
+        if (self.pp_schedule != "1f1b") != (self.virtual_stages > 1):
             raise ValueError(f"module {self.name}: virtual_stages={self.virtual_stages} with pp_schedule "
                              f"{self.pp_schedule}")
         chunks = self.pp * self.virtual_stages

@@ -14,12 +14,17 @@ from typing import Any, Literal, Mapping
 Recompute = Literal["none", "selective", "full"]
 Placement = Literal["colocated", "disjoint"]
 Precision = Literal["bf16_mixed", "bf16_pure"]
-PipelineSchedule = Literal["1f1b", "interleaved_1f1b"]
+PipelineSchedule = Literal["1f1b", "interleaved_1f1b", "interleaved_zb"]
 
 RECOMPUTE_CHOICES: tuple[Recompute, ...] = ("none", "selective", "full")
 PLACEMENTS: tuple[Placement, ...] = ("colocated", "disjoint")
 PRECISIONS: tuple[Precision, ...] = ("bf16_mixed", "bf16_pure")
-PIPELINE_SCHEDULES: tuple[PipelineSchedule, ...] = ("1f1b", "interleaved_1f1b")
+PIPELINE_SCHEDULES: tuple[PipelineSchedule, ...] = ("1f1b", "interleaved_1f1b", "interleaved_zb")
+"""1F1B; interleaved 1F1B and interleaved zero-bubble (weight gradients deferred to fill the bubble), both with
+``virtual_stages`` > 1 model chunks per rank (torch's ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+``ScheduleInterleavedZeroBubble``)."""
+ZERO_BUBBLE_SCHEDULES: tuple[PipelineSchedule, ...] = ("interleaved_zb",)
+"""Schedules that split each backward into an input-gradient and a deferred weight-gradient pass (Qi et al. 2023)."""
 DEGREE_FIELDS = ("dp", "tp", "sp", "cp", "pp", "zero", "recompute", "micro_batch", "grad_accum")
 STRATEGY_FIELDS = (*DEGREE_FIELDS, "pp_schedule", "virtual_stages")
 """Every field of a ``ModuleStrategy`` (a plan file's module has each of them)."""
@@ -48,9 +53,10 @@ class ModuleStrategy:
     pp: int = 1
     """Pipeline stages (ranks along the pipeline; each holds a contiguous run of the module's layers)."""
     pp_schedule: PipelineSchedule = "1f1b"
-    """Pipeline schedule when pp > 1: 1F1B, or interleaved 1F1B with ``virtual_stages`` model chunks per rank."""
+    """Pipeline schedule when pp > 1 (``PIPELINE_SCHEDULES``): 1F1B, or an interleaved one with ``virtual_stages``
+    model chunks per rank."""
     virtual_stages: int = 1
-    """Model chunks per pipeline rank (1 for 1F1B; >= 2 for the interleaved schedule)."""
+    """Model chunks per pipeline rank (1 for 1F1B; >= 2 for the interleaved schedules)."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "sp", "cp", "pp", "virtual_stages", "micro_batch", "grad_accum"):
@@ -58,9 +64,10 @@ class ModuleStrategy:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.pp_schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"pp_schedule must be one of {PIPELINE_SCHEDULES}, got {self.pp_schedule!r}")
-        if (self.pp_schedule == "interleaved_1f1b") != (self.virtual_stages > 1):
-            raise ValueError(f"virtual_stages={self.virtual_stages} goes with pp_schedule "
-                             f"{'interleaved_1f1b' if self.virtual_stages > 1 else '1f1b'}, got {self.pp_schedule!r}")
+        if (self.pp_schedule != "1f1b") != (self.virtual_stages > 1):
+            expected = "interleaved_1f1b or interleaved_zb" if self.virtual_stages > 1 else "1f1b"
+            raise ValueError(f"virtual_stages={self.virtual_stages} goes with pp_schedule {expected}, "
+                             f"got {self.pp_schedule!r}")
         if self.pp == 1 and self.virtual_stages > 1:
             raise ValueError(f"virtual_stages={self.virtual_stages} needs pp > 1")
         if self.zero not in (0, 1, 2, 3):

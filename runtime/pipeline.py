@@ -5,7 +5,8 @@ c % pp). Each chunk is a ``LanguageModelChunk`` holding transformers' own submod
 on the first chunk, the final norm and lm_head on the last, the rotary embedding on all), under the same names as
 in the whole model, so checkpoints and the random init address them by their Hugging Face names. A rank's chunks
 sit in one ``PipelinedLanguageModel`` (what the optimizer and the checkpoint code see); each chunk is a
-``PipelineStage``, and ``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` runs every micro-batch of the step.
+``PipelineStage``, and ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` or ``ScheduleInterleavedZeroBubble`` (input
+gradients first, weight gradients deferred into the bubble) runs every micro-batch of the step.
 
 Inputs of a step, all micro-batches at once (the schedule splits them on the batch dim): the first stage takes the
 token ids and the hand-off's image rows ``[B, M, D]`` (every sample of a fixed-shape plan has M image tokens); every
@@ -23,7 +24,12 @@ from typing import Callable, ContextManager
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -151,15 +157,17 @@ def build_schedule(model: PipelinedLanguageModel, dims: ParallelDims, device: to
         _time_compute(stage, compute_timer)
     options = dict(n_microbatches=dims.grad_accum, loss_fn=loss_fn, scale_grads=False,
                    kwargs_chunk_spec={"position_ids": TensorChunkSpec(1)})
-    if dims.pp_schedule == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, **options)
+    interleaved = {"interleaved_1f1b": ScheduleInterleaved1F1B, "interleaved_zb": ScheduleInterleavedZeroBubble}
+    if dims.pp_schedule in interleaved:
+        return interleaved[dims.pp_schedule](stages, **options)
     (stage,) = stages
     return Schedule1F1B(stage, **options)
 
 
 def _time_compute(stage: PipelineStage, timer: Callable[[], ContextManager]) -> None:
-    """Run the stage's per-micro-batch forward and backward (the schedule's compute actions) inside ``timer()``."""
-    for name in ("forward_one_chunk", "backward_one_chunk"):
+    """Run the stage's per-micro-batch forward and backward (the schedule's compute actions: a zero-bubble schedule
+    runs the weight gradients as actions of their own) inside ``timer()``."""
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
         call = getattr(stage, name)
 
         def timed(*args, _call=call, **kwargs):

@@ -82,6 +82,8 @@ class LayerTerms(PassTimes):
     """Forward model FLOPs on this rank (GEMMs + attention core)."""
     backward_flops: float
     """Backward model FLOPs on this rank (no recomputation)."""
+    weight_grad_s: float = 0.0
+    """Of ``backward_s``, the weight-gradient pass (``weight_gradient_time``)."""
 
 
 def gemm_backward_factor(backward: Backward, assumptions: CostAssumptions) -> float:
@@ -95,6 +97,21 @@ def gemm_backward_factor(backward: Backward, assumptions: CostAssumptions) -> fl
     if backward == "input":
         return assumptions.backward_to_forward_flops / 2
     return 0.0
+
+
+def weight_gradient_time(backward_s: float, backward_device_s: float, gemm_s: float, backward: Backward,
+                         assumptions: CostAssumptions) -> float:
+    """The part of a layer's ``backward_s`` that computes weight gradients: its GEMMs' weight-gradient half of the
+    backward's device time (``gemm_s * backward_to_forward_flops / 2`` of ``backward_device_s``), the same share of
+    the pass time. A zero-bubble schedule defers exactly this pass to fill the pipeline's bubble.
+
+    Source: Narayanan et al. 2021, Sec. 5.1 (a GEMM's backward is one GEMM for the input gradient and one for the
+    weight gradient); Qi et al. 2023, "Zero Bubble Pipeline Parallelism", Sec. 2 (the backward split into B, the
+    input gradient, and W, the weight gradient). A frozen layer has none.
+    """
+    if backward != "full" or backward_device_s <= 0:
+        return 0.0
+    return backward_s * gemm_s * assumptions.backward_to_forward_flops / 2 / backward_device_s
 
 
 def _gemms(shapes: tuple[tuple[float, float, float], ...], shard: Shard) -> tuple[float, float]:
@@ -147,10 +164,10 @@ def _terms(
     elem_bwd = a.backward_to_forward_flops if runs_backward else 0.0
     forward_ops, backward_ops = ops
     forward = pass_time(gemm_s + attention_s + elementwise_s, forward_ops, shard.device, a)
-    backward = 0.0
+    backward = backward_device = 0.0
     if runs_backward:
-        backward = pass_time(gemm_s * gemm_bwd + attention_s * attn_bwd + elementwise_s * elem_bwd, backward_ops,
-                             shard.device, a)
+        backward_device = gemm_s * gemm_bwd + attention_s * attn_bwd + elementwise_s * elem_bwd
+        backward = pass_time(backward_device, backward_ops, shard.device, a)
     rc = shard.recompute if (recomputable and runs_backward) else "none"
     recompute = 0.0
     if rc == "selective":
@@ -181,6 +198,7 @@ def _terms(
         loss_saved_bytes=loss_saved if runs_backward else 0.0,
         flops=gemm_flops_ + attention_flops_,
         backward_flops=gemm_flops_ * gemm_bwd + attention_flops_ * elem_bwd,
+        weight_grad_s=weight_gradient_time(backward, backward_device, gemm_s, shard.backward, a),
     )
 
 

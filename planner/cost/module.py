@@ -31,7 +31,7 @@ from planner.cost.results import ModuleCost
 from planner.cost.times import PassTimes
 from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, LayerSpec, ModelSpec, ModuleSpec
-from planner.strategy import ModuleStrategy, Placement, Precision
+from planner.strategy import ZERO_BUBBLE_SCHEDULES, ModuleStrategy, Placement, Precision
 from planner.workload import ModuleTokens, Workload, module_tokens
 
 _UNUSED_LINK = Link(bandwidth=1.0, latency=0.0)
@@ -178,6 +178,9 @@ class _Sums(PassTimes):
     """Parameters on this rank (before ZeRO sharding) of the layers whose optimizer step is left to the formula."""
     optimizer_formula_tensors: float
     """... and their parameter tensors (ZeRO shards each tensor, so their count does not shrink)."""
+    weight_grad_s: float
+    """Of ``backward_s``, the weight-gradient passes (``planner.cost.layers.weight_gradient_time``; a measured
+    backward keeps the analytical share)."""
     sources: Mapping[str, str]
 
 
@@ -199,7 +202,7 @@ def _layer_sums(
     full = s.recompute == "full"
     forward_buffers = backward_buffers = 0.0
     loss_buffers = (0.0, 0.0, 0.0)
-    formula_params = formula_tensors = 0.0
+    formula_params = formula_tensors = weight_grad = 0.0
     sources = dict(static.analytical_sources)
     optimizer_measured = bool(layers)
     for layer in layers:
@@ -225,6 +228,8 @@ def _layer_sums(
             formula_tensors += n * LAYER_OPS[layer.kind].param_tensors
             optimizer_measured = False
         times = times.plus(layer_times, n)
+        if t.backward_s > 0:
+            weight_grad += n * t.weight_grad_s * layer_times.backward_s / t.backward_s
         saved += n * act
         if layer.kind == "lm_head":
             loss_buffers = (t.buffer_bytes, t.backward_buffer_bytes, t.loss_saved_bytes)
@@ -238,7 +243,7 @@ def _layer_sums(
                  backward_buffer_bytes=backward_buffers, loss_buffer_bytes=loss_buffers,
                  optimizer_measured_s=optimizer_s, optimizer_call_s=optimizer_call,
                  optimizer_formula_params=formula_params, optimizer_formula_tensors=formula_tensors,
-                 sources=final_sources)
+                 weight_grad_s=weight_grad, sources=final_sources)
 
 
 def _measure(
@@ -525,6 +530,7 @@ def _part_cost(
         handoff_s=ga * handoff_s,
         pp_comm_s=ga * pp_comm_s,
         per_micro_batch_s=sums.total_s + transfers,
+        weight_grad_per_micro_batch_s=sums.weight_grad_s,
         forward_per_micro_batch_s=forward_per_mb,
         weights_bytes=math.ceil(weights),
         gradients_bytes=math.ceil(grads),
@@ -602,11 +608,12 @@ def pipeline_parts(s: ModuleStrategy, first_rank: int, devices_per_node: int, ch
     kind, chunks it holds in flight)). Ranks are alike when they hold the same chunks' worth of layers (and whether
     the first or the last), send as many chunks onward and have the same links; the first of a kind holds the most
     in flight (in-flight falls with the rank), so its cost stands for the kind. Memoised."""
-    key = (s.pp, s.virtual_stages, s.grad_accum, s.tp, s.sp, s.cp, s.dp, first_rank % devices_per_node,
-           devices_per_node, chunk_layers)
+    key = (s.pp, s.pp_schedule, s.virtual_stages, s.grad_accum, s.tp, s.sp, s.cp, s.dp,
+           first_rank % devices_per_node, devices_per_node, chunk_layers)
     found = _PARTS.get(key)
     if found is not None:
         return found
+    zero_bubble = s.pp_schedule in ZERO_BUBBLE_SCHEDULES
     num_chunks = len(chunk_layers)
     kinds: dict[tuple, int] = {}
     parts, rank_stages = [], []
@@ -618,7 +625,7 @@ def pipeline_parts(s: ModuleStrategy, first_rank: int, devices_per_node: int, ch
         if kind not in kinds:
             kinds[kind] = len(parts)
             parts.append((rank, sends))
-        rank_stages.append((kinds[kind], in_flight_chunks(rank, s.pp, s.grad_accum, s.virtual_stages)))
+        rank_stages.append((kinds[kind], in_flight_chunks(rank, s.pp, s.grad_accum, s.virtual_stages, zero_bubble)))
     found = _PARTS[key] = (tuple(parts), tuple(rank_stages))
     return found
 
@@ -694,14 +701,16 @@ def _pipelined_cost(
     ranks = [
         _part_cost(static, s, _rank_layers(static, chunks, rank, s.pp), precision=precision,
                    first_rank=first_rank + rank * s.stage_gpus, layer_costs=layer_costs,
-                   in_flight_chunks=in_flight_chunks(rank, s.pp, s.grad_accum, s.virtual_stages),
+                   in_flight_chunks=rank_stages[rank][1],
                    handoff_s=handoff if rank == 0 else 0.0, pp_comm_s=p2p * sends)
         for rank, sends in parts
     ]
     slowest = max(ranks, key=lambda c: c.per_micro_batch_s)
     tail = max(ranks, key=lambda c: c.step_tail_s)
     memory = max(ranks, key=own_peak_bytes)
-    bubble = pipeline_bubble_time([ranks[i].per_micro_batch_s for i, _ in rank_stages], s.virtual_stages)
+    zero_bubble = s.pp_schedule in ZERO_BUBBLE_SCHEDULES
+    deferred = [ranks[i].weight_grad_per_micro_batch_s for i, _ in rank_stages] if zero_bubble else None
+    bubble = pipeline_bubble_time([ranks[i].per_micro_batch_s for i, _ in rank_stages], s.virtual_stages, deferred)
     sources = ranks[0].sources
     if any(c.sources is not sources for c in ranks):
         sources = MappingProxyType({k: v for c in ranks for k, v in c.sources.items()})
@@ -711,6 +720,7 @@ def _pipelined_cost(
         handoff_s=slowest.handoff_s,
         pp_comm_s=slowest.pp_comm_s,
         per_micro_batch_s=slowest.per_micro_batch_s,
+        weight_grad_per_micro_batch_s=slowest.weight_grad_per_micro_batch_s,
         forward_per_micro_batch_s=slowest.forward_per_micro_batch_s,
         dp_comm_s=tail.dp_comm_s,
         optimizer_s=tail.optimizer_s,

@@ -82,7 +82,8 @@ def balanced_chunk_layers(num_layers: int, chunk_extra_s: Sequence[float], layer
     return tuple(counts)
 
 
-def pipeline_bubble_time(device_s: Sequence[float], virtual_stages: int) -> float:
+def pipeline_bubble_time(device_s: Sequence[float], virtual_stages: int,
+                         weight_grad_s: Sequence[float] | None = None) -> float:
     """Idle seconds per step a pipeline adds to ``grad_accum * max(device_s)``: ``(sum_k t_k - max_k t_k) / v``.
 
     ``device_s[k]`` is pipeline rank k's time for one micro-batch's forward and backward over all of its chunks.
@@ -90,13 +91,22 @@ def pipeline_bubble_time(device_s: Sequence[float], virtual_stages: int) -> floa
     al. 2022, Alpa, Eq. 2; for equal stages Narayanan et al. 2021, Sec. 2.2.1: bubble ``(p - 1) t``, a fraction
     ``(p - 1) / m``); the interleaved schedule with v chunks per rank shrinks the bubble v times (Narayanan et al.
     2021, Sec. 2.2.2: ``(p - 1) t / v``).
+
+    Zero-bubble (``weight_grad_s[k]``: rank k's weight-gradient passes W_k per micro-batch, deferred to fill the
+    bubble): ZB-H1's bubble is ``(p - 1)(T_F + T_B - T_W)`` against 1F1B's ``(p - 1)(T_F + T_B + T_W)`` (Qi et al.
+    2023, "Zero Bubble Pipeline Parallelism", Sec. 3.1, B the input-gradient pass), i.e. the same formula over
+    ``t_k - 2 W_k``; torch's interleaved zero-bubble schedule idles exactly ``(p - 1)(F + B - W) / v`` per chunk in
+    a replay of its own order (``ScheduleInterleavedZeroBubble``, pp = 2 and 4, m = 2..16).
     """
     if len(device_s) <= 1:
         return 0.0
+    if weight_grad_s is not None:
+        device_s = [max(0.0, t - 2 * w) for t, w in zip(device_s, weight_grad_s, strict=True)]
     return (sum(device_s) - max(device_s)) / virtual_stages
 
 
-def in_flight_chunks(stage: int, num_stages: int, grad_accum: int, virtual_stages: int) -> int:
+def in_flight_chunks(stage: int, num_stages: int, grad_accum: int, virtual_stages: int,
+                     zero_bubble: bool = False) -> int:
     """Model chunks whose activations pipeline rank ``stage`` holds at its peak (a chunk: 1 / v of the rank's
     layers for one micro-batch).
 
@@ -104,10 +114,15 @@ def in_flight_chunks(stage: int, num_stages: int, grad_accum: int, virtual_stage
     ``min(p - k, m)`` micro-batches (Narayanan et al. 2021, Sec. 2.2.1; torch's ``Schedule1F1B``). Interleaved:
     ``(v - 1) r + 2 (p - 1 - k)`` warm-up chunk forwards with ``r`` micro-batches per round (``m`` over
     ``max(1, m // p)`` rounds), capped at ``m v``, plus the one in flight (torch's ``_get_warmup_ops`` for
-    ``ScheduleInterleaved1F1B``, Megatron-LM's interleaved warm-up).
+    ``ScheduleInterleaved1F1B``, Megatron-LM's interleaved warm-up). Interleaved zero-bubble: ``(v - 1) r + p``
+    on every rank, capped at ``m v`` (a chunk's activations live until its deferred weight-gradient pass; counted
+    from torch's ``ScheduleInterleavedZeroBubble`` orders for pp = 2 and 4, m = 2..16, and its saved tensors
+    measured; Qi et al. 2023, Sec. 3.1: ZB-H1 keeps 1F1B's peak of p micro-batches).
     """
     p, m, v = num_stages, grad_accum, virtual_stages
     if v == 1:
         return min(p - stage, m)
     per_round = m // max(1, m // p)
+    if zero_bubble:
+        return min((v - 1) * per_round + p, m * v)
     return min((v - 1) * per_round + 2 * (p - 1 - stage) + 1, m * v)

@@ -70,6 +70,8 @@ class ModuleCost(PassTimes):
     per_micro_batch_s: float
     """forward + backward + recompute + tp/sp/cp comm + handoff + pp sends of ONE micro-batch (pipelined: on the
     slowest pipeline rank)."""
+    weight_grad_per_micro_batch_s: float = 0.0
+    """Of ``per_micro_batch_s``, the weight-gradient passes (what a zero-bubble pipeline schedule defers)."""
     forward_per_micro_batch_s: float
     """The forward part of ``per_micro_batch_s``: forward compute, the forward's share of the layer collectives and
     the outbound hand-off (what a disjoint pipeline's next stage waits for)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, ModelSpec, ModuleSpec
-from planner.strategy import ModuleStrategy
+from planner.strategy import ZERO_BUBBLE_SCHEDULES, ModuleStrategy
 from planner.workload import Workload, module_tokens
 
 
@@ -82,9 +82,10 @@ def check_strategy(
 def pipeline_reasons(model: ModelSpec, spec: ModuleSpec, s: ModuleStrategy) -> list[str]:
     """Why ``spec`` cannot be pipelined as ``s`` says: only the LLM is (its decoder layers are the repeated block
     stages divide); every model chunk needs a decoder layer; torch's ``Schedule1F1B`` needs at least as many
-    micro-batches as stages, and ``ScheduleInterleaved1F1B`` a micro-batch count that its rounds
+    micro-batches as stages, and the interleaved schedules a micro-batch count that their rounds
     (``max(1, grad_accum // pp)``) divide. What the runtime does not run inside a pipeline yet is ruled out too:
-    Ulysses SP, and an lm_head tied to the embedding (on the first and the last stage)."""
+    Ulysses SP, an lm_head tied to the embedding (on the first and the last stage), and a zero-bubble schedule
+    with ZeRO-3 or full recomputation (``zero_bubble_reasons``)."""
     if spec.name != "llm":
         return [f"{spec.name} uses pp={s.pp}; pipeline parallelism is planned for the LLM only"]
     reasons = []
@@ -102,6 +103,22 @@ def pipeline_reasons(model: ModelSpec, spec: ModuleSpec, s: ModuleStrategy) -> l
         reasons.append(f"pp={s.pp} needs grad_accum >= {s.pp} micro-batches (1F1B), got {s.grad_accum}")
     rounds = max(1, s.grad_accum // s.pp)
     if s.virtual_stages > 1 and s.grad_accum % rounds:
-        reasons.append(f"interleaved 1F1B over pp={s.pp} runs grad_accum in {rounds} rounds, which do not divide "
+        reasons.append(f"{s.pp_schedule} over pp={s.pp} runs grad_accum in {rounds} rounds, which do not divide "
                        f"grad_accum={s.grad_accum}")
+    if s.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+        reasons += zero_bubble_reasons(s.zero, s.recompute)
+    return reasons
+
+
+def zero_bubble_reasons(zero: int, recompute: str) -> list[str]:
+    """What a zero-bubble schedule (backward split into input- and weight-gradient passes) does not run with:
+    ZeRO-3, whose resharded parameters torch's weight pass does not see (its gradients come out wrong, silently,
+    in torch 2.13), and full recomputation, which the weight pass repeats once per parameter group."""
+    reasons = []
+    if zero == 3:
+        reasons.append("interleaved_zb with zero=3: torch's weight-gradient pass misses ZeRO-3's resharded "
+                       "parameters (wrong gradients); use zero <= 2 or interleaved_1f1b")
+    if recompute == "full":
+        reasons.append("interleaved_zb with recompute=full: the weight-gradient pass would recompute each block once "
+                       "per parameter group; use selective recomputation or interleaved_1f1b")
     return reasons

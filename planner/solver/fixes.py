@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping
 
 from planner.candidates import FIX_FIELDS, Fixes, Problem, encoder_names
 from planner.models import ModelSpec
-from planner.strategy import PLACEMENTS, RECOMPUTE_CHOICES, ModuleStrategy, Placement, Strategy
+from planner.strategy import PIPELINE_SCHEDULES, PLACEMENTS, RECOMPUTE_CHOICES, ModuleStrategy, Placement, Strategy
 
 PLACEMENT_CHOICES = ("auto", *PLACEMENTS)
 """What ``placement`` accepts; auto solves both and keeps the faster."""
@@ -60,10 +60,11 @@ def _split_fix(item: str) -> tuple[str, str]:
 
 
 def _fix_value(key: str, fieldname: str, raw: Any) -> int | str:
-    if fieldname == "recompute":
-        if raw not in RECOMPUTE_CHOICES:
-            raise ValueError(f"--fix {key}={raw}: recompute must be one of {', '.join(RECOMPUTE_CHOICES)}")
-        return raw
+    for name, choices in (("recompute", RECOMPUTE_CHOICES), ("pp_schedule", PIPELINE_SCHEDULES)):
+        if fieldname == name:
+            if raw not in choices:
+                raise ValueError(f"--fix {key}={raw}: {name} must be one of {', '.join(choices)}")
+            return raw
     try:
         value = int(raw)
     except (TypeError, ValueError):
@@ -97,10 +98,16 @@ def _check_fix_consistency(placement: str | None, fixes: Fixes, num_gpus: int, a
         if placement == "colocated" and "gpus" in f and f["gpus"] != num_gpus:
             raise ValueError(f"contradictory --fix: placement=colocated spans all {num_gpus} GPUs but {m}.gpus={f['gpus']}")
     for m, f in fixes.items():
-        if m != "llm" and (f.get("pp", 1) > 1 or f.get("virtual_stages", 1) > 1):
-            raise ValueError(f"--fix {m}.pp / {m}.virtual_stages: pipeline parallelism is planned for the LLM only")
+        if m != "llm" and (f.get("pp", 1) > 1 or f.get("virtual_stages", 1) > 1 or "pp_schedule" in f):
+            raise ValueError(f"--fix {m}.pp / {m}.virtual_stages / {m}.pp_schedule: pipeline parallelism is planned "
+                             "for the LLM only")
         if f.get("virtual_stages", 1) > 1 and f.get("pp") == 1:
             raise ValueError(f"contradictory --fix: {m}.virtual_stages={f['virtual_stages']} needs pp > 1")
+        interleaved = f.get("pp_schedule", "1f1b") != "1f1b"
+        if "pp_schedule" in f and (interleaved != (f.get("virtual_stages", 2 if interleaved else 1) > 1)
+                                   or (interleaved and f.get("pp") == 1)):
+            raise ValueError(f"contradictory --fix: {m}.pp_schedule={f['pp_schedule']} runs "
+                             f"{'virtual_stages >= 2 with pp > 1' if interleaved else 'virtual_stages=1'}")
     pinned = [f["gpus"] for f in fixes.values() if "gpus" in f]
     if placement == "disjoint" and sum(pinned) > num_gpus:
         raise ValueError(f"contradictory --fix: disjoint groups pinned to {sum(pinned)} GPUs, the cluster has {num_gpus}")
@@ -114,10 +121,11 @@ def placements_to_solve(problem: Problem, requested: str, pinned: str | None, fi
     if pinned and requested not in ("auto", pinned):
         raise ValueError(f"contradictory: --placement {requested} and --fix placement={pinned}")
     choice = pinned or requested
-    chunked = [m for m, f in (fixes or {}).items() if f.get("virtual_stages", 1) > 1 and "pp" not in f]
+    chunked = [(m, field) for m, f in (fixes or {}).items() for field in ("virtual_stages", "pp_schedule")
+               if f.get(field, 1) not in (1, "1f1b") and "pp" not in f]
     if chunked and not problem.allow_pp:
-        raise ValueError(f"--fix {chunked[0]}.virtual_stages needs pipeline parallelism: add --allow-pp or "
-                         f"--fix {chunked[0]}.pp=N")
+        module, field = chunked[0]
+        raise ValueError(f"--fix {module}.{field} needs pipeline parallelism: add --allow-pp or --fix {module}.pp=N")
     if choice != "auto":
         return [choice]
     one_encoder = len(encoder_names(problem.model)) == 1 and problem.num_gpus >= 2
@@ -167,7 +175,7 @@ def _only_strategy(problem: Problem, fixed: Mapping[str, Any]) -> ModuleStrategy
     chunks = fixed.get("virtual_stages", 1)
     try:
         return ModuleStrategy(grad_accum=ga, pp=fixed.get("pp", 1), virtual_stages=chunks,
-                              pp_schedule="interleaved_1f1b" if chunks > 1 else "1f1b",
+                              pp_schedule=fixed.get("pp_schedule", "interleaved_1f1b" if chunks > 1 else "1f1b"),
                               **{k: fixed[k] for k in needed})
     except ValueError as e:
         raise ValueError(f"contradictory --fix: {e}") from None

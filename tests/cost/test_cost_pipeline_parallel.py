@@ -48,6 +48,84 @@ def test_in_flight_of_interleaved_matches_torch_warmup(pp, micro_batches, chunks
         assert in_flight_chunks(rank, pp, micro_batches, chunks) == min(warmup + 1, micro_batches * chunks)
 
 
+def test_zero_bubble_by_hand():
+    # ZB-H1: (p - 1)(F + B - W) instead of (p - 1)(F + B + W): each rank's t_k - 2 W_k in the same formula
+    assert pipeline_bubble_time([3.0, 3.0], 2, [1.0, 1.0]) == pytest.approx(0.5)
+    assert pipeline_bubble_time([3.0, 3.0], 2) == pytest.approx(1.5)
+    assert pipeline_bubble_time([3.0, 4.0, 3.0], 1, [1.0, 0.5, 1.0]) == pytest.approx(2.0)  # (1 + 3 + 1) - 3
+    assert [in_flight_chunks(k, 2, 4, 2, zero_bubble=True) for k in range(2)] == [4, 4]  # (v - 1) * 2 + p
+    assert [in_flight_chunks(k, 4, 2, 2, zero_bubble=True) for k in range(4)] == [4, 4, 4, 4]  # capped at m v
+
+
+def test_weight_gradient_split_by_hand():
+    from planner.cost.layers import weight_gradient_time
+
+    # the GEMMs' weight-gradient half: 0.5 s of GEMMs * 2 (backward / forward) / 2 of 2.0 s of backward device
+    # time, the same share (0.25) of a 3.0 s pass
+    assert weight_gradient_time(3.0, 2.0, 0.5, "full", COMPUTE_ONLY) == pytest.approx(0.75)
+    assert weight_gradient_time(3.0, 2.0, 0.5, "input", COMPUTE_ONLY) == 0.0
+
+
+PASSES = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+"""torch's computation types of a zero-bubble order (no full backwards)."""
+
+
+def _torch_zero_bubble_order(pp: int, micro_batches: int) -> dict[int, list]:
+    """torch's ScheduleInterleavedZeroBubble order of every rank (2 chunks per rank), built on a fake group."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
+    try:
+        stages = [PipelineStage(torch.nn.Linear(2, 2), c, 2 * pp, torch.device("cpu")) for c in (0, pp)]
+        schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=micro_batches, loss_fn=lambda a, b: a.sum(),
+                                                 scale_grads=False)
+        return {rank: [a for a in actions if a is not None] for rank, actions in schedule.pipeline_order.items()}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("pp,micro_batches", [(2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16)])
+def test_zero_bubble_matches_a_replay_of_torchs_order(pp, micro_batches):
+    """Replay every rank's order with F = I = W = 1 per chunk (dependencies: a chunk's forward after the previous
+    chunk's, its input gradient after the next chunk's, its weight gradient after its own input gradient): the idle
+    time is the formula's bubble, and the chunks alive (forward run, weight gradient not yet) peak at its in-flight
+    count."""
+    orders = _torch_zero_bubble_order(pp, micro_batches)
+    last = 2 * pp - 1
+    done: dict[tuple[str, int, int], int] = {}
+    clock = dict.fromkeys(orders, 0)
+    position = dict.fromkeys(orders, 0)
+    while any(position[r] < len(orders[r]) for r in orders):
+        progressed = False
+        for rank, actions in orders.items():
+            if position[rank] == len(actions):
+                continue
+            a = actions[position[rank]]
+            kind, stage, mb = PASSES[a.computation_type.name], a.stage_index, a.microbatch_index
+            needs = {"F": ("F", stage - 1, mb) if stage else None,
+                     "I": ("I", stage + 1, mb) if stage < last else ("F", stage, mb),
+                     "W": ("I", stage, mb)}[kind]
+            if needs is not None and needs not in done:
+                continue
+            start = max(clock[rank], done[needs] if needs else 0)
+            clock[rank] = done[(kind, stage, mb)] = start + 1
+            position[rank] += 1
+            progressed = True
+        assert progressed, "the order deadlocks"
+    chunk_s, weight_s = 3.0, 1.0  # F + I + W per chunk, and W
+    bubble = pipeline_bubble_time([2 * chunk_s] * pp, 2, [2 * weight_s] * pp)
+    assert max(clock.values()) == pytest.approx(micro_batches * 2 * chunk_s + bubble)
+    for rank, actions in orders.items():
+        alive = peak = 0
+        for a in actions:
+            alive += {"F": 1, "I": 0, "W": -1}[PASSES[a.computation_type.name]]
+            peak = max(peak, alive)
+        assert peak == in_flight_chunks(rank, pp, micro_batches, 2, zero_bubble=True)
+
+
 def deep_model(decoder_layers: int = 6) -> ModelSpec:
     """The toy model with more decoder layers, so that stages can split them."""
     model = toy_model()
@@ -127,6 +205,24 @@ def test_interleaved_chunks_shrink_the_bubble_and_hold_what_torch_warms_up():
     assert first_interleaved.activations_bytes >= first_plain.activations_bytes
 
 
+def test_zero_bubble_defers_each_ranks_weight_gradients_into_the_bubble():
+    model = deep_model(8)
+    options = dict(dp=2, pp=4, virtual_stages=2, micro_batch=1, grad_accum=4)
+    interleaved = llm_cost(ModuleStrategy(pp_schedule="interleaved_1f1b", **options), model, cluster=instant_links())
+    zero_bubble = llm_cost(ModuleStrategy(pp_schedule="interleaved_zb", **options), model, cluster=instant_links())
+    ranks = zero_bubble.rank_costs()
+    t = [c.per_micro_batch_s for c in ranks]
+    w = [c.weight_grad_per_micro_batch_s for c in ranks]
+    # the toy's weight gradients: the GEMMs' half of the backward, so more than none and less than all of it
+    assert all(0 < c.weight_grad_per_micro_batch_s < c.backward_s / c.strategy.grad_accum for c in ranks)
+    deferred = [x - 2 * y for x, y in zip(t, w)]
+    assert zero_bubble.pipeline_bubble_s == pytest.approx((sum(deferred) - max(deferred)) / 2)
+    assert zero_bubble.pipeline_bubble_s < interleaved.pipeline_bubble_s
+    assert zero_bubble.per_micro_batch_s == pytest.approx(interleaved.per_micro_batch_s)
+    # every rank holds (v - 1) * 4 + p = 8 chunks (capped at m v = 8): rank 0 no more than interleaved 1F1B's 8
+    assert [c.in_flight_micro_batches for c in ranks] == [8, 8, 8, 8]
+
+
 def test_pipelined_memory_is_its_heaviest_rank_at_every_phase():
     model = deep_model(6)
     cost = llm_cost(ModuleStrategy(dp=4, pp=2, micro_batch=1, grad_accum=4), model)
@@ -165,6 +261,14 @@ def test_pipeline_rules():
     with pytest.raises(ValueError, match="8 pipeline chunks but llm has 6 decoder layers"):
         estimate(model, toy_cluster(8), toy_workload(32), colocated(flat, ModuleStrategy(
             dp=2, pp=4, pp_schedule="interleaved_1f1b", virtual_stages=2, micro_batch=4, grad_accum=4)), COMPUTE_ONLY)
+    for zero, recompute, rule in ((3, "none", "interleaved_zb with zero=3"),
+                                  (1, "full", "interleaved_zb with recompute=full")):
+        with pytest.raises(ValueError, match=rule):
+            estimate(model, toy_cluster(8), toy_workload(32), colocated(flat, ModuleStrategy(
+                dp=4, pp=2, pp_schedule="interleaved_zb", virtual_stages=2, zero=zero, recompute=recompute,
+                micro_batch=2, grad_accum=4)), COMPUTE_ONLY)
+    with pytest.raises(ValueError, match="virtual_stages=1 goes with pp_schedule 1f1b"):
+        ModuleStrategy(dp=4, pp=2, pp_schedule="interleaved_zb")
 
 
 def test_disjoint_encoder_feeding_a_pipeline_runs_before_and_after_it():

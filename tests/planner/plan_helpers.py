@@ -63,13 +63,13 @@ def _packed(model, image: int, text: int, packs: int) -> Workload:
 def all_strategies(p: Problem, module: str, gpus: int) -> list[ModuleStrategy]:
     """Every valid strategy of ``module`` on ``gpus`` GPUs: all integer grids, ZeRO 0-3, every recompute mode
     and micro-batch, filtered by ``check_strategy`` only (independent of planner.candidates' enumeration); ring CP
-    (cp > 1) only when the problem allows it; pipeline parallelism of the LLM (every pp, 1F1B and interleaved with
-    2 chunks) when it allows that."""
+    (cp > 1) only when the problem allows it; pipeline parallelism of the LLM (every pp, 1F1B, interleaved 1F1B
+    and interleaved zero-bubble with 2 chunks) when it allows that."""
     batch = p.workload.global_batch
     pipelines = [(1, "1f1b", 1)]
     if p.allow_pp and module == "llm":
         pipelines += [(pp, schedule, v) for pp in divisors(gpus) if pp > 1
-                      for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2))]
+                      for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2))]
     found = []
     for pp, schedule, chunks in pipelines:
         for dp in divisors(gpus // pp):

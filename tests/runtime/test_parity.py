@@ -89,6 +89,14 @@ PIPELINE_PLANS = {
     "llm_pp2_interleaved_2_chunks": dict(vision=dict(dp=2, grad_accum=2), llm=dict(
         pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2, pp_layers=[1, 1, 1, 1], micro_batch=2,
         grad_accum=2)),
+    # interleaved zero-bubble: input gradients first, weight gradients deferred into the bubble
+    "llm_pp2_zero_bubble_2_chunks": dict(vision=dict(dp=2, grad_accum=2), llm=dict(
+        pp=2, pp_schedule="interleaved_zb", virtual_stages=2, pp_layers=[1, 1, 1, 1], micro_batch=2,
+        grad_accum=2)),
+    # ... with TP inside each stage and ZeRO-1 over the vision tower
+    "llm_pp2xtp2_zero_bubble__vision_dp2xtp2_zero1": dict(vision=dict(dp=2, tp=2, zero=1, grad_accum=2), llm=dict(
+        pp=2, tp=2, pp_schedule="interleaved_zb", virtual_stages=2, pp_layers=[1, 1, 1, 1], micro_batch=2,
+        grad_accum=2)),
     # a frozen pipeline still passes the image tokens' gradient back to the vision tower
     "frozen_llm_pp2__vision_dp2": dict(vision=dict(dp=2, grad_accum=2), llm=dict(
         pp=2, pp_layers=[2, 2], micro_batch=2, grad_accum=2, frozen=True)),

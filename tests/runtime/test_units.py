@@ -341,3 +341,37 @@ def test_a_step_record_has_each_pipeline_stage_slowest_rank():
                                    {"stage": 1, "compute_s": 0.7, "idle_s": 0.1}]
     plain = {k: v for k, v in result(0, 0, 0, 0).items() if not k.startswith("pp_")}
     assert "pp_stages" not in step_record(0, [plain])
+
+
+@pytest.mark.parametrize("schedule,expected,weight_passes", [
+    ("interleaved_1f1b", "ScheduleInterleaved1F1B", 0), ("interleaved_zb", "ScheduleInterleavedZeroBubble", 4)])
+def test_plan_schedule_builds_torchs_schedule_and_times_every_compute_pass(schedule, expected, weight_passes):
+    """On a fake process group: the plan's schedule is torch's; a zero-bubble one defers each chunk's weight
+    gradients into actions of their own, which the compute timer wraps too."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from runtime.pipeline import build_schedule
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        dims = SimpleNamespace(mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)), pp=2,
+                               pp_layers=(1, 1, 1, 1), grad_accum=2, pp_schedule=schedule)
+        model = SimpleNamespace(chunks=[torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)], ids=[0, 2])
+        timed = []
+        built = build_schedule(model, dims, torch.device("cpu"), lambda out, target: out.sum(),
+                               lambda: contextlib.nullcontext(timed.append(1)))
+        assert type(built).__name__ == expected
+        actions = [str(a) for a in built.pipeline_order[0] if a is not None]
+        assert sum("W" in a for a in actions) == weight_passes
+        for stage in built._stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                with contextlib.suppress(Exception):
+                    getattr(stage, name)(0)
+        assert len(timed) == 3 * len(built._stages)
+    finally:
+        dist.destroy_process_group()
