@@ -1,6 +1,6 @@
 """Latency of the planner: the whole ``plan`` process, and candidate building + CP-SAT alone per cluster size.
 
-    .venv/bin/python benchmarks/plan_latency.py [--repeats 5] [--sizes 8 16 64 256 1024] [--allow-pp]
+    .venv/bin/python benchmarks/plan_latency.py [--repeats 5] [--sizes 8 16 64 256 1024] [--allow-pp] [--workers N]
 
 Whole process: ``plan --model qwen-vl-32b --gpus N --out <tmp>`` as a fresh process (Python start-up, imports,
 candidates, both placements, tie-break, baselines, report), median of ``--repeats`` runs, at 16 and 1024 GPUs.
@@ -46,13 +46,13 @@ def whole_process_s(num_gpus: int, repeats: int, extra: list[str]) -> tuple[floa
     return statistics.median(walls), statistics.median(cpus)
 
 
-def solver_row(num_gpus: int, placement: str, allow_pp: bool) -> dict:
+def solver_row(num_gpus: int, placement: str, allow_pp: bool, workers: int) -> dict:
     """Candidate and CP-SAT timings of one placement at ``num_gpus`` GPUs."""
     from planner.api import make_problem
     from planner.candidates import build_candidates
     from planner.solver.cp_sat import solve
 
-    problem = make_problem(MODEL, num_gpus, profile=None, allow_pp=allow_pp)
+    problem = make_problem(MODEL, num_gpus, profile=None, allow_pp=allow_pp, workers=workers)
     start = time.perf_counter()
     cands = build_candidates(problem, placement)
     built = time.perf_counter()
@@ -71,6 +71,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="runs of the whole process (median)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 64, 256, 1024])
     parser.add_argument("--allow-pp", action="store_true", help="search pipeline parallelism too (plan --allow-pp)")
+    parser.add_argument("--workers", type=int, help="processes that cost candidates (plan --workers; default: the "
+                        "plan default, every CPU, for the whole process and 1 for the per-placement rows)")
     args = parser.parse_args()
 
     print(f"{'GPUs':>5} {'placement':>10} {'costed':>7} {'kept':>5} {'candidates':>10} {'CP-SAT':>7} "
@@ -79,14 +81,14 @@ def main() -> None:
 
     for n in args.sizes:
         for placement in ("colocated", "disjoint"):
-            r = solver_row(n, placement, args.allow_pp)
+            r = solver_row(n, placement, args.allow_pp, args.workers or 1)
             print(f"{r['gpus']:5d} {r['placement']:>10} {r['costed']:7d} {r['kept']:5d} {r['candidates_s']:9.2f}s "
                   f"{r['cp_sat_s']:6.2f}s {r['status']:>10} {r['step_s']:8.3f}s")
     print()
     for n, target in ((16, 1.5), (1024, 10.0)):
-        extra = ["--allow-pp"] if args.allow_pp else []
+        extra = (["--allow-pp"] if args.allow_pp else []) + ([f"--workers={args.workers}"] if args.workers else [])
         wall, cpu = whole_process_s(n, args.repeats if n <= 64 else max(1, args.repeats // 2), extra)
-        print(f"whole process `plan --model {MODEL} --gpus {n}{' --allow-pp' if extra else ''}`: median {wall:.2f} s "
+        print(f"whole process `plan --model {MODEL} --gpus {n}{''.join(' ' + e for e in extra)}`: median {wall:.2f} s "
               f"wall, {cpu:.2f} s CPU "
               f"(target <= {target:g} s wall)")
     print(f"load average (1/5/15 min): {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")

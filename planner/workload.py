@@ -150,7 +150,21 @@ def audio_tokens(workload: Workload, model: ModelSpec) -> ModuleTokens:
 
 
 def module_tokens(workload: Workload, model: ModelSpec) -> dict[str, ModuleTokens]:
-    """Per-module token counts of one sample; the LLM sequence is text plus every encoder's output tokens."""
+    """Per-module token counts of one sample; the LLM sequence is text plus every encoder's output tokens.
+    Memoised by the objects' identity (the planner asks thousands of times per plan)."""
+    key = (id(workload), id(model))
+    found = _MODULE_TOKENS.get(key)
+    if found is None or found[0] is not workload or found[1] is not model:
+        if len(_MODULE_TOKENS) >= 256:
+            _MODULE_TOKENS.clear()
+        found = _MODULE_TOKENS[key] = (workload, model, _module_tokens(workload, model))
+    return dict(found[2])
+
+
+_MODULE_TOKENS: dict[tuple[int, int], tuple[Workload, ModelSpec, dict[str, ModuleTokens]]] = {}
+
+
+def _module_tokens(workload: Workload, model: ModelSpec) -> dict[str, ModuleTokens]:
     if workload.packs is not None:
         return dict(workload.packs.mean)
     tokens: dict[str, ModuleTokens] = {}
