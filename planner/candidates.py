@@ -11,8 +11,9 @@ Strategy space of one module on ``gpus`` GPUs, for a global batch B:
   (``gpus = pp * dp * tp * sp * cp``) and is searched only with ``Problem.allow_ring_cp`` or a pinned cp; ZeRO 0-3 (only 0 when nothing is reduced); recompute none/selective/full;
 * ``pp`` (the LLM, with ``Problem.allow_pp`` or a pinned pp) divides its GPUs, with 1F1B, interleaved 1F1B or
   interleaved zero-bubble
-  (``PIPELINE_CHUNKS``); encoders are then costed twice, for an LLM that is pipelined (they hold every
-  micro-batch's activations across its schedule) and one that is not, and the solver keeps a plan consistent;
+  (``PIPELINE_CHUNKS``); encoders are then candidates twice (costed once), for an LLM that is pipelined (they
+  hold every micro-batch's activations across its schedule) and one that is not, and the solver keeps a plan
+  consistent;
 * ``planner.cost.check_strategy`` decides validity (heads, node size, encoder/LLM axes, windows, tokens).
 
 Group sizes: colocated, every module spans all N GPUs. Disjoint (exactly one encoder): the encoder takes
@@ -39,13 +40,12 @@ from typing import Iterable, Mapping
 
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, LayerCostSource, ModuleCost, check_strategy, module_cost
 from planner.cost.module import feeding_pipeline
-from planner.cost.validity import zero_bubble_reasons
 from planner.cost.estimate import module_path_terms
 from planner.cost.phases import alive_bytes, data_flow_order, own_peak_bytes, step_phases
 from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, ModelSpec
-from planner.schema import DatasetInfo
-from planner.strategy import RECOMPUTE_CHOICES, ZERO_BUBBLE_SCHEDULES, ModuleStrategy, Placement, Precision
+from planner.schema import ZERO_BUBBLE_SCHEDULES, DatasetInfo, zero_bubble_reasons
+from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Placement, Precision
 from planner.workload import Workload
 
 NS_PER_S = 1_000_000_000
@@ -83,8 +83,8 @@ class Problem:
     """Search ring context parallelism (cp > 1). Off by default: the cost model prices it, but the runtime cannot
     execute it yet, so a default plan is always one ``python -m runtime`` runs. ``--fix MODULE.cp=N`` pins it."""
     allow_pp: bool = False
-    """Search pipeline parallelism of the LLM (pp > 1). Off by default: planning takes several times longer with it
-    and the runtime's dry-run cannot measure it yet; ``--fix llm.pp=N`` pins it."""
+    """Search pipeline parallelism of the LLM (pp > 1). Off by default: planning takes two to three times longer
+    with it at 1,024 GPUs and the runtime's dry-run cannot measure it yet; ``--fix llm.pp=N`` pins it."""
 
     workers: int = 1
     """Processes that cost candidates (forked; ``PARALLEL_MIN_STRATEGIES``): the same plan, sooner on several cores."""

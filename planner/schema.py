@@ -82,6 +82,25 @@ class ModulePrediction(_Frozen):
                                                       "peak (this module's share alone)")
 
 
+ZERO_BUBBLE_SCHEDULES = ("interleaved_zb",)
+"""Pipeline schedules that split each backward into an input-gradient and a deferred weight-gradient pass (Qi et al.
+2023)."""
+
+
+def zero_bubble_reasons(zero: int, recompute: str) -> list[str]:
+    """What a zero-bubble schedule does not run with: ZeRO-3, whose resharded parameters torch's weight-gradient pass
+    does not see (its gradients come out wrong, silently, in torch 2.13), and full recomputation, which the weight
+    pass repeats once per parameter group. A plan with either is invalid."""
+    reasons = []
+    if zero == 3:
+        reasons.append("interleaved_zb with zero=3: torch's weight-gradient pass misses ZeRO-3's resharded "
+                       "parameters (wrong gradients); use zero <= 2 or interleaved_1f1b")
+    if recompute == "full":
+        reasons.append("interleaved_zb with recompute=full: the weight-gradient pass would recompute each block once "
+                       "per parameter group; use selective recomputation or interleaved_1f1b")
+    return reasons
+
+
 class ModulePlan(_Frozen):
     """One module's layout."""
 
@@ -120,6 +139,8 @@ class ModulePlan(_Frozen):
                              f"of {chunks} positive counts, got {self.pp_layers}")
         if self.pp == 1 and (self.pp_layers is not None or self.virtual_stages > 1):
             raise ValueError(f"module {self.name}: pp_layers / virtual_stages are for pp > 1")
+        if self.pp_schedule in ZERO_BUBBLE_SCHEDULES and zero_bubble_reasons(self.zero, self.recompute):
+            raise ValueError(f"module {self.name}: {zero_bubble_reasons(self.zero, self.recompute)[0]}")
         return self
 
 

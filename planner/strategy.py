@@ -23,8 +23,6 @@ PIPELINE_SCHEDULES: tuple[PipelineSchedule, ...] = ("1f1b", "interleaved_1f1b", 
 """1F1B; interleaved 1F1B and interleaved zero-bubble (weight gradients deferred to fill the bubble), both with
 ``virtual_stages`` > 1 model chunks per rank (torch's ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
 ``ScheduleInterleavedZeroBubble``)."""
-ZERO_BUBBLE_SCHEDULES: tuple[PipelineSchedule, ...] = ("interleaved_zb",)
-"""Schedules that split each backward into an input-gradient and a deferred weight-gradient pass (Qi et al. 2023)."""
 DEGREE_FIELDS = ("dp", "tp", "sp", "cp", "pp", "zero", "recompute", "micro_batch", "grad_accum")
 STRATEGY_FIELDS = (*DEGREE_FIELDS, "pp_schedule", "virtual_stages")
 """Every field of a ``ModuleStrategy`` (a plan file's module has each of them)."""

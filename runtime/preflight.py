@@ -15,9 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
 
-from planner.cost.validity import zero_bubble_reasons
 from planner.schema import Plan
-from planner.strategy import ZERO_BUBBLE_SCHEDULES
 from runtime.checkpoint_dir import resolve_resume
 
 MODULES = ("vision", "llm")
@@ -80,8 +78,6 @@ def check_pipeline(plan: Plan, module: Any) -> None:
     config = plan.model.hf_config
     if config.get("tie_word_embeddings") or config.get("text_config", {}).get("tie_word_embeddings"):
         raise NotImplementedError(f"{name} with lm_head tied to the embedding (first and last stage) is not run yet")
-    if module.pp_schedule in ZERO_BUBBLE_SCHEDULES and zero_bubble_reasons(module.zero, module.recompute):
-        raise NotImplementedError(f"{name}: {zero_bubble_reasons(module.zero, module.recompute)[0]}")
 
 
 PIPELINE_UNSUPPORTED_FLAGS = ("dry_run",)

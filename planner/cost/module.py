@@ -31,7 +31,8 @@ from planner.cost.results import ModuleCost
 from planner.cost.times import PassTimes
 from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, LayerSpec, ModelSpec, ModuleSpec
-from planner.strategy import ZERO_BUBBLE_SCHEDULES, ModuleStrategy, Placement, Precision
+from planner.schema import ZERO_BUBBLE_SCHEDULES
+from planner.strategy import ModuleStrategy, Placement, Precision
 from planner.workload import ModuleTokens, Workload, module_tokens
 
 _UNUSED_LINK = Link(bandwidth=1.0, latency=0.0)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, ModelSpec, ModuleSpec
-from planner.strategy import ZERO_BUBBLE_SCHEDULES, ModuleStrategy
+from planner.schema import ZERO_BUBBLE_SCHEDULES, zero_bubble_reasons
+from planner.strategy import ModuleStrategy
 from planner.workload import Workload, module_tokens
 
 
@@ -107,18 +108,4 @@ def pipeline_reasons(model: ModelSpec, spec: ModuleSpec, s: ModuleStrategy) -> l
                        f"grad_accum={s.grad_accum}")
     if s.pp_schedule in ZERO_BUBBLE_SCHEDULES:
         reasons += zero_bubble_reasons(s.zero, s.recompute)
-    return reasons
-
-
-def zero_bubble_reasons(zero: int, recompute: str) -> list[str]:
-    """What a zero-bubble schedule (backward split into input- and weight-gradient passes) does not run with:
-    ZeRO-3, whose resharded parameters torch's weight pass does not see (its gradients come out wrong, silently,
-    in torch 2.13), and full recomputation, which the weight pass repeats once per parameter group."""
-    reasons = []
-    if zero == 3:
-        reasons.append("interleaved_zb with zero=3: torch's weight-gradient pass misses ZeRO-3's resharded "
-                       "parameters (wrong gradients); use zero <= 2 or interleaved_1f1b")
-    if recompute == "full":
-        reasons.append("interleaved_zb with recompute=full: the weight-gradient pass would recompute each block once "
-                       "per parameter group; use selective recomputation or interleaved_1f1b")
     return reasons

@@ -53,10 +53,11 @@ def test_what_a_pipeline_does_not_run_yet_is_refused_before_ray(tmp_path):
     with_sp = make_plan(dict(dp=4, grad_accum=2), dict(pp=2, sp=2, pp_layers=[2, 2], micro_batch=4, grad_accum=2))
     (tmp_path / "sp.json").write_text(with_sp.to_json())
     assert_one_line_error(run_cli(str(tmp_path / "sp.json")), "llm: pipeline parallelism (pp=2) with Ulysses SP")
-    zero3 = make_plan(dict(dp=4, grad_accum=2), dict(pp=2, dp=2, zero=3, pp_schedule="interleaved_zb",
-                                                      virtual_stages=2, pp_layers=[1, 1, 1, 1], micro_batch=2,
-                                                      grad_accum=2))
-    (tmp_path / "zb.json").write_text(zero3.to_json())
+    zero_bubble = json.loads(make_plan(dict(dp=4, grad_accum=2), dict(
+        pp=2, dp=2, zero=1, pp_schedule="interleaved_zb", virtual_stages=2, pp_layers=[1, 1, 1, 1], micro_batch=2,
+        grad_accum=2)).to_json())
+    next(m for m in zero_bubble["modules"] if m["name"] == "llm")["zero"] = 3  # (a plan the planner never writes)
+    (tmp_path / "zb.json").write_text(json.dumps(zero_bubble))
     assert_one_line_error(run_cli(str(tmp_path / "zb.json")), "interleaved_zb with zero=3")
 
 
