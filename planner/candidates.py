@@ -533,8 +533,8 @@ def _memory_order(c: Candidate) -> tuple:
 
 
 PARALLEL_MIN_STRATEGIES = 1000
-"""Strategies (about 0.1 s of costing) below which ``Problem.workers`` is ignored: forking would cost more than it
-saves."""
+"""Strategies (0.1-0.4 s of costing here) below which ``Problem.workers`` is ignored: forking would cost about as much
+as it saves."""
 
 _SHARED_WORK: tuple | None = None
 """The work of ``_cost_in_processes``, inherited by its forked workers."""

@@ -165,6 +165,7 @@ _MODULE_TOKENS: dict[tuple[int, int], tuple[Workload, ModelSpec, dict[str, Modul
 
 
 def _module_tokens(workload: Workload, model: ModelSpec) -> dict[str, ModuleTokens]:
+    """``module_tokens``, computed."""
     if workload.packs is not None:
         return dict(workload.packs.mean)
     tokens: dict[str, ModuleTokens] = {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Mapping
 
-from planner.candidates import FIX_FIELDS, Fixes, Problem, encoder_names
+from planner.candidates import FIX_FIELDS, PIPELINE_CHUNKS, Fixes, Problem, encoder_names
 from planner.models import ModelSpec
 from planner.strategy import PIPELINE_SCHEDULES, PLACEMENTS, RECOMPUTE_CHOICES, ModuleStrategy, Placement, Strategy
 
@@ -104,8 +104,8 @@ def _check_fix_consistency(placement: str | None, fixes: Fixes, num_gpus: int, a
         if f.get("virtual_stages", 1) > 1 and f.get("pp") == 1:
             raise ValueError(f"contradictory --fix: {m}.virtual_stages={f['virtual_stages']} needs pp > 1")
         interleaved = f.get("pp_schedule", "1f1b") != "1f1b"
-        if "pp_schedule" in f and (interleaved != (f.get("virtual_stages", 2 if interleaved else 1) > 1)
-                                   or (interleaved and f.get("pp") == 1)):
+        chunks = f.get("virtual_stages", PIPELINE_CHUNKS[-1] if interleaved else 1)
+        if "pp_schedule" in f and (interleaved != (chunks > 1) or (interleaved and f.get("pp") == 1)):
             raise ValueError(f"contradictory --fix: {m}.pp_schedule={f['pp_schedule']} runs "
                              f"{'virtual_stages >= 2 with pp > 1' if interleaved else 'virtual_stages=1'}")
     pinned = [f["gpus"] for f in fixes.values() if "gpus" in f]
@@ -163,7 +163,7 @@ def pinned_strategy(problem: Problem, placement: str, fix: Any) -> Strategy | No
 
 def _only_strategy(problem: Problem, fixed: Mapping[str, Any]) -> ModuleStrategy | None:
     """The module's strategy when ``fixed`` determines every field (grad_accum may follow from the batch; pp and
-    virtual_stages are 1 unless pinned)."""
+    virtual_stages are 1 unless pinned, virtual_stages the searched 2 with a pinned interleaved schedule)."""
     needed = ("dp", "tp", "sp", "cp", "zero", "recompute", "micro_batch")
     if not all(k in fixed for k in needed):
         return None
@@ -172,7 +172,8 @@ def _only_strategy(problem: Problem, fixed: Mapping[str, Any]) -> ModuleStrategy
     ga = fixed.get("grad_accum", batch // per_step if batch % per_step == 0 else None)
     if ga is None or per_step * ga != batch:
         raise ValueError(f"contradictory --fix: dp*micro_batch*grad_accum must equal the global batch of {batch}")
-    chunks = fixed.get("virtual_stages", 1)
+    interleaved = fixed.get("pp_schedule", "1f1b") != "1f1b"
+    chunks = fixed.get("virtual_stages", PIPELINE_CHUNKS[-1] if interleaved else 1)
     try:
         return ModuleStrategy(grad_accum=ga, pp=fixed.get("pp", 1), virtual_stages=chunks,
                               pp_schedule=fixed.get("pp_schedule", "interleaved_1f1b" if chunks > 1 else "1f1b"),

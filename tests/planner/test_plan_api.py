@@ -261,6 +261,16 @@ def pipelined32():
     return plan(M32, 4, allow_pp=True, **PP4)
 
 
+def test_a_pinned_zero_bubble_schedule_is_planned_and_costed_as_one():
+    layout = ["llm.pp=2", "llm.dp=2", "llm.tp=1", "llm.sp=1", "llm.cp=1", "llm.zero=2", "llm.recompute=none",
+              "llm.micro_batch=1"]
+    zero_bubble = plan(M32, 4, fix=[*layout, "llm.pp_schedule=interleaved_zb"], **PP4).module("llm")
+    interleaved = plan(M32, 4, fix=[*layout, "llm.pp_schedule=interleaved_1f1b"], **PP4).module("llm")
+    assert (zero_bubble.pp_schedule, zero_bubble.virtual_stages) == ("interleaved_zb", 2)
+    # the same layout loses less to its bubble when the weight gradients fill it
+    assert 0 < zero_bubble.predicted.time_s.pp_bubble < interleaved.predicted.time_s.pp_bubble
+
+
 def test_pipelined_plan_records_its_stages(pipelined32, tmp_path):
     llm = pipelined32.module("llm")
     assert llm.pp > 1 and len(llm.ranks) == 4

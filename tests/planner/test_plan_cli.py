@@ -138,6 +138,17 @@ def test_help_documents_the_defaults(capsys):
      "does not run Ulysses SP inside a pipeline"),
     (["--model", "qwen-vl-3b", "--gpus", "8", "--fix", "llm.pp=2", "--fix", "llm.sp=1"], "ties lm_head to the embedding"),
     (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.virtual_stages=2"], "add --allow-pp"),
+    (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.pp_schedule=interleaved_zb"],
+     "llm.pp_schedule needs pipeline parallelism: add --allow-pp"),
+    (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.pp_schedule=zb"],
+     "pp_schedule must be one of 1f1b, interleaved_1f1b, interleaved_zb"),
+    (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.pp=2", "--fix", "llm.pp_schedule=interleaved_zb",
+      "--fix", "llm.virtual_stages=1"], "llm.pp_schedule=interleaved_zb runs virtual_stages >= 2 with pp > 1"),
+    (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "vision.pp_schedule=interleaved_zb"],
+     "planned for the LLM only"),
+    (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.pp_schedule=interleaved_zb"]
+     + [f"--fix=llm.{pin}" for pin in ("pp=2", "dp=8", "tp=1", "sp=1", "cp=1", "zero=3", "recompute=none",
+                                       "micro_batch=1")], "interleaved_zb with zero=3"),
     (["--model", "qwen-vl-32b", "--gpus", "128", "--fix", "llm.pp=128"], "128 pipeline chunks but llm has 64"),
 ])
 def test_errors_are_one_line_exit_2(argv, match, capsys):
