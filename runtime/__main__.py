@@ -90,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
         check_flags(args)
         plan = load_plan(args.plan)
         preflight.check_plan(plan)
-        preflight.check_pipeline_flags(plan, dry_run=args.dry_run)
         if args.dry_run and plan.workload.dataset is not None:
             raise NotImplementedError("--dry-run measures fixed-shape plans; one made for a dataset (its heaviest "
                                       "pack) is not synthesised yet: plan with --image-size/--text-tokens to dry-run")

@@ -22,13 +22,17 @@ What runs, documented because it is what the numbers mean:
   tensor by a real mask is rewritten to integer indexing (same shape), and a Python scalar read from a fake
   tensor (the loss and the gradient norm, which only feed logging and clipping) reads 0.0.
 - Pixel values are fake zeros of the planned shape (``PlannedShapes``), so no image is synthesised.
+- A pipeline schedule's stages take their static metadata without the start-up vote (``_vote_alone``: the fake
+  process group delivers no message).
 - Window-attention blocks run their windows as one segment (``_windows_as_one_segment``): same memory with a
   flash-style kernel, hundreds of times fewer fake ops.
 - Of a step's micro-batches, ``MICRO_BATCHES_RUN`` run (the first two and the last); every micro-batch's inputs
-  are still prepared, as the trainer holds the whole step's inputs on the device.
+  are still prepared, as the trainer holds the whole step's inputs on the device. A pipelined plan runs them all:
+  its schedule is one call over the step, and what a stage holds in flight depends on how many there are.
 
 Roles: ranks that run the same code on tensors of the same shapes need the same memory. A rank's role is the
-set of modules it holds and, per module, the length of its sequence slice (uneven SP splits differ). DP, ZeRO
+set of modules it holds and, per module, the length of its sequence slice (uneven SP splits differ) and its
+pipeline stage (stages hold different layers and keep different numbers of micro-batches in flight). DP, ZeRO
 and TP peers hold equal shards; among TP peers only coordinate 0 sends the hand-off / hand-back (copies of what
 it sends), so the lowest rank of each role, which has TP coordinate 0, is the one run. A disjoint plan has at
 least one role per group.
@@ -57,17 +61,20 @@ from torch._subclasses.fake_impls import _is_tensor_constructor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _ModState, _UpdateType
+from torch.distributed.pipelining._utils import InferenceMode
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import _sharding_prop as sharding_prop
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_flatten
 
-from planner.schema import Plan
+from planner.schema import ZERO_BUBBLE_SCHEDULES, Plan
 from runtime import trainer as trainer_module
 from runtime.data import Sample, SampleLayout, layout_from_plan, token_sequence
 from runtime.model import hf_config_from_dict
 from runtime.parallel.ulysses import split_sequence, split_windows
 from runtime.parallel_dims import ParallelDims
+from runtime.pipeline import PipelinedLanguageModel
 from runtime.parallel.precision import module_precision
 from runtime.parallelize import uses_fsdp
 from runtime.trainer import MODULES, RunOptions, Trainer, numerics_device_type
@@ -178,12 +185,13 @@ class ZeroWeights:
 
 class DryRunTrainer(Trainer):
     """The runtime's Trainer with zero weights, planned-shape data, and ``MICRO_BATCHES_RUN`` micro-batches of the
-    step run (every one prepared)."""
+    step run (every one prepared; all of them under a pipeline schedule)."""
 
     def __init__(self, plan: Plan, *, rank: int, options: RunOptions):
         self.whole_step = True
         micro_batches = range(plan.module("llm").grad_accum)
-        self._run_micro_batches = sorted({*micro_batches[:MICRO_BATCHES_RUN - 1], micro_batches[-1]})
+        self._run_micro_batches = list(micro_batches) if plan.module("llm").pp > 1 else sorted(
+            {*micro_batches[:MICRO_BATCHES_RUN - 1], micro_batches[-1]})
         """Micro-batch of the step that each micro-batch run stands for."""
         super().__init__(plan, rank=rank, options=options)
         self.source = PlannedShapes(self.layout)
@@ -234,15 +242,28 @@ def _windows_as_one_segment(shard_vision_batch):
     return shard
 
 
+def _vote_alone(schedule, stages, has_backward: bool, p2p_done: bool) -> None:
+    """A pipeline schedule's start-up vote on static metadata, by this rank's stages alone.
+
+    The stages vote (through point-to-point sends) whether every one has its metadata; the fake process group
+    delivers nothing, so a received vote would read "no". The runtime builds every stage with its metadata
+    (runtime.pipeline ``stage_metadata``), so each stage's own vote is the pipeline's."""
+    for stage in stages:
+        dynamic = InferenceMode.needs_dynamic(stage._user_meta, has_backward)
+        stage._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
+
+
 @contextlib.contextmanager
 def _emulation():
-    """The trainer's tensors on CPU, vision windows as one segment; DTensor's sharding propagation in its own fake
-    mode (it allocates tensors of global shapes, which must neither be real nor counted)."""
+    """The trainer's tensors on CPU, vision windows as one segment, a pipeline's stages voting alone; DTensor's
+    sharding propagation in its own fake mode (it allocates tensors of global shapes, which must neither be real
+    nor counted)."""
     propagation = FakeTensorMode()
     with mock.patch.object(trainer_module, "device_for", lambda _: torch.device("cpu")), \
             mock.patch.object(trainer_module, "shard_vision_batch",
                               _windows_as_one_segment(trainer_module.shard_vision_batch)), \
-            mock.patch.object(sharding_prop, "detect_fake_mode", lambda *_: propagation):
+            mock.patch.object(sharding_prop, "detect_fake_mode", lambda *_: propagation), \
+            mock.patch.object(_PipelineSchedule, "_warmup_p2p", _vote_alone):
         yield
 
 
@@ -260,7 +281,7 @@ def _slice_lengths(plan: Plan, name: str, layout: SampleLayout, config: Any) -> 
 
 
 def role_keys(plan: Plan) -> dict[int, tuple]:
-    """Each rank's role: per module it holds, (module, the length of its sequence slice)."""
+    """Each rank's role: per module it holds, (module, the length of its sequence slice, its pipeline stage)."""
     config = hf_config_from_dict(plan.model.hf_config)
     layout = layout_from_plan(plan.workload, config)
     lengths = {name: _slice_lengths(plan, name, layout, config) for name in MODULES}
@@ -271,7 +292,7 @@ def role_keys(plan: Plan) -> dict[int, tuple]:
         for name in MODULES:
             if rank in dims[name].ranks:
                 coord = dims[name].coordinate(rank)
-                key.append((name, lengths[name][coord["sp"]]))
+                key.append((name, lengths[name][coord["sp"]], coord["pp"]))
         keys[rank] = tuple(key)
     return keys
 
@@ -344,7 +365,8 @@ def _module_states(trainer: Trainer, name: str) -> tuple[int, int, int]:
 
 class StepMemTracker(MemTracker):
     """MemTracker across several steps and micro-batches (it refuses a second call of a root module), which also
-    records, per module, the most memory one forward call left alive, parameters aside (``forward_activations``)."""
+    records, per module, the most memory one forward call left alive, parameters aside (``forward_activations``;
+    of a pipelined module, one model chunk's forward)."""
 
     def __init__(self, modules: dict[str, torch.nn.Module]):
         super().__init__()
@@ -352,8 +374,9 @@ class StepMemTracker(MemTracker):
         self.peak_at = "no operation"
         self._before: dict[str, int] = {}
         for name, module in modules.items():
-            module.register_forward_pre_hook(lambda *_, name=name: self._before.__setitem__(name, self._kept()))
-            module.register_forward_hook(lambda *_, name=name: self._record(name))
+            for called in module.chunks if isinstance(module, PipelinedLanguageModel) else [module]:
+                called.register_forward_pre_hook(lambda *_, name=name: self._before.__setitem__(name, self._kept()))
+                called.register_forward_hook(lambda *_, name=name: self._record(name))
 
     def forget(self, tensors) -> None:
         """Stop counting ``tensors``' storages (host-side data; each call forgets only what is still counted). Popping
@@ -547,12 +570,15 @@ PEAK_ROWS = (
 MemTracker and as buffers in the planner; gradients not yet accumulated count as Temp)."""
 
 
-def _ratio(measured: float, predicted: float) -> str:
-    return f"{measured / predicted:.2f}" if predicted > 0 else "-"
+def _ratio(measured: float, predicted: float | None) -> str:
+    return f"{measured / predicted:.2f}" if predicted else "-"
 
 
-def _row(label: str, measured: float, predicted: float) -> str:
-    return f"  {label:<30} {measured / GIB:>9.2f} {predicted / GIB:>10.2f} {_ratio(measured, predicted):>6}"
+def _row(label: str, measured: float, predicted: float | None) -> str:
+    """One table row; ``predicted`` None where the plan has no prediction for this rank (a pipeline stage other
+    than its largest)."""
+    shown = "-" if predicted is None else f"{predicted / GIB:.2f}"
+    return f"  {label:<30} {measured / GIB:>9.2f} {shown:>10} {_ratio(measured, predicted):>6}"
 
 
 def format_report(report: DryRunReport) -> str:
@@ -570,26 +596,36 @@ def format_report(report: DryRunReport) -> str:
         lines += ["", f"rank {role.rank} (role of ranks {_ranges(role.ranks)}; built in "
                       f"{role.startup_peak / GIB:.2f} GiB peak, {role.seconds:.0f} s)",
                   f"  {'module / category (GiB)':<30} {'dry-run':>9} {'predicted':>10} {'ratio':>6}"]
+        stage = _pipeline_stage(plan, role.rank)
+        on_binding_stage = stage is None or stage == _binding_stage(plan)
         for name, memory in role.modules.items():
-            predicted = plan.module(name).predicted.memory_gib
-            in_flight = _in_flight(plan, name)
+            module = plan.module(name)
+            predicted = module.predicted.memory_gib if on_binding_stage or module.pp == 1 else None
+            in_flight = _in_flight(plan, name, stage)
             for field_name in ("weights", "gradients", "optimizer"):
                 lines.append(_row(f"{name} {field_name}", getattr(memory, field_name),
-                                  getattr(predicted, field_name) * GIB))
-            label = f"{name} activations" + (f" (x{in_flight} in flight)" if in_flight > 1 else "")
-            lines.append(_row(label, memory.activations * in_flight, predicted.activations * GIB))
-        group = report.predicted_group(role)
+                                  predicted and getattr(predicted, field_name) * GIB))
+            unit = " chunks" if module.pp > 1 else ""
+            label = f"{name} activations" + (f" (x{in_flight}{unit} in flight)" if in_flight > 1 else "")
+            lines.append(_row(label, memory.activations * in_flight, predicted and predicted.activations * GIB))
+        group = report.predicted_group(role) if on_binding_stage else None
         for label, categories in PEAK_ROWS:
             measured = sum(role.peak.get(c, 0) for c in categories)
-            lines.append(_row(f"peak: {label}", measured, getattr(group, label) * GIB))
+            lines.append(_row(f"peak: {label}", measured, group and getattr(group, label) * GIB))
         overhead = report.overhead_bytes(role)
-        predicted_peak = (group.total - group.overhead) * GIB
+        predicted_peak = group and (group.total - group.overhead) * GIB
         lines.append(_row("peak tensors", role.peak.get("Total", 0), predicted_peak))
+        if stage is not None:
+            own = plan.module("llm").predicted.stage_peak_memory_gib
+            lines.append(f"  llm pipeline stage {stage}" + (f": the planner's own peak of the stage {own[stage]:.2f} "
+                                                            "GiB" if own else "") +
+                         ("" if on_binding_stage else " (the plan's breakdown is of its largest stage)"))
         lines.append(f"  runtime peak during {role.peak_at}")
         total = report.role_total(role)
         verdict = "FITS" if total <= report.usable_bytes else "DOES NOT FIT"
+        planner = f" (planner: {group.total:.2f} GiB{_planner_phase(report.plan, role)})" if group else ""
         lines.append(f"  + overhead {overhead / GIB:.1f} = {total / GIB:.2f} GiB of {report.usable_bytes / GIB:.1f} "
-                     f"GiB usable (planner: {group.total:.2f} GiB{_planner_phase(report.plan, role)})  {verdict}")
+                     f"GiB usable{planner}  {verdict}")
     lines += ["", "FITS" if report.fits else "DOES NOT FIT"]
     return "\n".join(lines)
 
@@ -603,12 +639,31 @@ def _planner_phase(plan: Plan, role: RoleMemory) -> str:
     return f" at the {phase}"
 
 
-def _in_flight(plan: Plan, name: str) -> int:
-    """Micro-batches whose activations a module holds at once: the vision group of a disjoint plan runs
-    MAX_VISION_IN_FLIGHT forwards ahead (as the planner's 1F1B model)."""
+def _in_flight(plan: Plan, name: str, stage: int | None) -> int:
+    """Micro-batches (of a pipelined module: model chunks) whose activations a module holds at once: the vision
+    group of a disjoint plan runs MAX_VISION_IN_FLIGHT forwards ahead (as the planner's 1F1B model); a pipeline
+    stage holds what its schedule keeps in flight (the planner's count, planner.cost.pipeline)."""
+    from planner.cost.pipeline import in_flight_chunks  # pure Python, no solver
+
+    module = plan.module(name)
+    if module.pp > 1:
+        return in_flight_chunks(stage, module.pp, module.grad_accum, module.virtual_stages,
+                                module.pp_schedule in ZERO_BUBBLE_SCHEDULES)
     if plan.placement == "disjoint" and name != "llm":
-        return min(trainer_module.MAX_VISION_IN_FLIGHT, plan.module(name).grad_accum)
+        return min(trainer_module.MAX_VISION_IN_FLIGHT, module.grad_accum)
     return 1
+
+
+def _pipeline_stage(plan: Plan, rank: int) -> int | None:
+    """The LLM pipeline stage ``rank`` runs (None: the LLM is not pipelined or not on this rank)."""
+    dims = ParallelDims.from_plan(plan.module("llm"))
+    return dims.stage_of(rank) if dims.pp > 1 and rank in dims.ranks else None
+
+
+def _binding_stage(plan: Plan) -> int | None:
+    """The pipeline stage the plan's LLM memory breakdown is of (its largest own peak)."""
+    own = plan.module("llm").predicted.stage_peak_memory_gib
+    return None if not own else own.index(max(own))
 
 
 def _ranges(ranks: list[int]) -> str:

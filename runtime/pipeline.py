@@ -13,6 +13,10 @@ token ids and the hand-off's image rows ``[B, M, D]`` (every sample of a fixed-s
 stage takes the M-RoPE positions (a keyword, split on its batch dim 1) and recomputes its rotary embedding; the last
 stage's output goes to the loss with the targets. The image rows are a leaf: their gradient is the hand-back.
 
+Every stage is built with the shapes and dtypes of what it receives, sends and gets back (``MicroBatchShapes``,
+torch's static mode): the schedule's first step then exchanges no metadata and runs no trial forward and backward,
+which also lets the dry-run (runtime.dry_run) run a pipelined plan on fake tensors.
+
 Shape legend: B samples, L sequence, M image tokens per sample, D hidden, V vocab.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from dataclasses import dataclass
 from typing import Callable, ContextManager
 
 import torch
@@ -31,6 +36,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from runtime.model import LanguageModel
@@ -144,15 +150,68 @@ def stage_of_parameter(hf_name: str, dims: ParallelDims) -> int:
     return chunk % dims.pp
 
 
-def build_schedule(model: PipelinedLanguageModel, dims: ParallelDims, device: torch.device,
+@dataclass(frozen=True, kw_only=True)
+class MicroBatchShapes:
+    """One micro-batch at the chunk boundaries (per rank: under TP the logits are a DTensor sharded on V)."""
+
+    samples: int
+    """B."""
+    seq_len: int
+    """L (the LLM's whole sequence: a pipelined LLM has no SP)."""
+    image_tokens: int
+    """M, per sample."""
+    hidden: int
+    """D."""
+    vocab: int
+    """V."""
+    compute_dtype: torch.dtype
+    """Of the hidden states and logits (runtime.parallel.precision ``Precision.compute_dtype``)."""
+    handoff_dtype: torch.dtype
+    """Of the image rows the first chunk receives."""
+    rows_require_grad: bool
+    """Whether the image rows' gradient goes back (the vision tower trains)."""
+
+
+def stage_metadata(chunk: LanguageModelChunk, shapes: MicroBatchShapes, tp_mesh: DeviceMesh | None
+                   ) -> dict[str, tuple[torch.Tensor | None, ...]]:
+    """``PipelineStage``'s static-mode arguments of ``chunk`` (``input_args``, ``output_args``, ``input_grads``,
+    ``output_grads``), as ``meta`` tensors."""
+    B, L, D = shapes.samples, shapes.seq_len, shapes.hidden
+
+    def hidden_BLD():
+        return torch.empty(B, L, D, dtype=shapes.compute_dtype, device="meta", requires_grad=True)
+
+    if chunk.first:
+        rows = torch.empty(B, shapes.image_tokens, D, dtype=shapes.handoff_dtype, device="meta",
+                           requires_grad=shapes.rows_require_grad)
+        inputs = (torch.empty(B, L, dtype=torch.long, device="meta"), rows)
+        input_grads = (None, rows if shapes.rows_require_grad else None)
+    else:
+        inputs = input_grads = (hidden_BLD(),)
+    if not chunk.last:
+        outputs = (hidden_BLD(),)
+    elif tp_mesh is None:
+        outputs = (torch.empty(B, L, shapes.vocab, dtype=shapes.compute_dtype, device="meta", requires_grad=True),)
+    else:
+        local = torch.empty(B, L, shapes.vocab // tp_mesh.size(), dtype=shapes.compute_dtype, device="meta")
+        logits = DTensor.from_local(local, tp_mesh, [Shard(2)], run_check=False, shape=torch.Size((B, L, shapes.vocab)),
+                                    stride=(L * shapes.vocab, shapes.vocab, 1))
+        outputs = (logits.requires_grad_(),)
+    return dict(input_args=inputs, output_args=outputs, input_grads=input_grads, output_grads=outputs)
+
+
+def build_schedule(model: PipelinedLanguageModel, dims: ParallelDims, device: torch.device, shapes: MicroBatchShapes,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    compute_timer: Callable[[], ContextManager]):
-    """The plan's schedule over this rank's chunks, on the pipeline group of its grid position. Gradients are not
-    rescaled (``scale_grads=False``): the loss is already divided by the step's target tokens. Every chunk's
-    forward and backward runs inside ``compute_timer()`` (what is left of the schedule's time is waiting)."""
+    """The plan's schedule over this rank's chunks, on the pipeline group of its grid position, each stage built
+    with its micro-batch ``shapes``. Gradients are not rescaled (``scale_grads=False``): the loss is already
+    divided by the step's target tokens. Every chunk's forward and backward runs inside ``compute_timer()`` (what
+    is left of the schedule's time is waiting)."""
     group = dims.mesh["pp"].get_group()
     num_chunks = len(dims.pp_layers)
-    stages = [PipelineStage(chunk, c, num_chunks, device, group=group) for chunk, c in zip(model.chunks, model.ids)]
+    tp_mesh = dims.mesh["tp"] if dims.tp_enabled else None
+    stages = [PipelineStage(chunk, c, num_chunks, device, group=group, **stage_metadata(chunk, shapes, tp_mesh))
+              for chunk, c in zip(model.chunks, model.ids)]
     for stage in stages:
         _time_compute(stage, compute_timer)
     options = dict(n_microbatches=dims.grad_accum, loss_fn=loss_fn, scale_grads=False,

@@ -80,20 +80,6 @@ def check_pipeline(plan: Plan, module: Any) -> None:
         raise NotImplementedError(f"{name} with lm_head tied to the embedding (first and last stage) is not run yet")
 
 
-PIPELINE_UNSUPPORTED_FLAGS = ("dry_run",)
-"""Options the runtime does not combine with a pipelined plan yet."""
-
-
-def check_pipeline_flags(plan: Plan, **flags: Any) -> None:
-    """Refuse, in one line, the options not yet run with a pipelined plan."""
-    if not any(m.pp > 1 for m in plan.modules):
-        return
-    used = [name for name in PIPELINE_UNSUPPORTED_FLAGS if flags.get(name)]
-    if used:
-        raise NotImplementedError(f"--{used[0].replace('_', '-')} is not run with pipeline parallelism yet (it "
-                                  "measures one step of each rank role without a pipeline schedule)")
-
-
 def check_plan(plan: Plan) -> None:
     """The plan's structure: its modules, their ranks and how the two modules' batches line up.
 

@@ -57,7 +57,7 @@ from runtime.parallel.tensor_parallel import qkv_from_tp_layout, qkv_row_order
 from runtime.parallel_dims import BATCH_AXIS, ParallelDims
 from runtime.preflight import MODULES, is_conversation_file
 from runtime.parallelize import parallelize_llm, parallelize_pipelined_llm, parallelize_vision, uses_fsdp
-from runtime.pipeline import build_schedule, stage_of_parameter
+from runtime.pipeline import MicroBatchShapes, build_schedule, stage_of_parameter
 from runtime.vision import merged_positions_per_rank, shard_vision_batch, vision_forward, window_layout
 
 
@@ -141,7 +141,8 @@ class Trainer:
         self._fixed_routes = None if self.packed else self._layout_routes()
         self.schedule = None
         if self.dims["llm"].pp_enabled and "llm" in self.modules:
-            self.schedule = build_schedule(self.modules["llm"], self.dims["llm"], self.device, self._pipeline_loss,
+            self.schedule = build_schedule(self.modules["llm"], self.dims["llm"], self.device,
+                                           self._micro_batch_shapes(config), self._pipeline_loss,
                                            functools.partial(self._timed, "pp_compute_s"))
         if self.packed:
             check_vision_windows(self.source, self.dims["vision"], self.vision_config)
@@ -235,6 +236,14 @@ class Trainer:
     def _grid(self, samples: int) -> torch.Tensor:
         sizes = [(1, h // self.layout.patch_size, w // self.layout.patch_size) for h, w in self.layout.image_sizes]
         return torch.tensor(sizes * samples)
+
+    def _micro_batch_shapes(self, config) -> MicroBatchShapes:
+        """What one micro-batch of the pipelined LLM looks like at its chunk boundaries (a fixed-shape plan)."""
+        text = config.get_text_config()
+        return MicroBatchShapes(samples=self.dims["llm"].micro_batch, seq_len=self.layout.seq_len,
+                                image_tokens=sum(self.layout.image_tokens()), hidden=text.hidden_size,
+                                vocab=text.vocab_size, compute_dtype=self.precision["llm"].compute_dtype,
+                                handoff_dtype=self._handoff_dtype(), rows_require_grad=not self.dims["vision"].frozen)
 
     def _handoff_dtype(self) -> torch.dtype:
         return torch.float32 if self.numerics == "cpu" else torch.bfloat16

@@ -29,6 +29,13 @@ class Precision:
     autocast_dtype: torch.dtype | None
     """dtype of autocast around the module's forward (None: no autocast)."""
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """dtype the module computes in, hence of its activations and outputs."""
+        if self.autocast_dtype is not None:
+            return self.autocast_dtype
+        return self.fsdp_policy.param_dtype if self.fsdp_policy is not None else self.param_dtype
+
 
 def module_precision(precision: str, device_type: str, *, fsdp: bool) -> Precision:
     """The recipe of a module that FSDP2 wraps (``fsdp``) or not, for plan precision ``precision``."""

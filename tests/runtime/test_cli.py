@@ -46,10 +46,6 @@ def test_context_parallel_plan_is_refused_before_ray(tmp_path):
 
 
 def test_what_a_pipeline_does_not_run_yet_is_refused_before_ray(tmp_path):
-    plan = make_plan(dict(dp=2, grad_accum=2), dict(pp=2, pp_layers=[2, 2], micro_batch=2, grad_accum=2))
-    (tmp_path / "plan.json").write_text(plan.to_json())
-    assert_one_line_error(run_cli(str(tmp_path / "plan.json"), "--dry-run"),
-                          "--dry-run is not run with pipeline parallelism yet")
     with_sp = make_plan(dict(dp=4, grad_accum=2), dict(pp=2, sp=2, pp_layers=[2, 2], micro_batch=4, grad_accum=2))
     (tmp_path / "sp.json").write_text(with_sp.to_json())
     assert_one_line_error(run_cli(str(tmp_path / "sp.json")), "llm: pipeline parallelism (pp=2) with Ulysses SP")

@@ -57,6 +57,10 @@ def real_peaks(plan: Plan, tmp_path) -> dict[int, int]:
 PLANS = {
     "vision-sp2-llm-tp2": lambda: make_plan({"sp": 2}, {"tp": 2, "grad_accum": 4}),
     "zero3-dp2": lambda: make_plan({"dp": 2, "zero": 3}, {"dp": 2, "zero": 3, "grad_accum": 2}),
+    # two model chunks per stage, TP inside each (the last chunk's logits a DTensor), 4 micro-batches in flight
+    "llm-pp2xtp2-interleaved": lambda: make_plan({"dp": 2, "tp": 2, "grad_accum": 4}, {
+        "pp": 2, "tp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2, "pp_layers": [1, 1, 1, 1],
+        "micro_batch": 2, "grad_accum": 4}),
 }
 
 
@@ -175,3 +179,25 @@ def test_forget_stops_counting_host_data_once():
         forgotten = total()
         del host  # its deletion must not subtract it a second time
         assert (counted - forgotten, total()) == (4 << 20, forgotten)
+
+
+def test_a_pipelines_stages_are_roles_of_their_own():
+    """Stages hold different layers and keep different micro-batches in flight: each is a role (here TP pairs)."""
+    assert roles(PLANS["llm-pp2xtp2-interleaved"]()) == {0: [0, 1], 2: [2, 3]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision,zero", [("bf16_mixed", 0), ("bf16_mixed", 3), ("bf16_pure", 0)])
+def test_pipeline_stages_are_built_with_the_shapes_and_dtypes_they_exchange(precision, zero):
+    """Each stage is built with the metadata of what it receives and sends (no exchange at the first step); with
+    torch's run-time validation on, a GPU recipe's dry-run (bf16 autocast; FSDP2's bf16 gathers under ZeRO-3; bf16
+    parameters) checks every stage's actual inputs, sends and received gradients against it."""
+    llm = {"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2, "pp_layers": [1, 1, 1, 1],
+           "micro_batch": 2, "grad_accum": 2}
+    if zero:
+        plan = make_plan({"dp": 4, "zero": 1, "grad_accum": 2}, {**llm, "dp": 2, "zero": zero})
+    else:
+        plan = make_plan({"dp": 2, "tp": 2, "grad_accum": 2}, {**llm, "tp": 2})
+    with mock.patch.object(dist, "get_debug_level", lambda: dist.DebugLevel.DETAIL):
+        report = dry_run(_on_gpu(plan, precision), RunOptions())
+    assert len(report.roles) == 2

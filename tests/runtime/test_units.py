@@ -355,15 +355,20 @@ def test_plan_schedule_builds_torchs_schedule_and_times_every_compute_pass(sched
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from runtime.pipeline import build_schedule
+    from runtime.pipeline import MicroBatchShapes, build_schedule
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         dims = SimpleNamespace(mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)), pp=2,
-                               pp_layers=(1, 1, 1, 1), grad_accum=2, pp_schedule=schedule)
-        model = SimpleNamespace(chunks=[torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)], ids=[0, 2])
+                               pp_layers=(1, 1, 1, 1), grad_accum=2, pp_schedule=schedule, tp_enabled=False)
+        chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+        for chunk, first in zip(chunks, (True, False)):
+            chunk.first, chunk.last = first, False
+        model = SimpleNamespace(chunks=chunks, ids=[0, 2])
+        shapes = MicroBatchShapes(samples=1, seq_len=4, image_tokens=1, hidden=2, vocab=8,
+                                  compute_dtype=torch.float32, handoff_dtype=torch.float32, rows_require_grad=True)
         timed = []
-        built = build_schedule(model, dims, torch.device("cpu"), lambda out, target: out.sum(),
+        built = build_schedule(model, dims, torch.device("cpu"), shapes, lambda out, target: out.sum(),
                                lambda: contextlib.nullcontext(timed.append(1)))
         assert type(built).__name__ == expected
         actions = [str(a) for a in built.pipeline_order[0] if a is not None]
