@@ -84,7 +84,7 @@ class Problem:
     execute it yet, so a default plan is always one ``python -m runtime`` runs. ``--fix MODULE.cp=N`` pins it."""
     allow_pp: bool = False
     """Search pipeline parallelism of the LLM (pp > 1). Off by default: planning takes two to three times longer
-    with it at 1,024 GPUs and the runtime's dry-run cannot measure it yet; ``--fix llm.pp=N`` pins it."""
+    with it at 1,024 GPUs; ``--fix llm.pp=N`` pins it."""
 
     workers: int = 1
     """Processes that cost candidates (forked; ``PARALLEL_MIN_STRATEGIES``): the same plan, sooner on several cores."""

@@ -640,15 +640,18 @@ def _planner_phase(plan: Plan, role: RoleMemory) -> str:
 
 
 def _in_flight(plan: Plan, name: str, stage: int | None) -> int:
-    """Micro-batches (of a pipelined module: model chunks) whose activations a module holds at once: the vision
-    group of a disjoint plan runs MAX_VISION_IN_FLIGHT forwards ahead (as the planner's 1F1B model); a pipeline
-    stage holds what its schedule keeps in flight (the planner's count, planner.cost.pipeline)."""
+    """Micro-batches (of a pipelined module: model chunks) whose activations a module holds at once: a pipeline
+    stage holds what its schedule keeps in flight (the planner's count, planner.cost.pipeline); the vision tower
+    feeding a pipeline runs every forward before the schedule; the vision group of a disjoint plan runs
+    MAX_VISION_IN_FLIGHT forwards ahead (as the planner's 1F1B model)."""
     from planner.cost.pipeline import in_flight_chunks  # pure Python, no solver
 
     module = plan.module(name)
     if module.pp > 1:
         return in_flight_chunks(stage, module.pp, module.grad_accum, module.virtual_stages,
                                 module.pp_schedule in ZERO_BUBBLE_SCHEDULES)
+    if plan.module("llm").pp > 1:
+        return module.grad_accum
     if plan.placement == "disjoint" and name != "llm":
         return min(trainer_module.MAX_VISION_IN_FLIGHT, module.grad_accum)
     return 1

@@ -302,7 +302,7 @@ class Trainer:
 
     @staticmethod
     def on_host_data(tensors) -> None:
-        """Called with each host-memory batch; a memory measurement on the CPU sets it to
+        """Called with each host-memory sample and batch; a memory measurement on the CPU sets it to
         ``runtime.dry_run.StepMemTracker.forget`` (host memory is not the device's, though on the CPU it is one)."""
 
     def _prepare_inputs(self) -> float:
@@ -325,6 +325,8 @@ class Trainer:
             self._step_samples = self.prefetcher.take(self.samples_seen, indexes)
             following = self.samples_seen + self.positions_per_step
             self.prefetcher.submit(following, self._indexes_at(following, self._slots_at(following)))
+        for sample in self._step_samples.values():
+            self.on_host_data(sample.values())
         for micro in range(self.num_micro_batches):
             for name in self.modules:
                 self._samples(micro, name)
@@ -523,7 +525,8 @@ class Trainer:
         self._step_num_tokens = num_tokens
         with loss_parallel() if dims.tp_enabled else contextlib.nullcontext():
             with self._timed("llm_pipeline_s"):
-                self.schedule.step(*inputs, target=target, losses=losses if last else None, position_ids=position_ids)
+                self.schedule.step(*inputs, target=target, losses=losses if last else None, return_outputs=False,
+                                   position_ids=position_ids)
         loss = sum((float((l.full_tensor() if isinstance(l, DTensor) else l).detach()) for l in losses), 0.0)
         if rows is None or rows.grad is None:
             return [None] * self.num_micro_batches, loss

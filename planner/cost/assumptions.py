@@ -131,8 +131,10 @@ class CostAssumptions:
     """ZeRO/FSDP shards (and gradients are reduced) over dp x cp x sp ranks, as torchtitan's ``dp_shard_cp``
     mesh does; False shards over dp only (gradients still reduced over dp x cp x sp)."""
     zero1_accumulated_gradient_bytes: float = 4.0
-    """Bytes per parameter of the unsharded gradients a ZeRO-1 module accumulates over a step's micro-batches: FSDP2
-    keeps them in its reduce dtype, fp32 (``FSDPParam.to_accumulated_grad_if_needed``). With one micro-batch per
+    """Bytes per parameter of the unsharded gradients a bf16_mixed ZeRO-1 module accumulates over a step's
+    micro-batches: FSDP2 keeps them in its reduce dtype, fp32 (``FSDPParam.to_accumulated_grad_if_needed``);
+    bf16_pure reduces in its bf16 parameter dtype, so it accumulates its recipe's gradient bytes
+    (``accumulated_gradient_bytes``). With one micro-batch per
     step the runtime reduce-scatters during the backward and ZeRO-1 holds gradients as ZeRO-2 does. Seen in the
     SP8 + TP8 dry-run (2.5 GiB of fp32 temporaries for the 0.67B vision tower at the peak)."""
     zero3_prefetch_layers: int = 1
@@ -223,6 +225,13 @@ class CostAssumptions:
         if precision == "bf16_pure":
             return self.bf16_pure
         raise ValueError(f"unknown precision {precision!r}; use bf16_mixed or bf16_pure")
+
+    def accumulated_gradient_bytes(self, precision: str) -> float:
+        """Bytes per parameter of the unsharded gradients FSDP2 accumulates over micro-batches under
+        ``precision``: its reduce dtype's."""
+        if precision == "bf16_mixed":
+            return self.zero1_accumulated_gradient_bytes
+        return self.bytes_per_param(precision).gradients
 
     def attention_efficiency(self) -> float:
         """Peak fraction of the configured attention kernel on long segments."""

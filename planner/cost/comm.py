@@ -110,6 +110,26 @@ def exposed_time(comm_s: float, hideable_compute_s: float, overlap: float, floor
     return min(comm_s, max(floor_s, comm_s - overlap * hideable_compute_s))
 
 
+def pipelined_zero3_gather_time(
+    *, weight_bytes: float, layer_weight_bytes: float, chunk_gathers: int, virtual_stages: int, group_size: int,
+    link: Link, forward_s: float, overlap: float,
+) -> float:
+    """Exposed ZeRO-3 weight all-gathers of one pipeline rank per step under torch's schedules, beyond ZeRO-1's
+    once-per-step gather.
+
+    Each model chunk (``weight_bytes / virtual_stages``) is gathered for every forward it runs before its first
+    backward, and stays gathered from that backward to the step's end (torch.distributed.pipelining 2.13 turns
+    reshard-after-backward off inside a step): ``chunk_gathers`` gathers, the chunks the rank holds in flight at
+    its peak, each hidden behind its chunk's forward as ``exposed_time`` (all-gather volume: Rajbhandari et al.
+    2020, Sec. 7).
+    """
+    if group_size <= 1:
+        return 0.0
+    gather = all_gather_time(weight_bytes / virtual_stages, group_size, link)
+    first_layer = all_gather_time(layer_weight_bytes, group_size, link)
+    return chunk_gathers * exposed_time(gather, forward_s / virtual_stages, overlap, first_layer)
+
+
 @lru_cache(maxsize=4096)
 def axis_within_node(first_rank: int, stride: int, size: int, num_ranks: int, devices_per_node: int) -> bool:
     """Whether every process group along one grid axis lies inside one node.

@@ -64,6 +64,21 @@ def model_state_bytes(
     return weights, gradients, optimizer
 
 
+def pipelined_fsdp_state_bytes(
+    params: float, recipe: BytesPerParam, *, accumulated_gradient_bytes: float, frozen: bool
+) -> tuple[float, float]:
+    """(weights, gradients) bytes per GPU of a ZeRO-2 or ZeRO-3 module inside a pipeline stage, as torch runs it.
+
+    torch.distributed.pipelining (2.13, ``_PipelineStageBase.backward_maybe_with_nosync``) runs every micro-batch's
+    backward of an FSDP2 stage with gradient sync and reshard-after-backward off and reduce-scatters once after the
+    last: the stage accumulates unsharded gradients in FSDP2's reduce dtype (``accumulated_gradient_bytes`` per
+    parameter), and weights a backward gathered stay gathered to the step's end. At the peak that is ZeRO-1's
+    states (Rajbhandari et al. 2020, Sec. 5.1, P_os: ``2 Psi`` weights, unsharded gradients); the optimizer
+    states stay sharded. A frozen stage accumulates no gradients.
+    """
+    return params * recipe.weights, 0.0 if frozen else params * accumulated_gradient_bytes
+
+
 def block_saved_bytes_per_token(
     *,
     hidden: float,

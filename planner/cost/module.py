@@ -12,9 +12,17 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
 
-from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, BytesPerParam, CostAssumptions
+from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.compute import bucket_copy_time, optimizer_pass_time
-from planner.cost.comm import Link, all_gather_time, axis_within_node, link, p2p_time, zero_comm_time
+from planner.cost.comm import (
+    Link,
+    all_gather_time,
+    axis_within_node,
+    link,
+    p2p_time,
+    pipelined_zero3_gather_time,
+    zero_comm_time,
+)
 from planner.cost.layer_costs import ANALYTICAL, MEASURED, LayerCostSource, LayerMeasurement
 from planner.cost.layers import Shard, layer_terms
 from planner.cost.op_counts import LAYER_OPS
@@ -25,6 +33,7 @@ from planner.cost.memory import (
     bucket_bytes,
     layer_params_per_rank,
     model_state_bytes,
+    pipelined_fsdp_state_bytes,
     zero3_gather_bytes,
 )
 from planner.cost.results import ModuleCost
@@ -297,15 +306,15 @@ def _counts(layers: tuple[LayerSpec, ...]) -> tuple[tuple[str, int], ...]:
 
 
 def zero1_gradient_bytes(
-    params: float, recipe: BytesPerParam, *, shards: int, grad_accum: int, assumptions: CostAssumptions
+    params: float, precision: Precision, *, shards: int, grad_accum: int, assumptions: CostAssumptions
 ) -> float:
     """Gradient bytes per GPU of a ZeRO-1 module as the runtime runs it (FSDP2 without per-micro-batch
     reduce-scatter): several micro-batches accumulate unsharded gradients in the reduce dtype
-    (``zero1_accumulated_gradient_bytes``); a single one is reduce-scattered during the backward, leaving ZeRO-2's
+    (``CostAssumptions.accumulated_gradient_bytes``); a single one is reduce-scattered during the backward, leaving ZeRO-2's
     ``gradients / shards`` (Rajbhandari et al. 2020, Sec. 5.1, P_os+g)."""
     if grad_accum > 1:
-        return params * assumptions.zero1_accumulated_gradient_bytes
-    return params * recipe.gradients / shards
+        return params * assumptions.accumulated_gradient_bytes(precision)
+    return params * assumptions.bytes_per_param(precision).gradients / shards
 
 
 def _params_per_rank(static: _Static, tp: int, layers: tuple[LayerSpec, ...]) -> tuple[float, float, float, float]:
@@ -480,8 +489,15 @@ def _part_cost(
     trainable = not static.spec.frozen
     weights, grads, optim = model_state_bytes(params, recipe, zero=s.zero, shards=shards, frozen=not trainable)
     if s.zero == 1 and trainable and shards > 1:
-        grads = zero1_gradient_bytes(params, recipe, shards=shards, grad_accum=s.grad_accum, assumptions=assumptions)
-    if s.zero == 3 and shards > 1:
+        grads = zero1_gradient_bytes(params, precision, shards=shards, grad_accum=s.grad_accum,
+                                     assumptions=assumptions)
+    # inside a step, torch's schedules neither reduce-scatter gradients nor reshard weights after a backward
+    pipelined_fsdp = s.pp > 1 and s.zero >= 2 and shards > 1 and static.backward != "none"
+    if pipelined_fsdp:
+        weights, grads = pipelined_fsdp_state_bytes(
+            params, recipe, accumulated_gradient_bytes=assumptions.accumulated_gradient_bytes(precision),
+            frozen=not trainable)
+    if s.zero == 3 and shards > 1 and not pipelined_fsdp:
         forward_buffers += zero3_gather_bytes(root, block, recipe, prefetch=assumptions.zero3_prefetch_layers,
                                               frozen=not trainable, backward=False)
         backward_buffers += zero3_gather_bytes(root, block, recipe, prefetch=assumptions.zero3_prefetch_layers,
@@ -495,7 +511,7 @@ def _part_cost(
     loss_backward_buffers, loss_saved = sums.loss_buffer_bytes[1:]
 
     dp_comm = zero_comm_time(
-        zero=s.zero,
+        zero=1 if pipelined_fsdp else s.zero,
         gradient_bytes=params * recipe.gradients,
         weight_bytes=params * recipe.weights,
         layer_weight_bytes=largest * recipe.weights,
@@ -510,6 +526,12 @@ def _part_cost(
         overlap=assumptions.dp_comm_overlap,
         zero0_overlap=assumptions.zero0_grad_sync_overlap,
     )
+    if pipelined_fsdp and s.zero == 3:
+        dp_comm += pipelined_zero3_gather_time(
+            weight_bytes=params * recipe.weights, layer_weight_bytes=largest * recipe.weights,
+            chunk_gathers=in_flight_chunks + (0 if trainable else s.virtual_stages), virtual_stages=s.virtual_stages,
+            group_size=reduce_group, link=static.links[not within_all[3]], forward_s=sums.forward_s,
+            overlap=assumptions.dp_comm_overlap)
     if s.zero == 0 and trainable and reduce_group > 1:
         dp_comm += bucket_copy_time(params * recipe.gradients, assumptions.zero0_bucket_copies, cluster.device,
                                     assumptions)

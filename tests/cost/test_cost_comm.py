@@ -13,6 +13,7 @@ from planner.cost.comm import (
     exposed_time,
     link,
     p2p_time,
+    pipelined_zero3_gather_time,
     reduce_scatter_time,
     zero_comm_time,
 )
@@ -125,6 +126,16 @@ def test_zero2_reduce_scatter_every_micro_batch():
 def test_zero3_gathers_forward_and_backward():
     # per mb: AG fwd exposed 0.00753 - 0.005 = 0.00253; bwd: AG+RS = 0.01506 - 0.01 = 0.00506; x 2
     assert _zero(3) == pytest.approx(2 * (0.00253 + 0.00506))
+
+
+def test_pipelined_zero3_gathers_each_in_flight_chunk_once():
+    # 2 chunks of 0.5e9 bytes: AG = 3/4 * 5e8/1e11 + 3e-5 = 0.003780 each; exposed behind half the 0.01 s forward
+    # at overlap 0.5: 0.00378 - 0.0025 = 0.00128, above the first layer's AG(1e8) = 0.00078; 5 chunks in flight
+    gathers = pipelined_zero3_gather_time(weight_bytes=1e9, layer_weight_bytes=1e8, chunk_gathers=5, virtual_stages=2,
+                                          group_size=4, link=LINK, forward_s=0.01, overlap=0.5)
+    assert gathers == pytest.approx(5 * 0.00128)
+    assert pipelined_zero3_gather_time(weight_bytes=1e9, layer_weight_bytes=1e8, chunk_gathers=5, virtual_stages=2,
+                                       group_size=1, link=LINK, forward_s=0.01, overlap=0.5) == 0.0
 
 
 def test_frozen_module_only_gathers_zero3_weights():

@@ -14,6 +14,7 @@ from planner.cost.memory import (
     layer_params_per_rank,
     loss_logits_bytes,
     model_state_bytes,
+    pipelined_fsdp_state_bytes,
     score_matrix_bytes,
     zero3_gather_bytes,
 )
@@ -46,6 +47,12 @@ def test_zero_breakdown_and_frozen():
     # frozen: weights only (ZeRO-3 still shards them)
     assert model_state_bytes(1000, MIXED, zero=0, shards=4, frozen=True) == (2000, 0.0, 0.0)
     assert model_state_bytes(1000, MIXED, zero=3, shards=4, frozen=True) == (500, 0.0, 0.0)
+
+
+def test_pipelined_fsdp_keeps_zero1s_weights_and_unsharded_accumulated_gradients():
+    # bf16 weights gathered (2 B/param), fp32 gradients accumulated unsharded (4 B/param); frozen: weights only
+    assert pipelined_fsdp_state_bytes(1000, MIXED, accumulated_gradient_bytes=4.0, frozen=False) == (2000, 4000)
+    assert pipelined_fsdp_state_bytes(1000, MIXED, accumulated_gradient_bytes=4.0, frozen=True) == (2000, 0.0)
 
 
 def test_kv_heads_per_rank():

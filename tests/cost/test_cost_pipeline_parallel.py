@@ -175,6 +175,33 @@ def test_pipelined_llm_by_hand():
     assert cost.micro_batches_s == pytest.approx(4 * max(t) + min(t))
 
 
+def test_zero2_and_zero3_inside_a_stage_hold_what_torchs_schedules_keep():
+    """torch's schedules turn gradient sync and reshard-after-backward off inside a step: ZeRO-2 and -3 stages
+    accumulate unsharded fp32 gradients and keep the weights gathered, as ZeRO-1 does; ZeRO-2 communicates as
+    ZeRO-1 (one reduce-scatter per step), ZeRO-3 adds a gather of each chunk for each forward before its first
+    backward (the chunks it holds in flight)."""
+    model = deep_model(6)
+    no_overlap = replace(COMPUTE_ONLY, dp_comm_overlap=0.0)
+
+    def ranks(zero):
+        return module_cost(model, "llm", toy_cluster(8), toy_workload(4), ModuleStrategy(
+            dp=4, pp=2, zero=zero, micro_batch=1, grad_accum=4), placement="colocated", precision="bf16_mixed",
+            first_rank=0, assumptions=no_overlap).rank_costs()
+
+    link = toy_cluster(8).device.intra_node_bandwidth * no_overlap.intra_node_bus_efficiency
+    latency = toy_cluster(8).device.intra_node_latency
+    for z1, z2, z3 in zip(ranks(1), ranks(2), ranks(3)):
+        params = z1.weights_bytes / 2  # bf16 weights, unsharded under ZeRO-1
+        for cost in (z1, z2, z3):
+            assert (cost.weights_bytes, cost.gradients_bytes) == (2 * params, 4 * params)
+        assert (z3.forward_buffers_bytes, z3.backward_buffers_bytes) == (z1.forward_buffers_bytes,
+                                                                        z1.backward_buffers_bytes)
+        assert z2.dp_comm_s == z1.dp_comm_s
+        # ring all-gather over 4 ranks: 3/4 of the bf16 weights over the link, 3 latencies; no overlap
+        gather = 3 / 4 * 2 * params / link + 3 * latency
+        assert z3.dp_comm_s - z1.dp_comm_s == pytest.approx(z1.in_flight_micro_batches * gather)
+
+
 def test_stage_split_balances_the_loss_against_decoder_layers():
     """The last stage's lm_head + loss over a large vocabulary costs layers: it gets fewer decoder layers."""
     model = deep_model(6)

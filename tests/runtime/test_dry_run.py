@@ -201,3 +201,21 @@ def test_pipeline_stages_are_built_with_the_shapes_and_dtypes_they_exchange(prec
     with mock.patch.object(dist, "get_debug_level", lambda: dist.DebugLevel.DETAIL):
         report = dry_run(_on_gpu(plan, precision), RunOptions())
     assert len(report.roles) == 2
+
+
+@pytest.mark.slow
+def test_the_last_stage_keeps_no_micro_batchs_logits_after_its_loss():
+    """1F1B's last stage holds one micro-batch in flight however many the step has: its peak must not grow with them
+    by a micro-batch's logits (torch's schedules keep every one's output unless told not to return them)."""
+    def last_stage_peak(grad_accum):
+        plan = make_plan({"grad_accum": grad_accum}, {"pp": 2, "pp_layers": [2, 2], "grad_accum": grad_accum},
+                         placement="disjoint")
+        (role,) = [r for r in dry_run(plan, RunOptions()).roles if r.rank == plan.module("llm").ranks[-1]]
+        return role.peak["Total"], plan
+
+    few, plan = last_stage_peak(2)
+    many, _ = last_stage_peak(6)
+    config = plan.model.hf_config["text_config"] if "text_config" in plan.model.hf_config else plan.model.hf_config
+    layout_tokens = plan.workload.text_tokens  # fewer than the sequence: a lower bound of one micro-batch's logits
+    logits = plan.module("llm").micro_batch * layout_tokens * config["vocab_size"] * 4
+    assert many - few < logits
