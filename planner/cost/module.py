@@ -686,6 +686,13 @@ def _within_all(s: ModuleStrategy, first_rank: int, devices_per_node: int) -> tu
 _WITHIN: dict[tuple, tuple[bool, ...]] = {}
 
 
+def stage0_handoff_bytes(per_sample: float, backward: bool, micro_batch: int, grad_accum: int) -> int:
+    """Bytes a pipeline's first stage holds through the schedule: every micro-batch's encoder output (``per_sample``
+    bytes a sample), and as much again for their gradient when an encoder trains (runtime.trainer ``llm_pipeline``:
+    one leaf of all micro-batches' rows, whose gradient is allocated whole by the first backward to reach it)."""
+    return math.ceil((1 + backward) * grad_accum * micro_batch * per_sample)
+
+
 def encoder_handoff_bytes(static: _Static) -> tuple[float, bool]:
     """(bytes per sample every encoder hands the LLM, whether any of them takes the gradient back)."""
     total, backward = 0.0, False
@@ -710,6 +717,8 @@ def _pipelined_cost(
     gradient back, point-to-point between the ranks of the same grid position in consecutive stages (Hockney
     alpha-beta over the link joining them); stage 0 also receives the encoders' output (colocated: from every
     GPU; disjoint: from the encoder group) over the NIC once the module spans nodes, and sends its gradient back.
+    The schedule takes every micro-batch's encoder output at once, so stage 0 holds all of them, and their
+    gradient once its first backward reaches them, for the whole schedule (``stage0_handoff_bytes``).
     """
     assumptions, dpn = static.assumptions, static.cluster.devices_per_node
     within = _within_all(s, first_rank, dpn)[:3]
@@ -728,6 +737,9 @@ def _pipelined_cost(
                    handoff_s=handoff if rank == 0 else 0.0, pp_comm_s=p2p * sends)
         for rank, sends in parts
     ]
+    held = stage0_handoff_bytes(per_sample, backward, s.micro_batch, s.grad_accum)
+    ranks[0] = replace(ranks[0], forward_buffers_bytes=ranks[0].forward_buffers_bytes + held,
+                       backward_buffers_bytes=ranks[0].backward_buffers_bytes + held)
     slowest = max(ranks, key=lambda c: c.per_micro_batch_s)
     tail = max(ranks, key=lambda c: c.step_tail_s)
     memory = max(ranks, key=own_peak_bytes)

@@ -8,6 +8,7 @@ from cost_toys import COMPUTE_ONLY, LLM_HIDDEN, VOCAB, colocated, decoder_layer,
 
 from planner.cost import estimate, module_cost
 from planner.cost.phases import Phase, alive, alive_bytes, own_peak_bytes, own_phases
+from planner.cost.module import stage0_handoff_bytes
 from planner.cost.pipeline import balanced_chunk_layers, in_flight_chunks, pipeline_bubble_time
 from planner.models import ModelSpec
 from planner.strategy import ModuleStrategy, Strategy
@@ -274,6 +275,26 @@ def test_encoders_feeding_a_pipeline_hold_every_micro_batch():
     llm = pipelined.modules["llm"]
     step = v_pipe.micro_batches_s + v_pipe.step_tail_s + llm.micro_batches_s + llm.step_tail_s
     assert pipelined.step_time_s == pytest.approx(step + COMPUTE_ONLY.step_overhead_s)
+
+
+def test_the_first_stage_holds_every_micro_batchs_handoff_and_its_gradient():
+    """The schedule takes all micro-batches' image rows at once: stage 0 holds 4 micro-batches x 2 samples x 16
+    image tokens x 128 wide x 2 bytes = 32 KiB of them through the schedule, and their gradient (as much again)
+    when the vision tower trains; the other stage holds none."""
+    assert stage0_handoff_bytes(16 * LLM_HIDDEN * 2, True, 2, 4) == 2 * 4 * 2 * 16 * LLM_HIDDEN * 2
+    vision, llm = ModuleStrategy(dp=8, micro_batch=1, grad_accum=4), ModuleStrategy(dp=4, pp=2, micro_batch=2,
+                                                                                     grad_accum=4)
+
+    def ranks(model):
+        return estimate(model, instant_links(), toy_workload(32), colocated(vision, llm), COMPUTE_ONLY
+                        ).modules["llm"].rank_costs()
+
+    trained, frozen = ranks(deep_model(6)), ranks(replace(deep_model(6), modules=(
+        replace(deep_model(6).module("vision"), frozen=True), deep_model(6).module("llm"))))
+    rows = 4 * 2 * 16 * LLM_HIDDEN * 2
+    assert trained[0].forward_buffers_bytes - frozen[0].forward_buffers_bytes == rows
+    assert trained[0].backward_buffers_bytes - frozen[0].backward_buffers_bytes == rows
+    assert trained[1].forward_buffers_bytes == frozen[1].forward_buffers_bytes
 
 
 def test_pipeline_rules():
