@@ -310,8 +310,8 @@ def zero1_gradient_bytes(
 ) -> float:
     """Gradient bytes per GPU of a ZeRO-1 module as the runtime runs it (FSDP2 without per-micro-batch
     reduce-scatter): several micro-batches accumulate unsharded gradients in the reduce dtype
-    (``CostAssumptions.accumulated_gradient_bytes``); a single one is reduce-scattered during the backward, leaving ZeRO-2's
-    ``gradients / shards`` (Rajbhandari et al. 2020, Sec. 5.1, P_os+g)."""
+    (``CostAssumptions.accumulated_gradient_bytes``); a single one is reduce-scattered during the backward, leaving
+    ZeRO-2's ``gradients / shards`` (Rajbhandari et al. 2020, Sec. 5.1, P_os+g)."""
     if grad_accum > 1:
         return params * assumptions.accumulated_gradient_bytes(precision)
     return params * assumptions.bytes_per_param(precision).gradients / shards
