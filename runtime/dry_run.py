@@ -437,6 +437,7 @@ def measure_role(plan: Plan, rank: int, options: RunOptions) -> RoleMemory:
     """Build rank ``rank``'s Trainer and run one step in a fresh fake world; its peak tensor memory."""
     start = time.perf_counter()
     world = len({r for m in plan.modules for r in m.ranks})
+    _forget_earlier_worlds()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         with DataDependentFakeMode(), _emulation():
@@ -459,6 +460,16 @@ def measure_role(plan: Plan, rank: int, options: RunOptions) -> RoleMemory:
         dist.destroy_process_group()
     return RoleMemory(rank=rank, ranks=[], modules=modules, peak=peak, startup_peak=startup_peak,
                       peak_at=tracker.peak_at, seconds=time.perf_counter() - start)
+
+
+def _forget_earlier_worlds() -> None:
+    """Empty DTensor's sharding-propagation caches (C++ and Python). They key on a DeviceMesh's description (rank
+    map, layout, names), not its process groups, so an earlier role's output specs would hand this role's tensors
+    that world's meshes: their groups are gone (role 2 then role 0 of a PP2 x TP2 plan fails to resolve one)."""
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
 
 
 def _device_snapshot(snapshot: dict) -> dict[str, int]:

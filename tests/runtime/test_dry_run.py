@@ -17,7 +17,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from planner.catalog import get_model
 from planner.schema import Plan
-from runtime.dry_run import GIB, StepMemTracker, _device_snapshot, dry_run, format_report, roles, usable_bytes
+from runtime.dry_run import (GIB, StepMemTracker, _device_snapshot, dry_run, format_report, measure_role, roles,
+                             usable_bytes)
 from runtime.model import RandomInit
 from runtime.trainer import RunOptions, Trainer
 from tests.runtime.plans import make_plan
@@ -184,6 +185,16 @@ def test_forget_stops_counting_host_data_once():
 def test_a_pipelines_stages_are_roles_of_their_own():
     """Stages hold different layers and keep different micro-batches in flight: each is a role (here TP pairs)."""
     assert roles(PLANS["llm-pp2xtp2-interleaved"]()) == {0: [0, 1], 2: [2, 3]}
+
+
+@pytest.mark.slow
+def test_a_role_measures_the_same_whichever_role_ran_before_it():
+    """DTensor caches sharding by a mesh's description, which every fake world repeats: a role measured after
+    another must not be handed that world's meshes (their groups are gone)."""
+    plan, options = PLANS["llm-pp2xtp2-interleaved"](), RunOptions()
+    first = measure_role(plan, 2, options).peak
+    measure_role(plan, 0, options)
+    assert measure_role(plan, 2, options).peak == first
 
 
 @pytest.mark.slow
