@@ -179,6 +179,8 @@ def test_the_prefetch_worker_builds_the_samples_and_reports_what_it_skipped(tmp_
         assert not torch.equal(built[3]["pixel_values"], direct[3]["pixel_values"])
         prefetcher.submit(16, [1])
         assert list(prefetcher.take(8, [2])) == [2]  # another step than the one prefetched: built here
+        prefetcher.submit(24, [4])
+        assert list(prefetcher.take(24, [4])) == [4]  # the worker's step-16 samples were dropped
     finally:
         prefetcher.close()
 

@@ -1,14 +1,16 @@
 """Automatic recovery on Ray: a worker process SIGKILLed in the middle of a run.
 
 2 workers (ZeRO-0 DP2), 12 steps, a checkpoint every 3. The test waits for step 7's metrics line, then kills one
-worker process (found by its Ray process title, ``ray::Worker``):
+worker process (found by its Ray process title, ``ray::Worker``, which the data-prefetch process each worker forks
+inherits: the worker is the one whose parent is not so titled):
 
 - with ``--max-failures 1`` the run tears the job down, starts new workers and resumes from the step-6
   checkpoint; it finishes all 12 steps, its loss curve (the last record of each step) is bitwise the
   uninterrupted run's, and its metrics hold one recovery line with at most K-1 = 2 lost steps;
 - with ``--max-failures 0`` the same kill ends the run within 60 s with one error line and a non-zero exit.
 
-After each run no worker process of it is left.
+After each run no worker process of it is left. Killing a worker's prefetch process instead costs no step: the run
+ends on the uninterrupted curve without a recovery, even with ``--max-failures 0``.
 
 Two "nodes" (ray.cluster_utils.Cluster: a head and a second raylet on this machine, one CPU slot each, so the
 plan's two workers span both): the second node is removed at step 7 and a new one added, as an autoscaler
@@ -36,18 +38,34 @@ STEPS, EVERY, KILL_AFTER = 12, 3, 7
 WORKER_TITLE = b"ray::Worker"
 
 
-def _worker_pids() -> list[int]:
-    """Processes of this machine whose title is a runtime Worker actor's."""
-    pids = []
+def _titled_pids() -> dict[int, int]:
+    """Processes of this machine whose title is a runtime Worker actor's (the actors, and the data-prefetch
+    processes they fork, which inherit the title): pid -> parent pid."""
+    pids = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if f.read().startswith(WORKER_TITLE):
-                        pids.append(int(entry))
-            except OSError:
+                    titled = f.read().startswith(WORKER_TITLE)
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
                 continue
+            if titled:
+                pids[int(entry)] = parent
     return pids
+
+
+def _worker_pids() -> list[int]:
+    """The runtime's Worker actor processes."""
+    titled = _titled_pids()
+    return sorted(pid for pid, parent in titled.items() if parent not in titled)
+
+
+def _prefetch_pids() -> list[int]:
+    """The data-prefetch processes the Worker actors forked."""
+    titled = _titled_pids()
+    return sorted(pid for pid, parent in titled.items() if parent in titled)
 
 
 def _records(path) -> list[dict]:
@@ -82,8 +100,8 @@ def _run_and_kill(tmp_path, name: str, max_failures: int, address: str, kill=Non
 
 def _assert_no_workers_left() -> None:
     deadline = time.monotonic() + 30
-    while _worker_pids():
-        assert time.monotonic() < deadline, f"stray worker processes {_worker_pids()}"
+    while _titled_pids():
+        assert time.monotonic() < deadline, f"stray worker processes {_titled_pids()}"
         time.sleep(0.5)
 
 
@@ -131,6 +149,23 @@ def test_a_killed_worker_is_recovered_from_the_last_checkpoint_or_ends_the_run_i
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("runtime: error:")]
     assert len(errors) == 1 and "--max-failures 0" in errors[0], result.stderr[-3000:]
+    _assert_no_workers_left()
+
+
+@pytest.mark.slow
+def test_a_killed_prefetch_process_costs_no_step_and_no_recovery(tmp_path, ray_cluster, uninterrupted):
+    """The data-prefetch process a worker forked is SIGKILLed: that rank builds the step's samples itself, and even
+    with ``--max-failures 0`` the run ends on the uninterrupted loss curve without a recovery."""
+    plan_path, expected = uninterrupted
+    shutil.copy(plan_path, tmp_path / "plan.json")
+    address = ray_cluster.get_runtime_context().gcs_address
+
+    result, _ = _run_and_kill(tmp_path, "prefetch", 0, address,
+                              kill=lambda: os.kill(_prefetch_pids()[-1], signal.SIGKILL))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _records(tmp_path / "prefetch.jsonl")
+    assert {r["step"]: r["loss"] for r in records if "step" in r and "loss" in r} == expected
+    assert not [r for r in records if r.get("event") == "recovery"]
     _assert_no_workers_left()
 
 
