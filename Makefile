@@ -20,4 +20,4 @@ plan: $(STAMP)
 	$(VENV)/bin/plan $(PLAN_ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q --durations=25 tests
