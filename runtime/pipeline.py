@@ -13,6 +13,10 @@ token ids and the hand-off's image rows ``[B, M, D]`` (every sample of a fixed-s
 stage takes the M-RoPE positions (a keyword, split on its batch dim 1) and recomputes its rotary embedding; the last
 stage's output goes to the loss with the targets. The image rows are a leaf: their gradient is the hand-back.
 
+Under Ulysses SP every rank of a stage holds its slice of each sequence (runtime.llm: ids, positions, targets and
+the image rows of its slice), its chunks pass their ``UlyssesGroup`` to every decoder layer's attention, and what a
+stage sends its successor is the slice's hidden states, between the ranks of the same SP (and DP, TP) position.
+
 Every stage is built with the shapes and dtypes of what it receives, sends and gets back (``MicroBatchShapes``,
 torch's static mode): the schedule's first step then exchanges no metadata and runs no trial forward and backward,
 which also lets the dry-run (runtime.dry_run) run a pipelined plan on fake tensors.
@@ -40,6 +44,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from runtime.model import LanguageModel
+from runtime.parallel.ulysses import UlyssesGroup
 from runtime.parallel_dims import ParallelDims
 
 
@@ -66,6 +71,8 @@ class LanguageModelChunk(nn.Module):
         self.lm_head = llm.lm_head if last else None
         self.image_token_id = llm.image_token_id
         self.first, self.last = first, last
+        self.ulysses_group: UlyssesGroup | None = None
+        """This rank's sequence slice and its SP group (runtime.llm.LLMShard), set by the trainer under SP."""
         self.forward_context: Callable[[], ContextManager] = contextlib.nullcontext
         """Entered around each forward (the trainer's autocast): the schedule runs forwards and backwards in one
         call, and autocast must wrap the forwards only."""
@@ -97,9 +104,11 @@ class LanguageModelChunk(nn.Module):
         if "sliding_attention" in getattr(decoder.config, "layer_types", ()):
             masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
         position_embeddings = decoder.rotary_emb(hidden_BLD, position_ids)
+        extra = {} if self.ulysses_group is None else {"ulysses_group": self.ulysses_group}
         for index, layer in decoder.layers.items():
             hidden_BLD = layer(hidden_BLD, attention_mask=masks[decoder.config.layer_types[int(index)]],
-                               position_embeddings=position_embeddings, position_ids=text_positions, use_cache=False)
+                               position_embeddings=position_embeddings, position_ids=text_positions, use_cache=False,
+                               **extra)
         if self.last:
             return self.lm_head(decoder.norm(hidden_BLD))
         return hidden_BLD
@@ -157,9 +166,9 @@ class MicroBatchShapes:
     samples: int
     """B."""
     seq_len: int
-    """L (the LLM's whole sequence: a pipelined LLM has no SP)."""
+    """L: the LLM's sequence, or under SP this rank's slice of it."""
     image_tokens: int
-    """M, per sample."""
+    """M, per sample (of the slice, under SP)."""
     hidden: int
     """D."""
     vocab: int

@@ -69,9 +69,6 @@ def check_pipeline(plan: Plan, module: Any) -> None:
     name = f"{module.name}: pipeline parallelism (pp={module.pp})"
     if module.name != "llm":
         raise NotImplementedError(f"{name} is run for the LLM only")
-    if module.sp > 1:
-        raise NotImplementedError(f"{name} with Ulysses SP (sp={module.sp}) is not run yet: plan with "
-                                  f"--fix llm.sp=1")
     if plan.workload.dataset is not None:
         raise NotImplementedError(f"{name} on a dataset plan's packs is not run yet (the schedule needs one "
                                   "micro-batch shape): plan with --image-size/--text-tokens")

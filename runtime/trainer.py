@@ -54,6 +54,7 @@ from runtime.parallel import attention
 from runtime.parallel.fsdp import all_reduce_gradients, set_gradient_sync
 from runtime.parallel.precision import module_precision
 from runtime.parallel.tensor_parallel import qkv_from_tp_layout, qkv_row_order
+from runtime.parallel.ulysses import split_sequence
 from runtime.parallel_dims import BATCH_AXIS, ParallelDims
 from runtime.preflight import MODULES, is_conversation_file
 from runtime.parallelize import parallelize_llm, parallelize_pipelined_llm, parallelize_vision, uses_fsdp
@@ -238,10 +239,15 @@ class Trainer:
         return torch.tensor(sizes * samples)
 
     def _micro_batch_shapes(self, config) -> MicroBatchShapes:
-        """What one micro-batch of the pipelined LLM looks like at its chunk boundaries (a fixed-shape plan)."""
-        text = config.get_text_config()
-        return MicroBatchShapes(samples=self.dims["llm"].micro_batch, seq_len=self.layout.seq_len,
-                                image_tokens=sum(self.layout.image_tokens()), hidden=text.hidden_size,
+        """What one micro-batch of the pipelined LLM looks like at this rank's chunk boundaries (a fixed-shape plan;
+        under SP, the rank's slice of every sequence)."""
+        text, dims = config.get_text_config(), self.dims["llm"]
+        template = token_sequence([], self.layout)["input_ids"]  # every sample has its image tokens here
+        bounds = split_sequence(len(template), dims.sp)
+        j = dims.coordinate(self.rank)["sp"]
+        ids = template[bounds[j]:bounds[j + 1]]
+        return MicroBatchShapes(samples=dims.micro_batch, seq_len=len(ids),
+                                image_tokens=int((ids == self.layout.image_token_id).sum()), hidden=text.hidden_size,
                                 vocab=text.vocab_size, compute_dtype=self.precision["llm"].compute_dtype,
                                 handoff_dtype=self._handoff_dtype(), rows_require_grad=not self.dims["vision"].frozen)
 
@@ -515,6 +521,8 @@ class Trainer:
         position_ids = torch.cat([s.position_ids_3Bs for s in shards], dim=1)
         chunks = self.modules["llm"].ids
         first, last = 0 in chunks, len(dims.pp_layers) - 1 in chunks
+        for chunk in self.modules["llm"].chunks:  # a fixed-shape plan: every micro-batch has the same slices
+            chunk.ulysses_group = shards[0].ulysses
         inputs, rows = (), None
         if first:
             per_micro = [e.reshape(dims.micro_batch, -1, e.shape[-1]) for e in embeds]

@@ -718,7 +718,8 @@ def _pipelined_cost(
     alpha-beta over the link joining them); stage 0 also receives the encoders' output (colocated: from every
     GPU; disjoint: from the encoder group) over the NIC once the module spans nodes, and sends its gradient back.
     The schedule takes every micro-batch's encoder output at once, so stage 0 holds all of them, and their
-    gradient once its first backward reaches them, for the whole schedule (``stage0_handoff_bytes``).
+    gradient once its first backward reaches them, for the whole schedule (``stage0_handoff_bytes``); under SP a
+    stage-0 rank holds the rows of its slice of each sequence, at most a slice's worth (image tokens come first).
     """
     assumptions, dpn = static.assumptions, static.cluster.devices_per_node
     within = _within_all(s, first_rank, dpn)[:3]
@@ -727,6 +728,9 @@ def _pipelined_cost(
     stage_link = static.links[not _stages_within_node(s, first_rank, dpn)]
     p2p = 2 * p2p_time(boundary_bytes, stage_link) * (1 - assumptions.pp_p2p_overlap)
     per_sample, backward = encoder_handoff_bytes(static)
+    # under SP a stage-0 rank takes the image rows of its slice only: all of them, or at most a slice's worth
+    slice_bytes = math.ceil(static.tokens.tokens / (s.sp * s.cp)) * hidden * assumptions.activation_bytes
+    per_sample = min(per_sample, slice_bytes)
     handoff = (1 + backward) * p2p_time(s.micro_batch * per_sample, static.links[s.gpus > dpn])
     chunks = pipeline_chunks(static, s, layer_costs, within, handoff, p2p)
     parts, rank_stages = pipeline_parts(s, first_rank, dpn, chunks)

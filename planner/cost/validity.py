@@ -85,13 +85,11 @@ def pipeline_reasons(model: ModelSpec, spec: ModuleSpec, s: ModuleStrategy) -> l
     stages divide); every model chunk needs a decoder layer; torch's ``Schedule1F1B`` needs at least as many
     micro-batches as stages, and the interleaved schedules a micro-batch count that their rounds
     (``max(1, grad_accum // pp)``) divide. What the runtime does not run inside a pipeline yet is ruled out too:
-    Ulysses SP, an lm_head tied to the embedding (on the first and the last stage), and a zero-bubble schedule
-    with ZeRO-3 or full recomputation (``zero_bubble_reasons``)."""
+    an lm_head tied to the embedding (on the first and the last stage), and a zero-bubble schedule with ZeRO-3 or
+    full recomputation (``zero_bubble_reasons``)."""
     if spec.name != "llm":
         return [f"{spec.name} uses pp={s.pp}; pipeline parallelism is planned for the LLM only"]
     reasons = []
-    if s.sp > 1:
-        reasons.append(f"pp={s.pp} with sp={s.sp}: the runtime does not run Ulysses SP inside a pipeline yet")
     if model.tie_word_embeddings:
         reasons.append(f"pp={s.pp}: {model.name} ties lm_head to the embedding, which the runtime does not split "
                        "over pipeline stages yet")

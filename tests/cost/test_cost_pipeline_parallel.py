@@ -297,6 +297,23 @@ def test_the_first_stage_holds_every_micro_batchs_handoff_and_its_gradient():
     assert trained[1].forward_buffers_bytes == frozen[1].forward_buffers_bytes
 
 
+def test_under_sp_the_first_stage_holds_the_image_rows_of_its_slice():
+    """SP8 over a 64-token sequence: slices of 8 tokens, so the rank whose slice holds the most of the 16 image
+    tokens holds 8 rows of each sample: their gradient, what a trained vision tower adds, is 4 micro-batches x 16
+    samples x 8 rows x 128 wide x 2 bytes (16 rows without the slice's bound)."""
+    vision = ModuleStrategy(dp=16, micro_batch=1, grad_accum=4)
+    llm = ModuleStrategy(dp=1, pp=2, sp=8, micro_batch=16, grad_accum=4)
+
+    def stage0(model):
+        return estimate(model, instant_links(16), toy_workload(64), colocated(vision, llm), COMPUTE_ONLY
+                        ).modules["llm"].rank_costs()[0]
+
+    frozen = replace(deep_model(6), modules=(replace(deep_model(6).module("vision"), frozen=True),
+                                             deep_model(6).module("llm")))
+    held = stage0(deep_model(6)).forward_buffers_bytes - stage0(frozen).forward_buffers_bytes
+    assert held == 4 * 16 * 8 * LLM_HIDDEN * 2
+
+
 def test_pipeline_rules():
     model = deep_model(6)
     flat = ModuleStrategy(dp=8, micro_batch=1, grad_accum=4)

@@ -134,8 +134,6 @@ def test_help_documents_the_defaults(capsys):
     (["--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--out", "/nonexistent/dir/p.json"],
      "cannot write /nonexistent/dir/p.json"),
     (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "vision.pp=2"], "planned for the LLM only"),
-    (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.pp=2", "--fix", "llm.sp=2"],
-     "does not run Ulysses SP inside a pipeline"),
     (["--model", "qwen-vl-3b", "--gpus", "8", "--fix", "llm.pp=2", "--fix", "llm.sp=1"], "ties lm_head to the embedding"),
     (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.virtual_stages=2"], "add --allow-pp"),
     (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.pp_schedule=interleaved_zb"],

@@ -46,9 +46,6 @@ def test_context_parallel_plan_is_refused_before_ray(tmp_path):
 
 
 def test_what_a_pipeline_does_not_run_yet_is_refused_before_ray(tmp_path):
-    with_sp = make_plan(dict(dp=4, grad_accum=2), dict(pp=2, sp=2, pp_layers=[2, 2], micro_batch=4, grad_accum=2))
-    (tmp_path / "sp.json").write_text(with_sp.to_json())
-    assert_one_line_error(run_cli(str(tmp_path / "sp.json")), "llm: pipeline parallelism (pp=2) with Ulysses SP")
     zero_bubble = json.loads(make_plan(dict(dp=4, grad_accum=2), dict(
         pp=2, dp=2, zero=1, pp_schedule="interleaved_zb", virtual_stages=2, pp_layers=[1, 1, 1, 1], micro_batch=2,
         grad_accum=2)).to_json())

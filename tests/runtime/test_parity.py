@@ -82,6 +82,10 @@ PIPELINE_PLANS = {
     # vision Ulysses SP2 on the same ranks; an uneven split
     "llm_pp2_3_1__vision_sp2": dict(vision=dict(sp=2, grad_accum=2),
                                     llm=dict(pp=2, pp_layers=[3, 1], grad_accum=2)),
+    # Ulysses SP2 inside each stage: a 33-token sequence, slices of 17 and 16 (different stage shapes per SP rank)
+    "llm_pp2xsp2__vision_dp4": dict(vision=dict(dp=4, grad_accum=2),
+                                    llm=dict(pp=2, sp=2, pp_layers=[2, 2], micro_batch=4, grad_accum=2),
+                                    text_tokens=9),
     # the vision tower on its own rank feeding stage 0
     "disjoint_vision_1__llm_pp2": dict(vision=dict(grad_accum=2), llm=dict(pp=2, pp_layers=[2, 2], grad_accum=2),
                                        placement="disjoint"),
