@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "cannot run it yet")
     search.add_argument("--allow-pp", action="store_true",
                         help="also search pipeline parallelism of the LLM (pp > 1: 1F1B, interleaved 1F1B or "
-                             "interleaved zero-bubble; slower to plan at 1,024 GPUs)")
+                             "interleaved zero-bubble; slower to plan at 1,024 GPUs; Ulysses SP inside stages "
+                             "with --fix llm.sp=K)")
     search.add_argument("--workers", type=int, metavar="N", default=default_workers(),
                         help="processes that cost candidates (default: the CPUs this process may use, "
                              f"{default_workers()} here); the plan is the same for any N")

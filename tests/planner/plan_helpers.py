@@ -60,11 +60,12 @@ def _packed(model, image: int, text: int, packs: int) -> Workload:
     return packed_workload(pack_dataset(tokens, model, int(tokens.llm.max()) * 2).packed, packs)
 
 
-def all_strategies(p: Problem, module: str, gpus: int) -> list[ModuleStrategy]:
+def all_strategies(p: Problem, module: str, gpus: int, pp_sp: bool = False) -> list[ModuleStrategy]:
     """Every valid strategy of ``module`` on ``gpus`` GPUs: all integer grids, ZeRO 0-3, every recompute mode
     and micro-batch, filtered by ``check_strategy`` only (independent of planner.candidates' enumeration); ring CP
     (cp > 1) only when the problem allows it; pipeline parallelism of the LLM (every pp, 1F1B, interleaved 1F1B
-    and interleaved zero-bubble with 2 chunks) when it allows that."""
+    and interleaved zero-bubble with 2 chunks) when it allows that, with SP inside stages only when ``pp_sp``
+    (the planner searches it when ``--fix llm.sp`` pins SP)."""
     batch = p.workload.global_batch
     pipelines = [(1, "1f1b", 1)]
     if p.allow_pp and module == "llm":
@@ -78,6 +79,8 @@ def all_strategies(p: Problem, module: str, gpus: int) -> list[ModuleStrategy]:
             for ga in divisors(batch // dp):
                 for tp in divisors(gpus // (pp * dp)):
                     for sp in divisors(gpus // (pp * dp * tp)):
+                        if pp > 1 and sp > 1 and not pp_sp:
+                            continue
                         cp = gpus // (pp * dp * tp * sp)
                         if cp > 1 and not p.allow_ring_cp:
                             continue
@@ -91,17 +94,19 @@ def all_strategies(p: Problem, module: str, gpus: int) -> list[ModuleStrategy]:
     return found
 
 
-def brute_force(p: Problem, placement: str) -> tuple[float, Strategy] | None:
+def brute_force(p: Problem, placement: str, llm_sp: int | None = None) -> tuple[float, Strategy] | None:
     """The fastest fitting strategy of ``placement`` by trying every combination with ``cost.estimate``
-    (disjoint: every split of the GPUs between the encoder and the LLM)."""
+    (disjoint: every split of the GPUs between the encoder and the LLM); ``llm_sp``: only LLM strategies of that SP
+    degree, SP inside pipeline stages included (as ``--fix llm.sp`` plans)."""
     n = p.num_gpus
     encoder, llm = p.model.module_names
     splits = [(n, n)] if placement == "colocated" else [(g, n - g) for g in range(1, n)]
     best = None
     for g_enc, g_llm in splits:
         llm_by_ga: dict[int, list[ModuleStrategy]] = {}
-        for s in all_strategies(p, llm, g_llm):
-            llm_by_ga.setdefault(s.grad_accum, []).append(s)
+        for s in all_strategies(p, llm, g_llm, pp_sp=llm_sp is not None):
+            if llm_sp in (None, s.sp):
+                llm_by_ga.setdefault(s.grad_accum, []).append(s)
         for s_enc in all_strategies(p, encoder, g_enc):
             for s_llm in llm_by_ga.get(s_enc.grad_accum, []):
                 strategy = Strategy(placement=placement, modules={encoder: s_enc, llm: s_llm},

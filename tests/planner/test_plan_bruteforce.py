@@ -57,8 +57,18 @@ def test_same_optimum_when_the_optimum_pipelines(placement, fraction):
         _check_tightened("32b-h200-4nodes-pp", placement, fraction)
 
 
-def _check(p, placement, expected):
-    sols = solve(build_candidates(p, placement), p.num_gpus, p.usable_bytes - p.overhead_bytes)
+def test_same_optimum_with_sp_pinned_inside_pipeline_stages():
+    """``--fix llm.sp=2`` with PP in the space, one GPU per node: Ulysses SP inside pipeline stages joins the
+    search, and the optimum (which pipelines the LLM) is brute force's over every LLM strategy with sp=2
+    (colocated: on 4 GPUs a disjoint LLM has no room for PP2 x SP2)."""
+    p = problem(**CASES["32b-h200-4nodes-pp"])
+    expected = brute_force(p, "colocated", llm_sp=2)
+    assert expected[1].modules["llm"].pp > 1
+    _check(p, "colocated", expected, fixes={"llm": {"sp": 2}})
+
+
+def _check(p, placement, expected, fixes=None):
+    sols = solve(build_candidates(p, placement, fixes), p.num_gpus, p.usable_bytes - p.overhead_bytes)
     if expected is None:
         assert sols == []
         return

@@ -206,6 +206,14 @@ def test_dataset_plan_and_its_histogram(tmp_path, capsys, monkeypatch):
     assert "--max-seq searches one image size per sample" in _fails(argv + ["--max-seq"], capsys)
 
 
+def test_sp_inside_pipeline_stages_is_planned_when_pinned(capsys, tmp_path):
+    main(["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.pp=2", "--fix", "llm.sp=2",
+          "--out", str(tmp_path / "plan.json")])
+    assert re.search(r"llm: 16 GPUs .*\n    PP 2 x DP \d+ x TP \d+ x SP 2", capsys.readouterr().out)
+    llm = next(m for m in load_plan(tmp_path / "plan.json").modules if m.name == "llm")
+    assert (llm.pp, llm.sp) == (2, 2)
+
+
 def test_pipelined_plan_shows_its_stages_and_the_best_plan_without(capsys, tmp_path):
     argv = ["--model", "qwen-vl-32b", "--gpus", "4", "--gpu", "h200", "--gpus-per-node", "1", "--precision",
             "bf16_pure", "--image-size", "448", "--text-tokens", "128", "--global-batch", "4", "--allow-pp",
