@@ -198,20 +198,24 @@ def test_a_role_measures_the_same_whichever_role_ran_before_it():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision,zero", [("bf16_mixed", 0), ("bf16_mixed", 3), ("bf16_pure", 0)])
-def test_pipeline_stages_are_built_with_the_shapes_and_dtypes_they_exchange(precision, zero):
+@pytest.mark.parametrize("precision,zero,sp", [("bf16_mixed", 0, 1), ("bf16_mixed", 3, 1), ("bf16_pure", 0, 1),
+                                               ("bf16_mixed", 0, 2)])
+def test_pipeline_stages_are_built_with_the_shapes_and_dtypes_they_exchange(precision, zero, sp):
     """Each stage is built with the metadata of what it receives and sends (no exchange at the first step); with
     torch's run-time validation on, a GPU recipe's dry-run (bf16 autocast; FSDP2's bf16 gathers under ZeRO-3; bf16
-    parameters) checks every stage's actual inputs, sends and received gradients against it."""
+    parameters; Ulysses SP2 in each stage, whose slices of 17 and 16 tokens make each SP rank's stage its own role)
+    checks every stage's actual inputs, sends and received gradients against it."""
     llm = {"pp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2, "pp_layers": [1, 1, 1, 1],
            "micro_batch": 2, "grad_accum": 2}
-    if zero:
+    if sp > 1:
+        plan = make_plan({"dp": 4, "grad_accum": 2}, {**llm, "sp": sp, "micro_batch": 4}, text_tokens=9)
+    elif zero:
         plan = make_plan({"dp": 4, "zero": 1, "grad_accum": 2}, {**llm, "dp": 2, "zero": zero})
     else:
         plan = make_plan({"dp": 2, "tp": 2, "grad_accum": 2}, {**llm, "tp": 2})
     with mock.patch.object(dist, "get_debug_level", lambda: dist.DebugLevel.DETAIL):
         report = dry_run(_on_gpu(plan, precision), RunOptions())
-    assert len(report.roles) == 2
+    assert len(report.roles) == 2 * sp
 
 
 @pytest.mark.slow
