@@ -268,7 +268,7 @@ def _schedules(pp: int, fixed: Mapping[str, int | str]) -> list[tuple[str, int]]
 def _layouts(problem: Problem, module: str, gpus: int, fixed: Mapping[str, int | str]) -> list[tuple[int, ...]]:
     """(pp, dp, tp, sp, cp) grids of ``gpus`` GPUs whose dp divides the global batch, honouring ``fixed``; Ulysses
     SP inside pipeline stages only with ``sp`` pinned (``--fix llm.sp=K``): searched, it nearly doubles the PP
-    search (1,024 GPUs: 13.1 s against 6.8 s here) for plans that pay only on long LLM sequences."""
+    search (1,024 GPUs: 13.1 s against 6.5 s here) for plans that pay only on long LLM sequences."""
     batch = problem.workload.global_batch
     layouts = []
     for pp in pipeline_degrees(problem, module, gpus, fixed):

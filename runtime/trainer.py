@@ -210,7 +210,7 @@ class Trainer:
         """The hand-off routes of every micro-batch of a fixed-shape plan (all samples share the layout)."""
         vision, llm = self.dims["vision"], self._receiving_llm
         positions = merged_positions_per_rank(self._grid(vision.micro_batch), self.vision_config, vision.sp)
-        template = token_sequence([], self.layout)["input_ids"]  # every sample has its image tokens here
+        template = self._sample_ids()
         row = (len(template), (template == self.layout.image_token_id).nonzero().flatten())
         slots = image_slots_per_rank([row] * llm.micro_batch, llm.sp)
         return Routes.build(vision, llm, [positions] * vision.dp, [slots] * llm.dp, self.device)
@@ -234,6 +234,10 @@ class Trainer:
     def _routes(self, micro: int) -> Routes:
         return self._fixed_routes if self._fixed_routes is not None else self._step_routes[micro]
 
+    def _sample_ids(self) -> torch.Tensor:
+        """The token ids of every sample of a fixed-shape plan where it matters here: its image tokens' places."""
+        return token_sequence([], self.layout)["input_ids"]
+
     def _grid(self, samples: int) -> torch.Tensor:
         sizes = [(1, h // self.layout.patch_size, w // self.layout.patch_size) for h, w in self.layout.image_sizes]
         return torch.tensor(sizes * samples)
@@ -242,7 +246,7 @@ class Trainer:
         """What one micro-batch of the pipelined LLM looks like at this rank's chunk boundaries (a fixed-shape plan;
         under SP, the rank's slice of every sequence)."""
         text, dims = config.get_text_config(), self.dims["llm"]
-        template = token_sequence([], self.layout)["input_ids"]  # every sample has its image tokens here
+        template = self._sample_ids()
         bounds = split_sequence(len(template), dims.sp)
         j = dims.coordinate(self.rank)["sp"]
         ids = template[bounds[j]:bounds[j + 1]]
