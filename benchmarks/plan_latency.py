@@ -1,11 +1,12 @@
 """Latency of the planner: the whole ``plan`` process, and candidate building + CP-SAT alone per cluster size.
 
-    .venv/bin/python benchmarks/plan_latency.py [--repeats 5] [--sizes 8 16 64 256 1024] [--allow-pp] [--workers N]
+    .venv/bin/python benchmarks/plan_latency.py [--repeats 5] [--sizes 8 16 64 256 1024] [--no-pp] [--workers N]
 
 Whole process: ``plan --model qwen-vl-32b --gpus N --out <tmp>`` as a fresh process (Python start-up, imports,
 candidates, both placements, tie-break, baselines, report), median of ``--repeats`` runs, at 16 and 1024 GPUs.
-Solver alone: for each N and placement, in one process, the time to enumerate/cost/prune the candidates and the
-CP-SAT time (first solve plus the tie-break solve). Workload: the ``plan`` defaults (one 1344x1344 image, 512 text
+Search alone: for each N and placement, in one process, the time to enumerate, cost and prune the candidates and
+solve them with CP-SAT (with pipeline parallelism: the plans without it first, then pipelined strategies costed on
+demand, ``planner.api._solve``), and the candidates the best plan's placement handed to the solver. Workload: the ``plan`` defaults (one 1344x1344 image, 512 text
 tokens, 4 samples per GPU). Targets (issue 3): whole process <= 1.5 s at 16 GPUs, <= 10 s at 1024 GPUs.
 """
 
@@ -47,46 +48,40 @@ def whole_process_s(num_gpus: int, repeats: int, extra: list[str]) -> tuple[floa
 
 
 def solver_row(num_gpus: int, placement: str, allow_pp: bool, workers: int) -> dict:
-    """Candidate and CP-SAT timings of one placement at ``num_gpus`` GPUs."""
-    from planner.api import make_problem
-    from planner.candidates import build_candidates
-    from planner.solver.cp_sat import solve
+    """Search timing of one placement at ``num_gpus`` GPUs."""
+    from planner.api import Infeasible, _solve, make_problem
 
     problem = make_problem(MODEL, num_gpus, profile=None, allow_pp=allow_pp, workers=workers)
     start = time.perf_counter()
-    cands = build_candidates(problem, placement)
-    built = time.perf_counter()
-    solutions = solve(cands, num_gpus, problem.usable_bytes - problem.overhead_bytes)
-    solved = time.perf_counter()
-    best = solutions[0] if solutions else None
-    return dict(
-        gpus=num_gpus, placement=placement, costed=cands.num_costed, kept=cands.count,
-        candidates_s=built - start, cp_sat_s=solved - built,
-        status=best.status if best else "INFEASIBLE", step_s=best.objective_ns / 1e9 if best else float("nan"),
-    )
+    try:
+        best = _solve(problem, placement, None, 1, None)[0][0]
+    except Infeasible:  # the search then also looks for what would fit
+        return dict(gpus=num_gpus, placement=placement, kept=0, search_s=time.perf_counter() - start,
+                    status="INFEASIBLE", step_s=float("nan"), pp=0)
+    return dict(gpus=num_gpus, placement=placement, kept=best.num_candidates, search_s=time.perf_counter() - start,
+                status=best.status, step_s=best.objective_s, pp=best.strategy.modules["llm"].pp)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs of the whole process (median)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 64, 256, 1024])
-    parser.add_argument("--allow-pp", action="store_true", help="search pipeline parallelism too (plan --allow-pp)")
+    parser.add_argument("--no-pp", action="store_true", help="leave pipeline parallelism out (plan --no-pp)")
     parser.add_argument("--workers", type=int, help="processes that cost candidates (plan --workers; default: the "
                         "plan default, every CPU, for the whole process and 1 for the per-placement rows)")
     args = parser.parse_args()
 
-    print(f"{'GPUs':>5} {'placement':>10} {'costed':>7} {'kept':>5} {'candidates':>10} {'CP-SAT':>7} "
-          f"{'status':>10} {'step time':>9}")
+    print(f"{'GPUs':>5} {'placement':>10} {'kept':>5} {'search':>7} {'status':>10} {'step time':>9} {'LLM pp':>6}")
     importlib.import_module("planner.solver.cp_sat")  # its OR-Tools import is not solver time
 
     for n in args.sizes:
         for placement in ("colocated", "disjoint"):
-            r = solver_row(n, placement, args.allow_pp, args.workers or 1)
-            print(f"{r['gpus']:5d} {r['placement']:>10} {r['costed']:7d} {r['kept']:5d} {r['candidates_s']:9.2f}s "
-                  f"{r['cp_sat_s']:6.2f}s {r['status']:>10} {r['step_s']:8.3f}s")
+            r = solver_row(n, placement, not args.no_pp, args.workers or 1)
+            print(f"{r['gpus']:5d} {r['placement']:>10} {r['kept']:5d} {r['search_s']:6.2f}s {r['status']:>10} "
+                  f"{r['step_s']:8.3f}s {r['pp']:6d}")
     print()
     for n, target in ((16, 1.5), (1024, 10.0)):
-        extra = (["--allow-pp"] if args.allow_pp else []) + ([f"--workers={args.workers}"] if args.workers else [])
+        extra = (["--no-pp"] if args.no_pp else []) + ([f"--workers={args.workers}"] if args.workers else [])
         wall, cpu = whole_process_s(n, args.repeats if n <= 64 else max(1, args.repeats // 2), extra)
         print(f"whole process `plan --model {MODEL} --gpus {n}{''.join(' ' + e for e in extra)}`: median {wall:.2f} s "
               f"wall, {cpu:.2f} s CPU "

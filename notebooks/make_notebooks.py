@@ -208,8 +208,8 @@ display(table.pivot(index="model", columns=["num_gpus", "requested_placement"], 
 table[~table.feasible][["model", "num_gpus", "requested_placement", "reason"]]"""),
     new_markdown_cell("""\
 ## Pipeline parallelism: Qwen2.5-VL-72B and -32B on 64 to 1024 H100s
-The planner searched with the LLM's pipeline parallelism in the space (`allow_pp`: 1F1B, interleaved 1F1B and
-interleaved zero-bubble, stages balanced on time, the vision tower feeding stage 0) and without it, on the catalog's H100 nodes (400 Gb/s
+The planner searches the LLM's pipeline parallelism by default (1F1B, interleaved 1F1B and interleaved
+zero-bubble, stages balanced on time, the vision tower feeding stage 0), on the catalog's H100 nodes (400 Gb/s
 per GPU between nodes) and on the same nodes behind a 50 Gb/s-per-GPU network. `pp gain` is the best plan's
 throughput over the best plan on the other side of PP (>1: pipelining pays; <1 never happens when the best plan
 does not pipeline, the row then shows what the best pipelined plan would lose)."""),
@@ -221,7 +221,7 @@ with open(slow, "w") as f:
     f.write("device: h100-80gb\\ninter_node_bandwidth: 6.25e9\\n")
 pp_rows = []
 for network, extra in (("400 Gb/s", {}), ("50 Gb/s", {"cluster_file": slow})):
-    part = sweep(["qwen-vl-72b", "qwen-vl-32b"], gpus=[64, 256, 1024], allow_pp=True, **extra)
+    part = sweep(["qwen-vl-72b", "qwen-vl-32b"], gpus=[64, 256, 1024], **extra)
     pp_rows.append(part.assign(network=network))
 pp = pd.concat(pp_rows, ignore_index=True)
 pp["pipelined"] = pp.llm_pp > 1

@@ -11,13 +11,14 @@ models, and a global batch of 4 samples per GPU (64 at 16 GPUs).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Iterable, Mapping, Sequence
 
 from planner.baselines import BASELINE_DESCRIPTIONS, BaselineOutcome, baselines
-from planner.candidates import Candidates, Problem
+from planner.candidates import Candidates, Problem, extend_pipelined, pipelined_options
 from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, Estimate, estimate
 from planner.cost.assumptions import FP32_STATES
@@ -285,7 +286,7 @@ def make_problem(
     profile: str | None = "auto",
     assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
     allow_ring_cp: bool = False,
-    allow_pp: bool = False,
+    allow_pp: bool = True,
     dataset: str | DatasetHistogram | None = None,
     tokenizer: str | None = None,
     min_pixels: int | None = None,
@@ -315,8 +316,7 @@ def make_problem(
         profile: Profile file, "auto" (the committed profile of this device/model if any) or None.
         assumptions: Cost-model knobs.
         allow_ring_cp: Also search ring context parallelism, which the runtime cannot execute yet.
-        allow_pp: Also search pipeline parallelism of the LLM (slower to plan; the runtime runs it, but not its
-            dry-run).
+        allow_pp: Search pipeline parallelism of the LLM (False: plans without it only).
         dataset: A conversation / caption JSONL or JSON file, or a dataset histogram (``planner.dataset``): plan for
             its samples, packed; replaces the per-sample inputs (``global_batch`` still counts samples).
         tokenizer: Folder with the tokenizer.json that counts the dataset's text (default: the model's folder when
@@ -473,21 +473,80 @@ def _solve(problem: Problem, placement: str, fix: Any, top_k: int, time_limit_s:
            ) -> tuple[list[_Ranked], dict, list[_Ranked] | None]:
     """Ranked strategies (best first) over the requested placements, the fixes as given, and, when pipeline
     parallelism was in the space, the best plan on the other side of it (without PP if the best pipelines, with
-    PP if not: ``pipeline_alternative``)."""
+    PP if not: ``pipeline_alternative``).
+
+    When the LLM may or may not be pipelined, the plans without PP are solved first; a pipelined strategy is
+    costed only once its floor (``candidates.pipeline_floor``) is within the ``top_k``-th of them, or, to find the
+    best pipelined plan when none is among the best, within a limit raised until that plan is proven
+    (``_best_pipelined``). Every pipelined strategy left out belongs only to plans slower than one found, so the
+    answer is the full search's."""
     from planner.solver.cp_sat import DEFAULT_SETTINGS
 
     pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus, allow_pp=problem.allow_pp)
     placements = placements_to_solve(problem, placement, pinned, fixes)
-    all_cands = candidates_or_error(problem, placements, fixes)
     settings = DEFAULT_SETTINGS if time_limit_s is None else replace(DEFAULT_SETTINGS, time_limit_s=time_limit_s)
-    ranked = _ranked(problem, all_cands, top_k, settings)
+    if pipelined_options(problem, fixes) != (False, True):  # one world: no PP, or PP pinned
+        all_cands = candidates_or_error(problem, placements, fixes)
+        ranked = _ranked(problem, all_cands, top_k, settings)
+        if not ranked:
+            raise Infeasible(explain_infeasible(problem, all_cands, fixes))
+        return ranked, fixed_text(pinned, fixes), None
+    all_cands = candidates_or_error(problem, placements, fixes, pipeline_limit_s=0.0)
+    flat = _ranked(problem, _world(all_cands, False), top_k, settings)
+    limit_s = _solver_s(problem, flat[-1]) if len(flat) == top_k else math.inf
+    _extend_pipelined(problem, all_cands, limit_s)
+    piped = _ranked(problem, _world(all_cands, True), top_k, settings)
+    ranked = sorted(flat + piped, key=_rank_order)[:top_k]  # of equal steps, the plan without PP first
     if not ranked:
         raise Infeasible(explain_infeasible(problem, all_cands, fixes))
-    alternative = None
-    if any(c.pipelined for cands in all_cands.values() for cs in cands.by_module.values() for c in cs):
-        other = not is_pipelined(ranked[0].strategy)
-        alternative = _ranked(problem, {p: _only_pipelined(c, other) for p, c in all_cands.items()}, 1, settings)
-    return ranked[:top_k], fixed_text(pinned, fixes), alternative
+    if is_pipelined(ranked[0].strategy):
+        alternative = flat[:1]
+    else:
+        alternative = _best_pipelined(problem, all_cands, piped[:1], limit_s, settings)
+    return [replace(r, num_candidates=all_cands[r.strategy.placement].count) for r in ranked], \
+        fixed_text(pinned, fixes), alternative
+
+
+PIPELINE_LIMIT_STEP = 1.15
+"""Factor by which ``_best_pipelined`` raises its limit while no pipelined plan fits under it (a speed knob only:
+the plan found does not depend on it)."""
+
+
+def _best_pipelined(problem: Problem, all_cands: Mapping[str, Candidates], best: list[_Ranked], limit_s: float,
+                    settings: Any) -> list[_Ranked]:
+    """The best pipelined plan ([] if none fits), given the best ``best`` among the strategies costed so far, all
+    of those with floors up to ``limit_s``: it is proven once it takes at most the limit (any better plan's
+    strategies are then costed); else the limit rises to it, or while there is none by ``PIPELINE_LIMIT_STEP`` (at
+    least to the next floor)."""
+    while True:
+        if best and _solver_s(problem, best[0]) <= limit_s:
+            return best
+        floors = [f for cands in all_cands.values() for f, _ in cands.deferred if f < math.inf]
+        if not floors:  # what is left has no encoder candidate to form a plan with
+            return best
+        limit_s = _solver_s(problem, best[0]) if best else max(limit_s * PIPELINE_LIMIT_STEP, min(floors))
+        if _extend_pipelined(problem, all_cands, limit_s):
+            best = _ranked(problem, _world(all_cands, True), 1, settings)
+
+
+def _solver_s(problem: Problem, ranked: _Ranked) -> float:
+    """The solver's step time of a ranked plan (without the fixed per-step overhead), in seconds."""
+    return ranked.objective_s - problem.assumptions.step_overhead_s
+
+
+def _rank_order(r: _Ranked) -> tuple:
+    return r.objective_s, PLACEMENTS.index(r.strategy.placement)
+
+
+def _world(all_cands: Mapping[str, Candidates], pipelined: bool) -> dict[str, Candidates]:
+    """Each placement's candidates of plans whose LLM is (or is not) pipelined."""
+    return {p: _only_pipelined(c, pipelined) for p, c in all_cands.items()}
+
+
+def _extend_pipelined(problem: Problem, all_cands: Mapping[str, Candidates], limit_s: float) -> int:
+    """Cost the deferred pipelined strategies of plans that could take at most ``limit_s`` (solver seconds);
+    returns how many were costed."""
+    return sum(extend_pipelined(problem, cands, limit_s) for cands in all_cands.values())
 
 
 def _ranked(problem: Problem, all_cands: Mapping[str, Candidates], top_k: int, settings: Any) -> list[_Ranked]:
@@ -501,7 +560,7 @@ def _ranked(problem: Problem, all_cands: Mapping[str, Candidates], top_k: int, s
             ranked.append(_Ranked(strategy=_strategy(problem, p, sol.choice), status=sol.status,
                                   objective_s=sol.objective_ns / 1e9 + problem.assumptions.step_overhead_s,
                                   num_candidates=cands.count))
-    ranked.sort(key=lambda r: (r.objective_s, PLACEMENTS.index(r.strategy.placement)))
+    ranked.sort(key=_rank_order)
     return ranked[:top_k]
 
 

@@ -36,10 +36,10 @@ import math
 import multiprocessing
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping, NamedTuple
 
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, LayerCostSource, ModuleCost, check_strategy, module_cost
-from planner.cost.module import feeding_pipeline
+from planner.cost.module import feeding_pipeline, pipelined_step_floor_s
 from planner.cost.estimate import module_path_terms
 from planner.cost.phases import alive_bytes, data_flow_order, own_peak_bytes, step_phases
 from planner.hardware import Cluster
@@ -82,9 +82,9 @@ class Problem:
     allow_ring_cp: bool = False
     """Search ring context parallelism (cp > 1). Off by default: the cost model prices it, but the runtime cannot
     execute it yet, so a default plan is always one ``python -m runtime`` runs. ``--fix MODULE.cp=N`` pins it."""
-    allow_pp: bool = False
-    """Search pipeline parallelism of the LLM (pp > 1). Off by default: planning takes two to three times longer
-    with it at 1,024 GPUs; ``--fix llm.pp=N`` pins it."""
+    allow_pp: bool = True
+    """Search pipeline parallelism of the LLM (pp > 1); ``--no-pp`` turns it off, ``--fix llm.pp=N`` pins it.
+    Pipelined strategies that cannot beat a plan already found are not costed (``pipeline_floor``)."""
 
     workers: int = 1
     """Processes that cost candidates (forked; ``PARALLEL_MIN_STRATEGIES``): the same plan, sooner on several cores."""
@@ -168,6 +168,9 @@ class Candidates:
     """Module -> why no strategy at all is valid (e.g. a --fix value breaks a rule)."""
     num_costed: int = 0
     """Strategies costed before pruning."""
+    deferred: list[tuple[float, ModuleStrategy]] = field(default_factory=list)
+    """Pipelined LLM strategies not costed yet, each with a lower bound on the step of any plan holding it
+    (``pipeline_floor``), in enumeration order; ``extend_pipelined`` costs those under a limit."""
 
     @property
     def count(self) -> int:
@@ -312,10 +315,11 @@ def module_strategies(
 ) -> tuple[list[list[ModuleStrategy]], str | None]:
     """Every valid strategy of ``module`` on exactly ``gpus`` GPUs that consumes the global batch and honours
     ``fixed`` (and uses one of ``accums`` when given), as series that differ only in micro-batch size (ascending;
-    grad_accum = batch / (dp * micro_batch)); and the first reason ``check_strategy`` gave for rejecting one (None
-    if none was rejected)."""
+    grad_accum = batch / (dp * micro_batch)); and the first reason ``check_strategy`` gave for rejecting one without
+    pipeline parallelism, or with a pinned pipeline (None if none was rejected)."""
     batch = problem.workload.global_batch
     series, reason = [], None
+    pinned_pipeline = any(name in fixed for name in ("pp", "pp_schedule", "virtual_stages"))
     for pp, dp, tp, sp, cp in _layouts(problem, module, gpus, fixed):
         per_replica = batch // dp
         for schedule, chunks in _schedules(pp, fixed):
@@ -329,7 +333,8 @@ def module_strategies(
                 probe = ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, pp_schedule=schedule, virtual_stages=chunks,
                                        micro_batch=mb, grad_accum=ga)
                 problems = _verdict(problem, module, probe, verdicts)
-                reason = reason or (problems[0] if problems else None)
+                if pp == 1 or pinned_pipeline:  # a searched pipeline's rules are no reason to give for the module
+                    reason = reason or (problems[0] if problems else None)
                 if not problems:
                     usable_accums.append(ga)
             if not usable_accums:
@@ -338,7 +343,7 @@ def module_strategies(
             for zero in _choices(zeros, fixed, "zero"):
                 for rc in _choices(RECOMPUTE_CHOICES, fixed, "recompute"):
                     if schedule in ZERO_BUBBLE_SCHEDULES and zero_bubble_reasons(zero, rc):
-                        reason = reason or zero_bubble_reasons(zero, rc)[0]
+                        reason = reason or (zero_bubble_reasons(zero, rc)[0] if pinned_pipeline else None)
                         continue
                     series.append([
                         ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, pp_schedule=schedule, virtual_stages=chunks,
@@ -419,7 +424,7 @@ _RECOMPUTE_ORDER = {name: i for i, name in enumerate(RECOMPUTE_CHOICES)}
 
 def strategy_key(s: ModuleStrategy) -> tuple:
     """A total order on strategies, for deterministic tie-breaking (fewer GPUs, less parallelism first)."""
-    return (s.gpus, s.grad_accum, s.pp, s.virtual_stages, s.tp, s.sp, s.cp, s.dp, s.zero,
+    return (s.gpus, s.grad_accum, s.pp, s.virtual_stages, s.pp_schedule, s.tp, s.sp, s.cp, s.dp, s.zero,
             _RECOMPUTE_ORDER[s.recompute], s.micro_batch)
 
 
@@ -480,6 +485,21 @@ def cost_series(problem: Problem, module: str, series: list[ModuleStrategy], pla
     return costed
 
 
+class ModuleCandidates(NamedTuple):
+    """What ``module_candidates`` finds for one module."""
+
+    kept: list[Candidate]
+    """Fitting, non-dominated candidates."""
+    smallest: Candidate | None
+    """The least-memory valid candidate costed."""
+    invalid: str | None
+    """Why no strategy is valid (None if one is)."""
+    costed: int
+    """Strategies costed."""
+    deferred: list[tuple[float, ModuleStrategy]]
+    """Pipelined strategies left uncosted, with their floors (``Candidates.deferred``)."""
+
+
 def module_candidates(
     problem: Problem,
     module: str,
@@ -487,12 +507,15 @@ def module_candidates(
     fixed: Mapping[str, int | str],
     partners: Mapping[int, set[int]] | None = None,
     feeds: tuple[bool, ...] = (False,),
-) -> tuple[list[Candidate], Candidate | None, str | None, int]:
-    """(fitting pruned candidates, least-memory valid candidate, a rejection reason if none is valid, number costed).
+    floor: Callable[[ModuleStrategy], float] | None = None,
+    limit_s: float = math.inf,
+) -> ModuleCandidates:
+    """The module's candidates on the GPU counts ``placement`` gives it.
 
     ``partners`` (disjoint LLM): GPU count -> the grad_accum values the other group can match on the rest of the
     GPUs; other sizes and values cannot be part of a plan and are not costed. ``feeds`` (encoder): cost it for an
-    LLM that is not pipelined, is, or both (``pipelined_options``).
+    LLM that is not pipelined, is, or both (``pipelined_options``). ``floor`` (pipelined LLM): a lower bound on
+    the step of any plan holding a strategy; those above ``limit_s`` are deferred, not costed.
     """
     sizes = group_sizes(problem, module, placement)
     if "gpus" in fixed:
@@ -508,13 +531,50 @@ def module_candidates(
     if partners is not None and not series:
         everywhere = [module_strategies(problem, module, g, fixed, verdicts) for g in sizes]
         if any(found for found, _ in everywhere):
-            return [], None, None, 0  # valid, but on no size the other group complements: infeasible, not invalid
+            return ModuleCandidates([], None, None, 0, [])  # valid, but on no size the other group complements
         reason = next((why for _, why in everywhere if why), reason)
-    kept, smallest, costed = _cost_in_processes(problem, module, series, placement, feeds)
+    invalid = None if series else reason
     if not series and reason is None:
-        reason = f"no {module} layout on {_sizes_text(sizes)} GPUs consumes the global batch of " \
-                 f"{problem.workload.global_batch}" + "".join(f", {k}={v}" for k, v in sorted(fixed.items()))
-    return kept, smallest, None if series else reason, costed
+        invalid = f"no {module} layout on {_sizes_text(sizes)} GPUs consumes the global batch of " \
+                  f"{problem.workload.global_batch}" + "".join(f", {k}={v}" for k, v in sorted(fixed.items()))
+    deferred = []
+    if floor is not None:
+        series, deferred = _split_by_floor(series, floor, limit_s)
+    kept, smallest, costed = _cost_in_processes(problem, module, series, placement, feeds)
+    return ModuleCandidates(kept, smallest, invalid, costed, deferred)
+
+
+FLOOR_SLACK_S = 1e-6
+"""Slack when comparing a floor (float seconds) with a solved step (a sum of terms rounded to the nanosecond)."""
+
+
+def _split_by_floor(series: list[list[ModuleStrategy]], floor: Callable[[ModuleStrategy], float], limit_s: float
+                    ) -> tuple[list[list[ModuleStrategy]], list[tuple[float, ModuleStrategy]]]:
+    """(``series`` without the pipelined strategies whose floor exceeds ``limit_s``, those with their floors)."""
+    now, later = [], []
+    for strategies in series:
+        if strategies[0].pp == 1:
+            now.append(strategies)
+            continue
+        kept = []
+        for s in strategies:
+            f = floor(s)
+            if f <= limit_s + FLOOR_SLACK_S:
+                kept.append(s)
+            else:
+                later.append((f, s))
+        if kept:
+            now.append(kept)
+    return now, later
+
+
+def _as_series(strategies: list[ModuleStrategy]) -> list[list[ModuleStrategy]]:
+    """Strategies grouped into series that differ only in micro-batch size, ascending (``cost_series``)."""
+    series: dict[tuple, list[ModuleStrategy]] = {}
+    for s in strategies:
+        key = (s.gpus, s.pp, s.pp_schedule, s.virtual_stages, s.dp, s.tp, s.sp, s.cp, s.zero, s.recompute)
+        series.setdefault(key, []).append(s)
+    return [sorted(group, key=lambda s: s.micro_batch) for group in series.values()]
 
 
 CostedShare = tuple[list[Candidate], Candidate | None, int]
@@ -593,12 +653,16 @@ def pipelined_options(problem: Problem, fixes: Fixes) -> tuple[bool, ...]:
     return (True,) if pinned else (False, True)
 
 
-def build_candidates(problem: Problem, placement: Placement, fixes: Fixes | None = None) -> Candidates:
+def build_candidates(problem: Problem, placement: Placement, fixes: Fixes | None = None, *,
+                     pipeline_limit_s: float = math.inf) -> Candidates:
     """The solver's input for ``placement``: every module's fitting, non-dominated candidates.
 
     Disjoint: the encoder is costed first; the LLM only on GPU counts and grad_accum values that some fitting
     encoder candidate complements (the groups must tile the cluster with one shared grad_accum), which is exact
     and skips most of the LLM's sizes (e.g. the encoder cannot use 24 or 48 nodes when the batch is a power of 2).
+
+    ``pipeline_limit_s``: when the LLM may or may not be pipelined, its pipelined strategies whose plans cannot
+    take less than this (solver seconds, ``pipeline_floor``) are deferred, not costed (``extend_pipelined``).
 
     Raises:
         NotImplementedError: disjoint placement of a model with more than one encoder.
@@ -612,16 +676,67 @@ def build_candidates(problem: Problem, placement: Placement, fixes: Fixes | None
             for c in result.by_module[encoder_names(problem.model)[0]]:
                 partners.setdefault(problem.num_gpus - c.gpus, set()).add(c.grad_accum)
         feeds = pipelined_options(problem, fixes) if module in ENCODER_MODULES else (False,)
-        kept, smallest, invalid, costed = module_candidates(problem, module, placement, fixes.get(module, {}),
-                                                            partners, feeds)
-        result.by_module[module] = kept
-        result.num_costed += costed
-        if smallest is not None:
-            result.smallest[module] = smallest
-        if invalid is not None:
-            result.invalid[module] = invalid
+        bounded = module == "llm" and pipeline_limit_s < math.inf and pipelined_options(problem, fixes) == (False, True)
+        found = module_candidates(problem, module, placement, fixes.get(module, {}), partners, feeds,
+                                  floor=pipeline_floor(problem, result) if bounded else None,
+                                  limit_s=pipeline_limit_s)
+        result.by_module[module] = found.kept
+        result.num_costed += found.costed
+        result.deferred += found.deferred
+        if found.smallest is not None:
+            result.smallest[module] = found.smallest
+        if found.invalid is not None:
+            result.invalid[module] = found.invalid
     result.by_module = {m: result.by_module[m] for m in problem.model.module_names}
     return result
+
+
+def pipeline_floor(problem: Problem, cands: Candidates) -> Callable[[ModuleStrategy], float]:
+    """A lower bound, in solver seconds, on the step of any plan whose LLM takes a pipelined strategy: the LLM's
+    ``pipelined_step_floor_s`` plus the least time the encoders' pipelined-world candidates of its grad_accum (and,
+    disjoint, on the other GPUs) add to the objective -- colocated their step terms, disjoint the encoder's longest
+    path term, since every path carries the pipelined LLM's whole step (``module_path_terms``); infinite when no
+    encoder candidate fits there. ``cands`` holds the encoders' candidates."""
+    encoders = [m for m in cands.by_module if m in ENCODER_MODULES]
+    least: dict[tuple[int, int], int] = {}
+    for module in encoders:
+        fastest: dict[tuple[int, int], int] = {}
+        for c in cands.by_module[module]:
+            if c.pipelined:
+                term = c.step_ns if cands.placement == "colocated" else max(c.path_ns)
+                key = (c.gpus, c.grad_accum)
+                fastest[key] = min(fastest.get(key, term), term)
+        least = fastest if module == encoders[0] else {k: v + least[k] for k, v in fastest.items() if k in least}
+
+    def floor(s: ModuleStrategy) -> float:
+        if encoders:
+            partner = problem.num_gpus if cands.placement == "colocated" else problem.num_gpus - s.gpus
+            if (partner, s.grad_accum) not in least:
+                return math.inf
+            encoder_s = least[partner, s.grad_accum] / NS_PER_S
+        else:
+            encoder_s = 0.0
+        return encoder_s + pipelined_step_floor_s(problem.model, "llm", problem.cluster, problem.workload, s,
+                                                  assumptions=problem.assumptions, layer_costs=problem.layer_costs)
+
+    return floor
+
+
+def extend_pipelined(problem: Problem, cands: Candidates, limit_s: float) -> int:
+    """Cost the deferred pipelined strategies whose floor is at most ``limit_s`` and add their fitting,
+    non-dominated candidates (pruning is per group, so the result is what costing them at first would give);
+    returns how many were costed."""
+    due = [s for f, s in cands.deferred if f <= limit_s + FLOOR_SLACK_S]
+    if not due:
+        return 0
+    cands.deferred = [(f, s) for f, s in cands.deferred if f > limit_s + FLOOR_SLACK_S]
+    kept, smallest, costed = _cost_in_processes(problem, "llm", _as_series(due), cands.placement, (False,))
+    cands.by_module["llm"] = prune(cands.by_module["llm"] + kept, cands.placement)
+    known = cands.smallest.get("llm")
+    if smallest is not None:
+        cands.smallest["llm"] = smallest if known is None else min(known, smallest, key=_memory_order)
+    cands.num_costed += costed
+    return costed
 
 
 def memory_front(cands: Iterable[Candidate]) -> list[Candidate]:

@@ -113,10 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--allow-cp", action="store_true",
                         help="also search ring context parallelism (cp > 1): costed, but `python -m runtime` "
                              "cannot run it yet")
-    search.add_argument("--allow-pp", action="store_true",
-                        help="also search pipeline parallelism of the LLM (pp > 1: 1F1B, interleaved 1F1B or "
-                             "interleaved zero-bubble; slower to plan at 1,024 GPUs; Ulysses SP inside stages "
-                             "with --fix llm.sp=K)")
+    search.add_argument("--no-pp", action="store_true",
+                        help="do not search pipeline parallelism of the LLM (searched by default: pp > 1 with "
+                             "1F1B, interleaved 1F1B or interleaved zero-bubble; Ulysses SP inside stages with "
+                             "--fix llm.sp=K)")
     search.add_argument("--workers", type=int, metavar="N", default=default_workers(),
                         help="processes that cost candidates (default: the CPUs this process may use, "
                              f"{default_workers()} here); the plan is the same for any N")
@@ -168,7 +168,7 @@ def _inputs(args: argparse.Namespace) -> dict:
         vision_tokens=args.vision_tokens, text_tokens=args.text_tokens, images_per_sample=args.images_per_sample,
         audio_seconds=args.audio_seconds, global_batch=args.global_batch, precision=args.precision,
         frozen=args.frozen, profile=None if (args.profile or "").lower() == "none" else (args.profile or "auto"),
-        allow_ring_cp=args.allow_cp, allow_pp=args.allow_pp, dataset=args.dataset, tokenizer=args.tokenizer, min_pixels=args.min_pixels,
+        allow_ring_cp=args.allow_cp, allow_pp=not args.no_pp, dataset=args.dataset, tokenizer=args.tokenizer, min_pixels=args.min_pixels,
         max_pixels=args.max_pixels, pack_tokens=args.pack_tokens, workers=args.workers,
     )
 

@@ -5,6 +5,7 @@ as the CP-SAT model would, without solving.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Mapping
 
@@ -34,9 +35,10 @@ class Infeasible(ValueError):
     """No plan fits; the message says which module, by how much, and what would fit."""
 
 
-def candidates_or_error(problem: Problem, placements: list[Placement], fixes: Fixes) -> dict[str, Candidates]:
-    """Candidates of each placement; a module no fix allows is a one-line error."""
-    result = {p: build_candidates(problem, p, fixes) for p in placements}
+def candidates_or_error(problem: Problem, placements: list[Placement], fixes: Fixes,
+                        pipeline_limit_s: float = math.inf) -> dict[str, Candidates]:
+    """Candidates of each placement (``build_candidates``); a module no fix allows is a one-line error."""
+    result = {p: build_candidates(problem, p, fixes, pipeline_limit_s=pipeline_limit_s) for p in placements}
     for cands in result.values():
         for module, reason in cands.invalid.items():
             if all(module in c.invalid for c in result.values()):

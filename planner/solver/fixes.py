@@ -19,7 +19,7 @@ PLACEMENT_CHOICES = ("auto", *PLACEMENTS)
 
 
 def parse_fixes(items: Iterable[str] | Mapping[str, Any], model: ModelSpec, num_gpus: int, *,
-                allow_pp: bool = False) -> tuple[str | None, Fixes]:
+                allow_pp: bool = True) -> tuple[str | None, Fixes]:
     """``MODULE.FIELD=VALUE`` / ``placement=VALUE`` items (or a {"vision.tp": 2, ...} mapping) into
     (pinned placement or None, module -> {field: value}); ``allow_pp``: pipeline parallelism is searched (an
     unpinned pp may fill the GPUs the other degrees leave).
@@ -125,7 +125,7 @@ def placements_to_solve(problem: Problem, requested: str, pinned: str | None, fi
                if f.get(field, 1) not in (1, "1f1b") and "pp" not in f]
     if chunked and not problem.allow_pp:
         module, field = chunked[0]
-        raise ValueError(f"--fix {module}.{field} needs pipeline parallelism: add --allow-pp or --fix {module}.pp=N")
+        raise ValueError(f"--fix {module}.{field} needs pipeline parallelism: drop --no-pp or add --fix {module}.pp=N")
     if choice != "auto":
         return [choice]
     one_encoder = len(encoder_names(problem.model)) == 1 and problem.num_gpus >= 2

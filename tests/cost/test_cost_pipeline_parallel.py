@@ -8,7 +8,7 @@ from cost_toys import COMPUTE_ONLY, LLM_HIDDEN, VOCAB, colocated, decoder_layer,
 
 from planner.cost import estimate, module_cost
 from planner.cost.phases import Phase, alive, alive_bytes, own_peak_bytes, own_phases
-from planner.cost.module import stage0_handoff_bytes
+from planner.cost.module import pipelined_step_floor_s, stage0_handoff_bytes
 from planner.cost.pipeline import balanced_chunk_layers, in_flight_chunks, pipeline_bubble_time
 from planner.models import ModelSpec
 from planner.strategy import ModuleStrategy, Strategy
@@ -358,3 +358,21 @@ def test_phase_totals_of_the_hot_path_match_the_breakdowns(pp):
         for position, at in ((0, 0), (0, 1), (1, 0)):
             assert alive_bytes(cost, position, kind, at) == alive(cost, position, Phase("llm", kind), at).total
     assert own_peak_bytes(cost) == max(m.total for m in own_phases(cost))
+
+
+@pytest.mark.parametrize("schedule,chunks", [("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_zb", 2)])
+def test_pipelined_step_floor_by_hand(schedule, chunks):
+    """``(m - 1/v) S / p + S / v`` (zero-bubble: ``S - 2 W`` in the second term), S and W one micro-batch's work
+    and weight-gradient passes over every layer: the pp = 1 cost's, with instant links and no TP; never above
+    the pipelined cost itself."""
+    model, cluster = deep_model(6), instant_links()
+    s = ModuleStrategy(dp=4, pp=2, pp_schedule=schedule, virtual_stages=chunks, micro_batch=1, grad_accum=4)
+    whole = module_cost(model, "llm", cluster, toy_workload(s.samples_per_step), replace(s, dp=8, pp=1,
+                        pp_schedule="1f1b", virtual_stages=1), placement="colocated", precision="bf16_mixed",
+                        first_rank=0, assumptions=COMPUTE_ONLY)
+    work, weight_grads = whole.per_micro_batch_s, whole.weight_grad_per_micro_batch_s
+    filled = work - 2 * weight_grads if schedule == "interleaved_zb" else work
+    floor = pipelined_step_floor_s(model, "llm", cluster, toy_workload(s.samples_per_step), s,
+                                   assumptions=COMPUTE_ONLY)
+    assert floor == pytest.approx((4 - 1 / chunks) * work / 2 + filled / chunks)
+    assert floor <= llm_cost(s, model, cluster=cluster).micro_batches_s

@@ -94,10 +94,12 @@ def all_strategies(p: Problem, module: str, gpus: int, pp_sp: bool = False) -> l
     return found
 
 
-def brute_force(p: Problem, placement: str, llm_sp: int | None = None) -> tuple[float, Strategy] | None:
+def brute_force(p: Problem, placement: str, llm_sp: int | None = None, pipelined: bool | None = None
+                ) -> tuple[float, Strategy] | None:
     """The fastest fitting strategy of ``placement`` by trying every combination with ``cost.estimate``
     (disjoint: every split of the GPUs between the encoder and the LLM); ``llm_sp``: only LLM strategies of that SP
-    degree, SP inside pipeline stages included (as ``--fix llm.sp`` plans)."""
+    degree, SP inside pipeline stages included (as ``--fix llm.sp`` plans); ``pipelined``: only LLM strategies
+    that are (or are not) pipelined."""
     n = p.num_gpus
     encoder, llm = p.model.module_names
     splits = [(n, n)] if placement == "colocated" else [(g, n - g) for g in range(1, n)]
@@ -105,7 +107,7 @@ def brute_force(p: Problem, placement: str, llm_sp: int | None = None) -> tuple[
     for g_enc, g_llm in splits:
         llm_by_ga: dict[int, list[ModuleStrategy]] = {}
         for s in all_strategies(p, llm, g_llm, pp_sp=llm_sp is not None):
-            if llm_sp in (None, s.sp):
+            if llm_sp in (None, s.sp) and pipelined in (None, s.pp > 1):
                 llm_by_ga.setdefault(s.grad_accum, []).append(s)
         for s_enc in all_strategies(p, encoder, g_enc):
             for s_llm in llm_by_ga.get(s_enc.grad_accum, []):

@@ -137,7 +137,7 @@ def test_pinning_everything_evaluates_that_strategy():
     (["vision.grad_accum=2", "llm.grad_accum=4"], "share one grad_accum"),
     (["placement=colocated", "vision.gpus=4"], "colocated spans all 16 GPUs"),
     (["placement=disjoint", "vision.gpus=8", "llm.gpus=12"], "pinned to 20 GPUs"),
-    (["llm.dp=2", "llm.tp=2", "llm.sp=1", "llm.cp=2", "llm.gpus=16"], "dp\\*tp\\*sp\\*cp = 8"),
+    (["llm.dp=2", "llm.tp=2", "llm.sp=1", "llm.cp=2", "llm.pp=1", "llm.gpus=16"], "pp\\*dp\\*tp\\*sp\\*cp = 8"),
     (["audio.tp=2"], "has modules vision, llm"),
     (["llm.width=2"], "field must be one of"),
     (["llm.tp=two"], "must be a whole number"),
@@ -258,7 +258,7 @@ weights over the NIC)."""
 
 @pytest.fixture(scope="module")
 def pipelined32():
-    return plan(M32, 4, allow_pp=True, **PP4)
+    return plan(M32, 4, **PP4)
 
 
 def test_a_pinned_zero_bubble_schedule_is_planned_and_costed_as_one():
@@ -289,7 +289,7 @@ def test_pipelined_plan_says_what_pipelining_gains(pipelined32):
     without = pipelined32.baselines["without_pp"]
     assert without.speedup > 1 and "PP" not in " ".join(without.modules.values())
     assert "megatron" in pipelined32.baselines
-    flat = plan(M32, 4, **PP4)
+    flat = plan(M32, 4, allow_pp=False, **PP4)
     assert flat.module("llm").pp == 1 and "without_pp" not in flat.baselines and "with_pp" not in flat.baselines
     assert flat.predicted.step_time_s == pytest.approx(without.step_time_s)
 

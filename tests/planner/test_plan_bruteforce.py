@@ -12,6 +12,7 @@ from functools import lru_cache
 import pytest
 from plan_helpers import brute_force, problem, with_usable_memory
 
+from planner.api import plan
 from planner.candidates import build_candidates
 from planner.cost import estimate
 from planner.solver.cp_sat import solve
@@ -116,3 +117,22 @@ def test_same_optimum_as_brute_force_larger(case, placement):
 @pytest.mark.parametrize("case,fraction", [("tiny-4gpu", 0.9), ("tiny-8gpu", 0.7), ("32b-h200-4gpu-pure", 0.6)])
 def test_same_optimum_when_memory_binds_more(case, placement, fraction):
     _check_tightened(case, placement, fraction)
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+@pytest.mark.parametrize("case", ["tiny-4gpu-pp", "32b-h200-4nodes-pp"])
+def test_pipelined_strategies_costed_on_demand_give_both_sides_of_pp(case, placement):
+    """``plan`` costs a pipelined strategy only once its floor is within a plan already found: the plan is brute
+    force's optimum, and its reference row (``with_pp`` or ``without_pp``) the brute-force optimum of the other
+    side (tiny: the optimum does not pipeline, so the best pipelined plan takes raising the limit; 32B on one GPU
+    per node: it does)."""
+    p = problem(**CASES[case])
+    sides = {pipelined: brute_force(p, placement, pipelined=pipelined) for pipelined in (False, True)}
+    chosen = plan(p, placement=placement)
+    pipelines = chosen.module("llm").pp > 1
+    assert chosen.predicted.step_time_s == pytest.approx(sides[pipelines][0], abs=ROUNDING_S)
+    other, expected = chosen.baselines["without_pp" if pipelines else "with_pp"], sides[not pipelines]
+    if expected is None:  # 32B disjoint: without PP the LLM does not fit its 3 GPUs
+        assert other.infeasible and other.step_time_s is None
+    else:
+        assert other.step_time_s == pytest.approx(expected[0], abs=ROUNDING_S) and expected[0] >= sides[pipelines][0]

@@ -86,7 +86,7 @@ def test_invalid_fix_reports_the_rule():
 
 def test_unusable_gpu_count_is_reported():
     p = replace(problem("qwen-vl-32b", 7, device="h100-80gb", batch=64), allow_ring_cp=True)
-    _, _, reason, _ = module_candidates(p, "vision", "colocated", {})
+    reason = module_candidates(p, "vision", "colocated", {}).invalid
     assert reason == "vision uses cp=7; context parallelism is implemented for the LLM only"
 
 

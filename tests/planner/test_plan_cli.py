@@ -135,9 +135,9 @@ def test_help_documents_the_defaults(capsys):
      "cannot write /nonexistent/dir/p.json"),
     (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "vision.pp=2"], "planned for the LLM only"),
     (["--model", "qwen-vl-3b", "--gpus", "8", "--fix", "llm.pp=2", "--fix", "llm.sp=1"], "ties lm_head to the embedding"),
-    (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.virtual_stages=2"], "add --allow-pp"),
-    (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.pp_schedule=interleaved_zb"],
-     "llm.pp_schedule needs pipeline parallelism: add --allow-pp"),
+    (["--model", "qwen-vl-32b", "--gpus", "16", "--no-pp", "--fix", "llm.virtual_stages=2"], "drop --no-pp"),
+    (["--model", "qwen-vl-32b", "--gpus", "16", "--no-pp", "--fix", "llm.pp_schedule=interleaved_zb"],
+     "llm.pp_schedule needs pipeline parallelism: drop --no-pp"),
     (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.pp_schedule=zb"],
      "pp_schedule must be one of 1f1b, interleaved_1f1b, interleaved_zb"),
     (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.pp=2", "--fix", "llm.pp_schedule=interleaved_zb",
@@ -216,7 +216,7 @@ def test_sp_inside_pipeline_stages_is_planned_when_pinned(capsys, tmp_path):
 
 def test_pipelined_plan_shows_its_stages_and_the_best_plan_without(capsys, tmp_path):
     argv = ["--model", "qwen-vl-32b", "--gpus", "4", "--gpu", "h200", "--gpus-per-node", "1", "--precision",
-            "bf16_pure", "--image-size", "448", "--text-tokens", "128", "--global-batch", "4", "--allow-pp",
+            "bf16_pure", "--image-size", "448", "--text-tokens", "128", "--global-batch", "4",
             "--out", str(tmp_path / "plan.json")]
     main(argv)
     out = capsys.readouterr().out

@@ -1,0 +1,52 @@
+"""Pipelined strategies are costed on demand (``planner.api._solve``): only once their floor
+(``pipelined_step_floor_s`` plus the encoders' least time) is within a plan already found. The floor never exceeds
+a strategy's cost, and the plans (with their ``with_pp`` / ``without_pp`` rows) are those of the full search."""
+
+import pytest
+from plan_helpers import problem
+
+import planner.api as api
+import planner.candidates as candidates
+from planner.api import make_problem, top_plans
+from planner.candidates import group_sizes, module_strategies, placed_cost
+from planner.cost.module import pipelined_step_floor_s
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+def test_the_floor_of_every_pipelined_strategy_is_at_most_its_cost(placement):
+    p = problem("qwen-vl-32b", 32, device="h100-80gb", batch=128, image=1344, text=512, allow_pp=True)
+    strategies = [s for g in group_sizes(p, "llm", placement) for series in module_strategies(p, "llm", g, {}, {})[0]
+                  for s in series if s.pp > 1]
+    assert len(strategies) > 1000
+    tightest = 0.0
+    for s in strategies:
+        floor = pipelined_step_floor_s(p.model, "llm", p.cluster, p.workload, s, assumptions=p.assumptions)
+        cost = placed_cost(p, "llm", s, placement).micro_batches_s
+        assert floor <= cost, s
+        tightest = max(tightest, floor / cost)
+    assert tightest > 0.99  # equal stages without transfers: the bound is reached
+
+
+SLOW_NETWORK = "device: h100-80gb\ninter_node_bandwidth: 6.25e9\n"
+"""50 Gb/s per GPU between nodes: ZeRO's traffic no longer hides and the 72B plans pipeline the LLM."""
+
+
+@pytest.mark.parametrize("model,network,limit_step", [("qwen-vl-32b", "catalog", 1.01), ("qwen-vl-72b", "slow", None)])
+def test_costing_pipelined_strategies_on_demand_gives_the_full_searchs_plans(model, network, limit_step, tmp_path,
+                                                                            monkeypatch):
+    """32B: no plan pipelines; raised in small steps, the limit first admits a pipelined plan slower than the best
+    one, which must then be found (the ``with_pp`` row). 72B behind a slow network: the best plans pipeline."""
+    cluster_file = None
+    if network == "slow":
+        cluster_file = tmp_path / "slow.yaml"
+        cluster_file.write_text(SLOW_NETWORK)
+    if limit_step is not None:
+        monkeypatch.setattr(api, "PIPELINE_LIMIT_STEP", limit_step)
+    p = make_problem(model, 64, profile=None, cluster_file=cluster_file and str(cluster_file))
+    bounded = top_plans(p, k=2)
+    monkeypatch.setattr(candidates, "pipeline_floor", lambda *args: lambda strategy: 0.0)  # nothing deferred
+    full = top_plans(p, k=2)
+    assert (bounded[0].module("llm").pp > 1) == (network == "slow")
+    assert [plan.model_copy(update={"solver": None}) for plan in bounded] == \
+        [plan.model_copy(update={"solver": None}) for plan in full]
+    assert bounded[0].solver.num_candidates < full[0].solver.num_candidates
