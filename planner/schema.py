@@ -80,6 +80,8 @@ class ModulePrediction(_Frozen):
                                                         "time for one micro-batch (its compute and transfers)")
     stage_peak_memory_gib: list[float] | None = Field(default=None, description="pp > 1: each pipeline stage's own "
                                                       "peak (this module's share alone)")
+    stage_memory_gib: list[MemoryBreakdown] | None = Field(default=None, description="pp > 1: each pipeline "
+                                                           "stage's breakdown at its own peak (this module alone)")
 
 
 ZERO_BUBBLE_SCHEDULES = ("interleaved_zb",)
@@ -232,6 +234,11 @@ class Prediction(_Frozen):
     peak_phase: str | None = Field(default=None, description="the moment of the step the peak is at, e.g. 'llm "
                                    "forward' (planner.cost.phases); None in plans written before it was recorded")
     binding_constraint: str = Field(description="what limits the plan, in words")
+    stage_memory_breakdown_gib: list[MemoryBreakdown] | None = Field(
+        default=None, description="a pipelined LLM: the breakdown on each pipeline stage's GPUs at their own "
+        "heaviest moment (colocated: with the other modules), overhead included; the largest is the LLM's peak")
+    stage_peak_phases: list[str] | None = Field(default=None, description="a pipelined LLM: the moment of each "
+                                                "stage's peak (planner.cost.phases)")
     calibration: str | None = Field(default=None, description="the profile calibration whose fitted assumptions the "
                                     "prediction used (runs, date, errors, values); None when uncalibrated")
     profile: str | None = Field(default=None, description="the profile file the plan was costed with (None: the "

@@ -61,6 +61,7 @@ from torch._subclasses.fake_impls import _is_tensor_constructor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _ModState, _UpdateType
+from torch.utils._pytree import tree_map_only
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import _sharding_prop as sharding_prop
@@ -363,6 +364,18 @@ def _module_states(trainer: Trainer, name: str) -> tuple[int, int, int]:
     return _storage_bytes(params), _storage_bytes(grads), optimizer
 
 
+def _leaf_inputs_detached(pre_hook):
+    """ModTracker's forward pre-hook, given a module's autograd-leaf inputs detached (the same storages, so the same
+    memory): on the inputs that need a gradient it registers a hook that asks the engine whether each will be
+    reached, which torch refuses for a leaf inside ``autograd.grad`` -- a zero-bubble stage's input-gradient pass
+    over the activations it received. A module whose inputs are all leaves leaves its backward at the end of the
+    backward instead (hierarchy labels only)."""
+    def detached(t: torch.Tensor) -> torch.Tensor:
+        return t.detach() if t.is_leaf and t.requires_grad else t
+
+    return lambda module, inputs: pre_hook(module, tree_map_only(torch.Tensor, detached, inputs))
+
+
 class StepMemTracker(MemTracker):
     """MemTracker across several steps and micro-batches (it refuses a second call of a root module), which also
     records, per module, the most memory one forward call left alive, parameters aside (``forward_activations``;
@@ -370,6 +383,7 @@ class StepMemTracker(MemTracker):
 
     def __init__(self, modules: dict[str, torch.nn.Module]):
         super().__init__()
+        self._mod_tracker._fw_pre_hook = _leaf_inputs_detached(self._mod_tracker._fw_pre_hook)
         self.forward_activations = dict.fromkeys(modules, 0)
         self.peak_at = "no operation"
         self._before: dict[str, int] = {}
@@ -503,10 +517,19 @@ class DryRunReport:
 
     def overhead_bytes(self, role: RoleMemory) -> int:
         """The planner's framework allowance of the role's GPU group (not measurable on fake tensors)."""
-        return round(self.predicted_group(role).overhead * GIB)
+        group = self.predicted_group(role) or self.plan.predicted.memory_breakdown_gib
+        return round(group.overhead * GIB)
 
     def predicted_group(self, role: RoleMemory):
-        """The planner's memory breakdown (GiB) of the GPU group the role's rank belongs to."""
+        """The planner's memory breakdown (GiB) of the GPU group the role's rank belongs to: of its pipeline stage's
+        GPUs when the LLM is pipelined there (a plan written before stages were recorded: only the largest
+        stage's, else None)."""
+        stage = _pipeline_stage(self.plan, role.rank)
+        stages = self.plan.predicted.stage_memory_breakdown_gib
+        if stage is not None and stages:
+            return stages[stage]
+        if stage is not None and stage != _binding_stage(self.plan):
+            return None
         if self.plan.placement == "colocated":
             return self.plan.predicted.memory_breakdown_gib
         (name,) = role.modules
@@ -608,10 +631,9 @@ def format_report(report: DryRunReport) -> str:
                       f"{role.startup_peak / GIB:.2f} GiB peak, {role.seconds:.0f} s)",
                   f"  {'module / category (GiB)':<30} {'dry-run':>9} {'predicted':>10} {'ratio':>6}"]
         stage = _pipeline_stage(plan, role.rank)
-        on_binding_stage = stage is None or stage == _binding_stage(plan)
         for name, memory in role.modules.items():
             module = plan.module(name)
-            predicted = module.predicted.memory_gib if on_binding_stage or module.pp == 1 else None
+            predicted = _module_prediction(plan, name, stage)
             in_flight = _in_flight(plan, name, stage)
             for field_name in ("weights", "gradients", "optimizer"):
                 lines.append(_row(f"{name} {field_name}", getattr(memory, field_name),
@@ -619,7 +641,7 @@ def format_report(report: DryRunReport) -> str:
             unit = " chunks" if module.pp > 1 else ""
             label = f"{name} activations" + (f" (x{in_flight}{unit} in flight)" if in_flight > 1 else "")
             lines.append(_row(label, memory.activations * in_flight, predicted and predicted.activations * GIB))
-        group = report.predicted_group(role) if on_binding_stage else None
+        group = report.predicted_group(role)
         for label, categories in PEAK_ROWS:
             measured = sum(role.peak.get(c, 0) for c in categories)
             lines.append(_row(f"peak: {label}", measured, group and getattr(group, label) * GIB))
@@ -630,7 +652,7 @@ def format_report(report: DryRunReport) -> str:
             own = plan.module("llm").predicted.stage_peak_memory_gib
             lines.append(f"  llm pipeline stage {stage}" + (f": the planner's own peak of the stage {own[stage]:.2f} "
                                                             "GiB" if own else "") +
-                         ("" if on_binding_stage else " (the plan's breakdown is of its largest stage)"))
+                         ("" if group else " (the plan's breakdown is of its largest stage)"))
         lines.append(f"  runtime peak during {role.peak_at}")
         total = report.role_total(role)
         verdict = "FITS" if total <= report.usable_bytes else "DOES NOT FIT"
@@ -641,9 +663,23 @@ def format_report(report: DryRunReport) -> str:
     return "\n".join(lines)
 
 
+def _module_prediction(plan: Plan, name: str, stage: int | None):
+    """The planner's breakdown (GiB) of module ``name`` on a rank of pipeline ``stage`` (None: not pipelined there);
+    None for a stage a plan written before stages were recorded has no breakdown of."""
+    predicted = plan.module(name).predicted
+    if stage is None or plan.module(name).pp == 1:
+        return predicted.memory_gib
+    if predicted.stage_memory_gib:
+        return predicted.stage_memory_gib[stage]
+    return predicted.memory_gib if stage == _binding_stage(plan) else None
+
+
 def _planner_phase(plan: Plan, role: RoleMemory) -> str:
     """`` at the llm forward``: the moment of the step the planner puts the peak at, where the plan records it (for
-    the role's group: a disjoint group other than the peak one has its own)."""
+    the role's group: a disjoint group other than the peak one has its own; a pipeline stage its own)."""
+    stage, phases = _pipeline_stage(plan, role.rank), plan.predicted.stage_peak_phases
+    if stage is not None and phases:
+        return f" at the {phases[stage]}"
     phase = plan.predicted.peak_phase
     if phase is None or (plan.placement == "disjoint" and not phase.startswith(next(iter(role.modules)) + " ")):
         return ""

@@ -18,6 +18,7 @@ Both add the constant ``step_overhead_s`` (``planner.api`` adds it to the solver
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping
 
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
@@ -67,6 +68,7 @@ def combine(
     flops = sum(c.flops_per_step for c in costs.values())
     fits = peak.total <= usable
     return Estimate(
+        stage_peaks=stage_peaks(placement, costs, assumptions),
         placement=placement,
         step_time_s=step,
         tokens_per_s=workload.global_batch * llm_tokens / step,
@@ -123,6 +125,21 @@ def colocated_peak(costs: Mapping[str, ModuleCost], assumptions: CostAssumptions
         if best is None or total.total > best[1].total:
             best = (phase.name, total)
     return best
+
+
+def stage_peaks(placement: Placement, costs: Mapping[str, ModuleCost], assumptions: CostAssumptions
+                ) -> tuple[tuple[str, MemoryBreakdown], ...]:
+    """(phase, per-GPU memory plus the overhead) of each pipeline stage's GPUs at their heaviest moment when the
+    LLM is pipelined, else (): ``colocated_peak`` or ``disjoint_peak`` with the LLM as that stage alone."""
+    llm = costs.get("llm")
+    if llm is None or not llm.stage_costs:
+        return ()
+    peaks = []
+    for stage in llm.rank_costs():
+        alone = replace(llm, stage_costs=(stage,))
+        peaks.append(colocated_peak({**costs, "llm": alone}, assumptions) if placement == "colocated"
+                     else disjoint_peak(alone, assumptions))
+    return tuple(peaks)
 
 
 def disjoint_peak(cost: ModuleCost, assumptions: CostAssumptions) -> tuple[str, MemoryBreakdown]:

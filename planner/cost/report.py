@@ -45,6 +45,8 @@ def module_predictions(estimate: Estimate) -> dict[str, ModulePrediction]:
             sources=dict(cost.sources),
             stage_per_micro_batch_s=[c.per_micro_batch_s for c in cost.rank_costs()] or None,
             stage_peak_memory_gib=[max(m.total for m in own_phases(c)) / GIB for c in cost.rank_costs()] or None,
+            stage_memory_gib=[memory_gib(max(own_phases(c), key=lambda m: m.total)) for c in cost.rank_costs()]
+            or None,
         )
     return predictions
 
@@ -60,4 +62,6 @@ def prediction(estimate: Estimate) -> Prediction:
         memory_breakdown_gib=memory_gib(estimate.peak_breakdown),
         peak_phase=estimate.peak_phase,
         binding_constraint=estimate.binding_constraint,
+        stage_memory_breakdown_gib=[memory_gib(memory) for _, memory in estimate.stage_peaks] or None,
+        stage_peak_phases=[phase for phase, _ in estimate.stage_peaks] or None,
     )

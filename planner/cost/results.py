@@ -195,3 +195,7 @@ class Estimate:
     """What limits the plan, in words."""
     modules: Mapping[str, ModuleCost]
     """Per-module costs."""
+    stage_peaks: tuple[tuple[str, MemoryBreakdown], ...] = ()
+    """A pipelined LLM: (phase, per-GPU memory plus the overhead) of each pipeline stage's GPUs at their own
+    heaviest moment, in pipeline order (colocated: with the other modules; disjoint: the LLM group); the largest
+    is the LLM's group peak."""

@@ -302,3 +302,19 @@ def test_pipelined_plan_file_is_checked(pipelined32, tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="needs pp_layers of"):
         load_plan(path)
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+def test_pipelined_plan_records_each_stages_gpu_peak(placement):
+    """Each stage's GPUs at their own heaviest moment (colocated: with the vision tower), overhead included; the
+    largest is the plan's peak (disjoint: the LLM group's), and the stages differ as their own shares do."""
+    pipelined = plan(M32, 4, placement=placement, **PP4)
+    llm, predicted = pipelined.module("llm"), pipelined.predicted
+    stages, own = predicted.stage_memory_breakdown_gib, llm.predicted.stage_memory_gib
+    assert llm.pp > 1 and len(stages) == len(own) == len(predicted.stage_peak_phases) == llm.pp
+    for gpu, alone, own_peak in zip(stages, own, llm.predicted.stage_peak_memory_gib):
+        assert alone.total == pytest.approx(own_peak)
+        assert gpu.total >= alone.total + gpu.overhead
+    group = predicted.memory_breakdown_gib if placement == "colocated" else llm.predicted.memory_gib
+    assert max(s.total for s in stages) == pytest.approx(group.total)
+    assert len({round(s.total, 6) for s in stages}) > 1

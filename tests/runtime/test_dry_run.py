@@ -234,3 +234,29 @@ def test_the_last_stage_keeps_no_micro_batchs_logits_after_its_loss():
     layout_tokens = plan.workload.text_tokens  # fewer than the sequence: a lower bound of one micro-batch's logits
     logits = plan.module("llm").micro_batch * layout_tokens * config["vocab_size"] * 4
     assert many - few < logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement,schedule", [("colocated", "interleaved_zb"), ("disjoint", "1f1b")])
+def test_each_pipeline_stage_is_set_beside_its_own_prediction(placement, schedule):
+    """A planner-made PP2 plan records every stage's breakdown: each stage's role is compared with its own (module
+    rows, GPU peak, moment), none left blank as a stage other than the largest was. Zero-bubble too, whose
+    input-gradient pass (``autograd.grad`` over the received activations) MemTracker's module hooks must survive."""
+    from planner.api import plan as make
+
+    gpus = 2 if placement == "colocated" else 3
+    planned = make("qwen2.5-vl-tiny", gpus, gpu="cpu", placement=placement, image_sizes=[(168, 112)],
+                   text_tokens=40, global_batch=4, fix=["llm.pp=2", f"llm.pp_schedule={schedule}"])
+    report = dry_run(planned, RunOptions())
+    stages = planned.predicted.stage_memory_breakdown_gib
+    llm = planned.module("llm")
+    seen = set()
+    for role in report.roles:
+        if role.rank in llm.ranks:
+            stage = llm.ranks.index(role.rank) // (len(llm.ranks) // llm.pp)
+            assert report.predicted_group(role) == stages[stage]
+            seen.add(stage)
+    assert seen == {0, 1}
+    text = format_report(report)
+    assert "largest stage" not in text and " -  " not in text
+    assert all(f"at the {phase}" in text for phase in planned.predicted.stage_peak_phases)
