@@ -686,6 +686,19 @@ def _within_all(s: ModuleStrategy, first_rank: int, devices_per_node: int) -> tu
 _WITHIN: dict[tuple, tuple[bool, ...]] = {}
 
 
+def pipeline_receive_buffer_bytes(boundary_bytes: float, chunks: int, first: bool, last: bool,
+                                  grad_accum: int) -> int:
+    """Bytes of the receive buffers a pipeline rank keeps for the whole run: torch's ``PipelineStage`` allocates one
+    buffer per micro-batch for the activations each of its model chunks but the first receives, and one for the
+    gradient each chunk but the last receives (``_setup_forward_recv_info`` and ``_setup_backward_recv_info``,
+    torch 2.13, each a loop over every micro-batch), ``boundary_bytes`` each (the hidden states of a micro-batch).
+    ``chunks``: the rank's model chunks; ``first`` / ``last``: whether it holds the pipeline's first / last one. A
+    chunk's first layer saves its input, which is one of these buffers while the micro-batch is in flight: counted
+    twice, up to the in-flight micro-batches' inputs (conservative)."""
+    slots = 2 * chunks - first - last
+    return math.ceil(slots * grad_accum * boundary_bytes)
+
+
 def stage0_handoff_bytes(per_sample: float, backward: bool, micro_batch: int, grad_accum: int) -> int:
     """Bytes a pipeline's first stage holds through the schedule: every micro-batch's encoder output (``per_sample``
     bytes a sample), and as much again for their gradient when an encoder trains (runtime.trainer ``llm_pipeline``:
@@ -720,6 +733,7 @@ def _pipelined_cost(
     The schedule takes every micro-batch's encoder output at once, so stage 0 holds all of them, and their
     gradient once its first backward reaches them, for the whole schedule (``stage0_handoff_bytes``); under SP a
     stage-0 rank holds the rows of its slice of each sequence, at most a slice's worth (image tokens come first).
+    Every rank also keeps torch's per-micro-batch receive buffers (``pipeline_receive_buffer_bytes``).
     """
     assumptions, dpn = static.assumptions, static.cluster.devices_per_node
     within = _within_all(s, first_rank, dpn)[:3]
@@ -744,6 +758,9 @@ def _pipelined_cost(
     held = stage0_handoff_bytes(per_sample, backward, s.micro_batch, s.grad_accum)
     ranks[0] = replace(ranks[0], forward_buffers_bytes=ranks[0].forward_buffers_bytes + held,
                        backward_buffers_bytes=ranks[0].backward_buffers_bytes + held)
+    last = (len(chunks) - 1) % s.pp
+    ranks = [replace(c, receive_buffers_bytes=pipeline_receive_buffer_bytes(
+        boundary_bytes, s.virtual_stages, rank == 0, rank == last, s.grad_accum)) for c, (rank, _) in zip(ranks, parts)]
     slowest = max(ranks, key=lambda c: c.per_micro_batch_s)
     tail = max(ranks, key=lambda c: c.step_tail_s)
     memory = max(ranks, key=own_peak_bytes)

@@ -62,7 +62,8 @@ def alive(cost: ModuleCost, position: int, phase: Phase, phase_position: int) ->
     """What ``cost``'s module (``position`` in data-flow order) holds during ``phase`` (whose module is at
     ``phase_position``). Weights and optimizer states always; gradients always when the step has several
     micro-batches (they accumulate), else once the module's backward has run (its end, for its own phases);
-    activations from its forward until its backward; transients only in its own phases. A pipelined module
+    activations from its forward until its backward; transients only in its own phases; a pipeline stage's receive
+    buffers always. A pipelined module
     holds what its heaviest pipeline rank holds at that moment (the other modules are the same on every GPU, so
     the GPU's total is the largest there)."""
     held = max((_held(c, position, phase.kind, phase_position) for c in cost.stage_costs or (cost,)), key=sum)
@@ -99,7 +100,7 @@ def _held(cost: ModuleCost, position: int, kind: PhaseKind, phase_position: int)
             activations = cost.activations_bytes - cost.activations_per_micro_batch_bytes
             buffers = cost.backward_buffers_bytes
     gradients = cost.gradients_bytes if has_gradients else 0
-    return cost.weights_bytes, gradients, cost.optimizer_bytes, activations, buffers
+    return cost.weights_bytes, gradients, cost.optimizer_bytes, activations, buffers + cost.receive_buffers_bytes
 
 
 def own_phases(cost: ModuleCost) -> tuple[MemoryBreakdown, ...]:

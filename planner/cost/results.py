@@ -91,6 +91,8 @@ class ModuleCost(PassTimes):
     """... while its loss's backward runs, before the module's own (the loss's fp32 gradients; LLM only)."""
     loss_saved_bytes: int = 0
     """Of one micro-batch's activations, what the loss's backward frees (the fp32 log-softmax; LLM only)."""
+    receive_buffers_bytes: int = 0
+    """pp > 1: the pipeline stage's receive buffers, alive through every step (``pipeline_receive_buffer_bytes``)."""
     activations_per_micro_batch_bytes: int
     """Activations one micro-batch keeps for backward."""
     in_flight_micro_batches: int
@@ -126,8 +128,9 @@ class ModuleCost(PassTimes):
 
     @property
     def buffers_bytes(self) -> int:
-        """The largest of the forward, backward and loss-backward buffers."""
-        return max(self.forward_buffers_bytes, self.backward_buffers_bytes, self.loss_backward_buffers_bytes)
+        """The largest of the forward, backward and loss-backward buffers, with the receive buffers."""
+        return max(self.forward_buffers_bytes, self.backward_buffers_bytes,
+                   self.loss_backward_buffers_bytes) + self.receive_buffers_bytes
 
     @property
     def activations_bytes(self) -> int:

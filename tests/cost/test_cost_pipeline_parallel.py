@@ -170,6 +170,11 @@ def test_pipelined_llm_by_hand():
     send = 64 * LLM_HIDDEN * 2 / nic + toy_cluster().device.inter_node_latency
     assert first.pp_comm_s == pytest.approx(4 * 2 * send)
     assert last.pp_comm_s == 0.0
+    # torch's stages keep a receive buffer per micro-batch: rank 0 for the gradient of what it sends, the last rank
+    # for the hidden states it gets; alive in every phase of the step
+    boundary = 64 * LLM_HIDDEN * 2
+    assert first.receive_buffers_bytes == last.receive_buffers_bytes == 4 * boundary
+    assert all(phase.buffers >= 4 * boundary for phase in own_phases(last))
     # the step: m * slowest + (sum - slowest) (Alpa Eq. 2)
     t = [first.per_micro_batch_s, last.per_micro_batch_s]
     assert cost.per_micro_batch_s == max(t)
@@ -214,6 +219,15 @@ def test_stage_split_balances_the_loss_against_decoder_layers():
     n0, n1 = llm_cost(s, heavy, cluster=instant_links()).chunk_layers
     assert n1 < n0
     assert llm_cost(s, model, cluster=instant_links()).chunk_layers[1] > n1
+
+
+def test_receive_buffers_of_interleaved_stages_by_hand():
+    """pp = 2 with 2 chunks per rank: rank 0 (chunks 0 and 2) receives chunk 2's activations and both chunks'
+    gradients, rank 1 (chunks 1 and 3) both chunks' activations and chunk 1's gradient: 3 buffers of each of the
+    m = 4 micro-batches on each."""
+    s = ModuleStrategy(dp=4, pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2, micro_batch=1, grad_accum=4)
+    ranks = llm_cost(s, deep_model(6)).rank_costs()
+    assert [c.receive_buffers_bytes for c in ranks] == [3 * 4 * 64 * LLM_HIDDEN * 2] * 2
 
 
 def test_interleaved_chunks_shrink_the_bubble_and_hold_what_torch_warms_up():

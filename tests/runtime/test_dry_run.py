@@ -221,7 +221,8 @@ def test_pipeline_stages_are_built_with_the_shapes_and_dtypes_they_exchange(prec
 @pytest.mark.slow
 def test_the_last_stage_keeps_no_micro_batchs_logits_after_its_loss():
     """1F1B's last stage holds one micro-batch in flight however many the step has: its peak must not grow with them
-    by a micro-batch's logits (torch's schedules keep every one's output unless told not to return them)."""
+    by a micro-batch's logits (torch's schedules keep every one's output unless told not to return them), only by
+    the receive buffers torch's stage allocates per micro-batch (``pipeline_receive_buffer_bytes``)."""
     def last_stage_peak(grad_accum):
         plan = make_plan({"grad_accum": grad_accum}, {"pp": 2, "pp_layers": [2, 2], "grad_accum": grad_accum},
                          placement="disjoint")
@@ -234,6 +235,9 @@ def test_the_last_stage_keeps_no_micro_batchs_logits_after_its_loss():
     layout_tokens = plan.workload.text_tokens  # fewer than the sequence: a lower bound of one micro-batch's logits
     logits = plan.module("llm").micro_batch * layout_tokens * config["vocab_size"] * 4
     assert many - few < logits
+    # but it keeps a receive buffer for each micro-batch's hidden states (fp32 here), as the planner prices it
+    received = plan.module("llm").micro_batch * plan.workload.module_tokens["llm"] * config["hidden_size"] * 4
+    assert many - few >= (6 - 2) * received
 
 
 @pytest.mark.slow
