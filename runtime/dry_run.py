@@ -61,13 +61,12 @@ from torch._subclasses.fake_impls import _is_tensor_constructor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _ModState, _UpdateType
-from torch.utils._pytree import tree_map_only
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import _sharding_prop as sharding_prop
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from planner.schema import ZERO_BUBBLE_SCHEDULES, Plan
 from runtime import trainer as trainer_module

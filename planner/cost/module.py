@@ -794,7 +794,7 @@ def pipelined_step_floor_s(
     assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS, layer_costs: LayerCostSource | None = None,
 ) -> float:
     """A lower bound on ``module_cost(...).micro_batches_s`` of a pipelined strategy (pp > 1) from the module's
-    per-micro-batch layer sums alone, without splitting it into ranks (~50x cheaper than costing it).
+    per-micro-batch layer sums alone, without splitting it into ranks (15-25x cheaper than costing it here).
 
     With ``t_k`` rank k's time per micro-batch, the schedule takes ``m max t + bubble``
     (``pipeline_bubble_time``). The ranks partition the layers, so ``sum t >= S``: compute, recomputation and each
