@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from planner.candidates import Problem, divisors
-from planner.cost import Estimate, check_strategy, estimate
+from planner.cost import Estimate, check_strategy
+from planner.cost.estimate import combine, module_costs, step_time_s
 from planner.cost.results import GIB
 from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Strategy
 
@@ -117,8 +118,11 @@ def best_of(problem: Problem, name: str, family: Iterable[ModuleStrategy | Strat
         if problems:
             reason = reason or problems[0]
             continue
-        e = estimate(problem.model, problem.cluster, problem.workload, strategy,
-                     problem.assumptions, problem.layer_costs)
+        costs = module_costs(problem.model, problem.cluster, problem.workload, strategy, problem.assumptions,
+                             problem.layer_costs)
+        if best is not None and step_time_s(strategy.placement, costs, problem.assumptions) >= best.step_time_s:
+            continue  # no faster than a fitting member: neither the best nor, one fitting, the smallest needed
+        e = combine(problem.model, problem.cluster, problem.workload, strategy.placement, costs, problem.assumptions)
         if smallest is None or e.peak_memory_bytes < smallest.peak_memory_bytes:
             smallest = e
         if e.fits and (best is None or e.step_time_s < best.step_time_s):

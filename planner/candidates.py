@@ -36,7 +36,7 @@ import math
 import multiprocessing
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Iterable, Mapping, NamedTuple
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, LayerCostSource, ModuleCost, check_strategy, module_cost
 from planner.cost.module import feeding_pipeline, pipelined_step_floor_s
@@ -186,10 +186,11 @@ class Candidates:
 # --- Enumeration ------------------------------------------------------------------------------------------------
 
 
-def divisors(n: int) -> list[int]:
-    """Positive divisors of ``n``, ascending."""
+@functools.lru_cache(maxsize=4096)
+def divisors(n: int) -> tuple[int, ...]:
+    """Positive divisors of ``n``, ascending (memoised: the enumeration asks for the same few numbers often)."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+    return tuple(sorted(set(small + [n // d for d in small])))
 
 
 def encoder_names(model: ModelSpec) -> list[str]:
@@ -197,10 +198,10 @@ def encoder_names(model: ModelSpec) -> list[str]:
     return [name for name in model.module_names if name in ENCODER_MODULES]
 
 
-def sp_degrees(model: ModelSpec, module: str) -> list[int]:
+def sp_degrees(model: ModelSpec, module: str) -> tuple[int, ...]:
     """Ulysses degrees worth trying: divisors of the module's attention heads."""
     heads = [l.attention.num_heads for l in model.module(module).layers if l.attention is not None]
-    return divisors(math.gcd(*heads)) if heads else [1]
+    return divisors(math.gcd(*heads)) if heads else (1,)
 
 
 def encoder_node_counts(num_nodes: int) -> list[int]:
@@ -273,18 +274,19 @@ def _layouts(problem: Problem, module: str, gpus: int, fixed: Mapping[str, int |
     SP inside pipeline stages only with ``sp`` pinned (``--fix llm.sp=K``): searched, it nearly doubles the PP
     search (1,024 GPUs: 13.1 s against 6.5 s here) for plans that pay only on long LLM sequences."""
     batch = problem.workload.global_batch
+    grids = [(dp, tp, sp) for dp in _choices(divisors(batch), fixed, "dp")
+             for tp in _choices(divisors(problem.cluster.devices_per_node), fixed, "tp")
+             for sp in _choices(sp_degrees(problem.model, module), fixed, "sp")]
     layouts = []
     for pp in pipeline_degrees(problem, module, gpus, fixed):
-        for dp in _choices(divisors(batch), fixed, "dp"):
-            for tp in _choices(divisors(problem.cluster.devices_per_node), fixed, "tp"):
-                for sp in _choices(sp_degrees(problem.model, module), fixed, "sp"):
-                    if batch % dp or gpus % (pp * dp * tp * sp) or (pp > 1 and sp > 1 and "sp" not in fixed):
-                        continue
-                    cp = gpus // (pp * dp * tp * sp)
-                    if cp > 1 and not (problem.allow_ring_cp or "cp" in fixed):
-                        continue
-                    if fixed.get("cp", cp) == cp:
-                        layouts.append((pp, dp, tp, sp, cp))
+        for dp, tp, sp in grids:
+            if batch % dp or gpus % (pp * dp * tp * sp) or (pp > 1 and sp > 1 and "sp" not in fixed):
+                continue
+            cp = gpus // (pp * dp * tp * sp)
+            if cp > 1 and not (problem.allow_ring_cp or "cp" in fixed):
+                continue
+            if fixed.get("cp", cp) == cp:
+                layouts.append((pp, dp, tp, sp, cp))
     return layouts
 
 
@@ -305,6 +307,57 @@ def _verdict(problem: Problem, module: str, probe: ModuleStrategy, verdicts: Ver
     return verdicts[key]
 
 
+LayoutOption = tuple[tuple[int, int, int, int, int], str, int, list[int], list[tuple[int, str]]]
+"""((pp, dp, tp, sp, cp), pp_schedule, virtual_stages, valid grad_accum values descending, valid (zero, recompute))."""
+
+
+def _layout_options(
+    problem: Problem,
+    module: str,
+    gpus: int,
+    fixed: Mapping[str, int | str],
+    verdicts: Verdicts,
+    accums: set[int] | None,
+    reasons: list[str],
+    known: set[int] = frozenset(),
+) -> Iterator[LayoutOption]:
+    """Each layout and schedule of ``module`` on ``gpus`` GPUs with a valid strategy (``module_strategies``), what
+    varies within it (grad_accum values in ``known`` are not tried); the reasons ``check_strategy`` gives for
+    rejecting one without pipeline parallelism, or with a pinned pipeline, are appended to ``reasons``."""
+    batch = problem.workload.global_batch
+    pinned_pipeline = any(name in fixed for name in ("pp", "pp_schedule", "virtual_stages"))
+    for pp, dp, tp, sp, cp in _layouts(problem, module, gpus, fixed):
+        per_replica = batch // dp
+        for schedule, chunks in _schedules(pp, fixed):
+            usable_accums = []
+            for ga in sorted(_choices(divisors(per_replica), fixed, "grad_accum"), reverse=True):
+                if (accums is not None and ga not in accums) or ga in known:
+                    continue
+                mb = per_replica // ga if per_replica % ga == 0 else 0
+                if not mb or fixed.get("micro_batch", mb) != mb:
+                    continue
+                probe = ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, pp_schedule=schedule, virtual_stages=chunks,
+                                       micro_batch=mb, grad_accum=ga)
+                problems = _verdict(problem, module, probe, verdicts)
+                if problems and (pp == 1 or pinned_pipeline):  # a searched pipeline's rules are no reason to give
+                    reasons.append(problems[0])
+                if not problems:
+                    usable_accums.append(ga)
+            if not usable_accums:
+                continue
+            zeros = (0, 1, 2, 3) if dp * sp * cp > 1 else (0,)
+            settings = []
+            for zero in _choices(zeros, fixed, "zero"):
+                for rc in _choices(RECOMPUTE_CHOICES, fixed, "recompute"):
+                    if schedule in ZERO_BUBBLE_SCHEDULES and zero_bubble_reasons(zero, rc):
+                        if pinned_pipeline:
+                            reasons.append(zero_bubble_reasons(zero, rc)[0])
+                        continue
+                    settings.append((zero, rc))
+            if settings:
+                yield (pp, dp, tp, sp, cp), schedule, chunks, usable_accums, settings
+
+
 def module_strategies(
     problem: Problem,
     module: str,
@@ -318,39 +371,26 @@ def module_strategies(
     grad_accum = batch / (dp * micro_batch)); and the first reason ``check_strategy`` gave for rejecting one without
     pipeline parallelism, or with a pinned pipeline (None if none was rejected)."""
     batch = problem.workload.global_batch
-    series, reason = [], None
-    pinned_pipeline = any(name in fixed for name in ("pp", "pp_schedule", "virtual_stages"))
-    for pp, dp, tp, sp, cp in _layouts(problem, module, gpus, fixed):
-        per_replica = batch // dp
-        for schedule, chunks in _schedules(pp, fixed):
-            usable_accums = []
-            for ga in sorted(_choices(divisors(per_replica), fixed, "grad_accum"), reverse=True):
-                if accums is not None and ga not in accums:
-                    continue
-                mb = per_replica // ga if per_replica % ga == 0 else 0
-                if not mb or fixed.get("micro_batch", mb) != mb:
-                    continue
-                probe = ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, pp_schedule=schedule, virtual_stages=chunks,
-                                       micro_batch=mb, grad_accum=ga)
-                problems = _verdict(problem, module, probe, verdicts)
-                if pp == 1 or pinned_pipeline:  # a searched pipeline's rules are no reason to give for the module
-                    reason = reason or (problems[0] if problems else None)
-                if not problems:
-                    usable_accums.append(ga)
-            if not usable_accums:
-                continue
-            zeros = (0, 1, 2, 3) if dp * sp * cp > 1 else (0,)
-            for zero in _choices(zeros, fixed, "zero"):
-                for rc in _choices(RECOMPUTE_CHOICES, fixed, "recompute"):
-                    if schedule in ZERO_BUBBLE_SCHEDULES and zero_bubble_reasons(zero, rc):
-                        reason = reason or (zero_bubble_reasons(zero, rc)[0] if pinned_pipeline else None)
-                        continue
-                    series.append([
-                        ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, pp_schedule=schedule, virtual_stages=chunks,
-                                       zero=zero, recompute=rc, micro_batch=per_replica // ga, grad_accum=ga)
-                        for ga in usable_accums
-                    ])
-    return series, reason
+    series, reasons = [], []
+    for (pp, dp, tp, sp, cp), schedule, chunks, usable_accums, settings in _layout_options(
+            problem, module, gpus, fixed, verdicts, accums, reasons):
+        for zero, rc in settings:
+            series.append([
+                ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, pp_schedule=schedule, virtual_stages=chunks,
+                               zero=zero, recompute=rc, micro_batch=batch // (dp * ga), grad_accum=ga)
+                for ga in usable_accums
+            ])
+    return series, next(iter(reasons), None)
+
+
+def valid_accums(problem: Problem, module: str, gpus: int, fixed: Mapping[str, int | str], verdicts: Verdicts
+                 ) -> set[int]:
+    """The grad_accum values of ``module_strategies``' strategies, without building them (a value found valid is
+    not tried again)."""
+    found: set[int] = set()
+    for *_, usable_accums, _ in _layout_options(problem, module, gpus, fixed, verdicts, None, [], found):
+        found.update(usable_accums)
+    return found
 
 
 # --- Costing ----------------------------------------------------------------------------------------------------
@@ -509,18 +549,20 @@ def module_candidates(
     feeds: tuple[bool, ...] = (False,),
     floor: Callable[[ModuleStrategy], float] | None = None,
     limit_s: float = math.inf,
+    verdicts: Verdicts | None = None,
 ) -> ModuleCandidates:
     """The module's candidates on the GPU counts ``placement`` gives it.
 
-    ``partners`` (disjoint LLM): GPU count -> the grad_accum values the other group can match on the rest of the
-    GPUs; other sizes and values cannot be part of a plan and are not costed. ``feeds`` (encoder): cost it for an
+    ``partners`` (disjoint): GPU count -> the grad_accum values the other group can match on the rest of the
+    GPUs; other sizes and values cannot be part of a plan and are not costed. ``verdicts``: the module's
+    memoised ``check_strategy`` answers, shared with an earlier enumeration. ``feeds`` (encoder): cost it for an
     LLM that is not pipelined, is, or both (``pipelined_options``). ``floor`` (pipelined LLM): a lower bound on
     the step of any plan holding a strategy; those above ``limit_s`` are deferred, not costed.
     """
     sizes = group_sizes(problem, module, placement)
     if "gpus" in fixed:
         sizes = [g for g in sizes if g == fixed["gpus"]]
-    verdicts: Verdicts = {}
+    verdicts = {} if verdicts is None else verdicts
     series, reason = [], None
     for g in sizes:
         if partners is not None and g not in partners:
@@ -669,17 +711,14 @@ def build_candidates(problem: Problem, placement: Placement, fixes: Fixes | None
     """
     fixes = fixes or {}
     result = Candidates(placement=placement, by_module={})
-    partners = None
+    verdicts: dict[str, Verdicts] = {m: {} for m in problem.model.module_names}
     for module in sorted(problem.model.module_names, key=lambda m: m not in ENCODER_MODULES):
-        if placement == "disjoint" and module not in ENCODER_MODULES:
-            partners = {}
-            for c in result.by_module[encoder_names(problem.model)[0]]:
-                partners.setdefault(problem.num_gpus - c.gpus, set()).add(c.grad_accum)
+        partners = None if placement == "colocated" else _partners(problem, module, result, fixes, verdicts)
         feeds = pipelined_options(problem, fixes) if module in ENCODER_MODULES else (False,)
         bounded = module == "llm" and pipeline_limit_s < math.inf and pipelined_options(problem, fixes) == (False, True)
         found = module_candidates(problem, module, placement, fixes.get(module, {}), partners, feeds,
                                   floor=pipeline_floor(problem, result) if bounded else None,
-                                  limit_s=pipeline_limit_s)
+                                  limit_s=pipeline_limit_s, verdicts=verdicts[module])
         result.by_module[module] = found.kept
         result.num_costed += found.costed
         result.deferred += found.deferred
@@ -689,6 +728,25 @@ def build_candidates(problem: Problem, placement: Placement, fixes: Fixes | None
             result.invalid[module] = found.invalid
     result.by_module = {m: result.by_module[m] for m in problem.model.module_names}
     return result
+
+
+def _partners(problem: Problem, module: str, cands: Candidates, fixes: Fixes, verdicts: Mapping[str, Verdicts]
+              ) -> dict[int, set[int]] | None:
+    """Disjoint: GPU count of ``module``'s group -> the grad_accum values the other group can match on the rest.
+    The encoder (costed first) is matched with the other module's valid strategies (found without costing them),
+    the other module with the encoder's fitting candidates; None for an encoder alone."""
+    n = problem.num_gpus
+    others = [m for m in problem.model.module_names if m not in ENCODER_MODULES]
+    if module not in ENCODER_MODULES:
+        partners: dict[int, set[int]] = {}
+        for c in cands.by_module[encoder_names(problem.model)[0]]:
+            partners.setdefault(n - c.gpus, set()).add(c.grad_accum)
+        return partners
+    if len(others) != 1:
+        return None
+    other = others[0]
+    return {n - g: valid_accums(problem, other, g, fixes.get(other, {}), verdicts[other])
+            for g in group_sizes(problem, other, "disjoint")}
 
 
 def pipeline_floor(problem: Problem, cands: Candidates) -> Callable[[ModuleStrategy], float]:

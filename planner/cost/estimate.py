@@ -24,7 +24,7 @@ from typing import Mapping
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.layer_costs import LayerCostSource
 from planner.cost.module import module_cost
-from planner.cost.phases import PHASE_KINDS, Phase, alive, data_flow_order, own_phases, step_phases
+from planner.cost.phases import PHASE_KINDS, Phase, alive, alive_bytes, data_flow_order, own_phases, step_phases
 from planner.cost.pipeline import NUM_PATHS, path_terms, pipeline_step_time
 from planner.cost.results import GIB, Estimate, MemoryBreakdown, ModuleCost
 from planner.cost.validity import check_strategy
@@ -36,8 +36,6 @@ from planner.workload import Workload, module_tokens
 __all__ = ["Estimate", "MemoryBreakdown", "ModuleCost", "combine", "estimate", "module_cost"]
 
 
-
-
 def combine(
     model: ModelSpec,
     cluster: Cluster,
@@ -47,20 +45,16 @@ def combine(
     assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
 ) -> Estimate:
     """Combine per-module costs into a plan estimate with the linear rules of this module's docstring."""
+    step = step_time_s(placement, costs, assumptions)
     if placement == "colocated":
-        step = sum(c.micro_batches_s + c.step_tail_s for c in costs.values())
         phase, memory = colocated_peak(costs, assumptions)
         groups, phases = {"all": memory}, {"all": phase}
         num_gpus = max(c.strategy.gpus for c in costs.values())
-    elif placement == "disjoint":
-        step = pipeline_step_time(*stage_terms(costs)) + max(c.step_tail_s for c in costs.values())
+    else:
         peaks = {name: disjoint_peak(c, assumptions) for name, c in costs.items()}
         groups = {name: memory for name, (_, memory) in peaks.items()}
         phases = {name: phase for name, (phase, _) in peaks.items()}
         num_gpus = sum(c.strategy.gpus for c in costs.values())
-    else:
-        raise ValueError(f"placement must be colocated or disjoint, got {placement!r}")
-    step += assumptions.step_overhead_s
     peak_group = max(groups, key=lambda g: groups[g].total)
     peak = groups[peak_group]
     usable = int(cluster.device.memory_bytes * assumptions.usable_memory_fraction)
@@ -85,6 +79,17 @@ def combine(
         binding_constraint=_binding_constraint(placement, costs, peak_group, peak, usable, fits),
         modules=dict(costs),
     )
+
+
+def step_time_s(placement: Placement, costs: Mapping[str, ModuleCost], assumptions: CostAssumptions) -> float:
+    """The step time of ``combine`` alone (the rules of this module's docstring), overhead included."""
+    if placement == "colocated":
+        step = sum(c.micro_batches_s + c.step_tail_s for c in costs.values())
+    elif placement == "disjoint":
+        step = pipeline_step_time(*stage_terms(costs)) + max(c.step_tail_s for c in costs.values())
+    else:
+        raise ValueError(f"placement must be colocated or disjoint, got {placement!r}")
+    return step + assumptions.step_overhead_s
 
 
 def module_path_terms(cost: ModuleCost) -> tuple[float, ...]:
@@ -114,17 +119,17 @@ def _overhead(assumptions: CostAssumptions) -> MemoryBreakdown:
 
 def colocated_peak(costs: Mapping[str, ModuleCost], assumptions: CostAssumptions) -> tuple[str, MemoryBreakdown]:
     """(phase name, per-GPU memory plus the overhead) of the step's heaviest moment when every GPU runs every
-    module; of equal totals the earliest phase."""
+    module; of equal totals the earliest phase (found on the totals, ``alive_bytes``; only its breakdown is built)."""
     order = data_flow_order(list(costs))
-    best = None
-    for phase in step_phases(order):
-        at = order.index(phase.module)
-        total = _overhead(assumptions)
-        for position, name in enumerate(order):
-            total = total + alive(costs[name], position, phase, at)
-        if best is None or total.total > best[1].total:
-            best = (phase.name, total)
-    return best
+    phases = step_phases(order)
+    totals = [sum(alive_bytes(costs[name], position, phase.kind, order.index(phase.module))
+                  for position, name in enumerate(order)) for phase in phases]
+    phase = phases[totals.index(max(totals))]
+    at = order.index(phase.module)
+    total = _overhead(assumptions)
+    for position, name in enumerate(order):
+        total = total + alive(costs[name], position, phase, at)
+    return phase.name, total
 
 
 def stage_peaks(placement: Placement, costs: Mapping[str, ModuleCost], assumptions: CostAssumptions
@@ -197,14 +202,22 @@ def estimate(
         for name, s in strategy.modules.items()
         for reason in check_strategy(model, name, s, cluster, workload)
     ]
-    pipelined = strategy.modules["llm"].pp > 1 if "llm" in strategy.modules else False
     problems += [f"{name}: pp={s.pp}; pipeline parallelism is planned for the LLM only"
                  for name, s in strategy.modules.items() if name != "llm" and s.pp > 1]
     if problems:
         raise ValueError("; ".join(problems))
+    return combine(model, cluster, workload, strategy.placement,
+                   module_costs(model, cluster, workload, strategy, assumptions, layer_costs), assumptions)
+
+
+def module_costs(model: ModelSpec, cluster: Cluster, workload: Workload, strategy: Strategy,
+                 assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS, layer_costs: LayerCostSource | None = None
+                 ) -> dict[str, ModuleCost]:
+    """Every module's cost under a valid whole-model strategy (``estimate`` without its checks and ``combine``)."""
+    pipelined = strategy.modules["llm"].pp > 1 if "llm" in strategy.modules else False
     firsts = strategy.first_ranks()
     num_stages = 2 if strategy.placement == "disjoint" else 1
-    costs = {
+    return {
         name: module_cost(
             model,
             name,
@@ -222,4 +235,3 @@ def estimate(
         )
         for name, s in strategy.modules.items()
     }
-    return combine(model, cluster, workload, strategy.placement, costs, assumptions)

@@ -806,9 +806,18 @@ def pipelined_step_floor_s(
     """
     s = strategy
     static = _with_measured_collectives(_static(model, module, workload, cluster, assumptions), s, layer_costs)
+    key = ("pipeline work", s.tp, s.sp, s.cp, s.micro_batch, s.recompute)  # memoised for the analytical model
+    work, weight_grad = static.sums.get(key) or _pipeline_work(static, s, layer_costs)
+    if layer_costs is None:
+        static.sums[key] = work, weight_grad
+    v = s.virtual_stages
+    filled = max(0.0, work - 2 * weight_grad) if s.pp_schedule in ZERO_BUBBLE_SCHEDULES else work
+    return (s.grad_accum - 1 / v) * work / s.pp + filled / v
+
+
+def _pipeline_work(static: _Static, s: ModuleStrategy, layer_costs: LayerCostSource | None) -> tuple[float, float]:
+    """(``S``, ``W``) of ``pipelined_step_floor_s``: one micro-batch's compute, recomputation and layer collectives
+    (each on the faster link) over every layer, and its weight-gradient passes."""
     fast, slow = (_sums(static, s, (within,) * 3, layer_costs, static.spec.layers) for within in (True, False))
     collectives = sum(min(getattr(fast, name), getattr(slow, name)) for name in ("tp_comm_s", "sp_comm_s", "cp_comm_s"))
-    work = fast.forward_s + fast.backward_s + fast.recompute_s + collectives
-    v = s.virtual_stages
-    filled = max(0.0, work - 2 * fast.weight_grad_s) if s.pp_schedule in ZERO_BUBBLE_SCHEDULES else work
-    return (s.grad_accum - 1 / v) * work / s.pp + filled / v
+    return fast.forward_s + fast.backward_s + fast.recompute_s + collectives, fast.weight_grad_s

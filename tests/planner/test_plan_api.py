@@ -8,7 +8,7 @@ from planner import api
 from planner.analysis import strategy_of
 from planner.api import Infeasible, evaluate, make_problem, max_seq, parse_fixes, plan, top_plans
 from planner.catalog import get_model
-from planner.cost import estimate
+from planner.cost import check_strategy, estimate
 from planner.schema import load_plan
 from planner.solver.explain import MAX_SEQ_SIDE_PATCHES
 from planner.strategy import ModuleStrategy, Strategy
@@ -81,6 +81,23 @@ def test_baselines_have_their_shape(best32):
     assert len({s.split("-")[1] for s in u.values()}) == 1  # the same TP degree everywhere
     z = best32.baselines["zero3"].modules
     assert all(s.startswith("DP16-TP1-SP1-CP1 ZeRO3") for s in z.values())
+
+
+@pytest.mark.parametrize("gpus", [16, 64])
+def test_each_baseline_is_the_fastest_fitting_member_of_its_family(gpus):
+    """``best_of`` skips the memory of members no faster than a fitting one; it still picks what costing every
+    member in full picks (ties: the first), whatever the members' order (in the families' own order the fastest
+    fitting member comes first here, so they are tried reversed)."""
+    from planner.baselines import _uniform, best_of, megatron_family, uniform_tp_family, zero3_family
+
+    p = make_problem(M32, gpus)
+    for name, family in (("uniform_tp", uniform_tp_family), ("zero3", zero3_family), ("megatron", megatron_family)):
+        members = [m if isinstance(m, Strategy) else _uniform(p, m) for m in family(p)][::-1]
+        full = [estimate(p.model, p.cluster, p.workload, s, p.assumptions, p.layer_costs) for s in members
+                if not any(check_strategy(p.model, n, ms, p.cluster, p.workload) for n, ms in s.modules.items())]
+        fitting = [e for e in full if e.fits]
+        assert fitting, name
+        assert best_of(p, name, members).estimate == min(fitting, key=lambda e: e.step_time_s), name
 
 
 def test_infeasible_baseline_says_why():

@@ -25,9 +25,9 @@ from planner.models import ModelSpec
 
 
 def test_divisors():
-    assert divisors(12) == [1, 2, 3, 4, 6, 12]
-    assert divisors(1) == [1]
-    assert divisors(49) == [1, 7, 49]
+    assert divisors(12) == (1, 2, 3, 4, 6, 12)
+    assert divisors(1) == (1,)
+    assert divisors(49) == (1, 7, 49)
 
 
 @pytest.mark.parametrize("placement", ["colocated", "disjoint"])
@@ -128,6 +128,32 @@ def test_disjoint_pareto_uses_time_terms_only():
     ]
     front = pareto_front(cands, "disjoint")
     assert [(c.path_ns[2], c.tail_ns, c.memory_bytes) for c in front] == [(9, 5, 50), (8, 6, 1), (11, 1, 10)]
+
+
+def test_disjoint_groups_are_costed_only_where_the_other_group_can_take_the_rest(monkeypatch):
+    """The encoder is costed on a (GPU count, grad_accum) only when the LLM has a valid strategy of that grad_accum on
+    the other GPUs, and the LLM only where a fitting encoder candidate complements it: the plan is the one without
+    that restriction, from fewer strategies costed."""
+    import planner.candidates as candidates
+    from planner.solver.cp_sat import solve
+
+    p = problem("qwen-vl-32b", 16, device="h100-80gb", batch=64, image=1344, text=512, allow_pp=True)
+    cands = build_candidates(p, "disjoint")
+    llm_accums = {g: {s.grad_accum for series in module_strategies(p, "llm", g, {}, {})[0] for s in series}
+                  for g in group_sizes(p, "llm", "disjoint")}
+    assert all(c.grad_accum in llm_accums[16 - c.gpus] for c in cands.by_module["vision"])
+    encoder = {(c.gpus, c.grad_accum) for c in cands.by_module["vision"]}
+    assert all((16 - c.gpus, c.grad_accum) in encoder for c in cands.by_module["llm"])
+
+    monkeypatch.setattr(candidates, "valid_accums", lambda *args: set(divisors(64)))
+    everywhere = build_candidates(p, "disjoint")
+    assert cands.by_module["vision"] == [c for c in everywhere.by_module["vision"]
+                                         if c.grad_accum in llm_accums[16 - c.gpus]]
+    assert len(cands.by_module["vision"]) < len(everywhere.by_module["vision"])
+    assert cands.num_costed < everywhere.num_costed
+    budget = p.usable_bytes - p.overhead_bytes
+    best, reference = solve(cands, 16, budget)[0], solve(everywhere, 16, budget)[0]
+    assert (best.objective_ns, best.choice) == (reference.objective_ns, reference.choice)
 
 
 @pytest.mark.parametrize("placement", ["colocated", "disjoint"])
