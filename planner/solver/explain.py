@@ -15,6 +15,7 @@ from planner.candidates import (
     Problem,
     build_candidates,
     divisors,
+    extend_pipelined,
     feasible,
     least_colocated_need,
     module_strategies,
@@ -153,13 +154,16 @@ def variant(problem: Problem, *, num_gpus: int | None = None, workload: Workload
 
 
 def _fits(problem: Problem, placements: list[str], fixes: Fixes) -> bool:
-    """Whether some plan of one of ``placements`` fits (no solve: ``candidates.feasible``)."""
+    """Whether some plan of one of ``placements`` fits (no solve: ``candidates.feasible``). Where the LLM may or
+    may not be pipelined, its pipelined strategies are costed only when no plan without them fits (they can only
+    add plans)."""
     for p in placements:
         try:
-            if feasible(problem, build_candidates(problem, p, fixes)):
-                return True
+            cands = build_candidates(problem, p, fixes, pipeline_limit_s=-math.inf)
         except NotImplementedError:
             continue
+        if feasible(problem, cands) or (extend_pipelined(problem, cands, math.inf) and feasible(problem, cands)):
+            return True
     return False
 
 

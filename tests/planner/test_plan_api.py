@@ -100,6 +100,18 @@ def test_each_baseline_is_the_fastest_fitting_member_of_its_family(gpus):
         assert best_of(p, name, members).estimate == min(fitting, key=lambda e: e.step_time_s), name
 
 
+@pytest.mark.slow
+def test_infeasibility_hints_count_plans_that_fit_only_pipelined():
+    """72B on 16 GPUs fits no plan at the default image, and smaller images only with the LLM pipelined: the
+    feasibility probes check the plans without PP first and must then cost the pipelined ones."""
+    hints = {}
+    for allow_pp in (True, False):
+        with pytest.raises(Infeasible) as error:
+            plan("qwen-vl-72b", 16, allow_pp=allow_pp)
+        hints[allow_pp] = "images up to" in str(error.value)
+    assert hints == {True: True, False: False}
+
+
 def test_infeasible_baseline_says_why():
     p = plan(M32, 8)
     assert p.baselines["zero3"].infeasible.startswith("does not fit: needs at least")
