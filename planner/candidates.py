@@ -36,7 +36,7 @@ import math
 import multiprocessing
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
+from typing import AbstractSet, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, LayerCostSource, ModuleCost, check_strategy, module_cost
 from planner.cost.module import feeding_pipeline, pipelined_step_floor_s
@@ -319,7 +319,7 @@ def _layout_options(
     verdicts: Verdicts,
     accums: set[int] | None,
     reasons: list[str],
-    known: set[int] = frozenset(),
+    known: AbstractSet[int] = frozenset(),
 ) -> Iterator[LayoutOption]:
     """Each layout and schedule of ``module`` on ``gpus`` GPUs with a valid strategy (``module_strategies``), what
     varies within it (grad_accum values in ``known`` are not tried); the reasons ``check_strategy`` gives for
@@ -554,10 +554,10 @@ def module_candidates(
     """The module's candidates on the GPU counts ``placement`` gives it.
 
     ``partners`` (disjoint): GPU count -> the grad_accum values the other group can match on the rest of the
-    GPUs; other sizes and values cannot be part of a plan and are not costed. ``verdicts``: the module's
-    memoised ``check_strategy`` answers, shared with an earlier enumeration. ``feeds`` (encoder): cost it for an
+    GPUs; other sizes and values cannot be part of a plan and are not costed. ``feeds`` (encoder): cost it for an
     LLM that is not pipelined, is, or both (``pipelined_options``). ``floor`` (pipelined LLM): a lower bound on
-    the step of any plan holding a strategy; those above ``limit_s`` are deferred, not costed.
+    the step of any plan holding a strategy; those above ``limit_s`` are deferred, not costed. ``verdicts``: the
+    module's memoised ``check_strategy`` answers, shared with an earlier enumeration (``valid_accums``).
     """
     sizes = group_sizes(problem, module, placement)
     if "gpus" in fixed:
