@@ -483,6 +483,8 @@ def _solve(problem: Problem, placement: str, fix: Any, top_k: int, time_limit_s:
     from planner.solver.cp_sat import DEFAULT_SETTINGS
 
     pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus, allow_pp=problem.allow_pp)
+    llm_fixes = fixes.get("llm", {})
+    check_pipelined_dataset(problem, llm_fixes.get("pp"), llm_fixes.get("sp"))
     placements = placements_to_solve(problem, placement, pinned, fixes)
     settings = DEFAULT_SETTINGS if time_limit_s is None else replace(DEFAULT_SETTINGS, time_limit_s=time_limit_s)
     if pipelined_options(problem, fixes) != (False, True):  # one world: no PP, or PP pinned
@@ -788,10 +790,26 @@ def plan(
 
 
 def _evaluated(problem: Problem, strategy: Strategy, fix: Any, reference: Mapping[str, BaselineOutcome]) -> Plan:
+    if "llm" in strategy.modules:
+        check_pipelined_dataset(problem, strategy.modules["llm"].pp, strategy.modules["llm"].sp)
     _check_fits(problem, strategy)
     fixed = {} if fix is None else fixed_text(*parse_fixes(fix, problem.model, problem.num_gpus,
                                                            allow_pp=problem.allow_pp))
     return build_plan(problem, strategy, status="EVALUATED", num_candidates=1, fixed=fixed, reference=reference)
+
+
+def check_pipelined_dataset(problem: Problem, pp: int | None, sp: int | None) -> None:
+    """What the runtime does not run of a dataset plan's pipelined LLM (``pp`` stages, ``sp`` inside each; None:
+    not pinned), refused in one line: a dataset without packing (its micro-batches have no budget to pad to), and
+    Ulysses SP inside the stages (each micro-batch's samples split the sequence differently)."""
+    if problem.dataset is None or pp in (None, 1):
+        return
+    if problem.dataset.pack_tokens is None:
+        raise ValueError(f"llm.pp={pp} on a dataset needs packing: a pipelined LLM's micro-batches are padded to the "
+                         "pack budget (plan with packs, or without pinning llm.pp)")
+    if sp not in (None, 1):
+        raise ValueError(f"llm.pp={pp} with llm.sp={sp} on a dataset is not run: a dataset plan's pipelined LLM runs "
+                         "without SP inside its stages (drop one of the two)")
 
 
 def _check_fits(problem: Problem, strategy: Strategy) -> None:

@@ -91,9 +91,10 @@ class Problem:
 
     @property
     def searches_pp(self) -> bool:
-        """Whether pipeline parallelism is in the space: asked for, and not a plan for a dataset's packs, whose
-        micro-batches differ in shape (the runtime's schedule needs one)."""
-        return self.allow_pp and self.dataset is None
+        """Whether pipeline parallelism is in the space: asked for, and the micro-batches can take one shape (the
+        runtime's schedule needs one): a fixed-shape plan, or a dataset's packs padded to their budget (not a
+        dataset without packing)."""
+        return self.allow_pp and (self.dataset is None or self.dataset.pack_tokens is not None)
 
     @property
     def num_gpus(self) -> int:
@@ -272,15 +273,17 @@ def _schedules(pp: int, fixed: Mapping[str, int | str]) -> list[tuple[str, int]]
 def _layouts(problem: Problem, module: str, gpus: int, fixed: Mapping[str, int | str]) -> list[tuple[int, ...]]:
     """(pp, dp, tp, sp, cp) grids of ``gpus`` GPUs whose dp divides the global batch, honouring ``fixed``; Ulysses
     SP inside pipeline stages only with ``sp`` pinned (``--fix llm.sp=K``): searched, it nearly doubles the PP
-    search (1,024 GPUs: 13.1 s against 6.5 s here) for plans that pay only on long LLM sequences."""
+    search (1,024 GPUs: 13.1 s against 6.5 s here) for plans that pay only on long LLM sequences; never on a
+    dataset's packs (``api.check_pipelined_dataset``)."""
     batch = problem.workload.global_batch
+    sp_in_stages = "sp" in fixed and problem.dataset is None
     grids = [(dp, tp, sp) for dp in _choices(divisors(batch), fixed, "dp")
              for tp in _choices(divisors(problem.cluster.devices_per_node), fixed, "tp")
              for sp in _choices(sp_degrees(problem.model, module), fixed, "sp")]
     layouts = []
     for pp in pipeline_degrees(problem, module, gpus, fixed):
         for dp, tp, sp in grids:
-            if batch % dp or gpus % (pp * dp * tp * sp) or (pp > 1 and sp > 1 and "sp" not in fixed):
+            if batch % dp or gpus % (pp * dp * tp * sp) or (pp > 1 and sp > 1 and not sp_in_stages):
                 continue
             cp = gpus // (pp * dp * tp * sp)
             if cp > 1 and not (problem.allow_ring_cp or "cp" in fixed):

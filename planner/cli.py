@@ -258,7 +258,7 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def _dataset_lines(w) -> list[str]:
+def _dataset_lines(w, pipelined: bool) -> list[str]:
     d = w.dataset
     tokens = "; ".join(f"{m} p50 {t.p50:,.0f} p95 {t.p95:,.0f} max {t.max:,.0f}" for m, t in d.tokens_per_sample.items())
     skipped = ", ".join(f"{n} {why}" for why, n in d.skipped.items()) or "none"
@@ -271,13 +271,15 @@ def _dataset_lines(w) -> list[str]:
     return [f"dataset    {d.source}: {d.samples:,} samples (skipped: {skipped}); text {d.text_tokens}",
             f"           tokens/sample {tokens}",
             f"           {packing}; mean pack {w.module_tokens['llm']:,} LLM tokens, heaviest pack {heaviest} "
-            f"(memory holds it); {w.global_batch} packs/step"]
+            f"(memory holds it); {w.global_batch} packs/step"] + (
+        [f"           the pipelined LLM pads every pack to {d.pack_tokens:,} tokens (one shape for its schedule): "
+         f"{1 - d.packing_efficiency:.1%} of its tokens are padding, priced"] if pipelined else [])
 
 
 def _workload_line(plan) -> str:
     w = plan.workload
     if w.dataset is not None:
-        return "\n".join(_dataset_lines(w))
+        return "\n".join(_dataset_lines(w, plan.module("llm").pp > 1))
     parts = []
     if w.vision_tokens is not None:
         parts.append(f"{w.vision_tokens:,} vision tokens")

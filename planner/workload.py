@@ -94,6 +94,35 @@ def packed_workload(packs: PackedTokens, global_batch: int) -> Workload:
     return Workload(global_batch=global_batch, packs=full)
 
 
+def pipeline_padded(workload: Workload) -> Workload:
+    """A dataset workload as a pipelined LLM runs it: every pack's LLM sequence padded to the pack budget (torch's
+    pipeline schedule exchanges one shape per micro-batch), the padding one-token segments (each pad token attends
+    to itself only, ``runtime.llm.pad_packed_row``), so a pack of ``n`` tokens and squared segments ``q`` costs as
+    ``budget`` tokens and ``q + budget - n``. Other modules' tokens are unchanged; without packs or without a
+    budget, the workload itself. Memoised by identity."""
+    packs = workload.packs
+    if packs is None or packs.pack_tokens is None:
+        return workload
+    found = _PADDED.get(id(workload))
+    if found is None or found[0] is not workload:
+        if len(_PADDED) >= 64:
+            _PADDED.clear()
+        budget = packs.pack_tokens
+
+        def padded(tokens: tuple[tuple[str, ModuleTokens], ...]) -> tuple[tuple[str, ModuleTokens], ...]:
+            return tuple((m, replace(t, tokens=budget, segment_squares=t.squared_segments + budget - t.tokens)
+                          if m == "llm" else t) for m, t in tokens)
+
+        heavy = replace(packs, mean=padded(packs.heaviest), heaviest=padded(packs.heaviest), heaviest_workload=None)
+        full = replace(packs, mean=padded(packs.mean), heaviest=padded(packs.heaviest),
+                       heaviest_workload=Workload(global_batch=workload.global_batch, packs=heavy))
+        found = _PADDED[id(workload)] = (workload, replace(workload, packs=full))
+    return found[1]
+
+
+_PADDED: dict[int, tuple[Workload, Workload]] = {}
+
+
 def round_to_multiple(pixels: int, factor: int) -> int:
     """Round an image side to the nearest multiple of ``factor`` (at least one), as Qwen-VL's smart_resize does."""
     return max(factor, round(pixels / factor) * factor)

@@ -16,6 +16,10 @@ A packed micro-batch (a dataset plan) is one row of samples back to back: attent
 position rows, each sample's own text positions), and the M-RoPE positions are each sample's own
 (``packed_position_ids``).
 
+A pipelined LLM's schedule exchanges one shape, so its packed rows are padded to the micro-batch's budget
+(``pad_packed_row``): each pad token is a sequence of its own (position 0: it attends to itself only) without a
+target.
+
 Shape legend: B samples (1 when packed), L whole sequence, s this rank's slice.
 """
 
@@ -97,3 +101,23 @@ def packed_position_ids(batch: dict[str, torch.Tensor], rope_index: Any) -> torc
         rows.append(torch.cat([torch.arange(length).view(1, 1, length), mrope]))
         at, images = at + length, images + count
     return torch.cat(rows, dim=-1)
+
+
+PAD_TOKEN_ID = 0
+"""Token id of a pipelined packed row's padding: any id but the image token's does (a pad sees only itself and has
+no target, so its embedding reaches nothing that counts)."""
+
+
+def pad_packed_row(input_ids_1L: torch.Tensor, position_ids_41L: torch.Tensor, labels_1L: torch.Tensor, length: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A packed row's ids, 4 position rows and labels padded to ``length`` tokens: pad ids, every position 0 (each
+    pad token a sequence of its own in transformers' packed-sequence mask), IGNORE_INDEX labels.
+
+    Raises:
+        ValueError: the row is longer than ``length``.
+    """
+    pad = length - input_ids_1L.shape[-1]
+    if pad < 0:
+        raise ValueError(f"a packed row of {input_ids_1L.shape[-1]} tokens is longer than its budget of {length}")
+    return (F.pad(input_ids_1L, (0, pad), value=PAD_TOKEN_ID), F.pad(position_ids_41L, (0, pad), value=0),
+            F.pad(labels_1L, (0, pad), value=IGNORE_INDEX))

@@ -172,6 +172,13 @@ class PackedConversations:
             self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.packs)))
         return self.packs[int(self._order[1][at])]
 
+    def most_image_tokens(self, packs: int) -> int:
+        """The most LLM image tokens any ``packs`` packs hold together (what a pipelined LLM's first stage pads a
+        micro-batch's image rows to)."""
+        per_pack = sorted((sum(n for i in pack for _, n in self.samples[i].image_spans) for pack in self.packs),
+                          reverse=True)
+        return sum(per_pack[:packs])
+
     def pack_tokens(self, pack: list[int]) -> int:
         return sum(self.samples[i].length for i in pack)
 

@@ -9,7 +9,9 @@ sit in one ``PipelinedLanguageModel`` (what the optimizer and the checkpoint cod
 gradients first, weight gradients deferred into the bubble) runs every micro-batch of the step.
 
 Inputs of a step, all micro-batches at once (the schedule splits them on the batch dim): the first stage takes the
-token ids and the hand-off's image rows ``[B, M, D]`` (every sample of a fixed-shape plan has M image tokens); every
+token ids and the hand-off's image rows ``[B, M, D]`` (every sample of a fixed-shape plan has M image tokens; a
+dataset plan's micro-batch is one packed row padded to its budget, its image rows zero-padded to M, the most its
+packs can hold: runtime.llm.pad_packed_row); every
 stage takes the M-RoPE positions (a keyword, split on its batch dim 1) and recomputes its rotary embedding; the last
 stage's output goes to the loss with the targets. The image rows are a leaf: their gradient is the hand-back.
 

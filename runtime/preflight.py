@@ -69,9 +69,13 @@ def check_pipeline(plan: Plan, module: Any) -> None:
     name = f"{module.name}: pipeline parallelism (pp={module.pp})"
     if module.name != "llm":
         raise NotImplementedError(f"{name} is run for the LLM only")
-    if plan.workload.dataset is not None:
-        raise NotImplementedError(f"{name} on a dataset plan's packs is not run yet (the schedule needs one "
-                                  "micro-batch shape): plan with --image-size/--text-tokens")
+    dataset = plan.workload.dataset
+    if dataset is not None and dataset.pack_tokens is None:
+        raise NotImplementedError(f"{name} on a dataset without packing is not run (its micro-batches are padded to "
+                                  "the pack budget, and this plan has none): plan with packs")
+    if dataset is not None and module.sp > 1:
+        raise NotImplementedError(f"{name} with sp={module.sp} on a dataset plan is not run (each micro-batch's "
+                                  "samples split the sequence differently): plan without one of the two")
     config = plan.model.hf_config
     if config.get("tie_word_embeddings") or config.get("text_config", {}).get("tie_word_embeddings"):
         raise NotImplementedError(f"{name} with lm_head tied to the embedding (first and last stage) is not run yet")

@@ -43,7 +43,7 @@ from runtime.data import (
     token_sequence,
 )
 from runtime.handoff import Handoff, Posted, Routes
-from runtime.llm import LLMShard, image_slots_per_rank, packed_position_ids, shard_llm_batch
+from runtime.llm import LLMShard, image_slots_per_rank, packed_position_ids, pad_packed_row, shard_llm_batch
 from runtime.checkpoint import HFFolder, TensorSource, materialize, save_hf_folder
 from runtime.dcp_checkpoint import Unfilled, load_checkpoint
 from runtime.model import RandomInit, hf_config_from_dict, meta_model, split_model
@@ -140,11 +140,11 @@ class Trainer:
                                hidden=config.get_text_config().hidden_size, rank=self.rank,
                                dtype=self._handoff_dtype(), device=self.device)
         self._fixed_routes = None if self.packed else self._layout_routes()
-        self.schedule = None
+        self.schedule, self.pipeline_shapes = None, None
         if self.dims["llm"].pp_enabled and "llm" in self.modules:
-            self.schedule = build_schedule(self.modules["llm"], self.dims["llm"], self.device,
-                                           self._micro_batch_shapes(config), self._pipeline_loss,
-                                           functools.partial(self._timed, "pp_compute_s"))
+            self.pipeline_shapes = self._micro_batch_shapes(config)
+            self.schedule = build_schedule(self.modules["llm"], self.dims["llm"], self.device, self.pipeline_shapes,
+                                           self._pipeline_loss, functools.partial(self._timed, "pp_compute_s"))
         if self.packed:
             check_vision_windows(self.source, self.dims["vision"], self.vision_config)
         self.step = 0
@@ -217,7 +217,7 @@ class Trainer:
 
     def _packed_routes(self, micro: int) -> Routes:
         """The hand-off routes of packed micro-batch ``micro``, from the index alone (no sample is built)."""
-        vision, llm = self.dims["vision"], self.dims["llm"]
+        vision, llm = self.dims["vision"], self._receiving_llm
         index = self.source.samples
         positions = []
         for d in range(vision.dp):
@@ -243,15 +243,21 @@ class Trainer:
         return torch.tensor(sizes * samples)
 
     def _micro_batch_shapes(self, config) -> MicroBatchShapes:
-        """What one micro-batch of the pipelined LLM looks like at this rank's chunk boundaries (a fixed-shape plan;
-        under SP, the rank's slice of every sequence)."""
+        """What one micro-batch of the pipelined LLM looks like at this rank's chunk boundaries: a fixed-shape
+        plan's samples (under SP, the rank's slice of every sequence), or a dataset plan's packed row padded to the
+        micro-batch's budget, with room for the most image tokens its packs can hold (``pad_packed_row``)."""
         text, dims = config.get_text_config(), self.dims["llm"]
-        template = self._sample_ids()
-        bounds = split_sequence(len(template), dims.sp)
-        j = dims.coordinate(self.rank)["sp"]
-        ids = template[bounds[j]:bounds[j + 1]]
-        return MicroBatchShapes(samples=dims.micro_batch, seq_len=len(ids),
-                                image_tokens=int((ids == self.layout.image_token_id).sum()), hidden=text.hidden_size,
+        if self.packed:
+            samples, seq_len = 1, dims.micro_batch * self.source.budget
+            image_tokens = self.source.most_image_tokens(dims.micro_batch)
+        else:
+            template = self._sample_ids()
+            bounds = split_sequence(len(template), dims.sp)
+            j = dims.coordinate(self.rank)["sp"]
+            ids = template[bounds[j]:bounds[j + 1]]
+            samples, seq_len = dims.micro_batch, len(ids)
+            image_tokens = int((ids == self.layout.image_token_id).sum())
+        return MicroBatchShapes(samples=samples, seq_len=seq_len, image_tokens=image_tokens, hidden=text.hidden_size,
                                 vocab=text.vocab_size, compute_dtype=self.precision["llm"].compute_dtype,
                                 handoff_dtype=self._handoff_dtype(), rows_require_grad=not self.dims["vision"].frozen)
 
@@ -348,16 +354,18 @@ class Trainer:
         """This rank's slice of micro-batch ``micro`` for the LLM (the whole sequences without SP)."""
         if micro not in self._llm_shards:
             dims, batch = self.dims["llm"], self._samples(micro, "llm")
-            segments = None
+            ids, labels, segments = batch["input_ids"], batch["labels"], None
             if self.packed:
                 position_ids = packed_position_ids(batch, self.rope_index)
                 segments = tuple(batch["sample_lens"].tolist())
+                if self.pipeline_shapes is not None:
+                    ids, position_ids, labels = pad_packed_row(ids, position_ids, labels, self.pipeline_shapes.seq_len)
             else:
-                position_ids, _ = self.rope_index(batch["input_ids"], mm_token_type_ids=batch["mm_token_type_ids"],
+                position_ids, _ = self.rope_index(ids, mm_token_type_ids=batch["mm_token_type_ids"],
                                                   image_grid_thw=batch["image_grid_thw"])
             sp_group = dims.grid_mesh["sp"].get_group() if dims.sp_enabled else None
             self._llm_shards[micro] = _to_device(shard_llm_batch(
-                batch["input_ids"], position_ids, batch["labels"], sp_rank=dims.coordinate(self.rank)["sp"],
+                ids, position_ids, labels, sp_rank=dims.coordinate(self.rank)["sp"],
                 sp_group=sp_group, sp=dims.sp, segment_lens=segments,
             ), self.device)
         return self._llm_shards[micro]
@@ -525,11 +533,12 @@ class Trainer:
         position_ids = torch.cat([s.position_ids_3Bs for s in shards], dim=1)
         chunks = self.modules["llm"].ids
         first, last = 0 in chunks, len(dims.pp_layers) - 1 in chunks
-        for chunk in self.modules["llm"].chunks:  # a fixed-shape plan: every micro-batch has the same slices
+        for chunk in self.modules["llm"].chunks:  # every micro-batch has the same slices (SP: fixed-shape plans only)
             chunk.ulysses_group = shards[0].ulysses
         inputs, rows = (), None
-        if first:
-            per_micro = [e.reshape(dims.micro_batch, -1, e.shape[-1]) for e in embeds]
+        if first:  # a packed row's image tokens padded to the stage's room for them (zero rows no token takes)
+            per_micro = [F.pad(e, (0, 0, 0, self.pipeline_shapes.image_tokens - len(e)))[None] if self.packed
+                         else e.reshape(dims.micro_batch, -1, e.shape[-1]) for e in embeds]
             rows = torch.cat(per_micro).requires_grad_(not self.dims["vision"].frozen)
             inputs = (torch.cat([s.input_ids_Bs for s in shards]), rows)
         losses: list[torch.Tensor] = []
@@ -542,7 +551,8 @@ class Trainer:
         loss = sum((float((l.full_tensor() if isinstance(l, DTensor) else l).detach()) for l in losses), 0.0)
         if rows is None or rows.grad is None:
             return [None] * self.num_micro_batches, loss
-        return [g.reshape(-1, g.shape[-1]) for g in rows.grad.chunk(self.num_micro_batches)], loss
+        grads = rows.grad.chunk(self.num_micro_batches)
+        return [g.reshape(-1, g.shape[-1])[:len(e)] for g, e in zip(grads, embeds)], loss
 
     def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The schedule's loss of one micro-batch on the last stage (``_loss`` over the step's target tokens)."""

@@ -42,7 +42,7 @@ from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, LayerSpec, ModelSpec, ModuleSpec
 from planner.schema import ZERO_BUBBLE_SCHEDULES
 from planner.strategy import ModuleStrategy, Placement, Precision
-from planner.workload import ModuleTokens, Workload, module_tokens
+from planner.workload import ModuleTokens, Workload, module_tokens, pipeline_padded
 
 _UNUSED_LINK = Link(bandwidth=1.0, latency=0.0)
 
@@ -423,16 +423,20 @@ def module_cost(
         layer_costs: Optional measured per-layer source; analytical where it returns None.
 
     Composes per-layer terms, model states, DP/ZeRO communication, the optimizer step and the hand-off; with
-    pp > 1, one such cost per pipeline rank (``_pipelined_cost``).
+    pp > 1, one such cost per pipeline rank (``_pipelined_cost``), a dataset's packs padded to their budget
+    (``pipeline_padded``).
     Cost: ~20 us per call when the (tp, sp, cp, micro_batch, recompute) sharding was costed before for the same
     model/workload/cluster/assumptions OBJECTS (memoised by identity: reuse them across calls), ~70 us when not.
     """
     options = dict(placement=placement, precision=precision, first_rank=first_rank, num_stages=num_stages,
                    stage_index=stage_index, assumptions=assumptions, layer_costs=layer_costs)
+    if strategy.pp > 1:
+        workload = pipeline_padded(workload)
     cost = _module_cost(model, module, cluster, workload, strategy, **options)
     heaviest = workload.heaviest()
     if heaviest is not None:
-        cost = _with_heavy_memory(cost, _module_cost(model, module, cluster, heaviest, strategy, **options))
+        heavy = _module_cost(model, module, cluster, heaviest, strategy, chunk_layers=cost.chunk_layers, **options)
+        cost = _with_heavy_memory(cost, heavy)
     return feeding_pipeline(cost) if feeds_pipeline else cost
 
 
@@ -457,12 +461,15 @@ micro-batch of the step must fit), the times the mean pack's."""
 def _module_cost(
     model: ModelSpec, module: str, cluster: Cluster, workload: Workload, strategy: ModuleStrategy, *,
     placement: Placement, precision: Precision, first_rank: int, num_stages: int, stage_index: int,
-    assumptions: CostAssumptions, layer_costs: LayerCostSource | None,
+    assumptions: CostAssumptions, layer_costs: LayerCostSource | None, chunk_layers: tuple[int, ...] | None = None,
 ) -> ModuleCost:
+    """``module_cost`` of one workload; ``chunk_layers``: a pipelined module's layer split, when another workload
+    (the mean pack's, whose memory this heaviest pack's cost gives) decided it."""
     s = strategy
     static = _with_measured_collectives(_static(model, module, workload, cluster, assumptions), s, layer_costs)
     if s.pp > 1:
-        return _pipelined_cost(static, s, precision=precision, first_rank=first_rank, layer_costs=layer_costs)
+        return _pipelined_cost(static, s, precision=precision, first_rank=first_rank, layer_costs=layer_costs,
+                               chunk_layers=chunk_layers)
     in_flight = 1 if placement == "colocated" else min(num_stages - stage_index, s.grad_accum)
     sp_link = static.links[not _within_all(s, first_rank, cluster.devices_per_node)[1]]
     handoff = handoff_per_micro_batch(static, s, placement=placement, first_rank=first_rank, sp_link=sp_link)
@@ -719,6 +726,7 @@ def encoder_handoff_bytes(static: _Static) -> tuple[float, bool]:
 
 def _pipelined_cost(
     static: _Static, s: ModuleStrategy, *, precision: Precision, first_rank: int, layer_costs: LayerCostSource | None,
+    chunk_layers: tuple[int, ...] | None = None,
 ) -> ModuleCost:
     """The cost of a pipelined module (pp > 1): one ``_part_cost`` per distinct pipeline rank (its layers, transfers
     and links; ranks alike differ only in what they keep in flight, and the first of them holds the most), then the
@@ -733,7 +741,8 @@ def _pipelined_cost(
     The schedule takes every micro-batch's encoder output at once, so stage 0 holds all of them, and their
     gradient once its first backward reaches them, for the whole schedule (``stage0_handoff_bytes``); under SP a
     stage-0 rank holds the rows of its slice of each sequence, at most a slice's worth (image tokens come first).
-    Every rank also keeps torch's per-micro-batch receive buffers (``pipeline_receive_buffer_bytes``).
+    Every rank also keeps torch's per-micro-batch receive buffers (``pipeline_receive_buffer_bytes``). The layers
+    are split by ``pipeline_chunks`` unless ``chunk_layers`` gives the split.
     """
     assumptions, dpn = static.assumptions, static.cluster.devices_per_node
     within = _within_all(s, first_rank, dpn)[:3]
@@ -746,7 +755,7 @@ def _pipelined_cost(
     slice_bytes = math.ceil(static.tokens.tokens / (s.sp * s.cp)) * hidden * assumptions.activation_bytes
     per_sample = min(per_sample, slice_bytes)
     handoff = (1 + backward) * p2p_time(s.micro_batch * per_sample, static.links[s.gpus > dpn])
-    chunks = pipeline_chunks(static, s, layer_costs, within, handoff, p2p)
+    chunks = chunk_layers or pipeline_chunks(static, s, layer_costs, within, handoff, p2p)
     parts, rank_stages = pipeline_parts(s, first_rank, dpn, chunks)
     ranks = [
         _part_cost(static, s, _rank_layers(static, chunks, rank, s.pp), precision=precision,
@@ -805,7 +814,8 @@ def pipelined_step_floor_s(
     The planner skips costing a pipelined strategy whose bound already exceeds a plan it has (exact pruning).
     """
     s = strategy
-    static = _with_measured_collectives(_static(model, module, workload, cluster, assumptions), s, layer_costs)
+    static = _with_measured_collectives(_static(model, module, pipeline_padded(workload), cluster, assumptions), s,
+                                        layer_costs)
     key = ("pipeline work", s.tp, s.sp, s.cp, s.micro_batch, s.recompute)  # memoised for the analytical model
     work, weight_grad = static.sums.get(key) or _pipeline_work(static, s, layer_costs)
     if layer_costs is None:

@@ -25,7 +25,7 @@ from planner.dataset import (
 )
 from planner.packing import balance_packs, pack_best_fit
 from planner.strategy import ModuleStrategy
-from planner.workload import PackedTokens, packed_workload
+from planner.workload import PackedTokens, packed_workload, pipeline_padded
 
 MODEL = get_model("qwen-vl-32b")
 
@@ -183,6 +183,54 @@ def test_a_packed_plan_is_timed_on_the_mean_pack_and_sized_on_the_heaviest():
     assert costs[0].total_s == costs[1].total_s < costs[2].total_s
     assert costs[0].activations_per_micro_batch_bytes == costs[2].activations_per_micro_batch_bytes
     assert costs[0].activations_per_micro_batch_bytes > costs[1].activations_per_micro_batch_bytes
+
+
+def test_a_pipelined_llm_is_costed_on_packs_padded_to_the_budget():
+    h = _histogram([(1, 100, ((448, 448),)), (2, 36, ((224, 224),)), (1, 44, ((224, 224),))])
+    packed = pack_dataset(sample_tokens(h, MODEL), MODEL, 456).packed  # packs of 456 and 208 tokens (test above)
+    workload = packed_workload(packed, 8)
+    padded = pipeline_padded(workload)
+    mean, heavy = dict(padded.packs.mean)["llm"], dict(padded.heaviest().packs.mean)["llm"]
+    assert mean.tokens == 456 and mean.squared_segments == (356**2 + 100**2 + 108**2 + 100**2) / 2 + (456 - 332)
+    assert heavy.tokens == 456 and heavy.squared_segments == 356**2 + 100**2  # full: nothing padded
+    assert dict(padded.packs.mean)["vision"] == dict(packed.mean)["vision"]
+    assert pipeline_padded(workload) is padded  # memoised
+    assert pipeline_padded(padded).packs.mean == padded.packs.mean  # padded once
+    by_hand = packed_workload(PackedTokens(mean=(("vision", dict(packed.mean)["vision"]), ("llm", mean)),
+                                           heaviest=(("vision", dict(packed.heaviest)["vision"]), ("llm", heavy)),
+                                           samples_per_pack=packed.samples_per_pack, pack_tokens=456), 8)
+    cluster = api.make_problem(MODEL, 8, profile=None).cluster
+
+    def cost(w, s):
+        return module_cost(MODEL, "llm", cluster, w, s, placement="colocated", precision="bf16_mixed", first_rank=0)
+
+    pipelined = ModuleStrategy(dp=1, pp=2, tp=4, grad_accum=2, micro_batch=4)
+    flat = ModuleStrategy(dp=1, tp=8, micro_batch=8)
+    assert cost(workload, pipelined) == cost(by_hand, pipelined)
+    assert cost(workload, flat).total_s < cost(by_hand, flat).total_s  # without PP nothing is padded
+
+
+def test_a_dataset_plan_pipelines_its_llm_on_padded_packs_or_says_why_not(tmp_path, capsys):
+    from planner.cli import main
+
+    rows = [_row(_image(tmp_path / f"{i}.png", w, h), "word " * (10 + 7 * i))
+            for i, (w, h) in enumerate([(300, 200), (640, 480), (1024, 768), (1920, 1080)] * 2)]
+    path = _write(tmp_path / "d.jsonl", rows)
+    assert api.make_problem("qwen-vl-32b", 16, dataset=str(path), profile=None).searches_pp
+    assert not api.make_problem("qwen-vl-32b", 16, dataset=str(path), profile=None, pack=False).searches_pp
+    plan = api.plan("qwen-vl-32b", 16, dataset=str(path), profile=None, fix=["llm.pp=2"])
+    assert plan.module("llm").pp == 2 and plan.workload.dataset.pack_tokens is not None
+    assert main(["--model", "qwen-vl-32b", "--gpus", "16", "--profile", "none", "--dataset", str(path),
+                 "--fix", "llm.pp=2", "--out", str(tmp_path / "p.json")]) == 0
+    d, out = plan.workload.dataset, capsys.readouterr().out
+    assert f"the pipelined LLM pads every pack to {d.pack_tokens:,} tokens (one shape for its schedule): " \
+           f"{1 - d.packing_efficiency:.1%} of its tokens are padding" in out
+    with pytest.raises(ValueError, match=r"^llm.pp=2 on a dataset needs packing: a pipelined LLM's micro-batches"):
+        api.plan("qwen-vl-32b", 16, dataset=str(path), profile=None, pack=False, fix=["llm.pp=2"])
+    sp_pinned = api.plan("qwen-vl-32b", 16, dataset=str(path), profile=None, fix=["llm.sp=2"])
+    assert sp_pinned.module("llm").sp == 2 and sp_pinned.baselines["with_pp"].infeasible  # none with SP inside
+    with pytest.raises(ValueError, match=r"^llm.pp=2 with llm.sp=2 on a dataset is not run"):
+        api.plan("qwen-vl-32b", 16, dataset=str(path), profile=None, fix=["llm.pp=2", "llm.sp=2"])
 
 
 def test_plan_for_a_dataset(tmp_path):

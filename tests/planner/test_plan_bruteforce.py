@@ -28,6 +28,7 @@ CASES = {
     "tiny-8gpu": dict(TINY, gpus=8, batch=8),
     "tiny-4gpu-packed": dict(TINY, gpus=4, batch=4, packed=True),
     "tiny-4gpu-pp": dict(TINY, gpus=4, batch=8, allow_pp=True),
+    "tiny-4gpu-packed-pp": dict(TINY, gpus=4, batch=8, packed=True, allow_pp=True),
     "tiny-8gpu-pp": dict(TINY, gpus=8, batch=16, allow_pp=True),
     "32b-h200-4gpu-pure": dict(model="qwen-vl-32b", device="h200-141gb", gpus=4, batch=4, image=448, text=128,
                                precision="bf16_pure"),
@@ -35,7 +36,8 @@ CASES = {
                                precision="bf16_pure", gpus_per_node=1, allow_pp=True),  # the optimum pipelines
     "32b-h100-8gpu": dict(model="qwen-vl-32b", device="h100-80gb", gpus=8, batch=8, image=896, text=256),
 }
-FAST = ["tiny-2gpu", "tiny-4gpu", "tiny-4gpu-cp", "tiny-4gpu-packed", "tiny-4gpu-pp", "32b-h200-4gpu-pure"]
+FAST = ["tiny-2gpu", "tiny-4gpu", "tiny-4gpu-cp", "tiny-4gpu-packed", "tiny-4gpu-pp", "tiny-4gpu-packed-pp",
+        "32b-h200-4gpu-pure"]
 SLOW = ["tiny-8gpu", "tiny-8gpu-pp", "32b-h100-8gpu"]
 
 

@@ -52,6 +52,13 @@ def test_what_a_pipeline_does_not_run_yet_is_refused_before_ray(tmp_path):
     next(m for m in zero_bubble["modules"] if m["name"] == "llm")["zero"] = 3  # (a plan the planner never writes)
     (tmp_path / "zb.json").write_text(json.dumps(zero_bubble))
     assert_one_line_error(run_cli(str(tmp_path / "zb.json")), "interleaved_zb with zero=3")
+    pipelined = dict(pp=2, pp_layers=[2, 2], grad_accum=2)
+    (tmp_path / "sp.json").write_text(make_plan(dict(dp=2, grad_accum=2), dict(pipelined, sp=2), pack_tokens=512).to_json())
+    assert_one_line_error(run_cli(str(tmp_path / "sp.json")), "with sp=2 on a dataset plan is not run")
+    unpacked = json.loads(make_plan(dict(grad_accum=2), dict(pipelined), pack_tokens=512).to_json())
+    unpacked["workload"]["dataset"]["pack_tokens"] = None  # (a dataset plan without packing)
+    (tmp_path / "unpacked.json").write_text(json.dumps(unpacked))
+    assert_one_line_error(run_cli(str(tmp_path / "unpacked.json")), "on a dataset without packing is not run")
 
 
 @pytest.mark.slow

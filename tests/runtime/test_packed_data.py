@@ -207,6 +207,11 @@ PACKED_PLANS = {
     "vision_dp2__llm_dp2_zero3_accum2": dict(vision=dict(dp=2, grad_accum=2), llm=dict(dp=2, zero=3, grad_accum=2)),
     "vision_sp2__llm_sp2": dict(vision=dict(sp=2, micro_batch=2), llm=dict(sp=2, micro_batch=2)),
     "disjoint_vision_1__llm_dp2": dict(vision=dict(micro_batch=2), llm=dict(dp=2), placement="disjoint"),
+    "vision_dp2__llm_pp2_2_packs_per_row": dict(vision=dict(dp=2, grad_accum=2),
+                                                llm=dict(pp=2, pp_layers=[2, 2], micro_batch=2, grad_accum=2)),
+    "vision_dp4__llm_pp2xdp2_interleaved_zb": dict(vision=dict(dp=4, grad_accum=2), llm=dict(
+        pp=2, dp=2, pp_schedule="interleaved_zb", virtual_stages=2, pp_layers=[1, 1, 1, 1], micro_batch=2,
+        grad_accum=2)),
 }
 PREFETCHED = {"disjoint_vision_1__llm_dp2"}
 """Plans whose samples come from the prefetch worker."""
@@ -216,8 +221,9 @@ PREFETCHED = {"disjoint_vision_1__llm_dp2"}
 @pytest.mark.parametrize("name", list(PACKED_PLANS))
 def test_packed_parity(name, tmp_path, tokenizer_dir, ray_cluster):
     """Packed micro-batches of samples with different image sizes (vision DP, vision and LLM SP over ragged packs,
-    disjoint placement) give the loss, gradients and parameters of the single-process HF model run on the same
-    samples one at a time, each weighted by its share of the step's target tokens."""
+    disjoint placement, a pipelined LLM on rows padded to their budget) give the loss, gradients and parameters of
+    the single-process HF model run on the same samples one at a time, each weighted by its share of the step's
+    target tokens."""
     from runtime.trainer import RunOptions
     from tests.runtime.test_parity import LR, SEED, assert_parity
 
