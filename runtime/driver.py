@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from planner.rules import attention_rules, width_rule
 from planner.schema import Plan
 from runtime import preflight
 from runtime.data import layout_from_plan
@@ -26,17 +27,17 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
     vision, llm = dims["vision"], dims["llm"]
     config = hf_config_from_dict(plan.model.hf_config)
     vc, tc = config.vision_config, config.get_text_config()
-    if vc.num_heads % (vision.tp * vision.sp):
-        raise ValueError(f"vision tp*sp = {vision.tp * vision.sp} does not divide its {vc.num_heads} heads")
-    if tc.num_attention_heads % llm.tp or tc.num_key_value_heads % llm.tp:
-        raise ValueError(
-            f"llm tp = {llm.tp} does not divide its {tc.num_attention_heads} q / {tc.num_key_value_heads} kv heads"
-        )
-    if (tc.num_attention_heads // llm.tp) % llm.sp:
-        raise ValueError(
-            f"llm sp = {llm.sp} does not divide the {tc.num_attention_heads // llm.tp} attention heads of a TP rank "
-            f"(tp = {llm.tp})"
-        )
+    reasons = attention_rules(vision.tp, vision.sp, vc.num_heads, vc.num_heads, "the vision tower")
+    reasons += attention_rules(llm.tp, llm.sp, tc.num_attention_heads, tc.num_key_value_heads, "the LLM")
+    vision_width = getattr(vc, "embed_dim", None) or vc.hidden_size  # Qwen2-VL names it embed_dim
+    widths = [(vision.tp, getattr(vc, "intermediate_size", None) or int(vision_width * vc.mlp_ratio),
+               "MLP hidden width of the vision blocks"),
+              (vision.tp, vision_width * vc.spatial_merge_size**2, "input width of the patch merger"),
+              (llm.tp, tc.intermediate_size, "MLP hidden width of the LLM's decoder layers"),
+              (llm.tp, tc.vocab_size, "vocabulary entries")]
+    reasons += [problem for tp, width, what in widths if (problem := width_rule(tp, width, what))]
+    if reasons:
+        raise ValueError(reasons[0])
     if plan.workload.dataset is not None:
         return  # each packed micro-batch's shapes are known once the data is indexed
     layout = layout_from_plan(plan.workload, config)

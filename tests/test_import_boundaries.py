@@ -26,6 +26,7 @@ PLANNER_MODULES = [
     "planner.dataset",
     "planner.packing",
     "planner.data_rows",
+    "planner.rules",
 ]
 
 

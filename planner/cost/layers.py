@@ -224,6 +224,24 @@ def ring_kv_pass_time(kv_block_bytes: float, shard: Shard) -> float:
     return (shard.cp - 1) * p2p_time(kv_block_bytes, shard.cp_link)
 
 
+def replicated_kv_backward_time(layer: LayerSpec, shard: Shard) -> float:
+    """Backward all-reduces a decoder layer adds when TP is a multiple of its KV heads (each KV head replicated
+    on tp / kv ranks, as ``runtime.parallel.tensor_parallel.ReplicatedHeadsColwise`` runs it): the K and V
+    projections' input gradients (``tokens x h`` each) and their weight and bias gradients
+    (``2 (h + 1) kv d``), each summed over the TP ranks, in the activation dtype. Zero when TP divides the KV
+    heads (then k/v are column-parallel like q).
+
+    Source: Shoeybi et al. 2019 (Megatron-LM), Sec. 3: the "f" operator (identity forward, all-reduce backward)
+    on a projection whose weight every TP rank holds; all-reduce cost as ``all_reduce_time``.
+    """
+    a, s, e = layer.attention, shard, shard.assumptions.activation_bytes
+    if a is None or layer.kind != "decoder_layer" or s.tp == 1 or a.num_kv_heads % s.tp == 0:
+        return 0.0
+    inputs = 2 * all_reduce_time(s.tokens * layer.hidden_size * e, s.tp, s.tp_link)
+    weights = all_reduce_time(2 * (layer.hidden_size + 1) * a.num_kv_heads * a.head_dim * e, s.tp, s.tp_link)
+    return inputs + weights
+
+
 def _block_gemm_shapes(layer: LayerSpec, shard: Shard) -> tuple[tuple[float, float, float], ...]:
     """(m, n, k) of every GEMM of a block on one rank: QKV (fused in encoders, separate q/k/v in the decoder,
     K/V heads replicated when tp exceeds them), output projection, MLP (SwiGLU: gate, up, down)."""
@@ -290,7 +308,8 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
 
     GEMMs per Narayanan et al. 2021 (eq. 3 accounting), attention core per segment/window, elementwise
     traffic, Korthikanti activations. TP: 2 all-reduces of the block output in forward and 2 in backward
-    (Shoeybi et al. 2019, Megatron-LM, Sec. 3, Fig. 4). Ulysses exchanges only around full attention; window
+    (Shoeybi et al. 2019, Megatron-LM, Sec. 3, Fig. 4), plus ``replicated_kv_backward_time`` when TP replicates
+    KV heads. Ulysses exchanges only around full attention; window
     blocks keep whole windows on a rank. Ring CP passes KV blocks (KV + dKV in backward).
     """
     s, e, a = shard, shard.assumptions.activation_bytes, layer.attention
@@ -320,7 +339,7 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         working=_block_saved(layer, s, scores, "none"),
         buffers=buffers,
         tp_fwd=tp_ar,
-        tp_bwd=tp_ar,
+        tp_bwd=tp_ar + replicated_kv_backward_time(layer, s),
         sp_fwd=sp_fwd,
         sp_bwd=sp_fwd,
         cp_fwd=cp_fwd,

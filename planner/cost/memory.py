@@ -13,15 +13,6 @@ TP_SPLIT_KINDS = frozenset({"vision_block", "audio_block", "decoder_layer", "pat
 the patchifier, audio convolutions, audio projector and final norm are replicated on every TP rank."""
 
 
-def kv_heads_per_rank(num_kv_heads: int, degree: int) -> float:
-    """KV heads one rank holds when heads are split ``degree`` ways: ``max(kv / degree, 1)``.
-
-    When the degree exceeds the KV heads each KV head is replicated ``degree / kv`` times (Megatron-LM GQA with
-    tensor_model_parallel_size > num_query_groups; Shoeybi et al. 2019 Sec. 3 splits heads across ranks).
-    """
-    return max(num_kv_heads / degree, 1.0)
-
-
 def kv_params(layer: LayerSpec) -> float:
     """Parameters of the K and V projections (weights + biases) of a block layer: ``2 * (h + 1) * kv * d``."""
     a = layer.attention
@@ -33,17 +24,19 @@ def kv_params(layer: LayerSpec) -> float:
 def layer_params_per_rank(layer: LayerSpec, tp: int) -> float:
     """Parameters of ONE instance of ``layer`` held by one TP rank.
 
-    TP-split kinds hold ``params / tp``, except that K/V projections are replicated when tp exceeds the KV
-    heads (``kv_heads_per_rank``); other kinds are replicated. Norm weights and row-parallel biases (a few
-    thousand parameters per layer) are counted as split, a < 0.1% approximation.
+    TP-split kinds hold ``params / tp``, except the K/V projections when TP does not divide the KV heads (a
+    multiple of them): every TP rank then holds them whole (``runtime.parallel.tensor_parallel.
+    ReplicatedHeadsColwise`` keeps them ``Replicate`` and projects its own head; Megatron-LM keeps the rank's
+    one head, a difference of (kv - 1) / kv of the small GQA K/V weights). Other kinds are
+    replicated. Norm weights and row-parallel biases (a few thousand parameters per layer) are counted as split,
+    a < 0.1% approximation.
     """
     if layer.kind not in TP_SPLIT_KINDS or tp == 1:
         return float(layer.params)
     kv = kv_params(layer)
-    if kv == 0.0:
+    if kv == 0.0 or layer.attention.num_kv_heads % tp == 0:
         return layer.params / tp
-    kv_share = kv_heads_per_rank(layer.attention.num_kv_heads, tp) / layer.attention.num_kv_heads
-    return (layer.params - kv) / tp + kv * kv_share
+    return (layer.params - kv) / tp + kv
 
 
 def model_state_bytes(

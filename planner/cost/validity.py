@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 from planner.hardware import Cluster
-from planner.models import ENCODER_MODULES, ModelSpec, ModuleSpec
+from planner.models import ENCODER_MODULES, LayerSpec, ModelSpec, ModuleSpec
+from planner.rules import attention_rules, split_rule, width_rule
 from planner.schema import ZERO_BUBBLE_SCHEDULES, zero_bubble_reasons
 from planner.strategy import ModuleStrategy
-from planner.workload import Workload, module_tokens
-
-
-def heads_rule(degree: int, axis: str, num_heads: int, num_kv_heads: int, layer: str) -> str | None:
-    """A TP or Ulysses degree must divide the query heads and divide, or be a multiple of, the KV heads.
-
-    When the degree is a multiple of the KV heads, each KV head is replicated degree/num_kv_heads times
-    (Megatron-LM GQA handling); the cost model charges the replicated K/V weights and activations.
-    """
-    if num_heads % degree:
-        return f"{axis}={degree} does not divide the {num_heads} attention heads of {layer}"
-    if num_kv_heads % degree and degree % num_kv_heads:
-        return f"{axis}={degree} neither divides nor is a multiple of the {num_kv_heads} KV heads of {layer}"
-    return None
+from planner.workload import ModuleTokens, Workload, module_tokens
 
 
 def check_strategy(
@@ -54,30 +44,40 @@ def check_strategy(
     if not allow_cross_node_tp and (s.tp > cluster.devices_per_node or cluster.devices_per_node % s.tp):
         reasons.append(f"tp={s.tp} does not fit inside a node of {cluster.devices_per_node} GPUs")
     for layer in spec.layers:
-        if layer.attention is None:
-            continue
-        heads = layer.attention.num_heads
-        if s.tp > 1:
-            problem = heads_rule(s.tp, "tp", heads, layer.attention.num_kv_heads, layer.name)
-            if problem:
-                reasons.append(problem)
-        if s.sp > 1 and heads % (s.tp * s.sp):
-            reasons.append(
-                f"sp={s.sp} does not divide the {heads // s.tp if heads % s.tp == 0 else heads / s.tp:g} attention "
-                f"heads per TP rank of {layer.name} (tp={s.tp})"
-            )
+        if layer.attention is not None:
+            reasons += attention_rules(s.tp, s.sp, layer.attention.num_heads, layer.attention.num_kv_heads, layer.name)
+        reasons += [problem for width, what in _tp_widths(layer) if (problem := width_rule(s.tp, width, what))]
     if module in ENCODER_MODULES and s.cp > 1:
         reasons.append(f"{module} uses cp={s.cp}; context parallelism is implemented for the LLM only")
     tokens = module_tokens(workload, model)[module]
-    has_windows = any(layer.attention is not None and layer.attention.window_patches for layer in spec.layers)
-    if s.sp > 1 and has_windows and tokens.windows * s.micro_batch < s.sp:
-        reasons.append(
-            f"sp={s.sp} but a micro-batch has only {tokens.windows * s.micro_batch} attention windows; "
-            f"each SP rank needs at least one"
-        )
+    if s.sp > 1 and (problem := _sequence_split_reason(model, module, s, tokens)):
+        reasons.append(problem)
     if s.cp > 1 and tokens.tokens < 2 * s.cp:
         reasons.append(f"cp={s.cp} needs at least {2 * s.cp} tokens per sample, got {tokens.tokens}")
     return reasons
+
+
+def _tp_widths(layer: LayerSpec) -> list[tuple[int, str]]:
+    """(width, what) of each dimension TP splits in ``layer`` besides its attention heads."""
+    widths = []
+    if layer.mlp is not None:
+        widths.append((layer.mlp.intermediate_size, f"MLP hidden width of {layer.name}"))
+    if layer.kind == "patch_merger":
+        widths.append((layer.in_features, f"input width of {layer.name}"))
+    if layer.kind == "lm_head":
+        widths.append((layer.out_features, "vocabulary entries"))
+    return widths
+
+
+def _sequence_split_reason(model: ModelSpec, module: str, s: ModuleStrategy, tokens: ModuleTokens) -> str | None:
+    """``split_rule`` for ``module``: windows per micro-batch on window-attention blocks, merge units per
+    micro-batch on other vision towers, tokens per sample on the LLM (and audio positions)."""
+    spec = model.module(module)
+    if any(layer.attention is not None and layer.attention.window_patches for layer in spec.layers):
+        return split_rule(s.sp, math.floor(tokens.windows * s.micro_batch), "attention windows", "a micro-batch")
+    if module == "vision":
+        return split_rule(s.sp, math.floor(tokens.output_tokens * s.micro_batch), "merged tokens", "a micro-batch")
+    return split_rule(s.sp, math.floor(tokens.tokens), f"{module} tokens", "a sample")
 
 
 def pipeline_reasons(model: ModelSpec, spec: ModuleSpec, s: ModuleStrategy) -> list[str]:

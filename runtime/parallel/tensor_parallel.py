@@ -1,7 +1,9 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) with DTensor ``parallelize_module``.
 
 Per block: q/k/v (or the fused vision ``qkv``) and the MLP's gate/up projections are column-parallel, the output
-projections row-parallel, so each block needs one all-reduce forward and one backward. The LLM's embedding is
+projections row-parallel, so each block needs one all-reduce forward and one backward. When the TP degree is a
+multiple of the LLM's key/value heads (Qwen2.5-VL-3B has 2, TP up to 8), k/v are not split but replicated
+(``ReplicatedHeadsColwise``), as Megatron-LM and vLLM do for grouped-query attention. The LLM's embedding is
 vocab-parallel (row-parallel over the vocabulary) and ``lm_head`` column-parallel with its logits left sharded
 on the vocabulary, for ``loss_parallel``. Norms stay replicated.
 
@@ -15,11 +17,14 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from planner.rules import heads_rule
 
 VISION_MLP_PLANS = {
     "gate_proj": {
@@ -40,6 +45,55 @@ LLM_BLOCK_PLAN = {
     "mlp.up_proj": ColwiseParallel(),
     "mlp.down_proj": RowwiseParallel(),
 }
+"""A decoder layer whose key/value heads the TP degree divides."""
+
+
+class _SumGradients(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group`` (Megatron-LM's "f" operator)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReplicatedHeadsColwise(ParallelStyle):
+    """A k/v projection of ``num_heads`` heads over a TP degree that is a multiple of them: weight and bias stay
+    whole (``Replicate``) on every rank, each rank projects its query heads' own KV head, rank r's being head
+    ``r // (tp / num_heads)`` (the head its contiguous block of query heads reads). In backward the gradients of
+    the weight (each rank's holds only its head's rows) and of the replicated input (each rank's is its heads'
+    share) are summed over the TP ranks: one all-reduce of the projection's size and one of the input's per
+    layer and micro-batch. Input replicated, output the rank's head, local."""
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            replicated = distribute_tensor(param.data, device_mesh, [Replicate()])
+            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        module.num_heads = self.num_heads
+        module.head_of_rank = device_mesh.get_local_rank() // (device_mesh.size() // self.num_heads)
+        module.forward = types.MethodType(_own_head_projection, module)
+        return module
+
+
+def _own_head_projection(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear`` (``ReplicatedHeadsColwise``) applied to ``x`` for this rank's KV head only."""
+    group = linear.weight.device_mesh.get_group()
+    rows = linear.weight.shape[0] // linear.num_heads
+    own = slice(linear.head_of_rank * rows, (linear.head_of_rank + 1) * rows)
+    weight = _SumGradients.apply(linear.weight.to_local(), group)[own]
+    bias = None if linear.bias is None else _SumGradients.apply(linear.bias.to_local(), group)[own]
+    x = _SumGradients.apply(x.to_local() if isinstance(x, DTensor) else x, group)  # each rank's share of dL/dx
+    return F.linear(x, weight, bias)
 
 
 def qkv_to_tp_layout(t: torch.Tensor, tp: int) -> torch.Tensor:
@@ -113,8 +167,9 @@ def parallelize_llm_tp(llm: nn.Module, mesh: DeviceMesh) -> None:
     chunk (runtime.pipeline) has the embedding only on the first stage and lm_head only on the last."""
     tp = mesh.size()
     config = llm.language_model.config
-    _check_divisible("LLM attention heads", config.num_attention_heads, tp)
-    _check_divisible("LLM key/value heads", config.num_key_value_heads, tp)
+    problem = heads_rule(tp, "tensor-parallel degree", config.num_attention_heads, config.num_key_value_heads, "the LLM")
+    if problem:
+        raise ValueError(problem)
     _check_divisible("vocabulary entries", config.vocab_size, tp)
     embedding, lm_head = getattr(llm.language_model, "embed_tokens", None), getattr(llm, "lm_head", None)
     tied = embedding is not None and lm_head is not None and lm_head.weight is embedding.weight
@@ -127,5 +182,12 @@ def parallelize_llm_tp(llm: nn.Module, mesh: DeviceMesh) -> None:
     if tied:  # both are sharded on the vocabulary dim, so the shards can stay shared
         llm.lm_head.weight = llm.language_model.embed_tokens.weight
     layers = llm.language_model.layers
+    block_plan = LLM_BLOCK_PLAN
+    kv_heads = config.num_key_value_heads
+    if kv_heads % tp:
+        replicated = ReplicatedHeadsColwise(kv_heads)
+        block_plan = {**LLM_BLOCK_PLAN, "self_attn.k_proj": replicated, "self_attn.v_proj": replicated}
     for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
-        parallelize_module(block, mesh, LLM_BLOCK_PLAN)
+        parallelize_module(block, mesh, block_plan)
+        if kv_heads % tp:  # one KV head for the rank's config.num_attention_heads / tp query heads
+            block.self_attn.num_key_value_groups = config.num_attention_heads // tp

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from planner.rules import split_rule
+
 
 @dataclass(kw_only=True, frozen=True)
 class UlyssesGroup:
@@ -146,8 +148,8 @@ def split_sequence(length: int, degree: int) -> list[int]:
     Raises:
         ValueError: fewer positions than parts.
     """
-    if length < degree:
-        raise ValueError(f"a {length}-token sequence cannot be split over {degree} sequence-parallel ranks")
+    if problem := split_rule(degree, length, "tokens", "a sequence"):
+        raise ValueError(problem)
     base, extra = divmod(length, degree)
     return [part * base + min(part, extra) for part in range(degree + 1)]
 
@@ -161,8 +163,8 @@ def split_windows(cu_window_seqlens: list[int], degree: int) -> list[int]:
         ValueError: fewer windows than parts.
     """
     num_windows = len(cu_window_seqlens) - 1
-    if num_windows < degree:
-        raise ValueError(f"{num_windows} attention windows cannot be split over {degree} sequence-parallel ranks")
+    if problem := split_rule(degree, num_windows, "attention windows (or merge units)", "a micro-batch"):
+        raise ValueError(problem)
     total = cu_window_seqlens[-1]
     bounds = [0]
     for part in range(1, degree):

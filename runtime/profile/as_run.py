@@ -49,6 +49,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 from planner.catalog import get_model
 from planner.models import LayerSpec
 from planner.profiles import RECOMPUTED_KINDS, LayerPoint, Spread, load_profile, save_profile
+from planner.rules import heads_rule
 from runtime.parallel import attention
 from runtime.parallel.tensor_parallel import parallelize_llm_tp, parallelize_vision_tp
 from runtime.profile.device import free_port
@@ -81,7 +82,8 @@ def can_run_as_run(config, point: GridPoint, max_ranks: int) -> bool:
     if sp > 1:
         return kind in VISION_KINDS and _vision_splits(config.vision_config, point.seq_len, point.micro_batch, sp)
     if kind in LLM_KINDS:
-        return not (text.num_attention_heads % tp or text.num_key_value_heads % tp or text.vocab_size % tp)
+        return not (heads_rule(tp, "tp", text.num_attention_heads, text.num_key_value_heads, "the LLM")
+                    or text.vocab_size % tp)
     return kind in VISION_KINDS and config.vision_config.num_heads % tp == 0
 
 

@@ -96,6 +96,16 @@ def test_tp_all_reduces_two_forward_two_backward():
     assert t.tp_comm_s == pytest.approx(4 * all_reduce_time(64 * 128 * 2, 2, LINK))
 
 
+def test_tp_replicating_kv_heads_adds_their_backward_all_reduces():
+    # tp=4 over 2 KV heads: K and V input gradients (64 x 128 x 2 B each) and their weight + bias gradients
+    # (2 x 129 x 2 heads x 16 x 2 B) are summed over the 4 TP ranks in backward
+    t = layer_terms(DECODER, shard(tp=4))
+    block = 4 * all_reduce_time(64 * 128 * 2, 4, LINK)
+    kv = 2 * all_reduce_time(64 * 128 * 2, 4, LINK) + all_reduce_time(2 * 129 * 2 * 16 * 2, 4, LINK)
+    assert t.tp_comm_s == pytest.approx(block + kv)
+    assert layer_terms(DECODER, shard(tp=2)).tp_comm_s == pytest.approx(4 * all_reduce_time(64 * 128 * 2, 2, LINK))
+
+
 def test_full_recompute_reruns_forward_and_its_all_reduces():
     t = layer_terms(DECODER, shard(tp=2, recompute="full"))
     assert t.recompute_s == pytest.approx(t.forward_s)

@@ -9,7 +9,6 @@ from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, BytesPerParam
 from planner.cost.memory import (
     block_saved_bytes_per_token,
     bucket_bytes,
-    kv_heads_per_rank,
     kv_params,
     layer_params_per_rank,
     loss_logits_bytes,
@@ -55,19 +54,14 @@ def test_pipelined_fsdp_keeps_zero1s_weights_and_unsharded_accumulated_gradients
     assert pipelined_fsdp_state_bytes(1000, MIXED, accumulated_gradient_bytes=4.0, frozen=True) == (2000, 0.0)
 
 
-def test_kv_heads_per_rank():
-    assert kv_heads_per_rank(8, 4) == 2
-    assert kv_heads_per_rank(8, 16) == 1  # replicated twice
-
-
 def test_layer_params_per_rank_tp_and_kv_replication():
     layer = decoder_layer()
     kv = kv_params(layer)
     assert kv == 2 * (LLM_HIDDEN + 1) * LLM_KV_HEADS * LLM_HEAD_DIM  # k and v weights + biases
     assert layer_params_per_rank(layer, 1) == layer.params
     assert layer_params_per_rank(layer, 2) == pytest.approx(layer.params / 2)  # 2 KV heads split 2 ways
-    # tp=8 > 2 KV heads: each rank holds one whole KV head -> kv/2 instead of kv/8
-    assert layer_params_per_rank(layer, 8) == pytest.approx((layer.params - kv) / 8 + kv / 2)
+    # tp=8 > 2 KV heads: every rank holds the whole K/V projections (replicated), the rest split 8 ways
+    assert layer_params_per_rank(layer, 8) == pytest.approx((layer.params - kv) / 8 + kv)
 
 
 def test_replicated_kinds_are_not_split():

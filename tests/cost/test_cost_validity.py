@@ -3,7 +3,7 @@
 from cost_toys import toy_cluster, toy_model, toy_workload
 
 from planner.cost import check_strategy
-from planner.cost.validity import heads_rule
+from planner.rules import heads_rule
 from planner.strategy import ModuleStrategy
 from planner.workload import Workload
 

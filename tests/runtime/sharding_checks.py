@@ -6,7 +6,8 @@ per transformer block the layout of its first registered parameter around every 
 expectations are derived here from the plan's degrees alone (never from the runtime's sharding code):
 
 - TP (Megatron-LM): column-parallel projections (q/k/v, fused vision qkv, gate/up, fc1, merger ``mlp.0``) are
-  ``Shard(0)`` on the module's TP group, weight and bias; row-parallel ones (attention output, down, fc2, merger
+  ``Shard(0)`` on the module's TP group, weight and bias, except the LLM's k/v when TP does not divide its KV
+  heads (a multiple of them: each KV head replicated over tp / kv ranks, so k/v are whole on every TP rank); row-parallel ones (attention output, down, fc2, merger
   ``mlp.2``) ``Shard(1)``, bias replicated; the embedding and ``lm_head`` are sharded on the vocabulary (dim 0);
   everything else (norms, patch embedding) is replicated.
 - ZeRO >= 1 with dp * cp * sp > 1: every parameter is also sharded on dim 0 over the module's batch group
@@ -46,6 +47,8 @@ ROWWISE_WEIGHT = re.compile(r"(^|\.)(attn\.proj|self_attn\.o_proj|mlp\.(down_pro
 """Row-parallel linears: input features (dim 1 of the weight) split over TP; their bias is replicated."""
 VOCAB_PARALLEL = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
 """Vocabulary-parallel embedding and output projection: vocabulary rows (dim 0) split over TP."""
+KV_PROJECTION = re.compile(r"(^|\.)self_attn\.[kv]_proj\.(weight|bias)$")
+"""The LLM's key/value projections (replicated over TP when it is a multiple of their heads)."""
 BLOCK = re.compile(r"(^|\.)(blocks|layers)\.\d+$")
 """Transformer blocks: the vision tower's and the decoder's, each an FSDP unit under ZeRO."""
 
@@ -167,12 +170,20 @@ def tp_split_dim(name: str) -> int | None:
     return None
 
 
-def expected_layout(module: ModulePlan, rank: int, name: str, *, gathered: bool = False) -> Layout:
-    """The layout the plan implies for parameter ``name`` of ``module`` on ``rank``; ``gathered``: as FSDP holds it
-    between its all-gather and its reshard (no batch-group shard)."""
+def kv_heads(plan: Plan) -> int:
+    """The LLM's key/value heads, from the plan's model config."""
+    config = plan.model.hf_config
+    return config.get("text_config", config)["num_key_value_heads"]
+
+
+def expected_layout(module: ModulePlan, rank: int, name: str, *, kv_heads: int, gathered: bool = False) -> Layout:
+    """The layout the plan implies for parameter ``name`` of ``module`` on ``rank`` (of a model with ``kv_heads``
+    LLM key/value heads); ``gathered``: as FSDP holds it between its all-gather and its reshard (no batch-group
+    shard)."""
     tp_group, batch_group = axis_groups(module, rank)
     layout: Layout = {}
-    dim = tp_split_dim(name)
+    replicated_kv = module.name == "llm" and kv_heads % module.tp != 0 and KV_PROJECTION.search(name)
+    dim = None if replicated_kv else tp_split_dim(name)
     if module.tp > 1 and dim is not None:
         layout[tp_group] = f"S({dim})"
     if module.zero >= 1 and len(batch_group) > 1 and not gathered:
@@ -201,7 +212,7 @@ def assert_parameters_sharded_as_planned(plan: Plan, summaries: list[dict[str, A
             assert params, f"rank {rank}: {module_name} has no parameters"
             for name, p in params.items():
                 where = f"rank {rank} {module_name} {name}"
-                expected = expected_layout(module, rank, name)
+                expected = expected_layout(module, rank, name, kv_heads=kv_heads(plan))
                 assert p["layout"] == expected, f"{where}: layout {p['layout']}, plan implies {expected}"
                 assert p["local_shape"] == local_shape(p["shape"], expected), (
                     f"{where}: local shard {p['local_shape']} of {p['shape']}, plan implies "
@@ -246,11 +257,11 @@ def assert_gradients_sharded_as_parameters(summaries: list[dict[str, Any]]) -> N
                     )
 
 
-def expected_block_events(module: ModulePlan, rank: int, name: str) -> list[tuple[str, Layout]]:
+def expected_block_events(module: ModulePlan, rank: int, name: str, kv_heads: int) -> list[tuple[str, Layout]]:
     """(moment, layout) of a block's first parameter ``name`` around each forward of one step: sharded before the
     first forward; after a forward (and so before the next one) resharded under ZeRO-3, gathered under ZeRO-1/2."""
-    sharded = expected_layout(module, rank, name)
-    between = sharded if module.zero == 3 else expected_layout(module, rank, name, gathered=True)
+    sharded = expected_layout(module, rank, name, kv_heads=kv_heads)
+    between = sharded if module.zero == 3 else expected_layout(module, rank, name, kv_heads=kv_heads, gathered=True)
     events = []
     for micro in range(module.grad_accum):
         events += [("pre", sharded if micro == 0 else between), ("post", between)]
@@ -270,7 +281,7 @@ def assert_reshard_as_planned(plan: Plan, summaries: list[dict[str, Any]]) -> No
             if module.pp > 1:  # the schedule runs a shape-inference forward and manages FSDP's sync itself
                 continue
             name, after = summary["after_step"][module_name, block_name]
-            expected = expected_block_events(module, rank, name)
+            expected = expected_block_events(module, rank, name, kv_heads(plan))
             where = f"rank {rank} {module_name} {block_name} (ZeRO-{module.zero}, {module.grad_accum} micro-batches)"
             assert events == expected, f"{where}: {name} around its forwards {events}, plan implies {expected}"
             assert after == expected[0][1], f"{where}: {name} after the step {after}, plan implies {expected[0][1]}"

@@ -49,7 +49,7 @@ def test_split_windows_refuses_more_ranks_than_windows():
 def test_split_sequence_near_equal_contiguous():
     assert split_sequence(33, 2) == [0, 17, 33]
     assert split_sequence(10, 4) == [0, 3, 6, 8, 10]
-    with pytest.raises(ValueError, match="3-token sequence cannot be split over 4"):
+    with pytest.raises(ValueError, match="sp=4 but a sequence has only 3 tokens"):
         split_sequence(3, 4)
 
 
@@ -226,11 +226,11 @@ def test_check_resources_says_what_is_missing():
 @pytest.mark.parametrize(
     "vision, llm, placement, message",
     [
-        (dict(tp=4), dict(tp=4), "colocated", "does not divide"),
+        (dict(tp=8), dict(tp=8), "colocated", "tp=8 does not divide the 4 attention heads of the vision tower"),
         (dict(dp=2), dict(dp=2, micro_batch=2), "colocated", "samples per micro-batch"),
         (dict(dp=2, frozen=True), dict(dp=2, frozen=True), "colocated", "frozen"),
         (dict(dp=2, ranks=[0, 1]), dict(dp=2, ranks=[0, 1]), "disjoint", "different ranks"),
-        (dict(dp=3), dict(sp=3, micro_batch=3), "colocated", "llm sp = 3 does not divide the 4 attention heads"),
+        (dict(dp=3), dict(sp=3, micro_batch=3), "colocated", "sp=3 does not divide the 4 attention heads per TP rank of the LLM"),
     ],
 )
 def test_validate_plan_refuses_in_one_line(vision, llm, placement, message):
@@ -242,7 +242,7 @@ def test_validate_plan_refuses_in_one_line(vision, llm, placement, message):
 
 def test_validate_plan_refuses_more_sp_ranks_than_windows():
     plan = make_plan(dict(sp=2), dict(tp=2), image_size=(112, 112))  # 8x8 patches: a single window
-    with pytest.raises(ValueError, match="1 attention windows cannot be split over 2"):
+    with pytest.raises(ValueError, match=r"sp=2 but a micro-batch has only 1 attention windows"):
         validate_plan(plan, RunOptions())
 
 

@@ -1,0 +1,48 @@
+"""Validity rules the planner and the runtime share, so that a plan one accepts the other runs: plain numbers in,
+a one-line reason (or None / []) out. Nothing here imports the cost model, OR-Tools or torch."""
+
+from __future__ import annotations
+
+
+def heads_rule(degree: int, axis: str, num_heads: int, num_kv_heads: int, layer: str) -> str | None:
+    """A TP or Ulysses degree must divide the query heads and divide, or be a multiple of, the KV heads.
+
+    When the degree is a multiple of the KV heads, each KV head is replicated degree/num_kv_heads times
+    (Megatron-LM GQA handling); the cost model charges the replicated K/V weights and activations.
+    """
+    if num_heads % degree:
+        return f"{axis}={degree} does not divide the {num_heads} attention heads of {layer}"
+    if num_kv_heads % degree and degree % num_kv_heads:
+        return f"{axis}={degree} neither divides nor is a multiple of the {num_kv_heads} KV heads of {layer}"
+    return None
+
+
+def attention_rules(tp: int, sp: int, num_heads: int, num_kv_heads: int, layer: str) -> list[str]:
+    """Why ``tp`` x Ulysses ``sp`` cannot split the heads of an attention ``layer``: TP as ``heads_rule`` allows,
+    and SP dividing the query heads of a TP rank (KV heads are repeated for the exchange as needed). The planner
+    and the runtime both apply it."""
+    reasons = []
+    if tp > 1 and (problem := heads_rule(tp, "tp", num_heads, num_kv_heads, layer)):
+        reasons.append(problem)
+    if sp > 1 and num_heads % (tp * sp):
+        per_rank = num_heads // tp if num_heads % tp == 0 else num_heads / tp
+        reasons.append(f"sp={sp} does not divide the {per_rank:g} attention heads per TP rank of {layer} (tp={tp})")
+    return reasons
+
+
+def split_rule(sp: int, parts: int, unit: str, where: str) -> str | None:
+    """Ulysses SP splits a sequence into ``sp`` contiguous slices of at least one indivisible part each: the LLM's
+    tokens of a sample (the runtime's ``split_sequence``), a vision micro-batch's attention windows or, without
+    windows, its merge units (``split_windows``). Planner and runtime both apply it."""
+    if sp > parts:
+        return f"sp={sp} but {where} has only {parts} {unit}; each SP rank needs at least one"
+    return None
+
+
+def width_rule(tp: int, width: int, what: str) -> str | None:
+    """TP splits a layer's ``width`` (an MLP's hidden width, a patch merger's input, the vocabulary) into equal
+    parts: the runtime's column- and row-parallel pairs are DTensor ``Shard`` layouts that must split both
+    matrices alike. Planner and runtime both apply it."""
+    if tp > 1 and width % tp:
+        return f"tp={tp} does not divide the {width} {what}"
+    return None
