@@ -73,7 +73,7 @@ from runtime import trainer as trainer_module
 from runtime.data import Sample, SampleLayout, layout_from_plan, token_sequence
 from runtime.model import hf_config_from_dict
 from runtime.parallel.ulysses import split_sequence, split_windows
-from runtime.parallel_dims import ParallelDims
+from runtime.parallel_dims import ParallelDims, forget_earlier_worlds
 from runtime.pipeline import PipelinedLanguageModel
 from runtime.parallel.precision import module_precision
 from runtime.parallelize import uses_fsdp
@@ -450,7 +450,7 @@ def measure_role(plan: Plan, rank: int, options: RunOptions) -> RoleMemory:
     """Build rank ``rank``'s Trainer and run one step in a fresh fake world; its peak tensor memory."""
     start = time.perf_counter()
     world = len({r for m in plan.modules for r in m.ranks})
-    _forget_earlier_worlds()
+    forget_earlier_worlds()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         with DataDependentFakeMode(), _emulation():
@@ -473,16 +473,6 @@ def measure_role(plan: Plan, rank: int, options: RunOptions) -> RoleMemory:
         dist.destroy_process_group()
     return RoleMemory(rank=rank, ranks=[], modules=modules, peak=peak, startup_peak=startup_peak,
                       peak_at=tracker.peak_at, seconds=time.perf_counter() - start)
-
-
-def _forget_earlier_worlds() -> None:
-    """Empty DTensor's sharding-propagation caches (C++ and Python). They key on a DeviceMesh's description (rank
-    map, layout, names), not its process groups, so an earlier role's output specs would hand this role's tensors
-    that world's meshes: their groups are gone (role 2 then role 0 of a PP2 x TP2 plan fails to resolve one)."""
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
 
 
 def _device_snapshot(snapshot: dict) -> dict[str, int]:

@@ -1,8 +1,8 @@
 """Start one Ray actor per planned device and run the plan on them.
 
 Order: validate the plan (before Ray) -> attach to / start Ray -> check the cluster has the devices ->
-placement group (one bundle per device, PACK) -> actors -> rendezvous on the first actor's own address and a
-free port there -> each actor builds its Trainer -> steps, with a sharded checkpoint every K steps
+placement group (one bundle per device, PACK) -> actors -> rendezvous on a TCP store the first actor starts on
+its own address -> each actor builds its Trainer -> steps, with a sharded checkpoint every K steps
 (runtime.dcp_checkpoint).
 
 Recovery (``max_failures``): the driver waits on every step's per-rank results with ``ray.wait``, so a dead
@@ -35,6 +35,7 @@ from runtime.checkpoint_dir import CheckpointOptions, latest_checkpoint
 from runtime.dcp_checkpoint import Checkpointer
 from runtime.driver import validate_plan
 from runtime.metrics import MetricsLog, format_summary
+from runtime.parallel_dims import forget_earlier_worlds
 from runtime.preflight import check_outputs, is_cpu_plan, num_devices, save_with_fallback
 from runtime.trainer import RunOptions, Trainer
 
@@ -62,40 +63,47 @@ def check_resources(plan: Plan, resources: dict[str, float]) -> None:
         raise ValueError(f"the plan needs {need} {what} but the Ray cluster has {have} (missing {need - have} {what})")
 
 
-def _rendezvous_address() -> tuple[str, int]:
-    """This host's address as seen on the route to Ray's GCS, and a free TCP port on it."""
+def _rendezvous_host() -> str:
+    """This host's address as seen on the route to Ray's GCS."""
     gcs_host = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((gcs_host, 1))
-        host = probe.getsockname()[0]
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return host, s.getsockname()[1]
+        return probe.getsockname()[0]
 
 
 @ray.remote
 class Worker:
-    """One device: a member of the torch.distributed world, holding one Trainer."""
+    """One device: a member of the torch.distributed world, holding one Trainer. A worker of a ``WorkerPool``
+    serves job after job: ``close`` leaves its world, ``setup`` joins the next."""
 
-    def __init__(self, rank: int, world_size: int, threads: int):
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, rank: int, threads: int):
+        self.rank = rank
         torch.set_num_threads(threads)
         self.trainer: Trainer | None = None
         self.checkpointer: Checkpointer | None = None
+        self.store: dist.TCPStore | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:
-        return _rendezvous_address()
+        """Start the job's rendezvous store here (rank 0) on a port the OS picks as it binds (no window in which
+        another socket can take a port found free); its address."""
+        self.store = dist.TCPStore(_rendezvous_host(), 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        return self.store.host, self.store.port
 
-    def setup(self, plan_json: str, address: tuple[str, int], options: RunOptions) -> int:
+    def setup(self, plan_json: str, address: tuple[str, int], options: RunOptions, world_size: int) -> int:
         """Join the process group and build the Trainer; returns the steps already done (resumed)."""
         plan = Plan.model_validate_json(plan_json)
         backend = "gloo" if is_cpu_plan(plan) else "nccl"
         if backend == "nccl":
             torch.cuda.set_device(0)
-        dist.init_process_group(backend, init_method=f"tcp://{address[0]}:{address[1]}", rank=self.rank,
-                                world_size=self.world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        store = self.store if self.rank == 0 else dist.TCPStore(*address, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=world_size, timeout=timeout)
         self.trainer = Trainer(plan, rank=self.rank, options=options)
         return self.trainer.step
+
+    def ping(self) -> bool:
+        return True
 
     def train_step(self) -> dict[str, Any]:
         return self.trainer.train_step()
@@ -118,8 +126,10 @@ class Worker:
     def close(self) -> None:
         if self.trainer is not None:
             self.trainer.close()
+        self.trainer = self.checkpointer = self.store = None
         if dist.is_initialized():
             dist.destroy_process_group()
+        forget_earlier_worlds()
 
 
 ROOT_CAUSE_WAIT_S = 2.0
@@ -177,6 +187,7 @@ class Job:
     plan: Plan
     workers: list[Any]
     group: Any
+    """Their placement group; None for a pool's workers (the pool keeps them)."""
     steps_done: int = 0
     """Optimizer steps done when the job started (resumed from a checkpoint), then after each step."""
 
@@ -203,13 +214,52 @@ class Job:
         return merged
 
     def shutdown(self) -> None:
-        """Leave the process group where possible (a rank stuck after a peer failed cannot), then stop the actors."""
+        """Leave the process group where possible (a rank stuck after a peer failed cannot), then stop the actors;
+        a pool's workers that left their group stay up for the next job."""
         closing = [w.close.remote() for w in self.workers]
-        ray.wait(closing, num_returns=len(closing), timeout=SHUTDOWN_TIMEOUT_S)
+        done, _ = ray.wait(closing, num_returns=len(closing), timeout=SHUTDOWN_TIMEOUT_S)
+        for w, call in zip(self.workers, closing):
+            if self.group is not None or call not in done:
+                ray.kill(w)
+        _drain(closing)
+        if self.group is not None:
+            remove_placement_group(self.group)
+
+
+class WorkerPool:
+    """Warm workers that run job after job (``start(..., pool=)``), so that a job pays no process start-up (~7 s of
+    CPU importing torch and transformers per worker here): the test suite's many short jobs. Each job still joins a
+    fresh process group and builds fresh Trainers; a worker that died or was killed is replaced by a new one when
+    the next job takes it. Workers reserve no CPU slot (``num_cpus=0``): jobs take them one at a time, and a job
+    started without the pool still finds the cluster's slots free."""
+
+    def __init__(self) -> None:
+        self.workers: list[Any] = []
+
+    def take(self, n: int) -> list[Any]:
+        """Ranks 0..n-1: live workers, new ones where they died or were never started."""
+        for rank in range(n):
+            if rank < len(self.workers) and not self._alive(self.workers[rank]):
+                self.workers[rank] = self._new(rank)
+            elif rank == len(self.workers):
+                self.workers.append(self._new(rank))
+        return self.workers[:n]
+
+    def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)
-        _drain(closing)
-        remove_placement_group(self.group)
+        self.workers.clear()
+
+    @staticmethod
+    def _new(rank: int) -> Any:
+        return Worker.options(num_cpus=0).remote(rank, 1)
+
+    @staticmethod
+    def _alive(worker: Any) -> bool:
+        try:
+            return ray.get(worker.ping.remote(), timeout=SHUTDOWN_TIMEOUT_S)
+        except (ray.exceptions.RayError, TimeoutError):
+            return False
 
 
 def ensure_ray() -> None:
@@ -218,11 +268,14 @@ def ensure_ray() -> None:
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False, logging_level="ERROR")
 
 
-def start(plan: Plan, options: RunOptions, *, resource_wait_s: float = 0.0) -> Job:
+def start(plan: Plan, options: RunOptions, *, resource_wait_s: float = 0.0, pool: WorkerPool | None = None) -> Job:
     """Validate, check resources (waiting up to ``resource_wait_s`` for them: a lost node being replaced),
-    place one actor per device and build every rank's Trainer."""
+    place one actor per device (or take the pool's, CPU plans only) and build every rank's Trainer."""
     validate_plan(plan, options)
     ensure_ray()
+    if pool is not None:
+        assert is_cpu_plan(plan), "a WorkerPool serves CPU plans (its workers hold no GPU)"
+        return _set_up(plan, options, pool.take(num_devices(plan)), group=None)
     deadline = time.monotonic() + resource_wait_s
     while time.monotonic() < deadline:
         try:
@@ -241,17 +294,24 @@ def start(plan: Plan, options: RunOptions, *, resource_wait_s: float = 0.0) -> J
         Worker.options(
             num_cpus=1, num_gpus=bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
-        ).remote(rank, n, threads)
+        ).remote(rank, threads)
         for rank in range(n)
     ]
+    return _set_up(plan, options, workers, group)
+
+
+def _set_up(plan: Plan, options: RunOptions, workers: list[Any], group: Any) -> Job:
+    """Rendezvous on the first worker's address and build every rank's Trainer."""
     try:
         address = ray.get(workers[0].rendezvous_address.remote())
         plan_json = plan.model_dump_json()
-        steps_done = get_all([w.setup.remote(plan_json, address, options) for w in workers], workers)[0]
+        calls = [w.setup.remote(plan_json, address, options, len(workers)) for w in workers]
+        steps_done = get_all(calls, workers)[0]
     except BaseException:  # one rank failed: the others may be blocked in the rendezvous, stop them all
         for w in workers:
             ray.kill(w)
-        remove_placement_group(group)
+        if group is not None:
+            remove_placement_group(group)
         raise
     return Job(plan=plan, workers=workers, group=group, steps_done=steps_done)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from planner.schema import ModulePlan
 from runtime.preflight import context_parallel_refusal
@@ -156,3 +157,14 @@ class ParallelDims:
             f"{self.name}: {pipeline}DP{self.dp}-CP{self.cp}-SP{self.sp}-TP{self.tp} ZeRO{self.zero} "
             f"rc={self.recompute} mb={self.micro_batch} ga={self.grad_accum} ranks={list(self.ranks)}"
         )
+
+
+def forget_earlier_worlds() -> None:
+    """Empty DTensor's sharding-propagation caches (C++ and Python), before a process builds the meshes of another
+    world (a dry-run role, a reused worker's next job). They key on a DeviceMesh's description (rank map, layout,
+    names), not its process groups, so an earlier world's output specs would hand this world's tensors that
+    world's meshes: their groups are gone (role 2 then role 0 of a PP2 x TP2 plan fails to resolve one)."""
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()

@@ -19,3 +19,15 @@ def ray_cluster():
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def worker_pool(ray_cluster):
+    """Warm Ray workers (runtime.launcher.WorkerPool) that the parity tests' jobs reuse: each job joins a fresh
+    process group and builds fresh Trainers, without paying the workers' start-up again. Tests of start-up,
+    recovery and the command line start their own."""
+    from runtime.launcher import WorkerPool
+
+    pool = WorkerPool()
+    yield pool
+    pool.shutdown()

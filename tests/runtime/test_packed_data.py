@@ -219,7 +219,7 @@ PREFETCHED = {"disjoint_vision_1__llm_dp2"}
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PACKED_PLANS))
-def test_packed_parity(name, tmp_path, tokenizer_dir, ray_cluster):
+def test_packed_parity(name, tmp_path, tokenizer_dir, worker_pool):
     """Packed micro-batches of samples with different image sizes (vision DP, vision and LLM SP over ragged packs,
     disjoint placement, a pipelined LLM on rows padded to their budget) give the loss, gradients and parameters of
     the single-process HF model run on the same samples one at a time, each weighted by its share of the step's
@@ -231,7 +231,7 @@ def test_packed_parity(name, tmp_path, tokenizer_dir, ray_cluster):
     plan = make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, pack_tokens=PACK_TOKENS, **spec)
     options = RunOptions(seed=SEED, data=str(write_dataset(tmp_path)), tokenizer=str(tokenizer_dir),
                          prefetch=name in PREFETCHED)
-    assert_parity(plan, options)
+    assert_parity(plan, options, worker_pool)
 
 
 @pytest.mark.slow

@@ -174,12 +174,12 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (norm + 1e-6))
 
 
-def run_runtime(plan, options: RunOptions | None = None) -> dict:
+def run_runtime(plan, options: RunOptions | None = None, pool: launcher.WorkerPool | None = None) -> dict:
     """Train STEPS steps on Ray; check the parameters' layouts before the first step and FSDP's resharding during
     it. Returns each step's loss and every rank's reported pre-clip gradient norm, the first step's gradients
     un-clipped with the runtime's own reported norm (rank 0's; all ranks' are checked), and the parameters after
     the last step."""
-    job = launcher.start(plan, options or RunOptions(seed=SEED))
+    job = launcher.start(plan, options or RunOptions(seed=SEED), pool=pool)
     try:
         sharding_checks.assert_parameters_sharded_as_planned(
             plan, sharding_checks.call_on_workers(job, sharding_checks.parameter_summary)
@@ -204,9 +204,9 @@ def run_runtime(plan, options: RunOptions | None = None) -> dict:
             "params": params}
 
 
-def assert_parity(plan, options: RunOptions | None = None) -> None:
+def assert_parity(plan, options: RunOptions | None = None, pool: launcher.WorkerPool | None = None) -> None:
     ref = reference_run(plan, seed=SEED, steps=STEPS, options=options)
-    got = run_runtime(plan, options)
+    got = run_runtime(plan, options, pool)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
     for step, (norms, norm_ref) in enumerate(zip(got["grad_norms"], ref["grad_norms"])):
         for rank, norm in enumerate(norms):
@@ -224,34 +224,34 @@ def assert_parity(plan, options: RunOptions | None = None) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PLANS))
-def test_parity(name, ray_cluster):
+def test_parity(name, worker_pool):
     spec = dict(PLANS[name])
-    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec))
+    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SLOW_PLANS))
-def test_parity_more_plans(name, ray_cluster):
+def test_parity_more_plans(name, worker_pool):
     spec = dict(SLOW_PLANS[name])
-    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec))
+    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(REPLICATED_KV_PLANS))
-def test_parity_replicated_kv_heads(name, ray_cluster):
+def test_parity_replicated_kv_heads(name, worker_pool):
     spec = dict(REPLICATED_KV_PLANS[name])
-    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec))
+    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PIPELINE_PLANS))
-def test_parity_pipelined(name, ray_cluster):
+def test_parity_pipelined(name, worker_pool):
     spec = dict(PIPELINE_PLANS[name])
-    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec))
+    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
 
 
 @pytest.mark.slow
-def test_parity_on_conversations(tmp_path, ray_cluster):
+def test_parity_on_conversations(tmp_path, worker_pool):
     """Conversation samples whose answers differ in length (so the label tokens per sample and per DP replica
     differ) under DP2 x TP2 for both modules, against the single-process model on the same samples."""
     import json
@@ -267,4 +267,5 @@ def test_parity_on_conversations(tmp_path, ray_cluster):
             for i in range(8)]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     options = RunOptions(seed=SEED, data=str(tmp_path / "chat.jsonl"), tokenizer=str(save_tokenizer(tmp_path / "tok")))
-    assert_parity(make_plan(dict(dp=2, tp=2), dict(dp=2, tp=2), learning_rate=LR, text_tokens=120), options)
+    assert_parity(make_plan(dict(dp=2, tp=2), dict(dp=2, tp=2), learning_rate=LR, text_tokens=120), options,
+                  worker_pool)
