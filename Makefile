@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh clone with only python3:
 #   make plan   -> builds .venv once, then runs `plan --model qwen-vl-32b --gpus 16`
 #   make test   -> builds .venv once, then runs the whole test suite
+#   make test-fast -> the planner and cost-model tests only (the inner loop)
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -13,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e ".[runtime,notebooks,test]"
 	touch $(STAMP)
 
-.PHONY: venv plan test
+.PHONY: venv plan test test-fast
 venv: $(STAMP)
 
 plan: $(STAMP)
@@ -21,3 +22,7 @@ plan: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q --durations=25 tests
+
+# the inner loop: planner, cost model, catalog and hardware, no torch (seconds)
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m "not slow" tests/cost tests/planner tests/test_catalog.py tests/test_hardware.py

@@ -17,6 +17,8 @@ from planner.candidates import build_candidates
 from planner.cost import estimate
 from planner.solver.cp_sat import solve
 
+pytestmark = pytest.mark.slow  # each exhausts a strategy space: seconds apiece, left out of ``make test-fast``
+
 ROUNDING_S = 2e-9
 """The solver's integer nanoseconds round each of at most four terms by 0.5 ns."""
 
