@@ -18,7 +18,7 @@
    ``--resume DIR`` keeps their metrics files in DIR and reuses the finished ones (an interrupted benchmark).
 4. Prints predicted vs measured step time, the error of each (predicted / measured - 1) and the median |error|,
    the tuned and the held-out configurations apart. Two more columns calibrate (``python -m runtime.profile
-   --calibrate``: the named assumptions refitted, ``runtime.profile.calibrate.calibrate_runs``): "LOO-cal" predicts
+   --calibrate``: the named assumptions refitted, ``planner.profiles.calibrate.calibrate_runs``): "LOO-cal" predicts
    each configuration from a fit on all the others, "cal-3" from a fit on the three ``CALIBRATION_CONFIGS`` only.
 """
 
@@ -183,7 +183,7 @@ def run_plan(plan_file: Path, steps: int, metrics: Path) -> float:
     """Train the plan for ``steps`` steps (unless ``metrics`` already holds a finished run of it); the median step
     time after the first."""
     from runtime.launcher import run
-    from runtime.profile.calibrate import measured_step_time
+    from planner.profiles.calibrate import measured_step_time
     from runtime.trainer import RunOptions
 
     if not finished(metrics):
@@ -207,7 +207,7 @@ def calibrated_errors(results: list[Result], plans: list[Path], profile: Path) -
     """(each configuration's error predicted from a calibration on all the others, and from one on the
     ``CALIBRATION_CONFIGS``; None for those three)."""
     from planner.profiles import load_profile
-    from runtime.profile.calibrate import MeasuredRun, calibrate_runs
+    from planner.profiles.calibrate import MeasuredRun, calibrate_runs
 
     loaded = load_profile(profile)
     loaded.calibration = None
@@ -222,7 +222,7 @@ def calibrated_errors(results: list[Result], plans: list[Path], profile: Path) -
 
 def predict_with(run, profile, values: dict[str, float]) -> float:
     """A run's predicted step time with calibrated ``values``."""
-    from runtime.profile.calibrate import Predictor
+    from planner.profiles.calibrate import Predictor
 
     return Predictor(run, profile)(values).step_time_s
 

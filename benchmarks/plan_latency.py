@@ -7,7 +7,7 @@ candidates, both placements, tie-break, baselines, report), median of ``--repeat
 the planner's bytecode cached (``byte_compile_planner``).
 Search alone: for each N and placement, in one process, the time to enumerate, cost and prune the candidates and
 solve them with CP-SAT (with pipeline parallelism: the plans without it first, then pipelined strategies costed on
-demand, ``planner.api._solve``), and the candidates the best plan's placement handed to the solver. Workload: the ``plan`` defaults (one 1344x1344 image, 512 text
+demand, ``planner.search.solve_strategies``), and the candidates the best plan's placement handed to the solver. Workload: the ``plan`` defaults (one 1344x1344 image, 512 text
 tokens, 4 samples per GPU). Targets: whole process <= 1.5 s at 16 GPUs and <= 10 s at 1024 GPUs (issue 3); goals
 1 s and 3 s (issue 13).
 """
@@ -62,12 +62,13 @@ def whole_process_s(num_gpus: int, repeats: int, extra: list[str]) -> tuple[floa
 
 def solver_row(num_gpus: int, placement: str, allow_pp: bool, workers: int) -> dict:
     """Search timing of one placement at ``num_gpus`` GPUs."""
-    from planner.api import Infeasible, _solve, make_problem
+    from planner.api import Infeasible, make_problem
+    from planner.search import solve_strategies
 
     problem = make_problem(MODEL, num_gpus, profile=None, allow_pp=allow_pp, workers=workers)
     start = time.perf_counter()
     try:
-        best = _solve(problem, placement, None, 1, None)[0][0]
+        best = solve_strategies(problem, placement, None, 1, None)[0][0]
     except Infeasible:  # the search then also looks for what would fit
         return dict(gpus=num_gpus, placement=placement, kept=0, search_s=time.perf_counter() - start,
                     status="INFEASIBLE", step_s=float("nan"), pp=0)

@@ -28,9 +28,9 @@ import pandas as pd
 from planner.api import DEFAULT_GPU, Infeasible, evaluate, make_problem, max_seq, plan
 from planner.dataset import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, DatasetHistogram, smart_resize
 from planner.baselines import best_of, megatron_family, uniform_tp_family, zero3_family
-from planner.candidates import Problem
 from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, estimate
+from planner.problem import Problem
 from planner.cost.comm import Link
 from planner.cost.layers import Shard, layer_terms
 from planner.hardware import DeviceSpec, get_device

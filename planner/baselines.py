@@ -16,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from planner.candidates import Problem, divisors
+from planner.candidates import divisors
 from planner.cost import Estimate, check_strategy
+from planner.problem import Problem
 from planner.cost.estimate import combine, module_costs, step_time_s
-from planner.cost.results import GIB
+from planner.units import GIB
 from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Strategy
 
 BASELINE_DESCRIPTIONS = {

@@ -38,15 +38,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import AbstractSet, Callable, Iterable, Iterator, Mapping, NamedTuple
 
-from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, LayerCostSource, ModuleCost, check_strategy, module_cost
+from planner.cost import ModuleCost, check_strategy, module_cost
 from planner.cost.module import feeding_pipeline, pipelined_step_floor_s
 from planner.cost.estimate import module_path_terms
 from planner.cost.phases import alive_bytes, data_flow_order, own_peak_bytes, step_phases
-from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, ModelSpec
-from planner.schema import ZERO_BUBBLE_SCHEDULES, DatasetInfo, zero_bubble_reasons
-from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Placement, Precision
-from planner.workload import Workload
+from planner.problem import Problem
+from planner.schema import ZERO_BUBBLE_SCHEDULES, zero_bubble_reasons
+from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Placement
 
 NS_PER_S = 1_000_000_000
 """The solver's time unit is the nanosecond: integer coefficients, rounding error <= 0.5 ns per term."""
@@ -59,57 +58,6 @@ DENSE_NODE_COUNTS = 16
 
 Fixes = Mapping[str, Mapping[str, int | str]]
 """Module -> {field: pinned value}."""
-
-
-@dataclass(kw_only=True, frozen=True)
-class Problem:
-    """Everything a plan depends on, except the choices."""
-
-    model: ModelSpec
-    """The model (frozen modules already marked)."""
-    cluster: Cluster
-    """Devices and nodes."""
-    workload: Workload
-    """Sample shape and global batch."""
-    precision: Precision = "bf16_mixed"
-    """Training precision recipe."""
-    assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS
-    """Cost-model knobs."""
-    layer_costs: LayerCostSource | None = None
-    """Measured per-layer costs (a profile), or None for the analytical model alone."""
-    dataset: DatasetInfo | None = None
-    """The dataset the workload's packs come from (``planner.dataset``), recorded in the plan."""
-    allow_ring_cp: bool = False
-    """Search ring context parallelism (cp > 1). Off by default: the cost model prices it, but the runtime cannot
-    execute it yet, so a default plan is always one ``python -m runtime`` runs. ``--fix MODULE.cp=N`` pins it."""
-    allow_pp: bool = True
-    """Search pipeline parallelism of the LLM (pp > 1); ``--no-pp`` turns it off, ``--fix llm.pp=N`` pins it.
-    Pipelined strategies that cannot beat a plan already found are not costed (``pipeline_floor``)."""
-
-    workers: int = 1
-    """Processes that cost candidates (forked; ``PARALLEL_MIN_STRATEGIES``): the same plan, sooner on several cores."""
-
-    @property
-    def searches_pp(self) -> bool:
-        """Whether pipeline parallelism is in the space: asked for, and the micro-batches can take one shape (the
-        runtime's schedule needs one): a fixed-shape plan, or a dataset's packs padded to their budget (not a
-        dataset without packing)."""
-        return self.allow_pp and (self.dataset is None or self.dataset.pack_tokens is not None)
-
-    @property
-    def num_gpus(self) -> int:
-        """GPUs of the cluster."""
-        return self.cluster.num_devices
-
-    @property
-    def usable_bytes(self) -> int:
-        """Per-GPU memory the allocator can hand out (the same rounding as ``cost.combine``)."""
-        return int(self.cluster.device.memory_bytes * self.assumptions.usable_memory_fraction)
-
-    @property
-    def overhead_bytes(self) -> int:
-        """Framework allowance, once per GPU."""
-        return self.assumptions.framework_overhead_bytes
 
 
 @dataclass(kw_only=True, frozen=True)

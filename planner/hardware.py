@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
+from planner.units import GIB
+
 
 @dataclass(kw_only=True, frozen=True)
 class DeviceSpec:
@@ -99,13 +101,11 @@ PLAUSIBLE_RANGES: dict[str, PlausibleRange] = {
 256 MiB to 16 TiB of memory; memory bandwidth 1 GB/s to 100 TB/s; links 10 MB/s to 100 TB/s per direction;
 latencies 0 to 10 ms in a node and 100 ms between nodes; 1 to 1,024 devices per node; kernel launch 0 to 1 ms; host
 overlap a fraction. Together with the flag
-bounds (``planner.api``) they keep every predicted time far inside the solver's integers (``planner.solver``)."""
+bounds (``planner.problem``) they keep every predicted time far inside the solver's integers (``planner.solver``)."""
 
 
 # --- Device catalog ---------------------------------------------------------------------------------------------
 
-GiB = 2**30
-"""Datasheet "GB" of HBM is taken as GiB: the driver reports within 1% of it (H100: 81,559 MiB of 81,920)."""
 NCCL_NVLINK_HOP_LATENCY = 3.4e-6
 """Per-hop latency of NCCL's tuning model, ring/Simple over NVLink (nccl src/graph/tuning.cc hwLat, NVLS-era)."""
 NCCL_NET_HOP_LATENCY = 14.0e-6
@@ -132,10 +132,11 @@ class DeviceEntry:
     """One line for listings."""
 
 
+# datasheet "GB" of HBM is taken as GiB: the driver reports within 1% of it (H100: 81,559 MiB of 81,920)
 DEVICE_CATALOG: dict[str, DeviceEntry] = {
     "h100-80gb": DeviceEntry(
         spec=DeviceSpec(
-            name="h100-80gb", peak_bf16_flops=1979e12 / 2, memory_bytes=80 * GiB, memory_bandwidth=3.35e12,
+            name="h100-80gb", peak_bf16_flops=1979e12 / 2, memory_bytes=80 * GIB, memory_bandwidth=3.35e12,
             intra_node_bandwidth=900e9 / 2, intra_node_latency=NCCL_NVLINK_HOP_LATENCY,
             inter_node_bandwidth=400e9 / 8, inter_node_latency=NCCL_NET_HOP_LATENCY, devices_per_node=8,
             kernel_launch_latency=GPU_KERNEL_LAUNCH_LATENCY, host_overlap=GPU_HOST_OVERLAP,
@@ -148,7 +149,7 @@ DEVICE_CATALOG: dict[str, DeviceEntry] = {
     ),
     "h200-141gb": DeviceEntry(
         spec=DeviceSpec(
-            name="h200-141gb", peak_bf16_flops=1979e12 / 2, memory_bytes=141 * GiB, memory_bandwidth=4.8e12,
+            name="h200-141gb", peak_bf16_flops=1979e12 / 2, memory_bytes=141 * GIB, memory_bandwidth=4.8e12,
             intra_node_bandwidth=900e9 / 2, intra_node_latency=NCCL_NVLINK_HOP_LATENCY,
             inter_node_bandwidth=400e9 / 8, inter_node_latency=NCCL_NET_HOP_LATENCY, devices_per_node=8,
             kernel_launch_latency=GPU_KERNEL_LAUNCH_LATENCY, host_overlap=GPU_HOST_OVERLAP,
@@ -161,7 +162,7 @@ DEVICE_CATALOG: dict[str, DeviceEntry] = {
     ),
     "a100-80gb": DeviceEntry(
         spec=DeviceSpec(
-            name="a100-80gb", peak_bf16_flops=312e12, memory_bytes=80 * GiB, memory_bandwidth=2.039e12,
+            name="a100-80gb", peak_bf16_flops=312e12, memory_bytes=80 * GIB, memory_bandwidth=2.039e12,
             intra_node_bandwidth=600e9 / 2, intra_node_latency=NCCL_NVLINK_HOP_LATENCY,
             inter_node_bandwidth=200e9 / 8, inter_node_latency=NCCL_NET_HOP_LATENCY, devices_per_node=8,
             kernel_launch_latency=GPU_KERNEL_LAUNCH_LATENCY, host_overlap=GPU_HOST_OVERLAP,
@@ -174,7 +175,7 @@ DEVICE_CATALOG: dict[str, DeviceEntry] = {
     ),
     "b200": DeviceEntry(
         spec=DeviceSpec(
-            name="b200", peak_bf16_flops=36e15 / 8 / 2, memory_bytes=180 * GiB, memory_bandwidth=64e12 / 8,
+            name="b200", peak_bf16_flops=36e15 / 8 / 2, memory_bytes=180 * GIB, memory_bandwidth=64e12 / 8,
             intra_node_bandwidth=1.8e12 / 2, intra_node_latency=NCCL_NVLINK_HOP_LATENCY,
             inter_node_bandwidth=400e9 / 8, inter_node_latency=NCCL_NET_HOP_LATENCY, devices_per_node=8,
             kernel_launch_latency=GPU_KERNEL_LAUNCH_LATENCY, host_overlap=GPU_HOST_OVERLAP,
@@ -187,7 +188,7 @@ DEVICE_CATALOG: dict[str, DeviceEntry] = {
     ),
     "cpu": DeviceEntry(
         spec=DeviceSpec(
-            name="cpu", peak_bf16_flops=100e9, memory_bytes=16 * GiB, memory_bandwidth=20e9,
+            name="cpu", peak_bf16_flops=100e9, memory_bytes=16 * GIB, memory_bandwidth=20e9,
             intra_node_bandwidth=5e9, intra_node_latency=50e-6, inter_node_bandwidth=1.25e9,
             inter_node_latency=100e-6, devices_per_node=8, kernel_launch_latency=0.0, host_overlap=0.0,
             source="PLACEHOLDER, not measured: round numbers for one CPU worker process (100 GFLOP/s, 16 GiB, "

@@ -79,8 +79,8 @@ from runtime.parallel.precision import module_precision
 from runtime.parallelize import uses_fsdp
 from runtime.trainer import MODULES, RunOptions, Trainer, numerics_device_type
 from runtime.vision import window_layout
+from planner.units import GIB
 
-GIB = 1024**3
 REAL_TENSOR_LIMIT_BYTES = 16 * 1024**2
 """Integer and boolean factories at most this large make real tensors (indices, masks); larger ones are fake."""
 MICRO_BATCHES_RUN = 3

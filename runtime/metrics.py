@@ -16,8 +16,8 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from planner.schema import Plan
+from planner.units import GIB
 
-GIB = 1024**3
 TIMED = ("vision_forward_s", "vision_backward_s", "llm_forward_s", "llm_backward_s", "llm_pipeline_s", "grad_sync_s",
          "optimizer_s", "handoff_comm_s", "data_s")
 """Per-rank timers reported as the max over ranks (and each rank's own under ``ranks``)."""

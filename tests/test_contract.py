@@ -15,7 +15,8 @@ import random
 
 import pytest
 
-from planner.api import build_plan, make_problem, plan
+from planner.api import make_problem, plan
+from planner.plan_document import build_plan
 from planner.candidates import group_sizes, module_strategies
 from planner.catalog import get_model, list_models
 from planner.strategy import Strategy

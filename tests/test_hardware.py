@@ -12,7 +12,6 @@ from planner.hardware import (
     DEVICE_CATALOG,
     PLAUSIBLE_RANGES,
     check_plausible,
-    GiB,
     DeviceSpec,
     get_device,
     list_devices,
@@ -20,6 +19,7 @@ from planner.hardware import (
     make_cluster,
     override_device,
 )
+from planner.units import GIB
 
 
 def test_catalog_has_the_required_devices_with_datasheet_numbers():
@@ -100,7 +100,7 @@ def test_cluster_file_yaml_reads_numbers_written_as_strings(tmp_path):
 
 
 def test_cluster_file_defines_a_new_device(tmp_path):
-    values = {"name": "mi300x", "peak_bf16_flops": 1307e12, "memory_bytes": 192 * GiB, "memory_bandwidth": 5.3e12,
+    values = {"name": "mi300x", "peak_bf16_flops": 1307e12, "memory_bytes": 192 * GIB, "memory_bandwidth": 5.3e12,
               "intra_node_bandwidth": 64e9, "intra_node_latency": 5e-6, "inter_node_bandwidth": 50e9,
               "inter_node_latency": 1e-5, "devices_per_node": 8, "kernel_launch_latency": 4e-6,
               "host_overlap": 0.9}

@@ -27,6 +27,12 @@ PLANNER_MODULES = [
     "planner.packing",
     "planner.data_rows",
     "planner.rules",
+    "planner.units",
+    "planner.problem",
+    "planner.search",
+    "planner.plan_document",
+    "planner.profiles.calibrate",
+    "planner.profiles.compare",
 ]
 
 

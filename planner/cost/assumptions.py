@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from planner.units import GIB
+
 AttentionImplementation = Literal["flash", "sdpa_mem_efficient", "eager"]
 ATTENTION_IMPLEMENTATIONS: tuple[AttentionImplementation, ...] = ("flash", "sdpa_mem_efficient", "eager")
 
-GiB = 1024**3
 MiB = 1024**2
 
 
@@ -157,7 +158,7 @@ class CostAssumptions:
     (``_nll_loss_and_log_softmax_backward``), one fp32 copy more than the fused single-device kernels. Seen in the
     dry-run of the SP8 + TP8 32B plan (benchmarks/results/dry_run.md, 2026-12-02): at the peak, the loss backward,
     three fp32 logit-sized temporaries beside the saved log-softmax."""
-    framework_overhead_bytes: int = 3 * GiB
+    framework_overhead_bytes: int = 3 * GIB
     """Per-GPU allowance for the CUDA context, cuBLAS/NCCL workspaces and communicator buffers."""
     usable_memory_fraction: float = 0.92
     """Fraction of HBM the allocator can hand out before fragmentation makes allocations fail."""

@@ -13,7 +13,7 @@ with one boolean per (module, candidate) reproduces ``combine`` exactly:
   (``planner.cost.pipeline``), each a sum of per-module terms; each group's memory is its own module's plus the
   overhead at the group's own peak moment.
 
-Both add the constant ``step_overhead_s`` (``planner.api`` adds it to the solver's objective, which leaves it out).
+Both add the constant ``step_overhead_s`` (``planner.search`` adds it to the solver's objective, which leaves it out).
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from planner.cost.layer_costs import LayerCostSource
 from planner.cost.module import module_cost
 from planner.cost.phases import PHASE_KINDS, Phase, alive, alive_bytes, data_flow_order, own_phases, step_phases
 from planner.cost.pipeline import NUM_PATHS, path_terms, pipeline_step_time
-from planner.cost.results import GIB, Estimate, MemoryBreakdown, ModuleCost
+from planner.cost.results import Estimate, MemoryBreakdown, ModuleCost
 from planner.cost.validity import check_strategy
 from planner.hardware import Cluster
 from planner.models import ModelSpec
 from planner.strategy import Placement, Strategy
 from planner.workload import Workload, module_tokens
+from planner.units import GIB
 
 __all__ = ["Estimate", "MemoryBreakdown", "ModuleCost", "combine", "estimate", "module_cost"]
 

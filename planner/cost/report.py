@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from planner.cost.phases import own_phases
-from planner.cost.results import GIB, Estimate, MemoryBreakdown, ModuleCost
+from planner.cost.results import Estimate, MemoryBreakdown, ModuleCost
 from planner.schema import MemoryBreakdown as MemoryGiB
 from planner.schema import ModulePrediction, ModuleTime, Prediction
+from planner.units import GIB
 
 
 def memory_gib(memory: MemoryBreakdown) -> MemoryGiB:

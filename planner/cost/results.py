@@ -7,8 +7,8 @@ from typing import Mapping
 
 from planner.cost.times import PassTimes
 from planner.strategy import ModuleStrategy, Placement
+from planner.units import GIB
 
-GIB = 1024**3
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from planner.cost.assumptions import GiB, CostAssumptions
+from planner.cost.assumptions import CostAssumptions
+from planner.units import GIB
 from planner.profiles.schema import Calibration
 
 
@@ -43,7 +44,7 @@ STEP_TIME_ASSUMPTIONS: dict[str, PhysicalRange] = {
 """Assumptions fitted to measured step times, and their physical ranges."""
 
 MEMORY_ASSUMPTIONS: dict[str, PhysicalRange] = {
-    "framework_overhead_bytes": PhysicalRange(low=0.0, high=32 * GiB, prior_width=None, why="CUDA context, workspaces and "
+    "framework_overhead_bytes": PhysicalRange(low=0.0, high=32 * GIB, prior_width=None, why="CUDA context, workspaces and "
                                               "communicator buffers: 0.5-5 GiB in practice"),
 }
 """Assumptions fitted to measured peak memory."""

@@ -12,7 +12,6 @@ from typing import Mapping
 from planner.candidates import (
     Candidates,
     Fixes,
-    Problem,
     build_candidates,
     divisors,
     extend_pipelined,
@@ -22,7 +21,8 @@ from planner.candidates import (
     sp_degrees,
 )
 from planner.models import ENCODER_MODULES
-from planner.cost.results import GIB
+from planner.problem import Problem
+from planner.units import GIB
 from planner.strategy import Placement
 from planner.workload import Workload
 

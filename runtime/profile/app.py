@@ -133,14 +133,14 @@ def as_run_points(args: argparse.Namespace, model: ModelSpec, profile: Profile, 
 def run(args: argparse.Namespace) -> int:
     """Dispatch on the mode flags; returns the exit status."""
     if args.calibrate:
-        from runtime.profile.calibrate import calibrate_main
+        from planner.profiles.calibrate import calibrate_main
 
         return calibrate_main(args.calibrate, args.plan or [], out=args.out)
     if not args.model:
         raise ValueError("--model is required (a catalog name such as qwen2.5-vl-tiny, or a config.json)")
     model = get_model(args.model)
     if args.compare:
-        from runtime.profile.compare import compare_main
+        from planner.profiles.compare import compare_main
 
         return compare_main(model, Path(args.out) if args.out else profile_path(FAKE_HARDWARE, model.name))
     if args.threads:

@@ -9,8 +9,8 @@ from planner.hardware import Cluster, DeviceSpec
 from planner.models import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, ModuleSpec, VisionInputSpec
 from planner.strategy import ModuleStrategy, Strategy
 from planner.workload import Workload
+from planner.units import GIB
 
-GiB = 1024**3
 
 COMPUTE_ONLY = replace(DEFAULT_ASSUMPTIONS, host_seconds_per_op=0.0, dtensor_seconds_per_op=0.0)
 """Assumptions of the hand calculations of compute, memory and communication terms: no host dispatch cost (the toy
@@ -19,7 +19,7 @@ shapes are so small that it would bind; ``test_cost_host.py`` tests it)."""
 TOY_DEVICE = DeviceSpec(
     name="toy",
     peak_bf16_flops=1e15,
-    memory_bytes=80 * GiB,
+    memory_bytes=80 * GIB,
     memory_bandwidth=2e12,
     intra_node_bandwidth=2e11,
     intra_node_latency=1e-5,

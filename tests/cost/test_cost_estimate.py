@@ -3,10 +3,11 @@
 from dataclasses import replace
 
 import pytest
-from cost_toys import COMPUTE_ONLY, TOY_DEVICE, GiB, colocated, toy_cluster, toy_model, toy_workload
+from cost_toys import COMPUTE_ONLY, TOY_DEVICE, colocated, toy_cluster, toy_model, toy_workload
 
 from planner.cost import LayerMeasurement, ModuleCost, combine, estimate, module_cost
 from planner.strategy import ModuleStrategy, Strategy
+from planner.units import GIB
 
 A = COMPUTE_ONLY
 MODEL = toy_model()
@@ -45,19 +46,19 @@ def fake_cost(module, *, per_mb, dp_comm, states, act, buffers, in_flight=1, gpu
 
 def test_combine_colocated_is_a_sum():
     costs = {
-        "vision": fake_cost("vision", per_mb=1.0, dp_comm=0.5, states=1 * GiB, act=2 * GiB, buffers=GiB),
-        "llm": fake_cost("llm", per_mb=3.0, dp_comm=0.25, states=2 * GiB, act=5 * GiB, buffers=GiB,
-                         backward_buffers=3 * GiB),
+        "vision": fake_cost("vision", per_mb=1.0, dp_comm=0.5, states=1 * GIB, act=2 * GIB, buffers=GIB),
+        "llm": fake_cost("llm", per_mb=3.0, dp_comm=0.25, states=2 * GIB, act=5 * GIB, buffers=GIB,
+                         backward_buffers=3 * GIB),
     }
     e = combine(MODEL, CLUSTER, WORKLOAD, "colocated", costs, A)
     # step = sum (ga * per_mb + dp) = 2*1 + 0.5 + 2*3 + 0.25
     assert e.step_time_s == pytest.approx(8.75)
     # grad_accum 2: every state always (4 + 8); the heaviest moment is the LLM's backward start: both modules'
     # activations (2 + 5) and the LLM's backward buffers (3), + 3 GiB overhead; its forward has 1 GiB of buffers
-    assert e.peak_memory_bytes == 25 * GiB
+    assert e.peak_memory_bytes == 25 * GIB
     assert e.peak_phase == "llm backward start"
-    assert e.peak_breakdown.activations == 7 * GiB
-    assert e.peak_breakdown.buffers == 3 * GiB
+    assert e.peak_breakdown.activations == 7 * GIB
+    assert e.peak_breakdown.buffers == 3 * GIB
     assert e.peak_breakdown.overhead == A.framework_overhead_bytes
     assert e.peak_group == "all"
     # 8 samples x 64 LLM tokens / 8.75 s; MFU = 2e12 / (8.75 * 4 GPUs * 1e15)
@@ -71,62 +72,62 @@ def test_combine_colocated_is_a_sum():
 def test_colocated_peak_is_the_heaviest_moment_not_the_sum_of_every_part():
     # one micro-batch per step: no gradients until a module's backward has run, buffers only while it runs
     costs = {
-        "vision": fake_cost("vision", per_mb=1.0, dp_comm=0, states=GiB, act=2 * GiB, buffers=GiB, gpus=8, ga=1),
-        "llm": fake_cost("llm", per_mb=1.0, dp_comm=0, states=2 * GiB, act=5 * GiB, buffers=4 * GiB,
-                         backward_buffers=GiB, gpus=8, ga=1),
+        "vision": fake_cost("vision", per_mb=1.0, dp_comm=0, states=GIB, act=2 * GIB, buffers=GIB, gpus=8, ga=1),
+        "llm": fake_cost("llm", per_mb=1.0, dp_comm=0, states=2 * GIB, act=5 * GIB, buffers=4 * GIB,
+                         backward_buffers=GIB, gpus=8, ga=1),
     }
     e = combine(MODEL, CLUSTER, WORKLOAD, "colocated", costs, A)
     # LLM forward: weights 1 + 2, optimizer 2 + 4, activations 2 + 5, LLM forward buffers 4, no gradients; + 3
     # (the LLM's backward start has 1 GiB of buffers: 17 + 3; its end 2 GiB of gradients and no LLM activations)
     assert e.peak_phase == "llm forward"
-    assert e.peak_memory_bytes == 23 * GiB
-    assert (e.peak_breakdown.gradients, e.peak_breakdown.buffers) == (0, 4 * GiB)
+    assert e.peak_memory_bytes == 23 * GIB
+    assert (e.peak_breakdown.gradients, e.peak_breakdown.buffers) == (0, 4 * GIB)
     # summing every part as if alive at once would say 1+1+2 + 2+2+4 + 2+5 + 1+4 + 3 = 27 GiB
-    costs["llm"] = fake_cost("llm", per_mb=1.0, dp_comm=0, states=2 * GiB, act=GiB, buffers=GiB,
-                             backward_buffers=6 * GiB, gpus=8, ga=1)
+    costs["llm"] = fake_cost("llm", per_mb=1.0, dp_comm=0, states=2 * GIB, act=GIB, buffers=GIB,
+                             backward_buffers=6 * GIB, gpus=8, ga=1)
     e = combine(MODEL, CLUSTER, WORKLOAD, "colocated", costs, A)
     # LLM backward end: 9 + LLM gradients 2 + vision activations 2 + 6 > its backward start 9 + 2 + 1 + 6
-    assert (e.peak_phase, e.peak_memory_bytes) == ("llm backward end", 22 * GiB)
+    assert (e.peak_phase, e.peak_memory_bytes) == ("llm backward end", 22 * GIB)
 
 
 def test_backward_start_is_the_loss_backward_or_the_last_block_after_it():
-    vision = fake_cost("vision", per_mb=1.0, dp_comm=0, states=GiB, act=2 * GiB, buffers=0, gpus=8, ga=1)
-    llm = fake_cost("llm", per_mb=1.0, dp_comm=0, states=2 * GiB, act=5 * GiB, buffers=0, backward_buffers=3 * GiB,
+    vision = fake_cost("vision", per_mb=1.0, dp_comm=0, states=GIB, act=2 * GIB, buffers=0, gpus=8, ga=1)
+    llm = fake_cost("llm", per_mb=1.0, dp_comm=0, states=2 * GIB, act=5 * GIB, buffers=0, backward_buffers=3 * GIB,
                     gpus=8, ga=1)
     # the loss's backward: all 2 + 5 GiB of activations + 2.5 GiB of its gradients; the last block's backward after
     # it: the 2 GiB log-softmax freed, the blocks' 3 GiB of backward buffers (9 GiB of states in both)
-    at_loss = replace(llm, loss_backward_buffers_bytes=5 * GiB // 2, loss_saved_bytes=2 * GiB)
+    at_loss = replace(llm, loss_backward_buffers_bytes=5 * GIB // 2, loss_saved_bytes=2 * GIB)
     e = combine(MODEL, CLUSTER, WORKLOAD, "colocated", {"vision": vision, "llm": at_loss}, A)
-    assert (e.peak_phase, e.peak_memory_bytes) == ("llm backward start", 9 * GiB + 7 * GiB + 5 * GiB // 2 + 3 * GiB)
-    assert (e.peak_breakdown.activations, e.peak_breakdown.buffers) == (7 * GiB, 5 * GiB // 2)
-    at_block = replace(llm, loss_backward_buffers_bytes=GiB, loss_saved_bytes=GiB)
+    assert (e.peak_phase, e.peak_memory_bytes) == ("llm backward start", 9 * GIB + 7 * GIB + 5 * GIB // 2 + 3 * GIB)
+    assert (e.peak_breakdown.activations, e.peak_breakdown.buffers) == (7 * GIB, 5 * GIB // 2)
+    at_block = replace(llm, loss_backward_buffers_bytes=GIB, loss_saved_bytes=GIB)
     e = combine(MODEL, CLUSTER, WORKLOAD, "colocated", {"vision": vision, "llm": at_block}, A)
-    assert (e.peak_breakdown.activations, e.peak_breakdown.buffers) == (6 * GiB, 3 * GiB)
+    assert (e.peak_breakdown.activations, e.peak_breakdown.buffers) == (6 * GIB, 3 * GIB)
 
 
 def test_combine_disjoint_is_a_pipeline():
     costs = {
-        "vision": fake_cost("vision", per_mb=1.0, dp_comm=0.5, states=GiB, act=2 * GiB, buffers=0, in_flight=2),
-        "llm": fake_cost("llm", per_mb=3.0, dp_comm=0.25, states=2 * GiB, act=5 * GiB, buffers=0),
+        "vision": fake_cost("vision", per_mb=1.0, dp_comm=0.5, states=GIB, act=2 * GIB, buffers=0, in_flight=2),
+        "llm": fake_cost("llm", per_mb=3.0, dp_comm=0.25, states=2 * GIB, act=5 * GIB, buffers=0),
     }
     e = combine(MODEL, CLUSTER, WORKLOAD, "disjoint", costs, A)
     # LLM-bound, 2 micro-batches: vision P + 2 T + max tail = 1 + 2 * 3 + 0.5
     assert e.step_time_s == pytest.approx(7.5)
     # vision-bound: P = 3 (F = 1, B = 2), T = 1.5: m P + T - min(F, B) = 6.5 beats P + m T = 6; + tail 0.5
-    costs["vision"] = fake_cost("vision", per_mb=3.0, forward=1.0, dp_comm=0.5, states=GiB, act=0, buffers=0)
-    costs["llm"] = fake_cost("llm", per_mb=1.5, dp_comm=0.25, states=GiB, act=0, buffers=0)
+    costs["vision"] = fake_cost("vision", per_mb=3.0, forward=1.0, dp_comm=0.5, states=GIB, act=0, buffers=0)
+    costs["llm"] = fake_cost("llm", per_mb=1.5, dp_comm=0.25, states=GIB, act=0, buffers=0)
     assert combine(MODEL, CLUSTER, WORKLOAD, "disjoint", costs, A).step_time_s == pytest.approx(7.0)
     # vision group: 4 + 2*2 + 3 = 11 GiB; llm group: 8 + 5 + 3 = 16 GiB
-    assert e.memory_per_group["vision"].total == 11 * GiB
-    assert e.memory_per_group["llm"].total == 16 * GiB
+    assert e.memory_per_group["vision"].total == 11 * GIB
+    assert e.memory_per_group["llm"].total == 16 * GIB
     assert e.peak_group == "llm"
     assert e.num_gpus == 8
     assert e.binding_constraint.startswith("pipeline: llm stage is the slowest")
 
 
 def test_optimizer_step_joins_the_tail_of_either_placement():
-    vision = fake_cost("vision", per_mb=1.0, dp_comm=0.5, states=GiB, act=GiB, buffers=0, optimizer=0.1)
-    llm = fake_cost("llm", per_mb=3.0, dp_comm=0.25, states=GiB, act=GiB, buffers=0, optimizer=0.5)
+    vision = fake_cost("vision", per_mb=1.0, dp_comm=0.5, states=GIB, act=GIB, buffers=0, optimizer=0.1)
+    llm = fake_cost("llm", per_mb=3.0, dp_comm=0.25, states=GIB, act=GIB, buffers=0, optimizer=0.5)
     costs = {"vision": vision, "llm": llm}
     # colocated: 2*1 + (0.5 + 0.1) + 2*3 + (0.25 + 0.5)
     assert combine(MODEL, CLUSTER, WORKLOAD, "colocated", costs, A).step_time_s == pytest.approx(9.35)
@@ -135,7 +136,7 @@ def test_optimizer_step_joins_the_tail_of_either_placement():
 
 
 def test_combine_reports_memory_binding():
-    costs = {"llm": fake_cost("llm", per_mb=1.0, dp_comm=0, states=20 * GiB, act=5 * GiB, buffers=0)}
+    costs = {"llm": fake_cost("llm", per_mb=1.0, dp_comm=0, states=20 * GIB, act=5 * GIB, buffers=0)}
     e = combine(MODEL, CLUSTER, WORKLOAD, "colocated", costs, A)
     assert not e.fits
     assert e.binding_constraint.startswith("memory: all GPUs need 88.0 GiB")

@@ -10,12 +10,12 @@ from planner.cost import estimate
 from planner.hardware import Cluster, get_device
 from planner.strategy import ModuleStrategy, Strategy
 from planner.workload import Workload
+from planner.units import GIB
 
 MODEL = get_model("qwen2.5-vl-32b")
 CLUSTER = Cluster(device=get_device("h100-80gb"), num_devices=16, devices_per_node=8)
 # 1344x1344 -> 9216 patches -> 2304 LLM tokens, + 1024 text tokens = 3328 LLM tokens per sample
 WORKLOAD = Workload(image_sizes=((1344, 1344),), text_tokens=1024, global_batch=64)
-GiB = 1024**3
 
 
 def strategy(llm: ModuleStrategy, vision: ModuleStrategy | None = None, placement="colocated") -> Strategy:
@@ -59,7 +59,7 @@ def test_plain_data_parallel_does_not_fit():
     assert not e.fits
     assert e.binding_constraint.startswith("memory:")
     # 16 B/param of a 32.8B LLM alone is > 500 GB per GPU
-    assert e.peak_breakdown.optimizer > 300 * GiB
+    assert e.peak_breakdown.optimizer > 300 * GIB
 
 
 def test_zero3_across_nodes_pays_for_inter_node_gathers():

@@ -11,8 +11,8 @@ from planner.hardware import get_device, make_cluster
 from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Strategy
 from planner.dataset import DatasetHistogram, pack_dataset, sample_tokens
 from planner.workload import Workload, packed_workload
+from planner.units import GIB
 
-GiB = 1024**3
 
 
 def problem(
@@ -36,10 +36,10 @@ def problem(
     of one sample shape; ``gpus_per_node`` overrides the device's."""
     spec = get_device(device)
     if memory_gib is not None:
-        spec = replace(spec, memory_bytes=int(memory_gib * GiB))
+        spec = replace(spec, memory_bytes=int(memory_gib * GIB))
     assumptions = DEFAULT_ASSUMPTIONS
     if overhead_gib is not None:
-        assumptions = replace(assumptions, framework_overhead_bytes=int(overhead_gib * GiB))
+        assumptions = replace(assumptions, framework_overhead_bytes=int(overhead_gib * GIB))
     return Problem(
         model=get_model(model),
         cluster=make_cluster(spec, gpus, gpus_per_node),

@@ -1,11 +1,11 @@
-"""Pipelined strategies are costed on demand (``planner.api._solve``): only once their floor
+"""Pipelined strategies are costed on demand (``planner.search.solve_strategies``): only once their floor
 (``pipelined_step_floor_s`` plus the encoders' least time) is within a plan already found. The floor never exceeds
 a strategy's cost, and the plans (with their ``with_pp`` / ``without_pp`` rows) are those of the full search."""
 
 import pytest
 from plan_helpers import problem
 
-import planner.api as api
+import planner.search as search
 import planner.candidates as candidates
 from planner.api import make_problem, top_plans
 from planner.candidates import group_sizes, module_strategies, placed_cost
@@ -41,7 +41,7 @@ def test_costing_pipelined_strategies_on_demand_gives_the_full_searchs_plans(mod
         cluster_file = tmp_path / "slow.yaml"
         cluster_file.write_text(SLOW_NETWORK)
     if limit_step is not None:
-        monkeypatch.setattr(api, "PIPELINE_LIMIT_STEP", limit_step)
+        monkeypatch.setattr(search, "PIPELINE_LIMIT_STEP", limit_step)
     p = make_problem(model, 64, profile=None, cluster_file=cluster_file and str(cluster_file))
     bounded = top_plans(p, k=2)
     monkeypatch.setattr(candidates, "pipeline_floor", lambda *args: lambda strategy: 0.0)  # nothing deferred

@@ -13,7 +13,7 @@ from planner.profiles import PROFILE_SCHEMA_VERSION, Profile, Provenance, load_p
 from planner.strategy import ModuleStrategy, Strategy
 from planner.workload import Workload
 from runtime.profile.__main__ import main
-from runtime.profile.calibrate import MeasuredRun, Predictor, load_runs, measured_step_time, plan_inputs
+from planner.profiles.calibrate import MeasuredRun, Predictor, load_runs, measured_step_time, plan_inputs
 
 PROV = Provenance(device_name="cpu", device_detail="test", torch_version="x", cuda_version=None, date="2026-01-01",
                   command="test", num_threads=1, dtype="float32")

@@ -101,7 +101,7 @@ def test_cli_errors_are_one_line(capsys):
 
 
 def test_compare_with_analytical_memory_model():
-    from runtime.profile.compare import compare, error_by_layer, format_table
+    from planner.profiles.compare import compare, error_by_layer, format_table
     from runtime.profile.layers import Grid, grid_points, memory_point
 
     grid = Grid(seq_lens={"llm": (256,)}, micro_batches=(1,), tps=(1, 2), sps=(1,), layers=("llm.lm_head", "llm.decoder_layer"))

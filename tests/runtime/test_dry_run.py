@@ -17,7 +17,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from planner.catalog import get_model
 from planner.schema import Plan
-from runtime.dry_run import (GIB, StepMemTracker, _device_snapshot, dry_run, format_report, measure_role, roles,
+from planner.units import GIB
+from runtime.dry_run import (StepMemTracker, _device_snapshot, dry_run, format_report, measure_role, roles,
                              usable_bytes)
 from runtime.model import RandomInit
 from runtime.trainer import RunOptions, Trainer

@@ -1,6 +1,6 @@
 """The runtime runs without OR-Tools and reads only the Plan schema, the data-row formats (planner.data_rows, which
 both halves parse datasets with), the packer (planner.packing: a dataset plan runs the packs it was priced
-on) and the shared validity rules (planner.rules) from the planner."""
+on), the shared validity rules (planner.rules) and unit constants (planner.units) from the planner."""
 
 import subprocess
 import sys
@@ -9,7 +9,7 @@ RUNTIME_MODULES = ["runtime.__main__", "runtime.launcher", "runtime.torchrun", "
                    "runtime.checkpoint", "runtime.preflight", "runtime.driver"]
 
 
-def test_runtime_imports_without_ortools_and_only_the_plan_schema_data_rows_packer_and_rules():
+def test_runtime_imports_without_ortools_and_only_the_plan_schema_data_rows_packer_rules_and_units():
     code = (
         "import sys\nsys.modules['ortools'] = None\n"
         + "".join(f"import {m}\n" for m in RUNTIME_MODULES)
@@ -17,4 +17,4 @@ def test_runtime_imports_without_ortools_and_only_the_plan_schema_data_rows_pack
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['planner', 'planner.data_rows', 'planner.packing', 'planner.rules', 'planner.schema']"
+    assert result.stdout.strip() == "['planner', 'planner.data_rows', 'planner.packing', 'planner.rules', 'planner.schema', 'planner.units']"

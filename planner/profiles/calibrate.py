@@ -30,9 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from scipy.optimize import least_squares
 
-from planner.api import profile_assumptions
 from planner.catalog import model_from_hf_config
 from planner.cost import estimate
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
@@ -54,9 +52,11 @@ from planner.profiles import (
     save_profile,
 )
 from planner.profiles.calibration import with_values
+from planner.problem import profile_assumptions
 from planner.schema import Plan, load_plan
 from planner.strategy import ModuleStrategy, Strategy
 from planner.workload import Workload
+from planner.units import GIB
 
 WARMUP_STEPS = 1
 """Steps dropped from the start of every run (allocator warm-up, first-touch, lazy initialisation)."""
@@ -71,7 +71,6 @@ share of the runs' median measured step."""
 SENSITIVITY = 1e-4
 """Smallest relative change of some run's prediction, when an assumption moves by a tenth of its range, for the
 runs to constrain it; below it the assumption is not identifiable from these runs and keeps its default."""
-GIB = 2**30
 HOST_FIELDS = frozenset({"kernel_launch_latency", "host_overlap"})
 """Device fields a plan records since host costs were modelled."""
 def measured_step_time(path: Path, warmup_steps: int = WARMUP_STEPS) -> float:
@@ -303,6 +302,8 @@ def fit_step_time(predictors: list[Predictor], measured: list[float], names: lis
         errors = [math.log(p(values).step_time_s / m) / MEASUREMENT_NOISE for p, m in zip(predictors, measured)]
         prior = [(values[n] - d) / w for n, d, w in zip(names, defaults, widths)]
         return np.array(errors + prior)
+
+    from scipy.optimize import least_squares  # the runtime extra's scipy: only a fit needs it
 
     start = np.clip([_normalised(n, d) for n, d in zip(names, defaults)], 0.0, 1.0)  # a measured default may lie outside
     result = least_squares(residuals, start, bounds=(0.0, 1.0), diff_step=1e-3)

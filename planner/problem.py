@@ -1,0 +1,457 @@
+"""The planning problem: everything a plan depends on except the choices (``Problem``), built from user-level
+inputs (``make_problem``) with the documented defaults and bounds.
+
+Workload defaults (``plan --model qwen-vl-32b --gpus 16``): one 1344x1344 image per sample (96 x 96 patches =
+9,216 vision tokens -> 2,304 LLM image tokens after the 2x2 merge), 512 text tokens, 30 s of audio for audio
+models, and a global batch of 4 samples per GPU (64 at 16 GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Mapping, Sequence
+
+from planner.catalog import get_model
+from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, LayerCostSource
+from planner.cost.assumptions import FP32_STATES
+from planner.dataset import (
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MIN_PIXELS,
+    DatasetHistogram,
+    dataset_workload,
+    pack_budgets,
+    pack_dataset,
+    percentiles,
+    read_dataset,
+    sample_tokens,
+)
+from planner.hardware import PLAUSIBLE_RANGES, Cluster, get_device, load_cluster_file, make_cluster
+from planner.models import ModelSpec
+from planner.schema import DatasetInfo
+from planner.strategy import PRECISIONS, Precision
+from planner.workload import Workload, module_tokens
+
+DEFAULT_GPU = "h100-80gb"
+"""Hardware when none is named."""
+DEFAULT_IMAGE_SIZE = (1344, 1344)
+"""(height, width) of the default image: 96 x 96 patches of 14 px = 9,216 vision tokens, 2,304 after merging."""
+DEFAULT_TEXT_TOKENS = 512
+"""Text tokens per sample by default."""
+DEFAULT_AUDIO_SECONDS = 30.0
+"""Seconds of audio per sample by default for audio models (one Whisper window)."""
+DEFAULT_SAMPLES_PER_GPU = 4
+"""Default global batch = this many samples per GPU."""
+MAX_GPUS = 65_536
+"""Largest --gpus (the largest count the infeasibility explanation searches)."""
+MAX_GLOBAL_BATCH = 2**20
+"""Largest --global-batch, 1,048,576 samples per step."""
+MAX_IMAGES_PER_SAMPLE = 256
+"""Largest number of images per sample (--image-size given n times, times --images-per-sample)."""
+MAX_IMAGE_SIDE = 32_768
+"""Largest image side in pixels."""
+MAX_VISION_TOKENS = 2**22
+"""Largest vision tokens per sample, 4,194,304 (one 28,672-pixel square image; the --max-seq search's limit)."""
+MAX_TEXT_TOKENS = 2**20
+"""Largest --text-tokens, 1,048,576 per sample."""
+MAX_AUDIO_SECONDS = 3600.0
+"""Largest --audio-seconds per sample (an hour)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Problem:
+    """Everything a plan depends on, except the choices."""
+
+    model: ModelSpec
+    """The model (frozen modules already marked)."""
+    cluster: Cluster
+    """Devices and nodes."""
+    workload: Workload
+    """Sample shape and global batch."""
+    precision: Precision = "bf16_mixed"
+    """Training precision recipe."""
+    assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS
+    """Cost-model knobs."""
+    layer_costs: LayerCostSource | None = None
+    """Measured per-layer costs (a profile), or None for the analytical model alone."""
+    dataset: DatasetInfo | None = None
+    """The dataset the workload's packs come from (``planner.dataset``), recorded in the plan."""
+    allow_ring_cp: bool = False
+    """Search ring context parallelism (cp > 1). Off by default: the cost model prices it, but the runtime cannot
+    execute it yet, so a default plan is always one ``python -m runtime`` runs. ``--fix MODULE.cp=N`` pins it."""
+    allow_pp: bool = True
+    """Search pipeline parallelism of the LLM (pp > 1); ``--no-pp`` turns it off, ``--fix llm.pp=N`` pins it.
+    Pipelined strategies that cannot beat a plan already found are not costed (``pipeline_floor``)."""
+
+    workers: int = 1
+    """Processes that cost candidates (forked; ``PARALLEL_MIN_STRATEGIES``): the same plan, sooner on several cores."""
+
+    @property
+    def searches_pp(self) -> bool:
+        """Whether pipeline parallelism is in the space: asked for, and the micro-batches can take one shape (the
+        runtime's schedule needs one): a fixed-shape plan, or a dataset's packs padded to their budget (not a
+        dataset without packing)."""
+        return self.allow_pp and (self.dataset is None or self.dataset.pack_tokens is not None)
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs of the cluster."""
+        return self.cluster.num_devices
+
+    @property
+    def usable_bytes(self) -> int:
+        """Per-GPU memory the allocator can hand out (the same rounding as ``cost.combine``)."""
+        return int(self.cluster.device.memory_bytes * self.assumptions.usable_memory_fraction)
+
+    @property
+    def overhead_bytes(self) -> int:
+        """Framework allowance, once per GPU."""
+        return self.assumptions.framework_overhead_bytes
+
+
+# --- Inputs -----------------------------------------------------------------------------------------------------
+
+
+def check_bounds(flag: str, value: float, low: float, high: float) -> None:
+    """Raise a one-line ValueError unless ``low <= value <= high`` (NaN never is)."""
+    if not low <= value <= high:
+        raise ValueError(f"{flag} must be between {low:,g} and {high:,g}, got {value:g}"
+                         if isinstance(value, float) else f"{flag} must be between {low:,} and {high:,}, got {value}")
+
+
+def _check_sample_inputs(
+    image_sizes: Sequence[tuple[int, int]] | None,
+    vision_tokens: int | None,
+    text_tokens: int | None,
+    images_per_sample: int | None,
+    audio_seconds: float | None,
+    global_batch: int | None,
+) -> None:
+    """Every per-sample input within its bound (``MAX_*``), in one line."""
+    for h, w in image_sizes or ():
+        check_bounds("--image-size sides", min(h, w), 1, MAX_IMAGE_SIDE)
+        check_bounds("--image-size sides", max(h, w), 1, MAX_IMAGE_SIDE)
+    if images_per_sample is not None:
+        check_bounds("--images-per-sample", images_per_sample, 1, MAX_IMAGES_PER_SAMPLE)
+    images = len(image_sizes or [DEFAULT_IMAGE_SIZE]) * (images_per_sample or 1)
+    if images > MAX_IMAGES_PER_SAMPLE:
+        raise ValueError(f"a sample may hold at most {MAX_IMAGES_PER_SAMPLE} images, got {images} "
+                         f"(--image-size x --images-per-sample)")
+    for flag, value, high in (("--vision-tokens", vision_tokens, MAX_VISION_TOKENS),
+                              ("--text-tokens", text_tokens, MAX_TEXT_TOKENS),
+                              ("--global-batch", global_batch, MAX_GLOBAL_BATCH)):
+        if value is not None:
+            check_bounds(flag, value, 0 if flag == "--text-tokens" else 1, high)
+    if audio_seconds is not None:
+        check_bounds("--audio-seconds", float(audio_seconds), 0.0, MAX_AUDIO_SECONDS)
+
+
+def make_workload(
+    model: ModelSpec,
+    num_gpus: int,
+    *,
+    image_sizes: Sequence[tuple[int, int]] | None = None,
+    vision_tokens: int | None = None,
+    text_tokens: int | None = None,
+    images_per_sample: int | None = None,
+    audio_seconds: float | None = None,
+    global_batch: int | None = None,
+) -> Workload:
+    """A workload from user inputs, with the documented defaults for what is not given.
+
+    Raises:
+        ValueError: inputs the model cannot take (images for an audio model, ...), in one line.
+    """
+    has_vision, has_audio = model.vision_input is not None, model.audio_input is not None
+    _check_sample_inputs(image_sizes, vision_tokens, text_tokens, images_per_sample, audio_seconds, global_batch)
+    if not has_vision and (image_sizes or vision_tokens or images_per_sample):
+        raise ValueError(f"{model.name} has no vision encoder: drop --image-size/--vision-tokens/--images-per-sample")
+    if not has_audio and audio_seconds:
+        raise ValueError(f"{model.name} has no audio encoder: drop --audio-seconds")
+    if vision_tokens is not None and images_per_sample not in (None, 1):
+        raise ValueError("--vision-tokens sets a whole sample's vision tokens: drop --images-per-sample")
+    sizes: tuple[tuple[int, int], ...] = ()
+    if has_vision and vision_tokens is None:
+        sizes = tuple(image_sizes or (DEFAULT_IMAGE_SIZE,)) * (images_per_sample or 1)
+    default_audio = DEFAULT_AUDIO_SECONDS if has_audio else 0.0
+    return Workload(
+        image_sizes=sizes,
+        vision_tokens=vision_tokens,
+        text_tokens=DEFAULT_TEXT_TOKENS if text_tokens is None else text_tokens,
+        audio_seconds=default_audio if audio_seconds is None else audio_seconds,
+        global_batch=DEFAULT_SAMPLES_PER_GPU * num_gpus if global_batch is None else global_batch,
+    )
+
+
+def make_cluster_for(
+    num_gpus: int | None, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = None, cluster_file: str | None = None
+) -> Cluster:
+    """The cluster of ``num_gpus`` devices of type ``gpu`` (a cluster file may redefine the device and node size).
+
+    Raises:
+        ValueError: bad GPU count, unknown device, unreadable cluster file, in one line.
+    """
+    if num_gpus is None:
+        raise ValueError("give the number of GPUs (--gpus)")
+    check_bounds("--gpus", num_gpus, 1, MAX_GPUS)
+    if gpus_per_node is not None:
+        check_bounds("--gpus-per-node", gpus_per_node, 1, int(PLAUSIBLE_RANGES["devices_per_node"].high))
+    if cluster_file is not None:
+        device, _ = load_cluster_file(cluster_file)
+    else:
+        device = get_device(gpu)
+    return make_cluster(device, num_gpus, gpus_per_node)
+
+
+ACTIVATION_BYTES_BY_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per activation element of the dtypes a profile can be measured in."""
+
+
+def _architecture(model: ModelSpec) -> tuple:
+    """What a profile's measurements depend on: every module's layers with their dimensions (not frozen flags)."""
+    return tuple((m.name, m.layers) for m in model.modules)
+
+
+def check_profile_matches(profile: Any, path: Any, model: ModelSpec, device_name: str) -> None:
+    """Raise a one-line ValueError unless ``profile`` was measured on ``device_name`` for ``model``'s architecture
+    and dimensions (its model by name, or a catalog model with the same layers)."""
+    if profile.hardware != device_name:
+        raise ValueError(f"profile {path} was measured on {profile.hardware}, the plan is for {device_name}: give "
+                         f"--gpu {profile.hardware}, a profile of {device_name}, or --profile none")
+    if profile.model == model.name:
+        return
+    try:
+        same = _architecture(get_model(profile.model)) == _architecture(model)
+    except ValueError:  # not a catalog name: nothing to compare the layers with
+        same = False
+    if not same:
+        raise ValueError(f"profile {path} was measured for {profile.model}, whose layers differ from {model.name}'s: "
+                         f"give the profile of {model.name}, or --profile none")
+
+
+def _profile_source(
+    model: ModelSpec, cluster: Cluster, profile: str | None, assumptions: CostAssumptions
+) -> tuple[Cluster, Any, CostAssumptions]:
+    """The cluster with measured device numbers, a layer-cost source and the assumptions in the profile's dtype,
+    from ``profile``: a path, ``"auto"`` (the committed profile of this device and model, if any) or None
+    (analytical only). Devices sharing a host slow each other; the source scales layer times by the factor the
+    profile measured for this many devices; its measured host cost per operator call replaces the assumed one, and
+    its calibration's fitted assumptions replace the defaults. A
+    profile measured in fp32 (the CPU runtime's dtype) makes the
+    activations, messages and hand-offs it does not measure 4 bytes per element too, and the model states fp32
+    (``FP32_STATES``: weights, gradients, gradient messages and the optimizer step)."""
+    if profile is None:
+        return cluster, None, assumptions
+    from planner import profiles
+
+    path = profiles.find_profile(cluster.device.name, model.name) if profile == "auto" else profile
+    if path is None:
+        return cluster, None, assumptions
+    loaded = profiles.load_profile(path)
+    check_profile_matches(loaded, path, model, cluster.device.name)
+    device = profiles.device_from_profile(cluster.device, loaded)
+    assumptions = profiles.apply_calibration(profile_assumptions(loaded, assumptions), loaded.calibration)
+    source = profiles.ProfileCostSource(loaded, concurrent_devices=cluster.num_devices,
+                                        time_scale=assumptions.measured_time_scale, path=str(path))
+    return replace(cluster, device=device), source, assumptions
+
+
+def profile_assumptions(profile: Any, assumptions: CostAssumptions) -> CostAssumptions:
+    """``assumptions`` as a profile's measurements set them (before its calibration): its dtype's activation bytes,
+    fp32 model states where it was measured in fp32, its measured host cost per operator call, the per-parameter
+    optimizer of a CPU."""
+    element = ACTIVATION_BYTES_BY_DTYPE.get(profile.provenance.dtype, assumptions.activation_bytes)
+    assumptions = replace(assumptions, activation_bytes=element)
+    if profile.device is not None and profile.device.host_seconds_per_op is not None:
+        assumptions = replace(assumptions, host_seconds_per_op=profile.device.host_seconds_per_op,
+                              dtensor_seconds_per_op=profile.device.dtensor_seconds_per_op or 0.0)
+    if profile.provenance.dtype == "float32":  # the runtime trains in fp32 where it was measured so (CPU)
+        assumptions = replace(assumptions, bf16_mixed=FP32_STATES, bf16_pure=FP32_STATES)
+    if profile.provenance.device_name == "cpu":  # torch's AdamW steps per parameter off CUDA
+        assumptions = replace(assumptions, optimizer_foreach=False)
+    return assumptions
+
+
+def make_problem(
+    model: str | ModelSpec,
+    gpus: int | None = None,
+    *,
+    gpu: str = DEFAULT_GPU,
+    gpus_per_node: int | None = None,
+    cluster_file: str | None = None,
+    cluster: Cluster | None = None,
+    workload: Workload | None = None,
+    image_sizes: Sequence[tuple[int, int]] | None = None,
+    vision_tokens: int | None = None,
+    text_tokens: int | None = None,
+    images_per_sample: int | None = None,
+    audio_seconds: float | None = None,
+    global_batch: int | None = None,
+    precision: str = "bf16_mixed",
+    frozen: Iterable[str] = (),
+    profile: str | None = "auto",
+    assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
+    allow_ring_cp: bool = False,
+    allow_pp: bool = True,
+    dataset: str | DatasetHistogram | None = None,
+    tokenizer: str | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    pack_tokens: int | None = None,
+    pack: bool = True,
+    workers: int = 1,
+) -> Problem:
+    """Everything a plan depends on, from user-level inputs.
+
+    Args:
+        model: Catalog name or alias, config.json path, or a ModelSpec.
+        gpus: Number of GPUs (ignored when ``cluster`` is given).
+        gpu: Catalog device name.
+        gpus_per_node: GPUs per node (default: the device's).
+        cluster_file: JSON/YAML file redefining the device (see ``hardware.load_cluster_file``).
+        cluster: A ready cluster instead of gpus/gpu/gpus_per_node/cluster_file.
+        workload: A ready workload instead of the per-field inputs below.
+        image_sizes: (height, width) of each image of a sample (default one 1344x1344).
+        vision_tokens: Vision tokens per sample (a square merge-aligned grid) instead of image sizes.
+        text_tokens: Text tokens per sample (default 512).
+        images_per_sample: Repeat ``image_sizes`` this many times per sample.
+        audio_seconds: Seconds of audio per sample (audio models; default 30).
+        global_batch: Samples per step (default 4 per GPU).
+        precision: bf16_mixed or bf16_pure.
+        frozen: Modules to freeze.
+        profile: Profile file, "auto" (the committed profile of this device/model if any) or None.
+        assumptions: Cost-model knobs.
+        allow_ring_cp: Also search ring context parallelism, which the runtime cannot execute yet.
+        allow_pp: Search pipeline parallelism of the LLM (False: plans without it only).
+        dataset: A conversation / caption JSONL or JSON file, or a dataset histogram (``planner.dataset``): plan for
+            its samples, packed; replaces the per-sample inputs (``global_batch`` still counts samples).
+        tokenizer: Folder with the tokenizer.json that counts the dataset's text (default: the model's folder when
+            ``model`` is a config.json beside one, else an estimate, stated).
+        min_pixels: Fewest pixels the processor resizes a dataset image to (default Qwen2.5-VL's).
+        max_pixels: Most pixels the processor resizes a dataset image to (default Qwen2.5-VL's).
+        pack_tokens: LLM-token budget of a pack (default: the longest sample, rounded up to 256; ``top_plans``
+            also tries twice and four times that and keeps the fastest).
+        pack: False: every dataset sample is a micro-batch unit of its own (how a plan made for one image size
+            meets the dataset); ``pack_tokens`` then does not apply.
+        workers: Processes that cost candidates (``Problem.workers``): the same plan, sooner on several cores.
+
+    Raises:
+        ValueError: any bad input, in one line.
+    """
+    spec = get_model(model) if isinstance(model, str) else model
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    frozen = list(frozen)
+    for name in frozen:
+        if name not in spec.module_names:
+            raise ValueError(f"--frozen {name}: {spec.name} has modules {', '.join(spec.module_names)}")
+    if set(frozen) >= set(spec.module_names):
+        raise ValueError("every module of the plan is frozen: nothing to train")
+    spec = spec.with_frozen(frozen) if frozen else spec
+    cluster = cluster or make_cluster_for(gpus, gpu, gpus_per_node, cluster_file)
+    dataset_info = None
+    if dataset is not None:
+        tokenizer = tokenizer if tokenizer is not None else model_folder_tokenizer(model)
+        sample_inputs = dict(image_sizes=image_sizes, vision_tokens=vision_tokens, text_tokens=text_tokens,
+                             images_per_sample=images_per_sample, audio_seconds=audio_seconds)
+        _check_no_sample_inputs(workload, sample_inputs)
+        workload, dataset_info = dataset_workload_for(
+            spec, cluster.num_devices, dataset, tokenizer=tokenizer, min_pixels=min_pixels, max_pixels=max_pixels,
+            pack_tokens=pack_tokens, pack=pack, global_batch=global_batch)
+    elif any(v is not None for v in (tokenizer, min_pixels, max_pixels, pack_tokens)):
+        raise ValueError("--tokenizer, --min-pixels, --max-pixels and --pack-tokens apply to --dataset")
+    workload = workload or make_workload(
+        spec, cluster.num_devices, image_sizes=image_sizes, vision_tokens=vision_tokens, text_tokens=text_tokens,
+        images_per_sample=images_per_sample, audio_seconds=audio_seconds, global_batch=global_batch,
+    )
+    _check_sample(workload, spec)
+    cluster, layer_costs, assumptions = _profile_source(spec, cluster, profile, assumptions)
+    return Problem(model=spec, cluster=cluster, workload=workload, precision=precision, assumptions=assumptions,
+                   layer_costs=layer_costs, allow_ring_cp=allow_ring_cp, allow_pp=allow_pp,
+                   dataset=dataset_info, workers=workers)
+
+
+def model_folder_tokenizer(model: str | ModelSpec) -> str | None:
+    """The model folder when ``model`` is a config.json path (or its folder) beside a tokenizer.json, else None."""
+    if not isinstance(model, str) or not os.path.exists(model):
+        return None
+    folder = model if os.path.isdir(model) else os.path.dirname(model) or "."
+    return folder if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
+
+
+def _check_no_sample_inputs(workload: Workload | None, inputs: Mapping[str, Any]) -> None:
+    given = [name for name, value in inputs.items() if value is not None]
+    if workload is not None or given:
+        flags = ", ".join("--image-size" if name == "image_sizes" else "--" + name.replace("_", "-")
+                          for name in given) or "workload"
+        raise ValueError(f"--dataset gives every sample's shape: drop {flags}")
+
+
+def dataset_workload_for(
+    model: ModelSpec, num_gpus: int, dataset: str | DatasetHistogram, *, tokenizer: str | None = None,
+    min_pixels: int | None = None, max_pixels: int | None = None, pack_tokens: int | None = None,
+    pack: bool = True, global_batch: int | None = None,
+) -> tuple[Workload, DatasetInfo]:
+    """The packed workload of a dataset and what the plan records about it (see ``make_problem``)."""
+    if model.audio_input is not None:
+        raise ValueError(f"--dataset reads image-text data; {model.name} has an audio encoder")
+    min_pixels = DEFAULT_MIN_PIXELS if min_pixels is None else min_pixels
+    max_pixels = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
+    check_bounds("--min-pixels", min_pixels, 1, MAX_IMAGE_SIDE**2)
+    check_bounds("--max-pixels", max_pixels, min_pixels, MAX_IMAGE_SIDE**2)
+    if pack_tokens is not None:
+        check_bounds("--pack-tokens", pack_tokens, 1, MAX_TEXT_TOKENS)
+    if global_batch is not None:
+        check_bounds("--global-batch", global_batch, 1, MAX_GLOBAL_BATCH)
+    histogram = dataset if isinstance(dataset, DatasetHistogram) else read_dataset(dataset, tokenizer)
+    tokens = sample_tokens(histogram, model, min_pixels=min_pixels, max_pixels=max_pixels)
+    if not pack and pack_tokens is not None:
+        raise ValueError("--pack-tokens sets the budget of packs: it does not apply without packing")
+    budget = None if not pack else pack_budgets(tokens, (1,))[0] if pack_tokens is None else pack_tokens
+    packing = pack_dataset(tokens, model, budget)
+    samples = DEFAULT_SAMPLES_PER_GPU * num_gpus if global_batch is None else global_batch
+    workload = dataset_workload(packing, samples, num_gpus)
+    skipped = {**histogram.skipped, **tokens.skipped}
+    if packing.too_long:
+        skipped["longer than the pack budget"] = packing.too_long
+    per_sample = {"llm": tokens.llm} if model.vision_input is None else {"vision": tokens.vision, "llm": tokens.llm}
+    info = DatasetInfo(
+        source=histogram.source, samples=packing.samples, skipped=skipped, text_tokens=histogram.text_tokens,
+        min_pixels=min_pixels, max_pixels=max_pixels,
+        tokens_per_sample={m: percentiles(v) for m, v in per_sample.items()},
+        pack_tokens=packing.packed.pack_tokens, packs_per_epoch=packing.packs,
+        samples_per_pack=packing.packed.samples_per_pack, packing_efficiency=packing.efficiency,
+        heaviest_pack_tokens={m: t.tokens for m, t in packing.packed.heaviest},
+    )
+    return workload, info
+
+
+def _check_sample(workload: Workload, model: ModelSpec) -> None:
+    """What the runtime would refuse about a sample, refused here with its words: no tokens, unaligned
+    --vision-tokens, more than ``MAX_VISION_TOKENS``, too few text tokens for the image markers."""
+    tokens = module_tokens(workload, model)  # raises ValueError for samples without tokens or unaligned --vision-tokens
+    vision = tokens["vision"].tokens if "vision" in tokens else 0
+    if vision > MAX_VISION_TOKENS:
+        raise ValueError(f"a sample has {vision:,} vision tokens, at most {MAX_VISION_TOKENS:,} are supported "
+                         f"(fewer or smaller images)")
+    if "vision" in tokens and workload.packs is None:
+        images = 1 if workload.vision_tokens is not None else len(workload.image_sizes)
+        if workload.text_tokens < 2 * images + 1:  # runtime.data.SampleLayout's rule
+            raise ValueError(f"{workload.text_tokens} text tokens cannot hold a start and end marker for each of "
+                             f"{images} images plus one text token (--text-tokens {2 * images + 1} or more)")
+
+
+def check_pipelined_dataset(problem: Problem, pp: int | None, sp: int | None) -> None:
+    """What the runtime does not run of a dataset plan's pipelined LLM (``pp`` stages, ``sp`` inside each; None:
+    not pinned), refused in one line: a dataset without packing (its micro-batches have no budget to pad to), and
+    Ulysses SP inside the stages (each micro-batch's samples split the sequence differently)."""
+    if problem.dataset is None or pp in (None, 1):
+        return
+    if problem.dataset.pack_tokens is None:
+        raise ValueError(f"llm.pp={pp} on a dataset needs packing: a pipelined LLM's micro-batches are padded to the "
+                         "pack budget (plan with packs, or without pinning llm.pp)")
+    if sp not in (None, 1):
+        raise ValueError(f"llm.pp={pp} with llm.sp={sp} on a dataset is not run: a dataset plan's pipelined LLM runs "
+                         "without SP inside its stages (drop one of the two)")
