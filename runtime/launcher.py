@@ -33,6 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from planner.schema import Plan
 from runtime.checkpoint_dir import CheckpointOptions, latest_checkpoint
 from runtime.dcp_checkpoint import Checkpointer
+from runtime import loop
 from runtime.driver import validate_plan
 from runtime.metrics import MetricsLog, format_summary
 from runtime.parallel_dims import forget_earlier_worlds
@@ -71,10 +72,9 @@ def _rendezvous_host() -> str:
         return probe.getsockname()[0]
 
 
-@ray.remote
 class Worker:
-    """One device: a member of the torch.distributed world, holding one Trainer. A worker of a ``WorkerPool``
-    serves job after job: ``close`` leaves its world, ``setup`` joins the next."""
+    """One device (a Ray actor, ``ray::Worker``): a member of the torch.distributed world, holding one Trainer. A
+    worker of a ``WorkerPool`` serves job after job: ``close`` leaves its world, ``setup`` joins the next."""
 
     def __init__(self, rank: int, threads: int):
         self.rank = rank
@@ -130,6 +130,14 @@ class Worker:
         if dist.is_initialized():
             dist.destroy_process_group()
         forget_earlier_worlds()
+
+
+class PooledWorker(Worker):
+    """A ``WorkerPool``'s worker, under a process title of its own (``ray::PooledWorker``), so that what counts a
+    job's ``ray::Worker`` processes (the recovery tests) never counts an idle pool member."""
+
+
+RemoteWorker, RemotePooledWorker = ray.remote(Worker), ray.remote(PooledWorker)
 
 
 ROOT_CAUSE_WAIT_S = 2.0
@@ -252,7 +260,7 @@ class WorkerPool:
 
     @staticmethod
     def _new(rank: int) -> Any:
-        return Worker.options(num_cpus=0).remote(rank, 1)
+        return RemotePooledWorker.options(num_cpus=0).remote(rank, 1)
 
     @staticmethod
     def _alive(worker: Any) -> bool:
@@ -291,7 +299,7 @@ def start(plan: Plan, options: RunOptions, *, resource_wait_s: float = 0.0, pool
     group = placement_group([bundle] * n, strategy="PACK")
     ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
     workers = [
-        Worker.options(
+        RemoteWorker.options(
             num_cpus=1, num_gpus=bundle.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
         ).remote(rank, threads)
@@ -381,24 +389,14 @@ def run(
 
 def _train(job: Job, log: MetricsLog, steps: int, checkpoints: CheckpointOptions, saved_at: dict[int, float]
            ) -> None:
-    """The steps from where the job stands, with a checkpoint (its metrics line, and when it was done into
-    ``saved_at``) whenever one is due; a failing step shuts the job down and raises."""
+    """``loop.train`` from where the job stands, noting when each checkpoint was done in ``saved_at``; a failing
+    step shuts the job down and raises."""
     try:
-        while job.steps_done < steps:
-            step = job.steps_done
-            log.log(step, job.step())
-            if checkpoints.due(job.steps_done, steps):
-                _log_saves(log, job.save_training_checkpoint(checkpoints), saved_at)
-        _log_saves(log, job.finish_checkpoints(), saved_at)
+        loop.train(job, log, steps, checkpoints,
+                   on_saved=lambda saved: saved_at.__setitem__(saved["step"], time.perf_counter()))
     except BaseException:
         job.shutdown()
         raise
-
-
-def _log_saves(log: MetricsLog, saves: list[dict[str, Any]], saved_at: dict[int, float]) -> None:
-    for saved in saves:
-        log.event("checkpoint", **saved)
-        saved_at[saved["step"]] = time.perf_counter()
 
 
 def _worker_lost(error: ray.exceptions.RayError) -> bool:

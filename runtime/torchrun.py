@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from planner.schema import Plan
+from runtime import loop
 from runtime.checkpoint_dir import CheckpointOptions
 from runtime.dcp_checkpoint import Checkpointer
 from runtime.driver import validate_plan
@@ -36,11 +37,17 @@ def pin_gpu(local_rank: int) -> None:
 
 @dataclass
 class Job:
-    """This process's rank of a torchrun job: its Trainer, and the collectives the launcher needs."""
+    """This process's rank of a torchrun job (a ``loop.StepJob``): its Trainer, its checkpointer, and the
+    collectives the launcher needs."""
 
     plan: Plan
     trainer: Trainer
     rank: int
+    checkpointer: Checkpointer | None = None
+
+    @property
+    def steps_done(self) -> int:
+        return self.trainer.step
 
     def step(self) -> list[dict[str, Any]] | None:
         """One optimizer step on every rank; every rank's measurements on rank 0 (None elsewhere)."""
@@ -48,6 +55,15 @@ class Job:
         results = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(result, results, dst=0)
         return results
+
+    def save_training_checkpoint(self, checkpoints: CheckpointOptions) -> list[dict[str, Any]]:
+        if self.checkpointer is None:
+            self.checkpointer = Checkpointer(self.trainer, checkpoints.directory, keep_last=checkpoints.keep_last,
+                                             overlap=checkpoints.overlap)
+        return self.checkpointer.save()
+
+    def finish_checkpoints(self) -> list[dict[str, Any]]:
+        return [] if self.checkpointer is None else self.checkpointer.finish()
 
     def agree(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank."""
@@ -63,7 +79,7 @@ def save_checkpoint(job: Job, path: str) -> None:
 
 
 def run(plan: Plan, options: RunOptions, env: TorchrunEnv, *, steps: int, metrics_path: str | None = None,
-        save: str | None = None, checkpoints: CheckpointOptions | None = None) -> dict[str, Any] | None:
+        save: str | None = None, checkpoints: CheckpointOptions = CheckpointOptions()) -> dict[str, Any] | None:
     """Run as this torchrun rank until ``steps`` optimizer steps are done (counting a resumed checkpoint's),
     with sharded checkpoints as ``checkpoints`` says; rank 0 writes the metrics,
     prints and returns the summary (None on the other ranks), then every rank saves the weights to ``save`` if
@@ -90,29 +106,17 @@ def run(plan: Plan, options: RunOptions, env: TorchrunEnv, *, steps: int, metric
     return summary
 
 
-def _train(job: Job, *, steps: int, metrics_path: str | None, checkpoints: CheckpointOptions | None
+def _train(job: Job, *, steps: int, metrics_path: str | None, checkpoints: CheckpointOptions
            ) -> dict[str, Any] | None:
-    """The steps from where the trainer stands, with the due checkpoints; on rank 0 the metrics log, the printed
-    summary and its return."""
+    """``loop.train`` from where the trainer stands; on rank 0 the metrics log, the printed summary and its
+    return."""
     log = None
     if job.rank == 0:
         log = MetricsLog(job.plan, steps=steps, path=metrics_path)
         if job.trainer.options.resume is not None:
             log.event("resume", path=job.trainer.options.resume, step=job.trainer.step)
-    checkpointer = None
-    if checkpoints is not None and checkpoints.directory is not None:
-        checkpointer = Checkpointer(job.trainer, checkpoints.directory, keep_last=checkpoints.keep_last,
-                                    overlap=checkpoints.overlap)
     try:
-        while job.trainer.step < steps:
-            step = job.trainer.step
-            results = job.step()
-            if log is not None:
-                log.log(step, results)
-            if checkpointer is not None and checkpoints.due(job.trainer.step, steps):
-                _log_saves(log, checkpointer.save())
-        if checkpointer is not None:
-            _log_saves(log, checkpointer.finish())
+        loop.train(job, log, steps, checkpoints)
     finally:
         if log is not None:
             log.close()
@@ -121,9 +125,3 @@ def _train(job: Job, *, steps: int, metrics_path: str | None, checkpoints: Check
     summary = log.summary()
     print(format_summary(summary, "peak RSS per worker" if is_cpu_plan(job.plan) else "max allocated per GPU"))
     return summary
-
-
-def _log_saves(log: MetricsLog | None, saves: list[dict[str, Any]]) -> None:
-    """Rank 0: a metrics line per completed checkpoint."""
-    for saved in saves if log is not None else []:
-        log.event("checkpoint", **saved)
