@@ -68,7 +68,7 @@ def solver_row(num_gpus: int, placement: str, allow_pp: bool, workers: int) -> d
     problem = make_problem(MODEL, num_gpus, profile=None, allow_pp=allow_pp, workers=workers)
     start = time.perf_counter()
     try:
-        best = solve_strategies(problem, placement, None, 1, None)[0][0]
+        best = solve_strategies(problem, placement, None, {}, 1, None)[0][0]
     except Infeasible:  # the search then also looks for what would fit
         return dict(gpus=num_gpus, placement=placement, kept=0, search_s=time.perf_counter() - start,
                     status="INFEASIBLE", step_s=float("nan"), pp=0)

@@ -86,11 +86,13 @@ def top_plans(
     if budgets:
         return _best_over(budgets, k=k, placement=placement, fix=fix, time_limit_s=time_limit_s)
     problem = _as_problem(model, gpus, inputs)
-    pinned = pinned_strategy(problem, placement, fix)
+    pinned_placement, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus, allow_pp=problem.allow_pp)
+    fixed = fixed_text(pinned_placement, fixes)
+    pinned = pinned_strategy(problem, placement, pinned_placement, fixes)
     reference = baselines(problem)
     if pinned is not None:
-        return [_evaluated(problem, pinned, fix, reference)]
-    ranked, fixed, alternative = solve_strategies(problem, placement, fix, k, time_limit_s)
+        return [_evaluated(problem, pinned, fixed, reference)]
+    ranked, alternative = solve_strategies(problem, placement, pinned_placement, fixes, k, time_limit_s)
     return [
         build_plan(problem, r.strategy, status=r.status, num_candidates=r.num_candidates, rank=i + 1, fixed=fixed,
                    reference={**reference, **pipeline_alternative(problem, alternative, ranked[0].strategy)},
@@ -153,12 +155,11 @@ def plan(
     return top_plans(model, gpus, k=1, placement=placement, fix=fix, time_limit_s=time_limit_s, **inputs)[0]
 
 
-def _evaluated(problem: Problem, strategy: Strategy, fix: Any, reference: Mapping[str, BaselineOutcome]) -> Plan:
+def _evaluated(problem: Problem, strategy: Strategy, fixed: Mapping[str, str],
+               reference: Mapping[str, BaselineOutcome]) -> Plan:
     if "llm" in strategy.modules:
         check_pipelined_dataset(problem, strategy.modules["llm"].pp, strategy.modules["llm"].sp)
     _check_fits(problem, strategy)
-    fixed = {} if fix is None else fixed_text(*parse_fixes(fix, problem.model, problem.num_gpus,
-                                                           allow_pp=problem.allow_pp))
     return build_plan(problem, strategy, status="EVALUATED", num_candidates=1, fixed=fixed, reference=reference)
 
 
@@ -180,7 +181,7 @@ def evaluate(model: str | ModelSpec | Problem, strategy: Strategy, gpus: int | N
         ValueError: the strategy breaks a validity rule; Infeasible when it does not fit in memory.
     """
     problem = _as_problem(model, gpus if gpus is not None else (None if isinstance(model, Problem) else strategy.num_gpus), inputs)
-    return _evaluated(problem, strategy, None, baselines(problem))
+    return _evaluated(problem, strategy, {}, baselines(problem))
 
 
 def max_seq(

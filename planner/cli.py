@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from planner.hardware import PLAUSIBLE_RANGES
+from planner.versioned_json import write_atomically
 
 EXIT_USER_ERROR = 2
 
@@ -235,14 +236,18 @@ def _check_output_args(args: argparse.Namespace, out: str | None) -> None:
         check_writable(_out_paths(out, args.top_k or 1))
 
 
-def _write(plans: list, out: str) -> list[Path]:
-    paths = _out_paths(out, len(plans))
+def _write(plans: list, out: str, asked: int) -> list[Path]:
+    """Each plan to its ranked path (each written whole or not at all); the ranked paths up to ``asked`` that this
+    run found no plan for are removed, so that no earlier run's plan stands beside these as if it were ranked."""
+    paths = _out_paths(out, asked)
     for plan, path in zip(plans, paths):
         try:
-            path.write_text(plan.to_json())
+            write_atomically(path, plan.to_json())
         except OSError as e:
             raise ValueError(f"cannot write {path}: {e.strerror}") from None
-    return paths
+    for stale in paths[len(plans):]:
+        stale.unlink(missing_ok=True)
+    return paths[:len(plans)]
 
 
 # --- Report ------------------------------------------------------------------------------------------------------
@@ -407,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check_output_args(args, out)
         plans = _run(args)
-        paths = _write(plans, out) if out else []
+        paths = _write(plans, out, args.top_k or 1) if out else []
     except (ValueError, NotImplementedError) as e:
         _fail(str(e))
     if args.json:

@@ -10,7 +10,9 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from planner.versioned_json import read_versioned, validated
 
 SCHEMA_VERSION = 3
 READABLE_SCHEMA_VERSIONS = (1, 2, 3)
@@ -216,10 +218,11 @@ class WorkloadInfo(_Frozen):
 class TrainingInfo(_Frozen):
     precision: Literal["bf16_mixed", "bf16_pure"]
     optimizer: Literal["adamw"] = "adamw"
-    learning_rate: float = 1e-5
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 1.0
+    learning_rate: float = Field(default=1e-5, gt=0, le=1.0, allow_inf_nan=False)
+    warmup_steps: int = Field(default=10, ge=0, le=10**9)
+    weight_decay: float = Field(default=0.0, ge=0, le=1.0, allow_inf_nan=False)
+    grad_clip_norm: float = Field(default=1.0, gt=0, allow_inf_nan=False, description="global-norm clipping: a "
+                                  "zero norm would zero every update, a negative one flip it")
 
 
 class Prediction(_Frozen):
@@ -295,28 +298,6 @@ class PlanError(ValueError):
 
 def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file; raise PlanError with a one-line reason if it cannot be used."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise PlanError(f"cannot read plan file {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise PlanError(f"plan file {path} is not JSON: {e.msg} at line {e.lineno}") from None
-    if not isinstance(data, dict) or "schema_version" not in data:
-        raise PlanError(f"{path} is not a plan: it has no schema_version (write one with `plan --out`)")
-    version = data["schema_version"]
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise PlanError(f"plan {path}: schema_version must be a whole number, got {version!r} "
-                        f"({type(version).__name__}); this tool reads versions {', '.join(map(str, READABLE_SCHEMA_VERSIONS))}")
-    if version not in READABLE_SCHEMA_VERSIONS:
-        raise PlanError(
-            f"plan {path} has schema version {version}, this tool reads versions "
-            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}: "
-            f"re-run `plan` with this version to regenerate it"
-        )
-    try:
-        return Plan.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise PlanError(f"plan {path} is invalid at {where}: {first['msg']}") from None
+    data = read_versioned(path, kind="plan file", readable=READABLE_SCHEMA_VERSIONS, writer="plan --out",
+                          error=PlanError)
+    return validated(Plan, data, path, kind="plan file", error=PlanError)

@@ -12,7 +12,7 @@ from planner.candidates import Candidates, extend_pipelined, pipelined_options
 from planner.cost import estimate
 from planner.problem import Problem, check_pipelined_dataset
 from planner.solver.explain import Infeasible, candidates_or_error, explain_infeasible
-from planner.solver.fixes import fixed_text, parse_fixes, placements_to_solve
+from planner.solver.fixes import Fixes, placements_to_solve
 from planner.strategy import PLACEMENTS, Placement, Strategy
 
 MAX_TIME_LIMIT_S = 3600.0
@@ -40,11 +40,11 @@ def check_time_limit(time_limit_s: float | None) -> None:
                          f"got {time_limit_s:g}")
 
 
-def solve_strategies(problem: Problem, placement: str, fix: Any, top_k: int, time_limit_s: float | None
-           ) -> tuple[list[Ranked], dict, list[Ranked] | None]:
-    """Ranked strategies (best first) over the requested placements, the fixes as given, and, when pipeline
-    parallelism was in the space, the best plan on the other side of it (without PP if the best pipelines, with
-    PP if not: ``pipeline_alternative``).
+def solve_strategies(problem: Problem, placement: str, pinned: str | None, fixes: Fixes, top_k: int,
+                     time_limit_s: float | None) -> tuple[list[Ranked], list[Ranked] | None]:
+    """Ranked strategies (best first) over the requested placements under the parsed fixes (``pinned``
+    placement, ``fixes`` per module: ``parse_fixes``), and, when pipeline parallelism was in the space, the best
+    plan on the other side of it (without PP if the best pipelines, with PP if not: ``pipeline_alternative``).
 
     When the LLM may or may not be pipelined, the plans without PP are solved first; a pipelined strategy is
     costed only once its floor (``candidates.pipeline_floor``) is within the ``top_k``-th of them, or, to find the
@@ -53,7 +53,6 @@ def solve_strategies(problem: Problem, placement: str, fix: Any, top_k: int, tim
     answer is the full search's."""
     from planner.solver.cp_sat import DEFAULT_SETTINGS
 
-    pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus, allow_pp=problem.allow_pp)
     llm_fixes = fixes.get("llm", {})
     check_pipelined_dataset(problem, llm_fixes.get("pp"), llm_fixes.get("sp"))
     placements = placements_to_solve(problem, placement, pinned, fixes)
@@ -63,7 +62,7 @@ def solve_strategies(problem: Problem, placement: str, fix: Any, top_k: int, tim
         ranked = _ranked(problem, all_cands, top_k, settings)
         if not ranked:
             raise Infeasible(explain_infeasible(problem, all_cands, fixes))
-        return ranked, fixed_text(pinned, fixes), None
+        return ranked, None
     all_cands = candidates_or_error(problem, placements, fixes, pipeline_limit_s=0.0)
     flat = _ranked(problem, _world(all_cands, False), top_k, settings)
     limit_s = _solver_s(problem, flat[-1]) if len(flat) == top_k else math.inf
@@ -76,8 +75,7 @@ def solve_strategies(problem: Problem, placement: str, fix: Any, top_k: int, tim
         alternative = flat[:1]
     else:
         alternative = _best_pipelined(problem, all_cands, piped[:1], limit_s, settings)
-    return [replace(r, num_candidates=all_cands[r.strategy.placement].count) for r in ranked], \
-        fixed_text(pinned, fixes), alternative
+    return [replace(r, num_candidates=all_cands[r.strategy.placement].count) for r in ranked], alternative
 
 
 PIPELINE_LIMIT_STEP = 1.15

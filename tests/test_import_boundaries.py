@@ -28,6 +28,7 @@ PLANNER_MODULES = [
     "planner.data_rows",
     "planner.rules",
     "planner.units",
+    "planner.versioned_json",
     "planner.problem",
     "planner.search",
     "planner.plan_document",

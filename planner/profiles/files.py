@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from planner.profiles.schema import PROFILE_SCHEMA_VERSION, Profile
+from planner.versioned_json import read_versioned, validated, write_atomically
 
 READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
 """Versions ``load_profile`` reads: version 1 lacks ``LayerPoint.includes_comm`` (all its points are single-process
@@ -19,43 +17,20 @@ PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 
 def load_profile(path: str | Path) -> Profile:
     """Read and validate a profile file; raise ValueError with a one-line reason if it cannot be used."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise ValueError(f"cannot read profile {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"profile {path} is not JSON: {e.msg} at line {e.lineno}") from None
-    if not isinstance(data, dict) or "schema_version" not in data:
-        raise ValueError(f"{path} is not a profile: it has no schema_version (write one with `python -m runtime.profile`)")
+    data = read_versioned(path, kind="profile", readable=READABLE_SCHEMA_VERSIONS, writer="python -m runtime.profile")
     version = data["schema_version"]
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise ValueError(f"profile {path}: schema_version must be a whole number, got {version!r} "
-                         f"({type(version).__name__})")
-    if version not in READABLE_SCHEMA_VERSIONS:
-        raise ValueError(
-            f"profile {path} has schema version {data['schema_version']}, this tool reads versions "
-            f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))}: re-run `python -m runtime.profile` to regenerate it"
-        )
     if version < 4 and data.get("calibration") is not None:
         raise ValueError(f"profile {path} holds a calibration of schema version {version} (a step-time scale and "
                          "offset), which this tool no longer reads: set its \"calibration\" to null and re-run "
                          "`python -m runtime.profile --calibrate`")
-    try:
-        return Profile.model_validate({**data, "schema_version": PROFILE_SCHEMA_VERSION})
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ValueError(f"profile {path} is invalid at {where}: {first['msg']}") from None
+    return validated(Profile, {**data, "schema_version": PROFILE_SCHEMA_VERSION}, path, kind="profile")
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:
     """Write a profile atomically (a partial file never replaces a good one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(profile.to_json())
-    tmp.replace(path)
+    write_atomically(path, profile.to_json())
 
 
 def profile_path(device_name: str, model_name: str, root: Path = PROFILES_DIR) -> Path:

@@ -141,10 +141,9 @@ def fixed_text(pinned: str | None, fixes: Fixes) -> dict[str, str]:
     return dict(sorted(text.items()))
 
 
-def pinned_strategy(problem: Problem, placement: str, fix: Any) -> Strategy | None:
-    """The one strategy the fixes leave when they pin every field of every module (grad_accum may follow from
-    the batch; the placement from the GPU counts), else None."""
-    pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus, allow_pp=problem.allow_pp)
+def pinned_strategy(problem: Problem, placement: str, pinned: str | None, fixes: Fixes) -> Strategy | None:
+    """The one strategy the parsed fixes (``parse_fixes``) leave when they pin every field of every module
+    (grad_accum may follow from the batch; the placement from the GPU counts), else None."""
     modules = {m: _only_strategy(problem, fixes.get(m, {})) for m in problem.model.module_names}
     if any(s is None for s in modules.values()):
         return None

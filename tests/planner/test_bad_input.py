@@ -217,3 +217,34 @@ def test_tie_break_cut_short_keeps_the_first_solve(monkeypatch):
     assert len(calls) == 2 and solution.status == "OPTIMAL"
     assert solution.objective_ns == cp_sat.step_ns(cands, {m: cands.by_module[m].index(c)
                                                            for m, c in solution.choice.items()})
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("grad_clip_norm", 0, "training.grad_clip_norm: Input should be greater than 0"),
+    ("grad_clip_norm", -1.0, "training.grad_clip_norm: Input should be greater than 0"),
+    ("learning_rate", -1e-4, "training.learning_rate: Input should be greater than 0"),
+    ("warmup_steps", -2, "training.warmup_steps: Input should be greater than or equal to 0"),
+    ("weight_decay", -0.1, "training.weight_decay: Input should be greater than or equal to 0"),
+])
+def test_a_plans_training_section_that_would_train_wrongly_is_refused(field, value, message, tmp_path):
+    """A zero clip norm trains with every update zeroed (the clip factor is min(1, 0 / norm)), a negative one or a
+    negative learning rate flips the updates: refused when the plan is read, by both halves."""
+    data = json.loads(api.plan("qwen2.5-vl-tiny", 2, gpu="cpu", profile=None).to_json())
+    data["training"][field] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=message):
+        load_plan(path)
+
+
+def test_top_k_leaves_no_earlier_runs_ranked_plan_beside_its_own(tmp_path, capsys):
+    """An earlier ``--top-k 3`` wrote x-2.json and x-3.json; a run that finds one plan (every field pinned on one
+    GPU) removes them, and its plan file is written whole (through a temporary file renamed into place, none left behind)."""
+    for name in ("x-2.json", "x-3.json"):
+        (tmp_path / name).write_text("{}")
+    main(["--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "1", "--global-batch", "1", "--profile", "none",
+          "--fix", "vision.recompute=none", "--fix", "llm.recompute=none", "--top-k", "3",
+          "--out", str(tmp_path / "x.json")])
+    capsys.readouterr()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+    load_plan(tmp_path / "x.json")

@@ -176,16 +176,26 @@ def test_weights_go_to_a_fallback_folder_when_the_save_folder_breaks_during_trai
         assert not torch.equal(value, initial[name]), f"{name} is not the trained weight"
 
 
+def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``python -m runtime ARGS`` as this process's call of its ``main`` (what the command runs, less the
+    interpreter's start-up): exit status and printed output."""
+    from runtime.__main__ import main
+
+    status = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["python", "-m", "runtime", *args], status, out, err)
+
+
 @pytest.mark.slow
-def test_dry_run_flag_prints_the_report_and_exits_1_when_the_plan_does_not_fit(tmp_path):
+def test_dry_run_flag_prints_the_report_and_exits_1_when_the_plan_does_not_fit(tmp_path, capsys):
     plan = json.loads(make_plan(dict(sp=2), dict(tp=2)).to_json())
     (tmp_path / "plan.json").write_text(json.dumps(plan))
-    fits = run_cli(str(tmp_path / "plan.json"), "--dry-run")
+    fits = run_main(capsys, str(tmp_path / "plan.json"), "--dry-run")
     assert fits.returncode == 0, fits.stderr
     assert fits.stdout.strip().endswith("FITS") and "DOES NOT FIT" not in fits.stdout, fits.stdout
     plan["cluster"]["device"]["memory_bytes"] = 1 << 20
     (tmp_path / "small.json").write_text(json.dumps(plan))
-    too_small = run_cli(str(tmp_path / "small.json"), "--dry-run")
+    too_small = run_main(capsys, str(tmp_path / "small.json"), "--dry-run")
     assert too_small.returncode == 1, too_small.stderr
     assert too_small.stdout.strip().endswith("DOES NOT FIT"), too_small.stdout
 

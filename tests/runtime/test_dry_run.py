@@ -3,7 +3,9 @@ a 32B-wide plan dry-runs without the memory it describes."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import gc
 import json
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from planner.units import GIB
 from runtime.dry_run import (StepMemTracker, _device_snapshot, dry_run, format_report, measure_role, roles,
                              usable_bytes)
 from runtime.model import RandomInit
+from runtime.parallel_dims import forget_earlier_worlds
 from runtime.trainer import RunOptions, Trainer
 from tests.runtime.plans import make_plan
 
@@ -29,31 +32,40 @@ PEAK_TOLERANCE = 0.02
 values (zero vs random pixels, padding vs random text), which no allocation depends on."""
 
 
-def _real_peak(rank: int, world: int, plan_json: str, store: str, out: str) -> None:
-    """One gloo rank: two real steps; the second's peak tensor memory (MemTracker) to ``out``."""
+def _real_peaks(rank: int, world: int, plans_json: list[str], store: str, out: str) -> None:
+    """One gloo rank of each plan in turn (one process per world size: starting one costs seconds): two real
+    steps each; the second's peak tensor memory (MemTracker) to ``out.<plan index>.<rank>``."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        trainer = Trainer(Plan.model_validate_json(plan_json), rank=rank, options=RunOptions())
-        trainer.train_step()  # creates Adam's states: the second step is the steady state
-        tracker = StepMemTracker(trainer.modules)
-        tracker.track_external(*trainer.modules.values(), *(o for o, _ in trainer.optimizers.values()))
-        trainer.on_host_data = tracker.forget  # the step's samples are host memory, as the dry-run counts them
-        with tracker:
-            trainer.train_step()
-        peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
-        with open(f"{out}.{rank}", "w") as file:
-            json.dump(peak, file)
+        for index, plan_json in enumerate(plans_json):
+            forget_earlier_worlds()
+            trainer = Trainer(Plan.model_validate_json(plan_json), rank=rank, options=RunOptions())
+            trainer.train_step()  # creates Adam's states: the second step is the steady state
+            tracker = StepMemTracker(trainer.modules)
+            tracker.track_external(*trainer.modules.values(), *(o for o, _ in trainer.optimizers.values()))
+            trainer.on_host_data = tracker.forget  # the step's samples are host memory, as the dry-run counts them
+            with tracker:
+                trainer.train_step()
+            peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+            with open(f"{out}.{index}.{rank}", "w") as file:
+                json.dump(peak, file)
+            trainer.close()
+            del trainer, tracker
+            gc.collect()
     finally:
         dist.destroy_process_group()
 
 
-def real_peaks(plan: Plan, tmp_path) -> dict[int, int]:
-    """Peak tensor memory of every rank of a real CPU run of ``plan`` (spawned gloo processes)."""
-    world = len({r for m in plan.modules for r in m.ranks})
+def real_peaks(plans: list[Plan], tmp_path) -> list[dict[int, int]]:
+    """Peak tensor memory of every rank of a real CPU run of each of ``plans`` (one world size), in spawned gloo
+    processes that run them one after another."""
+    (world,) = {len({r for m in plan.modules for r in m.ranks}) for plan in plans}
     out = str(tmp_path / "peak")
-    mp.spawn(_real_peak, args=(world, plan.model_dump_json(), str(tmp_path / "store"), out), nprocs=world)
-    return {rank: json.loads(open(f"{out}.{rank}").read()) for rank in range(world)}
+    mp.spawn(_real_peaks, args=(world, [p.model_dump_json() for p in plans], str(tmp_path / "store"), out),
+             nprocs=world)
+    return [{rank: json.loads(open(f"{out}.{index}.{rank}").read()) for rank in range(world)}
+            for index in range(len(plans))]
 
 
 PLANS = {
@@ -66,10 +78,23 @@ PLANS = {
 }
 
 
+@pytest.fixture(scope="module")
+def real_runs(tmp_path_factory) -> dict[str, dict[int, int]]:
+    """Every plan's real peaks per rank, from one spawn per world size."""
+    by_world = collections.defaultdict(dict)
+    for name, make in PLANS.items():
+        plan = make()
+        by_world[len({r for m in plan.modules for r in m.ranks})][name] = plan
+    peaks = {}
+    for world, plans in by_world.items():
+        peaks.update(zip(plans, real_peaks(list(plans.values()), tmp_path_factory.mktemp(f"world{world}"))))
+    return peaks
+
+
 @pytest.fixture(scope="module", params=sorted(PLANS))
-def dry_and_real(request, tmp_path_factory):
+def dry_and_real(request, real_runs):
     plan = PLANS[request.param]()
-    return plan, dry_run(plan, RunOptions()), real_peaks(plan, tmp_path_factory.mktemp(request.param))
+    return plan, dry_run(plan, RunOptions()), real_runs[request.param]
 
 
 @pytest.mark.slow
