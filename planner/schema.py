@@ -300,4 +300,4 @@ def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file; raise PlanError with a one-line reason if it cannot be used."""
     data = read_versioned(path, kind="plan file", readable=READABLE_SCHEMA_VERSIONS, writer="plan --out",
                           error=PlanError)
-    return validated(Plan, data, path, kind="plan file", error=PlanError)
+    return validated(Plan, data, path, kind="plan", error=PlanError)

@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         if env is not None:
             preflight.check_world_size(plan, env)
         preflight.check_inputs(plan, data=args.data, checkpoint=args.checkpoint, tokenizer=args.tokenizer)
-        preflight.check_outputs(metrics=args.metrics, save=args.save)
+        # the metrics file is written by the driver, or rank 0 under torchrun: only that process probes it (every
+        # rank creating and removing the same probe file raced, one rank then failing on a file another removed)
+        preflight.check_outputs(metrics=args.metrics if env is None or env.rank == 0 else None, save=args.save)
         if args.resume is not None:
             args.resume = preflight.check_resume(args.resume, args.checkpoint_dir, plan.model.hf_config,
                                                  steps=args.steps)

@@ -72,7 +72,7 @@ def _rendezvous_host() -> str:
         return probe.getsockname()[0]
 
 
-class Worker:
+class Worker(loop.RankCheckpoints):
     """One device (a Ray actor, ``ray::Worker``): a member of the torch.distributed world, holding one Trainer. A
     worker of a ``WorkerPool`` serves job after job: ``close`` leaves its world, ``setup`` joins the next."""
 
@@ -113,15 +113,6 @@ class Worker:
 
     def save_hf_folder(self, path: str) -> None:
         self.trainer.save_hf_folder(path)
-
-    def save_training_checkpoint(self, checkpoints: CheckpointOptions) -> list[dict[str, Any]]:
-        if self.checkpointer is None:
-            self.checkpointer = Checkpointer(self.trainer, checkpoints.directory, keep_last=checkpoints.keep_last,
-                                             overlap=checkpoints.overlap)
-        return self.checkpointer.save()
-
-    def finish_checkpoints(self) -> list[dict[str, Any]]:
-        return [] if self.checkpointer is None else self.checkpointer.finish()
 
     def close(self) -> None:
         if self.trainer is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol
 
 from runtime.checkpoint_dir import CheckpointOptions
+from runtime.dcp_checkpoint import Checkpointer
 from runtime.metrics import MetricsLog
 
 
@@ -24,6 +25,23 @@ class StepJob(Protocol):
 
     def finish_checkpoints(self) -> list[dict[str, Any]]:
         """Wait for a checkpoint still being written; its measurements."""
+
+
+class RankCheckpoints:
+    """A rank's sharded checkpoints of its ``trainer`` (a ``Checkpointer``, made at the first save): what the Ray
+    launcher's workers and a torchrun rank both do when a checkpoint is due."""
+
+    trainer: Any
+    checkpointer: Checkpointer | None = None
+
+    def save_training_checkpoint(self, checkpoints: CheckpointOptions) -> list[dict[str, Any]]:
+        if self.checkpointer is None:
+            self.checkpointer = Checkpointer(self.trainer, checkpoints.directory, keep_last=checkpoints.keep_last,
+                                             overlap=checkpoints.overlap)
+        return self.checkpointer.save()
+
+    def finish_checkpoints(self) -> list[dict[str, Any]]:
+        return [] if self.checkpointer is None else self.checkpointer.finish()
 
 
 def train(job: StepJob, log: MetricsLog | None, steps: int, checkpoints: CheckpointOptions,

@@ -36,7 +36,7 @@ def pin_gpu(local_rank: int) -> None:
 
 
 @dataclass
-class Job:
+class Job(loop.RankCheckpoints):
     """This process's rank of a torchrun job (a ``loop.StepJob``): its Trainer, its checkpointer, and the
     collectives the launcher needs."""
 
@@ -55,15 +55,6 @@ class Job:
         results = [None] * dist.get_world_size() if self.rank == 0 else None
         dist.gather_object(result, results, dst=0)
         return results
-
-    def save_training_checkpoint(self, checkpoints: CheckpointOptions) -> list[dict[str, Any]]:
-        if self.checkpointer is None:
-            self.checkpointer = Checkpointer(self.trainer, checkpoints.directory, keep_last=checkpoints.keep_last,
-                                             overlap=checkpoints.overlap)
-        return self.checkpointer.save()
-
-    def finish_checkpoints(self) -> list[dict[str, Any]]:
-        return [] if self.checkpointer is None else self.checkpointer.finish()
 
     def agree(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank."""

@@ -52,3 +52,12 @@ def each_straight_and_resumed(rank: int, plans: dict[str, Plan], directory: str,
     return {name: straight_and_legs(rank, plan, [(plan, 2), (plan, 2)], os.path.join(directory, name),
                                     overlap=name in overlap)
             for name, plan in plans.items()}
+
+
+def same_and_across_plans(rank: int, same: dict[str, Plan], same_directory: str, overlap: set[str],
+                          straight: Plan, legs: list[tuple[Plan, int]], across_directory: str
+                          ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Both resume scenarios in one set of processes (a spawn costs seconds of imports per rank): each plan
+    against itself (``each_straight_and_resumed``), then ``straight`` against legs under other plans."""
+    return (each_straight_and_resumed(rank, same, same_directory, overlap),
+            straight_and_legs(rank, straight, legs, across_directory))

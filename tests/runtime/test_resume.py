@@ -28,7 +28,7 @@ from tests.runtime.plans import make_plan, tiny_hf_config
 from tests.runtime.ranks import spawn
 from tests.runtime.test_bad_input import run_light
 from tests.runtime.test_cli import assert_one_line_error
-from tests.runtime.resume_ranks import each_straight_and_resumed, straight_and_legs
+from tests.runtime.resume_ranks import same_and_across_plans
 
 SAME_PLAN = {
     "colocated_zero0_dp2": dict(vision=dict(dp=2), llm=dict(dp=2)),
@@ -71,39 +71,48 @@ def _curve(outs: list[dict], key: str) -> list[dict]:
     return steps
 
 
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Per rank, the outputs of both scenarios, from one pair of processes (a spawn costs ~15 s of imports here);
+    the same-plan plans; and the across-plans checkpoint folder."""
+    same = {name: make_plan(**{k: dict(v) if isinstance(v, dict) else v for k, v in p.items()})
+            for name, p in SAME_PLAN.items()}
+    across = [make_plan(**{k: dict(v) for k, v in p.items()}) for p in ACROSS_PLANS]
+    same_dir, across_dir = tmp_path_factory.mktemp("same"), tmp_path_factory.mktemp("across")
+    by_rank = spawn(2, same_and_across_plans, same, str(same_dir), OVERLAPPED, across[0], [(p, 2) for p in across],
+                    str(across_dir))
+    return same, [out[0] for out in by_rank], [out[1] for out in by_rank], across_dir
+
+
 @pytest.mark.slow
-def test_resume_is_bitwise_the_uninterrupted_run(tmp_path):
-    """All plans in one pair of processes (a spawn costs ~15 s of imports here)."""
-    plans = {name: make_plan(**{k: dict(v) if isinstance(v, dict) else v for k, v in p.items()})
-             for name, p in SAME_PLAN.items()}
-    by_rank = spawn(2, each_straight_and_resumed, plans, str(tmp_path), OVERLAPPED)
+def test_resume_is_bitwise_the_uninterrupted_run(resumed):
+    plans, by_rank, _, _ = resumed
     for name in plans:
         outs = [out[name] for out in by_rank]
         assert _curve(outs, "legs") == _curve(outs, "straight"), name
-        straight, resumed = _merged_params(outs, "straight_params"), _merged_params(outs, "legs_params")
-        assert straight.keys() == resumed.keys() and straight, name
+        straight, resumed_params = _merged_params(outs, "straight_params"), _merged_params(outs, "legs_params")
+        assert straight.keys() == resumed_params.keys() and straight, name
         for hf_name, tensor in straight.items():
-            assert torch.equal(tensor, resumed[hf_name]), (name, hf_name)
+            assert torch.equal(tensor, resumed_params[hf_name]), (name, hf_name)
 
 
 @pytest.mark.slow
-def test_resume_under_other_plans_follows_the_uninterrupted_curve(tmp_path):
-    plans = [make_plan(**{k: dict(v) for k, v in p.items()}) for p in ACROSS_PLANS]
-    outs = spawn(2, straight_and_legs, plans[0], [(p, 2) for p in plans], str(tmp_path))
+def test_resume_under_other_plans_follows_the_uninterrupted_curve(resumed, tmp_path):
+    _, _, outs, directory = resumed
     straight, legs = _curve(outs, "straight"), _curve(outs, "legs")
     assert len(legs) == len(straight) == 8
     for a, b in zip(straight, legs):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
         assert b["lr"] == a["lr"]
-    reference, resumed = _merged_params(outs, "straight_params"), _merged_params(outs, "legs_params")
-    assert reference.keys() == resumed.keys()
+    reference, resumed_params = _merged_params(outs, "straight_params"), _merged_params(outs, "legs_params")
+    assert reference.keys() == resumed_params.keys()
     for hf_name, tensor in reference.items():  # Adam noise floor, as in test_parity: a tenth of one step (lr 1e-3)
-        assert (tensor - resumed[hf_name]).abs().max() <= 1e-4, hf_name
-    kept = checkpoint_dir.complete_checkpoints(str(tmp_path))
+        assert (tensor - resumed_params[hf_name]).abs().max() <= 1e-4, hf_name
+    kept = checkpoint_dir.complete_checkpoints(str(directory))
     assert [step for step, _ in kept] == [8]  # keep_last=1 pruned steps 2, 4 and 6
-    assert not [n for n in os.listdir(tmp_path) if n.endswith(checkpoint_dir.TMP_SUFFIX)]
-    _assert_exports_to_hf(kept[0][1], tmp_path / "hf", resumed)
+    assert not [n for n in os.listdir(directory) if n.endswith(checkpoint_dir.TMP_SUFFIX)]
+    _assert_exports_to_hf(kept[0][1], tmp_path / "hf", resumed_params)
 
 
 def _assert_exports_to_hf(checkpoint: str, out, params: dict[str, torch.Tensor]) -> None:
