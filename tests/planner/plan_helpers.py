@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from planner.candidates import Problem, divisors
-from planner.catalog import get_model
-from planner.cost import DEFAULT_ASSUMPTIONS, check_strategy, estimate
-from planner.hardware import get_device, make_cluster
-from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Strategy
-from planner.dataset import DatasetHistogram, pack_dataset, sample_tokens
-from planner.workload import Workload, packed_workload
-from planner.units import GIB
+import functools
 
+from planner.candidates import divisors
+from planner.catalog import get_model
+from planner.cost import DEFAULT_ASSUMPTIONS, check_strategy
+from planner.cost import module_cost
+from planner.cost.estimate import combine
+from planner.dataset import DatasetHistogram, pack_dataset, sample_tokens
+from planner.hardware import get_device, make_cluster
+from planner.problem import Problem
+from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Strategy
+from planner.units import GIB
+from planner.workload import Workload, packed_workload
 
 
 def problem(
@@ -103,6 +107,19 @@ def brute_force(p: Problem, placement: str, llm_sp: int | None = None, pipelined
     n = p.num_gpus
     encoder, llm = p.model.module_names
     splits = [(n, n)] if placement == "colocated" else [(g, n - g) for g in range(1, n)]
+
+    num_stages = 2 if placement == "disjoint" else 1
+
+    @functools.lru_cache(maxsize=None)
+    def cost(name: str, s: ModuleStrategy, first_rank: int, feeds_pipeline: bool):
+        """One module's cost with the arguments ``cost.module_costs`` gives it inside a plan, memoised: a module
+        strategy is costed once, not once per partner (what ``estimate`` adds, its validity checks, is what
+        ``all_strategies`` already filtered by)."""
+        return module_cost(p.model, name, p.cluster, p.workload, s, placement=placement, precision=p.precision,
+                           first_rank=first_rank, num_stages=num_stages,
+                           stage_index=num_stages - 1 if name == "llm" else 0, feeds_pipeline=feeds_pipeline,
+                           assumptions=p.assumptions)
+
     best = None
     for g_enc, g_llm in splits:
         llm_by_ga: dict[int, list[ModuleStrategy]] = {}
@@ -113,7 +130,10 @@ def brute_force(p: Problem, placement: str, llm_sp: int | None = None, pipelined
             for s_llm in llm_by_ga.get(s_enc.grad_accum, []):
                 strategy = Strategy(placement=placement, modules={encoder: s_enc, llm: s_llm},
                                     precision=p.precision)
-                e = estimate(p.model, p.cluster, p.workload, strategy, p.assumptions)
+                firsts = strategy.first_ranks()
+                costs = {encoder: cost(encoder, s_enc, firsts[encoder], s_llm.pp > 1),
+                         llm: cost(llm, s_llm, firsts[llm], False)}
+                e = combine(p.model, p.cluster, p.workload, placement, costs, p.assumptions)
                 if e.fits and (best is None or e.step_time_s < best[0]):
                     best = (e.step_time_s, strategy)
     return best
