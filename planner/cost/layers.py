@@ -226,10 +226,10 @@ def ring_kv_pass_time(kv_block_bytes: float, shard: Shard) -> float:
 
 def replicated_kv_backward_time(layer: LayerSpec, shard: Shard) -> float:
     """Backward all-reduces a decoder layer adds when TP is a multiple of its KV heads (each KV head replicated
-    on tp / kv ranks, as ``runtime.parallel.tensor_parallel.ReplicatedHeadsColwise`` runs it): the K and V
-    projections' input gradients (``tokens x h`` each) and their weight and bias gradients
-    (``2 (h + 1) kv d``), each summed over the TP ranks, in the activation dtype. Zero when TP divides the KV
-    heads (then k/v are column-parallel like q).
+    on tp / kv ranks, as ``runtime.parallel.tensor_parallel.ReplicatedHeadsColwise`` runs it): for each of the K
+    and V projections, its input gradient (``tokens x h``), its weight gradient (``h x kv d``) and its bias
+    gradient (``kv d``), each summed over the TP ranks by an all-reduce of its own, in the activation dtype. Zero
+    when TP divides the KV heads (then k/v are column-parallel like q).
 
     Source: Shoeybi et al. 2019 (Megatron-LM), Sec. 3: the "f" operator (identity forward, all-reduce backward)
     on a projection whose weight every TP rank holds; all-reduce cost as ``all_reduce_time``.
@@ -237,9 +237,10 @@ def replicated_kv_backward_time(layer: LayerSpec, shard: Shard) -> float:
     a, s, e = layer.attention, shard, shard.assumptions.activation_bytes
     if a is None or layer.kind != "decoder_layer" or s.tp == 1 or a.num_kv_heads % s.tp == 0:
         return 0.0
-    inputs = 2 * all_reduce_time(s.tokens * layer.hidden_size * e, s.tp, s.tp_link)
-    weights = all_reduce_time(2 * (layer.hidden_size + 1) * a.num_kv_heads * a.head_dim * e, s.tp, s.tp_link)
-    return inputs + weights
+    width = a.num_kv_heads * a.head_dim
+    per_projection = sum(all_reduce_time(elements * e, s.tp, s.tp_link)
+                         for elements in (s.tokens * layer.hidden_size, layer.hidden_size * width, width))
+    return 2 * per_projection
 
 
 def _block_gemm_shapes(layer: LayerSpec, shard: Shard) -> tuple[tuple[float, float, float], ...]:

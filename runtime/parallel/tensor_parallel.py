@@ -67,9 +67,9 @@ class ReplicatedHeadsColwise(ParallelStyle):
     """A k/v projection of ``num_heads`` heads over a TP degree that is a multiple of them: weight and bias stay
     whole (``Replicate``) on every rank, each rank projects its query heads' own KV head, rank r's being head
     ``r // (tp / num_heads)`` (the head its contiguous block of query heads reads). In backward the gradients of
-    the weight (each rank's holds only its head's rows) and of the replicated input (each rank's is its heads'
-    share) are summed over the TP ranks: one all-reduce of the projection's size and one of the input's per
-    layer and micro-batch. Input replicated, output the rank's head, local."""
+    the weight and bias (each rank's holds only its head's rows) and of the replicated input (each rank's is its
+    heads' share) are summed over the TP ranks, an all-reduce each per micro-batch (priced by the planner's
+    ``replicated_kv_backward_time``). Input replicated, output the rank's head, local."""
 
     def __init__(self, num_heads: int):
         super().__init__()

@@ -97,11 +97,12 @@ def test_tp_all_reduces_two_forward_two_backward():
 
 
 def test_tp_replicating_kv_heads_adds_their_backward_all_reduces():
-    # tp=4 over 2 KV heads: K and V input gradients (64 x 128 x 2 B each) and their weight + bias gradients
-    # (2 x 129 x 2 heads x 16 x 2 B) are summed over the 4 TP ranks in backward
+    # tp=4 over 2 KV heads: for K and for V, the input gradient (64 x 128 x 2 B), the weight gradient
+    # (128 x 2 heads x 16 x 2 B) and the bias gradient (2 heads x 16 x 2 B), each all-reduced over the 4 TP ranks
     t = layer_terms(DECODER, shard(tp=4))
     block = 4 * all_reduce_time(64 * 128 * 2, 4, LINK)
-    kv = 2 * all_reduce_time(64 * 128 * 2, 4, LINK) + all_reduce_time(2 * 129 * 2 * 16 * 2, 4, LINK)
+    kv = 2 * (all_reduce_time(64 * 128 * 2, 4, LINK) + all_reduce_time(128 * 32 * 2, 4, LINK)
+              + all_reduce_time(32 * 2, 4, LINK))
     assert t.tp_comm_s == pytest.approx(block + kv)
     assert layer_terms(DECODER, shard(tp=2)).tp_comm_s == pytest.approx(4 * all_reduce_time(64 * 128 * 2, 2, LINK))
 
