@@ -231,6 +231,23 @@ def list_devices() -> list[tuple[str, tuple[str, ...], str]]:
     return [(name, entry.aliases, entry.description) for name, entry in DEVICE_CATALOG.items()]
 
 
+HOST_FIELDS = ("kernel_launch_latency", "host_overlap")
+"""Device fields that plans record since host costs were modelled."""
+
+
+def with_host_fields(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A recorded device's fields (a plan's ``cluster.device``) with the host fields an older plan lacks: the
+    catalog device's values when its name is a catalog device, else 0 (no host cost)."""
+    missing = [name for name in HOST_FIELDS if name not in values]
+    if not missing:
+        return dict(values)
+    try:
+        catalog = get_device(str(values.get("name", "")))
+    except ValueError:
+        catalog = None
+    return {**values, **{name: getattr(catalog, name) if catalog else 0.0 for name in missing}}
+
+
 def make_cluster(device: DeviceSpec | str, num_devices: int, devices_per_node: int | None = None) -> Cluster:
     """``num_devices`` of ``device`` (a spec or a catalog name), by default as many per node as the device has."""
     spec = get_device(device) if isinstance(device, str) else device

@@ -15,7 +15,6 @@ from planner.schema import (
     SCHEMA_VERSION,
     BaselineResult,
     ClusterInfo,
-    DeviceInfo,
     ModelInfo,
     ModulePlan,
     ModulePrediction,
@@ -116,7 +115,7 @@ def build_plan(
         model=ModelInfo(name=model.name, family=model.family, hf_config=dict(model.hf_config),
                         num_params=model.num_params, module_params={m.name: m.num_params for m in model.modules}),
         cluster=ClusterInfo(
-            device=DeviceInfo(**{k: getattr(device, k) for k in DeviceInfo.model_fields}),
+            device=device,
             num_devices=problem.num_gpus, devices_per_node=problem.cluster.devices_per_node,
         ),
         workload=WorkloadInfo(

@@ -1,6 +1,7 @@
 """The Plan: the one versioned JSON document that crosses from the planner to the runtime.
 
-Only pydantic is imported here, so the runtime can validate plans without pulling in the solver.
+Only pydantic and torch-free planner modules are imported here, so the runtime can validate plans without pulling
+in the solver.
 Bump ``SCHEMA_VERSION`` on any change a reader of an older version would misread.
 """
 
@@ -10,8 +11,9 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from planner.hardware import DeviceSpec, with_host_fields
 from planner.versioned_json import read_versioned, validated
 
 SCHEMA_VERSION = 3
@@ -156,27 +158,16 @@ class ModelInfo(_Frozen):
     module_params: dict[str, int]
 
 
-class DeviceInfo(_Frozen):
-    name: str
-    peak_bf16_flops: float
-    memory_bytes: int
-    memory_bandwidth: float
-    intra_node_bandwidth: float
-    intra_node_latency: float
-    inter_node_bandwidth: float
-    inter_node_latency: float
-    devices_per_node: int
-    kernel_launch_latency: float = 0.0
-    """Absent (0) in plans written before host costs were modelled; ``--calibrate`` then takes the catalog
-    device's value."""
-    host_overlap: float = 0.0
-    source: str
-
-
 class ClusterInfo(_Frozen):
-    device: DeviceInfo
+    device: DeviceSpec
     num_devices: int
     devices_per_node: int
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _older_plans_host_fields(cls, device: Any) -> Any:
+        """Plans written before host costs were modelled lack the host fields (``with_host_fields``)."""
+        return with_host_fields(device) if isinstance(device, dict) else device
 
 
 class TokenPercentiles(_Frozen):

@@ -25,7 +25,7 @@ import shlex
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +35,7 @@ from planner.catalog import model_from_hf_config
 from planner.cost import estimate
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.results import Estimate
-from planner.hardware import Cluster, DeviceSpec, get_device
+from planner.hardware import Cluster
 from planner.profiles import (
     MEMORY_ASSUMPTIONS,
     PROFILE_SCHEMA_VERSION,
@@ -71,8 +71,6 @@ share of the runs' median measured step."""
 SENSITIVITY = 1e-4
 """Smallest relative change of some run's prediction, when an assumption moves by a tenth of its range, for the
 runs to constrain it; below it the assumption is not identifiable from these runs and keeps its default."""
-HOST_FIELDS = frozenset({"kernel_launch_latency", "host_overlap"})
-"""Device fields a plan records since host costs were modelled."""
 def measured_step_time(path: Path, warmup_steps: int = WARMUP_STEPS) -> float:
     """Median over steps of the slowest rank's ``step_time_s`` in a metrics JSONL file."""
     per_step: dict[int, float] = {}
@@ -105,15 +103,7 @@ def plan_inputs(plan: Plan):
     """(model, cluster, workload, strategy) the plan was made for, rebuilt from the plan file."""
     model = model_from_hf_config(plan.model.hf_config, plan.model.name)
     model = model.with_frozen([m.name for m in plan.modules if m.frozen])
-    device = DeviceSpec(**plan.cluster.device.model_dump())
-    unrecorded = HOST_FIELDS - plan.cluster.device.model_fields_set
-    if unrecorded:  # a plan written before host costs were modelled: the catalog's device values, where it has them
-        try:
-            catalog = get_device(device.name)
-        except ValueError:
-            catalog = None
-        if catalog is not None:
-            device = replace(device, **{name: getattr(catalog, name) for name in unrecorded})
+    device = plan.cluster.device
     cluster = Cluster(device=device, num_devices=plan.cluster.num_devices, devices_per_node=plan.cluster.devices_per_node)
     w = plan.workload
     workload = Workload(image_sizes=tuple(tuple(s) for s in w.image_sizes), vision_tokens=w.vision_tokens,

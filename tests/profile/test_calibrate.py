@@ -59,7 +59,7 @@ def make_plan(model, strategy, workload, device) -> schema.Plan:
         schema_version=schema.SCHEMA_VERSION, planner_version="test",
         model=schema.ModelInfo(name=model.name, family=model.family, hf_config=dict(model.hf_config),
                                num_params=model.num_params, module_params={}),
-        cluster=schema.ClusterInfo(device=schema.DeviceInfo(**device.__dict__), num_devices=strategy.num_gpus,
+        cluster=schema.ClusterInfo(device=device, num_devices=strategy.num_gpus,
                                    devices_per_node=device.devices_per_node),
         workload=schema.WorkloadInfo(image_sizes=[], vision_tokens=workload.vision_tokens,
                                      text_tokens=workload.text_tokens, audio_seconds=0.0,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from planner.hardware import DeviceSpec
 from planner.schema import (
-    SCHEMA_VERSION, ClusterInfo, DatasetInfo, DeviceInfo, MemoryBreakdown, ModelInfo, ModulePlan, ModulePrediction,
+    SCHEMA_VERSION, ClusterInfo, DatasetInfo, MemoryBreakdown, ModelInfo, ModulePlan, ModulePrediction,
     ModuleTime, Plan, Prediction, SolverInfo, TokenPercentiles, TrainingInfo, WorkloadInfo,
 )
 
@@ -85,9 +86,10 @@ def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAG
     n = len({r for m in modules for r in m.ranks})
     samples = modules[1].dp * modules[1].micro_batch * modules[1].grad_accum
     patches = (image_size[0] // 14) * (image_size[1] // 14)
-    device = DeviceInfo(name="cpu", peak_bf16_flops=1e11, memory_bytes=8 << 30, memory_bandwidth=2e10,
+    device = DeviceSpec(name="cpu", peak_bf16_flops=1e11, memory_bytes=8 << 30, memory_bandwidth=2e10,
                         intra_node_bandwidth=5e9, intra_node_latency=1e-5, inter_node_bandwidth=1e9,
-                        inter_node_latency=1e-4, devices_per_node=n, source="test")
+                        inter_node_latency=1e-4, devices_per_node=n, kernel_launch_latency=0.0,
+                        host_overlap=0.0, source="test")
     return Plan(
         schema_version=SCHEMA_VERSION, planner_version="test",
         model=ModelInfo(name="qwen2.5-vl-tiny", family="qwen2_5_vl", hf_config=hf_config, num_params=1,

@@ -111,7 +111,7 @@ def test_fits_flips_when_the_device_is_smaller_than_the_peak(dry_and_real):
     plan, report, _ = dry_and_real
     peak = max(role.peak["Total"] for role in report.roles)
     assert report.fits and "DOES NOT FIT" not in format_report(report)
-    device = plan.cluster.device.model_copy(update={"memory_bytes": int(peak * 0.9)})
+    device = dataclasses.replace(plan.cluster.device, memory_bytes=int(peak * 0.9))
     small = plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"device": device})})
     shrunk = dataclasses.replace(report, plan=small, usable_bytes=usable_bytes(small))
     assert not shrunk.fits and format_report(shrunk).endswith("DOES NOT FIT")
@@ -155,7 +155,7 @@ def test_a_32b_wide_plan_dry_runs_without_its_memory():
 
 def _on_gpu(plan: Plan, precision: str) -> Plan:
     """``plan`` made for a GPU (the dry-run only reads the device's name and memory) with ``precision``."""
-    device = plan.cluster.device.model_copy(update={"name": "h100-80gb"})
+    device = dataclasses.replace(plan.cluster.device, name="h100-80gb")
     return plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"device": device}),
                                    "training": plan.training.model_copy(update={"precision": precision})})
 

@@ -1,7 +1,7 @@
 """The runtime runs without OR-Tools and reads only the Plan schema, the data-row formats (planner.data_rows, which
 both halves parse datasets with), the packer (planner.packing: a dataset plan runs the packs it was priced
-on), the shared validity rules (planner.rules) and unit constants (planner.units) from the planner, and the reader of
-versioned JSON files the schema uses (planner.versioned_json)."""
+on), the shared validity rules (planner.rules) and unit constants (planner.units) from the planner, and what the schema
+uses: the device description (planner.hardware) and the reader of versioned JSON files (planner.versioned_json)."""
 
 import subprocess
 import sys
@@ -18,5 +18,5 @@ def test_runtime_imports_without_ortools_and_only_the_plan_schema_data_rows_pack
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == str(["planner", "planner.data_rows", "planner.packing", "planner.rules",
+    assert result.stdout.strip() == str(["planner", "planner.data_rows", "planner.hardware", "planner.packing", "planner.rules",
                                          "planner.schema", "planner.units", "planner.versioned_json"])
