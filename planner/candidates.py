@@ -39,7 +39,8 @@ from types import MappingProxyType
 from typing import AbstractSet, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 from planner.cost import ModuleCost, check_strategy, module_cost
-from planner.cost.module import feeding_pipeline, pipelined_step_floor_s
+from planner.cost.module import feeding_pipeline
+from planner.cost.pipeline import pipelined_step_floor_s
 from planner.cost.estimate import module_path_terms
 from planner.cost.phases import alive_bytes, data_flow_order, own_peak_bytes, step_phases
 from planner.models import ENCODER_MODULES, ModelSpec

@@ -1,4 +1,7 @@
-"""Step time of the disjoint placement's two-stage pipeline (encoders -> LLM), as the runtime schedules it.
+"""Pipeline schedules' costs: the disjoint placement's two-stage pipeline (encoders -> LLM), and a module's own
+pipeline parallelism (pp > 1: ``pipelined_cost``, one ``rank_cost`` per distinct pipeline rank plus the bubble).
+
+The disjoint placement, as the runtime schedules it:
 
 The runtime (runtime/trainer.py, ``_disjoint_step``) runs ``m = grad_accum`` micro-batches: the encoder group runs
 at most two forwards ahead, then alternates backward and forward (F0 F1 B0 F2 B1 F3 ... B(m-1)); the LLM group
@@ -20,7 +23,33 @@ forward.
 from __future__ import annotations
 
 import heapq
+import math
+from dataclasses import replace
+from types import MappingProxyType
 from typing import Literal, Sequence
+
+from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
+from planner.cost.comm import (
+    axis_within_node,
+    p2p_time,
+)
+from planner.cost.layer_costs import LayerCostSource
+from planner.cost.phases import own_peak_bytes
+from planner.cost.rank_cost import (
+    ModuleStatic,
+    axes_within_node,
+    flops_per_sample,
+    layer_sums,
+    module_static,
+    rank_cost,
+    with_measured_collectives,
+)
+from planner.cost.results import ModuleCost
+from planner.hardware import Cluster
+from planner.models import ENCODER_MODULES, LayerSpec, ModelSpec
+from planner.schema import ZERO_BUBBLE_SCHEDULES
+from planner.strategy import ModuleStrategy, Precision
+from planner.workload import Workload, pipeline_padded
 
 NUM_PATHS = 4
 """Critical paths ``pipeline_step_time`` takes the max of."""
@@ -53,7 +82,7 @@ def pipeline_step_time(encoder_terms: Sequence[float], llm_terms: Sequence[float
     return max(e + l for e, l in zip(encoder_terms, llm_terms, strict=True))
 
 
-# --- Pipeline parallelism of one module (pp > 1) -------------------------------------------------------------------
+# --- Pipeline parallelism of one module (pp > 1): the schedule ----------------------------------------------------
 
 
 def balanced_chunk_layers(num_layers: int, chunk_extra_s: Sequence[float], layer_s: float) -> tuple[int, ...]:
@@ -126,3 +155,254 @@ def in_flight_chunks(stage: int, num_stages: int, grad_accum: int, virtual_stage
     if zero_bubble:
         return min((v - 1) * per_round + p, m * v)
     return min((v - 1) * per_round + 2 * (p - 1 - stage) + 1, m * v)
+
+
+# --- Pipeline parallelism of one module (pp > 1): per-rank costs -------------------------------------------------
+
+
+def pipeline_chunks(static: ModuleStatic, s: ModuleStrategy, layer_costs: LayerCostSource | None,
+                    within: tuple[bool, bool, bool], extra_first_s: float, p2p_s: float) -> tuple[int, ...]:
+    """Decoder layers of each of the ``pp * virtual_stages`` model chunks, balanced on time per micro-batch
+    (``balanced_chunk_layers``): the first chunk also runs the layers before the decoder (embedding) and receives
+    the hand-off (``extra_first_s``), the last the layers after it (final norm, lm_head and the loss), and every
+    chunk but the last sends its output and receives its gradient (``p2p_s``)."""
+    key = (s.tp, s.sp, s.cp, s.micro_batch, s.recompute, s.pp, s.virtual_stages, within, extra_first_s, p2p_s)
+    if layer_costs is None and key in static.chunks:
+        return static.chunks[key]
+    layers = static.spec.layers
+    blocks = [i for i, layer in enumerate(layers) if layer.kind in PIPELINED_KINDS]
+    assert len(blocks) == 1, f"{static.spec.name}: pipeline parallelism needs one repeated block type"
+    index = blocks[0]
+    before, block, after = layers[:index], layers[index], layers[index + 1:]
+    layer_s = layer_sums(static, s, within, layer_costs, (replace(block, count=1),)).total_s
+    head_s = layer_sums(static, s, within, layer_costs, before).total_s if before else 0.0
+    tail_s = layer_sums(static, s, within, layer_costs, after).total_s if after else 0.0
+    chunks = s.pp * s.virtual_stages
+    extra = [p2p_s] * (chunks - 1) + [tail_s]
+    extra[0] += head_s + extra_first_s
+    chunks = balanced_chunk_layers(block.count, extra, layer_s)
+    if layer_costs is None:
+        static.chunks[key] = chunks
+    return chunks
+
+
+PIPELINED_KINDS = ("decoder_layer",)
+"""The repeated block whose instances pipeline stages divide (the LLM's decoder layers)."""
+
+
+PIPELINED_KINDS = ("decoder_layer",)
+"""The repeated block whose instances pipeline stages divide (the LLM's decoder layers)."""
+
+
+def rank_layers(layers: tuple[LayerSpec, ...], chunk_layers: tuple[int, ...], rank: int, pp: int
+                ) -> tuple[LayerSpec, ...]:
+    """The layers pipeline rank ``rank`` holds: the decoder layers of its chunks (``rank``, ``rank + pp``, ...), the
+    layers before the decoder on rank 0 (chunk 0), the ones after it on the rank of the last chunk."""
+    index = next(i for i, layer in enumerate(layers) if layer.kind in PIPELINED_KINDS)
+    mine = range(rank, len(chunk_layers), pp)
+    held = [replace(layers[index], count=sum(chunk_layers[c] for c in mine))]
+    if 0 in mine:
+        held = list(layers[:index]) + held
+    if len(chunk_layers) - 1 in mine:
+        held += list(layers[index + 1:])
+    return tuple(held)
+
+
+def _rank_layers(static: ModuleStatic, chunk_layers: tuple[int, ...], rank: int, pp: int) -> tuple[LayerSpec, ...]:
+    """``rank_layers`` of the module, memoised."""
+    key = ("rank_layers", chunk_layers, rank, pp)
+    held = static.chunks.get(key)
+    if held is None:
+        held = static.chunks[key] = rank_layers(static.spec.layers, chunk_layers, rank, pp)
+    return held
+
+
+def pipeline_parts(s: ModuleStrategy, first_rank: int, devices_per_node: int, chunk_layers: tuple[int, ...]
+                   ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """(the distinct pipeline ranks as (first rank of its kind, chunks it sends onward), each rank's (index of its
+    kind, chunks it holds in flight)). Ranks are alike when they hold the same chunks' worth of layers (and whether
+    the first or the last), send as many chunks onward and have the same links; the first of a kind holds the most
+    in flight (in-flight falls with the rank), so its cost stands for the kind. Memoised."""
+    key = (s.pp, s.pp_schedule, s.virtual_stages, s.grad_accum, s.tp, s.sp, s.cp, s.dp,
+           first_rank % devices_per_node, devices_per_node, chunk_layers)
+    found = _PARTS.get(key)
+    if found is not None:
+        return found
+    zero_bubble = s.pp_schedule in ZERO_BUBBLE_SCHEDULES
+    num_chunks = len(chunk_layers)
+    kinds: dict[tuple, int] = {}
+    parts, rank_stages = [], []
+    for rank in range(s.pp):
+        mine = range(rank, num_chunks, s.pp)
+        sends = sum(c < num_chunks - 1 for c in mine)
+        kind = (0 in mine, num_chunks - 1 in mine, sum(chunk_layers[c] for c in mine), sends,
+                axes_within_node(s, first_rank + rank * s.stage_gpus, devices_per_node))
+        if kind not in kinds:
+            kinds[kind] = len(parts)
+            parts.append((rank, sends))
+        rank_stages.append((kinds[kind], in_flight_chunks(rank, s.pp, s.grad_accum, s.virtual_stages, zero_bubble)))
+    found = _PARTS[key] = (tuple(parts), tuple(rank_stages))
+    return found
+
+
+_PARTS: dict[tuple, tuple] = {}
+
+
+_PARTS: dict[tuple, tuple] = {}
+
+
+def _stages_within_node(s: ModuleStrategy, first_rank: int, devices_per_node: int) -> bool:
+    """Whether consecutive pipeline stages of the grid starting at ``first_rank`` exchange within a node (one
+    memoised ``axis_within_node`` along the pipeline axis)."""
+    key = (s.stage_gpus, s.pp, first_rank % devices_per_node, devices_per_node)
+    found = _STAGES_WITHIN.get(key)
+    if found is None:
+        found = _STAGES_WITHIN[key] = axis_within_node(first_rank % devices_per_node, s.stage_gpus, s.pp, s.gpus,
+                                                        devices_per_node)
+    return found
+
+
+_STAGES_WITHIN: dict[tuple, bool] = {}
+
+
+_STAGES_WITHIN: dict[tuple, bool] = {}
+
+
+def pipeline_receive_buffer_bytes(boundary_bytes: float, chunks: int, first: bool, last: bool,
+                                  grad_accum: int) -> int:
+    """Bytes of the receive buffers a pipeline rank keeps for the whole run: torch's ``PipelineStage`` allocates one
+    buffer per micro-batch for the activations each of its model chunks but the first receives, and one for the
+    gradient each chunk but the last receives (``_setup_forward_recv_info`` and ``_setup_backward_recv_info``,
+    torch 2.13, each a loop over every micro-batch), ``boundary_bytes`` each (the hidden states of a micro-batch).
+    ``chunks``: the rank's model chunks; ``first`` / ``last``: whether it holds the pipeline's first / last one. A
+    chunk's first layer saves its input, which is one of these buffers while the micro-batch is in flight: counted
+    twice, up to the in-flight micro-batches' inputs (conservative)."""
+    slots = 2 * chunks - first - last
+    return math.ceil(slots * grad_accum * boundary_bytes)
+
+
+def stage0_handoff_bytes(per_sample: float, backward: bool, micro_batch: int, grad_accum: int) -> int:
+    """Bytes a pipeline's first stage holds through the schedule: every micro-batch's encoder output (``per_sample``
+    bytes a sample), and as much again for their gradient when an encoder trains (runtime.trainer ``llm_pipeline``:
+    one leaf of all micro-batches' rows, whose gradient is allocated whole by the first backward to reach it)."""
+    return math.ceil((1 + backward) * grad_accum * micro_batch * per_sample)
+
+
+def encoder_handoff_bytes(static: ModuleStatic) -> tuple[float, bool]:
+    """(bytes per sample every encoder hands the LLM, whether any of them takes the gradient back)."""
+    total, backward = 0.0, False
+    for name in static.model.module_names:
+        if name in ENCODER_MODULES:
+            encoder = module_static(static.model, name, static.workload, static.cluster, static.assumptions)
+            total += encoder.handoff_bytes_per_sample
+            backward = backward or encoder.backward == "full"
+    return total, backward
+
+
+def pipelined_cost(
+    static: ModuleStatic, s: ModuleStrategy, *, precision: Precision, first_rank: int, layer_costs: LayerCostSource | None,
+    chunk_layers: tuple[int, ...] | None = None,
+) -> ModuleCost:
+    """The cost of a pipelined module (pp > 1): one ``rank_cost`` per distinct pipeline rank (its layers, transfers
+    and links; ranks alike differ only in what they keep in flight, and the first of them holds the most), then the
+    step of the schedule (``pipeline_bubble_time``): time is the slowest rank's plus the bubble, the tail the longest
+    rank's, memory the rank whose own peak is the largest (``stage_costs`` keeps every distinct rank's, which
+    ``planner.cost.phases`` reads).
+
+    Transfers per micro-batch: a stage boundary carries the micro-batch's hidden states forward and their
+    gradient back, point-to-point between the ranks of the same grid position in consecutive stages (Hockney
+    alpha-beta over the link joining them); stage 0 also receives the encoders' output (colocated: from every
+    GPU; disjoint: from the encoder group) over the NIC once the module spans nodes, and sends its gradient back.
+    The schedule takes every micro-batch's encoder output at once, so stage 0 holds all of them, and their
+    gradient once its first backward reaches them, for the whole schedule (``stage0_handoff_bytes``); under SP a
+    stage-0 rank holds the rows of its slice of each sequence, at most a slice's worth (image tokens come first).
+    Every rank also keeps torch's per-micro-batch receive buffers (``pipeline_receive_buffer_bytes``). The layers
+    are split by ``pipeline_chunks`` unless ``chunk_layers`` gives the split.
+    """
+    assumptions, dpn = static.assumptions, static.cluster.devices_per_node
+    within = axes_within_node(s, first_rank, dpn)[:3]
+    hidden = next(layer.hidden_size for layer in static.spec.layers if layer.kind in PIPELINED_KINDS)
+    boundary_bytes = s.micro_batch * static.tokens.tokens / (s.sp * s.cp) * hidden * assumptions.activation_bytes
+    stage_link = static.links[not _stages_within_node(s, first_rank, dpn)]
+    p2p = 2 * p2p_time(boundary_bytes, stage_link) * (1 - assumptions.pp_p2p_overlap)
+    per_sample, backward = encoder_handoff_bytes(static)
+    # under SP a stage-0 rank takes the image rows of its slice only: all of them, or at most a slice's worth
+    slice_bytes = math.ceil(static.tokens.tokens / (s.sp * s.cp)) * hidden * assumptions.activation_bytes
+    per_sample = min(per_sample, slice_bytes)
+    handoff = (1 + backward) * p2p_time(s.micro_batch * per_sample, static.links[s.gpus > dpn])
+    chunks = chunk_layers or pipeline_chunks(static, s, layer_costs, within, handoff, p2p)
+    parts, rank_stages = pipeline_parts(s, first_rank, dpn, chunks)
+    ranks = [
+        rank_cost(static, s, _rank_layers(static, chunks, rank, s.pp), precision=precision,
+                   first_rank=first_rank + rank * s.stage_gpus, layer_costs=layer_costs,
+                   in_flight_chunks=rank_stages[rank][1],
+                   handoff_s=handoff if rank == 0 else 0.0, pp_comm_s=p2p * sends)
+        for rank, sends in parts
+    ]
+    held = stage0_handoff_bytes(per_sample, backward, s.micro_batch, s.grad_accum)
+    ranks[0] = replace(ranks[0], forward_buffers_bytes=ranks[0].forward_buffers_bytes + held,
+                       backward_buffers_bytes=ranks[0].backward_buffers_bytes + held)
+    last = (len(chunks) - 1) % s.pp
+    ranks = [replace(c, receive_buffers_bytes=pipeline_receive_buffer_bytes(
+        boundary_bytes, s.virtual_stages, rank == 0, rank == last, s.grad_accum)) for c, (rank, _) in zip(ranks, parts)]
+    slowest = max(ranks, key=lambda c: c.per_micro_batch_s)
+    tail = max(ranks, key=lambda c: c.step_tail_s)
+    memory = max(ranks, key=own_peak_bytes)
+    zero_bubble = s.pp_schedule in ZERO_BUBBLE_SCHEDULES
+    deferred = [ranks[i].weight_grad_per_micro_batch_s for i, _ in rank_stages] if zero_bubble else None
+    bubble = pipeline_bubble_time([ranks[i].per_micro_batch_s for i, _ in rank_stages], s.virtual_stages, deferred)
+    sources = ranks[0].sources
+    if any(c.sources is not sources for c in ranks):
+        sources = MappingProxyType({k: v for c in ranks for k, v in c.sources.items()})
+    return replace(
+        memory,
+        **slowest.terms(),
+        handoff_s=slowest.handoff_s,
+        pp_comm_s=slowest.pp_comm_s,
+        per_micro_batch_s=slowest.per_micro_batch_s,
+        weight_grad_per_micro_batch_s=slowest.weight_grad_per_micro_batch_s,
+        forward_per_micro_batch_s=slowest.forward_per_micro_batch_s,
+        dp_comm_s=tail.dp_comm_s,
+        optimizer_s=tail.optimizer_s,
+        pipeline_bubble_s=bubble,
+        chunk_layers=chunks,
+        stage_costs=tuple(ranks),
+        rank_stages=tuple(rank_stages),
+        flops_per_step=flops_per_sample(static) * s.samples_per_step,
+        sources=sources,
+    )
+
+
+def pipelined_step_floor_s(
+    model: ModelSpec, module: str, cluster: Cluster, workload: Workload, strategy: ModuleStrategy, *,
+    assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS, layer_costs: LayerCostSource | None = None,
+) -> float:
+    """A lower bound on ``module_cost(...).micro_batches_s`` of a pipelined strategy (pp > 1) from the module's
+    per-micro-batch layer sums alone, without splitting it into ranks (15-25x cheaper than costing it here).
+
+    With ``t_k`` rank k's time per micro-batch, the schedule takes ``m max t + bubble``
+    (``pipeline_bubble_time``). The ranks partition the layers, so ``sum t >= S``: compute, recomputation and each
+    layer collective over the faster of its two links (transfers are >= 0); ``max t >= S / p``. Then
+    ``m max t + (sum t - max t) / v >= (m - 1/v) S / p + S / v``, as ``m >= p > 1/v``: Narayanan et al. 2021,
+    Sec. 2.2, ``(m + (p - 1) / v) t`` for equal stages. Zero-bubble fills the bubble with the weight-gradient
+    passes (``W``, summed over every layer): ``(m - 1/v) S / p + max(0, S - 2 W) / v`` (Qi et al. 2023, Sec. 3.1).
+    The planner skips costing a pipelined strategy whose bound already exceeds a plan it has (exact pruning).
+    """
+    s = strategy
+    static = with_measured_collectives(module_static(model, module, pipeline_padded(workload), cluster, assumptions), s,
+                                        layer_costs)
+    key = ("pipeline work", s.tp, s.sp, s.cp, s.micro_batch, s.recompute)  # memoised for the analytical model
+    work, weight_grad = static.sums.get(key) or _pipeline_work(static, s, layer_costs)
+    if layer_costs is None:
+        static.sums[key] = work, weight_grad
+    v = s.virtual_stages
+    filled = max(0.0, work - 2 * weight_grad) if s.pp_schedule in ZERO_BUBBLE_SCHEDULES else work
+    return (s.grad_accum - 1 / v) * work / s.pp + filled / v
+
+
+def _pipeline_work(static: ModuleStatic, s: ModuleStrategy, layer_costs: LayerCostSource | None) -> tuple[float, float]:
+    """(``S``, ``W``) of ``pipelined_step_floor_s``: one micro-batch's compute, recomputation and layer collectives
+    (each on the faster link) over every layer, and its weight-gradient passes."""
+    fast, slow = (layer_sums(static, s, (within,) * 3, layer_costs, static.spec.layers) for within in (True, False))
+    collectives = sum(min(getattr(fast, name), getattr(slow, name)) for name in ("tp_comm_s", "sp_comm_s", "cp_comm_s"))
+    return fast.forward_s + fast.backward_s + fast.recompute_s + collectives, fast.weight_grad_s

@@ -8,8 +8,13 @@ from cost_toys import COMPUTE_ONLY, LLM_HIDDEN, VOCAB, colocated, decoder_layer,
 
 from planner.cost import estimate, module_cost
 from planner.cost.phases import Phase, alive, alive_bytes, own_peak_bytes, own_phases
-from planner.cost.module import pipelined_step_floor_s, stage0_handoff_bytes
-from planner.cost.pipeline import balanced_chunk_layers, in_flight_chunks, pipeline_bubble_time
+from planner.cost.pipeline import (
+    balanced_chunk_layers,
+    in_flight_chunks,
+    pipeline_bubble_time,
+    pipelined_step_floor_s,
+    stage0_handoff_bytes,
+)
 from planner.models import ModelSpec
 from planner.strategy import ModuleStrategy, Strategy
 

@@ -9,7 +9,7 @@ import planner.search as search
 import planner.candidates as candidates
 from planner.api import make_problem, top_plans
 from planner.candidates import group_sizes, module_strategies, placed_cost
-from planner.cost.module import pipelined_step_floor_s
+from planner.cost.pipeline import pipelined_step_floor_s
 
 
 @pytest.mark.parametrize("placement", ["colocated", "disjoint"])

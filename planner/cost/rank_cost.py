@@ -1,0 +1,506 @@
+"""What one GPU running some of a module's layers costs: ``rank_cost`` composes the per-layer formulas
+(planner.cost.layers), model states, DP/ZeRO communication, the optimizer step and the transfers into a
+ModuleCost. planner.cost.module applies it to a whole module, planner.cost.pipeline to each pipeline rank.
+
+Per-call work is kept small because the solver costs thousands of candidates: everything that depends only
+on (model, module, workload, assumptions) is computed once (``ModuleStatic``), and per-layer terms are memoised by
+the sharding that determines them (tp, sp, cp, micro-batch, recompute, links).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Mapping
+
+from planner.cost.assumptions import CostAssumptions
+from planner.cost.compute import bucket_copy_time, optimizer_pass_time
+from planner.cost.comm import (
+    Link,
+    all_gather_time,
+    axis_within_node,
+    link,
+    p2p_time,
+    pipelined_zero3_gather_time,
+    zero_comm_time,
+)
+from planner.cost.layer_costs import ANALYTICAL, MEASURED, LayerCostSource, LayerMeasurement
+from planner.cost.layers import Shard, layer_terms
+from planner.cost.op_counts import LAYER_OPS
+from planner.cost.memory import (
+    FSDP_BLOCK_KINDS,
+    bucket_bytes,
+    layer_params_per_rank,
+    model_state_bytes,
+    pipelined_fsdp_state_bytes,
+    zero3_gather_bytes,
+)
+from planner.cost.results import ModuleCost
+from planner.cost.times import PassTimes
+from planner.hardware import Cluster
+from planner.models import ENCODER_MODULES, LayerSpec, ModelSpec, ModuleSpec
+from planner.strategy import ModuleStrategy, Placement, Precision
+from planner.workload import ModuleTokens, Workload, module_tokens
+
+
+_UNUSED_LINK = Link(bandwidth=1.0, latency=0.0)
+
+
+def backward_mode(model: ModelSpec, module: str) -> str:
+    """``full`` for a trainable module; ``input`` for a frozen one fed by a trainable module (it must pass
+    input gradients upstream); ``none`` for a frozen module with nothing trainable upstream (forward only).
+    Encoders are first in the data flow; the LLM's upstream are the encoders."""
+    spec = model.module(module)
+    if not spec.frozen:
+        return "full"
+    if module in ENCODER_MODULES:
+        return "none"
+    upstream_trainable = any(not m.frozen for m in model.modules if m.name in ENCODER_MODULES)
+    return "input" if upstream_trainable else "none"
+
+
+def segment_stats(tokens: ModuleTokens) -> tuple[float, float]:
+    """(token-weighted mean segment length, equivalent segment count) with count * len^2 = sum(len^2) and
+    count * len = sum(len), so attention FLOPs and scores of unequal segments are reproduced exactly."""
+    total = tokens.tokens if tokens.segment_squares is not None else sum(tokens.segments)
+    squares = tokens.squared_segments
+    if total == 0 or squares == 0:
+        return 0.0, 0.0
+    return squares / total, total * total / squares
+
+
+@dataclass(eq=False)
+class ModuleStatic:
+    """What one (model, module, workload, device, assumptions) fixes, plus the memo of layer terms."""
+
+    model: ModelSpec
+    workload: Workload
+    cluster: Cluster
+    assumptions: CostAssumptions
+    spec: ModuleSpec
+    tokens: ModuleTokens
+    segment_tokens: float
+    segments: float
+    backward: str
+    handoff_bytes_per_sample: float
+    links: tuple[Link, Link]
+    """(NVLink, NIC) with bus efficiency, indexed by ``not within_node``."""
+    analytical_sources: Mapping[str, str]
+    """Sources when every number is analytical."""
+    sums: dict = field(default_factory=dict)
+    params: dict = field(default_factory=dict)
+    chunks: dict = field(default_factory=dict)
+    """Memo of balanced pipeline chunk splits (analytical model only)."""
+    flops_per_sample: float | None = None
+
+
+_STATIC: dict[tuple, ModuleStatic] = {}
+_STATIC_LIMIT = 256
+
+
+_STATIC: dict[tuple, ModuleStatic] = {}
+_STATIC_LIMIT = 256
+
+
+def module_static(
+    model: ModelSpec, module: str, workload: Workload, cluster: Cluster, assumptions: CostAssumptions
+) -> ModuleStatic:
+    """The memoised static data of a module (keyed by object identity; the entry holds the objects)."""
+    key = (id(model), module, id(workload), id(cluster), id(assumptions))
+    entry = _STATIC.get(key)
+    same = entry is not None and entry.model is model and entry.workload is workload and entry.cluster is cluster
+    if same and entry.assumptions is assumptions:
+        return entry
+    if len(_STATIC) >= _STATIC_LIMIT:
+        _STATIC.clear()
+    spec = model.module(module)
+    tokens = module_tokens(workload, model)[module]
+    seg_len, seg_count = segment_stats(tokens)
+    out_width = spec.layers[-1].out_features or spec.layers[-1].hidden_size
+    entry = ModuleStatic(
+        model=model,
+        workload=workload,
+        cluster=cluster,
+        assumptions=assumptions,
+        spec=spec,
+        tokens=tokens,
+        segment_tokens=seg_len,
+        segments=seg_count,
+        backward=backward_mode(model, module),
+        handoff_bytes_per_sample=tokens.output_tokens * out_width * assumptions.activation_bytes,
+        links=(
+            link(cluster, assumptions, within_node=True),
+            link(cluster, assumptions, within_node=False),
+        ),
+        analytical_sources=MappingProxyType(
+            {
+                **{f"{layer.name}.{what}": ANALYTICAL for layer in spec.layers for what in ("time", "activations")},
+                "collectives": ANALYTICAL,
+                "optimizer": ANALYTICAL,
+                "states": ANALYTICAL,
+            }
+        ),
+    )
+    _STATIC[key] = entry
+    return entry
+
+
+def _shard(static: ModuleStatic, s: ModuleStrategy, links: tuple[Link, Link, Link], micro_batch: int | None = None) -> Shard:
+    """The per-rank view of one micro-batch under strategy ``s``."""
+    mb = s.micro_batch if micro_batch is None else micro_batch
+    t = static.tokens
+    return Shard(
+        tp=s.tp,
+        sp=s.sp,
+        cp=s.cp,
+        micro_batch=mb,
+        tokens=mb * t.tokens / (s.sp * s.cp),
+        segment_tokens=static.segment_tokens,
+        segments=static.segments,
+        window_tokens=t.tokens / t.windows if t.windows else 0.0,
+        windows=float(t.windows),
+        recompute=s.recompute,
+        backward=static.backward,
+        tp_link=links[0],
+        sp_link=links[1],
+        cp_link=links[2],
+        device=static.cluster.device,
+        assumptions=static.assumptions,
+    )
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class LayerSums(PassTimes):
+    """Per-micro-batch sums over a module's layers on one rank: their pass times and memory."""
+
+    saved_bytes: float
+    forward_buffer_bytes: float
+    """The largest forward transient of a layer other than the loss (only one layer runs at a time)."""
+    backward_buffer_bytes: float
+    """The largest backward transient of a layer other than the loss, with, under full recomputation, the block's
+    re-created activations."""
+    loss_buffer_bytes: tuple[float, float, float]
+    """(forward transient, backward transient, saved log-softmax) of the loss. The runtime forms the loss outside
+    the module's forward (as torchtitan does), so its transients are never alive together with the module's ZeRO-3
+    gathers or gradient buckets."""
+    optimizer_measured_s: float
+    """Measured optimizer-step shares of the layers that have one, before ZeRO sharding."""
+    optimizer_call_s: float
+    """The measured fixed cost of the module's optimizer call (the largest its layers saw)."""
+    optimizer_formula_params: float
+    """Parameters on this rank (before ZeRO sharding) of the layers whose optimizer step is left to the formula."""
+    optimizer_formula_tensors: float
+    """... and their parameter tensors (ZeRO shards each tensor, so their count does not shrink)."""
+    weight_grad_s: float
+    """Of ``backward_s``, the weight-gradient passes (``planner.cost.layers.weight_gradient_time``; a measured
+    backward keeps the analytical share)."""
+    sources: Mapping[str, str]
+
+
+def _sum_layers(
+    static: ModuleStatic, s: ModuleStrategy, links: tuple[Link, Link, Link], layer_costs: LayerCostSource | None,
+    layers: tuple[LayerSpec, ...], sharding: tuple | None = None,
+) -> LayerSums:
+    """Sum the layers' terms for one micro-batch; measured numbers replace analytical ones where available.
+    A measurement that includes the layer's TP/SP collectives replaces their analytical time too (source
+    ``<layer>.tp_sp_collectives: measured``).
+
+    Buffers: see ``LayerSums.forward_buffer_bytes`` and ``backward_buffer_bytes``. ``sharding`` (analytical model):
+    the key under which one instance's terms of each layer are memoised (pipeline stages sum different counts of
+    the same layers).
+    """
+    shard = _shard(static, s, links)
+    times = PassTimes()
+    saved = optimizer_s = optimizer_call = 0.0
+    full = s.recompute == "full"
+    forward_buffers = backward_buffers = 0.0
+    loss_buffers = (0.0, 0.0, 0.0)
+    formula_params = formula_tensors = weight_grad = 0.0
+    sources = dict(static.analytical_sources)
+    optimizer_measured = bool(layers)
+    for layer in layers:
+        t = _instance_terms(static, layer, shard, sharding)
+        layer_times, act = t.pass_times(), t.saved_bytes
+        measured = None if layer_costs is None else _measure(layer_costs, static, layer, s)
+        if measured is not None:
+            layer_times = replace(layer_times, forward_s=measured.forward_s, backward_s=measured.backward_s,
+                                  recompute_s=measured.recompute_s)
+            sources[f"{layer.name}.time"] = MEASURED
+            if measured.includes_comm:  # timed as run: its TP/SP collectives are inside the pass times
+                layer_times = replace(layer_times, tp_comm_s=0.0, sp_comm_s=0.0)
+                sources[f"{layer.name}.tp_sp_collectives"] = MEASURED
+            if measured.activation_bytes is not None:
+                act = measured.activation_bytes
+                sources[f"{layer.name}.activations"] = MEASURED
+        n = layer.count
+        if measured is not None and measured.optimizer_s is not None:
+            optimizer_s += n * measured.optimizer_s
+            optimizer_call = max(optimizer_call, measured.optimizer_call_s)
+        else:
+            formula_params += n * layer_params_per_rank(layer, s.tp)
+            formula_tensors += n * LAYER_OPS[layer.kind].param_tensors
+            optimizer_measured = False
+        times = times.plus(layer_times, n)
+        if t.backward_s > 0:
+            weight_grad += n * t.weight_grad_s * layer_times.backward_s / t.backward_s
+        saved += n * act
+        if layer.kind == "lm_head":
+            loss_buffers = (t.buffer_bytes, t.backward_buffer_bytes, t.loss_saved_bytes)
+        else:
+            forward_buffers = max(forward_buffers, t.buffer_bytes)
+            backward_buffers = max(backward_buffers, t.backward_buffer_bytes + (t.working_bytes if full else 0.0))
+    if optimizer_measured:
+        sources["optimizer"] = MEASURED
+    final_sources = static.analytical_sources if layer_costs is None else MappingProxyType(sources)
+    return LayerSums(**times.terms(), saved_bytes=saved, forward_buffer_bytes=forward_buffers,
+                 backward_buffer_bytes=backward_buffers, loss_buffer_bytes=loss_buffers,
+                 optimizer_measured_s=optimizer_s, optimizer_call_s=optimizer_call,
+                 optimizer_formula_params=formula_params, optimizer_formula_tensors=formula_tensors,
+                 weight_grad_s=weight_grad, sources=final_sources)
+
+
+def _measure(
+    layer_costs: LayerCostSource, static: ModuleStatic, layer: LayerSpec, s: ModuleStrategy
+) -> LayerMeasurement | None:
+    """Ask the measured source about one layer instance under this sharding."""
+    return layer_costs.layer_cost(
+        module=static.spec.name,
+        layer=layer,
+        tp=s.tp,
+        sp=s.sp,
+        cp=s.cp,
+        seq_len=round(static.tokens.tokens),
+        tokens_per_rank=round(s.micro_batch * static.tokens.tokens / (s.sp * s.cp)),
+        micro_batch=s.micro_batch,
+        recompute=s.recompute,
+    )
+
+
+def layer_sums(
+    static: ModuleStatic, s: ModuleStrategy, within: tuple[bool, bool, bool], layer_costs: LayerCostSource | None,
+    layers: tuple[LayerSpec, ...],
+) -> LayerSums:
+    """Sums over ``layers`` (the module's, or one pipeline stage's), memoised for the analytical model by the
+    sharding and the layer counts that determine them."""
+    links = tuple(static.links[not w] for w in within)
+    if layer_costs is not None:
+        return _sum_layers(static, s, links, layer_costs, layers)
+    key = (s.tp, s.sp, s.cp, s.micro_batch, s.recompute, within, _counts(layers))
+    sums = static.sums.get(key)
+    if sums is None:
+        sums = static.sums[key] = _sum_layers(static, s, links, None, layers, key[:-1])
+    return sums
+
+
+def _instance_terms(static: ModuleStatic, layer: LayerSpec, shard: Shard, sharding: tuple | None):
+    """``layer_terms`` of one instance of ``layer``, memoised under ``sharding`` when given."""
+    if sharding is None:
+        return layer_terms(layer, shard)
+    key = (sharding, layer.name)
+    terms = static.sums.get(key)
+    if terms is None:
+        terms = static.sums[key] = layer_terms(layer, shard)
+    return terms
+
+
+def _counts(layers: tuple[LayerSpec, ...]) -> tuple[tuple[str, int], ...]:
+    """What identifies a run of a module's layers: (name, count) of each."""
+    return tuple((layer.name, layer.count) for layer in layers)
+
+
+def zero1_gradient_bytes(
+    params: float, precision: Precision, *, shards: int, grad_accum: int, assumptions: CostAssumptions
+) -> float:
+    """Gradient bytes per GPU of a ZeRO-1 module as the runtime runs it (FSDP2 without per-micro-batch
+    reduce-scatter): several micro-batches accumulate unsharded gradients in the reduce dtype
+    (``CostAssumptions.accumulated_gradient_bytes``); a single one is reduce-scattered during the backward, leaving
+    ZeRO-2's ``gradients / shards`` (Rajbhandari et al. 2020, Sec. 5.1, P_os+g)."""
+    if grad_accum > 1:
+        return params * assumptions.accumulated_gradient_bytes(precision)
+    return params * assumptions.bytes_per_param(precision).gradients / shards
+
+
+def _params_per_rank(static: ModuleStatic, tp: int, layers: tuple[LayerSpec, ...]) -> tuple[float, float, float, float]:
+    """On one TP rank, of ``layers`` (the module's, or one pipeline stage's): (parameters, largest single layer
+    instance, the FSDP root unit's parameters (every layer but the blocks, ``FSDP_BLOCK_KINDS``), largest block
+    instance)."""
+    key = (tp, _counts(layers))
+    cached = static.params.get(key)
+    if cached is None:
+        per_layer = [layer_params_per_rank(layer, tp) for layer in layers]
+        total = sum(p * layer.count for p, layer in zip(per_layer, layers))
+        root = sum(p * layer.count for p, layer in zip(per_layer, layers) if layer.kind not in FSDP_BLOCK_KINDS)
+        block = max((p for p, layer in zip(per_layer, layers) if layer.kind in FSDP_BLOCK_KINDS), default=0.0)
+        cached = static.params[key] = (total, max(per_layer), root, block)
+    return cached
+
+
+def flops_per_sample(static: ModuleStatic) -> float:
+    """Model FLOPs (forward + backward, no recomputation, no parallelism) of one sample."""
+    if static.flops_per_sample is None:
+        base = ModuleStrategy(dp=1)
+        links = (_UNUSED_LINK,) * 3
+        shard = _shard(static, base, links, micro_batch=1)
+        static.flops_per_sample = sum(
+            (t.flops + t.backward_flops) * layer.count
+            for layer in static.spec.layers
+            for t in (layer_terms(layer, shard),)
+        )
+    return static.flops_per_sample
+
+
+def handoff_per_micro_batch(
+    static: ModuleStatic,
+    s: ModuleStrategy,
+    *,
+    placement: Placement,
+    first_rank: int,
+    sp_link: Link,
+) -> float:
+    """Seconds one micro-batch spends moving an encoder's output to the LLM's layout and its gradient back.
+
+    Colocated: the output is sharded over the SP group; the LLM needs it whole per DP replica, so it is
+    all-gathered within the SP group (ring all-gather, Thakur et al. 2005), and the gradient comes back by
+    the dual reduce-scatter of the same size. Disjoint: each encoder rank sends its shard to the LLM group,
+    point-to-point over the link joining the groups (Hockney alpha-beta), and receives its gradient back
+    likewise unless nothing upstream needs it (frozen encoder). The LLM (rank 0 onward in disjoint
+    placement) is the receiver; the link is NVLink only if both groups share one node.
+    """
+    if static.spec.name == "llm" or static.handoff_bytes_per_sample == 0:
+        return 0.0
+    per_mb = s.micro_batch * static.handoff_bytes_per_sample
+    directions = 2 if static.backward == "full" else 1
+    if placement == "colocated":
+        return directions * all_gather_time(per_mb, s.sp, sp_link)
+    same_node = (first_rank + s.gpus - 1) // static.cluster.devices_per_node == 0
+    return directions * p2p_time(per_mb / s.sp, static.links[not same_node])
+
+
+def with_measured_collectives(static: ModuleStatic, s: ModuleStrategy, layer_costs: LayerCostSource | None) -> ModuleStatic:
+    """(profiler) ``static`` whose intra-node link answers with the profile's measured collective curves where it
+    has them (``collective_time``), and whose sources say "measured" for collectives when the curves cover every
+    process group of ``s``. Inter-node links keep the formula (a single-node profile cannot measure them)."""
+    curve = getattr(layer_costs, "collective_time", None)
+    if curve is None:
+        return static
+    nvlink, nic = static.links
+    groups = [g for g in (s.tp, s.sp, s.cp, s.dp * s.sp * s.cp) if g > 1]
+    covered = bool(groups) and all(curve("all_reduce", g, 1.0) is not None for g in groups)
+    sources = {**static.analytical_sources, "collectives": MEASURED} if covered else static.analytical_sources
+    return replace(static, links=(replace(nvlink, curve=curve), nic), analytical_sources=MappingProxyType(sources))
+
+
+def rank_cost(
+    static: ModuleStatic, s: ModuleStrategy, layers: tuple[LayerSpec, ...], *, precision: Precision, first_rank: int,
+    layer_costs: LayerCostSource | None, in_flight_chunks: int, handoff_s: float, pp_comm_s: float,
+) -> ModuleCost:
+    """The cost on one GPU that runs ``layers`` (all of the module's, or one pipeline rank's chunks) for every
+    micro-batch, with ``handoff_s`` and ``pp_comm_s`` of transfers per micro-batch and ``in_flight_chunks``
+    micro-batches' (with PP: model chunks') activations alive at its peak."""
+    assumptions, cluster = static.assumptions, static.cluster
+    within_all = axes_within_node(s, first_rank, cluster.devices_per_node)
+    sums = layer_sums(static, s, within_all[:3], layer_costs, layers)
+    forward_buffers, backward_buffers = sums.forward_buffer_bytes, sums.backward_buffer_bytes
+
+    recipe = assumptions.bytes_per_param(precision)
+    params, largest, root, block = _params_per_rank(static, s.tp, layers)
+    reduce_group = s.dp * s.cp * s.sp
+    shards = reduce_group if assumptions.zero_shards_over_sequence_ranks else s.dp
+    trainable = not static.spec.frozen
+    weights, grads, optim = model_state_bytes(params, recipe, zero=s.zero, shards=shards, frozen=not trainable)
+    if s.zero == 1 and trainable and shards > 1:
+        grads = zero1_gradient_bytes(params, precision, shards=shards, grad_accum=s.grad_accum,
+                                     assumptions=assumptions)
+    # inside a step, torch's schedules neither reduce-scatter gradients nor reshard weights after a backward
+    pipelined_fsdp = s.pp > 1 and s.zero >= 2 and shards > 1 and static.backward != "none"
+    if pipelined_fsdp:
+        weights, grads = pipelined_fsdp_state_bytes(
+            params, recipe, accumulated_gradient_bytes=assumptions.accumulated_gradient_bytes(precision),
+            frozen=not trainable)
+    if s.zero == 3 and shards > 1 and not pipelined_fsdp:
+        forward_buffers += zero3_gather_bytes(root, block, recipe, prefetch=assumptions.zero3_prefetch_layers,
+                                              frozen=not trainable, backward=False)
+        backward_buffers += zero3_gather_bytes(root, block, recipe, prefetch=assumptions.zero3_prefetch_layers,
+                                               frozen=not trainable, backward=True)
+        bucket = largest * recipe.gradients
+    else:
+        bucket = bucket_bytes(params * recipe.gradients, assumptions) if trainable and reduce_group > 1 else 0.0
+        backward_buffers += bucket
+        bucket = min(bucket, assumptions.communication_bucket_bytes)
+    forward_buffers = max(forward_buffers, sums.loss_buffer_bytes[0])
+    loss_backward_buffers, loss_saved = sums.loss_buffer_bytes[1:]
+
+    dp_comm = zero_comm_time(
+        zero=1 if pipelined_fsdp else s.zero,
+        gradient_bytes=params * recipe.gradients,
+        weight_bytes=params * recipe.weights,
+        layer_weight_bytes=largest * recipe.weights,
+        bucket_bytes=bucket,
+        group_size=reduce_group,
+        link=static.links[not within_all[3]],
+        grad_accum=s.grad_accum,
+        forward_s=sums.forward_s,
+        backward_s=sums.backward_s,
+        trainable=trainable,
+        runs_backward=static.backward != "none",
+        overlap=assumptions.dp_comm_overlap,
+        zero0_overlap=assumptions.zero0_grad_sync_overlap,
+    )
+    if pipelined_fsdp and s.zero == 3:
+        dp_comm += pipelined_zero3_gather_time(
+            weight_bytes=params * recipe.weights, layer_weight_bytes=largest * recipe.weights,
+            chunk_gathers=in_flight_chunks + (0 if trainable else s.virtual_stages), virtual_stages=s.virtual_stages,
+            group_size=reduce_group, link=static.links[not within_all[3]], forward_s=sums.forward_s,
+            overlap=assumptions.dp_comm_overlap)
+    if s.zero == 0 and trainable and reduce_group > 1:
+        dp_comm += bucket_copy_time(params * recipe.gradients, assumptions.zero0_bucket_copies, cluster.device,
+                                    assumptions)
+    optimizer_shards = shards if s.zero >= 1 else 1
+    optimizer_time = sums.optimizer_call_s + sums.optimizer_measured_s / optimizer_shards + optimizer_pass_time(
+        sums.optimizer_formula_params / optimizer_shards, sums.optimizer_formula_tensors, recipe,
+        dtensor=s.tp > 1 or s.zero >= 1, device=cluster.device, assumptions=assumptions)
+    ga = s.grad_accum
+    transfers = handoff_s + pp_comm_s
+    passes = 1 + (static.backward != "none") + (s.recompute == "full")  # forwards and backwards a collective repeats in
+    forward_share = 2 if static.backward == "full" else 1
+    forward_per_mb = sums.forward_s + sums.collectives_s / passes + transfers / forward_share
+    return ModuleCost(
+        module=static.spec.name,
+        strategy=s,
+        **sums.scaled(ga).terms(),
+        dp_comm_s=dp_comm,
+        optimizer_s=optimizer_time if trainable else 0.0,
+        handoff_s=ga * handoff_s,
+        pp_comm_s=ga * pp_comm_s,
+        per_micro_batch_s=sums.total_s + transfers,
+        weight_grad_per_micro_batch_s=sums.weight_grad_s,
+        forward_per_micro_batch_s=forward_per_mb,
+        weights_bytes=math.ceil(weights),
+        gradients_bytes=math.ceil(grads),
+        optimizer_bytes=math.ceil(optim),
+        forward_buffers_bytes=math.ceil(forward_buffers),
+        backward_buffers_bytes=math.ceil(backward_buffers),
+        loss_backward_buffers_bytes=math.ceil(loss_backward_buffers),
+        loss_saved_bytes=math.ceil(loss_saved),
+        activations_per_micro_batch_bytes=math.ceil(sums.saved_bytes / s.virtual_stages),
+        in_flight_micro_batches=in_flight_chunks,
+        flops_per_step=flops_per_sample(static) * s.samples_per_step,
+        sources=sums.sources,
+    )
+
+
+def axes_within_node(s: ModuleStrategy, first_rank: int, devices_per_node: int) -> tuple[bool, ...]:
+    """Whether each of the TP, SP, CP and DP-reduce axes of the (pipeline stage's) grid starting at ``first_rank``
+    stays in a node: what the links of a part cost depend on. Memoised: it depends on ``first_rank`` only through
+    its offset in a node."""
+    key = (s.tp, s.sp, s.cp, s.dp, first_rank % devices_per_node, devices_per_node)
+    found = _WITHIN.get(key)
+    if found is None:
+        found = _WITHIN[key] = tuple(
+            axis_within_node(first_rank % devices_per_node, stride, size, s.stage_gpus, devices_per_node)
+            for stride, size in ((1, s.tp), (s.tp, s.sp), (s.tp * s.sp, s.cp), (s.tp, s.dp * s.cp * s.sp)))
+    return found
+
+
+_WITHIN: dict[tuple, tuple[bool, ...]] = {}
