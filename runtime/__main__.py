@@ -17,9 +17,12 @@ import time
 
 from planner.schema import Plan, PlanError, load_plan
 from runtime import preflight
-from runtime.checkpoint_dir import CheckpointOptions
+from runtime.checkpoint_dir import CheckpointOptions, latest_checkpoint
 
 USER_ERRORS = (PlanError, ValueError, NotImplementedError, OSError)
+
+INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT, as a shell reports it)."""
 
 REPORT_GRACE_S = 2.0
 """Under torchrun, how long the other ranks wait before exiting on a mistake every rank found and rank 0 reports:
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         # the metrics file is written by the driver, or rank 0 under torchrun: only that process probes it (every
         # rank creating and removing the same probe file raced, one rank then failing on a file another removed)
         preflight.check_outputs(metrics=args.metrics if env is None or env.rank == 0 else None, save=args.save)
-        if args.resume is not None:
+        requested_resume = args.resume
+        if args.resume is not None:  # the shards are checked once torch may be imported (below)
             args.resume = preflight.check_resume(args.resume, args.checkpoint_dir, plan.model.hf_config,
                                                  steps=args.steps)
         if args.checkpoint_dir is not None:
@@ -113,9 +117,42 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(e, report=env is None or env.rank == 0)  # every torchrun rank finds the same mistake
     if args.dry_run:
         return _dry_run(plan, args)
-    if env is None:
-        return _run_on_ray(plan, args)
-    return _run_under_torchrun(plan, args, env)
+    report = env is None or env.rank == 0
+    try:
+        if args.resume is not None:
+            args.resume = _sound_resume(requested_resume, args, plan, report=report)
+        if env is None:
+            return _run_on_ray(plan, args)
+        return _run_under_torchrun(plan, args, env)
+    except USER_ERRORS as e:
+        return _refuse(e, report=report)
+    except KeyboardInterrupt:
+        return _interrupted(args, report=report)
+
+
+def _sound_resume(requested: str, args: argparse.Namespace, plan: Plan, *, report: bool) -> str:
+    """``preflight.check_resume`` with the DCP shards checked too (imports torch): from the latest, damaged
+    checkpoints are passed over, saying so in one line; a damaged one named is refused."""
+    from runtime.dcp_checkpoint import checkpoint_problem
+
+    def warn(line: str) -> None:
+        if report:
+            print(f"runtime: warning: {line}", file=sys.stderr)
+
+    return preflight.check_resume(requested, args.checkpoint_dir, plan.model.hf_config, steps=args.steps,
+                                  problem=checkpoint_problem, warn=warn)
+
+
+def _interrupted(args: argparse.Namespace, *, report: bool) -> int:
+    """Ctrl-C: one line naming the complete checkpoint the run can resume from, if there is one."""
+    newest = latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
+    newest = newest or args.resume
+    where = (f"resume with --resume {newest}" if newest else
+             "no complete checkpoint was written to resume from" + ("" if args.checkpoint_dir else
+                                                                  " (--checkpoint-dir writes them)"))
+    if report:
+        print(f"runtime: interrupted (Ctrl-C): {where}", file=sys.stderr)
+    return INTERRUPTED
 
 
 def _run_on_ray(plan: Plan, args: argparse.Namespace) -> int:

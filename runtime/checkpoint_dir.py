@@ -8,10 +8,12 @@ final name. A folder without the marker, or still named ``*.tmp``, is never resu
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 from dataclasses import dataclass
+from typing import Callable
 
 PREFIX = "step-"
 """Name prefix of a checkpoint folder; the step count follows, six digits."""
@@ -21,6 +23,15 @@ TMP_SUFFIX = ".tmp"
 
 COMPLETE_MARKER = "COMPLETE"
 """File written last into a checkpoint: its presence means every rank's shards and the run state are there."""
+
+RUN_STATE = "run_state.json"
+"""Rank 0's file: steps done and the next sample's global index."""
+
+RUN_STATE_FIELDS = ("step", "samples_seen")
+"""The run state's fields, each a non-negative integer."""
+
+Problem = Callable[[str], "str | None"]
+"""What is wrong with a complete checkpoint folder, in a few words (None: nothing found)."""
 
 @dataclass(kw_only=True, frozen=True)
 class CheckpointOptions:
@@ -100,28 +111,78 @@ def prune(directory: str, keep_last: int) -> list[str]:
     return removed
 
 
-def resolve_resume(resume: str, checkpoint_dir: str | None) -> str:
-    """The checkpoint ``--resume`` names: a complete checkpoint folder, or ``"latest"`` (the latest complete one
-    in ``--checkpoint-dir``).
+def read_run_state(path: str) -> dict[str, int]:
+    """A checkpoint's run state.
 
     Raises:
-        ValueError: in one line, when there is no such complete checkpoint.
+        ValueError: in one line naming the file and the field, when it is unreadable or a field is not a
+            non-negative integer (a hand-edited file).
     """
-    if resume == "latest":
-        if checkpoint_dir is None:
-            raise ValueError("--resume without a path needs --checkpoint-dir (where to look for the latest checkpoint)")
-        path = latest_checkpoint(checkpoint_dir)
-        if path is None:
-            raise ValueError(
-                f"--resume: {checkpoint_dir} holds no complete checkpoint ({PREFIX}NNNNNN/{COMPLETE_MARKER})"
-            )
-        return path
-    if not os.path.isdir(resume):
+    file = os.path.join(path, RUN_STATE)
+    try:
+        with open(file, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} cannot be read as JSON ({' '.join(str(e).split())})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{file} holds a {type(state).__name__}, not a JSON object")
+    for field in RUN_STATE_FIELDS:
+        value = state.get(field)
+        if type(value) is not int or value < 0:
+            raise ValueError(f"{file}: {field} must be a non-negative integer, got {json.dumps(value)}")
+    return {field: state[field] for field in RUN_STATE_FIELDS}
+
+
+def run_state_problem(path: str) -> str | None:
+    """What is wrong with a checkpoint's run state (``read_run_state``), or None."""
+    try:
+        read_run_state(path)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def newest_sound(directory: str, problem: Problem) -> tuple[str | None, list[str]]:
+    """The newest complete checkpoint in ``directory`` in which ``problem`` finds nothing wrong (None if there is
+    none), and ``"NAME (why)"`` for each newer one passed over."""
+    skipped = []
+    for _, path in reversed(complete_checkpoints(directory)):
+        why = problem(path)
+        if why is None:
+            return path, skipped
+        skipped.append(f"{os.path.basename(path)} ({why})")
+    return None, skipped
+
+
+def resolve_resume(resume: str, checkpoint_dir: str | None, problem: Problem = lambda path: None,
+                   warn: Callable[[str], None] = lambda line: None) -> str:
+    """The checkpoint ``--resume`` names: a complete checkpoint folder, or ``"latest"`` (the latest complete one
+    in ``--checkpoint-dir``, or in the folder given). From the latest, checkpoints in which ``problem`` finds
+    something wrong are passed over (``warn`` is told which and why); a named one is refused.
+
+    Raises:
+        ValueError: in one line, when there is no such complete checkpoint, or the named one has a problem.
+    """
+    if resume == "latest" and checkpoint_dir is None:
+        raise ValueError("--resume without a path needs --checkpoint-dir (where to look for the latest checkpoint)")
+    if resume != "latest" and not os.path.isdir(resume):
         raise ValueError(f"--resume {resume} is not a folder")
-    if not is_complete(resume):
-        latest = latest_checkpoint(resume)
-        if latest is not None:  # a --checkpoint-dir given as the path
-            return latest
-        raise ValueError(f"--resume {resume} is not a complete checkpoint (no {COMPLETE_MARKER} marker): it was "
-                         "being written when the run stopped, or is not a checkpoint folder")
-    return resume
+    if resume != "latest" and is_complete(resume):
+        why = problem(resume)
+        if why is not None:
+            good, _ = newest_sound(os.path.dirname(os.path.abspath(resume)), problem)
+            instead = f"the newest sound checkpoint beside it is {good}" if good else "no checkpoint beside it is sound"
+            raise ValueError(f"--resume {resume} is damaged: {why}; {instead}")
+        return resume
+    directory = checkpoint_dir if resume == "latest" else resume  # a --checkpoint-dir given as the path
+    if not complete_checkpoints(directory):
+        if resume != "latest":
+            raise ValueError(f"--resume {resume} is not a complete checkpoint (no {COMPLETE_MARKER} marker): it "
+                             "was being written when the run stopped, or is not a checkpoint folder")
+        raise ValueError(f"--resume: {directory} holds no complete checkpoint ({PREFIX}NNNNNN/{COMPLETE_MARKER})")
+    path, skipped = newest_sound(directory, problem)
+    if path is None:
+        raise ValueError(f"--resume: no complete checkpoint in {directory} is sound: {'; '.join(skipped)}")
+    if skipped:
+        warn(f"resuming from {path}, the newest sound checkpoint; passed over {'; '.join(skipped)}")
+    return path

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
 )
@@ -37,11 +39,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from runtime.checkpoint import local_region
-from runtime.checkpoint_dir import TMP_SUFFIX, checkpoint_name, mark_complete, prune
+from runtime.checkpoint_dir import (
+    RUN_STATE, TMP_SUFFIX, checkpoint_name, mark_complete, prune, read_run_state, run_state_problem,
+)
 from runtime.parallel.tensor_parallel import qkv_from_tp_layout, qkv_to_tp_layout
-
-RUN_STATE = "run_state.json"
-"""Rank 0's file: steps done and the next sample's global index."""
 
 CONFIG_FILE = "config.json"
 """Rank 0's copy of the model's transformers config (preflight checks a resume against it; export copies it)."""
@@ -146,7 +147,7 @@ class Checkpointer:
     rank's write). The next ``save``, or ``finish``, first waits for it and returns its measurements.
 
     A measurement: ``step``, ``path``, ``seconds`` (time training was blocked) and, from rank 0, ``bytes`` (all
-    ranks' files).
+    ranks' files), or ``error`` when a write failed with an OSError on some rank (the checkpoint was removed).
     """
 
     def __init__(self, trainer: Any, directory: str, *, keep_last: int | None = None, overlap: bool = False):
@@ -155,23 +156,32 @@ class Checkpointer:
         self._pending: tuple[Any, dict[str, Any], threading.Event] | None = None
 
     def save(self) -> list[dict[str, Any]]:
-        """Checkpoint the trainer's current state; the measurements of the checkpoints finished meanwhile."""
+        """Checkpoint the trainer's current state; the measurements of the checkpoints finished meanwhile.
+
+        A write that fails on any rank with an OSError (a full disk) costs this checkpoint only: every rank learns
+        it, rank 0 removes the partial folder, the measurement says why under ``error``, and training goes on."""
         finished = self.finish()
         start = time.perf_counter()
         trainer = self.trainer
         tmp = os.path.join(self.directory, checkpoint_name(trainer.step) + TMP_SUFFIX)
+        error = None
         if trainer.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # left by an attempt that died while writing it
-            os.makedirs(tmp)
+            error = _write_error(os.makedirs, tmp)
         dist.barrier()
         state = TrainingState(trainer)
-        _write_run_state(trainer, tmp)
+        error = error or _write_error(_write_run_state, trainer, tmp)
         record: dict[str, Any] = {"step": trainer.step, "path": tmp.removesuffix(TMP_SUFFIX)}
         if self.group is None:
-            dcp.save(state.flat, checkpoint_id=tmp)
+            written = _write_error(dcp.save, state.flat, checkpoint_id=tmp)  # collective: every rank calls it
+            error = error or written
+            self._end(tmp, record, self._agreed(error))
             dist.barrier()
-            self._complete(tmp, record)
-            dist.barrier()
+            record["seconds"] = time.perf_counter() - start
+            return finished + [record]
+        error = self._agreed(error)
+        if error is not None:  # no rank starts the shards' write: the async save's collectives stay paired
+            self._end(tmp, record, error)
             record["seconds"] = time.perf_counter() - start
             return finished + [record]
         future = dcp.async_save(state.flat, checkpoint_id=tmp, process_group=self.group)
@@ -188,33 +198,100 @@ class Checkpointer:
         future, record, marked = self._pending
         self._pending = None
         start = time.perf_counter()
-        future.result()
         marked.wait()
+        if future.exception() is not None and not _only_oserrors(future.exception()):
+            future.result()
         dist.barrier()
         record["seconds"] += time.perf_counter() - start
         return [record]
 
     def _on_written(self, future: Any, tmp: str, record: dict[str, Any], marked: threading.Event) -> None:
-        """An overlapped save's write returned (in DCP's thread): complete it if it succeeded; ``finish`` raises
-        its error otherwise."""
+        """An overlapped save's write returned (in DCP's thread; DCP made every rank see the same outcome):
+        complete it, or remove it if a write failed with an OSError; another error is raised by ``finish``."""
         try:
-            if future.exception() is None:
-                self._complete(tmp, record)
+            error = future.exception()
+            if error is None or _only_oserrors(error):
+                self._end(tmp, record, error and _error_line(error))
         finally:
             marked.set()
 
-    def _complete(self, tmp: str, record: dict[str, Any]) -> None:
-        """Rank 0: every rank has written ``tmp``: measure it, mark it complete, prune older checkpoints."""
+    def _agreed(self, error: str | None) -> str | None:
+        """The first rank's write error, on every rank (None when every rank's writes worked)."""
+        errors: list[str | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(errors, error, group=self.group)
+        return next((e for e in errors if e is not None), None)
+
+    def _end(self, tmp: str, record: dict[str, Any], error: str | None) -> None:
+        """Rank 0: complete the written checkpoint ``tmp``, or remove it if a write failed on some rank (then
+        ``record["error"]`` says why)."""
         if self.trainer.rank != 0:
             return
+        error = error or _write_error(self._complete, tmp, record)
+        if error is not None:
+            record["error"] = error
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _complete(self, tmp: str, record: dict[str, Any]) -> None:
+        """Every rank has written ``tmp``: measure it, mark it complete, prune older checkpoints."""
         record["bytes"] = _folder_bytes(tmp)
         mark_complete(tmp)
         if self.keep_last is not None:
             prune(self.directory, self.keep_last)
 
 
+def _write_error(write: Any, *args: Any, **kwargs: Any) -> str | None:
+    """None if ``write(*args, **kwargs)`` worked; the OSError it raised (directly or on some rank of a DCP
+    collective) in one line. Other errors propagate."""
+    try:
+        write(*args, **kwargs)
+    except (OSError, CheckpointException) as e:
+        if not _only_oserrors(e):
+            raise
+        return _error_line(e)
+    return None
+
+
+def _only_oserrors(error: BaseException) -> bool:
+    """An OSError, or a DCP CheckpointException every rank's failure of which is an OSError."""
+    if isinstance(error, CheckpointException):
+        return all(isinstance(cause, OSError) for cause, _ in error.failures.values())
+    return isinstance(error, OSError)
+
+
+def _error_line(error: BaseException) -> str:
+    """One line for ``_only_oserrors``' errors: the OSError's (the first failed rank's, for DCP's)."""
+    if isinstance(error, CheckpointException):
+        rank, (error, _) = min(error.failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {' '.join(str(error).split())}"
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def _folder_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+
+
+def shards_problem(path: str) -> str | None:
+    """What is wrong with a checkpoint's DCP shards, or None: its ``.metadata`` must read, and every file it
+    points into must hold the bytes it points at (a truncated or missing shard is found; flipped bytes are not)."""
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:  # a truncated pickle raises any of several errors
+        return f"its DCP metadata cannot be read ({type(e).__name__}: {' '.join(str(e).split())})"[:300]
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"its shard {name} is missing"
+        if os.path.getsize(file) < end:
+            return f"its shard {name} is truncated ({os.path.getsize(file)} bytes, the metadata needs {end})"
+    return None
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """What is wrong with a complete checkpoint's run state or shards, or None."""
+    return run_state_problem(path) or shards_problem(path)
 
 
 def load_checkpoint(trainer: Any, path: str) -> None:
@@ -223,8 +300,7 @@ def load_checkpoint(trainer: Any, path: str) -> None:
     state = TrainingState(trainer)
     dcp.load(state.flat, checkpoint_id=path)
     state.restore()
-    with open(os.path.join(path, RUN_STATE)) as f:
-        run_state = json.load(f)
+    run_state = read_run_state(path)
     trainer.step, trainer.samples_seen = run_state["step"], run_state["samples_seen"]
     for name, (optimizer, schedule) in trainer.optimizers.items():
         with open(os.path.join(path, schedule_file(name))) as f:

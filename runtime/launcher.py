@@ -31,8 +31,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from planner.schema import Plan
-from runtime.checkpoint_dir import CheckpointOptions, latest_checkpoint
-from runtime.dcp_checkpoint import Checkpointer
+from runtime.checkpoint_dir import CheckpointOptions, newest_sound
+from runtime.dcp_checkpoint import Checkpointer, checkpoint_problem
 from runtime import loop
 from runtime.driver import validate_plan
 from runtime.metrics import MetricsLog, format_summary
@@ -364,7 +364,7 @@ def run(
                     raise
                 failures += 1
                 failed_at = (job.steps_done, time.perf_counter(), _first_line(e))
-                resume = latest_checkpoint(checkpoints.directory) if checkpoints.directory else None
+                resume = newest_sound(checkpoints.directory, checkpoint_problem)[0] if checkpoints.directory else None
                 options = dataclasses.replace(options, resume=resume or options.resume)
         summary = log.summary()
         print(format_summary(summary, "peak RSS per worker" if is_cpu_plan(plan) else "max allocated per GPU"))

@@ -61,7 +61,14 @@ def train(job: StepJob, log: MetricsLog | None, steps: int, checkpoints: Checkpo
 
 
 def _saved(log: MetricsLog | None, saves: list[dict[str, Any]], on_saved: Callable[[dict[str, Any]], None]) -> None:
+    """Log each checkpoint; one that failed to write (``error``: a full disk) is a warning, training goes on."""
     for saved in saves:
+        if "error" in saved:
+            if log is not None:
+                log.event("checkpoint_failed", **saved)
+                log.warn(f"checkpoint of step {saved['step']} not written, training goes on ({saved['error']}): "
+                         f"its partial folder was removed; the run resumes from an earlier one if it stops")
+            continue
         if log is not None:
             log.event("checkpoint", **saved)
         on_saved(saved)

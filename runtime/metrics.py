@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -96,6 +97,10 @@ class MetricsLog:
         self._write(record)
         return record
 
+    def warn(self, message: str) -> None:
+        """``runtime: warning: message`` on stderr, one line, above the progress bar."""
+        tqdm.write(f"runtime: warning: {message}", file=sys.stderr)
+
     def _write(self, record: dict[str, Any]) -> None:
         if self.file:
             self.file.write(json.dumps(record) + "\n")
@@ -137,10 +142,11 @@ class MetricsLog:
 
 
     def _event_summary(self) -> dict[str, Any]:
-        """Checkpoint stalls, and the steps and seconds failures cost."""
+        """Checkpoint stalls, checkpoints not written, and the steps and seconds failures cost."""
         saves = [e for e in self.events if e["event"] == "checkpoint"]
         recoveries = [e for e in self.events if e["event"] == "recovery"]
-        out: dict[str, Any] = {}
+        failed = [e for e in self.events if e["event"] == "checkpoint_failed"]
+        out: dict[str, Any] = {"failed_checkpoints": len(failed)} if failed else {}
         if saves:
             out["checkpoints"] = {"count": len(saves), "stall_s": sum(e["seconds"] for e in saves),
                                   "bytes": saves[-1]["bytes"]}

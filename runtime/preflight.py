@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
 
 from planner.schema import Plan
-from runtime.checkpoint_dir import resolve_resume
+from runtime.checkpoint_dir import Problem, read_run_state, resolve_resume, run_state_problem
 
 MODULES = ("vision", "llm")
 """Modules the runtime places; a plan must have exactly these."""
@@ -227,15 +227,13 @@ def _config_section(config: dict[str, Any], section: str) -> dict[str, Any]:
     return {**config, **nested} if section == "text_config" else nested
 
 
-def check_resume(resume: str, checkpoint_dir: str | None, hf_config: dict[str, Any], *, steps: int) -> str:
-    """The complete training checkpoint ``--resume`` names (runtime.checkpoint_dir.resolve_resume), checked to be
-    of the plan's model and to have done fewer than ``steps`` steps; returns its path."""
-    path = resolve_resume(resume, checkpoint_dir)
-    try:
-        with open(os.path.join(path, "run_state.json"), encoding="utf-8") as file:
-            done = json.load(file)["step"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"--resume {path}: cannot read its run_state.json ({e}): not a training checkpoint") from None
+def check_resume(resume: str, checkpoint_dir: str | None, hf_config: dict[str, Any], *, steps: int,
+                 problem: Problem = run_state_problem, warn: Callable[[str], None] = lambda line: None) -> str:
+    """The complete training checkpoint ``--resume`` names (runtime.checkpoint_dir.resolve_resume: from the
+    latest, the newest in which ``problem`` finds nothing wrong), checked to be of the plan's model and to have
+    done fewer than ``steps`` steps; returns its path."""
+    path = resolve_resume(resume, checkpoint_dir, problem, warn)
+    done = read_run_state(path)["step"]
     if done >= steps:
         raise ValueError(f"--resume {path} has done {done} steps already; --steps {steps} counts them: ask for more")
     config_path = os.path.join(path, "config.json")
@@ -244,6 +242,8 @@ def check_resume(resume: str, checkpoint_dir: str | None, hf_config: dict[str, A
             config = json.load(file)
     except (OSError, ValueError) as e:
         raise ValueError(f"--resume {path}: cannot read its config.json ({e}): not a training checkpoint") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--resume {path}: its config.json holds a {type(config).__name__}, not a JSON object")
     check_same_model(path, config, hf_config)
     return path
 

@@ -4,10 +4,15 @@ checkpoint, possibly under another plan."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 from typing import Any
 
+from torch.distributed.checkpoint import filesystem
+
 from planner.schema import Plan
+from runtime import dcp_checkpoint
 from runtime.checkpoint_dir import latest_checkpoint
 from runtime.dcp_checkpoint import Checkpointer
 from runtime.trainer import RunOptions, Trainer
@@ -55,9 +60,53 @@ def each_straight_and_resumed(rank: int, plans: dict[str, Plan], directory: str,
 
 
 def same_and_across_plans(rank: int, same: dict[str, Plan], same_directory: str, overlap: set[str],
-                          straight: Plan, legs: list[tuple[Plan, int]], across_directory: str
-                          ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """Both resume scenarios in one set of processes (a spawn costs seconds of imports per rank): each plan
-    against itself (``each_straight_and_resumed``), then ``straight`` against legs under other plans."""
+                          straight: Plan, legs: list[tuple[Plan, int]], across_directory: str, failing_directory: str
+                          ) -> tuple[dict[str, dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """The resume scenarios in one set of processes (a spawn costs seconds of imports per rank): each plan
+    against itself (``each_straight_and_resumed``), ``straight`` against legs under other plans, then checkpoint
+    writes failing on a full disk under ``straight`` (``failing_saves``)."""
     return (each_straight_and_resumed(rank, same, same_directory, overlap),
-            straight_and_legs(rank, straight, legs, across_directory))
+            straight_and_legs(rank, straight, legs, across_directory),
+            failing_saves(rank, straight, failing_directory))
+
+
+def _no_space(*args: Any, **kwargs: Any) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@contextlib.contextmanager
+def _disk_full(module: Any, name: str, *, on: bool):
+    """``module.name`` raises ENOSPC while in the block, where ``on``."""
+    original = getattr(module, name)
+    if on:
+        setattr(module, name, _no_space)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+FAILING_WRITES = {
+    "shard on rank 1": (filesystem, "_write_item", 1, False),
+    "run state on rank 0": (dcp_checkpoint, "_write_run_state", 0, False),
+    "overlapped shard on rank 1": (filesystem, "_write_item", 1, True),
+}
+"""Checkpoint writes that fail with a full disk: (module, function that raises, on which rank, async save)."""
+
+
+def failing_saves(rank: int, plan: Plan, directory: str) -> dict[str, Any]:
+    """A step, then per ``FAILING_WRITES`` case a checkpoint whose write fails (one rank's disk is full), a step,
+    and a checkpoint that works. Per case: the failed save's and the working save's measurements, and the
+    checkpoint folder's listing after the failed one."""
+    trainer = Trainer(plan, rank=rank, options=RunOptions(seed=SEED))
+    trainer.train_step()
+    out = {}
+    for case, (module, name, failing_rank, overlap) in FAILING_WRITES.items():
+        folder = os.path.join(directory, case.replace(" ", "-"))
+        checkpointer = Checkpointer(trainer, folder, overlap=overlap)
+        with _disk_full(module, name, on=rank == failing_rank):
+            failed = checkpointer.save() + checkpointer.finish()
+        listing = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+        trainer.train_step()
+        out[case] = {"failed": failed, "listing": listing, "worked": checkpointer.save() + checkpointer.finish()}
+    return out

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
 
-from runtime import checkpoint_dir, export
+from runtime import checkpoint_dir, export, preflight
+from runtime.__main__ import main
+from runtime.dcp_checkpoint import checkpoint_problem, shards_problem
 from tests.runtime.plans import make_plan, tiny_hf_config
 from tests.runtime.ranks import spawn
 from tests.runtime.test_bad_input import run_light
@@ -80,13 +83,13 @@ def resumed(tmp_path_factory):
     across = [make_plan(**{k: dict(v) for k, v in p.items()}) for p in ACROSS_PLANS]
     same_dir, across_dir = tmp_path_factory.mktemp("same"), tmp_path_factory.mktemp("across")
     by_rank = spawn(2, same_and_across_plans, same, str(same_dir), OVERLAPPED, across[0], [(p, 2) for p in across],
-                    str(across_dir))
-    return same, [out[0] for out in by_rank], [out[1] for out in by_rank], across_dir
+                    str(across_dir), str(tmp_path_factory.mktemp("failing")))
+    return same, [out[0] for out in by_rank], [out[1] for out in by_rank], across_dir, by_rank[0][2], across[0]
 
 
 @pytest.mark.slow
 def test_resume_is_bitwise_the_uninterrupted_run(resumed):
-    plans, by_rank, _, _ = resumed
+    plans, by_rank, *_ = resumed
     for name in plans:
         outs = [out[name] for out in by_rank]
         assert _curve(outs, "legs") == _curve(outs, "straight"), name
@@ -98,7 +101,7 @@ def test_resume_is_bitwise_the_uninterrupted_run(resumed):
 
 @pytest.mark.slow
 def test_resume_under_other_plans_follows_the_uninterrupted_curve(resumed, tmp_path):
-    _, _, outs, directory = resumed
+    _, _, outs, directory, *_ = resumed
     straight, legs = _curve(outs, "straight"), _curve(outs, "legs")
     assert len(legs) == len(straight) == 8
     for a, b in zip(straight, legs):
@@ -113,6 +116,49 @@ def test_resume_under_other_plans_follows_the_uninterrupted_curve(resumed, tmp_p
     assert [step for step, _ in kept] == [8]  # keep_last=1 pruned steps 2, 4 and 6
     assert not [n for n in os.listdir(directory) if n.endswith(checkpoint_dir.TMP_SUFFIX)]
     _assert_exports_to_hf(kept[0][1], tmp_path / "hf", resumed_params)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_write_failing_on_a_full_disk_is_removed_and_training_goes_on(resumed):
+    """``resume_ranks.FAILING_WRITES``: each failed save reports why on rank 0 (the rank that failed may be
+    another), leaves no folder behind, and the next save, a step later, works."""
+    *_, failing, _ = resumed
+    for case, out in failing.items():
+        (failed,) = out["failed"]
+        assert "No space left on device" in failed["error"], case
+        assert out["listing"] == [], case  # the partial step-NNNNNN.tmp was removed
+        (worked,) = out["worked"]
+        assert "error" not in worked and worked["step"] == failed["step"] + 1, case
+        assert checkpoint_dir.is_complete(worked["path"]), case
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_is_passed_over_for_the_newest_sound_one(resumed, tmp_path, capsys):
+    """Real checkpoints (of steps 2, 3 and 4, from the failing-writes scenario): a truncated shard in the newest
+    makes ``--resume`` (latest) take step 3 and say why in one line, and a ``--resume`` naming it is refused
+    naming step 3; an unreadable DCP metadata file is found too."""
+    *_, failing, plan = resumed
+    folder = tmp_path / "ck"
+    for out in failing.values():
+        shutil.copytree(out["worked"][0]["path"], folder / os.path.basename(out["worked"][0]["path"]))
+    newest, sound = str(folder / "step-000004"), str(folder / "step-000003")
+    assert checkpoint_problem(newest) is None
+    with open(os.path.join(newest, "__1_0.distcp"), "r+b") as shard:
+        shard.truncate(os.path.getsize(shard.name) // 2)
+    assert "its shard __1_0.distcp is truncated" in shards_problem(newest)
+    warnings = []
+    assert preflight.check_resume("latest", str(folder), plan.model.hf_config, steps=9, problem=checkpoint_problem,
+                                  warn=warnings.append) == sound
+    (warning,) = warnings
+    assert f"resuming from {sound}" in warning and "step-000004 (its shard __1_0.distcp is truncated" in warning
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    assert main([str(tmp_path / "plan.json"), "--resume", newest, "--steps", "9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "is damaged: its shard __1_0.distcp is truncated" in err, err
+    assert err.endswith(f"the newest sound checkpoint beside it is {sound}"), err
+    with open(os.path.join(sound, ".metadata"), "r+b") as metadata:
+        metadata.truncate(10)
+    assert "its DCP metadata cannot be read" in checkpoint_problem(sound)
 
 
 def _assert_exports_to_hf(checkpoint: str, out, params: dict[str, torch.Tensor]) -> None:
@@ -180,6 +226,12 @@ def _checkpoint(folder, *, step: int, complete: bool = True, config: dict | None
     (["--resume", "{tmp}/step-000002", "--steps", "2"], "has done 2 steps already"),
     (["--resume", "{tmp}/other-model"], "is for another model"),
     (["--resume", "{tmp}/step-000002", "--checkpoint", "{tmp}"], "--resume and --checkpoint both"),
+    (["--resume", "{tmp}/null-step"], "null-step/run_state.json: step must be a non-negative integer, got null; "
+                                      "the newest sound checkpoint beside it is {tmp}/step-000002"),
+    (["--resume", "{tmp}/text-count"],
+     'text-count/run_state.json: samples_seen must be a non-negative integer, got "3"'),
+    (["--resume", "{tmp}/not-json"], "not-json/run_state.json cannot be read as JSON"),
+    (["--resume", "{tmp}/a-list"], "a-list/run_state.json holds a list, not a JSON object"),
 ])
 def test_bad_checkpoint_flags_are_one_line_errors_before_torch_and_ray(tmp_path, plan_file, args, message):
     _checkpoint(tmp_path / "step-000002", step=2)
@@ -188,8 +240,12 @@ def test_bad_checkpoint_flags_are_one_line_errors_before_torch_and_ray(tmp_path,
     config["text_config"] = {**config["text_config"], "hidden_size": 8}
     _checkpoint(tmp_path / "other-model", step=2, config=config)
     os.makedirs(tmp_path / "empty")
+    for name, run_state in (("null-step", '{"step": null, "samples_seen": 2}'),
+                            ("text-count", '{"step": 2, "samples_seen": "3"}'), ("not-json", '{"step": 2,'),
+                            ("a-list", "[2, 2]")):
+        (tmp_path / _checkpoint(tmp_path / name, step=2) / "run_state.json").write_text(run_state)
     args = [a.format(tmp=tmp_path, plan=plan_file) for a in args]
-    assert_one_line_error(run_light(plan_file, *args), message)
+    assert_one_line_error(run_light(plan_file, *args), message.format(tmp=tmp_path))
 
 
 @pytest.mark.slow

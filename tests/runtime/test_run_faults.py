@@ -1,0 +1,89 @@
+"""How a run ends or goes on when something outside it fails: a checkpoint that could not be written (the loop
+warns and trains on), Ctrl-C (one line naming the checkpoint to resume from, exit status 130)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from runtime import loop
+from runtime.checkpoint_dir import CheckpointOptions
+from runtime.metrics import MetricsLog
+from tests.runtime.plans import make_plan
+from tests.runtime.test_recovery import _assert_no_workers_left
+
+DISK_FULL = "rank 1: [Errno 28] No space left on device"
+
+
+class DiskFullJob:
+    """A ``loop.StepJob`` whose every checkpoint fails to write, as ``Checkpointer.save`` reports it."""
+
+    def __init__(self):
+        self.steps_done = 0
+
+    def step(self) -> list[dict]:
+        self.steps_done += 1
+        return [{"rank": 0, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "step_time_s": 0.1, "llm_tokens": 8,
+                 "peak_memory_bytes": 1}]
+
+    def save_training_checkpoint(self, checkpoints: CheckpointOptions) -> list[dict]:
+        return [{"step": self.steps_done, "path": f"{checkpoints.directory}/step-{self.steps_done:06d}",
+                 "error": DISK_FULL, "seconds": 0.01}]
+
+    def finish_checkpoints(self) -> list[dict]:
+        return []
+
+
+def test_a_checkpoint_that_could_not_be_written_is_a_warning_and_training_goes_on(tmp_path, capsys):
+    metrics, saved = tmp_path / "m.jsonl", []
+    log = MetricsLog(make_plan({}, {}), steps=4, path=str(metrics))
+    loop.train(DiskFullJob(), log, 4, CheckpointOptions(directory=str(tmp_path / "ck"), every=2),
+               on_saved=saved.append)
+    summary = log.summary()
+    log.close()
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3]
+    assert [(r["event"], r["step"]) for r in records if "event" in r] == [("checkpoint_failed", 2),
+                                                                          ("checkpoint_failed", 4)]
+    assert saved == [] and summary["failed_checkpoints"] == 2 and "checkpoints" not in summary
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("runtime: warning:")]
+    assert len(warnings) == 2 and "checkpoint of step 2 not written, training goes on" in warnings[0]
+    assert DISK_FULL in warnings[0]
+
+
+def _records(path) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip().endswith("}")]
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_a_run_in_one_line_naming_the_checkpoint_to_resume_from(tmp_path, ray_cluster):
+    """SIGINT to the run's process group (what Ctrl-C in a terminal sends) once the step-2 checkpoint is written:
+    exit status 130, no traceback, one line naming that checkpoint."""
+    (tmp_path / "plan.json").write_text(make_plan({}, {}).to_json())
+    metrics = tmp_path / "m.jsonl"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "runtime", str(tmp_path / "plan.json"), "--steps", "1000", "--metrics", str(metrics),
+         "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address})
+    deadline = time.monotonic() + 240
+    while not any(r.get("event") == "checkpoint" for r in _records(metrics)):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("runtime: ")]
+    assert len(lines) == 1 and lines[0].startswith("runtime: interrupted (Ctrl-C): resume with --resume "), err
+    assert os.path.basename(lines[0].split("--resume ")[1]).startswith("step-"), lines[0]
+    _assert_no_workers_left()
