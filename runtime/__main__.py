@@ -21,6 +21,9 @@ from runtime.checkpoint_dir import CheckpointOptions, latest_checkpoint
 
 USER_ERRORS = (PlanError, ValueError, NotImplementedError, OSError)
 
+DRY_RUN_FAILED = 3
+"""Exit status of a dry-run that could not measure the plan: a fault, no memory verdict (1 is DOES NOT FIT)."""
+
 INTERRUPTED = 130
 """Exit status after Ctrl-C (128 + SIGINT, as a shell reports it)."""
 
@@ -57,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "training goes on (DCP async_save); the step stalls only while the state is copied")
     parser.add_argument("--dry-run", action="store_true", help="run one step of each distinct rank role on fake "
                         "tensors with a fake process group of the plan's size (no GPU, no memory): the runtime's "
-                        "own peak memory per category beside the plan's prediction; exit 0 if it fits, 1 if not")
+                        "own peak memory per category beside the plan's prediction; exit 0 if it fits, 1 if not, 3 if it "
+                        "could not measure")
     parser.add_argument("--max-failures", type=int, default=0, help="on Ray: restart from the latest checkpoint "
                         "at most this many times when a worker dies (default 0)")
     args = parser.parse_args(argv)
@@ -189,6 +193,9 @@ def _dry_run(plan: Plan, args: argparse.Namespace) -> int:
         report = dry_run(plan, RunOptions(seed=args.seed), log=lambda line: print(line, file=sys.stderr))
     except USER_ERRORS as e:
         return _refuse(e)
+    except Exception as e:  # a fault of the dry-run itself: say so, never as DOES NOT FIT's status
+        return _refuse(f"the dry-run failed, so no memory verdict ({type(e).__name__}: {_first_line(e)}); please "
+                       "report it with the plan file", status=DRY_RUN_FAILED)
     print(format_report(report))
     return 0 if report.fits else 1
 

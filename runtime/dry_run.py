@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_impls import _is_tensor_constructor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed._tools.mem_tracker import MemTracker, _ModState, _UpdateType
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState, _UpdateType
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import _sharding_prop as sharding_prop
@@ -418,6 +418,20 @@ class StepMemTracker(MemTracker):
                 self._peak_mem_snap[dev] = dict(dev_snap)
                 innermost = max(self._mod_tracker.parents, key=lambda fqn: fqn.count("."), default="Global")
                 self.peak_at = f"{innermost} ({'backward' if self._mod_tracker.is_bw else 'forward'})"
+
+    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True
+                                         ) -> tuple[int, int]:
+        """MemTracker's, with gradient hooks on trainable parameters only: a frozen module's parameters cannot
+        take one (torch refuses a hook on a tensor that does not require grad)."""
+        def on_grad(grad: torch.Tensor) -> None:
+            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+        memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        for param in module.parameters() if install_grad_hooks else []:
+            if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                self._param_to_grad_hook_handles[param] = (
+                    param.register_hook(on_grad), param.register_post_accumulate_grad_hook(lambda p: on_grad(p.grad)))
+        return memory
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         if module in self.memory_tracking and not self._mod_tracker.is_bw:  # a later micro-batch or step

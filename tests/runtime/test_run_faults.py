@@ -1,5 +1,6 @@
 """How a run ends or goes on when something outside it fails: a checkpoint that could not be written (the loop
-warns and trains on), Ctrl-C (one line naming the checkpoint to resume from, exit status 130)."""
+warns and trains on), Ctrl-C (one line naming the checkpoint to resume from, exit status 130), a dry-run's own
+fault (one line, exit status 3, never DOES NOT FIT's 1)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import time
 
 import pytest
 
-from runtime import loop
+from runtime import dry_run, loop
+from runtime.__main__ import DRY_RUN_FAILED, main
 from runtime.checkpoint_dir import CheckpointOptions
 from runtime.metrics import MetricsLog
 from tests.runtime.plans import make_plan
@@ -87,3 +89,24 @@ def test_ctrl_c_ends_a_run_in_one_line_naming_the_checkpoint_to_resume_from(tmp_
     assert len(lines) == 1 and lines[0].startswith("runtime: interrupted (Ctrl-C): resume with --resume "), err
     assert os.path.basename(lines[0].split("--resume ")[1]).startswith("step-"), lines[0]
     _assert_no_workers_left()
+
+
+def test_a_plan_with_a_frozen_module_dry_runs_and_a_dry_run_fault_is_not_read_as_does_not_fit(
+    tmp_path, capsys, monkeypatch
+):
+    """A frozen vision tower: MemTracker's gradient hooks go on trainable parameters only. A fault inside the
+    dry-run is one line with its own exit status."""
+    plan_file = tmp_path / "frozen.json"
+    plan_file.write_text(make_plan(dict(frozen=True), {}).to_json())
+    assert main([str(plan_file), "--dry-run"]) == 0
+    assert "DOES NOT FIT" not in capsys.readouterr().out
+
+    def fault(*args, **kwargs):
+        raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
+
+    monkeypatch.setattr(dry_run, "dry_run", fault)
+    assert main([str(plan_file), "--dry-run"]) == DRY_RUN_FAILED
+    captured = capsys.readouterr()
+    assert "DOES NOT FIT" not in captured.out and captured.err.count("\n") == 1
+    assert captured.err.startswith("runtime: error: the dry-run failed, so no memory verdict (RuntimeError: cannot "
+                                   "register a hook"), captured.err
