@@ -60,8 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "training goes on (DCP async_save); the step stalls only while the state is copied")
     parser.add_argument("--dry-run", action="store_true", help="run one step of each distinct rank role on fake "
                         "tensors with a fake process group of the plan's size (no GPU, no memory): the runtime's "
-                        "own peak memory per category beside the plan's prediction; exit 0 if it fits, 1 if not, 3 if it "
-                        "could not measure")
+                        "own peak memory per category beside the plan's prediction; exit 0 if it fits, 1 if not, "
+                        "3 if it could not measure")
     parser.add_argument("--max-failures", type=int, default=0, help="on Ray: restart from the latest checkpoint "
                         "at most this many times when a worker dies (default 0)")
     args = parser.parse_args(argv)

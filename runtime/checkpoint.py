@@ -28,6 +28,9 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers.utils import CONFIG_NAME
+
+from planner.versioned_json import write_atomically
 
 INDEX_FILE = "model.safetensors.index.json"
 """Index of a sharded HF checkpoint: tensor name -> file."""
@@ -216,7 +219,8 @@ def save_hf_folder(trainer: Any, path: str, *, dtype: torch.dtype | None = None,
     """Write the trainer's weights as a Hugging Face folder (``from_pretrained`` and ``--checkpoint`` load it).
 
     Collective: every rank of the world calls it. Each module's (or pipeline stage's) ranks gather its tensors one
-    at a time, each file's owner keeps and writes its own; rank 0 writes the index and ``config.json``.
+    at a time, each file's owner keeps and writes its own; then rank 0 writes the index and ``config.json``, each
+    renamed into place once written.
 
     Args:
         trainer: a runtime.trainer.Trainer.
@@ -244,11 +248,13 @@ def save_hf_folder(trainer: Any, path: str, *, dtype: torch.dtype | None = None,
                 failure = failure or _attempt(save_file, tensors, os.path.join(path, file.name),
                                               metadata={"format": "pt"})
     assert not pending, f"incomplete files: {sorted(pending)}"
-    if trainer.rank == 0:
+    _raise_if_any_rank_failed(failure, trainer.device)
+    if trainer.rank == 0:  # last, once every rank's files are written: a folder without them is never loadable
         total = sum(nbytes for entries in sizes.values() for _, nbytes in entries)
         weight_map = {name: f.name for f in files for name in f.tensors}
-        failure = failure or _attempt(_write_index, path, total, weight_map)
-        failure = failure or _attempt(trainer.hf_config().save_pretrained, path)
+        failure = _attempt(write_index, path, total, weight_map)
+        failure = failure or _attempt(write_atomically, os.path.join(path, CONFIG_NAME),
+                                      trainer.hf_config().to_json_string(use_diff=True))
     _raise_if_any_rank_failed(failure, trainer.device)
 
 
@@ -262,9 +268,10 @@ def _attempt(write: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None
     return None
 
 
-def _write_index(path: str, total: int, weight_map: dict[str, str]) -> None:
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+def write_index(path: str, total: int, weight_map: dict[str, str]) -> None:
+    """A saved folder's index (tensor name -> file), written through a temporary file renamed into place."""
+    write_atomically(os.path.join(path, INDEX_FILE),
+                     json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
 def _raise_if_any_rank_failed(failure: str | None, device: torch.device) -> None:

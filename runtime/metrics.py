@@ -9,6 +9,7 @@ collectives run inside forward/backward and are counted there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
@@ -17,6 +18,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from planner.schema import Plan
+from planner.versioned_json import write_atomically
 from planner.units import GIB
 
 TIMED = ("vision_forward_s", "vision_backward_s", "llm_forward_s", "llm_backward_s", "llm_pipeline_s", "grad_sync_s",
@@ -102,13 +104,26 @@ class MetricsLog:
         tqdm.write(f"runtime: warning: {message}", file=sys.stderr)
 
     def _write(self, record: dict[str, Any]) -> None:
+        """One line to the file; if it cannot be written (a full disk), a warning, and training goes on without
+        the file."""
         if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
+            except OSError as e:
+                file, self.file = self.file, None
+                with contextlib.suppress(OSError):
+                    file.close()
+                self.warn(f"{self.path} cannot be written ({' '.join(str(e).split())}): no more metrics lines go "
+                          "to it, training goes on")
 
     def close(self) -> None:
         """End the progress bar's line (also when a step failed) and the metrics file."""
         self.bar.close()
+        self.close_file()
+
+    def close_file(self) -> None:
+        """Stop writing lines to the metrics file (``summary`` rewrites it with the summary last)."""
         if self.file:
             self.file.close()
             self.file = None
@@ -136,9 +151,21 @@ class MetricsLog:
             result["data_skipped"] = skipped[-1]
         result.update(self._event_summary())
         if self.path:
-            with open(self.path, "a") as file:
-                file.write(json.dumps(result) + "\n")
+            self._append_last(result)
         return result
+
+    def _append_last(self, record: dict[str, Any]) -> None:
+        """The file's last line: the file is closed, and written again with ``record`` through a temporary file
+        renamed into place, so that a full disk leaves the step lines as they were (said in one line)."""
+        try:
+            self.close_file()
+            with open(self.path) as file:
+                lines = file.read()
+            lines = lines[:lines.rfind("\n") + 1]  # a line cut short by a full disk is dropped
+            write_atomically(self.path, lines + json.dumps(record) + "\n")
+        except OSError as e:
+            self.warn(f"the summary line could not be added to {self.path} ({' '.join(str(e).split())}); its step "
+                      "lines are kept")
 
 
     def _event_summary(self) -> dict[str, Any]:

@@ -1,11 +1,14 @@
 """How a run ends or goes on when something outside it fails: a checkpoint that could not be written (the loop
-warns and trains on), Ctrl-C (one line naming the checkpoint to resume from, exit status 130), a dry-run's own
-fault (one line, exit status 3, never DOES NOT FIT's 1)."""
+warns and trains on), a full disk under the metrics file or a saved folder's index (written through a temporary
+file renamed into place: the file is whole or as it was), Ctrl-C (one line naming the checkpoint to resume from,
+exit status 130), a dry-run's own fault (one line, exit status 3, never DOES NOT FIT's 1)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -13,7 +16,7 @@ import time
 
 import pytest
 
-from runtime import dry_run, loop
+from runtime import checkpoint, dry_run, loop
 from runtime.__main__ import DRY_RUN_FAILED, main
 from runtime.checkpoint_dir import CheckpointOptions
 from runtime.metrics import MetricsLog
@@ -57,6 +60,54 @@ def test_a_checkpoint_that_could_not_be_written_is_a_warning_and_training_goes_o
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("runtime: warning:")]
     assert len(warnings) == 2 and "checkpoint of step 2 not written, training goes on" in warnings[0]
     assert DISK_FULL in warnings[0]
+
+
+@contextlib.contextmanager
+def _file_size_limit(nbytes: int):
+    """No file this process writes can grow past ``nbytes``: its writes fail with EFBIG, as on a full disk (no
+    root needed, unlike a small filesystem)."""
+    handler, limits = signal.signal(signal.SIGXFSZ, signal.SIG_IGN), resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, limits[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_full_disk_under_the_metrics_file_keeps_its_lines_and_the_run(tmp_path, capsys):
+    """A step line that cannot be written stops the file, not the run; a summary line that cannot be added
+    leaves the file as it was; once there is room the summary goes after the whole step lines."""
+    metrics = tmp_path / "m.jsonl"
+    log = MetricsLog(make_plan({}, {}), steps=3, path=str(metrics))
+    job = DiskFullJob()
+    for step in range(2):
+        log.log(step, job.step())
+    lines = metrics.read_text()
+    with _file_size_limit(len(lines) + 20):
+        log.log(2, job.step())
+        cut = metrics.read_text()
+        log.summary()
+    assert metrics.read_text() == cut and cut.startswith(lines) and os.listdir(tmp_path) == ["m.jsonl"]
+    assert log.summary()["steps"] == 3
+    log.close()
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r.get("step") for r in records] == [0, 1, None] and records[-1]["summary"]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("runtime: warning:")]
+    assert len(warnings) == 2 and "cannot be written" in warnings[0], warnings
+    assert "the summary line could not be added" in warnings[1], warnings
+
+
+def test_a_saved_folders_index_is_whole_or_as_it_was(tmp_path):
+    weight_map = {f"model.layers.{i}.weight": "model-00001-of-00001.safetensors" for i in range(100)}
+    checkpoint.write_index(str(tmp_path), 1, {"a": "model-00001-of-00001.safetensors"})
+    before = (tmp_path / checkpoint.INDEX_FILE).read_text()
+    with _file_size_limit(len(before) + 100), pytest.raises(OSError):
+        checkpoint.write_index(str(tmp_path), 100, weight_map)
+    assert (tmp_path / checkpoint.INDEX_FILE).read_text() == before
+    assert os.listdir(tmp_path) == [checkpoint.INDEX_FILE]
+    checkpoint.write_index(str(tmp_path), 100, weight_map)
+    assert json.loads((tmp_path / checkpoint.INDEX_FILE).read_text())["weight_map"] == weight_map
 
 
 def _records(path) -> list[dict]:
