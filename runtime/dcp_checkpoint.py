@@ -10,7 +10,8 @@ What a checkpoint holds (folder layout: runtime.checkpoint_dir):
   stored layout depends on the plan, the vision ``qkv`` under TP (rows in TP layout,
   runtime.parallel.tensor_parallel), is saved in HF row order: gathered one tensor at a time, put in HF order,
   and re-sharded on rows over the same mesh.
-- ``run_state.json`` (rank 0): optimizer steps done and the global index of the next sample (plan-independent).
+- ``run_state.json`` (rank 0): the Trainer's ``state_dict``: optimizer steps done and the global index of the next
+  sample (plan-independent).
 - ``schedule-<module>.json`` (the module's first rank): the LR schedule's state.
 - ``config.json`` (rank 0): the model's transformers config.
 - ``rng-rank<r>.pt`` (each rank): torch's RNG states; restored when the resuming plan has that rank.
@@ -89,7 +90,7 @@ class TrainingState:
 
     def _add(self, key: str, tensor: Any, module_name: str, fqn: str) -> None:
         tp = self.trainer.dims[module_name].tp
-        if isinstance(tensor, DTensor) and self.trainer._row_order(module_name, fqn, tensor.shape[0]) is not None:
+        if isinstance(tensor, DTensor) and self.trainer.model.row_order(module_name, fqn, tensor.shape[0]) is not None:
             self._reordered.append((tensor, key, tp))
             tensor = _resharded_rows(qkv_from_tp_layout(tensor.full_tensor(), tp), tensor.device_mesh)
         self.flat[key] = tensor
@@ -123,7 +124,7 @@ def _write_run_state(trainer: Any, path: str) -> None:
     """This rank's small files: run state (rank 0), LR schedules (a module's first rank), RNG states."""
     if trainer.rank == 0:
         with open(os.path.join(path, RUN_STATE), "w") as f:
-            json.dump({"step": trainer.step, "samples_seen": trainer.samples_seen}, f)
+            json.dump(trainer.state_dict(), f)
         trainer.hf_config().to_json_file(os.path.join(path, CONFIG_FILE))
     for name, (_, schedule) in trainer.optimizers.items():
         if trainer.rank == trainer.dims[name].ranks[0]:
@@ -300,8 +301,7 @@ def load_checkpoint(trainer: Any, path: str) -> None:
     state = TrainingState(trainer)
     dcp.load(state.flat, checkpoint_id=path)
     state.restore()
-    run_state = read_run_state(path)
-    trainer.step, trainer.samples_seen = run_state["step"], run_state["samples_seen"]
+    trainer.load_state_dict(read_run_state(path))
     for name, (optimizer, schedule) in trainer.optimizers.items():
         with open(os.path.join(path, schedule_file(name))) as f:
             schedule.load_state_dict(json.load(f))

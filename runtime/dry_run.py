@@ -75,6 +75,7 @@ from runtime.model import hf_config_from_dict
 from runtime.parallel.ulysses import split_sequence, split_windows
 from runtime.parallel_dims import ParallelDims, forget_earlier_worlds
 from runtime.pipeline import PipelinedLanguageModel
+from runtime.step_inputs import StepInputs
 from runtime.parallel.precision import module_precision
 from runtime.parallelize import uses_fsdp
 from runtime.trainer import MODULES, RunOptions, Trainer, numerics_device_type
@@ -183,21 +184,18 @@ class ZeroWeights:
         return torch.zeros(torch.empty(shape, device="meta")[index].shape)
 
 
-class DryRunTrainer(Trainer):
-    """The runtime's Trainer with zero weights, planned-shape data, and ``MICRO_BATCHES_RUN`` micro-batches of the
-    step run (every one prepared; all of them under a pipeline schedule)."""
+class PlannedInputs(StepInputs):
+    """A step's inputs of the planned shape (``PlannedShapes``), every micro-batch of the step prepared and counted,
+    ``MICRO_BATCHES_RUN`` of them (the last one last) run: all of them under a pipeline schedule."""
 
-    def __init__(self, plan: Plan, *, rank: int, options: RunOptions):
+    def __init__(self, plan: Plan, **kwargs: Any):
         self.whole_step = True
         micro_batches = range(plan.module("llm").grad_accum)
         self._run_micro_batches = list(micro_batches) if plan.module("llm").pp > 1 else sorted(
             {*micro_batches[:MICRO_BATCHES_RUN - 1], micro_batches[-1]})
         """Micro-batch of the step that each micro-batch run stands for."""
-        super().__init__(plan, rank=rank, options=options)
+        super().__init__(plan, **kwargs)
         self.source = PlannedShapes(self.layout)
-
-    def _weights_source(self) -> ZeroWeights:
-        return ZeroWeights()
 
     @property
     def num_micro_batches(self) -> int:
@@ -205,24 +203,33 @@ class DryRunTrainer(Trainer):
         them (the last one last) while it runs."""
         return self.dims["llm"].grad_accum if self.whole_step else len(self._run_micro_batches)
 
-    def _prepare_inputs(self) -> float:
+    def prepare(self, position: int) -> float:
         self.whole_step = True
-        seconds = super()._prepare_inputs()
+        seconds = super().prepare(position)
         self.whole_step = False
         return seconds
 
-    def _count_target_tokens(self) -> torch.Tensor:
+    def count_target_tokens(self) -> torch.Tensor:
         self.whole_step = True
         try:
-            return super()._count_target_tokens()
+            return super().count_target_tokens()
         finally:
             self.whole_step = False
 
-    def _samples(self, micro: int, name: str) -> Sample:
-        return super()._samples(micro if self.whole_step else self._run_micro_batches[micro], name)
+    def samples(self, micro: int, name: str) -> Sample:
+        return super().samples(micro if self.whole_step else self._run_micro_batches[micro], name)
 
-    def _llm_shard(self, micro: int):
-        return super()._llm_shard(micro if self.whole_step else self._run_micro_batches[micro])
+    def llm_shard(self, micro: int):
+        return super().llm_shard(micro if self.whole_step else self._run_micro_batches[micro])
+
+
+class DryRunTrainer(Trainer):
+    """The runtime's Trainer with zero weights and planned-shape inputs (``PlannedInputs``)."""
+
+    inputs_type = PlannedInputs
+
+    def __init__(self, plan: Plan, *, rank: int, options: RunOptions):
+        super().__init__(plan, rank=rank, options=options, weights=ZeroWeights())
 
 
 def _windows_as_one_segment(shard_vision_batch):

@@ -8,7 +8,8 @@ from planner.schema import Plan
 from runtime.data import IGNORE_INDEX, collate
 from runtime.model import build_model
 from runtime.optim import warmup_factor
-from runtime.trainer import RunOptions, data_source
+from runtime.step_inputs import data_source
+from runtime.trainer import RunOptions
 
 
 def reference_run(plan: Plan, *, seed: int, steps: int, options: RunOptions | None = None) -> dict:

@@ -188,10 +188,10 @@ def test_a_steps_samples_stay_in_host_memory_and_only_shards_reach_the_device():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         trainer = Trainer(plan, rank=0, options=RunOptions())
-        trainer.device = torch.device("meta")
-        trainer._prepare_inputs()
-        assert {v.device.type for batch in trainer._batches.values() for v in batch.values()} == {"cpu"}
-        assert trainer._llm_shard(0).input_ids_Bs.device.type == "meta"
+        trainer.inputs.device = torch.device("meta")
+        trainer.inputs.prepare(trainer.samples_seen)
+        assert {v.device.type for batch in trainer.inputs.batches.values() for v in batch.values()} == {"cpu"}
+        assert trainer.inputs.llm_shard(0).input_ids_Bs.device.type == "meta"
     finally:
         dist.destroy_process_group()
 

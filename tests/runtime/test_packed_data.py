@@ -187,7 +187,7 @@ def test_the_prefetch_worker_builds_the_samples_and_reports_what_it_skipped(tmp_
 
 def test_vision_sequence_parallelism_needs_enough_windows_in_every_micro_batch(tmp_path, tokenizer_dir):
     from runtime.parallel_dims import ParallelDims
-    from runtime.trainer import check_vision_windows
+    from runtime.step_inputs import check_vision_windows
 
     Image.new("RGB", (84, 56)).save(tmp_path / "small.png")  # 4 x 6 patches: one 8 x 8-patch window
     (tmp_path / "d.jsonl").write_text(json.dumps(_row("small.png", "Q?", "A.")) + "\n")

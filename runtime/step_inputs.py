@@ -1,0 +1,288 @@
+"""A step's inputs on one rank: the samples of the modules it holds, their micro-batches, the LLM's token shards
+and the hand-off routes, built before the step's clock starts (from the prefetch worker where there is one).
+
+Fixed-shape plans share one sample layout (``layout_from_plan``); a dataset plan's micro-batch is one packed row of
+native-resolution samples (runtime.packed_data).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import PretrainedConfig
+
+from planner.schema import Plan
+from runtime.conversations import ConversationData
+from runtime.data import IGNORE_INDEX, CaptionData, Sample, Source, SyntheticData, collate, layout_from_plan, pack_rows
+from runtime.data import token_sequence
+from runtime.handoff import Routes
+from runtime.llm import LLMShard, image_slots_per_rank, packed_position_ids, pad_packed_row, shard_llm_batch
+from runtime.packed_data import PackedConversations
+from runtime.parallel.ulysses import split_sequence
+from runtime.parallel_dims import BATCH_AXIS, ParallelDims
+from runtime.pipeline import MicroBatchShapes
+from runtime.prefetch import Prefetcher
+from runtime.preflight import is_conversation_file
+from runtime.vision import merged_positions_per_rank, window_layout
+
+
+def data_source(plan: Plan, options: Any, config: PretrainedConfig) -> Source | PackedConversations:
+    """A dataset plan's packed conversations; else, in the plan's fixed layout, conversations (through
+    ``options.tokenizer``), image-caption pairs, or synthetic samples (``options``: runtime.trainer.RunOptions)."""
+    if plan.workload.dataset is not None:
+        return PackedConversations(options.data, options.tokenizer, config=config, dataset=plan.workload.dataset,
+                                   seed=options.seed)
+    layout = layout_from_plan(plan.workload, config)
+    if options.data and is_conversation_file(Path(options.data)):
+        if not options.tokenizer:
+            raise ValueError(f"{options.data} holds conversations: give --tokenizer DIR, the model folder whose "
+                             "tokenizer and chat template they go through")
+        return ConversationData(options.data, layout, options.tokenizer)
+    if options.data:
+        return CaptionData(options.data, layout)
+    return SyntheticData(layout, options.seed)
+
+
+class StepInputs:
+    """What ``prepare`` builds for each step of the modules ``held`` here, and the layout facts the trainer's
+    hand-off and pipeline schedule are built from."""
+
+    def __init__(self, plan: Plan, *, rank: int, dims: dict[str, ParallelDims], held: tuple[str, ...],
+                 config: PretrainedConfig, options: Any, device: torch.device, rope_index: Any):
+        self.rank, self.dims, self.held, self.device, self.rope_index = rank, dims, held, device, rope_index
+        self.packed = plan.workload.dataset is not None
+        """A dataset plan: packed micro-batches of native-resolution samples (runtime.packed_data)."""
+        self.layout = None if self.packed else layout_from_plan(plan.workload, config)
+        self.vision_config = config.vision_config
+        self.source = data_source(plan, options, config)
+        self.prefetcher = Prefetcher(self.source) if options.prefetch else None
+        self.pipeline_shapes: MicroBatchShapes | None = None
+        """A pipelined LLM's micro-batch at this rank's chunk boundaries (``micro_batch_shapes``), once set."""
+        self._step_slots: list[list[int]] | None = None
+        self._fixed_routes = None if self.packed else self._layout_routes()
+        if self.packed:
+            check_vision_windows(self.source, dims["vision"], self.vision_config)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.dims["llm"].grad_accum
+
+    @property
+    def positions_per_step(self) -> int:
+        """How far a step moves the data position (samples; a dataset plan's packs)."""
+        llm = self.dims["llm"]
+        return llm.grad_accum * llm.dp * llm.micro_batch
+
+    @property
+    def receiving_llm(self) -> ParallelDims:
+        """The LLM ranks the hand-off feeds: all of them, or a pipeline's first stage."""
+        llm = self.dims["llm"]
+        return llm.stage_view(0) if llm.pp_enabled else llm
+
+    @staticmethod
+    def on_host_data(tensors) -> None:
+        """Called with each host-memory sample and batch; a memory measurement on the CPU sets it to
+        ``runtime.dry_run.StepMemTracker.forget`` (host memory is not the device's, though on the CPU it is one)."""
+
+    # ---- the step's inputs ----------------------------------------------------------------------------
+    def prepare(self, position: int) -> float:
+        """This rank's samples of the step at data position ``position`` (from the prefetch worker, which built
+        them during the previous step, else built here), its micro-batches and the LLM's token shards; then the
+        worker starts on the next step. Returns the seconds it took (reported as ``data_s``)."""
+        start = time.perf_counter()
+        self.position = position
+        self.batches: dict[tuple[int, ...], Sample] = {}
+        self._llm_shards: dict[int, LLMShard] = {}
+        self._step_slots = self._slots_at(position)
+        if self.packed:
+            self._step_routes = [self._packed_routes(micro) for micro in range(self.num_micro_batches)]
+            self.step_tokens = sum(self.source.pack_tokens(pack) for pack in self._step_slots)
+        else:
+            self.step_tokens = self.positions_per_step * self.layout.seq_len
+        indexes = self._indexes_at(position, self._step_slots)
+        if self.prefetcher is None:
+            self._step_samples = {i: self.source.sample(i) for i in indexes}
+        else:
+            self._step_samples = self.prefetcher.take(position, indexes)
+            following = position + self.positions_per_step
+            self.prefetcher.submit(following, self._indexes_at(following, self._slots_at(following)))
+        for sample in self._step_samples.values():
+            self.on_host_data(sample.values())
+        for micro in range(self.num_micro_batches):
+            for name in self.held:
+                self.samples(micro, name)
+            if "llm" in self.held:
+                self.llm_shard(micro)
+        return time.perf_counter() - start
+
+    def samples(self, micro: int, name: str) -> Sample:
+        """This rank's samples of micro-batch ``micro`` for module ``name`` (its DP replica's slice), in host memory
+        (pinned on a GPU): a stage moves only its own shard of a micro-batch to the device, when it runs, so the
+        step's pixels are never all on the device (32 micro-batches of 16,384-patch fp32 images are 2.3 GiB). Modules
+        that hold the same samples share them. A dataset plan's micro-batch is one packed row (``pack_rows``)."""
+        dims = self.dims[name]
+        key = tuple(self._slot_samples(micro, dims, dims.coordinate(self.rank)["dp"]))
+        if key not in self.batches:
+            samples = [self._step_samples[i] for i in key]
+            batch = pack_rows(samples) if self.packed else collate(samples)
+            pin = self.device.type == "cuda"
+            self.batches[key] = {k: v.pin_memory() if pin else v for k, v in batch.items()}
+            self.on_host_data(self.batches[key].values())
+        return self.batches[key]
+
+    def llm_shard(self, micro: int) -> LLMShard:
+        """This rank's slice of micro-batch ``micro`` for the LLM (the whole sequences without SP)."""
+        if micro not in self._llm_shards:
+            dims, batch = self.dims["llm"], self.samples(micro, "llm")
+            ids, labels, segments = batch["input_ids"], batch["labels"], None
+            if self.packed:
+                position_ids = packed_position_ids(batch, self.rope_index)
+                segments = tuple(batch["sample_lens"].tolist())
+                if self.pipeline_shapes is not None:
+                    ids, position_ids, labels = pad_packed_row(ids, position_ids, labels, self.pipeline_shapes.seq_len)
+            else:
+                position_ids, _ = self.rope_index(ids, mm_token_type_ids=batch["mm_token_type_ids"],
+                                                  image_grid_thw=batch["image_grid_thw"])
+            sp_group = dims.grid_mesh["sp"].get_group() if dims.sp_enabled else None
+            self._llm_shards[micro] = to_device(shard_llm_batch(
+                ids, position_ids, labels, sp_rank=dims.coordinate(self.rank)["sp"],
+                sp_group=sp_group, sp=dims.sp, segment_lens=segments,
+            ), self.device)
+        return self._llm_shards[micro]
+
+    def count_target_tokens(self) -> torch.Tensor:
+        """Tokens the loss averages over in this step, across all LLM replicas and sequence slices."""
+        count = torch.zeros((), dtype=torch.float32, device=self.device)
+        for micro in range(self.num_micro_batches):
+            count += (self.llm_shard(micro).targets_Bs != IGNORE_INDEX).sum()
+        dims = self.dims["llm"]
+        if dims.batch_enabled:
+            dist.all_reduce(count, group=dims.mesh[BATCH_AXIS].get_group())
+        return count
+
+    def routes(self, micro: int) -> Routes:
+        """The hand-off routes of micro-batch ``micro`` of the prepared step."""
+        return self._fixed_routes if self._fixed_routes is not None else self._step_routes[micro]
+
+    def micro_batch_shapes(self, config: PretrainedConfig, *, compute_dtype: torch.dtype,
+                           handoff_dtype: torch.dtype) -> MicroBatchShapes:
+        """What one micro-batch of the pipelined LLM looks like at this rank's chunk boundaries: a fixed-shape
+        plan's samples (under SP, the rank's slice of every sequence), or a dataset plan's packed row padded to the
+        micro-batch's budget, with room for the most image tokens its packs can hold (``pad_packed_row``)."""
+        text, dims = config.get_text_config(), self.dims["llm"]
+        if self.packed:
+            samples, seq_len = 1, dims.micro_batch * self.source.budget
+            image_tokens = self.source.most_image_tokens(dims.micro_batch)
+        else:
+            template = self._sample_ids()
+            bounds = split_sequence(len(template), dims.sp)
+            j = dims.coordinate(self.rank)["sp"]
+            ids = template[bounds[j]:bounds[j + 1]]
+            samples, seq_len = dims.micro_batch, len(ids)
+            image_tokens = int((ids == self.layout.image_token_id).sum())
+        return MicroBatchShapes(samples=samples, seq_len=seq_len, image_tokens=image_tokens, hidden=text.hidden_size,
+                                vocab=text.vocab_size, compute_dtype=compute_dtype, handoff_dtype=handoff_dtype,
+                                rows_require_grad=not self.dims["vision"].frozen)
+
+    def close(self) -> None:
+        """Stop the prefetch worker."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+
+    # ---- where each sample goes ----------------------------------------------------------------------
+    def _slots_at(self, position: int) -> list[list[int]] | None:
+        """A dataset plan's packs of the step at data position ``position`` (``PackedConversations.step_slots``)."""
+        llm = self.dims["llm"]
+        return self.source.step_slots(position, llm.grad_accum, llm.dp, llm.micro_batch) if self.packed else None
+
+    def _slot_samples(self, micro: int, dims: ParallelDims, replica: int) -> list[int]:
+        """The prepared step's ``slot_samples``."""
+        return slot_samples(micro, dims, replica, position=self.position, slots=self._step_slots)
+
+    def _indexes_at(self, position: int, slots: list[list[int]] | None) -> list[int]:
+        """The samples this rank's modules run in the step at ``position``, each once."""
+        indexes = {}
+        for micro in range(self.num_micro_batches):
+            for name in self.held:
+                dims = self.dims[name]
+                replica = dims.coordinate(self.rank)["dp"]
+                indexes.update(dict.fromkeys(slot_samples(micro, dims, replica, position=position, slots=slots)))
+        return list(indexes)
+
+    def _layout_routes(self) -> Routes:
+        """The hand-off routes of every micro-batch of a fixed-shape plan (all samples share the layout)."""
+        vision, llm = self.dims["vision"], self.receiving_llm
+        positions = merged_positions_per_rank(self._grid(vision.micro_batch), self.vision_config, vision.sp)
+        template = self._sample_ids()
+        row = (len(template), (template == self.layout.image_token_id).nonzero().flatten())
+        slots = image_slots_per_rank([row] * llm.micro_batch, llm.sp)
+        return Routes.build(vision, llm, [positions] * vision.dp, [slots] * llm.dp, self.device)
+
+    def _packed_routes(self, micro: int) -> Routes:
+        """The hand-off routes of packed micro-batch ``micro``, from the index alone (no sample is built)."""
+        vision, llm = self.dims["vision"], self.receiving_llm
+        index = self.source.samples
+        positions = []
+        for d in range(vision.dp):
+            grid = torch.tensor([g for i in self._slot_samples(micro, vision, d) for g in index[i].grids])
+            positions.append(merged_positions_per_rank(grid, self.vision_config, vision.sp))
+        slots = []
+        for e in range(llm.dp):
+            samples = [index[i] for i in self._slot_samples(micro, llm, e)]
+            starts = itertools.accumulate((s.length for s in samples), initial=0)
+            row = (sum(s.length for s in samples), torch.cat([s.image_positions + a for s, a in zip(samples, starts)]))
+            slots.append(image_slots_per_rank([row], llm.sp))
+        return Routes.build(vision, llm, positions, slots, self.device)
+
+    def _sample_ids(self) -> torch.Tensor:
+        """The token ids of every sample of a fixed-shape plan where it matters here: its image tokens' places."""
+        return token_sequence([], self.layout)["input_ids"]
+
+    def _grid(self, samples: int) -> torch.Tensor:
+        sizes = [(1, h // self.layout.patch_size, w // self.layout.patch_size) for h, w in self.layout.image_sizes]
+        return torch.tensor(sizes * samples)
+
+
+def check_vision_windows(source: PackedConversations, vision: ParallelDims, config: Any) -> None:
+    """Every vision micro-batch of the data splits over the vision SP ranks on window boundaries: its fewest
+    attention windows (the smallest pack's, times the packs per micro-batch) are at least ``sp``.
+
+    Raises:
+        ValueError: in one line, with the smallest pack and what would make it fit.
+    """
+    if vision.sp == 1:
+        return
+    windows = {}
+    for pack in source.packs:
+        grid = torch.tensor([g for i in pack for g in source.samples[i].grids])
+        windows[len(window_layout(grid, config)[1]) - 1] = pack
+    fewest = min(windows)
+    if fewest * vision.micro_batch < vision.sp:
+        rows = [source.samples[i].row for i in windows[fewest]]
+        raise ValueError(f"vision sp={vision.sp} needs at least {vision.sp} attention windows per micro-batch, and a "
+                         f"pack of rows {rows} has {fewest} ({vision.micro_batch} pack(s) per micro-batch): plan with "
+                         "a lower vision sp, more packs per vision micro-batch, or a larger --min-pixels")
+
+
+def slot_samples(micro: int, dims: ParallelDims, replica: int, *, position: int,
+                 slots: list[list[int]] | None) -> list[int]:
+    """Indexes of the samples of micro-batch ``micro`` for DP replica ``replica`` of a module, in the step at data
+    position ``position``: its slice of the global micro-batch (consecutive samples of a fixed-shape plan; for a
+    dataset plan, its packs among the step's ``slots``, flattened)."""
+    first = micro * dims.dp * dims.micro_batch + replica * dims.micro_batch
+    if slots is None:
+        return list(range(position + first, position + first + dims.micro_batch))
+    return [i for pack in slots[first:first + dims.micro_batch] for i in pack]
+
+
+def to_device(shard, device: torch.device):
+    """A shard dataclass with its tensors on ``device`` (itself on the CPU)."""
+    if device.type == "cpu":
+        return shard
+    fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in shard.__dict__.items()}
+    return type(shard)(**fields)
