@@ -281,6 +281,9 @@ def _layout_options(
     for pp, dp, tp, sp, cp in _layouts(problem, module, gpus, fixed):
         per_replica = batch // dp
         for schedule, chunks in _schedules(pp, fixed):
+            settings = _zero_recompute_settings(schedule, dp * sp * cp, fixed, reasons if pinned_pipeline else [])
+            if not settings:
+                continue
             usable_accums = []
             for ga in sorted(_choices(divisors(per_replica), fixed, "grad_accum"), reverse=True):
                 if (accums is not None and ga not in accums) or ga in known:
@@ -295,19 +298,24 @@ def _layout_options(
                     reasons.append(problems[0])
                 if not problems:
                     usable_accums.append(ga)
-            if not usable_accums:
-                continue
-            zeros = (0, 1, 2, 3) if dp * sp * cp > 1 else (0,)
-            settings = []
-            for zero in _choices(zeros, fixed, "zero"):
-                for rc in _choices(RECOMPUTE_CHOICES, fixed, "recompute"):
-                    if schedule in ZERO_BUBBLE_SCHEDULES and zero_bubble_reasons(zero, rc):
-                        if pinned_pipeline:
-                            reasons.append(zero_bubble_reasons(zero, rc)[0])
-                        continue
-                    settings.append((zero, rc))
-            if settings:
+            if usable_accums:
                 yield (pp, dp, tp, sp, cp), schedule, chunks, usable_accums, settings
+
+
+def _zero_recompute_settings(schedule: str, sharding_ranks: int, fixed: Mapping[str, int | str],
+                             reasons: list[str]) -> list[tuple[int, str]]:
+    """The (zero, recompute) pairs a layout may take under ``fixed``: ZeRO needs ``sharding_ranks`` (dp * sp * cp)
+    above 1, and a zero-bubble ``schedule`` rules out some (``zero_bubble_reasons``, appended to ``reasons``).
+    Checked before any grad_accum, so that a pinned ZeRO stage a pinned zero-bubble schedule cannot take is the
+    reason given, not a micro-batch count that was never the obstacle."""
+    settings = []
+    for zero in _choices((0, 1, 2, 3) if sharding_ranks > 1 else (0,), fixed, "zero"):
+        for rc in _choices(RECOMPUTE_CHOICES, fixed, "recompute"):
+            conflicts = zero_bubble_reasons(zero, rc) if schedule in ZERO_BUBBLE_SCHEDULES else []
+            reasons += conflicts[:1]
+            if not conflicts:
+                settings.append((zero, rc))
+    return settings
 
 
 def module_strategies(

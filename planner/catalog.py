@@ -76,6 +76,13 @@ WHISPER_CONV_STRIDE = 2
 """Stride of the encoder's second conv (mel frames per encoder position)."""
 QWEN2_AUDIO_POOL_STRIDE = 2
 """Encoder positions per LLM token (``Qwen2AudioEncoder.avg_pooler``, AvgPool1d(2, stride=2))."""
+MAX_CONFIG_INTEGER = 2**24
+"""Largest width, depth, head count or vocabulary a config.json may give (16,777,216: far beyond any model, small
+enough that parameter counts and costs stay exact)."""
+TOKEN_ID_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+                 "vision_token_id", "bos_token_id", "eos_token_id", "pad_token_id")
+"""Special token ids a vision-language config may give: each must index the decoder's vocabulary (the runtime
+embeds them)."""
 
 
 # --- Config sections --------------------------------------------------------------------------------------------
@@ -114,6 +121,8 @@ def _positive_int(section: Mapping[str, Any], key: str, where: str) -> int:
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{where}.{key} must be a positive integer, got {value!r}")
+    if value > MAX_CONFIG_INTEGER:
+        raise ValueError(f"{where}.{key} = {value:,} is above {MAX_CONFIG_INTEGER:,}, the most any model has")
     return value
 
 
@@ -257,6 +266,39 @@ def _vision_input(v: Mapping[str, Any], window: bool) -> VisionInputSpec:
                            window_size=window_size)
 
 
+def _check_runnable(config: Mapping[str, Any], text: Mapping[str, Any], vision: ModuleSpec, llm: ModuleSpec,
+                    vision_input: VisionInputSpec) -> None:
+    """What transformers' Qwen-VL modules need beyond each field being valid alone (the runtime builds them):
+    the merger's output width is the decoder's, rotary head widths are even and M-RoPE's sections cover half the
+    decoder's head width, a window holds at least one merge unit, and the special token ids index the vocabulary."""
+    merger, embedding = vision.layer("patch_merger"), llm.layer("embedding")
+    if merger.out_features != embedding.hidden_size:
+        raise ValueError(f"vision_config's merger outputs {merger.out_features} features but the decoder's "
+                         f"hidden_size is {embedding.hidden_size}: they must be equal")
+    for spec, where in ((vision, "vision_config"), (llm, "text_config")):
+        head_dim = next(layer.attention.head_dim for layer in spec.layers if layer.attention is not None)
+        if head_dim % 2:
+            raise ValueError(f"{where}: head width {head_dim} is odd; rotary embeddings need an even one")
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or config.get("rope_scaling") or {}
+    sections = rope.get("mrope_section") if isinstance(rope, Mapping) else None
+    head_dim = llm.layer("decoder_layer").attention.head_dim
+    if sections is not None and (not isinstance(sections, list) or len(sections) != 3
+                                 or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in sections)
+                                 or sum(sections) != head_dim // 2):
+        raise ValueError(f"mrope_section must be three positive integers summing to half the decoder's head width "
+                         f"({head_dim // 2}), got {sections!r}")
+    unit = vision_input.patch_size * vision_input.spatial_merge_size
+    if vision_input.window_size is not None and vision_input.window_size < unit:
+        raise ValueError(f"vision_config.window_size {vision_input.window_size} is smaller than one merge unit "
+                         f"(patch_size x spatial_merge_size = {unit} pixels)")
+    vocab = _positive_int(text, "vocab_size", "text_config")
+    for key in TOKEN_ID_KEYS:
+        for section in (config, text):
+            value = section.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab):
+                raise ValueError(f"{key} {value!r} is not a token id of the {vocab:,}-entry vocabulary")
+
+
 def _vision_language_spec(config: Mapping[str, Any], name: str, family: str) -> ModelSpec:
     """Qwen2.5-VL or Qwen2-VL: vision tower + decoder (tied when the root or text_config says so)."""
     text = _text_section(config, QWEN_VL_TEXT_DEFAULTS)
@@ -267,9 +309,11 @@ def _vision_language_spec(config: Mapping[str, Any], name: str, family: str) -> 
     else:
         v = _encoder_section(config, "vision_config", QWEN2_VL_VISION_DEFAULTS)
         vision, vision_input = qwen2_vl_vision_module(v), _vision_input(v, window=False)
+    llm = llm_module(text, tied, head_dim_key=False)
+    _check_runnable(config, text, vision, llm, vision_input)
     return ModelSpec(
         name=name, family=family, hf_config=copy.deepcopy(dict(config)), vision_input=vision_input,
-        modules=(vision, llm_module(text, tied, head_dim_key=False)), tie_word_embeddings=tied,
+        modules=(vision, llm), tie_word_embeddings=tied,
     )
 
 

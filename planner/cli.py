@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default 12845056, Qwen2.5-VL's processor)")
     dataset.add_argument("--pack-tokens", type=int, metavar="N", help="LLM-token budget of a pack (default: the "
                          "fastest of 1, 2 and 4 times the longest sample, rounded up to 256)")
+    dataset.add_argument("--rescan", action="store_true", help="scan --dataset again instead of reading its cached "
+                         "histogram (the cache is keyed by the path, size and modification time of the file, of every "
+                         "image it names and of the tokenizer.json, so a changed one is rescanned anyway)")
     dataset.add_argument("--histogram-out", metavar="FILE", help="also write the dataset's histogram (a smaller "
                          "--dataset for later plans)")
     search = p.add_argument_group("search")
@@ -181,11 +184,12 @@ def _run(args: argparse.Namespace) -> list:
     if args.model is None or args.gpus is None:
         raise ValueError("give --model and --gpus (or --list-models / --list-gpus)")
     inputs = _inputs(args)
-    if args.histogram_out:
-        if args.dataset is None:
-            raise ValueError("--histogram-out writes the histogram of --dataset: give --dataset")
+    if args.dataset is None and (args.histogram_out or args.rescan):
+        raise ValueError(f"{'--histogram-out' if args.histogram_out else '--rescan'} applies to --dataset: give one")
+    if args.dataset is not None:
         tokenizer = args.tokenizer if args.tokenizer is not None else api.model_folder_tokenizer(args.model)
-        inputs["dataset"] = read_dataset(args.dataset, tokenizer)
+        inputs["dataset"] = read_dataset(args.dataset, tokenizer, rescan=args.rescan)
+    if args.histogram_out:
         try:
             write_histogram(inputs["dataset"], args.histogram_out)
         except OSError as e:

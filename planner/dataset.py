@@ -3,8 +3,9 @@ text tokens, resized as Qwen-VL's processor resizes, packed into packs of a toke
 (step time) and the heaviest pack (memory).
 
 A scan is kept as a histogram (identical (text tokens, image sizes) samples counted once): written to a cache keyed
-by the file's path, size and modification time, so the next plan of the same data reads only the histogram, and
-accepted as a dataset itself (``--dataset hist.json``).
+by the path, size and modification time (ns) of the file, of every image it names and of the tokenizer.json, so the
+next plan of the same data reads only the histogram and a changed image is rescanned (``--rescan`` ignores the
+cache), and accepted as a dataset itself (``--dataset hist.json``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from planner.data_rows import SkippedSample, cache_folder, image_header_size, messages_of, read_rows
+from planner.versioned_json import write_atomically
 from planner.models import ModelSpec
 from planner.packing import pack_best_fit
 from planner.workload import ModuleTokens, PackedTokens, Workload, image_windows, packed_workload
@@ -77,7 +79,7 @@ class DatasetHistogram:
                            for c, t, sizes in data["shapes"])
             histogram = cls(source=str(data["source"]), text_tokens=str(data["text_tokens"]), shapes=shapes,
                             skipped={str(k): int(v) for k, v in data.get("skipped", {}).items()})
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             raise ValueError(f"dataset histogram {path} is malformed: expected shapes [[count, text_tokens, "
                              "[[height, width], ...]], ...]") from None
         if any(c < 1 or t < 0 or any(h < 1 or w < 1 for h, w in sizes) for c, t, sizes in shapes):
@@ -182,16 +184,24 @@ class _TextCounter:
         return math.ceil(len(text.encode()) / BYTES_PER_TOKEN) + specials + frame
 
 
+def _rows(path: Path) -> tuple[list[Any], int]:
+    """``read_rows`` with a one-line error."""
+    try:
+        return read_rows(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read dataset {path}: {e}") from None
+
+
 def scan_dataset(path: Path, tokenizer_dir: str | None = None) -> DatasetHistogram:
     """The histogram of a conversation or caption JSONL / JSON file; bad rows are counted, not raised.
 
     Raises:
         ValueError: the file cannot be read, or nothing in it is usable.
     """
-    try:
-        rows, malformed = read_rows(path)
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read dataset {path}: {e}") from None
+    return _scan_rows(path, *_rows(path), tokenizer_dir)
+
+
+def _scan_rows(path: Path, rows: list[Any], malformed: int, tokenizer_dir: str | None) -> DatasetHistogram:
     counter = _TextCounter(tokenizer_dir)
     skipped: Counter[str] = Counter({"malformed row": malformed} if malformed else {})
     sizes: dict[Path, tuple[int, int] | None] = {}
@@ -217,19 +227,40 @@ def scan_dataset(path: Path, tokenizer_dir: str | None = None) -> DatasetHistogr
                             shapes=tuple((c, t, images) for (t, images), c in sorted(shapes.items())))
 
 
-def _cache_file(path: Path, tokenizer_dir: str | None) -> Path:
-    """Where the histogram of ``path`` (as it is now, counted with ``tokenizer_dir``) is cached."""
-    stat = path.stat()
-    key = [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+def _file_key(path: Path) -> list[Any]:
+    """(resolved path, size, mtime in ns) of a file; a missing or unreadable one is keyed as such (its row is
+    skipped until it appears, which changes the key)."""
+    try:
+        stat = path.stat()
+    except (OSError, ValueError):  # ValueError: a path with a NUL byte
+        return [str(path), None]
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def _image_paths(path: Path, rows: list[Any]) -> list[Path]:
+    """Every image file the usable rows name (as the scan resolves them), each once, in order."""
+    images: dict[Path, None] = {}
+    for row in rows:
+        try:
+            images.update(dict.fromkeys(path.parent / p for p in _texts(row)[1]))
+        except SkippedSample:
+            pass
+    return list(images)
+
+
+def _cache_file(path: Path, rows: list[Any], tokenizer_dir: str | None) -> Path:
+    """Where the histogram of ``path`` with these ``rows``, counted with ``tokenizer_dir``, is cached: keyed by
+    ``_file_key`` of the file, of each image its rows name and of the tokenizer.json, so that replacing any of them
+    (an image by a larger one) misses the cache."""
+    key = [_file_key(path)] + [_file_key(image) for image in _image_paths(path, rows)]
     if tokenizer_dir is not None:
-        tokenizer = Path(tokenizer_dir) / "tokenizer.json"
-        key += [str(tokenizer.resolve()), tokenizer.stat().st_mtime_ns if tokenizer.exists() else 0]
+        key.append(_file_key(Path(tokenizer_dir) / "tokenizer.json"))
     return cache_folder() / (hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + ".json")
 
 
-def read_dataset(path: str | Path, tokenizer_dir: str | None = None) -> DatasetHistogram:
-    """A dataset histogram: the file itself if it is one, else the cached scan of the data, else a new scan (then
-    cached; a cache that cannot be written is skipped).
+def read_dataset(path: str | Path, tokenizer_dir: str | None = None, *, rescan: bool = False) -> DatasetHistogram:
+    """A dataset histogram: the file itself if it is one, else the cached scan of the data (``_cache_file``; not
+    with ``rescan``), else a new scan (then cached; a cache that cannot be written is skipped).
 
     Raises:
         ValueError: a missing or unreadable file, a bad histogram, or data with nothing usable; one line.
@@ -245,23 +276,24 @@ def read_dataset(path: str | Path, tokenizer_dir: str | None = None) -> DatasetH
         whole = None  # JSONL (or not JSON at all: the scan says so)
     if isinstance(whole, dict) and "shapes" in whole:
         return DatasetHistogram.from_json(whole, path)
-    cache = _cache_file(path, tokenizer_dir)
-    if cache.is_file():
+    rows, malformed = _rows(path)
+    cache = _cache_file(path, rows, tokenizer_dir)
+    if cache.is_file() and not rescan:
         try:
             return DatasetHistogram.from_json(json.loads(cache.read_text()), cache)
         except (ValueError, OSError):
             pass  # a damaged cache entry is rescanned and rewritten
-    histogram = scan_dataset(path, tokenizer_dir)
+    histogram = _scan_rows(path, rows, malformed, tokenizer_dir)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(histogram.to_json()))
+        write_atomically(cache, json.dumps(histogram.to_json()))
     except OSError:
         pass
     return histogram
 
 
 def write_histogram(histogram: DatasetHistogram, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(histogram.to_json()))
+    write_atomically(path, json.dumps(histogram.to_json()))
 
 
 # ---- tokens and packs ---------------------------------------------------------------------------------------------
@@ -288,9 +320,15 @@ def sample_tokens(histogram: DatasetHistogram, model: ModelSpec, *, min_pixels: 
     """Each sample's tokens per module after the processor's resize.
 
     Raises:
-        ValueError: the model has no vision encoder but the data has images, or no sample is left.
+        ValueError: the model has no vision encoder but the data has images, or it has one and no sample has an
+            image, or no sample is left.
     """
     vi = model.vision_input
+    if vi is not None and not any(images for _, _, images in histogram.shapes):
+        skipped = f" (skipped: {histogram.skipped})" if histogram.skipped else ""
+        raise ValueError(f"dataset {histogram.source} has no sample with an image{skipped}, so {model.name}'s vision "
+                         "encoder would have nothing to train on: give rows that name image files (\"image\": "
+                         "\"a.jpg\", relative to the dataset file)")
     rows, skipped = [], Counter()
     for count, text, images in histogram.shapes:
         if images and vi is None:

@@ -56,6 +56,9 @@ MAX_TEXT_TOKENS = 2**20
 """Largest --text-tokens, 1,048,576 per sample."""
 MAX_AUDIO_SECONDS = 3600.0
 """Largest --audio-seconds per sample (an hour)."""
+MAX_DATASET_SAMPLES = 2**20
+"""Most samples a dataset (or histogram) may hold, 1,048,576: per-sample token arrays and best-fit packing stay
+within seconds and megabytes (a larger dataset plans as well from a random subset)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -406,6 +409,7 @@ def dataset_workload_for(
     if global_batch is not None:
         check_bounds("--global-batch", global_batch, 1, MAX_GLOBAL_BATCH)
     histogram = dataset if isinstance(dataset, DatasetHistogram) else read_dataset(dataset, tokenizer)
+    check_histogram_bounds(histogram)
     tokens = sample_tokens(histogram, model, min_pixels=min_pixels, max_pixels=max_pixels)
     if not pack and pack_tokens is not None:
         raise ValueError("--pack-tokens sets the budget of packs: it does not apply without packing")
@@ -426,6 +430,23 @@ def dataset_workload_for(
         heaviest_pack_tokens={m: t.tokens for m, t in packing.packed.heaviest},
     )
     return workload, info
+
+
+def check_histogram_bounds(histogram: DatasetHistogram) -> None:
+    """A dataset's samples within the per-sample bounds of the flags (``MAX_TEXT_TOKENS``, ``MAX_IMAGE_SIDE``,
+    ``MAX_IMAGES_PER_SAMPLE``) and at most ``MAX_DATASET_SAMPLES`` of them, else a one-line ValueError."""
+    where = f"dataset {histogram.source}"
+    if histogram.samples > MAX_DATASET_SAMPLES:
+        raise ValueError(f"{where} has {histogram.samples:,} samples, at most {MAX_DATASET_SAMPLES:,} are planned "
+                         "for: plan for a random subset of it")
+    for _, text, images in histogram.shapes:
+        if text > MAX_TEXT_TOKENS:
+            raise ValueError(f"{where} has a sample of {text:,} text tokens, at most {MAX_TEXT_TOKENS:,} are supported")
+        if len(images) > MAX_IMAGES_PER_SAMPLE:
+            raise ValueError(f"{where} has a sample of {len(images)} images, at most {MAX_IMAGES_PER_SAMPLE} are "
+                             "supported")
+        if any(max(h, w) > MAX_IMAGE_SIDE for h, w in images):
+            raise ValueError(f"{where} has an image side above {MAX_IMAGE_SIDE:,} pixels")
 
 
 def _check_sample(workload: Workload, model: ModelSpec) -> None:

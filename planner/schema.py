@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from planner.hardware import DeviceSpec, with_host_fields
+from planner.hardware import PLAUSIBLE_RANGES, DeviceSpec, check_plausible, with_host_fields
 from planner.versioned_json import read_versioned, validated
 
 SCHEMA_VERSION = 3
@@ -168,6 +168,21 @@ class ClusterInfo(_Frozen):
     def _older_plans_host_fields(cls, device: Any) -> Any:
         """Plans written before host costs were modelled lack the host fields (``with_host_fields``)."""
         return with_host_fields(device) if isinstance(device, dict) else device
+
+    @field_validator("device")
+    @classmethod
+    def _device_numbers_plausible(cls, device: DeviceSpec) -> DeviceSpec:
+        """Each number within ``PLAUSIBLE_RANGES`` (a unit mistake named with its hint), as for a cluster file."""
+        for field in PLAUSIBLE_RANGES:
+            check_plausible(field, getattr(device, field), "cluster.device")
+        return device
+
+    @field_validator("num_devices", "devices_per_node")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"must be at least 1, got {value}")
+        return value
 
 
 class TokenPercentiles(_Frozen):

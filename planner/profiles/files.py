@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planner.profiles.schema import PROFILE_SCHEMA_VERSION, Profile
+from planner.profiles.schema import PROFILE_SCHEMA_VERSION, Profile, check_measurements
 from planner.versioned_json import read_versioned, validated, write_atomically
 
 READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
@@ -16,14 +16,17 @@ PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 
 
 def load_profile(path: str | Path) -> Profile:
-    """Read and validate a profile file; raise ValueError with a one-line reason if it cannot be used."""
+    """Read and validate a profile file (its schema, then ``check_measurements``); raise ValueError with a one-line
+    reason if it cannot be used."""
     data = read_versioned(path, kind="profile", readable=READABLE_SCHEMA_VERSIONS, writer="python -m runtime.profile")
     version = data["schema_version"]
     if version < 4 and data.get("calibration") is not None:
         raise ValueError(f"profile {path} holds a calibration of schema version {version} (a step-time scale and "
                          "offset), which this tool no longer reads: set its \"calibration\" to null and re-run "
                          "`python -m runtime.profile --calibrate`")
-    return validated(Profile, {**data, "schema_version": PROFILE_SCHEMA_VERSION}, path, kind="profile")
+    profile = validated(Profile, {**data, "schema_version": PROFILE_SCHEMA_VERSION}, path, kind="profile")
+    check_measurements(profile, f"profile {path}")
+    return profile
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:

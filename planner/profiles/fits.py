@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from planner.hardware import DeviceSpec
+from planner.hardware import DeviceSpec, check_plausible
 from planner.profiles.index import pick_time
 from planner.profiles.schema import Profile
 
@@ -48,7 +48,8 @@ def device_from_profile(base: DeviceSpec, profile: Profile, *, intra_node_bus_ef
     the measured collectives (``link_from_collectives``; ``intra_node_bus_efficiency`` must be the cost model's,
     CostAssumptions' default 0.8, so that it reproduces the measured curve).
 
-    Fields the profile did not measure keep the catalog's value; ``source`` names the profile.
+    Fields the profile did not measure keep the catalog's value; ``source`` names the profile. A fitted number
+    outside ``PLAUSIBLE_RANGES`` (a collective curve that falls with the message size) is a one-line ValueError.
     """
     changes: dict[str, float | str] = {}
     if profile.device is not None:
@@ -59,5 +60,7 @@ def device_from_profile(base: DeviceSpec, profile: Profile, *, intra_node_bus_ef
         changes["intra_node_latency"], changes["intra_node_bandwidth"] = fitted
     if not changes:
         return base
+    for field, value in changes.items():
+        check_plausible(field, value, f"the device profile {profile.hardware}/{profile.model} implies")
     changes["source"] = f"measured: profile {profile.hardware}/{profile.model} ({profile.provenance.date})"
     return replace(base, **changes)

@@ -10,9 +10,12 @@ its collectives, DTensor dispatch and the ranks' contention for the host are in 
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from planner.hardware import PLAUSIBLE_RANGES, PlausibleRange, check_plausible, get_device
 
 PROFILE_SCHEMA_VERSION = 4
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
@@ -222,6 +225,78 @@ class Profile(_Strict):
         data["memory"].sort(key=_shard_key)
         data["collectives"].sort(key=lambda p: (p["op"], p["group_size"], p["message_bytes"]))
         return json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+
+PEAK_MARGIN = 2.0
+"""How far a layer's achieved FLOP/s (its FLOPs over its time) may exceed the device's peak before its numbers are
+refused as a unit mistake: timing noise, and FLOP counts that include work the kernels skip (causal attention
+counted dense), stay well under it."""
+MIN_CONCURRENCY_SLOWDOWN = 0.5
+"""Smallest per-device "slowdown" a profile may record for devices computing at once: below 1 is timing noise,
+below a half no measurement of the same work."""
+MAX_CONCURRENCY_SLOWDOWN = 1024.0
+"""Largest per-device slowdown a profile may record for devices computing at once (one device per core of a
+1,024-core host, in the extreme)."""
+HOST_SECONDS_PER_OP = PlausibleRange(low=0.0, high=1e-2, unit="seconds", other_units=(("us", 1e-6), ("ms", 1e-3),
+                                                                                      ("ns", 1e-9)))
+"""Plausible host cost of one eager operator call (a few microseconds measured; 10 ms is beyond any host)."""
+_TIME_HINT = "times are seconds and FLOPs plain counts (a time in another unit, or FLOPs scaled, would give this)"
+
+
+def _reference_peak(profile: Profile) -> tuple[float, str]:
+    """The FLOP/s no layer of ``profile`` can beat by ``PEAK_MARGIN``: its device's datasheet peak (catalog GPUs),
+    else its own matmul peak where measured (a CPU's catalog peak is a placeholder), else the plausible maximum."""
+    if profile.device is not None and profile.hardware == "cpu":
+        return profile.device.peak_matmul_flops, "the profile's measured matmul peak"
+    try:
+        return get_device(profile.hardware).peak_bf16_flops, f"the {profile.hardware} datasheet peak"
+    except ValueError:  # a device the catalog does not know
+        return PLAUSIBLE_RANGES["peak_bf16_flops"].high, "the plausible maximum"
+
+
+def check_measurements(profile: Profile, origin: str) -> None:
+    """Raise a one-line ValueError, with a unit hint, when a measured number of ``profile`` is physically
+    impossible: device numbers outside ``PLAUSIBLE_RANGES`` (and ``HOST_SECONDS_PER_OP``), a layer with FLOPs but
+    no time or faster than ``PEAK_MARGIN`` times the reference peak (``_reference_peak``), a collective moving
+    bytes faster than the plausible link maximum, memory beyond the plausible device maximum, a concurrency
+    slowdown outside ``MIN_CONCURRENCY_SLOWDOWN`` to ``MAX_CONCURRENCY_SLOWDOWN``."""
+    if profile.device is not None:
+        for point in profile.device.matmul:
+            check_plausible("peak_bf16_flops", point.flops_per_s, f"{origin}: device.matmul n={point.n} flops_per_s")
+        check_plausible("memory_bandwidth", profile.device.memory_bandwidth, f"{origin}: device")
+        for name in ("host_seconds_per_op", "dtensor_seconds_per_op"):
+            value = getattr(profile.device, name)
+            if value is not None and not HOST_SECONDS_PER_OP.low <= value <= HOST_SECONDS_PER_OP.high:
+                raise ValueError(f"{origin}: device.{name} = {value:g} is outside the plausible range 0 to "
+                                 f"{HOST_SECONDS_PER_OP.high:g} seconds (written in us or ns?)")
+        for devices, slowdown in profile.device.concurrency.items():
+            if not MIN_CONCURRENCY_SLOWDOWN <= slowdown <= MAX_CONCURRENCY_SLOWDOWN:
+                raise ValueError(f"{origin}: device.concurrency[{devices}] = {slowdown:g} is not a slowdown factor "
+                                 f"(1 = none; {MIN_CONCURRENCY_SLOWDOWN:g} to {MAX_CONCURRENCY_SLOWDOWN:g})")
+    peak, what = _reference_peak(profile)
+    most_bytes = PLAUSIBLE_RANGES["memory_bytes"].high
+    for i, layer in enumerate(profile.layers):
+        where = f"{origin}: layers.{i} ({layer.module}/{layer.layer} seq_len {layer.seq_len})"
+        for phase, flops in (("forward", layer.forward_flops), ("backward", layer.backward_flops)):
+            seconds = getattr(layer, phase).median_s
+            if flops > 0 and (seconds == 0 or flops / seconds > PEAK_MARGIN * peak):
+                achieved = math.inf if seconds == 0 else flops / seconds
+                raise ValueError(f"{where}: {phase} achieves {achieved:.3g} FLOP/s, above {PEAK_MARGIN:g} x {what} "
+                                 f"({peak:.3g}); {_TIME_HINT}")
+        if max(layer.peak_bytes, layer.saved_activation_bytes) > most_bytes:
+            raise ValueError(f"{where}: {max(layer.peak_bytes, layer.saved_activation_bytes):,} bytes is more than "
+                             f"any device holds ({most_bytes:,}): memory is in bytes")
+    fastest = PLAUSIBLE_RANGES["intra_node_bandwidth"].high
+    for point in profile.collectives:
+        seconds = point.time.median_s
+        if seconds == 0 or point.message_bytes / seconds > fastest:
+            raise ValueError(f"{origin}: {point.op} of {point.message_bytes:,} bytes over {point.group_size} ranks in "
+                             f"{seconds:g} s is faster than any link ({fastest:g} bytes/s): times are seconds, "
+                             "message_bytes bytes")
+    for point in profile.memory:
+        if max(point.param_bytes, point.peak_bytes, point.saved_activation_bytes) > most_bytes:
+            raise ValueError(f"{origin}: memory point {point.module}/{point.layer} seq_len {point.seq_len} records "
+                             f"more bytes than any device holds ({most_bytes:,}): memory is in bytes")
 
 
 def _shard_key(point: dict) -> tuple:

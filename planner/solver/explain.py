@@ -21,13 +21,16 @@ from planner.candidates import (
     sp_degrees,
 )
 from planner.models import ENCODER_MODULES
-from planner.problem import Problem
+from planner.problem import DEFAULT_SAMPLES_PER_GPU, Problem
 from planner.units import GIB
 from planner.strategy import Placement
 from planner.workload import Workload
 
 MAX_GPU_SEARCH = 65536
 """Largest GPU count the infeasibility explanation searches."""
+MAX_GPU_COUNTS_SCANNED = 32
+"""Most GPU counts ``smallest_gpu_count`` tries one by one, smallest first, when none of its doubling probes fits
+(fitting is not monotone where the global batch caps data parallelism: the counts between two probes may fit)."""
 MAX_SEQ_SIDE_PATCHES = 2048
 """Largest image side (in patches) the sequence search tries: 4M vision tokens."""
 
@@ -101,17 +104,45 @@ def explain_infeasible(problem: Problem, all_cands: Mapping[str, Candidates], fi
     hints = []
     more_gpus = smallest_gpu_count(problem, list(all_cands), fixes)
     if more_gpus is not None:
-        hints.append(f"the smallest GPU count that fits is {more_gpus} (--gpus {more_gpus})")
+        hints.append(f"the smallest GPU count that fits is {more_gpus} "
+                     f"({_gpus_flags(problem, more_gpus, list(all_cands), fixes)})")
     if problem.model.vision_input is not None:
         tokens = _longest_fitting_tokens(problem, list(all_cands), fixes)
         if tokens is not None:
             hints.append(f"at {problem.num_gpus} GPUs images up to {tokens:,} vision tokens per sample fit "
                          f"(--vision-tokens {tokens})")
     if not hints:
-        hints.append(f"no GPU count up to {MAX_GPU_SEARCH} fits; try a smaller --global-batch or "
+        hints.append(f"no GPU count up to {MAX_GPU_SEARCH:,} fits {_batch(problem)}, which caps data parallelism "
+                     f"(and so ZeRO sharding){_default_batch_note(problem)}; try --global-batch with more GPUs, or "
                      f"--precision bf16_pure")
     return f"no plan fits {problem.num_gpus} x {problem.cluster.device.name} ({usable / GIB:.1f} GiB usable per " \
            f"GPU): {what}; {'; '.join(hints)}"
+
+
+def _batch(problem: Problem) -> str:
+    """``a global batch of 4 samples`` (packs for a dataset)."""
+    return f"a global batch of {problem.workload.global_batch:,} {'packs' if problem.dataset else 'samples'}"
+
+
+def _default_batch(problem: Problem) -> bool:
+    """Whether the global batch is (or equals) the default, which grows with the GPU count."""
+    return problem.dataset is None and problem.workload.global_batch == DEFAULT_SAMPLES_PER_GPU * problem.num_gpus
+
+
+def _default_batch_note(problem: Problem) -> str:
+    return f" (the default, {DEFAULT_SAMPLES_PER_GPU} per GPU: it grows with --gpus)" if _default_batch(problem) else ""
+
+
+def _gpus_flags(problem: Problem, num_gpus: int, placements: list[str], fixes: Fixes) -> str:
+    """``--gpus N``, or, where the default global batch grows with the GPU count and does not fit at ``num_gpus``
+    GPUs when it has grown, ``--gpus N --global-batch B`` and why."""
+    if not _default_batch(problem):
+        return f"--gpus {num_gpus}"
+    grown = replace(problem.workload, global_batch=DEFAULT_SAMPLES_PER_GPU * num_gpus)
+    if _fits(variant(problem, num_gpus=num_gpus, workload=grown), placements, fixes):
+        return f"--gpus {num_gpus}"
+    return (f"--gpus {num_gpus} --global-batch {problem.workload.global_batch}: the default global batch, "
+            f"{DEFAULT_SAMPLES_PER_GPU} per GPU, grows with --gpus and {grown.global_batch:,} does not fit there")
 
 
 def _what_does_not_fit(problem: Problem, all_cands: Mapping[str, Candidates]) -> str:
@@ -180,7 +211,8 @@ def smallest_gpu_count(problem: Problem, placements: list[str], fixes: Fixes) ->
     Probes ``_gpu_counts_above`` at doubling positions until one fits, then bisects between it and the last probe
     that did not, so a search over thousands of counts costs a few dozen feasibility checks. Fitting is taken as
     monotone over these counts (memory per GPU falls as GPUs are added; the counts the batch cannot use are not in
-    the list).
+    the list) until the batch caps data parallelism: when no probe fits, the counts between them are tried
+    smallest first (``MAX_GPU_COUNTS_SCANNED``).
     """
     fixes = {m: {k: v for k, v in f.items() if k != "gpus"} for m, f in fixes.items()}
     counts = _gpu_counts_above(problem)
@@ -191,9 +223,12 @@ def smallest_gpu_count(problem: Problem, placements: list[str], fixes: Fixes) ->
     if not counts:
         return None
     low, high = -1, 0  # counts[low] does not fit (-1: none tried), counts[high] is the probe
+    probed = set()
     while not fits(high):
+        probed.add(high)
         if high == len(counts) - 1:
-            return None
+            between = [i for i in range(len(counts)) if i not in probed][:MAX_GPU_COUNTS_SCANNED]
+            return next((counts[i] for i in between if fits(i)), None)
         low, high = high, min(2 * high + 1, len(counts) - 1)
     while high - low > 1:
         mid = (low + high) // 2

@@ -3,13 +3,16 @@
 Files a case needs are written to a temporary folder; ``{dir}`` in its arguments names that folder.
 """
 
+import copy
 import json
 import math
+import re
 
 import pytest
 
 from planner import api
 from planner.cli import main
+from planner.hf_configs import QWEN2_5_VL_TINY
 from planner.profiles import PROFILES_DIR
 from planner.schema import PlanError, load_plan
 from planner.solver import cp_sat, explain
@@ -31,6 +34,15 @@ def _profile(change) -> dict[str, str]:
 
 def _set_forward(value):
     return lambda data: data["layers"][3]["forward"].update(median_s=value)
+
+
+TINY_CONFIG = ["--model", "{dir}/config.json", "--gpu", "cpu", "--gpus", "2"]
+
+
+def _config(change) -> dict[str, str]:
+    config = copy.deepcopy(QWEN2_5_VL_TINY)
+    change(config)
+    return {"config.json": json.dumps(config)}
 
 
 NO_VISION_CONFIG = {"model_type": "qwen2_5_vl", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
@@ -97,6 +109,39 @@ CASES = [
      "0 text tokens cannot hold a start and end marker for each of 1 images plus one text token (--text-tokens 3 "
      "or more)"),
     (TINY + ["--frozen", "vision", "--frozen", "llm"], {}, "every module of the plan is frozen: nothing to train"),
+    # 6. measured numbers off by a unit factor (issue 29), and messages that name what binds
+    (TINY + ["--profile", "{dir}/profile.json"], _profile(lambda d: d["layers"][3]["forward"].update(median_s=1e-9)),
+     "forward achieves 2.18e+17 FLOP/s, above 2 x the profile's measured matmul peak (1.6e+11); times are seconds"),
+    (TINY + ["--profile", "{dir}/profile.json"], _profile(lambda d: d["device"].update(memory_bandwidth=11.3)),
+     "memory_bandwidth = 11.3 is outside the plausible range 1e+09 to 1e+14 bytes/s (written in GB/s"),
+    (TINY + ["--profile", "{dir}/profile.json"], _profile(lambda d: d["device"]["matmul"][0].update(flops_per_s=160)),
+     "flops_per_s: peak_bf16_flops = 160 is outside the plausible range 1e+09 to 1e+17 FLOP/s (written in TFLOP/s or GFLOP/s"),
+    (TINY + ["--profile", "{dir}/profile.json"], _profile(lambda d: d["device"].update(host_seconds_per_op=3.2)),
+     "device.host_seconds_per_op = 3.2 is outside the plausible range 0 to 0.01 seconds (written in us or ns?)"),
+    (TINY + ["--profile", "{dir}/profile.json"], _profile(lambda d: d["layers"][3].update(peak_bytes=2**50)),
+     "bytes is more than any device holds (17,592,186,044,416): memory is in bytes"),
+    (TINY + ["--profile", "{dir}/profile.json"], _profile(lambda d: d["collectives"][0]["time"].update(median_s=1e-12)),
+     "is faster than any link (1e+14 bytes/s): times are seconds, message_bytes bytes"),
+    (TINY + ["--profile", "{dir}/profile.json"], _profile(lambda d: d["device"]["concurrency"].update({"2": 0.001})),
+     "device.concurrency[2] = 0.001 is not a slowdown factor"),
+    (["--model", "qwen-vl-72b", "--gpus", "1"], {}, "the smallest GPU count that fits is 32 (--gpus 32)"),
+    (["--model", "qwen-vl-72b", "--gpus", "1", "--global-batch", "1", "--fix", "llm.tp=1", "--fix", "llm.sp=1"], {},
+     "no GPU count up to 65,536 fits a global batch of 1 samples, which caps data parallelism"),
+    (["--model", "qwen-vl-32b", "--gpus", "64", "--fix", "llm.pp=4", "--fix", "llm.pp_schedule=interleaved_zb",
+      "--fix", "llm.zero=3"], {}, "--fix: no valid llm strategy: interleaved_zb with zero=3: torch's weight-gradient"),
+    # 8. HF configs transformers' Qwen-VL modules cannot build or run (issue 29)
+    (TINY_CONFIG, _config(lambda c: c["vision_config"].update(out_hidden_size=96)),
+     "vision_config's merger outputs 96 features but the decoder's hidden_size is 128: they must be equal"),
+    (TINY_CONFIG, _config(lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[4, 6, 7])),
+     "mrope_section must be three positive integers summing to half the decoder's head width (16), got [4, 6, 7]"),
+    (TINY_CONFIG, _config(lambda c: c["vision_config"].update(hidden_size=60, num_heads=4)),
+     "vision_config: head width 15 is odd; rotary embeddings need an even one"),
+    (TINY_CONFIG, _config(lambda c: c["vision_config"].update(window_size=14)),
+     "vision_config.window_size 14 is smaller than one merge unit (patch_size x spatial_merge_size = 28 pixels)"),
+    (TINY_CONFIG, _config(lambda c: c.update(image_token_id=5000)),
+     "image_token_id 5000 is not a token id of the 1,024-entry vocabulary"),
+    (TINY_CONFIG, _config(lambda c: c["text_config"].update(num_hidden_layers=10**12)),
+     "text_config.num_hidden_layers = 1,000,000,000,000 is above 16,777,216, the most any model has"),
     # 7. smaller ones
     (TINY + ["--profile", "{dir}/profile.json"], _profile(lambda d: d.update(schema_version="3")),
      "schema_version must be a whole number, got '3' (str)"),
@@ -248,3 +293,20 @@ def test_top_k_leaves_no_earlier_runs_ranked_plan_beside_its_own(tmp_path, capsy
     capsys.readouterr()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
     load_plan(tmp_path / "x.json")
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("memory_bytes", 16, "cluster.device: memory_bytes = 16 is outside the plausible range 2.68435e+08 to "
+                         "1.75922e+13 bytes (written in GiB? 16 GiB = 1.71799e+10 bytes)"),
+    ("peak_bf16_flops", float("nan"), "peak_bf16_flops = nan is outside the plausible range"),
+    ("intra_node_latency", 50, "intra_node_latency = 50 is outside the plausible range 0 to 0.01 seconds (written in"),
+])
+def test_a_plans_device_numbers_off_by_a_unit_are_refused(field, value, message, tmp_path):
+    """The runtime and calibration read the plan's ``cluster.device``: a unit mistake there is refused as in a cluster
+    file, with the hint."""
+    data = json.loads(api.plan("qwen2.5-vl-tiny", 2, gpu="cpu").to_json())
+    data["cluster"]["device"][field] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=re.escape(message)):
+        load_plan(path)

@@ -14,6 +14,7 @@ from PIL import Image
 from planner import api, dataset
 from planner.data_rows import CACHE_ENV
 from planner.catalog import get_model
+from planner.cli import main
 from planner.cost import module_cost
 from planner.dataset import (
     DatasetHistogram,
@@ -129,11 +130,31 @@ def test_a_second_read_uses_the_cache_and_a_changed_file_is_rescanned(tmp_path, 
     path = _write(tmp_path / "d.jsonl", [_row(image)])
     first = read_dataset(path)
     scans = []
-    monkeypatch.setattr(dataset, "scan_dataset", lambda *a: scans.append(a) or first)
+    monkeypatch.setattr(dataset, "_scan_rows", lambda *a: scans.append(a) or first)
     assert read_dataset(path) == first and scans == []
     _write(path, [_row(image), _row(image, "Another answer, longer.")])
     read_dataset(path)
     assert len(scans) == 1
+    read_dataset(path, rescan=True)
+    assert len(scans) == 2
+
+
+def test_a_replaced_image_is_rescanned(tmp_path, capsys):
+    path = _write(tmp_path / "d.jsonl", [_row(_image(tmp_path / "a.png", 640, 480))])
+    assert read_dataset(path).shapes[0][2] == ((480, 640),)
+    _image(tmp_path / "a.png", 1280, 960)
+    assert read_dataset(path).shapes[0][2] == ((960, 1280),)
+    with pytest.raises(SystemExit):
+        main(["--model", "qwen-vl-32b", "--gpus", "8", "--rescan", "--out", str(tmp_path / "p.json")])
+    assert "--rescan applies to --dataset" in capsys.readouterr().err
+
+
+def test_a_dataset_without_images_is_refused_in_one_line(tmp_path):
+    text_only = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path = _write(tmp_path / "d.jsonl", [text_only, _row("missing.png")])
+    with pytest.raises(ValueError, match=r"has no sample with an image \(skipped: \{'missing or unreadable image': 1"
+                                         r"\}\), so qwen2.5-vl-tiny's vision encoder would have nothing to train on"):
+        api.make_problem("qwen2.5-vl-tiny", 2, gpu="cpu", dataset=str(path))
 
 
 def test_a_histogram_file_is_a_dataset(tmp_path):
@@ -306,3 +327,18 @@ def test_balance_packs_deals_largest_first_to_the_least_loaded_bin_with_room():
     assert balance_packs([1, 10, 1, 9, 8, 1], bins=2, per_bin=3) == [[1, 0, 2], [3, 4, 5]]
     with pytest.raises(ValueError, match="5 loads cannot fill 2 bins of 3"):
         balance_packs([1] * 5, bins=2, per_bin=3)
+
+
+@pytest.mark.parametrize("shapes, skipped, message", [
+    ([[10**20, 10, [[448, 448]]]], {}, "has 100,000,000,000,000,000,000 samples, at most 1,048,576"),
+    ([[10**9, 10, [[448, 448]]]], {}, "has 1,000,000,000 samples, at most 1,048,576"),  # once a minute of np.repeat
+    ([[1, 10**14, [[448, 448]]]], {}, "a sample of 100,000,000,000,000 text tokens, at most 1,048,576"),
+    ([[1, 10, [[10**11, 448]]]], {}, "has an image side above 32,768 pixels"),
+    ([[1, 10, [[448, 448]]]], {"x": 1e400}, "is malformed"),  # once an OverflowError
+])
+def test_a_histogram_with_huge_numbers_is_refused_in_one_line(tmp_path, shapes, skipped, message):
+    path = tmp_path / "h.json"
+    path.write_text(json.dumps({"format": dataset.HISTOGRAM_FORMAT, "version": dataset.HISTOGRAM_VERSION,
+                                "source": "x", "text_tokens": "estimated", "skipped": skipped, "shapes": shapes}))
+    with pytest.raises(ValueError, match=message):
+        api.make_problem("qwen-vl-7b", 8, dataset=str(path), profile=None)
