@@ -9,16 +9,11 @@ time (at most ``--max-file-bytes``, one tensor at least), so the exporting proce
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
 import warnings
 
 from runtime.checkpoint_dir import is_complete
-
-INDEX_FILE = "model.safetensors.index.json"
-"""Index of a sharded HF checkpoint: tensor name -> file (as runtime.checkpoint writes it)."""
 
 
 def export(checkpoint: str, out: str, *, max_file_bytes: int = 1 << 30) -> list[str]:
@@ -31,7 +26,8 @@ def export(checkpoint: str, out: str, *, max_file_bytes: int = 1 << 30) -> list[
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from runtime.checkpoint import plan_files
+    from planner.versioned_json import write_atomically
+    from runtime.checkpoint import plan_files, write_index
     from runtime.dcp_checkpoint import CONFIG_FILE, PARAM
 
     if not os.path.isdir(checkpoint) or not is_complete(checkpoint):
@@ -51,10 +47,10 @@ def export(checkpoint: str, out: str, *, max_file_bytes: int = 1 << 30) -> list[
         save_file({k.removeprefix(prefix): v for k, v in tensors.items()}, os.path.join(out, file.name),
                   metadata={"format": "pt"})
     total = sum(nbytes for _, nbytes in sizes["model"])
-    with open(os.path.join(out, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": {n: f.name for f in files for n in f.tensors}},
-                  f, indent=2)
-    shutil.copy(os.path.join(checkpoint, CONFIG_FILE), os.path.join(out, CONFIG_FILE))
+    write_index(out, total, {n: f.name for f in files for n in f.tensors})  # after every weight file, atomically
+    config = os.path.join(checkpoint, CONFIG_FILE)
+    with open(config) as f:
+        write_atomically(os.path.join(out, CONFIG_FILE), f.read())
     return sorted(shapes)
 
 

@@ -66,3 +66,19 @@ def test_a_killed_worker_is_replaced_and_its_samples_built_here(when):
     finally:
         prefetcher.close()
     assert not multiprocessing.active_children()
+
+
+def test_ctrl_c_reaches_the_rank_and_not_its_prefetch_worker():
+    """A terminal's Ctrl-C signals the whole process group: the worker ignores it (the rank ends the run in one
+    line, runtime.__main__) and goes on serving instead of printing its own KeyboardInterrupt traceback."""
+    source, prefetcher = BulkySource(), Prefetcher(BulkySource())
+    try:
+        prefetcher.submit(0, [1])
+        assert _take_within(prefetcher, 0, [1]) == {1: source.sample(1)}
+        worker = _worker_pid()
+        os.kill(worker, signal.SIGINT)
+        prefetcher.submit(1, [2])
+        assert _take_within(prefetcher, 1, [2]) == {2: source.sample(2)}
+        assert _worker_pid() == worker
+    finally:
+        prefetcher.close()
