@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 IMAGE_MARKER = "<image>"
 """Where an image goes in a Qwen-VL / LLaVA turn."""
@@ -98,6 +98,29 @@ def image_header_size(path: Path, sizes: dict[Path, tuple[int, int] | None]) -> 
         except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError):
             sizes[path] = None
     return sizes[path]
+
+
+def file_key(path: Path) -> list[Any]:
+    """(resolved path, size, mtime in ns) of a file, what a cache of anything read from it is keyed on; a missing or
+    unreadable one is keyed as such (its row is skipped until it appears, which changes the key)."""
+    try:
+        stat = path.stat()
+    except (OSError, ValueError):  # ValueError: a path with a NUL byte
+        return [str(path), None]
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def image_keys(folder: Path, rows: list[Any], images_of: Callable[[Any], list[str]]) -> list[list[Any]]:
+    """``file_key`` of every image file the rows name (``images_of(row)``, relative to ``folder``), each once, in
+    order; rows ``images_of`` refuses with ``SkippedSample`` name none. A cache of what was read of the rows keyed
+    on these misses when an image is replaced (by a larger one, say)."""
+    images: dict[Path, None] = {}
+    for row in rows:
+        try:
+            images.update(dict.fromkeys(folder / str(p) for p in images_of(row)))
+        except SkippedSample:
+            pass
+    return [file_key(image) for image in images]
 
 
 def cache_folder() -> Path:

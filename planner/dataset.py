@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from planner.data_rows import SkippedSample, cache_folder, image_header_size, messages_of, read_rows
+from planner.data_rows import (SkippedSample, cache_folder, file_key, image_header_size, image_keys, messages_of,
+                               read_rows)
 from planner.versioned_json import write_atomically
 from planner.models import ModelSpec
 from planner.packing import pack_best_fit
@@ -227,34 +228,13 @@ def _scan_rows(path: Path, rows: list[Any], malformed: int, tokenizer_dir: str |
                             shapes=tuple((c, t, images) for (t, images), c in sorted(shapes.items())))
 
 
-def _file_key(path: Path) -> list[Any]:
-    """(resolved path, size, mtime in ns) of a file; a missing or unreadable one is keyed as such (its row is
-    skipped until it appears, which changes the key)."""
-    try:
-        stat = path.stat()
-    except (OSError, ValueError):  # ValueError: a path with a NUL byte
-        return [str(path), None]
-    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
-
-
-def _image_paths(path: Path, rows: list[Any]) -> list[Path]:
-    """Every image file the usable rows name (as the scan resolves them), each once, in order."""
-    images: dict[Path, None] = {}
-    for row in rows:
-        try:
-            images.update(dict.fromkeys(path.parent / p for p in _texts(row)[1]))
-        except SkippedSample:
-            pass
-    return list(images)
-
-
 def _cache_file(path: Path, rows: list[Any], tokenizer_dir: str | None) -> Path:
     """Where the histogram of ``path`` with these ``rows``, counted with ``tokenizer_dir``, is cached: keyed by
-    ``_file_key`` of the file, of each image its rows name and of the tokenizer.json, so that replacing any of them
+    ``file_key`` of the file, of each image its rows name and of the tokenizer.json, so that replacing any of them
     (an image by a larger one) misses the cache."""
-    key = [_file_key(path)] + [_file_key(image) for image in _image_paths(path, rows)]
+    key = [file_key(path)] + image_keys(path.parent, rows, lambda row: _texts(row)[1])
     if tokenizer_dir is not None:
-        key.append(_file_key(Path(tokenizer_dir) / "tokenizer.json"))
+        key.append(file_key(Path(tokenizer_dir) / "tokenizer.json"))
     return cache_folder() / (hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + ".json")
 
 

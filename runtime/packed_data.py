@@ -33,14 +33,14 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
-from planner.data_rows import SkippedSample, cache_folder, image_header_size
+from planner.data_rows import SkippedSample, cache_folder, file_key, image_header_size, image_keys
 from planner.packing import balance_packs, pack_best_fit
 from planner.schema import DatasetInfo
 from runtime.conversations import ChatTokenizer, conversation_of, open_images, read_conversation_rows
 from runtime.data import IGNORE_INDEX, Sample
 
-INDEX_VERSION = 1
-"""Format of the cached index; a change makes new cache keys."""
+INDEX_VERSION = 2
+"""Format of the cached index and its key; a change makes new cache keys."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "vocab.json", "merges.txt")
 """Files of a model folder that decide how a conversation tokenizes (their modification times key the cache)."""
 UNDECODED_IMAGE = "image did not decode (trained as a black image)"
@@ -95,8 +95,9 @@ class PackedConversations:
     # ---- the index ------------------------------------------------------------------------------------------
     def _cached_index(self) -> list[IndexedSample]:
         """The index of the file as it is now: from the cache (``planner.data_rows.cache_folder``), keyed by the
-        file, the tokenizer files and the resize and patch geometry, else built and cached (atomically: every
-        rank of a node may build it at once); a cache that cannot be read or written is ignored."""
+        file, its images, the tokenizer files and the resize and patch geometry (``_index_file``), else built and
+        cached (atomically: every rank of a node may build it at once); a cache that cannot be read or written is
+        ignored."""
         cache = self._index_file()
         try:
             cached = json.loads(cache.read_text())
@@ -123,9 +124,12 @@ class PackedConversations:
         return samples
 
     def _index_file(self) -> Path:
-        stat = self.path.stat()
-        key = [INDEX_VERSION, str(self.path.resolve()), stat.st_size, stat.st_mtime_ns, self.min_pixels,
-               self.max_pixels, self.patch_size, self.merge_size, self.chat.image_token_id]
+        """The cache file of this index: keyed by ``planner.data_rows.file_key`` (path, size, mtime) of the data file
+        and of every image its rows name (an image replaced by one of another size is indexed anew), the resize and
+        patch geometry, the image token and the tokenizer files' modification times."""
+        key = [INDEX_VERSION, file_key(self.path), self.min_pixels, self.max_pixels, self.patch_size,
+               self.merge_size, self.chat.image_token_id]
+        key += image_keys(self.path.parent, self.rows, lambda row: conversation_of(row)[1])
         for name in TOKENIZER_FILES:
             file = self.tokenizer_dir / name
             key += [name, file.stat().st_mtime_ns if file.exists() else 0]

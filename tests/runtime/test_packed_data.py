@@ -283,7 +283,20 @@ def test_the_index_is_cached_until_the_data_or_the_tokenizer_changes(tmp_path, t
         assert packed(path, tokenizer_dir, pack_tokens=4096).skipped == {"missing or unreadable image": 1}  # one index
     path.write_text(path.read_text() + json.dumps(_row("i2.png", "Q?", "A.")) + "\n")
     assert len(packed(path, tokenizer_dir).samples) == len(first.samples) + 1  # a changed file is indexed anew
+    running = packed(path, tokenizer_dir)
     (tmp_path / "i0.png").unlink()
-    Image.new("RGB", (56, 300)).save(tmp_path / "i0.png")  # another size under the indexed name
+    Image.new("RGB", (56, 300)).save(tmp_path / "i0.png")  # another size under the indexed name, during a run
     with pytest.raises(ValueError, match=r"row 0: its images are .* patches now, .* when the data was indexed"):
-        packed(path, tokenizer_dir).sample(0)
+        running.sample(0)
+
+
+def test_an_image_replaced_by_one_of_another_size_is_indexed_anew(tmp_path, tokenizer_dir, monkeypatch):
+    monkeypatch.setenv("DHPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_dataset(tmp_path)
+    before = packed(path, tokenizer_dir)
+    (tmp_path / "i0.png").unlink()
+    Image.new("RGB", (56, 300)).save(tmp_path / "i0.png")  # the data file itself is unchanged
+    after = packed(path, tokenizer_dir)
+    assert len(list((tmp_path / "cache" / "runtime-index").iterdir())) == 2
+    assert after.samples[0].grids != before.samples[0].grids
+    after.sample(0)  # built as indexed: no "its images are ... patches now"
