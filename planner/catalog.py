@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -85,13 +86,58 @@ TOKEN_ID_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "v
 embeds them)."""
 
 
+_NUMBER = (int, float)
+CONFIG_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("model_type", "hidden_act", "activation_function", "transformers_version", "torch_dtype",
+                     "dtype"), (str,)),
+    **dict.fromkeys(("rms_norm_eps", "initializer_range", "attention_dropout", "rope_theta", "mlp_ratio",
+                     "dropout", "activation_dropout", "layerdrop", "init_std"), _NUMBER),
+    **dict.fromkeys(("tie_word_embeddings", "use_cache", "use_sliding_window", "scale_embedding"), (bool,)),
+    **dict.fromkeys(("max_position_embeddings", "sliding_window", "max_window_layers", "tokens_per_second",
+                     "in_chans", "spatial_patch_size", "audio_token_index"), (int,)),
+    **dict.fromkeys(("architectures", "fullatt_block_indexes", "layer_types"), (list,)),
+    **dict.fromkeys(("rope_parameters", "rope_scaling"), (dict,)),
+}
+"""JSON types of the config keys transformers' strict config classes type-check, besides the widths, depths and
+token ids the modules are built from (``_positive_int``): a config whose value has another type (null counts as one where the key
+is present) plans nothing, since the runtime could not build it. A number key takes an int or a float; an int
+key no bool."""
+ACTIVATIONS = ("gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh",
+               "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu",
+               "relu", "relu2", "relu6", "sigmoid", "silu", "sqrtsoftplus", "swish", "tanh", "xielu")
+"""``hidden_act`` names transformers knows (``transformers.activations.ACT2CLS``, 5.x); another fails the build."""
+NULLABLE_KEYS = ("sliding_window", "max_window_layers", "use_sliding_window", "rope_scaling", "rope_parameters",
+                 "layer_types", "architectures", "torch_dtype", "dtype", "transformers_version")
+"""Keys transformers also accepts as null."""
+
+
+def check_field_types(section: Mapping[str, Any], where: str) -> None:
+    """Raise a one-line ValueError naming the first key of ``section`` whose value has a type other than its
+    ``CONFIG_FIELD_TYPES``, a non-finite number, or an unknown ``hidden_act``."""
+    for key, value in section.items():
+        allowed = CONFIG_FIELD_TYPES.get(key)
+        if allowed is None or (value is None and key in NULLABLE_KEYS):
+            continue
+        wrong = not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed)
+        if not wrong and isinstance(value, float) and not math.isfinite(value):
+            wrong = True
+        if wrong:
+            expected = {(str,): "a string", _NUMBER: "a finite number", (bool,): "true or false",
+                        (int,): "an integer", (list,): "a list", (dict,): "an object"}[allowed]
+            raise ValueError(f"{where}.{key} must be {expected}, got {json.dumps(value)}")
+        if key == "hidden_act" and value not in ACTIVATIONS:
+            raise ValueError(f"{where}.hidden_act {value!r} is not an activation transformers knows "
+                             f"({', '.join(ACTIVATIONS)})")
+
+
 # --- Config sections --------------------------------------------------------------------------------------------
 
 
 def _with_defaults(section: Any, defaults: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """``section`` with the transformers defaults for the keys it omits."""
+    """``section`` with the transformers defaults for the keys it omits, its own keys type-checked."""
     if not isinstance(section, Mapping):
         raise ValueError(f"{where} must be a JSON object, got {type(section).__name__}")
+    check_field_types(section, where)
     return {**defaults, **section}
 
 
@@ -344,6 +390,7 @@ def model_from_hf_config(config: Mapping[str, Any], name: str) -> ModelSpec:
     """
     if not isinstance(config, Mapping):
         raise ValueError(f"a model config must be a JSON object, got {type(config).__name__}")
+    check_field_types(config, "config")
     family = config.get("model_type")
     if family in ("qwen2_5_vl", "qwen2_vl"):
         return _vision_language_spec(config, name, family)

@@ -54,17 +54,27 @@ def _as_list(value: Any) -> list:
     return [] if value is None else value if isinstance(value, list) else [value]
 
 
+def _role(value: Any) -> bool:
+    """Whether ``value`` is a known role (any JSON value may stand there: a list is not hashable)."""
+    return isinstance(value, str) and value in ROLES
+
+
+def _message(m: Any) -> bool:
+    """Whether ``m`` is a message: a known role and, if it has content, text or a list of parts."""
+    return isinstance(m, dict) and _role(m.get("role")) and isinstance(m.get("content", ""), (str, list))
+
+
 def messages_of(row: Any) -> tuple[list[dict], list[str]]:
     """(chat-template messages, image paths) of one row in either format."""
     if not isinstance(row, dict):
         raise SkippedSample("malformed row")
     if "messages" in row:
         messages, images = row["messages"], _as_list(row.get("images"))
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and m.get("role") in ROLES for m in messages):
+        if not isinstance(messages, list) or not all(_message(m) for m in messages):
             raise SkippedSample("malformed row")
         return [{"role": ROLES[m["role"]], "content": m.get("content", "")} for m in messages], images
     turns = row.get("conversations")
-    if not isinstance(turns, list) or not all(isinstance(t, dict) and t.get("from") in ROLES for t in turns):
+    if not isinstance(turns, list) or not all(isinstance(t, dict) and _role(t.get("from")) for t in turns):
         raise SkippedSample("malformed row")
     images = _as_list(row.get("image", row.get("images")))
     messages = []
