@@ -193,8 +193,9 @@ def test_dry_run_flag_prints_the_report_and_exits_1_when_the_plan_does_not_fit(t
     fits = run_main(capsys, str(tmp_path / "plan.json"), "--dry-run")
     assert fits.returncode == 0, fits.stderr
     assert fits.stdout.strip().endswith("FITS") and "DOES NOT FIT" not in fits.stdout, fits.stdout
-    plan["cluster"]["device"]["memory_bytes"] = 1 << 20
-    (tmp_path / "small.json").write_text(json.dumps(plan))
+    heavy = json.loads(make_plan(dict(sp=2), dict(tp=2), text_tokens=20_000).to_json())
+    heavy["cluster"]["device"]["memory_bytes"] = 256 << 20  # the least plausible device; 20K tokens' logits exceed it
+    (tmp_path / "small.json").write_text(json.dumps(heavy))
     too_small = run_main(capsys, str(tmp_path / "small.json"), "--dry-run")
     assert too_small.returncode == 1, too_small.stderr
     assert too_small.stdout.strip().endswith("DOES NOT FIT"), too_small.stdout
