@@ -18,6 +18,7 @@ import hashlib
 from typing import Any, Callable
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -44,12 +45,16 @@ def hf_config_from_dict(hf_config: dict[str, Any]) -> PretrainedConfig:
     """A transformers config from the plan's ``model.hf_config`` dict.
 
     Raises:
-        ValueError: the model type is not one the runtime can build.
+        ValueError: the model type is not one the runtime can build, or transformers refuses a field of the config
+            (one line: its own message, joined).
     """
     model_type = hf_config.get("model_type")
     if model_type not in MODEL_CLASSES:
         raise ValueError(f"the runtime builds {sorted(MODEL_CLASSES)} models, not model_type={model_type!r}")
-    config = AutoConfig.for_model(**hf_config)
+    try:
+        config = AutoConfig.for_model(**hf_config)
+    except (StrictDataclassError, ValueError, TypeError) as e:
+        raise ValueError(f"model.hf_config is not a config transformers builds: {' '.join(str(e).split())}") from None
     config._attn_implementation = ATTENTION
     return config
 

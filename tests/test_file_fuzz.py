@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from planner.cli import main as plan_main
-from planner.dataset import DatasetHistogram, read_dataset, write_histogram
+from planner.dataset import DatasetHistogram, read_dataset
 from planner.hardware import get_device, load_cluster_file
 from planner.hf_configs import QWEN2_5_VL_TINY
 from planner.profiles import PROFILES_DIR
@@ -268,7 +268,7 @@ def test_plan_files(case):
     kind, data = case
     with tempfile.TemporaryDirectory() as folder:
         plan = read_or_refuse(lambda: load_plan(_write(folder, "plan.json", data)), kind)
-    if plan is not None and "model.hf_config" not in kind:  # see test_a_plans_model_config_in_the_runtime
+    if plan is not None:
         read_or_refuse(lambda: (preflight.check_plan(plan), validate_plan(plan, RunOptions())), kind)
 
 
@@ -280,10 +280,6 @@ def plans_with_a_mutated_model_config(draw) -> tuple[str, bytes]:
     return f"model.hf_config: {kind}", json.dumps(plan).encode()
 
 
-@pytest.mark.xfail(strict=True, reason="known bug outside this test's files: runtime.model.hf_config_from_dict lets "
-                   "transformers' multi-line StrictDataclassFieldValidationError (not a ValueError) through for a "
-                   "hand-edited plan whose model.hf_config has a field of the wrong type; the schema does not check "
-                   "hf_config (planner.catalog, which does, is not importable by the runtime)")
 @settings(FUZZ, max_examples=min(EXAMPLES, 20))
 @given(case=plans_with_a_mutated_model_config())
 def test_a_plans_model_config_in_the_runtime(case):
