@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from planner.candidates import divisors
 from planner.cost import Estimate, check_strategy
+from planner.enumeration import divisors
 from planner.problem import Problem
 from planner.cost.estimate import combine, module_costs, step_time_s
 from planner.units import GIB

@@ -17,8 +17,8 @@ import random
 import pytest
 
 from planner.api import make_problem, plan
+from planner.enumeration import group_sizes, module_strategies
 from planner.plan_document import build_plan
-from planner.candidates import group_sizes, module_strategies
 from planner.catalog import get_model, list_models
 from planner.strategy import Strategy
 from runtime.driver import validate_plan

@@ -9,17 +9,8 @@ import math
 from dataclasses import replace
 from typing import Mapping
 
-from planner.candidates import (
-    Candidates,
-    Fixes,
-    build_candidates,
-    divisors,
-    extend_pipelined,
-    feasible,
-    least_colocated_need,
-    module_strategies,
-    sp_degrees,
-)
+from planner.candidates import Candidates, Fixes, build_candidates, extend_pipelined, feasible, least_colocated_need
+from planner.enumeration import divisors, module_strategies, sp_degrees
 from planner.models import ENCODER_MODULES
 from planner.problem import DEFAULT_SAMPLES_PER_GPU, Problem
 from planner.units import GIB

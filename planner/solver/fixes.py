@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Mapping
 
-from planner.candidates import FIX_FIELDS, PIPELINE_CHUNKS, Fixes, encoder_names
+from planner.candidates import FIX_FIELDS, Fixes
+from planner.enumeration import PIPELINE_CHUNKS, encoder_names
 from planner.problem import Problem
 from planner.models import ModelSpec
 from planner.strategy import PIPELINE_SCHEDULES, PLACEMENTS, RECOMPUTE_CHOICES, ModuleStrategy, Placement, Strategy

@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import functools
 
-from planner.candidates import divisors
 from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, check_strategy
 from planner.cost import module_cost
 from planner.cost.estimate import combine
 from planner.dataset import DatasetHistogram, pack_dataset, sample_tokens
+from planner.enumeration import divisors
 from planner.hardware import get_device, make_cluster
 from planner.problem import Problem
 from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Strategy

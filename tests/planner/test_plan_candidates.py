@@ -10,17 +10,14 @@ from planner.candidates import (
     build_candidates,
     cost_candidate,
     cost_series,
-    divisors,
-    encoder_node_counts,
     feasible,
     fits_alone,
-    group_sizes,
     module_candidates,
-    module_strategies,
     pareto_front,
 )
 from planner.catalog import get_model
 from planner.cost import check_strategy
+from planner.enumeration import divisors, encoder_node_counts, group_sizes, module_strategies
 from planner.models import ModelSpec
 
 

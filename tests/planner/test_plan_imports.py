@@ -26,8 +26,9 @@ def test_lazy_exports_resolve():
     assert result.stdout.split() == ["planner.api", "planner.schema"]
 
 
-@pytest.mark.parametrize("module", ["planner.api", "planner.cli", "planner.candidates", "planner.baselines",
-                                    "planner.solver.cp_sat", "planner.solver.fixes", "planner.solver.explain"])
+@pytest.mark.parametrize("module", ["planner.api", "planner.cli", "planner.candidates", "planner.enumeration",
+                                    "planner.baselines", "planner.solver.cp_sat", "planner.solver.fixes",
+                                    "planner.solver.explain"])
 def test_planner_modules_import_without_torch_ray_transformers(module):
     result = _python(BLOCK_HEAVY + f"import {module}")
     assert result.returncode == 0, result.stderr
