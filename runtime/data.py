@@ -54,8 +54,9 @@ class SampleLayout:
     """The ``<vision_end>`` token."""
     pad_token_id: int
     """Token used to pad short captions (label -100)."""
-    text_vocab: int
-    """Random / byte-level text ids are drawn below this (under the first special token)."""
+    text_ids: tuple[int, int]
+    """[first, end) of the longest run of ids that are not special tokens: random and byte-level text ids are drawn
+    from it (below the first special token, where a vocabulary puts them last)."""
 
     def __post_init__(self) -> None:
         if self.text_tokens < 2 * len(self.image_sizes) + 1:
@@ -82,6 +83,19 @@ class SampleLayout:
 def round_to_multiple(pixels: int, factor: int) -> int:
     """Nearest multiple of ``factor`` (at least one), as Qwen-VL's smart_resize rounds an image side."""
     return max(factor, round(pixels / factor) * factor)
+
+
+def ordinary_ids(vocab_size: int, special: list[int]) -> tuple[int, int]:
+    """[first, end) of the longest run of ids in the vocabulary that holds no special token (the earliest of equals).
+
+    Raises:
+        ValueError: the special tokens leave no ordinary id.
+    """
+    bounds = sorted({-1, vocab_size, *(i for i in special if 0 <= i < vocab_size)})
+    first, end = max(((a + 1, b) for a, b in zip(bounds, bounds[1:])), key=lambda run: (run[1] - run[0], -run[0]))
+    if end <= first:
+        raise ValueError(f"the {vocab_size}-token vocabulary has no id besides the special tokens {sorted(special)}")
+    return first, end
 
 
 def layout_from_plan(workload: Any, config: Any) -> SampleLayout:
@@ -112,7 +126,7 @@ def layout_from_plan(workload: Any, config: Any) -> SampleLayout:
         vision_start_token_id=config.vision_start_token_id,
         vision_end_token_id=config.vision_end_token_id,
         pad_token_id=pad,
-        text_vocab=min([text_config.vocab_size, *special]),
+        text_ids=ordinary_ids(text_config.vocab_size, special),
     )
     planned = workload.module_tokens.get("vision")
     if planned is not None and planned != layout.num_patches:
@@ -175,7 +189,7 @@ class SyntheticData:
         rng = np.random.default_rng([self.seed, index])
         images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in self.layout.image_sizes]
         room = self.layout.text_tokens - 2 * len(self.layout.image_sizes)
-        text = rng.integers(0, self.layout.text_vocab, room).tolist()
+        text = rng.integers(*self.layout.text_ids, room).tolist()
         return {**patchify(images, self.layout, self.processor), **token_sequence(text, self.layout)}
 
 
@@ -222,7 +236,8 @@ class CaptionData:
             image = Image.open(image_path)
         except OSError as e:
             raise ValueError(f"cannot read image {image_path}: {e}") from None
-        text = [b % self.layout.text_vocab for b in caption.encode()]
+        first, end = self.layout.text_ids
+        text = [first + b % (end - first) for b in caption.encode()]
         return {**patchify([image], self.layout, self.processor), **token_sequence(text, self.layout)}
 
 
