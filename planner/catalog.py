@@ -315,16 +315,18 @@ def _vision_input(v: Mapping[str, Any], window: bool) -> VisionInputSpec:
 def _check_runnable(config: Mapping[str, Any], text: Mapping[str, Any], vision: ModuleSpec, llm: ModuleSpec,
                     vision_input: VisionInputSpec) -> None:
     """What transformers' Qwen-VL modules need beyond each field being valid alone (the runtime builds them):
-    the merger's output width is the decoder's, rotary head widths are even and M-RoPE's sections cover half the
-    decoder's head width, a window holds at least one merge unit, and the special token ids index the vocabulary."""
+    the merger's output width is the decoder's, rotary head widths are even (the vision tower's a multiple of 4: its
+    2-D rotary splits half the head between rows and columns) and M-RoPE's sections cover half the decoder's head
+    width, a window holds at least one merge unit, and the special token ids index the vocabulary."""
     merger, embedding = vision.layer("patch_merger"), llm.layer("embedding")
     if merger.out_features != embedding.hidden_size:
         raise ValueError(f"vision_config's merger outputs {merger.out_features} features but the decoder's "
                          f"hidden_size is {embedding.hidden_size}: they must be equal")
-    for spec, where in ((vision, "vision_config"), (llm, "text_config")):
+    for spec, where, multiple in ((vision, "vision_config", 4), (llm, "text_config", 2)):
         head_dim = next(layer.attention.head_dim for layer in spec.layers if layer.attention is not None)
-        if head_dim % 2:
-            raise ValueError(f"{where}: head width {head_dim} is odd; rotary embeddings need an even one")
+        if head_dim % multiple:
+            raise ValueError(f"{where}: head width {head_dim} is not a multiple of {multiple}, which its rotary "
+                             f"embedding needs")
     rope = text.get("rope_parameters") or text.get("rope_scaling") or config.get("rope_scaling") or {}
     sections = rope.get("mrope_section") if isinstance(rope, Mapping) else None
     head_dim = llm.layer("decoder_layer").attention.head_dim
