@@ -31,6 +31,9 @@ REPORT_GRACE_S = 2.0
 """Under torchrun, how long the other ranks wait before exiting on a mistake every rank found and rank 0 reports:
 torchrun stops the remaining ranks as soon as one exits, which could otherwise stop rank 0 before it printed."""
 
+MAX_SEED = 2**63 - 1
+"""Largest ``--seed``: torch's generators take a signed 64-bit seed, numpy's no negative one."""
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -78,6 +81,8 @@ def check_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.max_failures < 0:
         raise ValueError(f"--max-failures must be >= 0, got {args.max_failures}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ValueError(f"--seed must be 0 to {MAX_SEED:,} (what torch and numpy seed with), got {args.seed}")
     needs_dir = [f for f in ("checkpoint_every", "keep_last") if getattr(args, f) is not None]
     needs_dir += ["async_checkpoint"] if args.async_checkpoint else []
     needs_dir += ["max_failures"] if args.max_failures else []

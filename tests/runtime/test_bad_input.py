@@ -97,6 +97,10 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("conversations_without_tokenizer", lambda t: ["--data", conversations(t)],
      "{tmp}/chat.jsonl holds conversations: give --tokenizer DIR, the model folder whose tokenizer and chat "
      "template they go through"),
+    ("seed_negative", lambda t: ["--seed", "-1"],
+     "--seed must be 0 to 9,223,372,036,854,775,807 (what torch and numpy seed with), got -1"),
+    ("seed_huge", lambda t: ["--seed", str(10**23)],
+     "--seed must be 0 to 9,223,372,036,854,775,807 (what torch and numpy seed with), got 100000000000000000000000"),
     ("tokenizer_without_tokenizer_files", lambda t: ["--data", conversations(t), "--tokenizer", str(t)],
      "--tokenizer {tmp} is not a folder with a tokenizer (no tokenizer_config.json)"),
 ]
