@@ -13,7 +13,7 @@ from __future__ import annotations
 from runtime.model import LanguageModel, VisionTower
 from runtime.pipeline import PipelinedLanguageModel, split_language_model
 from runtime.parallel.fsdp import apply_fsdp
-from runtime.parallel.precision import Precision
+from runtime.parallel.precision import Precision, cast_norm_outputs
 from runtime.parallel.recompute import apply_recompute
 from runtime.parallel.tensor_parallel import parallelize_llm_tp, parallelize_vision_tp
 from runtime.parallel_dims import BATCH_AXIS, ParallelDims
@@ -29,6 +29,7 @@ def parallelize_vision(vision: VisionTower, dims: ParallelDims, precision: Preci
     assert dims.mesh is not None, "build_mesh first"
     if dims.tp_enabled:
         parallelize_vision_tp(vision.visual, dims.mesh["tp"])
+    cast_norm_outputs(vision, precision)
     apply_recompute(vision.visual, dims.recompute)
     if uses_fsdp(dims):
         apply_fsdp(vision, list(vision.visual.blocks), dims.mesh[BATCH_AXIS], zero=dims.zero,
@@ -40,6 +41,7 @@ def parallelize_llm(llm: LanguageModel, dims: ParallelDims, precision: Precision
     assert dims.mesh is not None, "build_mesh first"
     if dims.tp_enabled:
         parallelize_llm_tp(llm, dims.mesh["tp"])
+    cast_norm_outputs(llm, precision)
     apply_recompute(llm.language_model, dims.recompute)
     if uses_fsdp(dims):
         apply_fsdp(llm, list(llm.language_model.layers), dims.mesh[BATCH_AXIS], zero=dims.zero,
@@ -51,6 +53,7 @@ def parallelize_pipelined_llm(llm: LanguageModel, dims: ParallelDims, precision:
     """A pipelined language model: recomputation on every layer first (transformers sets it per layer), then this
     rank's chunks (runtime.pipeline), each with TP and ZeRO over its stage's ``dp x sp`` as one FSDP root."""
     assert dims.mesh is not None, "build_mesh first"
+    cast_norm_outputs(llm, precision)
     apply_recompute(llm.language_model, dims.recompute)
     pipelined = split_language_model(llm, dims, rank)
     for chunk in pipelined.chunks:
