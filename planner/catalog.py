@@ -99,9 +99,9 @@ CONFIG_FIELD_TYPES: dict[str, tuple[type, ...]] = {
     **dict.fromkeys(("rope_parameters", "rope_scaling"), (dict,)),
 }
 """JSON types of the config keys transformers' strict config classes type-check, besides the widths, depths and
-token ids the modules are built from (``_positive_int``): a config whose value has another type (null counts as one where the key
-is present) plans nothing, since the runtime could not build it. A number key takes an int or a float; an int
-key no bool."""
+token ids the modules are built from (``_positive_int``): a config whose value has another type (null counts as
+one where the key is present) plans nothing, since the runtime could not build it. A number key takes an int or a
+float; an int key no bool."""
 ACTIVATIONS = ("gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_python_tanh",
                "gelu_pytorch_tanh", "hardswish", "laplace", "leaky_relu", "linear", "mish", "prelu", "quick_gelu",
                "relu", "relu2", "relu6", "sigmoid", "silu", "sqrtsoftplus", "swish", "tanh", "xielu")
