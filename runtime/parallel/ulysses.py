@@ -20,6 +20,7 @@ Shape legend: B batch, H heads (local after TP), h = H / sp, S whole sequence, s
 
 from __future__ import annotations
 
+import bisect
 import math
 import types
 from dataclasses import dataclass
@@ -166,11 +167,15 @@ def split_windows(cu_window_seqlens: list[int], degree: int) -> list[int]:
     if problem := split_rule(degree, num_windows, "attention windows (or merge units)", "a micro-batch"):
         raise ValueError(problem)
     total = cu_window_seqlens[-1]
-    bounds = [0]
+    bounds, last = [0], 0
     for part in range(1, degree):
         target = total * part / degree
-        lo = cu_window_seqlens.index(bounds[-1]) + 1
-        hi = num_windows - (degree - part)
-        best = min(range(lo, hi + 1), key=lambda i: abs(cu_window_seqlens[i] - target))
-        bounds.append(cu_window_seqlens[best])
+        lo, hi = last + 1, num_windows - (degree - part)
+        # the boundary nearest the target (the earlier one on a tie) among lo..hi: the offsets increase, so it is
+        # the first at or past the target or the one before it
+        after = bisect.bisect_left(cu_window_seqlens, target, lo, hi + 1)
+        before = max(after - 1, lo)
+        after = min(after, hi)
+        last = before if target - cu_window_seqlens[before] <= cu_window_seqlens[after] - target else after
+        bounds.append(cu_window_seqlens[last])
     return bounds + [total]
