@@ -283,8 +283,20 @@ class LmHeadShard(LayerShard):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels)
 
 
+PROFILED_FAMILIES = ("qwen2_5_vl",)
+"""Model types whose layers the shards here build (transformers' Qwen2.5-VL layer classes)."""
+
+
 def hf_config(hf_config_dict) -> Qwen2_5_VLConfig:
-    """The transformers config of a ModelSpec's ``hf_config``."""
+    """The transformers config of a ModelSpec's ``hf_config``.
+
+    Raises:
+        ValueError: a family whose layers these shards do not build (they would measure Qwen2.5-VL's instead).
+    """
+    model_type = hf_config_dict.get("model_type")
+    if model_type not in PROFILED_FAMILIES:
+        raise ValueError(f"the profiler builds the layers of {', '.join(PROFILED_FAMILIES)} models, not "
+                         f"{model_type}: plan it with the analytical cost model (no --profile)")
     return Qwen2_5_VLConfig(**dict(hf_config_dict))
 
 

@@ -94,10 +94,15 @@ def test_tiny_profile_run_and_resume(tmp_path, capsys):
     assert "0 new point(s)" in capsys.readouterr().out
 
 
-def test_cli_errors_are_one_line(capsys):
-    assert main(["--model", "no-such-model"]) == 2
+@pytest.mark.parametrize(("model", "message"), [
+    ("no-such-model", "unknown model"),
+    # its layers are not the Qwen2.5-VL shards the profiler builds: refused, not measured as Qwen2.5-VL's
+    ("qwen3-vl-tiny", "the profiler builds the layers of qwen2_5_vl models, not qwen3_vl"),
+])
+def test_cli_errors_are_one_line(capsys, model, message):
+    assert main(["--model", model, "--out", "unused.json"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error:") and err.count("\n") == 1
+    assert err.startswith("error:") and err.count("\n") == 1 and message in err
 
 
 def test_compare_with_analytical_memory_model():
