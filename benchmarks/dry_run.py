@@ -58,6 +58,8 @@ CONFIGS = (
     Config(name="32b-zero3-9k", model="qwen-vl-32b", gpus=8, gpu="h200-141gb", vision_tokens=9216, fix=ZERO3_DP8),
     Config(name="32b-zero3-16k", model="qwen-vl-32b", gpus=8, gpu="h200-141gb", vision_tokens=16384, fix=ZERO3_DP8),
     Config(name="72b-64gpus", model="qwen-vl-72b", gpus=64),
+    Config(name="qwen3-32b-default", model="qwen3-vl-32b", gpus=16),
+    Config(name="qwen3-32b-sp8-tp8-16k", model="qwen3-vl-32b", gpus=8, vision_tokens=16384, fix=SP8_TP8),
 )
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from planner.api import DEFAULT_GPU, Infeasible, evaluate, make_problem, max_seq, plan
-from planner.dataset import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, DatasetHistogram, smart_resize
+from planner.dataset import DatasetHistogram
 from planner.baselines import best_of, megatron_family, uniform_tp_family, zero3_family
 from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, estimate
@@ -38,7 +38,7 @@ from planner.models import ModelSpec
 from planner.profiles import LayerPoint, MemoryPoint, Profile, device_from_profile, load_profile
 from planner.schema import Plan
 from planner.strategy import ModuleStrategy, Strategy
-from planner.workload import Workload, module_tokens
+from planner.workload import Workload, module_tokens, smart_resize
 
 __all__ = [
     "BASELINES", "MEMORY_PARTS", "MODULE_FIELDS", "STRATEGIES", "STRATEGY_LABELS", "baseline_plans",
@@ -385,8 +385,8 @@ def dataset_comparison(
     hold micro-batches of the largest samples). One row per plan: what it promised, its tokens/s and peak memory
     on the dataset, and whether it fits the heaviest micro-batch."""
     spec = get_model(model)
-    pixels = dict(min_pixels=DEFAULT_MIN_PIXELS if min_pixels is None else min_pixels,
-                  max_pixels=DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels)
+    pixels = dict(min_pixels=spec.vision_input.min_pixels if min_pixels is None else min_pixels,
+                  max_pixels=spec.vision_input.max_pixels if max_pixels is None else max_pixels)
     unpacked = make_problem(spec, gpus, dataset=histogram, pack=False, profile=profile, global_batch=global_batch,
                             **pixels)
     sizes, texts = _resized_images(histogram, spec, pixels["min_pixels"], pixels["max_pixels"])

@@ -24,13 +24,16 @@ from planner.problem import (
     MAX_IMAGE_SIDE,
     MAX_IMAGES_PER_SAMPLE,
     MAX_TEXT_TOKENS,
+    MAX_VIDEO_FRAMES,
     MAX_VISION_TOKENS,
+    MIN_VIDEO_FRAMES,
     Problem,
     check_bounds,
     check_pipelined_dataset,
     make_problem,
     make_workload,
     model_folder_tokenizer,
+    video_frames,
 )
 from planner.schema import Plan, load_plan
 from planner.search import MAX_TIME_LIMIT_S, check_time_limit, pipeline_alternative, solve_strategies
@@ -47,9 +50,9 @@ from planner.strategy import Strategy
 
 __all__ = [
     "DEFAULT_GPU", "Infeasible", "MAX_AUDIO_SECONDS", "MAX_GLOBAL_BATCH", "MAX_GPUS", "MAX_IMAGE_SIDE",
-    "MAX_IMAGES_PER_SAMPLE", "MAX_TEXT_TOKENS", "MAX_TIME_LIMIT_S", "MAX_TOP_K", "MAX_VISION_TOKENS", "Problem",
-    "check_bounds", "evaluate", "load_plan", "make_problem", "make_workload", "max_seq", "model_folder_tokenizer",
-    "parse_fixes", "plan", "top_plans",
+    "MAX_IMAGES_PER_SAMPLE", "MAX_TEXT_TOKENS", "MAX_TIME_LIMIT_S", "MAX_TOP_K", "MAX_VIDEO_FRAMES",
+    "MAX_VISION_TOKENS", "MIN_VIDEO_FRAMES", "Problem", "check_bounds", "evaluate", "load_plan", "make_problem", "make_workload", "max_seq",
+    "model_folder_tokenizer", "parse_fixes", "plan", "top_plans", "video_frames",
 ]
 
 MAX_TOP_K = 20

@@ -34,6 +34,18 @@ examples:
 """
 
 
+def _video(text: str) -> tuple[int, int, int]:
+    """``FRAMESxHxW`` -> (frames, height, width)."""
+    try:
+        numbers = tuple(int(p) for p in text.lower().split("x"))
+    except ValueError:
+        numbers = ()
+    if len(numbers) != 3 or min(numbers) <= 0:
+        raise argparse.ArgumentTypeError(f"a video must be FRAMESxHxW positive integers (e.g. 240x720x1280), "
+                                         f"got {text!r}")
+    return numbers
+
+
 def _image_size(text: str) -> tuple[int, int]:
     """``WxH`` or ``N`` (square) -> (height, width)."""
     parts = text.lower().split("x")
@@ -79,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
                       f"at most {api.MAX_IMAGES_PER_SAMPLE} images per sample)")
     data.add_argument("--vision-tokens", type=int, help="vision tokens per sample instead of image sizes "
                       f"(a square grid, e.g. 9216; at most {api.MAX_VISION_TOKENS:,})")
+    data.add_argument("--video", type=_video, action="append", metavar="FRAMESxHxW",
+                      help=f"a video clip per sample, as sampled frames x height x width, repeatable (e.g. "
+                           f"240x720x1280: 2 minutes at 2 fps, 720p; {api.MIN_VIDEO_FRAMES} to "
+                           f"{api.MAX_VIDEO_FRAMES} frames); with no --image-size the sample has no image")
+    data.add_argument("--video-seconds", type=float, metavar="S", help="a clip of S seconds instead of --video "
+                      "(with --fps, default 2, and --video-size)")
+    data.add_argument("--fps", type=float, help="frames sampled per second of --video-seconds (default 2)")
+    data.add_argument("--video-size", type=_image_size, metavar="WxH", help="frame size of --video-seconds "
+                      "(default 1280x720)")
     data.add_argument("--text-tokens", type=int, help="text tokens per sample (default 512; at least 2 per image "
                       f"+ 1, at most {api.MAX_TEXT_TOKENS:,})")
     data.add_argument("--audio-seconds", type=float, help="seconds of audio per sample (audio models; default 30; "
@@ -96,9 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: the --model folder's if it has one, else estimated from UTF-8 bytes, stated in "
                          "the plan)")
     dataset.add_argument("--min-pixels", type=int, metavar="N", help="fewest pixels an image is resized to "
-                         "(default 3136, Qwen2.5-VL's processor)")
+                         "(default: the model's image processor's, 3136 for Qwen2/2.5-VL, 65536 for Qwen3-VL)")
     dataset.add_argument("--max-pixels", type=int, metavar="N", help="most pixels an image is resized to "
-                         "(default 12845056, Qwen2.5-VL's processor)")
+                         "(default: the model's image processor's, 12845056 for Qwen2/2.5-VL, 16777216 for Qwen3-VL)")
     dataset.add_argument("--pack-tokens", type=int, metavar="N", help="LLM-token budget of a pack (default: the "
                          "fastest of 1, 2 and 4 times the longest sample, rounded up to 256)")
     dataset.add_argument("--rescan", action="store_true", help="scan --dataset again instead of reading its cached "
@@ -171,10 +192,31 @@ def _inputs(args: argparse.Namespace) -> dict:
         gpu=args.gpu, gpus_per_node=args.gpus_per_node, cluster_file=args.cluster, image_sizes=args.image_size,
         vision_tokens=args.vision_tokens, text_tokens=args.text_tokens, images_per_sample=args.images_per_sample,
         audio_seconds=args.audio_seconds, global_batch=args.global_batch, precision=args.precision,
+        videos=_videos(args),
         frozen=args.frozen, profile=None if (args.profile or "").lower() == "none" else (args.profile or "auto"),
         allow_ring_cp=args.allow_cp, allow_pp=not args.no_pp, dataset=args.dataset, tokenizer=args.tokenizer, min_pixels=args.min_pixels,
         max_pixels=args.max_pixels, pack_tokens=args.pack_tokens, workers=args.workers,
     )
+
+
+DEFAULT_FPS = 2.0
+"""Frames sampled per second of --video-seconds (the Qwen-VL video processors' default)."""
+DEFAULT_VIDEO_SIZE = (720, 1280)
+"""(height, width) of --video-seconds frames by default: 720p."""
+
+
+def _videos(args: argparse.Namespace) -> tuple[tuple[int, int, int], ...]:
+    """The sample's clips: every --video, and one of --video-seconds at --fps of --video-size."""
+    from planner import api
+
+    videos = tuple(args.video or ())
+    if args.video_seconds is None:
+        if args.fps is not None or args.video_size is not None:
+            raise ValueError("--fps and --video-size describe --video-seconds: give it too")
+        return videos
+    height, width = args.video_size or DEFAULT_VIDEO_SIZE
+    return videos + ((api.video_frames(args.video_seconds, DEFAULT_FPS if args.fps is None else args.fps), height,
+                      width),)
 
 
 def _run(args: argparse.Namespace) -> list:
@@ -289,19 +331,25 @@ def _workload_line(plan) -> str:
     w = plan.workload
     if w.dataset is not None:
         return "\n".join(_dataset_lines(w, plan.module("llm").pp > 1))
-    parts = []
+    inputs = []
     if w.vision_tokens is not None:
-        parts.append(f"{w.vision_tokens:,} vision tokens")
+        inputs.append(f"{w.vision_tokens:,} vision tokens")
     elif w.image_sizes:
         sizes = ", ".join(dict.fromkeys(f"{wd}x{h}" for h, wd in w.image_sizes))
-        images = "1 image" if len(w.image_sizes) == 1 else f"{len(w.image_sizes)} images"
-        parts.append(f"{images} {sizes} ({w.module_tokens.get('vision', 0):,} vision tokens)")
+        inputs.append(f"{'1 image' if len(w.image_sizes) == 1 else f'{len(w.image_sizes)} images'} {sizes}")
+    inputs += [f"a {frames}-frame {wd}x{h} video" for frames, h, wd in w.videos]
+    parts = [", ".join(inputs)] if inputs else []
+    if "vision" in w.module_tokens and w.vision_tokens is None:
+        parts[-1] += f" ({w.module_tokens['vision']:,} vision tokens)"
     if w.audio_seconds:
         audio_llm = w.module_tokens["llm"] - w.text_tokens - w.llm_image_tokens
         parts.append(f"{w.audio_seconds:g} s audio ({w.module_tokens.get('audio', 0):,} encoder tokens -> "
                      f"{audio_llm:,} LLM audio tokens)")
     if w.llm_image_tokens:
         parts.append(f"-> {w.llm_image_tokens:,} LLM image tokens")
+    video_text = w.module_tokens["llm"] - w.text_tokens - w.llm_image_tokens if w.videos else 0
+    if video_text:
+        parts.append(f"+ {video_text:,} video markers and timestamps")
     parts.append(f"+ {w.text_tokens:,} text = {w.module_tokens['llm']:,} LLM tokens/sample")
     return f"workload   {' '.join(parts)}; global batch {w.global_batch}"
 

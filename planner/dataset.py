@@ -25,14 +25,8 @@ from planner.data_rows import (SkippedSample, cache_folder, file_key, image_head
 from planner.versioned_json import write_atomically
 from planner.models import ModelSpec
 from planner.packing import pack_best_fit
-from planner.workload import ModuleTokens, PackedTokens, Workload, image_windows, packed_workload
+from planner.workload import ModuleTokens, PackedTokens, Workload, image_windows, packed_workload, smart_resize
 
-DEFAULT_MIN_PIXELS = 56 * 56
-"""Fewest pixels an image is resized to (Qwen2.5-VL's preprocessor_config.json ``min_pixels``, 3136)."""
-DEFAULT_MAX_PIXELS = 28 * 28 * 16384
-"""Most pixels an image is resized to (Qwen2.5-VL's preprocessor_config.json ``max_pixels``, 12845056)."""
-MAX_ASPECT_RATIO = 200
-"""Longest/shortest side ratio Qwen-VL's ``smart_resize`` accepts; wider images are skipped."""
 CHAT_TOKENS_PER_TURN = 5
 """Tokens Qwen2's chat template adds around each turn: ``<|im_start|>``, the role, a newline, ``<|im_end|>``,
 a newline."""
@@ -86,27 +80,6 @@ class DatasetHistogram:
         if any(c < 1 or t < 0 or any(h < 1 or w < 1 for h, w in sizes) for c, t, sizes in shapes):
             raise ValueError(f"dataset histogram {path} has a count below 1, negative text tokens or an empty image")
         return histogram
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """(height, width) an image is resized to: each side a multiple of ``factor`` (patch * merge), the area within
-    [min_pixels, max_pixels], the aspect ratio kept as closely as possible (Qwen2-VL's ``smart_resize`` in
-    transformers' image_processing_qwen2_vl, which the runtime's processor calls).
-
-    Raises:
-        ValueError: an aspect ratio above ``MAX_ASPECT_RATIO``.
-    """
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"aspect ratio above {MAX_ASPECT_RATIO}")
-    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
 
 
 # ---- scanning ---------------------------------------------------------------------------------------------------
@@ -295,9 +268,10 @@ class SampleTokens:
     """Samples dropped while resizing (aspect ratio), by reason."""
 
 
-def sample_tokens(histogram: DatasetHistogram, model: ModelSpec, *, min_pixels: int = DEFAULT_MIN_PIXELS,
-                  max_pixels: int = DEFAULT_MAX_PIXELS) -> SampleTokens:
-    """Each sample's tokens per module after the processor's resize.
+def sample_tokens(histogram: DatasetHistogram, model: ModelSpec, *, min_pixels: int | None = None,
+                  max_pixels: int | None = None) -> SampleTokens:
+    """Each sample's tokens per module after the processor's resize (between ``min_pixels`` and ``max_pixels``,
+    by default the model's image processor's).
 
     Raises:
         ValueError: the model has no vision encoder but the data has images, or it has one and no sample has an
@@ -309,6 +283,9 @@ def sample_tokens(histogram: DatasetHistogram, model: ModelSpec, *, min_pixels: 
         raise ValueError(f"dataset {histogram.source} has no sample with an image{skipped}, so {model.name}'s vision "
                          "encoder would have nothing to train on: give rows that name image files (\"image\": "
                          "\"a.jpg\", relative to the dataset file)")
+    if vi is not None:
+        min_pixels = vi.min_pixels if min_pixels is None else min_pixels
+        max_pixels = vi.max_pixels if max_pixels is None else max_pixels
     rows, skipped = [], Counter()
     for count, text, images in histogram.shapes:
         if images and vi is None:

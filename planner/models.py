@@ -13,7 +13,7 @@ from typing import Any, Literal, Mapping
 LayerKind = Literal[
     "patch_embed",  # Conv3d patchifier of the vision tower
     "vision_block",  # ViT block (window or full attention)
-    "patch_merger",  # spatial merge + MLP projector into the LLM width
+    "patch_merger",  # spatial merge + MLP projector into the LLM width (also Qwen3-VL's DeepStack mergers)
     "audio_conv",  # Whisper conv1+conv2 front end (+ positional embedding)
     "audio_block",  # Whisper encoder layer
     "audio_projector",  # final norm + pooling + linear into the LLM width
@@ -119,6 +119,30 @@ class VisionInputSpec:
     """Patches merged per side into one LLM token (2 -> 4 patches per token)."""
     window_size: int | None
     """Window-attention window side in pixels (112 for Qwen2.5-VL), None without window attention."""
+    min_pixels: int
+    """Fewest pixels the image processor resizes an image to (its preprocessor_config.json)."""
+    max_pixels: int
+    """Most pixels the image processor resizes an image to."""
+    video: VideoInputSpec
+    """How the model's video processor turns sampled frames into patches."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class VideoInputSpec:
+    """How a clip of sampled frames becomes vision-tower tokens (the model's video processor)."""
+
+    min_pixels: int
+    """Fewest pixels the resize keeps (per frame or per clip, as ``pixels_per_clip`` says)."""
+    max_pixels: int
+    """Most pixels the resize keeps."""
+    pixels_per_clip: bool
+    """Whether the pixel bounds hold for the whole clip (frames x height x width: Qwen3-VL) or for each frame
+    (Qwen2-VL, Qwen2.5-VL)."""
+    group_text_tokens: int
+    """Text tokens the prompt adds per temporal patch group (Qwen3-VL's ``<t seconds>`` timestamp and the
+    vision start/end markers around each group), 0 where the clip has one marker pair only."""
+    clip_text_tokens: int
+    """Text tokens the prompt adds once per clip (the start/end markers of a clip without per-group text)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -139,8 +163,8 @@ class ModelSpec:
 
     name: str
     """Catalog name, e.g. ``qwen2.5-vl-32b``."""
-    family: Literal["qwen2_5_vl", "qwen2_vl", "qwen2_audio"]
-    """Architecture family (the Hugging Face ``model_type``)."""
+    family: str
+    """Architecture family: the Hugging Face ``model_type`` its adapter reads (``planner.families``)."""
     hf_config: Mapping[str, Any]
     """The Hugging Face config dict the spec was built from; the runtime builds the model from it."""
     modules: tuple[ModuleSpec, ...]
@@ -151,6 +175,15 @@ class ModelSpec:
     """Present for audio-language models."""
     tie_word_embeddings: bool = False
     """Whether lm_head shares the embedding matrix (its params are then counted once, in the embedding)."""
+    injection_layers: tuple[int, ...] = ()
+    """Decoder layers whose output receives one more encoder tensor at the image positions (Qwen3-VL's DeepStack:
+    layers 0, 1, 2 receive features taken inside the vision tower); each crosses the hand-off like the encoder's
+    output. Empty: the encoder hands over one tensor."""
+
+    @property
+    def handoff_tensors(self) -> int:
+        """Tensors of one encoder token's width the LLM receives per encoder output token."""
+        return 1 + len(self.injection_layers)
 
     @property
     def num_params(self) -> int:

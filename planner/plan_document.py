@@ -120,7 +120,7 @@ def build_plan(
         ),
         workload=WorkloadInfo(
             image_sizes=list(w.image_sizes), vision_tokens=w.vision_tokens, text_tokens=w.text_tokens,
-            audio_seconds=w.audio_seconds, global_batch=w.global_batch,
+            audio_seconds=w.audio_seconds, global_batch=w.global_batch, videos=list(w.videos),
             module_tokens={m: round(t.tokens) for m, t in tokens.items()},
             llm_image_tokens=round(tokens["vision"].output_tokens) if "vision" in tokens else 0,
             dataset=problem.dataset,

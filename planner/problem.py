@@ -16,8 +16,6 @@ from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, LayerCostSource
 from planner.cost.assumptions import FP32_STATES
 from planner.dataset import (
-    DEFAULT_MAX_PIXELS,
-    DEFAULT_MIN_PIXELS,
     DatasetHistogram,
     dataset_workload,
     pack_budgets,
@@ -54,6 +52,14 @@ MAX_VISION_TOKENS = 2**22
 """Largest vision tokens per sample, 4,194,304 (one 28,672-pixel square image; the --max-seq search's limit)."""
 MAX_TEXT_TOKENS = 2**20
 """Largest --text-tokens, 1,048,576 per sample."""
+MAX_VIDEOS_PER_SAMPLE = 64
+"""Most video clips per sample (--video given n times)."""
+MAX_VIDEO_FRAMES = 768
+"""Most frames one clip samples (Qwen-VL video processors' ``max_frames``)."""
+MIN_VIDEO_FRAMES = 4
+"""Fewest frames a clip samples (Qwen-VL video processors' ``min_frames``)."""
+MAX_VIDEO_SECONDS = 86_400.0
+"""Longest --video-seconds (a day; frames are capped at ``MAX_VIDEO_FRAMES`` anyway)."""
 MAX_AUDIO_SECONDS = 3600.0
 """Largest --audio-seconds per sample (an hour)."""
 MAX_DATASET_SAMPLES = 2**20
@@ -129,8 +135,15 @@ def _check_sample_inputs(
     images_per_sample: int | None,
     audio_seconds: float | None,
     global_batch: int | None,
+    videos: Sequence[tuple[int, int, int]] = (),
 ) -> None:
     """Every per-sample input within its bound (``MAX_*``), in one line."""
+    for frames, h, w in videos:
+        check_bounds("--video frames", frames, MIN_VIDEO_FRAMES, MAX_VIDEO_FRAMES)
+        check_bounds("--video sides", min(h, w), 1, MAX_IMAGE_SIDE)
+        check_bounds("--video sides", max(h, w), 1, MAX_IMAGE_SIDE)
+    if len(videos) > MAX_VIDEOS_PER_SAMPLE:
+        raise ValueError(f"a sample may hold at most {MAX_VIDEOS_PER_SAMPLE} videos, got {len(videos)}")
     for h, w in image_sizes or ():
         check_bounds("--image-size sides", min(h, w), 1, MAX_IMAGE_SIDE)
         check_bounds("--image-size sides", max(h, w), 1, MAX_IMAGE_SIDE)
@@ -159,22 +172,26 @@ def make_workload(
     images_per_sample: int | None = None,
     audio_seconds: float | None = None,
     global_batch: int | None = None,
+    videos: Sequence[tuple[int, int, int]] = (),
 ) -> Workload:
-    """A workload from user inputs, with the documented defaults for what is not given.
+    """A workload from user inputs, with the documented defaults for what is not given (one image only when the
+    sample has neither images nor videos).
 
     Raises:
         ValueError: inputs the model cannot take (images for an audio model, ...), in one line.
     """
     has_vision, has_audio = model.vision_input is not None, model.audio_input is not None
-    _check_sample_inputs(image_sizes, vision_tokens, text_tokens, images_per_sample, audio_seconds, global_batch)
-    if not has_vision and (image_sizes or vision_tokens or images_per_sample):
-        raise ValueError(f"{model.name} has no vision encoder: drop --image-size/--vision-tokens/--images-per-sample")
+    _check_sample_inputs(image_sizes, vision_tokens, text_tokens, images_per_sample, audio_seconds, global_batch,
+                         videos)
+    if not has_vision and (image_sizes or vision_tokens or images_per_sample or videos):
+        raise ValueError(f"{model.name} has no vision encoder: drop --image-size/--vision-tokens/--images-per-sample/"
+                         f"--video")
     if not has_audio and audio_seconds:
         raise ValueError(f"{model.name} has no audio encoder: drop --audio-seconds")
     if vision_tokens is not None and images_per_sample not in (None, 1):
         raise ValueError("--vision-tokens sets a whole sample's vision tokens: drop --images-per-sample")
     sizes: tuple[tuple[int, int], ...] = ()
-    if has_vision and vision_tokens is None:
+    if has_vision and vision_tokens is None and (image_sizes or not videos):
         sizes = tuple(image_sizes or (DEFAULT_IMAGE_SIZE,)) * (images_per_sample or 1)
     default_audio = DEFAULT_AUDIO_SECONDS if has_audio else 0.0
     return Workload(
@@ -183,7 +200,16 @@ def make_workload(
         text_tokens=DEFAULT_TEXT_TOKENS if text_tokens is None else text_tokens,
         audio_seconds=default_audio if audio_seconds is None else audio_seconds,
         global_batch=DEFAULT_SAMPLES_PER_GPU * num_gpus if global_batch is None else global_batch,
+        videos=tuple(videos),
     )
+
+
+def video_frames(seconds: float, fps: float) -> int:
+    """Frames a Qwen-VL video processor samples from ``seconds`` of video at ``fps`` frames per second
+    (``sample_frames``: ``int(seconds x fps)``, at least ``MIN_VIDEO_FRAMES``, at most ``MAX_VIDEO_FRAMES``)."""
+    check_bounds("--video-seconds", float(seconds), 0.0, MAX_VIDEO_SECONDS)
+    check_bounds("--fps", float(fps), 0.01, 240.0)
+    return min(max(int(seconds * fps), MIN_VIDEO_FRAMES), MAX_VIDEO_FRAMES)
 
 
 def make_cluster_for(
@@ -290,6 +316,7 @@ def make_problem(
     images_per_sample: int | None = None,
     audio_seconds: float | None = None,
     global_batch: int | None = None,
+    videos: Sequence[tuple[int, int, int]] = (),
     precision: str = "bf16_mixed",
     frozen: Iterable[str] = (),
     profile: str | None = "auto",
@@ -320,6 +347,8 @@ def make_problem(
         images_per_sample: Repeat ``image_sizes`` this many times per sample.
         audio_seconds: Seconds of audio per sample (audio models; default 30).
         global_batch: Samples per step (default 4 per GPU).
+        videos: (sampled frames, height, width) of each video clip of a sample (``video_frames`` turns seconds
+            and fps into frames).
         precision: bf16_mixed or bf16_pure.
         frozen: Modules to freeze.
         profile: Profile file, "auto" (the committed profile of this device/model if any) or None.
@@ -330,8 +359,8 @@ def make_problem(
             its samples, packed; replaces the per-sample inputs (``global_batch`` still counts samples).
         tokenizer: Folder with the tokenizer.json that counts the dataset's text (default: the model's folder when
             ``model`` is a config.json beside one, else an estimate, stated).
-        min_pixels: Fewest pixels the processor resizes a dataset image to (default Qwen2.5-VL's).
-        max_pixels: Most pixels the processor resizes a dataset image to (default Qwen2.5-VL's).
+        min_pixels: Fewest pixels the processor resizes a dataset image to (default the model's processor's).
+        max_pixels: Most pixels the processor resizes a dataset image to (default the model's processor's).
         pack_tokens: LLM-token budget of a pack (default: the longest sample, rounded up to 256; ``top_plans``
             also tries twice and four times that and keeps the fastest).
         pack: False: every dataset sample is a micro-batch unit of its own (how a plan made for one image size
@@ -358,7 +387,7 @@ def make_problem(
     if dataset is not None:
         tokenizer = tokenizer if tokenizer is not None else model_folder_tokenizer(model)
         sample_inputs = dict(image_sizes=image_sizes, vision_tokens=vision_tokens, text_tokens=text_tokens,
-                             images_per_sample=images_per_sample, audio_seconds=audio_seconds)
+                             images_per_sample=images_per_sample, audio_seconds=audio_seconds, video=videos or None)
         _check_no_sample_inputs(workload, sample_inputs)
         workload, dataset_info = dataset_workload_for(
             spec, cluster.num_devices, dataset, tokenizer=tokenizer, min_pixels=min_pixels, max_pixels=max_pixels,
@@ -367,7 +396,7 @@ def make_problem(
         raise ValueError("--tokenizer, --min-pixels, --max-pixels and --pack-tokens apply to --dataset")
     workload = workload or make_workload(
         spec, cluster.num_devices, image_sizes=image_sizes, vision_tokens=vision_tokens, text_tokens=text_tokens,
-        images_per_sample=images_per_sample, audio_seconds=audio_seconds, global_batch=global_batch,
+        images_per_sample=images_per_sample, audio_seconds=audio_seconds, global_batch=global_batch, videos=videos,
     )
     _check_sample(workload, spec)
     cluster, layer_costs, assumptions = _profile_source(spec, cluster, profile, assumptions)
@@ -400,8 +429,8 @@ def dataset_workload_for(
     """The packed workload of a dataset and what the plan records about it (see ``make_problem``)."""
     if model.audio_input is not None:
         raise ValueError(f"--dataset reads image-text data; {model.name} has an audio encoder")
-    min_pixels = DEFAULT_MIN_PIXELS if min_pixels is None else min_pixels
-    max_pixels = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
+    min_pixels = model.vision_input.min_pixels if min_pixels is None else min_pixels
+    max_pixels = model.vision_input.max_pixels if max_pixels is None else max_pixels
     check_bounds("--min-pixels", min_pixels, 1, MAX_IMAGE_SIDE**2)
     check_bounds("--max-pixels", max_pixels, min_pixels, MAX_IMAGE_SIDE**2)
     if pack_tokens is not None:

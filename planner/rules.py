@@ -46,3 +46,13 @@ def width_rule(tp: int, width: int, what: str) -> str | None:
     if tp > 1 and width % tp:
         return f"tp={tp} does not divide the {width} {what}"
     return None
+
+
+def injection_rule(pp_layers: tuple[int, ...] | list[int], injections: int) -> str | None:
+    """A pipelined LLM's first model chunk receives the encoder's hand-off, so it holds every decoder layer an
+    injected feature is added after (Qwen3-VL's DeepStack: layers 0 .. ``injections`` - 1). The planner splits
+    chunks so (``balanced_chunk_layers``), the runtime checks it."""
+    if pp_layers and injections > pp_layers[0]:
+        return (f"the first pipeline chunk holds {pp_layers[0]} decoder layers, but the vision features are added "
+                f"after the first {injections}: give it at least {injections}")
+    return None

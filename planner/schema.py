@@ -16,10 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from planner.hardware import PLAUSIBLE_RANGES, DeviceSpec, check_plausible, with_host_fields
 from planner.versioned_json import read_versioned, validated
 
-SCHEMA_VERSION = 3
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+SCHEMA_VERSION = 4
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
 """Version 2 added ``workload.dataset``, version 3 pipeline parallelism (``pp``, ``pp_schedule``,
-``virtual_stages``, ``pp_layers``); an older plan reads as one without them."""
+``virtual_stages``, ``pp_layers``), version 4 video clips (``workload.videos``); an older plan reads as one without
+them."""
 Source = Literal["analytical", "measured", "calibrated"]
 
 
@@ -215,6 +216,8 @@ class WorkloadInfo(_Frozen):
     text_tokens: int
     audio_seconds: float
     global_batch: int
+    videos: list[tuple[int, int, int]] = Field(default=[], description="(sampled frames, height, width) of each "
+                                               "video clip of a sample")
     module_tokens: dict[str, int] = Field(description="tokens per sample entering each module")
     llm_image_tokens: int = Field(description="LLM tokens per sample that come from images")
     dataset: DatasetInfo | None = Field(default=None, description="with a dataset, a sample above is the mean "

@@ -20,6 +20,8 @@ class Workload:
     """Text tokens per sample."""
     audio_seconds: float = 0.0
     """Seconds of audio per sample."""
+    videos: tuple[tuple[int, int, int], ...] = ()
+    """(sampled frames, height, width) of each video clip in one sample."""
     global_batch: int
     """Samples per optimizer step; with ``packs``, packs per optimizer step."""
     packs: PackedTokens | None = None
@@ -43,6 +45,9 @@ class Workload:
         for h, w in self.image_sizes:
             if h <= 0 or w <= 0:
                 raise ValueError(f"image size must be positive, got {h}x{w}")
+        for frames, h, w in self.videos:
+            if frames <= 0 or h <= 0 or w <= 0:
+                raise ValueError(f"a video needs positive frames and size, got {frames}x{h}x{w}")
         if self.vision_tokens is not None and self.vision_tokens <= 0:
             raise ValueError(f"vision tokens must be > 0, got {self.vision_tokens}")
 
@@ -128,11 +133,62 @@ def round_to_multiple(pixels: int, factor: int) -> int:
     return max(factor, round(pixels / factor) * factor)
 
 
+MAX_ASPECT_RATIO = 200
+"""Longest over shortest side the Qwen-VL processors accept."""
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int, frames: int = 1,
+                 temporal_patch: int = 2) -> tuple[int, int]:
+    """(height, width) an image (``frames`` = 1) or a clip of ``frames`` frames is resized to: each side a multiple
+    of ``factor`` (patch * merge), ``frames x`` the area within [min_pixels, max_pixels], the aspect ratio kept as
+    closely as possible (``smart_resize`` of transformers' image_processing_qwen2_vl; of video_processing_qwen3_vl
+    for a clip, whose budget covers every frame, counted in whole ``temporal_patch`` groups).
+
+    Raises:
+        ValueError: an aspect ratio above ``MAX_ASPECT_RATIO``.
+    """
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"aspect ratio above {MAX_ASPECT_RATIO}")
+    if frames > 1 and (height < factor or width < factor):
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = frames if frames == 1 else round(frames / temporal_patch) * temporal_patch
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt(frames * height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def image_grid(height: int, width: int, model: ModelSpec) -> tuple[int, int]:
     """Patch grid (rows, cols) of one image after resizing to multiples of patch_size * spatial_merge_size."""
     vi = model.vision_input
     factor = vi.patch_size * vi.spatial_merge_size
     return round_to_multiple(height, factor) // vi.patch_size, round_to_multiple(width, factor) // vi.patch_size
+
+
+def video_grid(frames: int, height: int, width: int, model: ModelSpec) -> tuple[int, int, int]:
+    """(temporal groups, rows, cols) of a clip of ``frames`` sampled frames as the model's video processor makes it:
+    frames padded to whole temporal patches (the last frame repeated), every frame resized alike within the
+    processor's pixel bounds (per frame, or for the whole clip: ``VideoInputSpec.pixels_per_clip``)."""
+    vi = model.vision_input
+    video, factor = vi.video, vi.patch_size * vi.spatial_merge_size
+    h, w = smart_resize(height, width, factor, video.min_pixels, video.max_pixels,
+                        frames=frames if video.pixels_per_clip else 1, temporal_patch=vi.temporal_patch_size)
+    return math.ceil(frames / vi.temporal_patch_size), h // vi.patch_size, w // vi.patch_size
+
+
+def video_text_tokens(workload: Workload, model: ModelSpec) -> int:
+    """LLM text tokens the prompt adds around a sample's clips: per clip, and per temporal group (timestamps)."""
+    if not workload.videos:
+        return 0
+    video = model.vision_input.video
+    groups = sum(video_grid(f, h, w, model)[0] for f, h, w in workload.videos)
+    return len(workload.videos) * video.clip_text_tokens + groups * video.group_text_tokens
 
 
 def image_windows(rows: int, cols: int, model: ModelSpec) -> int:
@@ -145,7 +201,9 @@ def image_windows(rows: int, cols: int, model: ModelSpec) -> int:
 
 
 def vision_tokens(workload: Workload, model: ModelSpec) -> ModuleTokens:
-    """Vision-tower tokens of one sample: (H/14)*(W/14) patches per image (one temporal patch per image)."""
+    """Vision-tower tokens of one sample: (H/patch)*(W/patch) patches per image (one temporal patch per image),
+    and per video clip as many such grids as it has temporal groups; each image and each temporal group of a clip
+    is a full-attention segment of its own (``cu_seqlens`` of transformers' Qwen-VL vision towers)."""
     vi = model.vision_input
     merge = vi.spatial_merge_size**2
     if workload.vision_tokens is not None:
@@ -158,6 +216,9 @@ def vision_tokens(workload: Workload, model: ModelSpec) -> ModuleTokens:
             )
     else:
         grids = [image_grid(h, w, model) for h, w in workload.image_sizes]
+    for frames, h, w in workload.videos:
+        groups, rows, cols = video_grid(frames, h, w, model)
+        grids += [(rows, cols)] * groups
     segments = tuple(r * c for r, c in grids)
     return ModuleTokens(
         tokens=sum(segments),
@@ -202,7 +263,7 @@ def _module_tokens(workload: Workload, model: ModelSpec) -> dict[str, ModuleToke
         tokens["vision"] = vision_tokens(workload, model)
     if model.audio_input is not None and "audio" in model.module_names:
         tokens["audio"] = audio_tokens(workload, model)
-    llm_len = workload.text_tokens + sum(t.output_tokens for t in tokens.values())
+    llm_len = workload.text_tokens + video_text_tokens(workload, model) + sum(t.output_tokens for t in tokens.values())
     if llm_len <= 0:
         raise ValueError("a sample has no tokens: give --text-tokens, an image size or audio seconds")
     tokens["llm"] = ModuleTokens(tokens=llm_len, segments=(llm_len,))

@@ -102,8 +102,11 @@ def layout_from_plan(workload: Any, config: Any) -> SampleLayout:
     """The sample layout of a plan's workload (``plan.workload``) for an HF model config.
 
     Raises:
-        ValueError: the workload has no image, or its token counts disagree with the plan's.
+        ValueError: the workload has no image or has video clips, or its token counts disagree with the plan's.
     """
+    if getattr(workload, "videos", None):
+        raise ValueError("the plan's samples hold video clips, which the runtime does not train yet (plan them for "
+                         "sizing; run image plans)")
     vc = config.vision_config
     factor = vc.patch_size * vc.spatial_merge_size
     if workload.image_sizes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from planner.rules import attention_rules, width_rule
+from planner.rules import attention_rules, injection_rule, width_rule
 from planner.schema import Plan
 from runtime import preflight
 from runtime.data import layout_from_plan
@@ -15,6 +15,7 @@ from runtime.parallel.ulysses import split_sequence
 from runtime.parallel_dims import ParallelDims
 from runtime.preflight import MODULES
 from runtime.trainer import RunOptions
+from runtime.families import family_of
 from runtime.vision import merged_positions_per_rank
 
 
@@ -36,6 +37,8 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
               (llm.tp, tc.intermediate_size, "MLP hidden width of the LLM's decoder layers"),
               (llm.tp, tc.vocab_size, "vocabulary entries")]
     reasons += [problem for tp, width, what in widths if (problem := width_rule(tp, width, what))]
+    injection = injection_rule(llm.pp_layers, family_of(config).handoff_tensors(config) - 1)
+    reasons += [injection] if injection else []
     if reasons:
         raise ValueError(reasons[0])
     if plan.workload.dataset is not None:

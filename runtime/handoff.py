@@ -11,7 +11,10 @@ values) to every TP rank of each piece it used, which places the rows it receive
 one sender). Works the same for colocated placement (messages to oneself are copies) and disjoint placement
 (vision and LLM on different ranks).
 
-Shape legend: m rows of one piece, n image tokens of one LLM rank, D LLM hidden size.
+A row is an image token's hand-off: its merged output, followed by its injected features where the family has
+them (runtime.families ``handoff_tensors``), ``width`` values in all.
+
+Shape legend: m rows of one piece, n image tokens of one LLM rank, W row width.
 """
 
 from __future__ import annotations
@@ -124,9 +127,9 @@ class Handoff:
     rank's simultaneous send and receive with the same peer from deadlocking.
     """
 
-    def __init__(self, *, llm: ParallelDims, vision_trainable: bool, hidden: int, rank: int, dtype: torch.dtype,
+    def __init__(self, *, llm: ParallelDims, vision_trainable: bool, width: int, rank: int, dtype: torch.dtype,
                  device: torch.device):
-        self.rank, self.hidden, self.dtype, self.device = rank, hidden, dtype, device
+        self.rank, self.width, self.dtype, self.device = rank, width, dtype, device
         self.vision_trainable = vision_trainable
         self.llm = llm
         self.groups = {FORWARD_TAG: dist.new_group(), BACKWARD_TAG: dist.new_group()}
@@ -144,7 +147,7 @@ class Handoff:
         return next(i for i, p in enumerate(routes.pieces) if self.rank in p.owners)
 
     def _buffer(self, rows: int) -> torch.Tensor:
-        return torch.empty(rows, self.hidden, dtype=self.dtype, device=self.device)
+        return torch.empty(rows, self.width, dtype=self.dtype, device=self.device)
 
     def _post(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], direction: int,
               micro: int) -> list:
@@ -162,14 +165,14 @@ class Handoff:
                 ops.append(dist.P2POp(dist.irecv, buffer, src, group=group, tag=tag))
         return dist.batch_isend_irecv(ops) if ops else []
 
-    def activations(self, rows_mD: torch.Tensor | None, micro: int, routes: Routes) -> Posted:
-        """Post this rank's part of the hand-off: its piece's rows if it produces one (``rows_mD``), each LLM rank
+    def activations(self, rows_mW: torch.Tensor | None, micro: int, routes: Routes) -> Posted:
+        """Post this rank's part of the hand-off: its piece's rows if it produces one (``rows_mW``), each LLM rank
         getting the rows it needs, and the receives of the rows this rank needs if it holds the LLM. ``finish``
         gives this LLM rank's image tokens [n, D] in its local order (a leaf; set requires_grad to collect its
         gradient)."""
         sends, recvs = [], []
-        if rows_mD is not None and self.rank == routes.pieces[self._my_piece(routes)].producer:
-            rows = rows_mD.to(self.dtype)  # receivers allocate buffers of the hand-off dtype
+        if rows_mW is not None and self.rank == routes.pieces[self._my_piece(routes)].producer:
+            rows = rows_mW.to(self.dtype)  # receivers allocate buffers of the hand-off dtype
             mine = self._my_piece(routes)
             sends = [(rows[keep], dst) for (i, dst), (keep, _) in routes.table.items() if i == mine]
         receive = self.rank in self.llm.ranks
@@ -188,15 +191,15 @@ class Handoff:
 
         return Posted(works=works, finish=finish)
 
-    def gradients(self, grad_nD: torch.Tensor | None, micro: int, routes: Routes) -> Posted:
-        """Post this rank's part of the hand-back: on a gradient sender, the gradient rows (of ``grad_nD``) of
+    def gradients(self, grad_nW: torch.Tensor | None, micro: int, routes: Routes) -> Posted:
+        """Post this rank's part of the hand-back: on a gradient sender, the gradient rows (of ``grad_nW``) of
         every piece it used, to all the piece's ranks; on vision ranks, the receives of their own piece's rows.
         ``finish`` gives that piece's gradient [m, D]."""
         sends, recvs = [], []
-        if self.vision_trainable and grad_nD is not None and self._is_gradient_sender(self.rank):
+        if self.vision_trainable and grad_nW is not None and self._is_gradient_sender(self.rank):
             for (i, dst), (_, rows) in routes.table.items():
                 if dst == self.rank:
-                    sends += [(grad_nD[rows], owner) for owner in routes.pieces[i].owners]
+                    sends += [(grad_nW[rows], owner) for owner in routes.pieces[i].owners]
         receive = self.vision_trainable and any(self.rank in p.owners for p in routes.pieces)
         if receive:
             mine = self._my_piece(routes)
@@ -208,7 +211,7 @@ class Handoff:
         def finish() -> torch.Tensor | None:
             if not receive:
                 return None
-            grad = torch.zeros(len(routes.pieces[mine].positions), self.hidden, dtype=self.dtype, device=self.device)
+            grad = torch.zeros(len(routes.pieces[mine].positions), self.width, dtype=self.dtype, device=self.device)
             for (_, keep), (buffer, _) in zip(senders, recvs):
                 grad[keep] = buffer
             return grad

@@ -15,27 +15,20 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from torch import nn
-from transformers import (
-    AutoConfig,
-    PretrainedConfig,
-    PreTrainedModel,
-    Qwen2_5_VLForConditionalGeneration,
-    Qwen2VLForConditionalGeneration,
-)
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from runtime.checkpoint import HFFolder, materialize
+from runtime.families import FAMILIES
 from runtime.parallel.ulysses import UlyssesGroup
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-    "qwen2_vl": Qwen2VLForConditionalGeneration,
-}
-"""HF ``model_type`` -> the conditional-generation class the runtime builds."""
+MODEL_CLASSES: dict[str, type[nn.Module]] = {model_type: f.MODEL_CLASS for model_type, f in FAMILIES.items()}
+"""HF ``model_type`` -> the conditional-generation class the runtime builds (runtime.families)."""
 
 ATTENTION = "sdpa"
 """Attention kernel of the reference model (flash-attn is an optional GPU extra, not built here)."""
@@ -189,29 +182,20 @@ class LanguageModel(nn.Module):
         self.image_token_id = image_token_id
 
     def forward(
-        self, input_ids_BL: torch.Tensor, image_embeds_MD: torch.Tensor, position_ids_3BL: torch.Tensor,
+        self, input_ids_BL: torch.Tensor, image_rows_MW: torch.Tensor, position_ids_3BL: torch.Tensor,
         ulysses_group: UlyssesGroup | None = None,
     ) -> torch.Tensor:
-        """Logits [B, L, V] (a DTensor sharded on V under tensor parallelism), as the HF model computes them.
+        """Logits [B, L, V] (a DTensor sharded on V under tensor parallelism), as the HF model computes them, from
+        the image tokens' hand-off rows (``embed_image_rows``).
 
-        Under sequence parallelism ``L`` is this rank's slice, ``image_embeds_MD`` the image tokens in it, and
+        Under sequence parallelism ``L`` is this rank's slice, ``image_rows_MW`` the image tokens in it, and
         ``ulysses_group`` (runtime.parallel.ulysses.UlyssesGroup) reaches every decoder layer's attention kernel.
         """
-        embeds_BLD = self.language_model.embed_tokens(input_ids_BL)
-        device_type = embeds_BLD.device.type
-        if torch.is_autocast_enabled(device_type):
-            # the residual stream in the compute dtype, as under FSDP2's bf16 parameters: the fp32 table's rows would
-            # keep it fp32 through every layer (autocast casts only the projections), doubling what recomputation
-            # saves per layer
-            embeds_BLD = embeds_BLD.to(torch.get_autocast_dtype(device_type))
-        image_mask_BL1 = (input_ids_BL == self.image_token_id).unsqueeze(-1)
-        embeds_BLD = embeds_BLD.masked_scatter(image_mask_BL1, image_embeds_MD.to(embeds_BLD.dtype))
-        extra = {} if ulysses_group is None else {"ulysses_group": ulysses_group}
-        # no KV cache: transformers would otherwise fill one in training (the config's use_cache), holding every
-        # layer's keys and values to the end of the forward, recomputed blocks included
-        hidden_BLD = self.language_model(inputs_embeds=embeds_BLD, position_ids=position_ids_3BL, use_cache=False,
-                                         **extra)
-        return self.lm_head(hidden_BLD.last_hidden_state)
+        decoder = self.language_model
+        hidden_BLD, injection = embed_image_rows(decoder, input_ids_BL, image_rows_MW, self.image_token_id)
+        hidden_BLD = decoder_forward(decoder, hidden_BLD, position_ids_3BL, enumerate(decoder.layers),
+                                     ulysses_group=ulysses_group, injection=injection)
+        return self.lm_head(decoder.norm(hidden_BLD))
 
     @staticmethod
     def hf_name(name: str) -> str:
@@ -219,6 +203,59 @@ class LanguageModel(nn.Module):
         if name.startswith("lm_head."):
             return name
         return "model." + name
+
+
+Injection = tuple[torch.Tensor, tuple[torch.Tensor, ...]]
+"""(image mask [B, L, 1], the features [M, D] decoder layer k's output receives there, k = 0, 1, ...)."""
+
+
+def embed_image_rows(decoder: nn.Module, input_ids_BL: torch.Tensor, rows_MW: torch.Tensor, image_token_id: int
+                     ) -> tuple[torch.Tensor, Injection | None]:
+    """The token embeddings with each image token's merged output in place, and what the first decoder layers
+    receive besides: a hand-off row is the merged output [D] followed by one feature [D] per injection level
+    (Qwen3-VL's DeepStack; none for Qwen2-VL and Qwen2.5-VL)."""
+    embeds_BLD = decoder.embed_tokens(input_ids_BL)
+    device_type = embeds_BLD.device.type
+    if torch.is_autocast_enabled(device_type):
+        # the residual stream in the compute dtype, as under FSDP2's bf16 parameters: the fp32 table's rows would
+        # keep it fp32 through every layer (autocast casts only the projections), doubling what recomputation
+        # saves per layer
+        embeds_BLD = embeds_BLD.to(torch.get_autocast_dtype(device_type))
+    width = embeds_BLD.shape[-1]
+    image_mask_BL1 = (input_ids_BL == image_token_id).unsqueeze(-1)
+    embeds_BLD = embeds_BLD.masked_scatter(image_mask_BL1, rows_MW[..., :width].to(embeds_BLD.dtype))
+    features = tuple(rows_MW[..., width:].split(width, dim=-1)) if rows_MW.shape[-1] > width else ()
+    return embeds_BLD, (image_mask_BL1, features) if features else None
+
+
+def decoder_forward(decoder: nn.Module, hidden_BLD: torch.Tensor, position_ids: torch.Tensor,
+                    layers: Iterable[tuple[int, nn.Module]], *, ulysses_group: UlyssesGroup | None,
+                    injection: Injection | None) -> torch.Tensor:
+    """``layers`` (index, layer) of the text model ``decoder`` on ``hidden_BLD``, as its own forward runs them
+    (``Qwen2_5_VLTextModel``, ``Qwen3VLTextModel``): 4 position rows are packed samples (row 0 the text positions
+    the mask is made from), 3 rows plain causal; layer ``k``'s output receives ``injection``'s feature ``k`` at the
+    image positions (``Qwen3VLTextModel._deepstack_process``; added as a scatter of the features onto zeros, the
+    same sums, without a data-dependent shape). No KV cache: transformers would otherwise fill one in training."""
+    text_positions = None
+    if position_ids.shape[0] == 4:
+        text_positions, position_ids = position_ids[0], position_ids[1:]
+    mask_kwargs = dict(config=decoder.config, inputs_embeds=hidden_BLD, attention_mask=None, cache=None,
+                       position_ids=text_positions)
+    layer_types = getattr(decoder.config, "layer_types", None)
+    masks = {"full_attention": create_causal_mask(**mask_kwargs)}
+    if "sliding_attention" in (layer_types or ()):
+        masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+    position_embeddings = decoder.rotary_emb(hidden_BLD, position_ids)
+    extra = {} if ulysses_group is None else {"ulysses_group": ulysses_group}
+    for index, layer in layers:
+        hidden_BLD = layer(hidden_BLD, attention_mask=masks[layer_types[index] if layer_types else "full_attention"],
+                           position_embeddings=position_embeddings, position_ids=text_positions, use_cache=False,
+                           **extra)
+        if injection is not None and index < len(injection[1]):
+            mask_BL1, features = injection
+            hidden_BLD = hidden_BLD + torch.zeros_like(hidden_BLD).masked_scatter(
+                mask_BL1, features[index].to(hidden_BLD.dtype))
+    return hidden_BLD
 
 
 RopeIndex = Callable[..., tuple[torch.Tensor, torch.Tensor]]

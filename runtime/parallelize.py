@@ -10,6 +10,8 @@ argument.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 from runtime.model import LanguageModel, VisionTower
 from runtime.pipeline import PipelinedLanguageModel, split_language_model
 from runtime.parallel.fsdp import apply_fsdp
@@ -24,11 +26,11 @@ def uses_fsdp(dims: ParallelDims) -> bool:
     return dims.zero >= 1 and dims.batch_enabled
 
 
-def parallelize_vision(vision: VisionTower, dims: ParallelDims, precision: Precision) -> None:
-    """Vision tower: TP over ``tp``, recomputation, ZeRO over ``dp x sp``."""
+def parallelize_vision(vision: VisionTower, dims: ParallelDims, precision: Precision, family: ModuleType) -> None:
+    """Vision tower: TP over ``tp`` (the family's plans, runtime.families), recomputation, ZeRO over ``dp x sp``."""
     assert dims.mesh is not None, "build_mesh first"
     if dims.tp_enabled:
-        parallelize_vision_tp(vision.visual, dims.mesh["tp"])
+        parallelize_vision_tp(vision.visual, dims.mesh["tp"], family)
     cast_norm_outputs(vision, precision)
     apply_recompute(vision.visual, dims.recompute)
     if uses_fsdp(dims):
@@ -36,11 +38,11 @@ def parallelize_vision(vision: VisionTower, dims: ParallelDims, precision: Preci
                    mp_policy=precision.fsdp_policy)
 
 
-def parallelize_llm(llm: LanguageModel, dims: ParallelDims, precision: Precision) -> None:
+def parallelize_llm(llm: LanguageModel, dims: ParallelDims, precision: Precision, family: ModuleType) -> None:
     """Language model: TP (vocab-parallel embedding and loss), recomputation, ZeRO over ``dp x sp``."""
     assert dims.mesh is not None, "build_mesh first"
     if dims.tp_enabled:
-        parallelize_llm_tp(llm, dims.mesh["tp"])
+        parallelize_llm_tp(llm, dims.mesh["tp"], family)
     cast_norm_outputs(llm, precision)
     apply_recompute(llm.language_model, dims.recompute)
     if uses_fsdp(dims):
@@ -48,8 +50,8 @@ def parallelize_llm(llm: LanguageModel, dims: ParallelDims, precision: Precision
                    mp_policy=precision.fsdp_policy)
 
 
-def parallelize_pipelined_llm(llm: LanguageModel, dims: ParallelDims, precision: Precision,
-                              rank: int) -> PipelinedLanguageModel:
+def parallelize_pipelined_llm(llm: LanguageModel, dims: ParallelDims, precision: Precision, rank: int,
+                              family: ModuleType) -> PipelinedLanguageModel:
     """A pipelined language model: recomputation on every layer first (transformers sets it per layer), then this
     rank's chunks (runtime.pipeline), each with TP and ZeRO over its stage's ``dp x sp`` as one FSDP root."""
     assert dims.mesh is not None, "build_mesh first"
@@ -58,7 +60,7 @@ def parallelize_pipelined_llm(llm: LanguageModel, dims: ParallelDims, precision:
     pipelined = split_language_model(llm, dims, rank)
     for chunk in pipelined.chunks:
         if dims.tp_enabled:
-            parallelize_llm_tp(chunk, dims.mesh["tp"])
+            parallelize_llm_tp(chunk, dims.mesh["tp"], family)
         if uses_fsdp(dims):
             apply_fsdp(chunk, list(chunk.language_model.layers.values()), dims.mesh[BATCH_AXIS], zero=dims.zero,
                        mp_policy=precision.fsdp_policy)

@@ -9,7 +9,7 @@ sit in one ``PipelinedLanguageModel`` (what the optimizer and the checkpoint cod
 gradients first, weight gradients deferred into the bubble) runs every micro-batch of the step.
 
 Inputs of a step, all micro-batches at once (the schedule splits them on the batch dim): the first stage takes the
-token ids and the hand-off's image rows ``[B, M, D]`` (every sample of a fixed-shape plan has M image tokens; a
+token ids and the hand-off's image rows ``[B, M, W]`` (every sample of a fixed-shape plan has M image tokens; a
 dataset plan's micro-batch is one packed row padded to its budget, its image rows zero-padded to M, the most its
 packs can hold: runtime.llm.pad_packed_row); every
 stage takes the M-RoPE positions (a keyword, split on its batch dim 1) and recomputes its rotary embedding; the last
@@ -23,7 +23,7 @@ Every stage is built with the shapes and dtypes of what it receives, sends and g
 torch's static mode): the schedule's first step then exchanges no metadata and runs no trial forward and backward,
 which also lets the dry-run (runtime.dry_run) run a pipelined plan on fake tensors.
 
-Shape legend: B samples, L sequence, M image tokens per sample, D hidden, V vocab.
+Shape legend: B samples, L sequence, M image tokens per sample, D hidden, W hand-off width, V vocab.
 """
 
 from __future__ import annotations
@@ -43,9 +43,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-from runtime.model import LanguageModel
+from runtime.model import LanguageModel, decoder_forward, embed_image_rows
 from runtime.parallel.ulysses import UlyssesGroup
 from runtime.parallel_dims import ParallelDims
 
@@ -63,7 +61,8 @@ class _Decoder(nn.Module):
 
 
 class LanguageModelChunk(nn.Module):
-    """One model chunk of the decoder: ``forward(input_ids_BL, image_rows_BMD)`` (first chunk) or
+    """One model chunk of the decoder: ``forward(input_ids_BL, image_rows_BMW)`` (first chunk; W the hand-off
+    width, runtime.model ``embed_image_rows``: the first chunk holds every layer an injection reaches) or
     ``forward(hidden_BLD)``, with ``position_ids`` [3, B, L] (or 4 rows, packed) as a keyword; returns the hidden
     states, or on the last chunk the logits [B, L, V] (a DTensor sharded on V under tensor parallelism)."""
 
@@ -84,33 +83,15 @@ class LanguageModelChunk(nn.Module):
             return self._forward(*inputs, position_ids=position_ids)
 
     def _forward(self, *inputs: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        decoder = self.language_model
+        decoder, injection = self.language_model, None
         if self.first:
-            input_ids_BL, rows_BMD = inputs
-            hidden_BLD = decoder.embed_tokens(input_ids_BL)
-            device_type = hidden_BLD.device.type
-            if torch.is_autocast_enabled(device_type):  # the residual stream in the compute dtype (LanguageModel)
-                hidden_BLD = hidden_BLD.to(torch.get_autocast_dtype(device_type))
-            image_BL1 = (input_ids_BL == self.image_token_id).unsqueeze(-1)
-            hidden_BLD = hidden_BLD.masked_scatter(image_BL1, rows_BMD.to(hidden_BLD.dtype))
+            input_ids_BL, rows_BMW = inputs
+            hidden_BLD, injection = embed_image_rows(decoder, input_ids_BL, rows_BMW, self.image_token_id)
         else:
             (hidden_BLD,) = inputs
-        # as Qwen2_5_VLTextModel.forward: 4 position rows are packed samples (row 0 the text positions the mask is
-        # made from), 3 rows plain causal
-        text_positions = None
-        if position_ids.shape[0] == 4:
-            text_positions, position_ids = position_ids[0], position_ids[1:]
-        mask_kwargs = dict(config=decoder.config, inputs_embeds=hidden_BLD, attention_mask=None, cache=None,
-                           position_ids=text_positions)
-        masks = {"full_attention": create_causal_mask(**mask_kwargs)}
-        if "sliding_attention" in getattr(decoder.config, "layer_types", ()):
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
-        position_embeddings = decoder.rotary_emb(hidden_BLD, position_ids)
-        extra = {} if self.ulysses_group is None else {"ulysses_group": self.ulysses_group}
-        for index, layer in decoder.layers.items():
-            hidden_BLD = layer(hidden_BLD, attention_mask=masks[decoder.config.layer_types[int(index)]],
-                               position_embeddings=position_embeddings, position_ids=text_positions, use_cache=False,
-                               **extra)
+        layers = ((int(index), layer) for index, layer in decoder.layers.items())
+        hidden_BLD = decoder_forward(decoder, hidden_BLD, position_ids, layers, ulysses_group=self.ulysses_group,
+                                     injection=injection)
         if self.last:
             return self.lm_head(decoder.norm(hidden_BLD))
         return hidden_BLD
@@ -173,6 +154,8 @@ class MicroBatchShapes:
     """M, per sample (of the slice, under SP)."""
     hidden: int
     """D."""
+    handoff_width: int
+    """W: the width of an image token's hand-off row (D times the family's ``handoff_tensors``)."""
     vocab: int
     """V."""
     compute_dtype: torch.dtype
@@ -193,7 +176,7 @@ def stage_metadata(chunk: LanguageModelChunk, shapes: MicroBatchShapes, tp_mesh:
         return torch.empty(B, L, D, dtype=shapes.compute_dtype, device="meta", requires_grad=True)
 
     if chunk.first:
-        rows = torch.empty(B, shapes.image_tokens, D, dtype=shapes.handoff_dtype, device="meta",
+        rows = torch.empty(B, shapes.image_tokens, shapes.handoff_width, dtype=shapes.handoff_dtype, device="meta",
                            requires_grad=shapes.rows_require_grad)
         inputs = (torch.empty(B, L, dtype=torch.long, device="meta"), rows)
         input_grads = (None, rows if shapes.rows_require_grad else None)

@@ -20,8 +20,8 @@ from runtime.parallel import attention
 from runtime.parallel.precision import Precision
 from runtime.parallel.tensor_parallel import qkv_row_order
 from runtime.parallel_dims import ParallelDims
+from runtime.families import family_of
 from runtime.parallelize import parallelize_llm, parallelize_pipelined_llm, parallelize_vision
-from runtime.vision import vision_forward
 
 
 class RankModel:
@@ -48,18 +48,20 @@ class RankModel:
         for name, module in (("vision", vision), ("llm", llm)):
             module.to(self.precision[name].param_dtype)
             module.requires_grad_(not self.dims[name].frozen)
+        family = family_of(model.config)
         if self.rank in self.dims["vision"].ranks:
-            parallelize_vision(vision, self.dims["vision"], self.precision["vision"])
-            vision.set_forward(vision_forward)
+            parallelize_vision(vision, self.dims["vision"], self.precision["vision"], family)
+            vision.set_forward(family.vision_forward)
             modules["vision"] = vision
         else:
             model.model.visual = None
         if self.rank in self.dims["llm"].ranks and self.dims["llm"].pp_enabled:
-            modules["llm"] = parallelize_pipelined_llm(llm, self.dims["llm"], self.precision["llm"], self.rank)
+            modules["llm"] = parallelize_pipelined_llm(llm, self.dims["llm"], self.precision["llm"], self.rank,
+                                                       family)
             for chunk in modules["llm"].chunks:
                 chunk.forward_context = functools.partial(self.autocast, "llm")
         elif self.rank in self.dims["llm"].ranks:
-            parallelize_llm(llm, self.dims["llm"], self.precision["llm"])
+            parallelize_llm(llm, self.dims["llm"], self.precision["llm"], family)
             modules["llm"] = llm
         else:
             model.model.language_model, model.lm_head = None, None

@@ -20,6 +20,7 @@ from planner.schema import Plan
 from runtime.conversations import ConversationData
 from runtime.data import IGNORE_INDEX, CaptionData, Sample, Source, SyntheticData, collate, layout_from_plan, pack_rows
 from runtime.data import token_sequence
+from runtime.families import family_of
 from runtime.handoff import Routes
 from runtime.llm import LLMShard, image_slots_per_rank, packed_position_ids, pad_packed_row, shard_llm_batch
 from runtime.packed_data import PackedConversations
@@ -186,6 +187,7 @@ class StepInputs:
             samples, seq_len = dims.micro_batch, len(ids)
             image_tokens = int((ids == self.layout.image_token_id).sum())
         return MicroBatchShapes(samples=samples, seq_len=seq_len, image_tokens=image_tokens, hidden=text.hidden_size,
+                                handoff_width=text.hidden_size * family_of(config).handoff_tensors(config),
                                 vocab=text.vocab_size, compute_dtype=compute_dtype, handoff_dtype=handoff_dtype,
                                 rows_require_grad=not self.dims["vision"].frozen)
 
@@ -284,5 +286,9 @@ def to_device(shard, device: torch.device):
     """A shard dataclass with its tensors on ``device`` (itself on the CPU)."""
     if device.type == "cpu":
         return shard
-    fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in shard.__dict__.items()}
-    return type(shard)(**fields)
+    def moved(value):
+        if isinstance(value, torch.Tensor):
+            return value.to(device)
+        return {k: v.to(device) for k, v in value.items()} if isinstance(value, dict) else value
+
+    return type(shard)(**{k: moved(v) for k, v in shard.__dict__.items()})

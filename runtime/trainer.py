@@ -43,6 +43,7 @@ from runtime.pipeline import build_schedule
 from runtime.preflight import MODULES
 from runtime.rank_model import RankModel
 from runtime.step_inputs import StepInputs, to_device
+from runtime.families import family_of
 from runtime.vision import shard_vision_batch
 
 
@@ -105,8 +106,10 @@ class Trainer:
         self.modules, self.optimizers = self.model.modules, self.model.optimizers
         self.inputs = self.inputs_type(plan, rank=rank, dims=self.dims, held=tuple(self.modules), config=config,
                                  options=options, device=self.device, rope_index=self.model.rope_index)
+        self.family = family_of(config)
         self.handoff = Handoff(llm=self.inputs.receiving_llm, vision_trainable=not self.dims["vision"].frozen,
-                               hidden=config.get_text_config().hidden_size, rank=self.rank,
+                               width=config.get_text_config().hidden_size * self.family.handoff_tensors(config),
+                               rank=self.rank,
                                dtype=self._handoff_dtype(), device=self.device)
         self.schedule = None
         if self.dims["llm"].pp_enabled and "llm" in self.modules:
@@ -147,12 +150,15 @@ class Trainer:
 
     # ---- the step's named stages -------------------------------------------------------------------------
     def vision_forward(self, micro: int) -> torch.Tensor:
-        """This rank's merged image tokens of micro-batch ``micro`` (window order)."""
+        """This rank's hand-off rows of micro-batch ``micro`` (window order): its merged image tokens, each followed
+        by its injected features where the family has them."""
         dims = self.dims["vision"]
         batch = self.inputs.samples(micro, "vision")
         sp_group = dims.grid_mesh["sp"].get_group() if dims.sp_enabled else None
-        shard = shard_vision_batch(batch["pixel_values"], batch["image_grid_thw"].cpu(), self.inputs.vision_config,
-                                   sp_rank=dims.coordinate(self.rank)["sp"], sp_group=sp_group, sp=dims.sp)
+        grid, config = batch["image_grid_thw"].cpu(), self.inputs.vision_config
+        shard = shard_vision_batch(batch["pixel_values"], grid, config, sp_rank=dims.coordinate(self.rank)["sp"],
+                                   sp_group=sp_group, sp=dims.sp,
+                                   patch_inputs=self.family.vision_patch_inputs(grid, config))
         shard = to_device(shard, self.device)
         with self._timed("vision_forward_s"), self.model.autocast("vision"), torch.set_grad_enabled(not dims.frozen):
             return self.modules["vision"](shard)

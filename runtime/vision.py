@@ -1,17 +1,18 @@
 """How one vision rank runs its part of a micro-batch: window split (Ulysses SP) and the block loop.
 
-The forward reuses the tower's own submodules (patch_embed, rotary_pos_emb, blocks, merger) and transformers'
-own index helpers (``get_vision_window_index`` etc.), in the same order as
-``Qwen2_5_VisionTransformerPretrainedModel.forward``; it only restricts every step to this rank's windows.
-Qwen2-VL has no windows: its sequence is split on merge units and every block is a full-attention block.
+The forward (each family's ``vision_forward``, runtime.families) reuses the tower's own submodules (patch_embed,
+rotary_pos_emb, blocks, merger) and transformers' own index helpers (``get_vision_window_index`` etc.), in the
+same order as the tower's own forward (``Qwen2_5_VisionTransformerPretrainedModel.forward``); it only restricts
+every step to this rank's windows. Qwen2-VL and Qwen3-VL have no windows: their sequence is split on merge units
+and every block is a full-attention block.
 
 Shape legend: N patches of the replica, n this rank's patches, M merged tokens, P flattened patch size.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -38,6 +39,8 @@ class VisionShard:
     """Indexes of the full-attention blocks."""
     merged_positions: torch.Tensor
     """Replica-order index of each merged token this rank emits (its output rows, in order)."""
+    patch_inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """The family's other per-patch inputs, this rank's rows (Qwen3-VL: position-table taps and weights)."""
 
 
 def window_layout(grid_thw: torch.Tensor, config: Any) -> tuple[torch.Tensor, list[int]]:
@@ -68,9 +71,11 @@ def merged_positions_per_rank(grid_thw: torch.Tensor, config: Any, sp: int) -> l
 
 
 def shard_vision_batch(
-    pixel_values_NP: torch.Tensor, grid_thw: torch.Tensor, config: Any, *, sp_rank: int, sp_group: Any, sp: int
+    pixel_values_NP: torch.Tensor, grid_thw: torch.Tensor, config: Any, *, sp_rank: int, sp_group: Any, sp: int,
+    patch_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> VisionShard:
-    """The part of a replica's packed images that SP rank ``sp_rank`` of ``sp`` processes."""
+    """The part of a replica's packed images that SP rank ``sp_rank`` of ``sp`` processes; ``patch_inputs``: the
+    family's other per-patch inputs of the replica (``vision_patch_inputs``), in patch order."""
     unit = config.spatial_merge_size**2
     window_index, cu_windows = window_layout(grid_thw, config)
     patch_order = (window_index[:, None] * unit + torch.arange(unit)).flatten()
@@ -95,12 +100,14 @@ def shard_vision_batch(
         ulysses=ulysses,
         full_blocks=full_attention_blocks(config),
         merged_positions=window_index[start // unit : end // unit],
+        patch_inputs={name: value[local] for name, value in (patch_inputs or {}).items()},
     )
 
 
-def vision_forward(visual: nn.Module, shard: VisionShard) -> torch.Tensor:
-    """Merged tokens [m, D_llm] of this rank's windows, in window order (see ``shard.merged_positions``)."""
-    hidden = visual.patch_embed(shard.pixel_values_nP)
+def blocks_forward(visual: nn.Module, shard: VisionShard, hidden: torch.Tensor,
+                   after_block: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+    """The tower's blocks on this rank's patch embeddings ``hidden`` [n, D_vision], with their 2-D rotary positions;
+    ``after_block(index, output)`` sees each block's output."""
     position_embeddings = visual.rotary_pos_emb(hidden, shard.position_ids_n2)
     for index, block in enumerate(visual.blocks):
         if index in shard.full_blocks:
@@ -109,4 +116,6 @@ def vision_forward(visual: nn.Module, shard: VisionShard) -> torch.Tensor:
             )
         else:
             hidden = block(hidden, cu_seqlens=shard.cu_windows, position_embeddings=position_embeddings)
-    return visual.merger(hidden)
+        if after_block is not None:
+            after_block(index, hidden)
+    return hidden

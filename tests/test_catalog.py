@@ -13,13 +13,15 @@ import pytest
 import torch
 import transformers
 
-from planner import catalog, param_counts
+from planner import param_counts
+from planner.families import qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl, qwen_parts
 from planner.catalog import CATALOG, get_model, list_models, model_from_hf_config
 
 HF_CLASSES = {
     "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration),
     "qwen2_vl": (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration),
     "qwen2_audio": (transformers.Qwen2AudioConfig, transformers.Qwen2AudioForConditionalGeneration),
+    "qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration),
 }
 
 
@@ -84,6 +86,10 @@ def hf_layer_counts(model: torch.nn.Module) -> dict[str, int]:
         window = [i for i in range(len(visual.blocks)) if i not in full]
         counts |= {"patch_embed": count(visual.patch_embed), "full_block": count(visual.blocks[min(full)]),
                    "patch_merger": count(visual.merger)}
+        if hasattr(visual, "pos_embed"):  # Qwen3-VL: the learned position table counts with the patchifier
+            counts["patch_embed"] += count(visual.pos_embed)
+        for merger in getattr(visual, "deepstack_merger_list", [])[:1]:
+            counts["deepstack_merger"] = count(merger)
         if window:
             counts["window_block"] = count(visual.blocks[window[0]])
     else:
@@ -109,6 +115,42 @@ def test_qwen2_5_vl_32b_published_counts():
     assert spec.module("llm").num_params - spec.module("llm").layer("lm_head").params == 31_985_308_672
     assert spec.module("llm").layer("lm_head").params == 778_567_680
     assert spec.num_params == 33_452_718_336
+
+
+def test_qwen3_vl_published_counts():
+    """The safetensors total of Qwen3-VL-8B-Instruct (750 tensors, docs/research/qwen3-vl.md source S8), and the
+    2B's: its 4.26 GB bf16 file holds 2,127,532,032 parameters (tied lm_head once)."""
+    assert get_model("Qwen/Qwen3-VL-8B-Instruct").num_params == 8_767_123_696
+    assert get_model("qwen3-vl-2b").num_params == 2_127_532_032
+    vision = get_model("qwen3-vl-32b").module("vision")
+    assert vision.layer("deepstack_merger").count == 3
+    assert vision.layer("deepstack_merger").params * 3 == 134_536_704
+
+
+def test_qwen3_vl_formulas_by_hand():
+    """Qwen3-VL-8B shapes summed from the module printout: the decoder layer has no biases but q/k norms of one
+    head's width; the DeepStack merger normalises the 4x merged width, the merger the block width."""
+    q, kv, o = 4096 * 4096, 4096 * 1024, 4096 * 4096
+    layer = q + 2 * kv + o + 2 * 128 + 3 * 4096 * 12288 + 2 * 4096
+    assert qwen3_vl.decoder_layer_params(4096, 32, 8, 128, 12288) == layer
+    vision = get_model("qwen3-vl-8b").module("vision")
+    fc = 4608 * 4608 + 4608 + 4608 * 4096 + 4096
+    assert vision.layer("patch_merger").params == 2 * 1152 + fc
+    assert vision.layer("deepstack_merger").params == 2 * 4608 + fc
+    assert vision.layer("patch_embed").params == 3 * 2 * 16 * 16 * 1152 + 1152 + 2304 * 1152
+    spec = get_model("qwen3-vl-8b")
+    assert spec.injection_layers == (0, 1, 2) and spec.handoff_tensors == 4
+    assert spec.vision_input.window_size is None and spec.vision_input.patch_size == 16
+
+
+def test_qwen3_vl_refuses_deepstack_it_cannot_build():
+    config = copy.deepcopy(CATALOG["qwen3-vl-tiny"].config)
+    config["vision_config"]["deepstack_visual_indexes"] = [1, 9]
+    assert_one_line_error("deepstack_visual_indexes must be distinct block indexes below the depth 4",
+                          model_from_hf_config, config, "x")
+    config["vision_config"]["deepstack_visual_indexes"] = [0, 1, 2]
+    config["text_config"]["num_hidden_layers"] = 2
+    assert_one_line_error("3 DeepStack levels need at least 3 decoder layers", model_from_hf_config, config, "x")
 
 
 def test_param_formulas_by_hand():
@@ -157,12 +199,14 @@ def test_input_specs():
 @pytest.mark.parametrize(
     ("ours", "config_class"),
     [
-        (catalog.QWEN2_5_VL_VISION_DEFAULTS, transformers.Qwen2_5_VLVisionConfig),
-        (catalog.QWEN2_VL_VISION_DEFAULTS, transformers.Qwen2VLVisionConfig),
-        (catalog.QWEN_VL_TEXT_DEFAULTS, transformers.Qwen2_5_VLTextConfig),
-        (catalog.QWEN_VL_TEXT_DEFAULTS, transformers.Qwen2VLTextConfig),
-        (catalog.QWEN2_TEXT_DEFAULTS, transformers.Qwen2Config),
-        (catalog.QWEN2_AUDIO_ENCODER_DEFAULTS, transformers.Qwen2AudioEncoderConfig),
+        (qwen2_5_vl.VISION_DEFAULTS, transformers.Qwen2_5_VLVisionConfig),
+        (qwen2_vl.VISION_DEFAULTS, transformers.Qwen2VLVisionConfig),
+        (qwen_parts.QWEN_VL_TEXT_DEFAULTS, transformers.Qwen2_5_VLTextConfig),
+        (qwen_parts.QWEN_VL_TEXT_DEFAULTS, transformers.Qwen2VLTextConfig),
+        (qwen2_audio.TEXT_DEFAULTS, transformers.Qwen2Config),
+        (qwen2_audio.ENCODER_DEFAULTS, transformers.Qwen2AudioEncoderConfig),
+        (qwen3_vl.VISION_DEFAULTS, transformers.Qwen3VLVisionConfig),
+        (qwen3_vl.TEXT_DEFAULTS, transformers.Qwen3VLTextConfig),
     ],
 )
 def test_defaults_are_the_transformers_defaults(ours, config_class):
@@ -171,7 +215,8 @@ def test_defaults_are_the_transformers_defaults(ours, config_class):
     assert {key: list(v) if isinstance(v, tuple) else v for key, v in theirs.items()} == ours
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-vl-7b", "qwen2-vl-2b", "qwen2-audio-7b", "qwen2.5-vl-32b"])
+@pytest.mark.parametrize("name", ["qwen2.5-vl-7b", "qwen2-vl-2b", "qwen2-audio-7b", "qwen2.5-vl-32b", "qwen3-vl-2b",
+                                  "qwen3-vl-8b"])
 def test_transformers_saved_layout_gives_the_same_spec(name):
     """transformers 5 writes text_config/vision_config nested and every default spelled out."""
     saved = hf_config(CATALOG[name].config).to_dict()
@@ -216,7 +261,7 @@ def test_unknown_model_suggests_close_names():
 
 
 def test_unsupported_model_type_names_the_supported_ones():
-    assert_one_line_error("unsupported model_type 'llama'.*qwen2_5_vl, qwen2_vl, qwen2_audio",
+    assert_one_line_error("unsupported model_type 'llama'.*qwen2_5_vl, qwen2_vl, qwen3_vl, qwen2_audio",
                           model_from_hf_config, {"model_type": "llama"}, "x")
 
 

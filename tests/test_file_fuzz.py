@@ -423,6 +423,6 @@ def test_a_config_field_of_a_type_transformers_refuses_is_refused_in_one_line(tm
 def test_the_activations_the_planner_accepts_are_the_ones_transformers_knows():
     from transformers.activations import ACT2CLS
 
-    from planner.catalog import ACTIVATIONS
+    from planner.families.fields import ACTIVATIONS
 
     assert sorted(ACTIVATIONS) == sorted(ACT2CLS)

@@ -85,9 +85,11 @@ def pipeline_step_time(encoder_terms: Sequence[float], llm_terms: Sequence[float
 # --- Pipeline parallelism of one module (pp > 1): the schedule ----------------------------------------------------
 
 
-def balanced_chunk_layers(num_layers: int, chunk_extra_s: Sequence[float], layer_s: float) -> tuple[int, ...]:
+def balanced_chunk_layers(num_layers: int, chunk_extra_s: Sequence[float], layer_s: float,
+                          first_at_least: int = 1) -> tuple[int, ...]:
     """Decoder layers per model chunk (pipeline stage, or virtual stage) that minimise the slowest chunk's time
-    ``extra_c + n_c * layer_s``, each chunk holding at least one layer.
+    ``extra_c + n_c * layer_s``, each chunk holding at least one layer, the first at least ``first_at_least``
+    (every layer the encoder's injected features reach: ``planner.rules.injection_rule``).
 
     A chunk's ``extra`` is what it holds besides decoder layers: the first the token embedding and the encoders'
     hand-off, the last the final norm, the vocabulary projection and the loss (at a 152K vocabulary worth several
@@ -96,15 +98,16 @@ def balanced_chunk_layers(num_layers: int, chunk_extra_s: Sequence[float], layer
     ready times; Graham 1969, whose bound is tight at 0 for unit jobs); ties go to the earliest chunk.
 
     Raises:
-        ValueError: fewer layers than chunks.
+        ValueError: fewer layers than chunks need.
     """
     chunks = len(chunk_extra_s)
-    if num_layers < chunks:
-        raise ValueError(f"{num_layers} layers cannot fill {chunks} pipeline chunks")
-    counts = [1] * chunks
-    heap = [(extra + 2 * layer_s, c) for c, extra in enumerate(chunk_extra_s)]
+    first = max(1, first_at_least)
+    if num_layers < chunks - 1 + first:
+        raise ValueError(f"{num_layers} layers cannot fill {chunks} pipeline chunks, the first with {first}")
+    counts = [first] + [1] * (chunks - 1)
+    heap = [(extra + (n + 1) * layer_s, c) for c, (extra, n) in enumerate(zip(chunk_extra_s, counts))]
     heapq.heapify(heap)
-    for _ in range(num_layers - chunks):
+    for _ in range(num_layers - sum(counts)):
         _, c = heapq.heappop(heap)
         counts[c] += 1
         heapq.heappush(heap, (chunk_extra_s[c] + (counts[c] + 1) * layer_s, c))
@@ -180,14 +183,10 @@ def pipeline_chunks(static: ModuleStatic, s: ModuleStrategy, layer_costs: LayerC
     chunks = s.pp * s.virtual_stages
     extra = [p2p_s] * (chunks - 1) + [tail_s]
     extra[0] += head_s + extra_first_s
-    chunks = balanced_chunk_layers(block.count, extra, layer_s)
+    chunks = balanced_chunk_layers(block.count, extra, layer_s, first_at_least=len(static.model.injection_layers))
     if layer_costs is None:
         static.chunks[key] = chunks
     return chunks
-
-
-PIPELINED_KINDS = ("decoder_layer",)
-"""The repeated block whose instances pipeline stages divide (the LLM's decoder layers)."""
 
 
 PIPELINED_KINDS = ("decoder_layer",)
@@ -248,9 +247,6 @@ def pipeline_parts(s: ModuleStrategy, first_rank: int, devices_per_node: int, ch
 _PARTS: dict[tuple, tuple] = {}
 
 
-_PARTS: dict[tuple, tuple] = {}
-
-
 def _stages_within_node(s: ModuleStrategy, first_rank: int, devices_per_node: int) -> bool:
     """Whether consecutive pipeline stages of the grid starting at ``first_rank`` exchange within a node (one
     memoised ``axis_within_node`` along the pipeline axis)."""
@@ -260,9 +256,6 @@ def _stages_within_node(s: ModuleStrategy, first_rank: int, devices_per_node: in
         found = _STAGES_WITHIN[key] = axis_within_node(first_rank % devices_per_node, s.stage_gpus, s.pp, s.gpus,
                                                         devices_per_node)
     return found
-
-
-_STAGES_WITHIN: dict[tuple, bool] = {}
 
 
 _STAGES_WITHIN: dict[tuple, bool] = {}
@@ -328,6 +321,7 @@ def pipelined_cost(
     per_sample, backward = encoder_handoff_bytes(static)
     # under SP a stage-0 rank takes the image rows of its slice only: all of them, or at most a slice's worth
     slice_bytes = math.ceil(static.tokens.tokens / (s.sp * s.cp)) * hidden * assumptions.activation_bytes
+    slice_bytes *= static.model.handoff_tensors
     per_sample = min(per_sample, slice_bytes)
     handoff = (1 + backward) * p2p_time(s.micro_batch * per_sample, static.links[s.gpus > dpn])
     chunks = chunk_layers or pipeline_chunks(static, s, layer_costs, within, handoff, p2p)

@@ -70,6 +70,29 @@ def segment_stats(tokens: ModuleTokens) -> tuple[float, float]:
     return squares / total, total * total / squares
 
 
+def handoff_bytes(output_tokens: float, width: int, tensors: int, activation_bytes: float) -> float:
+    """Bytes of one sample's encoder output crossing to the LLM: ``tensors`` tensors of ``output_tokens x width``
+    activations. A Qwen-VL merger hands over one; Qwen3-VL adds one per DeepStack level, each the features of a
+    vision block merged to the LLM's width and added to a decoder layer's output at the image positions (Meng et
+    al. 2024, "DeepStack", Sec. 3.1, Eq. 2; transformers ``Qwen3VLModel.forward``)."""
+    return output_tokens * width * tensors * activation_bytes
+
+
+def injected_feature_bytes(model: ModelSpec, workload: Workload, micro_batch: int, sequence_shards: int,
+                           activation_bytes: float) -> float:
+    """Bytes of the DeepStack features an unpipelined LLM rank holds per micro-batch in flight: one tensor of its
+    image tokens (its 1/``sequence_shards`` slice under SP x CP) at the LLM's width per injection layer, from the
+    hand-off until the backward of the layer that adds it (``handoff_bytes`` minus the merged output, which the
+    embedding's scatter consumes). 0 for a model without injections."""
+    if not model.injection_layers:
+        return 0.0
+    tokens = module_tokens(workload, model)
+    image_tokens = sum(tokens[m].output_tokens for m in model.module_names if m in ENCODER_MODULES)
+    width = model.module("llm").layer("embedding").hidden_size
+    return handoff_bytes(micro_batch * image_tokens / sequence_shards, width, len(model.injection_layers),
+                         activation_bytes)
+
+
 @dataclass(eq=False)
 class ModuleStatic:
     """What one (model, module, workload, device, assumptions) fixes, plus the memo of layer terms."""
@@ -93,10 +116,6 @@ class ModuleStatic:
     chunks: dict = field(default_factory=dict)
     """Memo of balanced pipeline chunk splits (analytical model only)."""
     flops_per_sample: float | None = None
-
-
-_STATIC: dict[tuple, ModuleStatic] = {}
-_STATIC_LIMIT = 256
 
 
 _STATIC: dict[tuple, ModuleStatic] = {}
@@ -128,7 +147,8 @@ def module_static(
         segment_tokens=seg_len,
         segments=seg_count,
         backward=backward_mode(model, module),
-        handoff_bytes_per_sample=tokens.output_tokens * out_width * assumptions.activation_bytes,
+        handoff_bytes_per_sample=handoff_bytes(tokens.output_tokens, out_width, model.handoff_tensors,
+                                               assumptions.activation_bytes),
         links=(
             link(cluster, assumptions, within_node=True),
             link(cluster, assumptions, within_node=False),
@@ -460,6 +480,10 @@ def rank_cost(
     optimizer_time = sums.optimizer_call_s + sums.optimizer_measured_s / optimizer_shards + optimizer_pass_time(
         sums.optimizer_formula_params / optimizer_shards, sums.optimizer_formula_tensors, recipe,
         dtensor=s.tp > 1 or s.zero >= 1, device=cluster.device, assumptions=assumptions)
+    activations = sums.saved_bytes / s.virtual_stages
+    if static.spec.name == "llm" and s.pp == 1:
+        activations += injected_feature_bytes(static.model, static.workload, s.micro_batch, s.sp * s.cp,
+                                              assumptions.activation_bytes)
     ga = s.grad_accum
     transfers = handoff_s + pp_comm_s
     passes = 1 + (static.backward != "none") + (s.recompute == "full")  # forwards and backwards a collective repeats in
@@ -483,7 +507,7 @@ def rank_cost(
         backward_buffers_bytes=math.ceil(backward_buffers),
         loss_backward_buffers_bytes=math.ceil(loss_backward_buffers),
         loss_saved_bytes=math.ceil(loss_saved),
-        activations_per_micro_batch_bytes=math.ceil(sums.saved_bytes / s.virtual_stages),
+        activations_per_micro_batch_bytes=math.ceil(activations),
         in_flight_micro_batches=in_flight_chunks,
         flops_per_step=flops_per_sample(static) * s.samples_per_step,
         sources=sums.sources,

@@ -82,7 +82,8 @@ def _sequence_split_reason(model: ModelSpec, module: str, s: ModuleStrategy, tok
 
 def pipeline_reasons(model: ModelSpec, spec: ModuleSpec, s: ModuleStrategy) -> list[str]:
     """Why ``spec`` cannot be pipelined as ``s`` says: only the LLM is (its decoder layers are the repeated block
-    stages divide); every model chunk needs a decoder layer; torch's ``Schedule1F1B`` needs at least as many
+    stages divide); every model chunk needs a decoder layer, the first one per injection level the encoder's
+    features reach; torch's ``Schedule1F1B`` needs at least as many
     micro-batches as stages, and the interleaved schedules a micro-batch count that their rounds
     (``max(1, grad_accum // pp)``) divide. What the runtime does not run inside a pipeline yet is ruled out too:
     an lm_head tied to the embedding (on the first and the last stage), and a zero-bubble schedule with ZeRO-3 or
@@ -95,9 +96,11 @@ def pipeline_reasons(model: ModelSpec, spec: ModuleSpec, s: ModuleStrategy) -> l
                        "over pipeline stages yet")
     layers = sum(layer.count for layer in spec.layers if layer.kind == "decoder_layer")
     chunks = s.pp * s.virtual_stages
-    if layers < chunks:
-        reasons.append(f"pp={s.pp} x virtual_stages={s.virtual_stages} = {chunks} pipeline chunks but {spec.name} "
-                       f"has {layers} decoder layers")
+    first = max(1, len(model.injection_layers))
+    if layers < chunks - 1 + first:
+        needs = f" ({first} in the first, which the vision features reach)" if first > 1 else ""
+        reasons.append(f"pp={s.pp} x virtual_stages={s.virtual_stages} = {chunks} pipeline chunks need "
+                       f"{chunks - 1 + first} decoder layers{needs}, {spec.name} has {layers}")
     if s.grad_accum < s.pp:
         reasons.append(f"pp={s.pp} needs grad_accum >= {s.pp} micro-batches (1F1B), got {s.grad_accum}")
     rounds = max(1, s.grad_accum // s.pp)

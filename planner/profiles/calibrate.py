@@ -107,7 +107,8 @@ def plan_inputs(plan: Plan):
     cluster = Cluster(device=device, num_devices=plan.cluster.num_devices, devices_per_node=plan.cluster.devices_per_node)
     w = plan.workload
     workload = Workload(image_sizes=tuple(tuple(s) for s in w.image_sizes), vision_tokens=w.vision_tokens,
-                        text_tokens=w.text_tokens, audio_seconds=w.audio_seconds, global_batch=w.global_batch)
+                        text_tokens=w.text_tokens, audio_seconds=w.audio_seconds, global_batch=w.global_batch,
+                        videos=tuple(tuple(v) for v in w.videos))
     strategy = Strategy(
         placement=plan.placement,
         precision=plan.training.precision,

@@ -15,6 +15,7 @@ The vision ``qkv`` projection is fused as [3, heads, head_dim] rows; before shar
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,16 +26,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from planner.rules import heads_rule
-
-VISION_MLP_PLANS = {
-    "gate_proj": {
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(),
-    },
-    "fc1": {"mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()},
-}
-"""Qwen2.5-VL (gated) and Qwen2-VL (fc1/fc2) vision MLPs."""
 
 LLM_BLOCK_PLAN = {
     "self_attn.q_proj": ColwiseParallel(),
@@ -96,6 +87,36 @@ def _own_head_projection(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
+class ReplicatedWeightSummedGradients(ParallelStyle):
+    """A module whose weights stay whole on every TP rank but see only the rank's share of the input (a q/k norm
+    over each head's width, applied to the rank's own heads): every forward runs the module's own ``forward`` with
+    each parameter passed through ``_SumGradients``, so its gradient, each rank's share, is summed over the TP
+    ranks (one all-reduce per parameter per micro-batch; transformers' Qwen3 plan calls it
+    ``replicated_with_grad_allreduce``). The parameters stay plain tensors, as the other norms', so FSDP shards
+    them alike."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        group = device_mesh.get_group()
+        forward = type(module).forward
+
+        def summed_forward(self_, *args, **kwargs):
+            params = {name: _SumGradients.apply(p, group) for name, p in self_.named_parameters(recurse=False)}
+            return forward(_WithParameters(self_, params), *args, **kwargs)
+
+        module.forward = types.MethodType(summed_forward, module)
+        return module
+
+
+class _WithParameters:
+    """``module`` seen with some of its parameters replaced (the ``self`` its class's forward reads)."""
+
+    def __init__(self, module: nn.Module, params: dict[str, torch.Tensor]):
+        self._module, self._params = module, params
+
+    def __getattr__(self, name: str):
+        return self._params[name] if name in self._params else getattr(self._module, name)
+
+
 def qkv_to_tp_layout(t: torch.Tensor, tp: int) -> torch.Tensor:
     """Rows [3, tp, h, Dh] -> [tp, 3, h, Dh] (h = heads / tp) of a fused qkv weight or bias."""
     return t.reshape(3, tp, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
@@ -123,16 +144,15 @@ def _reorder_qkv(attn: nn.Module, tp: int) -> None:
     attn.num_heads //= tp
 
 
-def parallelize_vision_tp(visual: nn.Module, mesh: DeviceMesh) -> None:
-    """Shard every vision block and the merger's MLP over the ``tp`` mesh."""
+def parallelize_vision_tp(visual: nn.Module, mesh: DeviceMesh, family: Any) -> None:
+    """Shard every vision block and the mergers' MLPs over the ``tp`` mesh, by the family's plans
+    (runtime.families ``vision_tp_plans``), each block's fused qkv rows put in TP layout first."""
     tp = mesh.size()
     _check_divisible("vision attention heads", visual.config.num_heads, tp)
     for block in visual.blocks:
         _reorder_qkv(block.attn, tp)
-        mlp_plan = VISION_MLP_PLANS["gate_proj" if hasattr(block.mlp, "gate_proj") else "fc1"]
-        plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(), **mlp_plan}
-        parallelize_module(block, mesh, plan)
-    parallelize_module(visual.merger, mesh, {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
+    for module, plan in family.vision_tp_plans(visual):
+        parallelize_module(module, mesh, plan)
 
 
 class VocabParallelEmbedding(RowwiseParallel):
@@ -162,9 +182,10 @@ def _local_rows_lookup(embedding: nn.Embedding, ids: DTensor) -> DTensor:
     return DTensor.from_local(rows, mesh, [Partial()], run_check=False)
 
 
-def parallelize_llm_tp(llm: nn.Module, mesh: DeviceMesh) -> None:
-    """Shard the decoder blocks, the embedding (vocab-parallel) and lm_head (logits sharded on vocab); a pipeline
-    chunk (runtime.pipeline) has the embedding only on the first stage and lm_head only on the last."""
+def parallelize_llm_tp(llm: nn.Module, mesh: DeviceMesh, family: Any) -> None:
+    """Shard the decoder blocks (the common plan and the family's ``LLM_LAYER_TP_PLAN``), the embedding
+    (vocab-parallel) and lm_head (logits sharded on vocab); a pipeline chunk (runtime.pipeline) has the embedding
+    only on the first stage and lm_head only on the last."""
     tp = mesh.size()
     config = llm.language_model.config
     problem = heads_rule(tp, "tensor-parallel degree", config.num_attention_heads, config.num_key_value_heads, "the LLM")
@@ -182,11 +203,11 @@ def parallelize_llm_tp(llm: nn.Module, mesh: DeviceMesh) -> None:
     if tied:  # both are sharded on the vocabulary dim, so the shards can stay shared
         llm.lm_head.weight = llm.language_model.embed_tokens.weight
     layers = llm.language_model.layers
-    block_plan = LLM_BLOCK_PLAN
+    block_plan = {**LLM_BLOCK_PLAN, **family.LLM_LAYER_TP_PLAN}
     kv_heads = config.num_key_value_heads
     if kv_heads % tp:
         replicated = ReplicatedHeadsColwise(kv_heads)
-        block_plan = {**LLM_BLOCK_PLAN, "self_attn.k_proj": replicated, "self_attn.v_proj": replicated}
+        block_plan = {**block_plan, "self_attn.k_proj": replicated, "self_attn.v_proj": replicated}
     for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         parallelize_module(block, mesh, block_plan)
         if kv_heads % tp:  # one KV head for the rank's config.num_attention_heads / tp query heads

@@ -51,6 +51,7 @@ from planner.models import LayerSpec
 from planner.profiles import RECOMPUTED_KINDS, LayerPoint, Spread, load_profile, save_profile
 from planner.rules import heads_rule
 from runtime.parallel import attention
+from runtime.families import qwen2_5_vl
 from runtime.parallel.tensor_parallel import parallelize_llm_tp, parallelize_vision_tp
 from runtime.profile.device import free_port
 from runtime.profile.layers import GridPoint
@@ -254,8 +255,8 @@ def build_rank(model_arg: str, *, tp: int, sp: int, rank: int, dtype: torch.dtyp
         llm = _LLM(_with_runtime_attention(config.text_config)).train()
     if tp > 1:
         mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
-        parallelize_vision_tp(vision, mesh["tp"])
-        parallelize_llm_tp(llm, mesh["tp"])
+        parallelize_vision_tp(vision, mesh["tp"], qwen2_5_vl)
+        parallelize_llm_tp(llm, mesh["tp"], qwen2_5_vl)
     return _Rank(tp=tp, sp=sp, rank=rank, vision=vision, llm=llm, dtype=dtype, device=device)
 
 

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
 from planner.hardware import Cluster, DeviceSpec
+from planner.families.qwen_parts import QWEN2_VL_IMAGE_PIXELS, QWEN2_VL_VIDEO
 from planner.models import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, ModuleSpec, VisionInputSpec
 from planner.strategy import ModuleStrategy, Strategy
 from planner.workload import Workload
@@ -105,7 +106,9 @@ def toy_model(*, frozen: tuple[str, ...] = ()) -> ModelSpec:
         family="qwen2_5_vl",
         hf_config={},
         modules=(vision, llm),
-        vision_input=VisionInputSpec(patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=56),
+        vision_input=VisionInputSpec(patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=56,
+                                     min_pixels=QWEN2_VL_IMAGE_PIXELS[0], max_pixels=QWEN2_VL_IMAGE_PIXELS[1],
+                                     video=QWEN2_VL_VIDEO),
     )
     return model.with_frozen(frozen) if frozen else model
 

@@ -374,3 +374,37 @@ def test_zero1_gradients_as_fsdp2_holds_them():
                                                        ModuleStrategy(dp=4, grad_accum=2)))
     # two micro-batches: FSDP2 accumulates the unsharded gradients in fp32
     assert two.modules["vision"].gradients_bytes == pytest.approx(4 * params, abs=1)
+
+
+def test_deepstack_hands_over_one_more_tensor_per_injection_layer():
+    """Qwen3-VL-style DeepStack: the merged output plus 3 injected features cross the hand-off (4x the bytes, so
+    4x the link time), and the LLM ranks hold the 3 injected tensors per micro-batch in flight."""
+    deepstack = replace(MODEL, injection_layers=(0, 1, 2))
+    strategy = Strategy(
+        placement="disjoint",
+        modules={
+            "vision": ModuleStrategy(dp=2, grad_accum=4),
+            "llm": ModuleStrategy(dp=2, tp=2, micro_batch=1, grad_accum=4),
+        },
+    )
+    plain, stacked = estimate(MODEL, CLUSTER, WORKLOAD, strategy), estimate(deepstack, CLUSTER, WORKLOAD, strategy)
+    nic = TOY_DEVICE.inter_node_bandwidth * A.inter_node_bus_efficiency
+    per_mb = 2 * (4 * 16 * 128 * 2 / nic + TOY_DEVICE.inter_node_latency)
+    assert stacked.modules["vision"].handoff_s == pytest.approx(4 * per_mb)
+    assert plain.modules["vision"].handoff_s < stacked.modules["vision"].handoff_s
+    # 3 tensors of 16 image tokens x 128 x 2 B for the LLM's one-sample micro-batch
+    grown = stacked.modules["llm"].activations_per_micro_batch_bytes - plain.modules["llm"].activations_per_micro_batch_bytes
+    assert grown == 3 * 16 * 128 * 2
+
+
+def test_deepstack_bytes_by_hand():
+    """Qwen3-VL-32B, one 1344x1344 image: 1,764 LLM image tokens of width 5,120 in bf16, 4 tensors across."""
+    from planner.catalog import get_model
+    from planner.cost.rank_cost import handoff_bytes, injected_feature_bytes
+    from planner.workload import Workload
+
+    assert handoff_bytes(1764, 5120, 4, 2) == 1764 * 5120 * 4 * 2 == 72_253_440
+    model, workload = get_model("qwen3-vl-32b"), Workload(image_sizes=((1344, 1344),), text_tokens=512, global_batch=8)
+    # micro-batch 2 split over SP 4: each rank holds 2 x 1764 / 4 rows of each of the 3 injected tensors
+    assert injected_feature_bytes(model, workload, 2, 4, 2) == 3 * (2 * 1764 / 4) * 5120 * 2
+    assert injected_feature_bytes(get_model("qwen2.5-vl-32b"), workload, 2, 4, 2) == 0

@@ -27,6 +27,23 @@ def test_balanced_chunk_layers_by_hand():
     assert balanced_chunk_layers(4, [0.0, 0.0, 0.0, 9.0], 1.0) == (1, 1, 1, 1)  # at least one layer each
     with pytest.raises(ValueError, match="3 layers cannot fill 4"):
         balanced_chunk_layers(3, [0.0] * 4, 1.0)
+    # DeepStack into 3 layers: the first chunk keeps them although its hand-off makes it the slowest
+    assert balanced_chunk_layers(8, [2.0, 0.0, 0.0, 0.0], 1.0) == (1, 3, 2, 2)
+    assert balanced_chunk_layers(8, [2.0, 0.0, 0.0, 0.0], 1.0, first_at_least=3) == (3, 2, 2, 1)
+    with pytest.raises(ValueError, match="5 layers cannot fill 4 pipeline chunks, the first with 3"):
+        balanced_chunk_layers(5, [0.0] * 4, 1.0, first_at_least=3)
+
+
+def test_pipelined_qwen3_vl_first_stage_holds_the_deepstack_layers():
+    """Planner and runtime agree: every emitted pipelined Qwen3-VL plan's first chunk holds the DeepStack
+    layers, and a plan whose first chunk does not is refused in one line."""
+    from planner.api import plan
+    from planner.rules import injection_rule
+
+    made = plan("qwen3-vl-32b", 64, fix=["llm.pp=8"])
+    llm = made.module("llm")
+    assert llm.pp == 8 and llm.pp_layers[0] >= 3 and injection_rule(llm.pp_layers, 3) is None
+    assert "give it at least 3" in injection_rule([2, 30, 32], 3)
 
 
 def test_bubble_by_hand():
@@ -342,7 +359,7 @@ def test_pipeline_rules():
     with pytest.raises(ValueError, match=r"needs grad_accum >= 4"):
         estimate(model, toy_cluster(8), toy_workload(8), colocated(
             ModuleStrategy(dp=8), ModuleStrategy(dp=2, pp=4, micro_batch=4)), COMPUTE_ONLY)
-    with pytest.raises(ValueError, match="8 pipeline chunks but llm has 6 decoder layers"):
+    with pytest.raises(ValueError, match="8 pipeline chunks need 8 decoder layers, llm has 6"):
         estimate(model, toy_cluster(8), toy_workload(32), colocated(flat, ModuleStrategy(
             dp=2, pp=4, pp_schedule="interleaved_1f1b", virtual_stages=2, micro_batch=4, grad_accum=4)), COMPUTE_ONLY)
     for zero, recompute, rule in ((3, "none", "interleaved_zb with zero=3"),

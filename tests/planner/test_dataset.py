@@ -22,11 +22,10 @@ from planner.dataset import (
     read_dataset,
     sample_tokens,
     scan_dataset,
-    smart_resize,
 )
 from planner.packing import balance_packs, pack_best_fit
 from planner.strategy import ModuleStrategy
-from planner.workload import PackedTokens, packed_workload, pipeline_padded
+from planner.workload import MAX_ASPECT_RATIO, PackedTokens, packed_workload, pipeline_padded, smart_resize
 
 MODEL = get_model("qwen-vl-32b")
 
@@ -56,11 +55,24 @@ def _write(path, rows):
 def test_resize_is_the_processors(height, width, pixels):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
-    if max(height, width) / min(height, width) > dataset.MAX_ASPECT_RATIO:
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         with pytest.raises(ValueError, match="aspect ratio"):
             smart_resize(height, width, 28, *pixels)
         return
     assert smart_resize(height, width, 28, *pixels) == hf_smart_resize(height, width, 28, *pixels)
+
+
+@given(st.integers(2, 800), st.integers(1, 4000), st.integers(1, 4000))
+@settings(max_examples=300, deadline=None)
+def test_clip_resize_is_the_qwen3_video_processors(frames, height, width):
+    """A clip's resize within the budget of every frame (Qwen3-VL's video_preprocessor_config.json bounds)."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_clip_resize
+
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        return  # both refuse (the image test checks ours says why)
+    ours = smart_resize(height, width, 32, 4096, 25_165_824, frames=frames, temporal_patch=2)
+    assert ours == hf_clip_resize(frames, height, width, temporal_factor=2, factor=32, min_pixels=4096,
+                                  max_pixels=25_165_824)
 
 
 @given(st.lists(st.integers(1, 100), min_size=1, max_size=200), st.integers(100, 300))

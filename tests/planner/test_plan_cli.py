@@ -147,7 +147,7 @@ def test_help_documents_the_defaults(capsys):
     (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "llm.pp_schedule=interleaved_zb"]
      + [f"--fix=llm.{pin}" for pin in ("pp=2", "dp=8", "tp=1", "sp=1", "cp=1", "zero=3", "recompute=none",
                                        "micro_batch=1")], "interleaved_zb with zero=3"),
-    (["--model", "qwen-vl-32b", "--gpus", "128", "--fix", "llm.pp=128"], "128 pipeline chunks but llm has 64"),
+    (["--model", "qwen-vl-32b", "--gpus", "128", "--fix", "llm.pp=128"], "128 pipeline chunks need 128 decoder layers, llm has 64"),
 ])
 def test_errors_are_one_line_exit_2(argv, match, capsys):
     assert match in _fails(argv, capsys)

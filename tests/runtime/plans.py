@@ -13,6 +13,8 @@ from planner.schema import (
 
 IMAGE_SIZE = (112, 168)
 """8 x 12 patches: two windows of 64 and 32 patches (uneven SP split), 24 merged tokens."""
+QWEN3_IMAGE_SIZE = (128, 192)
+"""The same 8 x 12 patches at Qwen3-VL's patch side of 16."""
 TEXT_TOKENS = 40
 
 
@@ -67,6 +69,14 @@ def module(name: str, ranks: list[int], *, dp=1, tp=1, sp=1, cp=1, zero=0, recom
                       predicted=_prediction(), **pipeline)
 
 
+def tiny_qwen3_vl_config() -> dict[str, Any]:
+    """The catalog's tiny Qwen3-VL (4 full-attention vision blocks, DeepStack from blocks 1 and 2 into decoder
+    layers 0 and 1 of 4, q/k norms, interleaved M-RoPE)."""
+    from planner.catalog import get_model
+
+    return copy.deepcopy(dict(get_model("qwen3-vl-tiny").hf_config))
+
+
 def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAGE_SIZE, text_tokens=TEXT_TOKENS,
               learning_rate=1e-3, warmup_steps=2, grad_clip_norm=1.0, hf_config=None,
               pack_tokens: int | None = None) -> Plan:
@@ -85,14 +95,15 @@ def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAG
     ]
     n = len({r for m in modules for r in m.ranks})
     samples = modules[1].dp * modules[1].micro_batch * modules[1].grad_accum
-    patches = (image_size[0] // 14) * (image_size[1] // 14)
+    patch = hf_config.get("vision_config", {}).get("patch_size", 14)
+    patches = (image_size[0] // patch) * (image_size[1] // patch)
     device = DeviceSpec(name="cpu", peak_bf16_flops=1e11, memory_bytes=8 << 30, memory_bandwidth=2e10,
                         intra_node_bandwidth=5e9, intra_node_latency=1e-5, inter_node_bandwidth=1e9,
                         inter_node_latency=1e-4, devices_per_node=n, kernel_launch_latency=0.0,
                         host_overlap=0.0, source="test")
     return Plan(
         schema_version=SCHEMA_VERSION, planner_version="test",
-        model=ModelInfo(name="qwen2.5-vl-tiny", family="qwen2_5_vl", hf_config=hf_config, num_params=1,
+        model=ModelInfo(name="tiny", family=hf_config["model_type"], hf_config=hf_config, num_params=1,
                         module_params={"vision": 1, "llm": 1}),
         cluster=ClusterInfo(device=device, num_devices=n, devices_per_node=n),
         workload=WorkloadInfo(image_sizes=[image_size], vision_tokens=None, text_tokens=text_tokens,

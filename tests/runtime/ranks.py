@@ -65,13 +65,13 @@ def _gathered(trainer: Trainer) -> tuple[dict, dict]:
     return trainer.full_tensors("param"), buffers
 
 
-def run_scenarios(rank: int, plans: dict, checkpoint: str, round_trip: dict, save_dir: str) -> dict:
-    """On every rank: each plan from random init and from ``checkpoint``; then for each round trip (saving plan,
-    loading plan): train one step under the first, save, load under the second."""
+def run_scenarios(rank: int, plans: dict, checkpoints: dict, round_trip: dict, save_dir: str) -> dict:
+    """On every rank: each plan from random init and from its checkpoint (``checkpoints[name]``); then for each
+    round trip (saving plan, loading plan): train one step under the first, save, load under the second."""
     out = {}
     for name, plan in plans.items():
         out["init", name] = _gathered(Trainer(plan, rank=rank, options=RunOptions(seed=SEED)))
-        out["load", name] = _gathered(Trainer(plan, rank=rank, options=RunOptions(checkpoint=checkpoint)))
+        out["load", name] = _gathered(Trainer(plan, rank=rank, options=RunOptions(checkpoint=checkpoints[name])))
     for saving, loading in round_trip.items():
         trainer = Trainer(plans[saving], rank=rank, options=RunOptions(seed=SEED))
         trainer.train_step()

@@ -16,7 +16,7 @@ from runtime.llm import packed_position_ids
 from runtime.model import build_model, hf_config_from_dict, split_model
 from runtime.packed_data import UNDECODED_IMAGE, PackedConversations
 from runtime.parallel import attention
-from tests.runtime.plans import dataset_info, make_plan, tiny_hf_config
+from tests.runtime.plans import dataset_info, make_plan, tiny_hf_config, tiny_qwen3_vl_config
 from tests.runtime.tokenizer import save_tokenizer
 
 CONFIG = hf_config_from_dict(tiny_hf_config())
@@ -212,6 +212,12 @@ PACKED_PLANS = {
     "vision_dp4__llm_pp2xdp2_interleaved_zb": dict(vision=dict(dp=4, grad_accum=2), llm=dict(
         pp=2, dp=2, pp_schedule="interleaved_zb", virtual_stages=2, pp_layers=[1, 1, 1, 1], micro_batch=2,
         grad_accum=2)),
+    # Qwen3-VL: DeepStack features of ragged packs, sliced with their image tokens / padded with the row
+    "qwen3_vl_vision_sp2__llm_sp2": dict(vision=dict(sp=2, micro_batch=2), llm=dict(sp=2, micro_batch=2),
+                                         hf_config=tiny_qwen3_vl_config()),
+    "qwen3_vl_vision_dp2__llm_pp2": dict(vision=dict(dp=2, grad_accum=2),
+                                         llm=dict(pp=2, pp_layers=[2, 2], micro_batch=2, grad_accum=2),
+                                         hf_config=tiny_qwen3_vl_config()),
 }
 PREFETCHED = {"disjoint_vision_1__llm_dp2"}
 """Plans whose samples come from the prefetch worker."""

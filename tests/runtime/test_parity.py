@@ -43,7 +43,7 @@ import torch
 from runtime import launcher
 from runtime.trainer import RunOptions
 from tests.runtime import sharding_checks
-from tests.runtime.plans import make_plan, tiny_hf_config, tiny_qwen2_vl_config
+from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen2_vl_config, tiny_qwen3_vl_config
 from tests.runtime.reference import reference_run
 
 STEPS = 3
@@ -169,6 +169,24 @@ SLOW_PLANS = {
 }
 
 
+QWEN3_VL = dict(hf_config=tiny_qwen3_vl_config(), image_size=QWEN3_IMAGE_SIZE)
+"""The tiny Qwen3-VL: DeepStack features from vision blocks 1 and 2 added after decoder layers 0 and 1."""
+QWEN3_VL_PLANS = {
+    "qwen3_vl_zero3_dp2": dict(vision=dict(dp=2, zero=3), llm=dict(dp=2, zero=3), **QWEN3_VL),
+    # the q/k norms' weights replicated over TP, their gradients summed
+    "qwen3_vl_uniform_tp2": dict(vision=dict(tp=2), llm=dict(tp=2), **QWEN3_VL),
+    # each LLM slice takes the DeepStack rows of its own image tokens: a 33-token sequence, slices of 17 and 16
+    "qwen3_vl_vision_sp2__llm_sp2": dict(vision=dict(sp=2), llm=dict(sp=2), text_tokens=9, **QWEN3_VL),
+    # the merged output and both features cross to another rank as one row per image token
+    "qwen3_vl_disjoint__2_micro_batches": dict(vision=dict(grad_accum=2), llm=dict(grad_accum=2),
+                                               placement="disjoint", **QWEN3_VL),
+    # the first stage receives the features and holds both layers they are added after
+    "qwen3_vl_llm_pp2__vision_dp2": dict(vision=dict(dp=2, grad_accum=2),
+                                         llm=dict(pp=2, pp_layers=[2, 2], micro_batch=2, grad_accum=2), **QWEN3_VL),
+}
+"""Qwen3-VL plans (runtime.families.qwen3_vl)."""
+
+
 def clip_coefficient(norm: float, max_norm: float) -> float:
     """The factor global-norm clipping multiplies every gradient by (torch.nn.utils.clip_grad_norm_'s formula)."""
     return min(1.0, max_norm / (norm + 1e-6))
@@ -247,6 +265,13 @@ def test_parity_replicated_kv_heads(name, worker_pool):
 @pytest.mark.parametrize("name", list(PIPELINE_PLANS))
 def test_parity_pipelined(name, worker_pool):
     spec = dict(PIPELINE_PLANS[name])
+    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(QWEN3_VL_PLANS))
+def test_parity_qwen3_vl(name, worker_pool):
+    spec = dict(QWEN3_VL_PLANS[name])
     assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runtime.model import build_model, meta_model
-from tests.runtime.plans import make_plan, tiny_hf_config
+from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen3_vl_config
 from tests.runtime.ranks import SEED, measure_startup, run_scenarios, spawn
 
 
@@ -36,6 +36,9 @@ SPECS = {
         "disjoint_1_1": dict(vision=dict(), llm=dict(), placement="disjoint"),
         "llm_pp2__vision_dp2": dict(vision=dict(dp=2, grad_accum=2),
                                     llm=dict(pp=2, pp_layers=[3, 1], micro_batch=2, grad_accum=2)),
+        # Qwen3-VL: DeepStack mergers, the position table, q/k norms (replicated over TP)
+        "qwen3_vl_uniform_tp2": dict(vision=dict(tp=2), llm=dict(tp=2), qwen3=True),
+        "qwen3_vl_zero3_dp2": dict(vision=dict(dp=2, zero=3), llm=dict(dp=2, zero=3), qwen3=True),
     },
     4: {
         "vision_dp2xtp2_zero3__llm_tp2xdp2_zero3": dict(
@@ -49,7 +52,8 @@ SPECS = {
 """Plans per world size: TP, SP, DP, ZeRO 1-3, FSDP x TP, PP, colocated and disjoint."""
 
 ROUND_TRIPS = {
-    2: {"uniform_tp2": "zero3_dp2", "zero3_dp2": "llm_pp2__vision_dp2", "llm_pp2__vision_dp2": "uniform_tp2"},
+    2: {"uniform_tp2": "zero3_dp2", "zero3_dp2": "llm_pp2__vision_dp2", "llm_pp2__vision_dp2": "uniform_tp2",
+        "qwen3_vl_uniform_tp2": "qwen3_vl_zero3_dp2"},
     4: {"vision_dp2xtp2_zero3__llm_tp2xdp2_zero3": "vision_tp4__llm_tp2xsp2_zero1"},
 }
 """Saving plan -> loading plan."""
@@ -66,14 +70,20 @@ def scenarios(request, tmp_path_factory):
     """Every scenario on ``world`` spawned ranks (one spawn per world size: starting a process costs seconds)."""
     world = request.param
     tied = request.param == 4  # the 4-rank plans run the tied-embedding model (as Qwen2.5-VL-3B has)
-    config = tied_config() if tied else tiny_hf_config()
-    plans = {name: make_plan(dict(s["vision"]), dict(s["llm"]), hf_config=config,
-                             **{k: v for k, v in s.items() if k not in ("vision", "llm")})
-             for name, s in SPECS[world].items()}
     root = tmp_path_factory.mktemp(f"world{world}")
-    write_hub_checkpoint(build_model(config, seed=11), root / "hub")
-    results = spawn(world, run_scenarios, plans, str(root / "hub"), ROUND_TRIPS[world], str(root / "saved"))
-    return dict(world=world, config=config, plans=plans, root=root, results=results)
+    families = {"qwen2_5_vl": tied_config() if tied else tiny_hf_config(), "qwen3_vl": tiny_qwen3_vl_config()}
+    for family, config in families.items():
+        write_hub_checkpoint(build_model(config, seed=11), root / family)
+    plans, hubs = {}, {}
+    for name, spec in SPECS[world].items():
+        spec = dict(spec)
+        family = "qwen3_vl" if spec.pop("qwen3", False) else "qwen2_5_vl"
+        size = dict(image_size=QWEN3_IMAGE_SIZE) if family == "qwen3_vl" else {}
+        plans[name] = make_plan(dict(spec.pop("vision")), dict(spec.pop("llm")), hf_config=families[family],
+                                **size, **spec)
+        hubs[name] = str(root / family)
+    results = spawn(world, run_scenarios, plans, hubs, ROUND_TRIPS[world], str(root / "saved"))
+    return dict(world=world, plans=plans, hubs=hubs, root=root, results=results)
 
 
 def _from_pretrained(path) -> dict:
@@ -91,9 +101,9 @@ def assert_same(got: dict, expected: dict, what: str) -> None:
 
 @pytest.mark.slow
 def test_sharded_random_init_equals_the_single_process_model(scenarios):
-    reference = build_model(scenarios["config"], seed=SEED)
-    expected = {name: p.detach() for name, p in reference.named_parameters()}
-    for name in scenarios["plans"]:
+    for name, plan in scenarios["plans"].items():
+        reference = build_model(plan.model.hf_config, seed=SEED)
+        expected = {key: p.detach() for key, p in reference.named_parameters()}
         params, buffers = merged(scenarios["results"], ("init", name))
         assert_same(params, expected, name)
         for key, value in reference.named_buffers():
@@ -102,9 +112,8 @@ def test_sharded_random_init_equals_the_single_process_model(scenarios):
 
 @pytest.mark.slow
 def test_sharded_loading_equals_from_pretrained(scenarios):
-    expected = _from_pretrained(scenarios["root"] / "hub")
-    for name in scenarios["plans"]:
-        assert_same(merged(scenarios["results"], ("load", name))[0], expected, name)
+    for name, hub in scenarios["hubs"].items():
+        assert_same(merged(scenarios["results"], ("load", name))[0], _from_pretrained(hub), name)
 
 
 @pytest.mark.slow

@@ -21,8 +21,9 @@ from runtime.llm import image_slots_per_rank, next_token_targets
 from runtime.parallel.ulysses import kv_repeats, split_sequence, split_windows
 from runtime.parallel_dims import ParallelDims
 from runtime.trainer import RunOptions
-from runtime.vision import shard_vision_batch, vision_forward
-from tests.runtime.plans import make_plan, tiny_hf_config
+from runtime.families import FAMILIES
+from runtime.vision import shard_vision_batch
+from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen3_vl_config
 
 
 @pytest.fixture(scope="module")
@@ -185,16 +186,26 @@ def test_caption_data_bad_input(tmp_path, layout):
         CaptionData(tmp_path / "missing", layout)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen2_vl"])
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def test_vision_forward_on_whole_sequence_equals_hf_tower(model_type, layout):
-    config = tiny_hf_config() if model_type == "qwen2_5_vl" else tiny_qwen2_vl_config()
+    """The family's vision forward on one rank gives the HF tower's output bit for bit: the merged tokens, and for
+    Qwen3-VL each DeepStack feature after them in the row."""
+    config = {"qwen2_5_vl": tiny_hf_config, "qwen2_vl": tiny_qwen2_vl_config,
+              "qwen3_vl": tiny_qwen3_vl_config}[model_type]()
     reference = build_model(config, seed=0)
     model = build_model(config, seed=0, attention=attention.register())
+    if model_type == "qwen3_vl":
+        layout = layout_from_plan(make_plan({}, {}, hf_config=config, image_size=QWEN3_IMAGE_SIZE).workload,
+                                  model.config)
     batch = collate([SyntheticData(layout, seed=0).sample(i) for i in range(2)])
-    expected = reference.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"]).pooler_output
-    shard = shard_vision_batch(batch["pixel_values"], batch["image_grid_thw"], model.config.vision_config,
-                               sp_rank=0, sp_group=None, sp=1)
-    rows = vision_forward(model.model.visual, shard)
+    out = reference.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
+    expected = torch.cat([out.pooler_output, *(getattr(out, "deepstack_features", None) or [])], dim=-1)
+    family, vision_config = FAMILIES[model_type], model.config.vision_config
+    shard = shard_vision_batch(batch["pixel_values"], batch["image_grid_thw"], vision_config, sp_rank=0,
+                               sp_group=None, sp=1,
+                               patch_inputs=family.vision_patch_inputs(batch["image_grid_thw"], vision_config))
+    rows = family.vision_forward(model.model.visual, shard)
+    assert rows.shape[-1] == 128 * family.handoff_tensors(model.config)
     got = torch.empty_like(rows)
     got[shard.merged_positions] = rows
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -243,6 +254,15 @@ def test_validate_plan_refuses_in_one_line(vision, llm, placement, message):
 def test_validate_plan_refuses_more_sp_ranks_than_windows():
     plan = make_plan(dict(sp=2), dict(tp=2), image_size=(112, 112))  # 8x8 patches: a single window
     with pytest.raises(ValueError, match=r"sp=2 but a micro-batch has only 1 attention windows"):
+        validate_plan(plan, RunOptions())
+
+
+def test_validate_plan_refuses_a_first_stage_the_deepstack_features_do_not_fit():
+    """The tiny Qwen3-VL adds features after decoder layers 0 and 1: a first chunk of one layer cannot take them."""
+    plan = make_plan(dict(dp=2, grad_accum=2), dict(pp=2, pp_layers=[1, 3], micro_batch=2, grad_accum=2),
+                     hf_config=tiny_qwen3_vl_config(), image_size=QWEN3_IMAGE_SIZE)
+    with pytest.raises(ValueError, match="first pipeline chunk holds 1 decoder layers, but the vision features are "
+                                         "added after the first 2"):
         validate_plan(plan, RunOptions())
 
 
@@ -342,16 +362,20 @@ def test_under_autocast_a_norms_output_is_cast_once_for_every_linear_that_reads_
 
 def test_the_llm_forward_keeps_no_kv_cache(tiny_model):
     """Training builds no KV cache (the config says use_cache=True; a cache would hold every layer's keys and
-    values to the end of the forward, recomputed blocks included)."""
+    values to the end of the forward, recomputed blocks included): every decoder layer is called without one."""
     from runtime.model import split_model
 
     _, llm, _ = split_model(tiny_model)
-    outputs = []
-    handle = llm.language_model.register_forward_hook(lambda _m, _args, out: outputs.append(out))
+    calls = []
+    handles = [layer.register_forward_pre_hook(lambda _m, _args, kwargs: calls.append(kwargs), with_kwargs=True)
+               for layer in llm.language_model.layers]
     llm(torch.randint(0, 100, (1, 12)), torch.zeros(0, tiny_model.config.text_config.hidden_size),
         torch.arange(12).expand(3, 1, 12))
-    handle.remove()
-    assert tiny_model.config.text_config.use_cache and outputs[0].past_key_values is None
+    for handle in handles:
+        handle.remove()
+    assert tiny_model.config.text_config.use_cache and len(calls) == len(llm.language_model.layers)
+    assert all(c["use_cache"] is False and c.get("past_key_values") is None and c.get("cache") is None
+               for c in calls)
 
 
 def test_a_step_record_has_each_pipeline_stage_slowest_rank():
@@ -392,7 +416,7 @@ def test_plan_schedule_builds_torchs_schedule_and_times_every_compute_pass(sched
         for chunk, first in zip(chunks, (True, False)):
             chunk.first, chunk.last = first, False
         model = SimpleNamespace(chunks=chunks, ids=[0, 2])
-        shapes = MicroBatchShapes(samples=1, seq_len=4, image_tokens=1, hidden=2, vocab=8,
+        shapes = MicroBatchShapes(samples=1, seq_len=4, image_tokens=1, hidden=2, handoff_width=2, vocab=8,
                                   compute_dtype=torch.float32, handoff_dtype=torch.float32, rows_require_grad=True)
         timed = []
         built = build_schedule(model, dims, torch.device("cpu"), shapes, lambda out, target: out.sum(),
