@@ -38,6 +38,8 @@ class Config:
     """Vision tokens per sample (None: the default 1344 x 1344 image, 9,216 tokens)."""
     fix: tuple[str, ...] = field(default=())
     """``--fix`` pins."""
+    videos: tuple[tuple[int, int, int], ...] = ()
+    """``--video`` clips (frames, height, width)."""
 
     def command(self) -> str:
         parts = [f"plan --model {self.model} --gpus {self.gpus}"]
@@ -45,6 +47,7 @@ class Config:
             parts.append(f"--gpu {self.gpu}")
         if self.vision_tokens:
             parts.append(f"--vision-tokens {self.vision_tokens}")
+        parts += [f"--video {f}x{h}x{w}" for f, h, w in self.videos]
         parts += [f"--fix {f}" for f in self.fix]
         return " ".join(parts)
 
@@ -60,6 +63,7 @@ CONFIGS = (
     Config(name="72b-64gpus", model="qwen-vl-72b", gpus=64),
     Config(name="qwen3-32b-default", model="qwen3-vl-32b", gpus=16),
     Config(name="qwen3-32b-sp8-tp8-16k", model="qwen3-vl-32b", gpus=8, vision_tokens=16384, fix=SP8_TP8),
+    Config(name="qwen3-32b-video-2min-720p", model="qwen3-vl-32b", gpus=16, videos=((240, 720, 1280),)),
 )
 
 
@@ -67,7 +71,7 @@ def run(config: Config) -> str:
     """Plan, dry-run, and the report's text."""
     start = time.perf_counter()
     plan = make_plan(config.model, config.gpus, gpu=config.gpu, vision_tokens=config.vision_tokens,
-                     fix=list(config.fix))
+                     fix=list(config.fix), videos=config.videos)
     planned = time.perf_counter() - start
     report = dry_run(plan, RunOptions(), log=print)
     return (f"== {config.name}: {config.command()}  (planned in {planned:.0f} s, dry-run {report.seconds:.0f} s)\n"

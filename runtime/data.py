@@ -2,8 +2,11 @@
 
 Images go through transformers' own Qwen2-VL image processor (the PIL backend), so ``pixel_values`` are the
 flattened ``C*T*P*P`` patches in merge-window order and ``image_grid_thw`` is ``(1, H/P, W/P)`` per image,
-exactly as the model expects. A sample's token sequence is, per image, ``<vision_start> <image_pad>*M
-<vision_end>``, then text; labels are -100 on the image tokens and on padding.
+exactly as the model expects. A video clip's frames go through the same processor one by one, and consecutive
+frames fill each temporal patch (``patchify_clip``): ``pixel_values_videos`` and ``video_grid_thw`` ``(T/2, H/P,
+W/P)`` as the video processor lays them out. A sample's token sequence is, per image, ``<vision_start>
+<image_pad>*M <vision_end>``, then per clip its prompt (``video_prompt``), then text; labels are -100 on the image
+and video tokens and on padding.
 
 Each sample is a pure function of (seed, global sample index), so every rank (and the single-process reference
 in the tests) can build any sample; DP replica ``d`` of a micro-batch takes its own slice of the indices.
@@ -22,6 +25,10 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from planner.families import model_from_hf_config
+from planner.workload import video_grid
+from runtime.families import family_of
+
 IGNORE_INDEX = -100
 """Label value the loss skips (transformers' convention)."""
 
@@ -29,7 +36,8 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 """Files a caption folder may hold as images (each beside a ``.txt`` caption of the same stem)."""
 
 Sample = dict[str, torch.Tensor]
-"""pixel_values [N, C*T*P*P], image_grid_thw [I, 3], input_ids [L], mm_token_type_ids [L], labels [L]."""
+"""pixel_values [N, C*T*P*P], image_grid_thw [I, 3], input_ids [L], mm_token_type_ids [L], labels [L]; with clips,
+pixel_values_videos [N_v, C*T*P*P] and video_grid_thw [V, 3]."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -57,6 +65,17 @@ class SampleLayout:
     text_ids: tuple[int, int]
     """[first, end) of the longest run of ids that are not special tokens: random and byte-level text ids are drawn
     from it (below the first special token, where a vocabulary puts them last)."""
+    videos: tuple[tuple[int, int, int], ...] = ()
+    """(frames, height, width) of each clip after the video processor's resize (frames a multiple of the temporal
+    patch: the last frame repeated)."""
+    video_token_id: int = -1
+    """The ``<video_pad>`` token (unused without clips)."""
+    timestamp_tokens: int = 0
+    """Text tokens before each temporal group's start marker (Qwen3-VL's ``<t seconds>``), 0 where a clip has one
+    marker pair around all its groups (Qwen2-VL, Qwen2.5-VL)."""
+    normalization: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
+    """(image_mean, image_std) the family's checkpoints normalise pixels with (runtime.families
+    ``IMAGE_NORMALIZATION``); empty: the processor's defaults."""
 
     def __post_init__(self) -> None:
         if self.text_tokens < 2 * len(self.image_sizes) + 1:
@@ -69,15 +88,38 @@ class SampleLayout:
         """LLM tokens each image becomes (patches / merge_size**2)."""
         return [(h // self.patch_size) * (w // self.patch_size) // self.merge_size**2 for h, w in self.image_sizes]
 
+    def grids(self) -> list[tuple[int, int, int]]:
+        """(temporal patches, rows, cols) of a sample's visual inputs in sequence order: its images, then clips."""
+        images = [(1, h // self.patch_size, w // self.patch_size) for h, w in self.image_sizes]
+        return images + [(f // self.temporal_patch_size, h // self.patch_size, w // self.patch_size)
+                         for f, h, w in self.videos]
+
+    def video_prompt(self, clip: int, timestamp_ids: list[int]) -> tuple[list[int], list[int]]:
+        """(ids, mm_token_type_ids) of clip ``clip``'s prompt: per temporal group, ``timestamp_ids`` (its
+        ``timestamp_tokens`` text ids) then ``<vision_start> <video_pad>*n <vision_end>``; without timestamps one
+        marker pair around every group's pads."""
+        groups, rows, cols = self.grids()[len(self.image_sizes) + clip]
+        pads = rows * cols // self.merge_size**2
+        if not self.timestamp_tokens:
+            return ([self.vision_start_token_id] + [self.video_token_id] * groups * pads + [self.vision_end_token_id],
+                    [0] + [2] * groups * pads + [0])
+        ids, types = [], []
+        block = [self.vision_start_token_id] + [self.video_token_id] * pads + [self.vision_end_token_id]
+        for _ in range(groups):
+            ids += timestamp_ids + block
+            types += [0] * (len(timestamp_ids) + 1) + [2] * pads + [0]
+        return ids, types
+
     @property
     def num_patches(self) -> int:
         """Vision patches per sample."""
-        return sum(t * self.merge_size**2 for t in self.image_tokens())
+        return sum(t * h * w for t, h, w in self.grids())
 
     @property
     def seq_len(self) -> int:
         """LLM sequence length per sample."""
-        return self.text_tokens + sum(self.image_tokens())
+        return self.text_tokens + sum(len(self.video_prompt(c, [0] * self.timestamp_tokens)[0])
+                                      for c in range(len(self.videos))) + sum(self.image_tokens())
 
 
 def round_to_multiple(pixels: int, factor: int) -> int:
@@ -104,9 +146,6 @@ def layout_from_plan(workload: Any, config: Any) -> SampleLayout:
     Raises:
         ValueError: the workload has no image or has video clips, or its token counts disagree with the plan's.
     """
-    if getattr(workload, "videos", None):
-        raise ValueError("the plan's samples hold video clips, which the runtime does not train yet (plan them for "
-                         "sizing; run image plans)")
     vc = config.vision_config
     factor = vc.patch_size * vc.spatial_merge_size
     if workload.image_sizes:
@@ -114,8 +153,11 @@ def layout_from_plan(workload: Any, config: Any) -> SampleLayout:
     elif workload.vision_tokens:
         side = math.isqrt(workload.vision_tokens) * vc.patch_size
         sizes = ((side, side),)
+    elif workload.videos:
+        sizes = ()
     else:
         raise ValueError("the plan's workload has no image; the runtime trains vision-language models")
+    videos, timestamps = clip_sizes(workload.videos, config)
     special = [config.image_token_id, config.vision_start_token_id, config.vision_end_token_id]
     text_config = config.get_text_config()
     pad = text_config.pad_token_id if text_config.pad_token_id is not None else 0
@@ -130,11 +172,30 @@ def layout_from_plan(workload: Any, config: Any) -> SampleLayout:
         vision_end_token_id=config.vision_end_token_id,
         pad_token_id=pad,
         text_ids=ordinary_ids(text_config.vocab_size, special),
+        videos=videos,
+        video_token_id=config.video_token_id,
+        timestamp_tokens=timestamps,
+        normalization=family_of(config).IMAGE_NORMALIZATION,
     )
     planned = workload.module_tokens.get("vision")
     if planned is not None and planned != layout.num_patches:
         raise ValueError(f"plan says {planned} vision tokens per sample, its image sizes give {layout.num_patches}")
     return layout
+
+
+def clip_sizes(clips: Any, config: Any) -> tuple[tuple[tuple[int, int, int], ...], int]:
+    """((frames, height, width) of each of a plan's clips, ``(frames, height, width)`` as sampled, after the model's
+    video processor resizes them (the planner's ``video_grid``: one rule for both halves), and the timestamp tokens
+    before each temporal group (the family's per-group prompt text less its two markers)."""
+    if not clips:
+        return (), 0
+    spec = model_from_hf_config(config.to_dict(), "plan")
+    vi = spec.vision_input
+    sizes = []
+    for frames, height, width in clips:
+        groups, rows, cols = video_grid(frames, height, width, spec)
+        sizes.append((groups * vi.temporal_patch_size, rows * vi.patch_size, cols * vi.patch_size))
+    return tuple(sizes), max(vi.video.group_text_tokens - 2, 0)
 
 
 class Source(Protocol):
@@ -144,14 +205,20 @@ class Source(Protocol):
 
 
 def layout_image_processor(layout: SampleLayout) -> Qwen2VLImageProcessorPil:
-    """Transformers' Qwen2-VL image processor (PIL backend) for the layout's patch geometry."""
+    """Transformers' Qwen2-VL image processor (PIL backend) for the layout's patch geometry and the family's pixel
+    normalisation."""
+    mean, std = layout.normalization
     return Qwen2VLImageProcessorPil(
-        patch_size=layout.patch_size, temporal_patch_size=layout.temporal_patch_size, merge_size=layout.merge_size
+        patch_size=layout.patch_size, temporal_patch_size=layout.temporal_patch_size, merge_size=layout.merge_size,
+        **({"image_mean": list(mean), "image_std": list(std)} if mean else {}),
     )
 
 
 def patchify(images: list[Image.Image], layout: SampleLayout, processor: Qwen2VLImageProcessorPil) -> Sample:
-    """pixel_values and image_grid_thw of a sample's images, resized to the layout's sizes, by the HF processor."""
+    """pixel_values and image_grid_thw of a sample's images, resized to the layout's sizes, by the HF processor (none
+    for a sample of clips only)."""
+    if not images:
+        return {}
     pixels, grids = [], []
     for image, (h, w) in zip(images, layout.image_sizes, strict=True):
         image = image.convert("RGB").resize((w, h), Image.Resampling.BICUBIC)
@@ -161,23 +228,71 @@ def patchify(images: list[Image.Image], layout: SampleLayout, processor: Qwen2VL
     return {"pixel_values": torch.cat(pixels).float(), "image_grid_thw": torch.cat(grids)}
 
 
-def token_sequence(text_ids: list[int], layout: SampleLayout) -> Sample:
-    """input_ids, mm_token_type_ids and labels: the image blocks, then ``text_ids`` cut or padded to fit."""
+def patchify_clip(frames: list[Image.Image], size: tuple[int, int], layout: SampleLayout,
+                  processor: Qwen2VLImageProcessorPil) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel_values_videos [T/2 * h * w, C*T*P*P], video_grid_thw [1, 3]) of a clip's frames resized to ``size``:
+    each frame through the image processor (which repeats a still image over the temporal patch), then each
+    temporal patch filled with consecutive frames instead: the video processor's layout (``Qwen2VLVideoProcessor``
+    / ``Qwen3VLVideoProcessor`` patchify [t, T, C, h, w] alike; their torchvision backend is not installed here)."""
+    temporal, height, width = layout.temporal_patch_size, *size
+    per_frame = []
+    for frame in frames:
+        frame = frame.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
+        out = processor(images=[frame], size={"shortest_edge": height * width, "longest_edge": height * width},
+                        return_tensors="pt")
+        patches = out["pixel_values"].float()
+        per_frame.append(patches.view(patches.shape[0], 3, temporal, -1)[:, :, 0])  # [h*w, C, P*P]
+    groups = len(frames) // temporal
+    clip = torch.stack(per_frame).view(groups, temporal, *per_frame[0].shape)  # [t, T, h*w, C, P*P]
+    pixels = clip.permute(0, 2, 3, 1, 4).reshape(groups * per_frame[0].shape[0], -1)  # [t*h*w, C*T*P*P]
+    grid = torch.tensor([[groups, height // layout.patch_size, width // layout.patch_size]])
+    return pixels, grid
+
+
+def token_sequence(text_ids: list[int], layout: SampleLayout, timestamp_ids: list[int] | None = None) -> Sample:
+    """input_ids, mm_token_type_ids and labels: the image blocks, each clip's prompt (``timestamp_ids`` before each
+    temporal group where the family has them), then ``text_ids`` cut or padded to fit."""
     ids, types = [], []
     for num in layout.image_tokens():
         ids += [layout.vision_start_token_id] + [layout.image_token_id] * num + [layout.vision_end_token_id]
         types += [0] + [1] * num + [0]
+    stamp = (timestamp_ids or [layout.text_ids[0]] * layout.timestamp_tokens)[:layout.timestamp_tokens]
+    for clip in range(len(layout.videos)):
+        clip_ids, clip_types = layout.video_prompt(clip, stamp)
+        ids, types = ids + clip_ids, types + clip_types
     room = layout.text_tokens - 2 * len(layout.image_sizes)
     text = list(text_ids[:room])
     labels = list(ids) + text + [IGNORE_INDEX] * (room - len(text))
     ids += text + [layout.pad_token_id] * (room - len(text))
     types += [0] * room
-    labels = [IGNORE_INDEX if t == 1 else lab for lab, t in zip(labels, types)]
+    labels = [IGNORE_INDEX if t != 0 else lab for lab, t in zip(labels, types)]
     return {
         "input_ids": torch.tensor(ids),
         "mm_token_type_ids": torch.tensor(types, dtype=torch.int32),
         "labels": torch.tensor(labels),
     }
+
+
+def visual_inputs(batch: Sample) -> tuple[torch.Tensor, torch.Tensor]:
+    """(patches, grid_thw) of a micro-batch's images and clips in sequence order, sample by sample (its images,
+    then its clips): what the vision tower runs and the hand-off routes, one row per visual token in that order.
+    ``collate`` keeps images and clips apart, as the HF model takes them."""
+    if "video_grid_thw" not in batch:
+        return batch["pixel_values"], batch["image_grid_thw"]
+    samples = batch["input_ids"].shape[0] if "sample_lens" not in batch else len(batch["sample_lens"])
+    parts = []
+    for kind, grid_key in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        if grid_key not in batch:  # clips only
+            parts.append([(batch["pixel_values_videos"][:0], batch["video_grid_thw"][:0])] * samples)
+            continue
+        grids = batch[grid_key]
+        per_sample = len(grids) // samples
+        patches = batch[kind].split(grids.prod(-1).tolist())
+        mine = [slice(i * per_sample, (i + 1) * per_sample) for i in range(samples)]
+        parts.append([(torch.cat(patches[own]), grids[own]) for own in mine])
+    pixels = torch.cat([p for images, clips in zip(*parts) for p in (images[0], clips[0])])
+    grid = torch.cat([g for images, clips in zip(*parts) for g in (images[1], clips[1])])
+    return pixels, grid
 
 
 class SyntheticData:
@@ -193,7 +308,15 @@ class SyntheticData:
         images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in self.layout.image_sizes]
         room = self.layout.text_tokens - 2 * len(self.layout.image_sizes)
         text = rng.integers(*self.layout.text_ids, room).tolist()
-        return {**patchify(images, self.layout, self.processor), **token_sequence(text, self.layout)}
+        stamp = rng.integers(*self.layout.text_ids, self.layout.timestamp_tokens).tolist()
+        sample = {**patchify(images, self.layout, self.processor), **token_sequence(text, self.layout, stamp)}
+        if self.layout.videos:
+            clips = [patchify_clip([Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+                                    for _ in range(frames)], (h, w), self.layout, self.processor)
+                     for frames, h, w in self.layout.videos]
+            sample["pixel_values_videos"] = torch.cat([pixels for pixels, _ in clips])
+            sample["video_grid_thw"] = torch.cat([grid for _, grid in clips])
+        return sample
 
 
 class CaptionData:
@@ -244,11 +367,14 @@ class CaptionData:
         return {**patchify([image], self.layout, self.processor), **token_sequence(text, self.layout)}
 
 
+VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+"""A sample's patches and grids, images' and clips' (a sample of clips only has no image keys)."""
+
+
 def collate(samples: list[Sample]) -> Sample:
     """A micro-batch: patches and grids concatenated (the vision tower packs them), token tensors stacked."""
     return {
-        "pixel_values": torch.cat([s["pixel_values"] for s in samples]),
-        "image_grid_thw": torch.cat([s["image_grid_thw"] for s in samples]),
+        **{key: torch.cat([s[key] for s in samples]) for key in VISUAL_KEYS if key in samples[0]},
         "input_ids": torch.stack([s["input_ids"] for s in samples]),
         "mm_token_type_ids": torch.stack([s["mm_token_type_ids"] for s in samples]),
         "labels": torch.stack([s["labels"] for s in samples]),

@@ -45,6 +45,5 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
         return  # each packed micro-batch's shapes are known once the data is indexed
     layout = layout_from_plan(plan.workload, config)
     split_sequence(layout.seq_len, llm.sp)  # a token per SP rank at least
-    grid = torch.tensor([(1, h // layout.patch_size, w // layout.patch_size) for h, w in layout.image_sizes])
-    merged_positions_per_rank(grid.repeat(vision.micro_batch, 1), vc, vision.sp)  # enough windows for SP
+    merged_positions_per_rank(torch.tensor(layout.grids() * vision.micro_batch), vc, vision.sp)  # enough windows for SP
 

@@ -168,11 +168,17 @@ class PlannedShapes:
         self.layout = layout
         self.tokens = token_sequence([], layout)
         patch = 3 * layout.temporal_patch_size * layout.patch_size**2
-        self.pixels = (layout.num_patches, patch)
-        self.grid = torch.tensor([(1, h // layout.patch_size, w // layout.patch_size) for h, w in layout.image_sizes])
+        grids = torch.tensor(layout.grids()).view(-1, 3)
+        images = len(layout.image_sizes)
+        self.visual = {}
+        for pixels, grid_key, grid in (("pixel_values", "image_grid_thw", grids[:images]),
+                                       ("pixel_values_videos", "video_grid_thw", grids[images:])):
+            if len(grid):
+                self.visual[pixels] = (int(grid.prod(-1).sum()), patch)
+                self.visual[grid_key] = grid
 
     def sample(self, index: int) -> Sample:
-        return {"pixel_values": torch.zeros(self.pixels), "image_grid_thw": self.grid.clone(),
+        return {**{k: torch.zeros(v) if isinstance(v, tuple) else v.clone() for k, v in self.visual.items()},
                 **{k: v.clone() for k, v in self.tokens.items()}}
 
 
@@ -281,8 +287,7 @@ def _slice_lengths(plan: Plan, name: str, layout: SampleLayout, config: Any) -> 
     if name == "llm":
         bounds = split_sequence(layout.seq_len, dims.sp)
         return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    grid = torch.tensor([(1, h // layout.patch_size, w // layout.patch_size) for h, w in layout.image_sizes])
-    _, cu_windows = window_layout(grid.repeat(dims.micro_batch, 1), config.vision_config)
+    _, cu_windows = window_layout(torch.tensor(layout.grids() * dims.micro_batch), config.vision_config)
     bounds = split_windows(cu_windows, dims.sp)
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 

@@ -175,11 +175,12 @@ class VisionTower(nn.Module):
 class LanguageModel(nn.Module):
     """The decoder: ``model.model.language_model`` plus ``model.lm_head``."""
 
-    def __init__(self, language_model: nn.Module, lm_head: nn.Linear, image_token_id: int):
+    def __init__(self, language_model: nn.Module, lm_head: nn.Linear, visual_token_ids: tuple[int, ...]):
         super().__init__()
         self.language_model = language_model
         self.lm_head = lm_head
-        self.image_token_id = image_token_id
+        self.visual_token_ids = visual_token_ids
+        """The image and video pad tokens: where the hand-off's rows go, in sequence order."""
 
     def forward(
         self, input_ids_BL: torch.Tensor, image_rows_MW: torch.Tensor, position_ids_3BL: torch.Tensor,
@@ -192,7 +193,7 @@ class LanguageModel(nn.Module):
         ``ulysses_group`` (runtime.parallel.ulysses.UlyssesGroup) reaches every decoder layer's attention kernel.
         """
         decoder = self.language_model
-        hidden_BLD, injection = embed_image_rows(decoder, input_ids_BL, image_rows_MW, self.image_token_id)
+        hidden_BLD, injection = embed_image_rows(decoder, input_ids_BL, image_rows_MW, self.visual_token_ids)
         hidden_BLD = decoder_forward(decoder, hidden_BLD, position_ids_3BL, enumerate(decoder.layers),
                                      ulysses_group=ulysses_group, injection=injection)
         return self.lm_head(decoder.norm(hidden_BLD))
@@ -209,11 +210,11 @@ Injection = tuple[torch.Tensor, tuple[torch.Tensor, ...]]
 """(image mask [B, L, 1], the features [M, D] decoder layer k's output receives there, k = 0, 1, ...)."""
 
 
-def embed_image_rows(decoder: nn.Module, input_ids_BL: torch.Tensor, rows_MW: torch.Tensor, image_token_id: int
-                     ) -> tuple[torch.Tensor, Injection | None]:
-    """The token embeddings with each image token's merged output in place, and what the first decoder layers
-    receive besides: a hand-off row is the merged output [D] followed by one feature [D] per injection level
-    (Qwen3-VL's DeepStack; none for Qwen2-VL and Qwen2.5-VL)."""
+def embed_image_rows(decoder: nn.Module, input_ids_BL: torch.Tensor, rows_MW: torch.Tensor,
+                     visual_token_ids: tuple[int, ...]) -> tuple[torch.Tensor, Injection | None]:
+    """The token embeddings with each image or video token's merged output in place (the rows in sequence order),
+    and what the first decoder layers receive besides: a hand-off row is the merged output [D] followed by one
+    feature [D] per injection level (Qwen3-VL's DeepStack; none for Qwen2-VL and Qwen2.5-VL)."""
     embeds_BLD = decoder.embed_tokens(input_ids_BL)
     device_type = embeds_BLD.device.type
     if torch.is_autocast_enabled(device_type):
@@ -222,7 +223,7 @@ def embed_image_rows(decoder: nn.Module, input_ids_BL: torch.Tensor, rows_MW: to
         # saves per layer
         embeds_BLD = embeds_BLD.to(torch.get_autocast_dtype(device_type))
     width = embeds_BLD.shape[-1]
-    image_mask_BL1 = (input_ids_BL == image_token_id).unsqueeze(-1)
+    image_mask_BL1 = torch.isin(input_ids_BL, torch.tensor(visual_token_ids, device=input_ids_BL.device)).unsqueeze(-1)
     embeds_BLD = embeds_BLD.masked_scatter(image_mask_BL1, rows_MW[..., :width].to(embeds_BLD.dtype))
     features = tuple(rows_MW[..., width:].split(width, dim=-1)) if rows_MW.shape[-1] > width else ()
     return embeds_BLD, (image_mask_BL1, features) if features else None
@@ -265,5 +266,6 @@ RopeIndex = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 def split_model(model: nn.Module) -> tuple[VisionTower, LanguageModel, RopeIndex]:
     """The vision tower, the language model, and the model's own M-RoPE position function (``get_rope_index``)."""
     vision = VisionTower(model.model.visual)
-    llm = LanguageModel(model.model.language_model, model.lm_head, model.config.image_token_id)
+    llm = LanguageModel(model.model.language_model, model.lm_head,
+                        (model.config.image_token_id, model.config.video_token_id))
     return vision, llm, model.model.get_rope_index

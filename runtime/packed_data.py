@@ -33,6 +33,8 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
+from runtime.families import family_of
+
 from planner.data_rows import SkippedSample, cache_folder, file_key, image_header_size, image_keys
 from planner.packing import balance_packs, pack_best_fit
 from planner.schema import DatasetInfo
@@ -77,9 +79,11 @@ class PackedConversations:
         self.seed = seed
         self.tokenizer_dir = Path(tokenizer_dir)
         self.chat = ChatTokenizer(tokenizer_dir, config.image_token_id)
+        mean, std = family_of(config).IMAGE_NORMALIZATION
         self.processor = Qwen2VLImageProcessorPil(
             patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
-            size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
+            size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}, image_mean=list(mean),
+            image_std=list(std),
         )
         self.rows, self.skipped = read_conversation_rows(self.path)
         """``skipped``: rows left out, by reason (the index's, then images that did not decode on this rank)."""

@@ -70,7 +70,7 @@ class LanguageModelChunk(nn.Module):
         super().__init__()
         self.language_model = _Decoder(llm.language_model, layer_ids, first=first, last=last)
         self.lm_head = llm.lm_head if last else None
-        self.image_token_id = llm.image_token_id
+        self.visual_token_ids = llm.visual_token_ids
         self.first, self.last = first, last
         self.ulysses_group: UlyssesGroup | None = None
         """This rank's sequence slice and its SP group (runtime.llm.LLMShard), set by the trainer under SP."""
@@ -86,7 +86,7 @@ class LanguageModelChunk(nn.Module):
         decoder, injection = self.language_model, None
         if self.first:
             input_ids_BL, rows_BMW = inputs
-            hidden_BLD, injection = embed_image_rows(decoder, input_ids_BL, rows_BMW, self.image_token_id)
+            hidden_BLD, injection = embed_image_rows(decoder, input_ids_BL, rows_BMW, self.visual_token_ids)
         else:
             (hidden_BLD,) = inputs
         layers = ((int(index), layer) for index, layer in decoder.layers.items())

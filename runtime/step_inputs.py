@@ -39,6 +39,9 @@ def data_source(plan: Plan, options: Any, config: PretrainedConfig) -> Source | 
         return PackedConversations(options.data, options.tokenizer, config=config, dataset=plan.workload.dataset,
                                    seed=options.seed)
     layout = layout_from_plan(plan.workload, config)
+    if options.data and layout.videos:
+        raise ValueError(f"the plan's samples hold video clips, and {options.data} holds images: a video plan trains "
+                         "on synthetic clips until video rows are read (plan the data with --dataset)")
     if options.data and is_conversation_file(Path(options.data)):
         if not options.tokenizer:
             raise ValueError(f"{options.data} holds conversations: give --tokenizer DIR, the model folder whose "
@@ -148,7 +151,8 @@ class StepInputs:
                     ids, position_ids, labels = pad_packed_row(ids, position_ids, labels, self.pipeline_shapes.seq_len)
             else:
                 position_ids, _ = self.rope_index(ids, mm_token_type_ids=batch["mm_token_type_ids"],
-                                                  image_grid_thw=batch["image_grid_thw"])
+                                                  image_grid_thw=batch.get("image_grid_thw"),
+                                                  video_grid_thw=batch.get("video_grid_thw"))
             sp_group = dims.grid_mesh["sp"].get_group() if dims.sp_enabled else None
             self._llm_shards[micro] = to_device(shard_llm_batch(
                 ids, position_ids, labels, sp_rank=dims.coordinate(self.rank)["sp"],
@@ -185,7 +189,7 @@ class StepInputs:
             j = dims.coordinate(self.rank)["sp"]
             ids = template[bounds[j]:bounds[j + 1]]
             samples, seq_len = dims.micro_batch, len(ids)
-            image_tokens = int((ids == self.layout.image_token_id).sum())
+            image_tokens = int(self._visual(ids).sum())
         return MicroBatchShapes(samples=samples, seq_len=seq_len, image_tokens=image_tokens, hidden=text.hidden_size,
                                 handoff_width=text.hidden_size * family_of(config).handoff_tensors(config),
                                 vocab=text.vocab_size, compute_dtype=compute_dtype, handoff_dtype=handoff_dtype,
@@ -221,7 +225,7 @@ class StepInputs:
         vision, llm = self.dims["vision"], self.receiving_llm
         positions = merged_positions_per_rank(self._grid(vision.micro_batch), self.vision_config, vision.sp)
         template = self._sample_ids()
-        row = (len(template), (template == self.layout.image_token_id).nonzero().flatten())
+        row = (len(template), self._visual(template).nonzero().flatten())
         slots = image_slots_per_rank([row] * llm.micro_batch, llm.sp)
         return Routes.build(vision, llm, [positions] * vision.dp, [slots] * llm.dp, self.device)
 
@@ -246,8 +250,11 @@ class StepInputs:
         return token_sequence([], self.layout)["input_ids"]
 
     def _grid(self, samples: int) -> torch.Tensor:
-        sizes = [(1, h // self.layout.patch_size, w // self.layout.patch_size) for h, w in self.layout.image_sizes]
-        return torch.tensor(sizes * samples)
+        return torch.tensor(self.layout.grids() * samples)
+
+    def _visual(self, ids: torch.Tensor) -> torch.Tensor:
+        """Where the image and video tokens of a fixed-shape plan's ids are."""
+        return (ids == self.layout.image_token_id) | (ids == self.layout.video_token_id)
 
 
 def check_vision_windows(source: PackedConversations, vision: ParallelDims, config: Any) -> None:

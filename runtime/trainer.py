@@ -30,7 +30,7 @@ from transformers import PretrainedConfig
 from planner.schema import Plan
 from runtime import full_model
 from runtime.checkpoint import TensorSource, save_hf_folder
-from runtime.data import IGNORE_INDEX
+from runtime.data import IGNORE_INDEX, visual_inputs
 from runtime.dcp_checkpoint import load_checkpoint
 from runtime.handoff import Handoff, Posted
 from runtime.model import hf_config_from_dict
@@ -155,8 +155,9 @@ class Trainer:
         dims = self.dims["vision"]
         batch = self.inputs.samples(micro, "vision")
         sp_group = dims.grid_mesh["sp"].get_group() if dims.sp_enabled else None
-        grid, config = batch["image_grid_thw"].cpu(), self.inputs.vision_config
-        shard = shard_vision_batch(batch["pixel_values"], grid, config, sp_rank=dims.coordinate(self.rank)["sp"],
+        pixels, grid = visual_inputs(batch)
+        grid, config = grid.cpu(), self.inputs.vision_config
+        shard = shard_vision_batch(pixels, grid, config, sp_rank=dims.coordinate(self.rank)["sp"],
                                    sp_group=sp_group, sp=dims.sp,
                                    patch_inputs=self.family.vision_patch_inputs(grid, config))
         shard = to_device(shard, self.device)

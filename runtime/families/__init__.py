@@ -10,6 +10,7 @@ An adapter is a module with
 - ``vision_tp_plans(visual) -> [(submodule, plan)]``: the DTensor ``parallelize_module`` plans of the vision tower
   (its fused ``attn.qkv`` rows are put in TP layout first, by runtime.parallel.tensor_parallel);
 - ``LLM_LAYER_TP_PLAN``: what a decoder layer adds to the common LLM plan (Qwen3's per-head q/k norms);
+- ``IMAGE_NORMALIZATION``: (image_mean, image_std) of the checkpoints' processor config;
 - ``vision_patch_inputs(grid_thw, config) -> {name: [N, ...]}``: per-patch inputs besides pixels and positions, in
   patch order (the shard takes its patches' rows);
 - ``vision_forward(visual, shard) -> [m, handoff_tensors * D]``: this rank's rows of the hand-off.

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import Qwen2_5_VLForConditionalGeneration
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 from runtime.vision import VisionShard, blocks_forward
 
@@ -21,6 +22,8 @@ BLOCK_TP_PLAN = {
 """A vision block: attention heads and the gated MLP's width split (Megatron-LM, Shoeybi et al. 2019)."""
 MERGER_TP_PLAN = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
 """The merger's two-layer MLP."""
+IMAGE_NORMALIZATION = (tuple(OPENAI_CLIP_MEAN), tuple(OPENAI_CLIP_STD))
+"""(image_mean, image_std) of the checkpoints' preprocessor_config.json: CLIP's."""
 LLM_LAYER_TP_PLAN: dict = {}
 """Nothing beyond the common decoder-layer plan."""
 

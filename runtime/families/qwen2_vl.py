@@ -6,7 +6,13 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import Qwen2VLForConditionalGeneration
 
-from runtime.families.qwen2_5_vl import MERGER_TP_PLAN, handoff_tensors, vision_forward, vision_patch_inputs
+from runtime.families.qwen2_5_vl import (
+    IMAGE_NORMALIZATION,
+    MERGER_TP_PLAN,
+    handoff_tensors,
+    vision_forward,
+    vision_patch_inputs,
+)
 
 MODEL_TYPE = "qwen2_vl"
 MODEL_CLASS = Qwen2VLForConditionalGeneration
@@ -17,8 +23,8 @@ BLOCK_TP_PLAN = {
 """A vision block: attention heads and the MLP's width split."""
 LLM_LAYER_TP_PLAN: dict = {}
 """Nothing beyond the common decoder-layer plan."""
-__all__ = ["MODEL_TYPE", "MODEL_CLASS", "LLM_LAYER_TP_PLAN", "handoff_tensors", "vision_forward",
-           "vision_patch_inputs", "vision_tp_plans"]
+__all__ = ["MODEL_TYPE", "MODEL_CLASS", "IMAGE_NORMALIZATION", "LLM_LAYER_TP_PLAN", "handoff_tensors",
+           "vision_forward", "vision_patch_inputs", "vision_tp_plans"]
 
 
 def vision_tp_plans(visual: nn.Module) -> list[tuple[nn.Module, dict]]:

@@ -27,6 +27,9 @@ BLOCK_TP_PLAN = {
 """A vision block: attention heads and the MLP's width split (torchtitan's Qwen3-VL vision plan)."""
 MERGER_TP_PLAN = {"linear_fc1": ColwiseParallel(), "linear_fc2": RowwiseParallel()}
 """The merger's and each DeepStack merger's two-layer MLP (their norms stay replicated)."""
+IMAGE_NORMALIZATION = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+"""(image_mean, image_std) of the checkpoints' preprocessor_config.json (docs/research/qwen3-vl.md), not the image
+processor class's CLIP defaults."""
 LLM_LAYER_TP_PLAN = {
     "self_attn.q_norm": ReplicatedWeightSummedGradients(),
     "self_attn.k_norm": ReplicatedWeightSummedGradients(),

@@ -79,7 +79,7 @@ def tiny_qwen3_vl_config() -> dict[str, Any]:
 
 def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAGE_SIZE, text_tokens=TEXT_TOKENS,
               learning_rate=1e-3, warmup_steps=2, grad_clip_norm=1.0, hf_config=None,
-              pack_tokens: int | None = None) -> Plan:
+              pack_tokens: int | None = None, videos: tuple[tuple[int, int, int], ...] = ()) -> Plan:
     """A CPU plan for the tiny model; ``vision``/``llm`` are module() keyword arguments (ranks defaulted). With
     ``pack_tokens`` it is a dataset plan (packs of that many LLM tokens; the data is the run's ``--data``)."""
     hf_config = hf_config or tiny_hf_config()
@@ -96,7 +96,16 @@ def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAG
     n = len({r for m in modules for r in m.ranks})
     samples = modules[1].dp * modules[1].micro_batch * modules[1].grad_accum
     patch = hf_config.get("vision_config", {}).get("patch_size", 14)
-    patches = (image_size[0] // patch) * (image_size[1] // patch)
+    patches = (image_size[0] // patch) * (image_size[1] // patch) if image_size else 0
+    llm_tokens = text_tokens + patches // 4
+    if videos:  # (frames, height, width) clips, as the planner counts them
+        from planner.families import model_from_hf_config
+        from planner.workload import Workload, module_tokens
+
+        sizes = (image_size,) if image_size else ()
+        tokens = module_tokens(Workload(image_sizes=sizes, videos=videos, text_tokens=text_tokens, global_batch=1),
+                               model_from_hf_config(hf_config, "tiny"))
+        patches, llm_tokens = int(tokens["vision"].tokens), int(tokens["llm"].tokens)
     device = DeviceSpec(name="cpu", peak_bf16_flops=1e11, memory_bytes=8 << 30, memory_bandwidth=2e10,
                         intra_node_bandwidth=5e9, intra_node_latency=1e-5, inter_node_bandwidth=1e9,
                         inter_node_latency=1e-4, devices_per_node=n, kernel_launch_latency=0.0,
@@ -106,9 +115,9 @@ def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAG
         model=ModelInfo(name="tiny", family=hf_config["model_type"], hf_config=hf_config, num_params=1,
                         module_params={"vision": 1, "llm": 1}),
         cluster=ClusterInfo(device=device, num_devices=n, devices_per_node=n),
-        workload=WorkloadInfo(image_sizes=[image_size], vision_tokens=None, text_tokens=text_tokens,
-                              audio_seconds=0.0, global_batch=samples,
-                              module_tokens={"vision": patches, "llm": text_tokens + patches // 4},
+        workload=WorkloadInfo(image_sizes=[image_size] if image_size else [], vision_tokens=None,
+                              text_tokens=text_tokens, audio_seconds=0.0, global_batch=samples, videos=list(videos),
+                              module_tokens={"vision": patches, "llm": llm_tokens},
                               llm_image_tokens=patches // 4,
                               dataset=None if pack_tokens is None else dataset_info(pack_tokens)),
         training=TrainingInfo(precision="bf16_mixed", learning_rate=learning_rate, warmup_steps=warmup_steps,

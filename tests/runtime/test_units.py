@@ -257,6 +257,40 @@ def test_validate_plan_refuses_more_sp_ranks_than_windows():
         validate_plan(plan, RunOptions())
 
 
+@pytest.mark.parametrize(("config", "size", "white"), [
+    (tiny_hf_config, (112, 112), (1 - 0.48145466) / 0.26862954),  # Qwen2.5-VL's processor: CLIP's mean and std
+    (tiny_qwen3_vl_config, (128, 128), 1.0),  # Qwen3-VL's: (1 - 0.5) / 0.5
+])
+def test_images_are_normalised_as_the_familys_checkpoints_expect(config, size, white):
+    """A white image's red channel after the processor the runtime builds for the family's layout."""
+    from PIL import Image
+
+    from runtime.model import hf_config_from_dict
+
+    hf = hf_config_from_dict(config())
+    layout = layout_from_plan(make_plan({}, {}, hf_config=config(), image_size=size).workload, hf)
+    pixels = SyntheticData(layout, seed=0).processor(images=[Image.new("RGB", size[::-1], "white")],
+                                                      return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(pixels[:, 0], torch.full_like(pixels[:, 0], white))
+
+
+def test_a_video_plan_lays_out_what_the_planner_counted_and_refuses_image_data(tmp_path):
+    """A clip of 4 frames of 64 x 96 beside the image: 2 temporal groups of 4 x 6 patches (the planner's count), each
+    group after its 7 timestamp tokens and between its own markers; caption or conversation data holds no clip."""
+    from runtime.model import hf_config_from_dict
+    from runtime.step_inputs import data_source
+
+    plan = make_plan({}, {}, hf_config=tiny_qwen3_vl_config(), image_size=QWEN3_IMAGE_SIZE, videos=((4, 64, 96),))
+    config = hf_config_from_dict(plan.model.hf_config)
+    layout = layout_from_plan(plan.workload, config)
+    assert layout.grids() == [(1, 8, 12), (2, 4, 6)] and layout.num_patches == plan.workload.module_tokens["vision"]
+    assert layout.seq_len == plan.workload.module_tokens["llm"] == 40 + 24 + 2 * (7 + 1 + 6 + 1)
+    ids = token_sequence([], layout)["input_ids"]
+    assert int((ids == config.video_token_id).sum()) == 12
+    with pytest.raises(ValueError, match="the plan's samples hold video clips, and .* holds images"):
+        data_source(plan, RunOptions(data=str(tmp_path / "captions.jsonl")), config)
+
+
 def test_validate_plan_refuses_a_first_stage_the_deepstack_features_do_not_fit():
     """The tiny Qwen3-VL adds features after decoder layers 0 and 1: a first chunk of one layer cannot take them."""
     plan = make_plan(dict(dp=2, grad_accum=2), dict(pp=2, pp_layers=[1, 3], micro_batch=2, grad_accum=2),
