@@ -177,6 +177,8 @@ def video_grid(frames: int, height: int, width: int, model: ModelSpec) -> tuple[
     processor's pixel bounds (per frame, or for the whole clip: ``VideoInputSpec.pixels_per_clip``)."""
     vi = model.vision_input
     video, factor = vi.video, vi.patch_size * vi.spatial_merge_size
+    if frames < vi.temporal_patch_size:
+        raise ValueError(f"a clip needs at least {vi.temporal_patch_size} frames (one temporal patch), got {frames}")
     h, w = smart_resize(height, width, factor, video.min_pixels, video.max_pixels,
                         frames=frames if video.pixels_per_clip else 1, temporal_patch=vi.temporal_patch_size)
     return math.ceil(frames / vi.temporal_patch_size), h // vi.patch_size, w // vi.patch_size

@@ -158,7 +158,7 @@ def layout_from_plan(workload: Any, config: Any) -> SampleLayout:
     else:
         raise ValueError("the plan's workload has no image; the runtime trains vision-language models")
     videos, timestamps = clip_sizes(workload.videos, config)
-    special = [config.image_token_id, config.vision_start_token_id, config.vision_end_token_id]
+    special = [config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id]
     text_config = config.get_text_config()
     pad = text_config.pad_token_id if text_config.pad_token_id is not None else 0
     layout = SampleLayout(

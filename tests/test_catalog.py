@@ -153,6 +153,23 @@ def test_qwen3_vl_refuses_deepstack_it_cannot_build():
     assert_one_line_error("3 DeepStack levels need at least 3 decoder layers", model_from_hf_config, config, "x")
 
 
+def test_qwen3_vl_key_value_heads_default_to_transformers_32():
+    """A Qwen3-VL config without num_key_value_heads gets transformers' 32, whatever its query heads: 64 heads share
+    32 KV heads (counted as transformers builds them), and 4 heads cannot (transformers' forward would fail)."""
+    config = copy.deepcopy(CATALOG["qwen3-vl-32b"].config)
+    del config["text_config"]["num_key_value_heads"]
+    spec = model_from_hf_config(config, "x")
+    assert spec.module("llm").layer("decoder_layer").attention.num_kv_heads == 32
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextDecoderLayer
+
+    with torch.device("meta"):
+        layer = Qwen3VLTextDecoderLayer(hf_config(config).text_config, layer_idx=0)
+    assert count(layer) == spec.module("llm").layer("decoder_layer").params
+    tiny = copy.deepcopy(CATALOG["qwen3-vl-tiny"].config)
+    del tiny["text_config"]["num_key_value_heads"]
+    assert_one_line_error("4 attention heads are not a multiple of 32 key/value heads", model_from_hf_config, tiny, "x")
+
+
 def test_param_formulas_by_hand():
     """Qwen2.5-VL-32B shapes, summed by hand from the module printout."""
     qkv, proj = 1280 * 3840 + 3840, 1280 * 1280 + 1280

@@ -81,16 +81,17 @@ def handoff_bytes(output_tokens: float, width: int, tensors: int, activation_byt
 def injected_feature_bytes(model: ModelSpec, workload: Workload, micro_batch: int, sequence_shards: int,
                            activation_bytes: float) -> float:
     """Bytes of the DeepStack features an unpipelined LLM rank holds per micro-batch in flight: one tensor of its
-    image tokens (its 1/``sequence_shards`` slice under SP x CP) at the LLM's width per injection layer, from the
-    hand-off until the backward of the layer that adds it (``handoff_bytes`` minus the merged output, which the
-    embedding's scatter consumes). 0 for a model without injections."""
+    image tokens at the LLM's width per injection level, from the hand-off until the backward of the layer that adds
+    it (``handoff_bytes`` minus the merged output, which the embedding's scatter consumes). Under SP x CP a rank
+    holds the image tokens of its slice of each sequence: all of them, or at most a slice's worth on the first rank
+    (image tokens come first). 0 for a model without injections."""
     if not model.injection_layers:
         return 0.0
     tokens = module_tokens(workload, model)
     image_tokens = sum(tokens[m].output_tokens for m in model.module_names if m in ENCODER_MODULES)
+    held = min(image_tokens, math.ceil(tokens["llm"].tokens / sequence_shards))
     width = model.module("llm").layer("embedding").hidden_size
-    return handoff_bytes(micro_batch * image_tokens / sequence_shards, width, len(model.injection_layers),
-                         activation_bytes)
+    return handoff_bytes(micro_batch * held, width, len(model.injection_layers), activation_bytes)
 
 
 @dataclass(eq=False)

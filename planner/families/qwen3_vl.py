@@ -27,9 +27,9 @@ VISION_DEFAULTS: dict[str, Any] = {
 """transformers ``Qwen3VLVisionConfig`` defaults."""
 TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "head_dim": 128, "attention_bias": False,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "attention_bias": False,
 }
-"""transformers ``Qwen3VLTextConfig`` defaults (without ``num_key_value_heads`` there are as many as query heads)."""
+"""transformers ``Qwen3VLTextConfig`` defaults (its ``num_key_value_heads`` is 32 whatever the query heads)."""
 IMAGE_PIXELS = (65_536, 16_777_216)
 """(shortest_edge, longest_edge) pixels of the checkpoints' preprocessor_config.json (not the class defaults)."""
 TIMESTAMP_TOKENS = 7

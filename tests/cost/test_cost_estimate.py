@@ -405,6 +405,8 @@ def test_deepstack_bytes_by_hand():
 
     assert handoff_bytes(1764, 5120, 4, 2) == 1764 * 5120 * 4 * 2 == 72_253_440
     model, workload = get_model("qwen3-vl-32b"), Workload(image_sizes=((1344, 1344),), text_tokens=512, global_batch=8)
-    # micro-batch 2 split over SP 4: each rank holds 2 x 1764 / 4 rows of each of the 3 injected tensors
-    assert injected_feature_bytes(model, workload, 2, 4, 2) == 3 * (2 * 1764 / 4) * 5120 * 2
+    # micro-batch 2 split over SP 4: a 2,276-token sequence's first slice of 569 tokens is all image tokens, so that
+    # rank holds 2 x 569 rows of each of the 3 injected tensors; unsplit, all 1,764
+    assert injected_feature_bytes(model, workload, 2, 4, 2) == 3 * 2 * 569 * 5120 * 2
+    assert injected_feature_bytes(model, workload, 1, 1, 2) == 3 * 1764 * 5120 * 2
     assert injected_feature_bytes(get_model("qwen2.5-vl-32b"), workload, 2, 4, 2) == 0

@@ -1,7 +1,9 @@
 """The runtime runs without OR-Tools and reads only the Plan schema, the data-row formats (planner.data_rows, which
 both halves parse datasets with), the packer (planner.packing: a dataset plan runs the packs it was priced
-on), the shared validity rules (planner.rules) and unit constants (planner.units) from the planner, and what the schema
-uses: the device description (planner.hardware) and the reader of versioned JSON files (planner.versioned_json)."""
+on), the shared validity rules (planner.rules) and unit constants (planner.units) from the planner, the model
+families' config reading with the workload's resize (planner.families, planner.models, planner.param_counts,
+planner.workload: a video plan's clips are laid out as the planner counted them), and what the schema uses: the
+device description (planner.hardware) and the reader of versioned JSON files (planner.versioned_json)."""
 
 import subprocess
 import sys
@@ -18,5 +20,9 @@ def test_runtime_imports_without_ortools_and_only_the_plan_schema_data_rows_pack
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == str(["planner", "planner.data_rows", "planner.hardware", "planner.packing", "planner.rules",
-                                         "planner.schema", "planner.units", "planner.versioned_json"])
+    families = ["planner.families", "planner.families.fields", "planner.families.qwen2_5_vl",
+                "planner.families.qwen2_audio", "planner.families.qwen2_vl", "planner.families.qwen3_vl",
+                "planner.families.qwen_parts"]
+    assert result.stdout.strip() == str(["planner", "planner.data_rows", *families, "planner.hardware", "planner.models",
+                                         "planner.packing", "planner.param_counts", "planner.rules", "planner.schema",
+                                         "planner.units", "planner.versioned_json", "planner.workload"])
