@@ -80,8 +80,10 @@ def tiny_qwen3_vl_config() -> dict[str, Any]:
 def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAGE_SIZE, text_tokens=TEXT_TOKENS,
               learning_rate=1e-3, warmup_steps=2, grad_clip_norm=1.0, hf_config=None,
               pack_tokens: int | None = None, videos: tuple[tuple[int, int, int], ...] = ()) -> Plan:
-    """A CPU plan for the tiny model; ``vision``/``llm`` are module() keyword arguments (ranks defaulted). With
-    ``pack_tokens`` it is a dataset plan (packs of that many LLM tokens; the data is the run's ``--data``)."""
+    """A CPU plan for the tiny model; ``vision``/``llm`` are module() keyword arguments (ranks defaulted).
+    ``image_size``: one (height, width), or a tuple of them (several images per sample); ``videos``: (frames, height,
+    width) clips per sample. With ``pack_tokens`` it is a dataset plan (packs of that many LLM tokens; the data is
+    the run's ``--data``)."""
     hf_config = hf_config or tiny_hf_config()
     v_size, l_size = (d.get("pp", 1) * d.get("dp", 1) * d.get("tp", 1) * d.get("sp", 1) * d.get("cp", 1)
                       for d in (vision, llm))
@@ -96,15 +98,15 @@ def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAG
     n = len({r for m in modules for r in m.ranks})
     samples = modules[1].dp * modules[1].micro_batch * modules[1].grad_accum
     patch = hf_config.get("vision_config", {}).get("patch_size", 14)
-    patches = (image_size[0] // patch) * (image_size[1] // patch) if image_size else 0
+    sizes = [] if not image_size else list(image_size) if isinstance(image_size[0], tuple) else [image_size]
+    patches = sum((h // patch) * (w // patch) for h, w in sizes)
     llm_tokens = text_tokens + patches // 4
     if videos:  # (frames, height, width) clips, as the planner counts them
         from planner.families import model_from_hf_config
         from planner.workload import Workload, module_tokens
 
-        sizes = (image_size,) if image_size else ()
-        tokens = module_tokens(Workload(image_sizes=sizes, videos=videos, text_tokens=text_tokens, global_batch=1),
-                               model_from_hf_config(hf_config, "tiny"))
+        tokens = module_tokens(Workload(image_sizes=tuple(sizes), videos=videos, text_tokens=text_tokens,
+                                        global_batch=1), model_from_hf_config(hf_config, "tiny"))
         patches, llm_tokens = int(tokens["vision"].tokens), int(tokens["llm"].tokens)
     device = DeviceSpec(name="cpu", peak_bf16_flops=1e11, memory_bytes=8 << 30, memory_bandwidth=2e10,
                         intra_node_bandwidth=5e9, intra_node_latency=1e-5, inter_node_bandwidth=1e9,
@@ -115,7 +117,7 @@ def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAG
         model=ModelInfo(name="tiny", family=hf_config["model_type"], hf_config=hf_config, num_params=1,
                         module_params={"vision": 1, "llm": 1}),
         cluster=ClusterInfo(device=device, num_devices=n, devices_per_node=n),
-        workload=WorkloadInfo(image_sizes=[image_size] if image_size else [], vision_tokens=None,
+        workload=WorkloadInfo(image_sizes=sizes, vision_tokens=None,
                               text_tokens=text_tokens, audio_seconds=0.0, global_batch=samples, videos=list(videos),
                               module_tokens={"vision": patches, "llm": llm_tokens},
                               llm_image_tokens=patches // 4,

@@ -183,9 +183,11 @@ QWEN3_VL_PLANS = {
     # the first stage receives the features and holds both layers they are added after
     "qwen3_vl_llm_pp2__vision_dp2": dict(vision=dict(dp=2, grad_accum=2),
                                          llm=dict(pp=2, pp_layers=[2, 2], micro_batch=2, grad_accum=2), **QWEN3_VL),
-    # a clip of 4 frames beside the image in every sample: 2 temporal groups, each its own attention segment and
-    # timestamp; the rows reach the LLM in sequence order (image, then the clip's groups)
-    "qwen3_vl_video__vision_sp2__llm_sp2": dict(vision=dict(sp=2), llm=dict(sp=2), videos=((4, 64, 96),), **QWEN3_VL),
+    # two images of different sizes and a clip of 4 frames in every sample: 2 temporal groups, each its own
+    # attention segment and timestamp; the rows reach the LLM in sequence order (images, then the clip's groups)
+    "qwen3_vl_two_images_and_a_clip__vision_sp2__llm_sp2": dict(
+        vision=dict(sp=2), llm=dict(sp=2), videos=((4, 64, 96),),
+        **{**QWEN3_VL, "image_size": (QWEN3_IMAGE_SIZE, (64, 64))}),
     "qwen3_vl_video__zero3_dp2": dict(vision=dict(dp=2, zero=3), llm=dict(dp=2, zero=3), videos=((4, 64, 96),),
                                       **QWEN3_VL),
     "qwen3_vl_video__llm_pp2__vision_tp2": dict(vision=dict(tp=2, grad_accum=2),
