@@ -350,7 +350,7 @@ def _workload_line(plan) -> str:
     video_text = w.module_tokens["llm"] - w.text_tokens - w.llm_image_tokens if w.videos else 0
     if video_text:
         parts.append(f"+ {video_text:,} video markers and timestamps")
-    parts.append(f"+ {w.text_tokens:,} text = {w.module_tokens['llm']:,} LLM tokens/sample")
+    parts.append(f"{'+ ' if parts else ''}{w.text_tokens:,} text = {w.module_tokens['llm']:,} LLM tokens/sample")
     return f"workload   {' '.join(parts)}; global batch {w.global_batch}"
 
 

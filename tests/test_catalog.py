@@ -170,6 +170,53 @@ def test_qwen3_vl_key_value_heads_default_to_transformers_32():
     assert_one_line_error("4 attention heads are not a multiple of 32 key/value heads", model_from_hf_config, tiny, "x")
 
 
+DECODER_ONLY = {
+    "llama_biased_gqa": dict(model_type="llama", vocab_size=1000, hidden_size=128, intermediate_size=256,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                             mlp_bias=True),
+    "llama_mha_head_dim_from_width": dict(model_type="llama", vocab_size=1000, hidden_size=96, intermediate_size=200,
+                                          num_hidden_layers=3, num_attention_heads=3),
+    "qwen2_tied": dict(model_type="qwen2", vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3_head_dim_64": dict(model_type="qwen3", vocab_size=1000, hidden_size=128, intermediate_size=256,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+}
+"""Decoder-only configs covering each formula's switches (biases, GQA, head_dim, tying)."""
+
+
+@pytest.mark.parametrize("name", list(DECODER_ONLY))
+def test_decoder_only_counts_match_transformers(name):
+    config = DECODER_ONLY[name]
+    spec = model_from_hf_config(config, name)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    assert spec.module_names == ("llm",) and spec.vision_input is None
+    assert spec.num_params == count(model)
+    assert spec.module("llm").layer("decoder_layer").params == count(model.model.layers[0])
+
+
+def test_a_decoder_only_file_without_its_widths_is_refused():
+    assert_one_line_error("no hidden_size: a llama config.json gives the decoder's widths at its top level",
+                          model_from_hf_config, {"model_type": "llama", "vision_config": {}}, "x")
+
+
+def test_llama_3_1_8b_published_count():
+    """meta-llama/Llama-3.1-8B's config.json: 8,030,261,248 parameters (its safetensors total)."""
+    config = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
+    assert model_from_hf_config(config, "llama-3.1-8b").num_params == 8_030_261_248
+
+
+@pytest.mark.parametrize(("model_type", "config_class"), [
+    ("llama", transformers.LlamaConfig), ("qwen2", transformers.Qwen2Config), ("qwen3", transformers.Qwen3Config)])
+def test_decoder_only_defaults_are_the_transformers_defaults(model_type, config_class):
+    from planner.families import text_decoders
+
+    ours = text_decoders.DEFAULTS[model_type]
+    theirs = config_class()
+    assert {key: getattr(theirs, key) for key in ours} == ours
+
+
 def test_param_formulas_by_hand():
     """Qwen2.5-VL-32B shapes, summed by hand from the module printout."""
     qkv, proj = 1280 * 3840 + 3840, 1280 * 1280 + 1280
@@ -278,17 +325,17 @@ def test_unknown_model_suggests_close_names():
 
 
 def test_unsupported_model_type_names_the_supported_ones():
-    assert_one_line_error("unsupported model_type 'llama'.*qwen2_5_vl, qwen2_vl, qwen3_vl, qwen2_audio",
-                          model_from_hf_config, {"model_type": "llama"}, "x")
+    assert_one_line_error("unsupported model_type 'gpt2'.*qwen2_5_vl, qwen2_vl, qwen3_vl, qwen2_audio, llama, qwen2, "
+                          "qwen3", model_from_hf_config, {"model_type": "gpt2"}, "x")
 
 
 def test_bad_config_files(tmp_path):
     assert_one_line_error("cannot read model config", get_model, str(tmp_path / "missing.json"))
     (tmp_path / "broken.json").write_text("{not json")
     assert_one_line_error("not valid JSON", get_model, str(tmp_path / "broken.json"))
-    (tmp_path / "llama.json").write_text(json.dumps({"model_type": "llama"}))
-    assert_one_line_error(f"{tmp_path / 'llama.json'}: unsupported model_type 'llama'", get_model,
-                          str(tmp_path / "llama.json"))
+    (tmp_path / "gpt2.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert_one_line_error(f"{tmp_path / 'gpt2.json'}: unsupported model_type 'gpt2'", get_model,
+                          str(tmp_path / "gpt2.json"))
     bad = copy.deepcopy(CATALOG["qwen2.5-vl-7b"].config)
     bad["vision_config"]["depth"] = "32"
     assert_one_line_error(r"vision_config.depth must be a positive integer, got '32'", model_from_hf_config, bad, "x")

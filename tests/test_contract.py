@@ -110,6 +110,18 @@ def test_audio_model_is_refused_in_one_line():
         validate_plan(plan("qwen2-audio-7b", 8, profile=None), RunOptions())
 
 
+def test_decoder_only_model_is_refused_in_one_line():
+    """The planner plans a decoder-only config.json (for published text-model runs, issue 32); the runtime trains
+    vision-language models and says so before any work."""
+    from planner.families import model_from_hf_config
+
+    llama = model_from_hf_config(dict(model_type="llama", vocab_size=1000, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4), "tiny-llama")
+    with pytest.raises(NotImplementedError, match=r"^the runtime runs plans with modules \['vision', 'llm'\], this one "
+                                                  r"has \['llm'\]$"):
+        validate_plan(plan(llama, 2, gpu="cpu", profile=None), RunOptions())
+
+
 DRY_RUN_SAMPLE = 2
 """Emitted plans (seeded draw) whose first rank the dry-run builds and steps, beside the named one below."""
 

@@ -4,7 +4,7 @@ and audio become tokens).
 
 An adapter is a module with
 
-- ``MODEL_TYPE``: the ``model_type`` of the configs it reads;
+- ``MODEL_TYPES``: the ``model_type`` of the configs it reads (one per family, or several decoder-only ones);
 - ``model_spec(config, name) -> ModelSpec``: the spec of a parsed config.json, raising a one-line ValueError on a
   field transformers would refuse or the runtime could not build.
 
@@ -17,12 +17,13 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Mapping
 
-from planner.families import qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl
+from planner.families import qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl, text_decoders
 from planner.families.fields import check_field_types
 from planner.models import ModelSpec
 
 FAMILIES: dict[str, ModuleType] = {
-    adapter.MODEL_TYPE: adapter for adapter in (qwen2_5_vl, qwen2_vl, qwen3_vl, qwen2_audio)
+    model_type: adapter for adapter in (qwen2_5_vl, qwen2_vl, qwen3_vl, qwen2_audio, text_decoders)
+    for model_type in adapter.MODEL_TYPES
 }
 """``model_type`` -> its adapter."""
 

@@ -12,6 +12,7 @@ from planner.models import AttentionSpec, AudioInputSpec, LayerSpec, MlpSpec, Mo
 from planner.param_counts import qwen2_audio_layer_params, qwen2_audio_projector_params, whisper_conv_params
 
 MODEL_TYPE = "qwen2_audio"
+MODEL_TYPES = (MODEL_TYPE,)
 TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
     "num_attention_heads": 32, "num_key_value_heads": 32,

@@ -11,6 +11,7 @@ from planner.models import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, ModuleS
 from planner.param_counts import layer_norm_params, qwen2_vl_vision_block_params
 
 MODEL_TYPE = "qwen2_vl"
+MODEL_TYPES = (MODEL_TYPE,)
 VISION_DEFAULTS: dict[str, Any] = {
     "depth": 32, "embed_dim": 1280, "hidden_size": 3584, "mlp_ratio": 4, "num_heads": 16, "in_channels": 3,
     "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,

@@ -19,6 +19,7 @@ from planner.models import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, ModuleS
 from planner.param_counts import layer_norm_params, linear_params, qwen2_vl_vision_block_params, rms_norm_params
 
 MODEL_TYPE = "qwen3_vl"
+MODEL_TYPES = (MODEL_TYPE,)
 VISION_DEFAULTS: dict[str, Any] = {
     "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "in_channels": 3,
     "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 3584,
