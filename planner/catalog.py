@@ -17,10 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from planner import hf_configs
-from planner.families import FAMILIES, model_from_hf_config
+from planner.families import model_from_hf_config
 from planner.models import ModelSpec
-
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 
 
 # --- Catalog ----------------------------------------------------------------------------------------------------

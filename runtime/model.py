@@ -260,7 +260,8 @@ def decoder_forward(decoder: nn.Module, hidden_BLD: torch.Tensor, position_ids: 
 
 
 RopeIndex = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-"""The model's ``get_rope_index``: (input_ids, mm_token_type_ids, image_grid_thw) -> (3-D positions, deltas)."""
+"""The model's ``get_rope_index``: (input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw) -> (3-D positions,
+deltas)."""
 
 
 def split_model(model: nn.Module) -> tuple[VisionTower, LanguageModel, RopeIndex]:
