@@ -68,6 +68,7 @@ CATALOG: dict[str, CatalogEntry] = dict([
     _entry("qwen3-vl-32b", hf_configs.QWEN3_VL_32B, "Qwen3-VL 32B Instruct (DeepStack)",
            "Qwen/Qwen3-VL-32B-Instruct"),
     _entry("qwen3-vl-tiny", hf_configs.QWEN3_VL_TINY, "Toy Qwen3-VL for CPU tests and demos (DeepStack into 2 layers)"),
+    _entry("qwen2-audio-tiny", hf_configs.QWEN2_AUDIO_TINY, "Toy Qwen2-Audio for CPU tests and demos (1 s clips)"),
     _entry("qwen2.5-vl-tiny", hf_configs.QWEN2_5_VL_TINY, "Toy Qwen2.5-VL for CPU tests and demos (~1.2M params)",
            "qwen-vl-tiny", "tiny"),
 ])

@@ -432,3 +432,34 @@ QWEN3_VL_TINY: dict[str, Any] = {
         "deepstack_visual_indexes": [1, 2],
     },
 }
+
+# Not a hub model: the Qwen2-Audio structure (Whisper-style encoder, 2x pooling, linear projector, Qwen2 decoder) at
+# toy width for CPU tests and demos: clips of 1 s (50 encoder positions -> 25 audio tokens), 16 mel bins. Its
+# <|AUDIO|>, <|audio_bos|>, <|audio_eos|> ids (1001-1003) sit inside its small vocabulary, in the hub model's order.
+QWEN2_AUDIO_TINY: dict[str, Any] = {
+    "architectures": ["Qwen2AudioForConditionalGeneration"],
+    "model_type": "qwen2_audio",
+    "audio_token_index": 1001,
+    "audio_config": {
+        "model_type": "qwen2_audio_encoder",
+        "num_mel_bins": 16,
+        "encoder_layers": 2,
+        "encoder_attention_heads": 4,
+        "encoder_ffn_dim": 128,
+        "d_model": 64,
+        "max_source_positions": 50,
+    },
+    "text_config": {
+        "model_type": "qwen2",
+        "vocab_size": 1024,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 1005,
+        "eos_token_id": 1006,
+        "pad_token_id": 1007,
+    },
+}

@@ -480,7 +480,7 @@ def check_histogram_bounds(histogram: DatasetHistogram) -> None:
 
 def _check_sample(workload: Workload, model: ModelSpec) -> None:
     """What the runtime would refuse about a sample, refused here with its words: no tokens, unaligned
-    --vision-tokens, more than ``MAX_VISION_TOKENS``, too few text tokens for the image markers."""
+    --vision-tokens, more than ``MAX_VISION_TOKENS``, too few text tokens for the image or audio clips' markers."""
     tokens = module_tokens(workload, model)  # raises ValueError for samples without tokens or unaligned --vision-tokens
     vision = tokens["vision"].tokens if "vision" in tokens else 0
     if vision > MAX_VISION_TOKENS:
@@ -491,6 +491,10 @@ def _check_sample(workload: Workload, model: ModelSpec) -> None:
         if workload.text_tokens < 2 * images + 1:  # runtime.data.SampleLayout's rule
             raise ValueError(f"{workload.text_tokens} text tokens cannot hold a start and end marker for each of "
                              f"{images} images plus one text token (--text-tokens {2 * images + 1} or more)")
+    clips = len(tokens["audio"].segments) if "audio" in tokens else 0
+    if clips and workload.text_tokens < 2 * clips + 1:  # the audio family's AudioLayout rule
+        raise ValueError(f"{workload.text_tokens} text tokens cannot hold a start and end marker for each of {clips} "
+                         f"audio clips plus one text token (--text-tokens {2 * clips + 1} or more)")
 
 
 def check_pipelined_dataset(problem: Problem, pp: int | None, sp: int | None) -> None:

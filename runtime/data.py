@@ -28,6 +28,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from planner.families import model_from_hf_config
 from planner.workload import video_grid
 from runtime.families import family_of
+from runtime.vision import merged_positions_per_rank
 
 IGNORE_INDEX = -100
 """Label value the loss skips (transformers' convention)."""
@@ -120,6 +121,18 @@ class SampleLayout:
         """LLM sequence length per sample."""
         return self.text_tokens + sum(len(self.video_prompt(c, [0] * self.timestamp_tokens)[0])
                                       for c in range(len(self.videos))) + sum(self.image_tokens())
+
+    def template_ids(self) -> torch.Tensor:
+        """The token ids of every sample where it matters to the hand-off: its image and video tokens' places."""
+        return token_sequence([], self)["input_ids"]
+
+    def handoff_mask(self, ids: torch.Tensor) -> torch.Tensor:
+        """Where the image and video tokens are."""
+        return (ids == self.image_token_id) | (ids == self.video_token_id)
+
+    def output_positions_per_rank(self, samples: int, config: Any, sp: int) -> list[torch.Tensor]:
+        """Replica-order index of the merged tokens each of ``sp`` vision SP ranks emits for ``samples`` samples."""
+        return merged_positions_per_rank(torch.tensor(self.grids() * samples), config.vision_config, sp)
 
 
 def round_to_multiple(pixels: int, factor: int) -> int:
@@ -369,15 +382,17 @@ class CaptionData:
 
 VISUAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 """A sample's patches and grids, images' and clips' (a sample of clips only has no image keys)."""
+ENCODER_KEYS = (*VISUAL_KEYS, "input_features", "feature_attention_mask")
+"""What the encoders take, concatenated over a micro-batch's samples (audio: clips' mel features and masks)."""
+TOKEN_KEYS = ("input_ids", "mm_token_type_ids", "labels")
+"""Per-token tensors, stacked into [B, L] (audio samples have no ``mm_token_type_ids``)."""
 
 
 def collate(samples: list[Sample]) -> Sample:
-    """A micro-batch: patches and grids concatenated (the vision tower packs them), token tensors stacked."""
+    """A micro-batch: the encoders' inputs concatenated (the vision tower packs them), token tensors stacked."""
     return {
-        **{key: torch.cat([s[key] for s in samples]) for key in VISUAL_KEYS if key in samples[0]},
-        "input_ids": torch.stack([s["input_ids"] for s in samples]),
-        "mm_token_type_ids": torch.stack([s["mm_token_type_ids"] for s in samples]),
-        "labels": torch.stack([s["labels"] for s in samples]),
+        **{key: torch.cat([s[key] for s in samples]) for key in ENCODER_KEYS if key in samples[0]},
+        **{key: torch.stack([s[key] for s in samples]) for key in TOKEN_KEYS if key in samples[0]},
     }
 
 

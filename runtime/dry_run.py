@@ -78,7 +78,9 @@ from runtime.pipeline import PipelinedLanguageModel
 from runtime.step_inputs import StepInputs
 from runtime.parallel.precision import module_precision
 from runtime.parallelize import uses_fsdp
-from runtime.trainer import MODULES, RunOptions, Trainer, numerics_device_type
+from runtime import vision as vision_module
+from runtime.preflight import module_names
+from runtime.trainer import RunOptions, Trainer, numerics_device_type
 from runtime.vision import window_layout
 from planner.units import GIB
 
@@ -87,7 +89,7 @@ REAL_TENSOR_LIMIT_BYTES = 16 * 1024**2
 MICRO_BATCHES_RUN = 3
 """Micro-batches of the step actually run: the first (no gradients yet), the second (gradients accumulated; any
 later one but the last repeats its memory) and the last (gradient reduction). Disjoint plans reach their
-steady state (MAX_VISION_IN_FLIGHT forwards ahead) within these too."""
+steady state (MAX_ENCODER_IN_FLIGHT forwards ahead) within these too."""
 
 
 # ---- the fake mode ----------------------------------------------------------------------------------------------
@@ -273,8 +275,8 @@ def _emulation():
     nor counted)."""
     propagation = FakeTensorMode()
     with mock.patch.object(trainer_module, "device_for", lambda _: torch.device("cpu")), \
-            mock.patch.object(trainer_module, "shard_vision_batch",
-                              _windows_as_one_segment(trainer_module.shard_vision_batch)), \
+            mock.patch.object(vision_module, "shard_vision_batch",
+                              _windows_as_one_segment(vision_module.shard_vision_batch)), \
             mock.patch.object(sharding_prop, "detect_fake_mode", lambda *_: propagation), \
             mock.patch.object(_PipelineSchedule, "_warmup_p2p", _vote_alone):
         yield
@@ -296,12 +298,12 @@ def role_keys(plan: Plan) -> dict[int, tuple]:
     """Each rank's role: per module it holds, (module, the length of its sequence slice, its pipeline stage)."""
     config = hf_config_from_dict(plan.model.hf_config)
     layout = layout_from_plan(plan.workload, config)
-    lengths = {name: _slice_lengths(plan, name, layout, config) for name in MODULES}
-    dims = {name: ParallelDims.from_plan(plan.module(name)) for name in MODULES}
+    lengths = {name: _slice_lengths(plan, name, layout, config) for name in module_names(plan)}
+    dims = {name: ParallelDims.from_plan(plan.module(name)) for name in module_names(plan)}
     keys = {}
     for rank in sorted({r for m in plan.modules for r in m.ranks}):
         key = []
-        for name in MODULES:
+        for name in module_names(plan):
             if rank in dims[name].ranks:
                 coord = dims[name].coordinate(rank)
                 key.append((name, lengths[name][coord["sp"]], coord["pp"]))
@@ -573,7 +575,7 @@ def numerics(plan: Plan) -> str:
     if device == "cpu":
         return "fake CPU tensors, fp32 (as the runtime trains on CPU)"
     parts = []
-    for name in MODULES:
+    for name in module_names(plan):
         recipe = module_precision(plan.training.precision, device,
                                   fsdp=uses_fsdp(ParallelDims.from_plan(plan.module(name))))
         compute = ("FSDP2 bf16 all-gathers" if recipe.fsdp_policy is not None
@@ -592,8 +594,12 @@ def dry_run(plan: Plan, options: RunOptions, *, log=None) -> DryRunReport:
         log: called with one line per role as it finishes (e.g. ``print``), or None.
 
     Raises:
-        ValueError / NotImplementedError: the plan cannot run (as ``python -m runtime`` would say).
+        ValueError / NotImplementedError: the plan cannot run (as ``python -m runtime`` would say), or has an
+            audio encoder (measured by real runs only, so far).
     """
+    if module_names(plan)[0] != "vision":
+        raise NotImplementedError(f"--dry-run measures vision-language plans; {plan.model.name} has an "
+                                  f"{module_names(plan)[0]} encoder: run it for real (python -m runtime)")
     start = time.perf_counter()
     measured = []
     for rank, ranks in roles(plan).items():
@@ -705,7 +711,7 @@ def _in_flight(plan: Plan, name: str, stage: int | None) -> int:
     """Micro-batches (of a pipelined module: model chunks) whose activations a module holds at once: a pipeline
     stage holds what its schedule keeps in flight (the planner's count, planner.cost.pipeline); the vision tower
     feeding a pipeline runs every forward before the schedule; the vision group of a disjoint plan runs
-    MAX_VISION_IN_FLIGHT forwards ahead (as the planner's 1F1B model)."""
+    MAX_ENCODER_IN_FLIGHT forwards ahead (as the planner's 1F1B model)."""
     from planner.cost.pipeline import in_flight_chunks  # pure Python, no solver
 
     module = plan.module(name)
@@ -715,7 +721,7 @@ def _in_flight(plan: Plan, name: str, stage: int | None) -> int:
     if plan.module("llm").pp > 1:
         return module.grad_accum
     if plan.placement == "disjoint" and name != "llm":
-        return min(trainer_module.MAX_VISION_IN_FLIGHT, module.grad_accum)
+        return min(trainer_module.MAX_ENCODER_IN_FLIGHT, module.grad_accum)
     return 1
 
 

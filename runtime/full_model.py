@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from runtime.model import hf_config_from_dict, split_model
+from runtime.preflight import module_names
 from runtime.parallel.tensor_parallel import qkv_from_tp_layout
 from runtime.pipeline import stage_of_parameter
 from runtime.rank_model import RankModel
@@ -56,9 +57,9 @@ def tensor_parts(model: RankModel) -> TensorParts:
     """Every parameter of every module, held here or not (tied weights once), as (HF name, full shape, dtype) in
     ``iter_full_tensors`` order, by the ranks that hold it: each module's, or each pipeline stage's of a pipelined
     one. What a saved checkpoint holds."""
-    vision, llm, _ = split_model(model.init.meta)
+    encoder, llm, _ = split_model(model.init.meta)
     parts = {}
-    for name, module in (("vision", vision), ("llm", llm)):
+    for name, module in zip(module_names(model.plan), (encoder, llm)):
         dims = model.dims[name]
         dtype = model.precision[name].param_dtype
         entries = [(module.hf_name(n), p.shape, dtype) for n, p in module.named_parameters()]

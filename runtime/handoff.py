@@ -127,10 +127,10 @@ class Handoff:
     rank's simultaneous send and receive with the same peer from deadlocking.
     """
 
-    def __init__(self, *, llm: ParallelDims, vision_trainable: bool, width: int, rank: int, dtype: torch.dtype,
+    def __init__(self, *, llm: ParallelDims, encoder_trainable: bool, width: int, rank: int, dtype: torch.dtype,
                  device: torch.device):
         self.rank, self.width, self.dtype, self.device = rank, width, dtype, device
-        self.vision_trainable = vision_trainable
+        self.encoder_trainable = encoder_trainable
         self.llm = llm
         self.groups = {FORWARD_TAG: dist.new_group(), BACKWARD_TAG: dist.new_group()}
         if device.type == "cuda":  # create the NCCL communicators now, on every rank together
@@ -196,11 +196,11 @@ class Handoff:
         every piece it used, to all the piece's ranks; on vision ranks, the receives of their own piece's rows.
         ``finish`` gives that piece's gradient [m, D]."""
         sends, recvs = [], []
-        if self.vision_trainable and grad_nW is not None and self._is_gradient_sender(self.rank):
+        if self.encoder_trainable and grad_nW is not None and self._is_gradient_sender(self.rank):
             for (i, dst), (_, rows) in routes.table.items():
                 if dst == self.rank:
                     sends += [(grad_nW[rows], owner) for owner in routes.pieces[i].owners]
-        receive = self.vision_trainable and any(self.rank in p.owners for p in routes.pieces)
+        receive = self.encoder_trainable and any(self.rank in p.owners for p in routes.pieces)
         if receive:
             mine = self._my_piece(routes)
             senders = [(r, keep) for (i, r), (keep, _) in routes.table.items()

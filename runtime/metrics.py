@@ -21,8 +21,8 @@ from planner.schema import Plan
 from planner.versioned_json import write_atomically
 from planner.units import GIB
 
-TIMED = ("vision_forward_s", "vision_backward_s", "llm_forward_s", "llm_backward_s", "llm_pipeline_s", "grad_sync_s",
-         "optimizer_s", "handoff_comm_s", "data_s")
+TIMED = ("vision_forward_s", "vision_backward_s", "audio_forward_s", "audio_backward_s", "llm_forward_s",
+         "llm_backward_s", "llm_pipeline_s", "grad_sync_s", "optimizer_s", "handoff_comm_s", "data_s")
 """Per-rank timers reported as the max over ranks (and each rank's own under ``ranks``)."""
 
 

@@ -1,7 +1,8 @@
 """Build the planned model from transformers' own classes and split it into the modules the plan places.
 
-Nothing here re-implements the architecture: ``VisionTower`` and ``LanguageModel`` only hold transformers'
-submodules (``model.model.visual``; ``model.model.language_model`` + ``model.lm_head``) so that each can be
+Nothing here re-implements the architecture: the encoder towers (runtime.vision ``VisionTower``, the audio family's
+``AudioTower``) and ``LanguageModel`` only hold transformers' submodules (``model.model.visual``;
+``model.model.language_model`` + ``model.lm_head``) so that each can be
 parallelised as one unit, and map their parameter names back to the Hugging Face names (``hf_name``).
 
 The model is built on the ``meta`` device (``meta_model``: shapes, no memory); a rank materialises only its
@@ -147,31 +148,6 @@ def build_model(
     return model
 
 
-class VisionTower(nn.Module):
-    """The vision encoder (patch embed, blocks, merger) of a Qwen-VL model: ``model.model.visual``."""
-
-    hf_prefix = "model.visual."
-
-    def __init__(self, visual: nn.Module):
-        super().__init__()
-        self.visual = visual
-        self._forward: Callable[..., torch.Tensor] | None = None
-
-    def set_forward(self, forward: Callable[..., torch.Tensor]) -> None:
-        """Install the sequence-sharded forward (see runtime.parallel.ulysses.vision_forward)."""
-        self._forward = forward
-
-    def forward(self, shard: Any) -> torch.Tensor:
-        """Merged tokens of this rank's window shard, in window order: [M_local, D_llm]."""
-        assert self._forward is not None, "set_forward was not called"
-        return self._forward(self.visual, shard)
-
-    @staticmethod
-    def hf_name(name: str) -> str:
-        """HF parameter name of a parameter name of this module."""
-        return VisionTower.hf_prefix + name.removeprefix("visual.")
-
-
 class LanguageModel(nn.Module):
     """The decoder: ``model.model.language_model`` plus ``model.lm_head``."""
 
@@ -233,13 +209,15 @@ def decoder_forward(decoder: nn.Module, hidden_BLD: torch.Tensor, position_ids: 
                     layers: Iterable[tuple[int, nn.Module]], *, ulysses_group: UlyssesGroup | None,
                     injection: Injection | None) -> torch.Tensor:
     """``layers`` (index, layer) of the text model ``decoder`` on ``hidden_BLD``, as its own forward runs them
-    (``Qwen2_5_VLTextModel``, ``Qwen3VLTextModel``): 4 position rows are packed samples (row 0 the text positions
-    the mask is made from), 3 rows plain causal; layer ``k``'s output receives ``injection``'s feature ``k`` at the
+    (``Qwen2_5_VLTextModel``, ``Qwen3VLTextModel``, ``Qwen2Model``): 4 position rows are packed samples (row 0 the
+    text positions the mask is made from), 3 rows (M-RoPE) or 1 row (1-D RoPE) plain causal; layer ``k``'s output receives ``injection``'s feature ``k`` at the
     image positions (``Qwen3VLTextModel._deepstack_process``; added as a scatter of the features onto zeros, the
     same sums, without a data-dependent shape). No KV cache: transformers would otherwise fill one in training."""
     text_positions = None
     if position_ids.shape[0] == 4:
         text_positions, position_ids = position_ids[0], position_ids[1:]
+    elif position_ids.shape[0] == 1:  # 1-D RoPE: the decoder's rotary embedding takes [B, L]
+        position_ids = position_ids[0]
     mask_kwargs = dict(config=decoder.config, inputs_embeds=hidden_BLD, attention_mask=None, cache=None,
                        position_ids=text_positions)
     layer_types = getattr(decoder.config, "layer_types", None)
@@ -264,9 +242,7 @@ RopeIndex = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 deltas)."""
 
 
-def split_model(model: nn.Module) -> tuple[VisionTower, LanguageModel, RopeIndex]:
-    """The vision tower, the language model, and the model's own M-RoPE position function (``get_rope_index``)."""
-    vision = VisionTower(model.model.visual)
-    llm = LanguageModel(model.model.language_model, model.lm_head,
-                        (model.config.image_token_id, model.config.video_token_id))
-    return vision, llm, model.model.get_rope_index
+def split_model(model: nn.Module) -> tuple[nn.Module, LanguageModel, RopeIndex]:
+    """The encoder tower (runtime.families: the family's ``ENCODER``), the language model, and the model's own
+    position function (M-RoPE ``get_rope_index``, or plain positions)."""
+    return FAMILIES[model.config.model_type].ENCODER.split_model(model, LanguageModel)

@@ -3,7 +3,7 @@
 The module arrives on the ``meta`` device and stays there: runtime.checkpoint.materialize then gives this rank's
 shards storage and values.
 
-Ulysses SP needs no module change: the vision forward (runtime.vision) and the LLM's inputs (runtime.llm) are
+Ulysses SP needs no module change: the encoders' forwards (runtime.vision, the audio family) and the LLM's inputs (runtime.llm) are
 split on the sequence, and the SP group reaches the attention kernel (runtime.parallel.attention) as a call
 argument.
 """
@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from runtime.model import LanguageModel, VisionTower
+from torch import nn
+
+from runtime.model import LanguageModel
 from runtime.pipeline import PipelinedLanguageModel, split_language_model
 from runtime.parallel.fsdp import apply_fsdp
 from runtime.parallel.precision import Precision, cast_norm_outputs
 from runtime.parallel.recompute import apply_recompute
-from runtime.parallel.tensor_parallel import parallelize_llm_tp, parallelize_vision_tp
+from runtime.parallel.tensor_parallel import parallelize_llm_tp
 from runtime.parallel_dims import BATCH_AXIS, ParallelDims
 
 
@@ -26,16 +28,16 @@ def uses_fsdp(dims: ParallelDims) -> bool:
     return dims.zero >= 1 and dims.batch_enabled
 
 
-def parallelize_vision(vision: VisionTower, dims: ParallelDims, precision: Precision, family: ModuleType) -> None:
-    """Vision tower: TP over ``tp`` (the family's plans, runtime.families), recomputation, ZeRO over ``dp x sp``."""
+def parallelize_encoder(tower: nn.Module, dims: ParallelDims, precision: Precision, family: ModuleType) -> None:
+    """Encoder tower (vision or audio): TP over ``tp`` (the family's ``ENCODER.parallelize_tp``, runtime.families),
+    recomputation, ZeRO over ``dp x sp``."""
     assert dims.mesh is not None, "build_mesh first"
     if dims.tp_enabled:
-        parallelize_vision_tp(vision.visual, dims.mesh["tp"], family)
-    cast_norm_outputs(vision, precision)
-    apply_recompute(vision.visual, dims.recompute)
+        family.ENCODER.parallelize_tp(tower, dims.mesh["tp"])
+    cast_norm_outputs(tower, precision)
+    apply_recompute(tower.pretrained, dims.recompute)
     if uses_fsdp(dims):
-        apply_fsdp(vision, list(vision.visual.blocks), dims.mesh[BATCH_AXIS], zero=dims.zero,
-                   mp_policy=precision.fsdp_policy)
+        apply_fsdp(tower, tower.blocks, dims.mesh[BATCH_AXIS], zero=dims.zero, mp_policy=precision.fsdp_policy)
 
 
 def parallelize_llm(llm: LanguageModel, dims: ParallelDims, precision: Precision, family: ModuleType) -> None:

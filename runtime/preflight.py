@@ -18,8 +18,8 @@ from typing import Any, Callable, Mapping, TypeVar
 from planner.schema import Plan
 from runtime.checkpoint_dir import Problem, read_run_state, resolve_resume, run_state_problem
 
-MODULES = ("vision", "llm")
-"""Modules the runtime places; a plan must have exactly these."""
+ENCODERS = ("vision", "audio")
+"""Encoder modules the runtime places, one per plan, before the ``llm``."""
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 """Either marks a folder written by ``save_pretrained`` (one file, or shards with their index)."""
@@ -81,16 +81,28 @@ def check_pipeline(plan: Plan, module: Any) -> None:
         raise NotImplementedError(f"{name} with lm_head tied to the embedding (first and last stage) is not run yet")
 
 
+def module_names(plan: Plan) -> tuple[str, str]:
+    """(the encoder, ``llm``): the modules of a plan the runtime runs.
+
+    Raises:
+        NotImplementedError: the plan has other modules (one line).
+    """
+    names = sorted(m.name for m in plan.modules)
+    encoders = [name for name in names if name in ENCODERS]
+    if len(encoders) != 1 or sorted([encoders[0], "llm"]) != names:
+        raise NotImplementedError(f"the runtime runs plans with one encoder ({' or '.join(ENCODERS)}) and an llm, "
+                                  f"this one has {names}")
+    return encoders[0], "llm"
+
+
 def check_plan(plan: Plan) -> None:
     """The plan's structure: its modules, their ranks and how the two modules' batches line up.
 
     Raises:
         ValueError, NotImplementedError: in one line.
     """
-    names = sorted(m.name for m in plan.modules)
-    if names != sorted(MODULES):
-        raise NotImplementedError(f"the runtime runs plans with modules {list(MODULES)}, this one has {names}")
-    vision, llm = plan.module("vision"), plan.module("llm")
+    encoder, _ = module_names(plan)
+    vision, llm = plan.module(encoder), plan.module("llm")
     for module in (vision, llm):
         if module.cp > 1:
             raise NotImplementedError(context_parallel_refusal(module.name, module.cp))
@@ -99,11 +111,12 @@ def check_plan(plan: Plan) -> None:
     if vision.frozen and llm.frozen:
         raise ValueError("every module of the plan is frozen: nothing to train")
     if vision.grad_accum != llm.grad_accum or vision.dp * vision.micro_batch != llm.dp * llm.micro_batch:
-        raise ValueError("vision and llm must agree on grad_accum and on samples per micro-batch (dp * micro_batch)")
+        raise ValueError(f"{encoder} and llm must agree on grad_accum and on samples per micro-batch "
+                         "(dp * micro_batch)")
     if plan.placement == "colocated" and set(vision.ranks) != set(llm.ranks):
-        raise ValueError("a colocated plan must place vision and llm on the same ranks")
+        raise ValueError(f"a colocated plan must place {encoder} and llm on the same ranks")
     if plan.placement == "disjoint" and set(vision.ranks) & set(llm.ranks):
-        raise ValueError("a disjoint plan must place vision and llm on different ranks")
+        raise ValueError(f"a disjoint plan must place {encoder} and llm on different ranks")
     if sorted(set(vision.ranks) | set(llm.ranks)) != list(range(num_devices(plan))):
         raise ValueError("the plan's ranks must be 0..N-1")
 

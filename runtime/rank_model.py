@@ -18,14 +18,14 @@ from runtime.model import RandomInit, meta_model, split_model
 from runtime.optim import build_optimizer
 from runtime.parallel import attention
 from runtime.parallel.precision import Precision
-from runtime.parallel.tensor_parallel import qkv_row_order
 from runtime.parallel_dims import ParallelDims
 from runtime.families import family_of
-from runtime.parallelize import parallelize_llm, parallelize_pipelined_llm, parallelize_vision
+from runtime.parallelize import parallelize_encoder, parallelize_llm, parallelize_pipelined_llm
 
 
 class RankModel:
-    """The modules this rank holds (``modules``: ``vision`` and/or ``llm``, a pipelined LLM as its stage's chunks),
+    """The modules this rank holds (``modules``: the encoder, ``vision`` or ``audio``, and/or ``llm``, a pipelined
+    LLM as its stage's chunks),
     the trainable ones' optimizers and LR schedules, and the RoPE index function of the full model. ``weights``
     overrides where the shards' values come from (``_weights_source``)."""
 
@@ -43,18 +43,16 @@ class RankModel:
     def _build(self, model: torch.nn.Module, params: TensorSource):
         """Split and shard ``model`` on ``meta``, then give this rank's shards (only) storage and their values from
         ``params``."""
-        vision, llm, rope_index = split_model(model)
+        family = family_of(model.config)
+        encoder = family.ENCODER.name
+        tower, llm, rope_index = split_model(model)
         modules = {}
-        for name, module in (("vision", vision), ("llm", llm)):
+        for name, module in ((encoder, tower), ("llm", llm)):
             module.to(self.precision[name].param_dtype)
             module.requires_grad_(not self.dims[name].frozen)
-        family = family_of(model.config)
-        if self.rank in self.dims["vision"].ranks:
-            parallelize_vision(vision, self.dims["vision"], self.precision["vision"], family)
-            vision.set_forward(family.vision_forward)
-            modules["vision"] = vision
-        else:
-            model.model.visual = None
+        if self.rank in self.dims[encoder].ranks:
+            parallelize_encoder(tower, self.dims[encoder], self.precision[encoder], family)
+            modules[encoder] = tower
         if self.rank in self.dims["llm"].ranks and self.dims["llm"].pp_enabled:
             modules["llm"] = parallelize_pipelined_llm(llm, self.dims["llm"], self.precision["llm"], self.rank,
                                                        family)
@@ -80,10 +78,9 @@ class RankModel:
 
     def row_order(self, module_name: str, local_name: str, rows: int) -> torch.Tensor | None:
         """HF row of each stored row of a parameter, where a parallelism reordered them (vision qkv under TP)."""
-        dims = self.dims[module_name]
-        if module_name == "vision" and dims.tp_enabled and ".attn.qkv." in local_name:
-            return qkv_row_order(rows, dims.tp)
-        return None
+        if module_name == "llm":
+            return None
+        return family_of(self.init.meta.config).ENCODER.row_order(local_name, self.dims[module_name].tp, rows)
 
     def autocast(self, module_name: str):
         """The module's autocast context (a no-op where its recipe computes in the parameters' dtype)."""

@@ -18,8 +18,7 @@ from transformers import PretrainedConfig
 
 from planner.schema import Plan
 from runtime.conversations import ConversationData
-from runtime.data import IGNORE_INDEX, CaptionData, Sample, Source, SyntheticData, collate, layout_from_plan, pack_rows
-from runtime.data import token_sequence
+from runtime.data import IGNORE_INDEX, CaptionData, Sample, Source, collate, pack_rows
 from runtime.families import family_of
 from runtime.handoff import Routes
 from runtime.llm import LLMShard, image_slots_per_rank, packed_position_ids, pad_packed_row, shard_llm_batch
@@ -28,7 +27,7 @@ from runtime.parallel.ulysses import split_sequence
 from runtime.parallel_dims import BATCH_AXIS, ParallelDims
 from runtime.pipeline import MicroBatchShapes
 from runtime.prefetch import Prefetcher
-from runtime.preflight import is_conversation_file
+from runtime.preflight import is_conversation_file, module_names
 from runtime.vision import merged_positions_per_rank, window_layout
 
 
@@ -38,18 +37,22 @@ def data_source(plan: Plan, options: Any, config: PretrainedConfig) -> Source | 
     if plan.workload.dataset is not None:
         return PackedConversations(options.data, options.tokenizer, config=config, dataset=plan.workload.dataset,
                                    seed=options.seed)
-    layout = layout_from_plan(plan.workload, config)
-    if options.data and layout.videos:
+    encoder = family_of(config).ENCODER
+    layout = encoder.layout_from_plan(plan.workload, config)
+    if not options.data:
+        return encoder.synthetic(layout, options.seed)
+    if not encoder.reads_data:
+        raise ValueError(f"--data {options.data}: the runtime reads no {encoder.name} data yet; an {encoder.name} "
+                         "plan trains on synthetic samples (leave out --data)")
+    if layout.videos:
         raise ValueError(f"the plan's samples hold video clips, and {options.data} holds images: a video plan trains "
                          "on synthetic clips until video rows are read (plan the data with --dataset)")
-    if options.data and is_conversation_file(Path(options.data)):
+    if is_conversation_file(Path(options.data)):
         if not options.tokenizer:
             raise ValueError(f"{options.data} holds conversations: give --tokenizer DIR, the model folder whose "
                              "tokenizer and chat template they go through")
         return ConversationData(options.data, layout, options.tokenizer)
-    if options.data:
-        return CaptionData(options.data, layout)
-    return SyntheticData(layout, options.seed)
+    return CaptionData(options.data, layout)
 
 
 class StepInputs:
@@ -59,10 +62,11 @@ class StepInputs:
     def __init__(self, plan: Plan, *, rank: int, dims: dict[str, ParallelDims], held: tuple[str, ...],
                  config: PretrainedConfig, options: Any, device: torch.device, rope_index: Any):
         self.rank, self.dims, self.held, self.device, self.rope_index = rank, dims, held, device, rope_index
+        self.config = config
+        self.encoder = module_names(plan)[0]
         self.packed = plan.workload.dataset is not None
         """A dataset plan: packed micro-batches of native-resolution samples (runtime.packed_data)."""
-        self.layout = None if self.packed else layout_from_plan(plan.workload, config)
-        self.vision_config = config.vision_config
+        self.layout = None if self.packed else family_of(config).ENCODER.layout_from_plan(plan.workload, config)
         self.source = data_source(plan, options, config)
         self.prefetcher = Prefetcher(self.source) if options.prefetch else None
         self.pipeline_shapes: MicroBatchShapes | None = None
@@ -70,7 +74,7 @@ class StepInputs:
         self._step_slots: list[list[int]] | None = None
         self._fixed_routes = None if self.packed else self._layout_routes()
         if self.packed:
-            check_vision_windows(self.source, dims["vision"], self.vision_config)
+            check_vision_windows(self.source, dims["vision"], config.vision_config)
 
     @property
     def num_micro_batches(self) -> int:
@@ -150,7 +154,7 @@ class StepInputs:
                 if self.pipeline_shapes is not None:
                     ids, position_ids, labels = pad_packed_row(ids, position_ids, labels, self.pipeline_shapes.seq_len)
             else:
-                position_ids, _ = self.rope_index(ids, mm_token_type_ids=batch["mm_token_type_ids"],
+                position_ids, _ = self.rope_index(ids, mm_token_type_ids=batch.get("mm_token_type_ids"),
                                                   image_grid_thw=batch.get("image_grid_thw"),
                                                   video_grid_thw=batch.get("video_grid_thw"))
             sp_group = dims.grid_mesh["sp"].get_group() if dims.sp_enabled else None
@@ -184,16 +188,16 @@ class StepInputs:
             samples, seq_len = 1, dims.micro_batch * self.source.budget
             image_tokens = self.source.most_image_tokens(dims.micro_batch)
         else:
-            template = self._sample_ids()
+            template = self.layout.template_ids()
             bounds = split_sequence(len(template), dims.sp)
             j = dims.coordinate(self.rank)["sp"]
             ids = template[bounds[j]:bounds[j + 1]]
             samples, seq_len = dims.micro_batch, len(ids)
-            image_tokens = int(self._visual(ids).sum())
+            image_tokens = int(self.layout.handoff_mask(ids).sum())
         return MicroBatchShapes(samples=samples, seq_len=seq_len, image_tokens=image_tokens, hidden=text.hidden_size,
                                 handoff_width=text.hidden_size * family_of(config).handoff_tensors(config),
                                 vocab=text.vocab_size, compute_dtype=compute_dtype, handoff_dtype=handoff_dtype,
-                                rows_require_grad=not self.dims["vision"].frozen)
+                                rows_require_grad=not self.dims[self.encoder].frozen)
 
     def close(self) -> None:
         """Stop the prefetch worker."""
@@ -222,12 +226,12 @@ class StepInputs:
 
     def _layout_routes(self) -> Routes:
         """The hand-off routes of every micro-batch of a fixed-shape plan (all samples share the layout)."""
-        vision, llm = self.dims["vision"], self.receiving_llm
-        positions = merged_positions_per_rank(self._grid(vision.micro_batch), self.vision_config, vision.sp)
-        template = self._sample_ids()
-        row = (len(template), self._visual(template).nonzero().flatten())
+        encoder, llm = self.dims[self.encoder], self.receiving_llm
+        positions = self.layout.output_positions_per_rank(encoder.micro_batch, self.config, encoder.sp)
+        template = self.layout.template_ids()
+        row = (len(template), self.layout.handoff_mask(template).nonzero().flatten())
         slots = image_slots_per_rank([row] * llm.micro_batch, llm.sp)
-        return Routes.build(vision, llm, [positions] * vision.dp, [slots] * llm.dp, self.device)
+        return Routes.build(encoder, llm, [positions] * encoder.dp, [slots] * llm.dp, self.device)
 
     def _packed_routes(self, micro: int) -> Routes:
         """The hand-off routes of packed micro-batch ``micro``, from the index alone (no sample is built)."""
@@ -236,7 +240,7 @@ class StepInputs:
         positions = []
         for d in range(vision.dp):
             grid = torch.tensor([g for i in self._slot_samples(micro, vision, d) for g in index[i].grids])
-            positions.append(merged_positions_per_rank(grid, self.vision_config, vision.sp))
+            positions.append(merged_positions_per_rank(grid, self.config.vision_config, vision.sp))
         slots = []
         for e in range(llm.dp):
             samples = [index[i] for i in self._slot_samples(micro, llm, e)]
@@ -245,16 +249,6 @@ class StepInputs:
             slots.append(image_slots_per_rank([row], llm.sp))
         return Routes.build(vision, llm, positions, slots, self.device)
 
-    def _sample_ids(self) -> torch.Tensor:
-        """The token ids of every sample of a fixed-shape plan where it matters here: its image tokens' places."""
-        return token_sequence([], self.layout)["input_ids"]
-
-    def _grid(self, samples: int) -> torch.Tensor:
-        return torch.tensor(self.layout.grids() * samples)
-
-    def _visual(self, ids: torch.Tensor) -> torch.Tensor:
-        """Where the image and video tokens of a fixed-shape plan's ids are."""
-        return (ids == self.layout.image_token_id) | (ids == self.layout.video_token_id)
 
 
 def check_vision_windows(source: PackedConversations, vision: ParallelDims, config: Any) -> None:

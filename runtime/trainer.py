@@ -1,5 +1,6 @@
-"""The step loop on one rank: data -> vision forward -> hand-off -> LLM forward/backward -> hand-back ->
-vision backward -> optimizer. Colocated and disjoint placements differ only in ``train_step``'s one branch.
+"""The step loop on one rank: data -> encoder forward -> hand-off -> LLM forward/backward -> hand-back ->
+encoder backward -> optimizer. The encoder is the vision tower or the audio encoder (runtime.families ``ENCODER``).
+Colocated and disjoint placements differ only in ``train_step``'s one branch.
 
 The parts live in their own modules: this rank's shards of the model (built on ``meta``, sharded there, then
 materialised and filled: runtime.rank_model), a step's inputs (runtime.step_inputs) and the model read back whole
@@ -30,7 +31,7 @@ from transformers import PretrainedConfig
 from planner.schema import Plan
 from runtime import full_model
 from runtime.checkpoint import TensorSource, save_hf_folder
-from runtime.data import IGNORE_INDEX, visual_inputs
+from runtime.data import IGNORE_INDEX
 from runtime.dcp_checkpoint import load_checkpoint
 from runtime.handoff import Handoff, Posted
 from runtime.model import hf_config_from_dict
@@ -40,15 +41,14 @@ from runtime.parallel.precision import module_precision
 from runtime.parallel_dims import BATCH_AXIS, ParallelDims
 from runtime.parallelize import uses_fsdp
 from runtime.pipeline import build_schedule
-from runtime.preflight import MODULES
+from runtime.preflight import module_names
 from runtime.rank_model import RankModel
 from runtime.step_inputs import StepInputs, to_device
 from runtime.families import family_of
-from runtime.vision import shard_vision_batch
 
 
-MAX_VISION_IN_FLIGHT = 2
-"""Disjoint placement: micro-batches the vision group runs ahead of its backward (activation memory bound)."""
+MAX_ENCODER_IN_FLIGHT = 2
+"""Disjoint placement: micro-batches the encoder group runs ahead of its backward (activation memory bound)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -93,7 +93,10 @@ class Trainer:
     def __init__(self, plan: Plan, *, rank: int, options: RunOptions, weights: TensorSource | None = None):
         self.plan, self.rank, self.options = plan, rank, options
         self.device = device_for(plan)
-        self.dims = {name: ParallelDims.from_plan(plan.module(name)) for name in MODULES}
+        self.module_names = module_names(plan)
+        self.encoder = self.module_names[0]
+        """The encoder module's name (``vision`` or ``audio``)."""
+        self.dims = {name: ParallelDims.from_plan(plan.module(name)) for name in self.module_names}
         for dims in self.dims.values():
             dims.build_mesh(self.device.type)
         self.numerics = numerics_device_type(plan)
@@ -107,7 +110,7 @@ class Trainer:
         self.inputs = self.inputs_type(plan, rank=rank, dims=self.dims, held=tuple(self.modules), config=config,
                                  options=options, device=self.device, rope_index=self.model.rope_index)
         self.family = family_of(config)
-        self.handoff = Handoff(llm=self.inputs.receiving_llm, vision_trainable=not self.dims["vision"].frozen,
+        self.handoff = Handoff(llm=self.inputs.receiving_llm, encoder_trainable=not self.dims[self.encoder].frozen,
                                width=config.get_text_config().hidden_size * self.family.handoff_tensors(config),
                                rank=self.rank,
                                dtype=self._handoff_dtype(), device=self.device)
@@ -149,23 +152,22 @@ class Trainer:
         return torch.float32 if self.numerics == "cpu" else torch.bfloat16
 
     # ---- the step's named stages -------------------------------------------------------------------------
-    def vision_forward(self, micro: int) -> torch.Tensor:
-        """This rank's hand-off rows of micro-batch ``micro`` (window order): its merged image tokens, each followed
-        by its injected features where the family has them."""
-        dims = self.dims["vision"]
-        batch = self.inputs.samples(micro, "vision")
+    def encoder_forward(self, micro: int) -> torch.Tensor:
+        """This rank's hand-off rows of micro-batch ``micro``: its encoder tokens (vision: merged image tokens in
+        window order, each followed by its injected features where the family has them; audio: projected audio
+        tokens)."""
+        dims = self.dims[self.encoder]
+        batch = self.inputs.samples(micro, self.encoder)
         sp_group = dims.grid_mesh["sp"].get_group() if dims.sp_enabled else None
-        pixels, grid = visual_inputs(batch)
-        grid, config = grid.cpu(), self.inputs.vision_config
-        shard = shard_vision_batch(pixels, grid, config, sp_rank=dims.coordinate(self.rank)["sp"],
-                                   sp_group=sp_group, sp=dims.sp,
-                                   patch_inputs=self.family.vision_patch_inputs(grid, config))
+        shard = self.family.ENCODER.shard(batch, self.inputs.config, sp_rank=dims.coordinate(self.rank)["sp"],
+                                          sp_group=sp_group, sp=dims.sp)
         shard = to_device(shard, self.device)
-        with self._timed("vision_forward_s"), self.model.autocast("vision"), torch.set_grad_enabled(not dims.frozen):
-            return self.modules["vision"](shard)
+        with self._timed(f"{self.encoder}_forward_s"), self.model.autocast(self.encoder), \
+                torch.set_grad_enabled(not dims.frozen):
+            return self.modules[self.encoder](shard)
 
     def hand_off(self, rows: torch.Tensor | None, micro: int) -> Posted:
-        """Post the sends of this rank's vision piece and, on LLM ranks, the receives of the image tokens it places."""
+        """Post the sends of this rank's encoder piece and, on LLM ranks, the receives of the tokens it places."""
         return self.handoff.activations(rows, micro, self.inputs.routes(micro))
 
     def llm_forward_backward(
@@ -175,7 +177,7 @@ class Trainer:
         gradient and the loss share."""
         shard = self.inputs.llm_shard(micro)
         llm, dims = self.modules["llm"], self.dims["llm"]
-        embeds.requires_grad_(not self.dims["vision"].frozen)
+        embeds.requires_grad_(not self.dims[self.encoder].frozen)
         set_gradient_sync(llm, zero=dims.zero, last_micro_batch=micro == self.num_micro_batches - 1)
         with loss_parallel() if dims.tp_enabled else contextlib.nullcontext():
             with self._timed("llm_forward_s"), self.model.autocast("llm"):
@@ -188,16 +190,17 @@ class Trainer:
         return embeds.grad, float(value.detach())
 
     def hand_back(self, grad: torch.Tensor | None, micro: int) -> Posted:
-        """Post the image-token gradients back to the vision ranks and, on those, the receives of their own."""
+        """Post the encoder tokens' gradients back to the encoder ranks and, on those, the receives of their own."""
         return self.handoff.gradients(grad, micro, self.inputs.routes(micro))
 
-    def vision_backward(self, rows: torch.Tensor, grad: torch.Tensor | None, micro: int) -> None:
-        """Backpropagate this rank's piece gradient through the vision tower (nothing when it is frozen)."""
-        dims = self.dims["vision"]
+    def encoder_backward(self, rows: torch.Tensor, grad: torch.Tensor | None, micro: int) -> None:
+        """Backpropagate this rank's piece gradient through the encoder (nothing when it is frozen)."""
+        dims = self.dims[self.encoder]
         if dims.frozen:
             return
-        set_gradient_sync(self.modules["vision"], zero=dims.zero, last_micro_batch=micro == self.num_micro_batches - 1)
-        with self._timed("vision_backward_s"):
+        set_gradient_sync(self.modules[self.encoder], zero=dims.zero,
+                          last_micro_batch=micro == self.num_micro_batches - 1)
+        with self._timed(f"{self.encoder}_backward_s"):
             rows.backward(grad.to(rows.dtype))
 
     def optimizer_step(self) -> float:
@@ -218,7 +221,7 @@ class Trainer:
         """The trainable parts whose gradient norms make the global norm: each module, or each pipeline stage of a
         pipelined one (its stages hold different parameters), as (the parts this rank holds, all parts)."""
         held, every = {}, []
-        for name in MODULES:
+        for name in self.module_names:
             dims = self.dims[name]
             keys = [f"{name}.stage{k}" for k in range(dims.pp)] if dims.pp_enabled else [name]
             every += keys
@@ -273,27 +276,27 @@ class Trainer:
     def _colocated_step(self, num_tokens: torch.Tensor) -> float:
         loss = 0.0
         for micro in range(self.num_micro_batches):
-            rows = self.vision_forward(micro)
+            rows = self.encoder_forward(micro)
             embeds = self.handoff.wait(self.hand_off(rows, micro))
             grad, share = self.llm_forward_backward(micro, embeds, num_tokens)
             loss += share
-            self.vision_backward(rows, self.handoff.wait(self.hand_back(grad, micro)), micro)
+            self.encoder_backward(rows, self.handoff.wait(self.hand_back(grad, micro)), micro)
         return loss
 
     def _pipelined_step(self, num_tokens: torch.Tensor | None) -> float:
-        """With the LLM pipelined, in either placement: every micro-batch's vision forward and hand-off to the first
-        stage, the LLM's pipeline schedule over all of them, then every hand-back and vision backward (each rank
+        """With the LLM pipelined, in either placement: every micro-batch's encoder forward and hand-off to the first
+        stage, the LLM's pipeline schedule over all of them, then every hand-back and encoder backward (each rank
         does the parts of the modules it holds)."""
         micros = range(self.num_micro_batches)
-        rows = [self.vision_forward(micro) if "vision" in self.modules else None for micro in micros]
+        rows = [self.encoder_forward(micro) if self.encoder in self.modules else None for micro in micros]
         embeds = [self.handoff.wait(self.hand_off(rows[micro], micro)) for micro in micros]
         grads, loss = [None] * len(micros), 0.0
         if "llm" in self.modules:
             grads, loss = self.llm_pipeline(embeds, num_tokens)
         for micro in micros:
             grad = self.handoff.wait(self.hand_back(grads[micro], micro))
-            if "vision" in self.modules:
-                self.vision_backward(rows[micro], grad, micro)
+            if self.encoder in self.modules:
+                self.encoder_backward(rows[micro], grad, micro)
         return loss
 
     def llm_pipeline(self, embeds: list[torch.Tensor | None], num_tokens: torch.Tensor
@@ -313,7 +316,7 @@ class Trainer:
             room = self.inputs.pipeline_shapes.image_tokens
             per_micro = [F.pad(e, (0, 0, 0, room - len(e)))[None] if self.inputs.packed
                          else e.reshape(dims.micro_batch, -1, e.shape[-1]) for e in embeds]
-            rows = torch.cat(per_micro).requires_grad_(not self.dims["vision"].frozen)
+            rows = torch.cat(per_micro).requires_grad_(not self.dims[self.encoder].frozen)
             inputs = (torch.cat([s.input_ids_Bs for s in shards]), rows)
         losses: list[torch.Tensor] = []
         target = torch.cat([s.targets_Bs for s in shards]) if last else None
@@ -333,19 +336,19 @@ class Trainer:
         return self._loss(logits, targets, self._step_num_tokens)
 
     def _disjoint_step(self, num_tokens: torch.Tensor | None) -> float:
-        """1F1B across the two groups: the vision group runs up to MAX_VISION_IN_FLIGHT forwards ahead, then
+        """1F1B across the two groups: the encoder group runs up to MAX_ENCODER_IN_FLIGHT forwards ahead, then
         alternates backward / forward; the LLM group alternates receive / forward-backward / send."""
         loss, posted = 0.0, []
-        if "vision" in self.modules:
+        if self.encoder in self.modules:
             in_flight = {}
-            for micro in range(min(MAX_VISION_IN_FLIGHT, self.num_micro_batches)):
+            for micro in range(min(MAX_ENCODER_IN_FLIGHT, self.num_micro_batches)):
                 in_flight[micro] = self._forward_and_send(micro)
             for micro in range(self.num_micro_batches):
                 rows, sent = in_flight.pop(micro)
-                self.vision_backward(rows, self.handoff.wait(self.hand_back(None, micro)), micro)
+                self.encoder_backward(rows, self.handoff.wait(self.hand_back(None, micro)), micro)
                 posted.append(sent)
-                if micro + MAX_VISION_IN_FLIGHT < self.num_micro_batches:
-                    in_flight[micro + MAX_VISION_IN_FLIGHT] = self._forward_and_send(micro + MAX_VISION_IN_FLIGHT)
+                if micro + MAX_ENCODER_IN_FLIGHT < self.num_micro_batches:
+                    in_flight[micro + MAX_ENCODER_IN_FLIGHT] = self._forward_and_send(micro + MAX_ENCODER_IN_FLIGHT)
         if "llm" in self.modules:
             for micro in range(self.num_micro_batches):
                 embeds = self.handoff.wait(self.hand_off(None, micro))
@@ -357,7 +360,7 @@ class Trainer:
         return loss
 
     def _forward_and_send(self, micro: int) -> tuple[torch.Tensor, Posted]:
-        rows = self.vision_forward(micro)
+        rows = self.encoder_forward(micro)
         return rows, self.hand_off(rows, micro)
 
     def _reduce_loss(self, loss: float) -> float | None:

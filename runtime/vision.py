@@ -18,7 +18,105 @@ import torch
 from torch import nn
 from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids, get_vision_window_index
 
+from planner.rules import attention_rules, width_rule
+from runtime.parallel.tensor_parallel import parallelize_vision_tp, qkv_row_order
 from runtime.parallel.ulysses import UlyssesGroup, split_windows
+
+
+class VisionTower(nn.Module):
+    """The vision encoder (patch embed, blocks, merger) of a Qwen-VL model: ``model.model.visual``, run by its
+    family's ``vision_forward``."""
+
+    hf_prefix = "model.visual."
+
+    def __init__(self, visual: nn.Module, forward: Callable[[nn.Module, "VisionShard"], torch.Tensor]):
+        super().__init__()
+        self.visual = visual
+        self._forward = forward
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        """The repeated blocks (FSDP units)."""
+        return list(self.visual.blocks)
+
+    @property
+    def pretrained(self) -> nn.Module:
+        """The transformers model whose layers recomputation wraps."""
+        return self.visual
+
+    def forward(self, shard: VisionShard) -> torch.Tensor:
+        """Hand-off rows of this rank's window shard, in window order: [M_local, W]."""
+        return self._forward(self.visual, shard)
+
+    @staticmethod
+    def hf_name(name: str) -> str:
+        """HF parameter name of a parameter name of this module."""
+        return VisionTower.hf_prefix + name.removeprefix("visual.")
+
+
+class VisionEncoder:
+    """The runtime's encoder interface (runtime.families ``ENCODER``) for the Qwen-VL vision towers, from a family's
+    vision hooks."""
+
+    name = "vision"
+    reads_data = True
+    """Image and conversation data (runtime.data, runtime.conversations, runtime.packed_data)."""
+
+    def __init__(self, family: Any):
+        self.family = family
+
+    @staticmethod
+    def config(config: Any) -> Any:
+        return config.vision_config
+
+    def split_model(self, model: nn.Module, language_model: Any) -> tuple[VisionTower, nn.Module, Any]:
+        """The vision tower, the language model (its hand-off lands on image and video tokens) and M-RoPE."""
+        llm = language_model(model.model.language_model, model.lm_head,
+                             (model.config.image_token_id, model.config.video_token_id))
+        return VisionTower(model.model.visual, self.family.vision_forward), llm, model.model.get_rope_index
+
+    def parallelize_tp(self, tower: VisionTower, mesh: Any) -> None:
+        parallelize_vision_tp(tower.visual, mesh, self.family.vision_tp_plans(tower.visual))
+
+    @staticmethod
+    def row_order(local_name: str, tp: int, rows: int) -> torch.Tensor | None:
+        """HF row of each stored row of a parameter the TP layout reorders (each block's fused qkv), else None."""
+        return qkv_row_order(rows, tp) if tp > 1 and ".attn.qkv." in local_name else None
+
+    @staticmethod
+    def rules(tp: int, sp: int, config: Any) -> list[str]:
+        """Why the tower cannot run at these degrees (planner.rules, as the planner checks them)."""
+        vc = config.vision_config
+        width = getattr(vc, "embed_dim", None) or vc.hidden_size  # Qwen2-VL names it embed_dim
+        reasons = attention_rules(tp, sp, vc.num_heads, vc.num_heads, "the vision tower")
+        widths = [(getattr(vc, "intermediate_size", None) or int(width * vc.mlp_ratio),
+                   "MLP hidden width of the vision blocks"),
+                  (width * vc.spatial_merge_size**2, "input width of the patch merger")]
+        return reasons + [problem for w, what in widths if (problem := width_rule(tp, w, what))]
+
+    @staticmethod
+    def layout_from_plan(workload: Any, config: Any) -> Any:
+        """runtime.data ``layout_from_plan``."""
+        from runtime.data import layout_from_plan  # runtime.data reads the families, which read this module
+
+        return layout_from_plan(workload, config)
+
+    @staticmethod
+    def synthetic(layout: Any, seed: int) -> Any:
+        """Random images and clips of the layout (runtime.data ``SyntheticData``)."""
+        from runtime.data import SyntheticData
+
+        return SyntheticData(layout, seed)
+
+    def shard(self, batch: Mapping[str, torch.Tensor], config: Any, *, sp_rank: int, sp_group: Any,
+              sp: int) -> VisionShard:
+        """This SP rank's part of a replica's images and clips (``shard_vision_batch``)."""
+        from runtime.data import visual_inputs
+
+        pixels, grid = visual_inputs(batch)
+        grid, vc = grid.cpu(), config.vision_config
+        return shard_vision_batch(pixels, grid, vc, sp_rank=sp_rank, sp_group=sp_group, sp=sp,
+                                  patch_inputs=self.family.vision_patch_inputs(grid, vc))
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -33,8 +33,15 @@ WORKLOADS = {
 }
 """The planner's default sample, and the shortest one (one merged image token, a 4-token LLM sequence)."""
 
+
+def audio_workloads(model: str) -> dict[str, dict]:
+    """An audio model's: the default (30 s), and one clip (a whole encoder pass) with the shortest text (the clip's
+    two markers and one token)."""
+    clip = get_model(model).audio_input.max_seconds
+    return {"default": {}, "short": {"audio_seconds": clip, "text_tokens": 3, "global_batch": 8}}
+
 RUNTIME_MODELS = [name for name, *_ in list_models() if get_model(name).family in MODEL_CLASSES]
-"""Catalog models whose family the runtime builds (the audio model is planned only: issue 30)."""
+"""Catalog models whose family the runtime builds."""
 
 
 def runtime_key(s) -> tuple:
@@ -48,27 +55,28 @@ def emitted_plans(model: str, gpus: int, per_node: int, workload: dict):
     """(description, Plan) for every strategy of every module the candidate generator emits, each paired with a
     partner of the other module; with pipeline parallelism searched."""
     problem = make_problem(model, gpus, gpus_per_node=per_node, profile=None, **workload)
+    names = problem.model.module_names
     for placement in ("colocated", "disjoint"):
         by_module = {}
-        for module in ("vision", "llm"):
+        for module in names:
             strategies = [s for size in group_sizes(problem, module, placement)
                           for series, _ in [module_strategies(problem, module, size, {}, {})]
                           for s in itertools.chain.from_iterable(series)]
             by_module[module] = list({runtime_key(s): s for s in strategies}.values())
-        for module, other in (("vision", "llm"), ("llm", "vision")):
+        for module, other in (names, names[::-1]):
             for strategy in by_module[module]:
                 partner = next((p for p in by_module[other] if p.grad_accum == strategy.grad_accum
                                 and (placement == "colocated" or p.gpus + strategy.gpus == gpus)), None)
                 if partner is None:
                     continue
                 modules = {module: strategy, other: partner}
-                whole = Strategy(placement=placement, modules={m: modules[m] for m in ("vision", "llm")})
+                whole = Strategy(placement=placement, modules={m: modules[m] for m in names})
                 plan = build_plan(problem, whole, status="EVALUATED", num_candidates=1, reference={})
                 yield f"{model} {placement} {module} {strategy.describe()}", plan
 
 
-def test_runtime_builds_every_catalog_family_but_audio():
-    assert set(RUNTIME_MODELS) == {name for name, *_ in list_models()} - {"qwen2-audio-7b"}
+def test_runtime_builds_every_catalog_family():
+    assert set(RUNTIME_MODELS) == {name for name, *_ in list_models()}
 
 
 @pytest.fixture
@@ -92,7 +100,8 @@ def config_built_once(monkeypatch):
 @pytest.mark.parametrize("model", RUNTIME_MODELS)
 def test_runtime_accepts_every_emitted_strategy(model, config_built_once):
     refused, checked = [], 0
-    for (gpus, per_node), workload in itertools.product(CLUSTERS, WORKLOADS.values()):
+    workloads = audio_workloads(model) if get_model(model).audio_input is not None else WORKLOADS
+    for (gpus, per_node), workload in itertools.product(CLUSTERS, workloads.values()):
         for what, emitted in emitted_plans(model, gpus, per_node, workload):
             checked += 1
             try:
@@ -103,11 +112,12 @@ def test_runtime_accepts_every_emitted_strategy(model, config_built_once):
     assert not refused, f"{len(refused)} of {checked} emitted plans refused, e.g. {refused[:3]}"
 
 
-def test_audio_model_is_refused_in_one_line():
-    """The planner plans Qwen2-Audio; the runtime does not build it yet (issue 30) and says so before any work."""
-    with pytest.raises(NotImplementedError, match=r"^the runtime runs plans with modules \['vision', 'llm'\], this one "
-                                                  r"has \['audio', 'llm'\]$"):
-        validate_plan(plan("qwen2-audio-7b", 8, profile=None), RunOptions())
+def test_audio_beyond_whole_clips_is_refused_in_one_line():
+    """The runtime trains Qwen2-Audio on whole 30 s clips (one encoder pass each, as the planner prices them); 45 s
+    per sample is refused before any work, saying what to plan instead."""
+    with pytest.raises(ValueError, match=r"^the runtime trains on whole 30 s clips \(one encoder pass each\); the "
+                                         r"plan has 45 s of audio per sample: plan with a multiple of 30 s$"):
+        validate_plan(plan("qwen2-audio-7b", 8, profile=None, audio_seconds=45), RunOptions())
 
 
 def test_decoder_only_model_is_refused_in_one_line():
@@ -117,8 +127,8 @@ def test_decoder_only_model_is_refused_in_one_line():
 
     llama = model_from_hf_config(dict(model_type="llama", vocab_size=1000, hidden_size=128, intermediate_size=256,
                                       num_hidden_layers=2, num_attention_heads=4), "tiny-llama")
-    with pytest.raises(NotImplementedError, match=r"^the runtime runs plans with modules \['vision', 'llm'\], this one "
-                                                  r"has \['llm'\]$"):
+    with pytest.raises(NotImplementedError, match=r"^the runtime runs plans with one encoder \(vision or audio\) and "
+                                                  r"an llm, this one has \['llm'\]$"):
         validate_plan(plan(llama, 2, gpu="cpu", profile=None), RunOptions())
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -11,10 +12,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import Qwen2_5_VLForConditionalGeneration
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
-from runtime.vision import VisionShard, blocks_forward
+from runtime.vision import VisionEncoder, VisionShard, blocks_forward
 
 MODEL_TYPE = "qwen2_5_vl"
 MODEL_CLASS = Qwen2_5_VLForConditionalGeneration
+ENCODER = VisionEncoder(sys.modules[__name__])
+"""The runtime's encoder interface (runtime.vision) over this module's vision hooks."""
 BLOCK_TP_PLAN = {
     "attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
     "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import Qwen2VLForConditionalGeneration
 
+from runtime.vision import VisionEncoder
 from runtime.families.qwen2_5_vl import (
     IMAGE_NORMALIZATION,
     MERGER_TP_PLAN,
@@ -16,6 +19,8 @@ from runtime.families.qwen2_5_vl import (
 
 MODEL_TYPE = "qwen2_vl"
 MODEL_CLASS = Qwen2VLForConditionalGeneration
+ENCODER = VisionEncoder(sys.modules[__name__])
+"""The runtime's encoder interface (runtime.vision) over this module's vision hooks."""
 BLOCK_TP_PLAN = {
     "attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
     "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel(),
@@ -23,7 +28,7 @@ BLOCK_TP_PLAN = {
 """A vision block: attention heads and the MLP's width split."""
 LLM_LAYER_TP_PLAN: dict = {}
 """Nothing beyond the common decoder-layer plan."""
-__all__ = ["MODEL_TYPE", "MODEL_CLASS", "IMAGE_NORMALIZATION", "LLM_LAYER_TP_PLAN", "handoff_tensors",
+__all__ = ["MODEL_TYPE", "MODEL_CLASS", "ENCODER", "IMAGE_NORMALIZATION", "LLM_LAYER_TP_PLAN", "handoff_tensors",
            "vision_forward", "vision_patch_inputs", "vision_tp_plans"]
 
 

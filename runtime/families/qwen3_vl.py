@@ -7,6 +7,7 @@ the image positions (runtime.model ``decoder_forward``). The Qwen3 decoder norma
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import torch
@@ -16,10 +17,12 @@ from transformers import Qwen3VLForConditionalGeneration
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
 from runtime.parallel.tensor_parallel import ReplicatedWeightSummedGradients
-from runtime.vision import VisionShard, blocks_forward
+from runtime.vision import VisionEncoder, VisionShard, blocks_forward
 
 MODEL_TYPE = "qwen3_vl"
 MODEL_CLASS = Qwen3VLForConditionalGeneration
+ENCODER = VisionEncoder(sys.modules[__name__])
+"""The runtime's encoder interface (runtime.vision) over this module's vision hooks."""
 BLOCK_TP_PLAN = {
     "attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
     "mlp.linear_fc1": ColwiseParallel(), "mlp.linear_fc2": RowwiseParallel(),

@@ -144,14 +144,14 @@ def _reorder_qkv(attn: nn.Module, tp: int) -> None:
     attn.num_heads //= tp
 
 
-def parallelize_vision_tp(visual: nn.Module, mesh: DeviceMesh, family: Any) -> None:
-    """Shard every vision block and the mergers' MLPs over the ``tp`` mesh, by the family's plans
-    (runtime.families ``vision_tp_plans``), each block's fused qkv rows put in TP layout first."""
+def parallelize_vision_tp(visual: nn.Module, mesh: DeviceMesh, plans: list[tuple[nn.Module, dict]]) -> None:
+    """Shard every vision block and the mergers' MLPs over the ``tp`` mesh by ``plans`` (the family's
+    ``vision_tp_plans``: (submodule, plan) pairs), each block's fused qkv rows put in TP layout first."""
     tp = mesh.size()
     _check_divisible("vision attention heads", visual.config.num_heads, tp)
     for block in visual.blocks:
         _reorder_qkv(block.attn, tp)
-    for module, plan in family.vision_tp_plans(visual):
+    for module, plan in plans:
         parallelize_module(module, mesh, plan)
 
 

@@ -69,6 +69,13 @@ def module(name: str, ranks: list[int], *, dp=1, tp=1, sp=1, cp=1, zero=0, recom
                       predicted=_prediction(), **pipeline)
 
 
+def tiny_qwen2_audio_config() -> dict[str, Any]:
+    """The catalog's tiny Qwen2-Audio (2 encoder blocks over 1 s clips of 50 positions, 4 decoder layers)."""
+    from planner.catalog import get_model
+
+    return copy.deepcopy(dict(get_model("qwen2-audio-tiny").hf_config))
+
+
 def tiny_qwen3_vl_config() -> dict[str, Any]:
     """The catalog's tiny Qwen3-VL (4 full-attention vision blocks, DeepStack from blocks 1 and 2 into decoder
     layers 0 and 1 of 4, q/k norms, interleaved M-RoPE)."""
@@ -79,12 +86,15 @@ def tiny_qwen3_vl_config() -> dict[str, Any]:
 
 def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAGE_SIZE, text_tokens=TEXT_TOKENS,
               learning_rate=1e-3, warmup_steps=2, grad_clip_norm=1.0, hf_config=None,
-              pack_tokens: int | None = None, videos: tuple[tuple[int, int, int], ...] = ()) -> Plan:
-    """A CPU plan for the tiny model; ``vision``/``llm`` are module() keyword arguments (ranks defaulted).
-    ``image_size``: one (height, width), or a tuple of them (several images per sample); ``videos``: (frames, height,
-    width) clips per sample. With ``pack_tokens`` it is a dataset plan (packs of that many LLM tokens; the data is
-    the run's ``--data``)."""
+              pack_tokens: int | None = None, videos: tuple[tuple[int, int, int], ...] = (),
+              audio_seconds: float = 0.0) -> Plan:
+    """A CPU plan for the tiny model; ``vision``/``llm`` are module() keyword arguments (ranks defaulted; for an
+    audio model ``vision`` is the audio encoder's). ``image_size``: one (height, width), or a tuple of them (several
+    images per sample); ``videos``: (frames, height, width) clips per sample; ``audio_seconds``: an audio model's
+    seconds per sample. With ``pack_tokens`` it is a dataset plan (packs of that many LLM tokens; the data is the
+    run's ``--data``)."""
     hf_config = hf_config or tiny_hf_config()
+    encoder = "audio" if audio_seconds else "vision"
     v_size, l_size = (d.get("pp", 1) * d.get("dp", 1) * d.get("tp", 1) * d.get("sp", 1) * d.get("cp", 1)
                       for d in (vision, llm))
     if placement == "colocated":
@@ -92,7 +102,7 @@ def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAG
     else:
         l_ranks, v_ranks = list(range(l_size)), list(range(l_size, l_size + v_size))
     modules = [
-        module("vision", vision.pop("ranks", v_ranks), **vision),
+        module(encoder, vision.pop("ranks", v_ranks), **vision),
         module("llm", llm.pop("ranks", l_ranks), **llm),
     ]
     n = len({r for m in modules for r in m.ranks})
@@ -101,6 +111,10 @@ def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAG
     sizes = [] if not image_size else list(image_size) if isinstance(image_size[0], tuple) else [image_size]
     patches = sum((h // patch) * (w // patch) for h, w in sizes)
     llm_tokens = text_tokens + patches // 4
+    if audio_seconds:  # whole clips of max_source_positions encoder positions, pooled 2x
+        sizes, positions = [], hf_config["audio_config"]["max_source_positions"]
+        patches = round(audio_seconds * 50 / positions) * positions
+        llm_tokens = text_tokens + patches // 2
     if videos:  # (frames, height, width) clips, as the planner counts them
         from planner.families import model_from_hf_config
         from planner.workload import Workload, module_tokens
@@ -115,12 +129,12 @@ def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAG
     return Plan(
         schema_version=SCHEMA_VERSION, planner_version="test",
         model=ModelInfo(name="tiny", family=hf_config["model_type"], hf_config=hf_config, num_params=1,
-                        module_params={"vision": 1, "llm": 1}),
+                        module_params={encoder: 1, "llm": 1}),
         cluster=ClusterInfo(device=device, num_devices=n, devices_per_node=n),
         workload=WorkloadInfo(image_sizes=sizes, vision_tokens=None,
-                              text_tokens=text_tokens, audio_seconds=0.0, global_batch=samples, videos=list(videos),
-                              module_tokens={"vision": patches, "llm": llm_tokens},
-                              llm_image_tokens=patches // 4,
+                              text_tokens=text_tokens, audio_seconds=audio_seconds, global_batch=samples,
+                              videos=list(videos), module_tokens={encoder: patches, "llm": llm_tokens},
+                              llm_image_tokens=0 if audio_seconds else patches // 4,
                               dataset=None if pack_tokens is None else dataset_info(pack_tokens)),
         training=TrainingInfo(precision="bf16_mixed", learning_rate=learning_rate, warmup_steps=warmup_steps,
                               grad_clip_norm=grad_clip_norm),

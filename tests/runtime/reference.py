@@ -6,8 +6,9 @@ import torch
 
 from planner.schema import Plan
 from runtime.data import IGNORE_INDEX, collate
-from runtime.model import build_model
+from runtime.model import build_model, split_model
 from runtime.optim import warmup_factor
+from runtime.preflight import module_names
 from runtime.step_inputs import data_source
 from runtime.trainer import RunOptions
 
@@ -18,7 +19,8 @@ def reference_run(plan: Plan, *, seed: int, steps: int, options: RunOptions | No
     ``data_source``; synthetic by default)."""
     torch.set_num_threads(1)
     model = build_model(plan.model.hf_config, seed=seed)
-    model.model.visual.requires_grad_(not plan.module("vision").frozen)
+    encoder = module_names(plan)[0]
+    split_model(model)[0].requires_grad_(not plan.module(encoder).frozen)
     model.model.language_model.requires_grad_(not plan.module("llm").frozen)
     model.lm_head.requires_grad_(not plan.module("llm").frozen)
     data = data_source(plan, options or RunOptions(seed=seed), model.config)

@@ -5,11 +5,12 @@ return small picklable summaries: per parameter its DTensor layout, local and gl
 per transformer block the layout of its first registered parameter around every forward of a step. The
 expectations are derived here from the plan's degrees alone (never from the runtime's sharding code):
 
-- TP (Megatron-LM): column-parallel projections (q/k/v, fused vision qkv, gate/up, fc1, merger ``mlp.0``; Qwen3-VL's
-  ``linear_fc1`` of the MLPs and of every merger) are
+- TP (Megatron-LM): column-parallel projections (q/k/v, fused vision qkv, gate/up, fc1 (the audio blocks' too),
+  merger ``mlp.0``; Qwen3-VL's ``linear_fc1`` of the MLPs and of every merger) are
   ``Shard(0)`` on the module's TP group, weight and bias, except the LLM's k/v when TP does not divide its KV
   heads (a multiple of them: each KV head replicated over tp / kv ranks, so k/v are whole on every TP rank);
-  row-parallel ones (attention output, down, fc2, merger ``mlp.2``, ``linear_fc2``) ``Shard(1)``, bias replicated; the embedding and ``lm_head`` are sharded on the vocabulary (dim 0);
+  row-parallel ones (attention output, down, fc2, merger ``mlp.2``, ``linear_fc2``) ``Shard(1)``, bias
+  replicated; the embedding and ``lm_head`` are sharded on the vocabulary (dim 0);
   everything else (norms, patch embedding) is replicated.
 - ZeRO >= 1 with dp * cp * sp > 1: every parameter is also sharded on dim 0 over the module's batch group
   (its ranks with the same TP coordinate); ZeRO-0 adds nothing on that group (plain tensors or Replicate).
@@ -42,11 +43,12 @@ Layout = dict[tuple[int, ...], str]
 
 COLWISE = re.compile(
     r"(^|\.)(attn\.qkv|self_attn\.[qkv]_proj|mlp\.(gate_proj|up_proj|fc1|linear_fc1)|merger\.mlp\.0"
-    r"|(merger|deepstack_merger_list\.\d+)\.linear_fc1)\.(weight|bias)$"
+    r"|(merger|deepstack_merger_list\.\d+)\.linear_fc1|layers\.\d+\.fc1)\.(weight|bias)$"
 )
 """Column-parallel linears: output features (dim 0 of weight and bias) split over TP."""
-ROWWISE_WEIGHT = re.compile(r"(^|\.)(attn\.proj|self_attn\.o_proj|mlp\.(down_proj|fc2|linear_fc2)|merger\.mlp\.2"
-                            r"|(merger|deepstack_merger_list\.\d+)\.linear_fc2)\.weight$")
+ROWWISE_WEIGHT = re.compile(r"(^|\.)(attn\.proj|self_attn\.(o_proj|out_proj)|mlp\.(down_proj|fc2|linear_fc2)"
+                            r"|merger\.mlp\.2|(merger|deepstack_merger_list\.\d+)\.linear_fc2|layers\.\d+\.fc2)"
+                            r"\.weight$")
 """Row-parallel linears: input features (dim 1 of the weight) split over TP; their bias is replicated."""
 VOCAB_PARALLEL = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
 """Vocabulary-parallel embedding and output projection: vocabulary rows (dim 0) split over TP."""

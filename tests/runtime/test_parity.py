@@ -43,7 +43,8 @@ import torch
 from runtime import launcher
 from runtime.trainer import RunOptions
 from tests.runtime import sharding_checks
-from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen2_vl_config, tiny_qwen3_vl_config
+from tests.runtime.plans import (QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen2_audio_config,
+                                 tiny_qwen2_vl_config, tiny_qwen3_vl_config)
 from tests.runtime.reference import reference_run
 
 STEPS = 3
@@ -196,6 +197,25 @@ QWEN3_VL_PLANS = {
 }
 """Qwen3-VL plans (runtime.families.qwen3_vl)."""
 
+QWEN2_AUDIO = dict(hf_config=tiny_qwen2_audio_config(), audio_seconds=2.0, text_tokens=12)
+"""Two 1 s clips per sample (2 x 25 audio tokens) and 12 text tokens."""
+QWEN2_AUDIO_PLANS = {
+    "qwen2_audio_zero3_dp2": dict(vision=dict(dp=2, zero=3), llm=dict(dp=2, zero=3), **QWEN2_AUDIO),
+    # the encoder's heads and MLP width split as the LLM's
+    "qwen2_audio_uniform_tp2": dict(vision=dict(tp=2), llm=dict(tp=2), **QWEN2_AUDIO),
+    # a micro-batch's 4 clips end to end split on pooling pairs (100 + 100 positions), attention within each clip;
+    # 1-D RoPE positions sliced with the tokens
+    "qwen2_audio_sp2__llm_sp2": dict(vision=dict(sp=2, micro_batch=2), llm=dict(sp=2, micro_batch=2), **QWEN2_AUDIO),
+    # one clip per sample: the SP split falls inside the clip (positions 0-24 and 25-49, one attention segment)
+    "qwen2_audio_one_clip__sp2": dict(vision=dict(sp=2, micro_batch=2), llm=dict(dp=2), **{**QWEN2_AUDIO, "audio_seconds": 1.0}),
+    "qwen2_audio_disjoint__2_micro_batches": dict(vision=dict(grad_accum=2), llm=dict(grad_accum=2),
+                                                  placement="disjoint", **QWEN2_AUDIO),
+    "qwen2_audio_llm_pp2__audio_dp2": dict(vision=dict(dp=2, grad_accum=2),
+                                           llm=dict(pp=2, pp_layers=[2, 2], micro_batch=2, grad_accum=2),
+                                           **QWEN2_AUDIO),
+}
+"""Qwen2-Audio plans (runtime.families.qwen2_audio); ``vision`` holds the audio encoder's degrees."""
+
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
     """The factor global-norm clipping multiplies every gradient by (torch.nn.utils.clip_grad_norm_'s formula)."""
@@ -282,6 +302,12 @@ def test_parity_pipelined(name, worker_pool):
 @pytest.mark.parametrize("name", list(QWEN3_VL_PLANS))
 def test_parity_qwen3_vl(name, worker_pool):
     spec = dict(QWEN3_VL_PLANS[name])
+    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
+
+
+@pytest.mark.parametrize("name", list(QWEN2_AUDIO_PLANS))
+def test_parity_qwen2_audio(name, worker_pool):
+    spec = dict(QWEN2_AUDIO_PLANS[name])
     assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
 
 

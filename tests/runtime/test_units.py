@@ -344,9 +344,9 @@ def test_build_model_from_a_save_pretrained_folder(tmp_path):
 
 def test_disjoint_schedule_is_the_one_the_cost_model_prices():
     # planner/cost/pipeline.py derives the disjoint step from this schedule: at most two encoder forwards ahead.
-    from runtime.trainer import MAX_VISION_IN_FLIGHT
+    from runtime.trainer import MAX_ENCODER_IN_FLIGHT
 
-    assert MAX_VISION_IN_FLIGHT == 2
+    assert MAX_ENCODER_IN_FLIGHT == 2
 
 
 def test_under_autocast_the_llm_residual_stream_is_in_the_compute_dtype(tiny_model):
