@@ -52,13 +52,19 @@ class TensorSource(Protocol):
         """Slice ``index`` (HF layout) of tensor ``hf_name``, whose full shape must be ``shape``."""
 
 
-def legacy_name(hf_name: str) -> str:
-    """The name of a tensor in checkpoints written before transformers 5 (the Hub's Qwen-VL uploads):
-    ``visual.*`` and ``model.*`` where transformers 5 has ``model.visual.*`` and ``model.language_model.*``."""
-    for new, old in (("model.visual.", "visual."), ("model.language_model.", "model.")):
-        if hf_name.startswith(new):
-            return old + hf_name.removeprefix(new)
-    return hf_name
+LEGACY_PREFIXES = (
+    ("model.visual.", "visual."), ("model.language_model.", "model."),
+    ("model.audio_tower.", "audio_tower."), ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+)
+"""(transformers 5 prefix, the prefix before it): Qwen-VL's ``visual.*`` / ``model.*``, Qwen2-Audio's
+``audio_tower.*`` / ``multi_modal_projector.*`` / ``language_model.model.*`` / ``language_model.lm_head.*`` (the Hub's
+uploads, and what transformers 5 still writes for Qwen2-Audio)."""
+
+
+def legacy_names(hf_name: str) -> list[str]:
+    """The names tensor ``hf_name`` may have in checkpoints written before transformers 5 (``LEGACY_PREFIXES``)."""
+    return [old + hf_name.removeprefix(new) for new, old in LEGACY_PREFIXES if hf_name.startswith(new)]
 
 
 class HFFolder:
@@ -90,8 +96,8 @@ class HFFolder:
         Raises:
             ValueError: the folder lacks the tensor, or holds it with another shape than ``shape``.
         """
-        name = hf_name if hf_name in self.weight_map else legacy_name(hf_name)
-        if name not in self.weight_map:
+        name = next((n for n in (hf_name, *legacy_names(hf_name)) if n in self.weight_map), None)
+        if name is None:
             raise ValueError(f"checkpoint {self.path} has no tensor {hf_name}: was it saved from this model?")
         file = os.path.join(self.path, self.weight_map[name])
         try:

@@ -20,6 +20,8 @@ from runtime.checkpoint_dir import Problem, read_run_state, resolve_resume, run_
 
 ENCODERS = ("vision", "audio")
 """Encoder modules the runtime places, one per plan, before the ``llm``."""
+DATA_ENCODERS = ("vision",)
+"""Encoders whose data files the runtime reads (images, video frames); the others train on synthetic samples."""
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 """Either marks a folder written by ``save_pretrained`` (one file, or shards with their index)."""
@@ -81,6 +83,12 @@ def check_pipeline(plan: Plan, module: Any) -> None:
         raise NotImplementedError(f"{name} with lm_head tied to the embedding (first and last stage) is not run yet")
 
 
+def no_data_reader(encoder: str, data: str) -> str:
+    """Why ``--data`` is refused for a plan whose encoder reads no data files."""
+    return (f"--data {data}: the runtime reads no {encoder} data yet; an {encoder} plan trains on synthetic samples "
+            "(leave out --data)")
+
+
 def module_names(plan: Plan) -> tuple[str, str]:
     """(the encoder, ``llm``): the modules of a plan the runtime runs.
 
@@ -123,7 +131,11 @@ def check_plan(plan: Plan) -> None:
 
 def check_inputs(plan: Plan, *, data: str | None, checkpoint: str | None, tokenizer: str | None) -> None:
     """``--data`` is a readable file or folder; ``--tokenizer`` a folder with a tokenizer; ``--checkpoint`` a
-    ``save_pretrained`` folder of the plan's model."""
+    ``save_pretrained`` folder of the plan's model; a plan whose encoder reads no data files (audio) has no
+    ``--data``."""
+    encoder = module_names(plan)[0]
+    if data is not None and encoder not in DATA_ENCODERS:
+        raise ValueError(no_data_reader(encoder, data))
     if data is not None:
         check_data(data)
     if tokenizer is not None and not os.path.isfile(os.path.join(tokenizer, "tokenizer_config.json")):

@@ -27,7 +27,7 @@ from runtime.parallel.ulysses import split_sequence
 from runtime.parallel_dims import BATCH_AXIS, ParallelDims
 from runtime.pipeline import MicroBatchShapes
 from runtime.prefetch import Prefetcher
-from runtime.preflight import is_conversation_file, module_names
+from runtime.preflight import DATA_ENCODERS, is_conversation_file, module_names, no_data_reader
 from runtime.vision import merged_positions_per_rank, window_layout
 
 
@@ -41,9 +41,8 @@ def data_source(plan: Plan, options: Any, config: PretrainedConfig) -> Source | 
     layout = encoder.layout_from_plan(plan.workload, config)
     if not options.data:
         return encoder.synthetic(layout, options.seed)
-    if not encoder.reads_data:
-        raise ValueError(f"--data {options.data}: the runtime reads no {encoder.name} data yet; an {encoder.name} "
-                         "plan trains on synthetic samples (leave out --data)")
+    if encoder.name not in DATA_ENCODERS:
+        raise ValueError(no_data_reader(encoder.name, options.data))
     if layout.videos:
         raise ValueError(f"the plan's samples hold video clips, and {options.data} holds images: a video plan trains "
                          "on synthetic clips until video rows are read (plan the data with --dataset)")

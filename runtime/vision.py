@@ -59,8 +59,6 @@ class VisionEncoder:
     vision hooks."""
 
     name = "vision"
-    reads_data = True
-    """Image and conversation data (runtime.data, runtime.conversations, runtime.packed_data)."""
 
     def __init__(self, family: Any):
         self.family = family

@@ -255,8 +255,6 @@ class AudioEncoder:
     """The runtime's encoder interface (runtime.families ``ENCODER``) for the audio tower."""
 
     name = "audio"
-    reads_data = False
-    """Synthetic clips only: the runtime reads no audio files yet."""
     split_model = staticmethod(split_model)
     parallelize_tp = staticmethod(parallelize_tp)
     rules = staticmethod(rules)

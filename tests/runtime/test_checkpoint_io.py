@@ -7,29 +7,40 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from runtime.checkpoint import HFFolder, legacy_name, plan_files, read_region
+from runtime.checkpoint import HFFolder, legacy_names, plan_files, read_region
 from runtime.model import build_model
 from runtime.parallel import attention
 from runtime.parallel.precision import module_precision
 from runtime.parallel.tensor_parallel import qkv_row_order, qkv_to_tp_layout
-from tests.runtime.plans import tiny_hf_config
+from tests.runtime.plans import tiny_hf_config, tiny_qwen2_audio_config
 
 
 def test_legacy_hub_names_are_those_transformers_renames():
-    assert legacy_name("model.visual.blocks.0.attn.qkv.weight") == "visual.blocks.0.attn.qkv.weight"
-    assert legacy_name("model.language_model.layers.1.mlp.up_proj.weight") == "model.layers.1.mlp.up_proj.weight"
-    assert legacy_name("lm_head.weight") == "lm_head.weight"
+    assert legacy_names("model.visual.blocks.0.attn.qkv.weight") == ["visual.blocks.0.attn.qkv.weight"]
+    assert legacy_names("model.language_model.layers.1.mlp.up_proj.weight") == [
+        "model.layers.1.mlp.up_proj.weight", "language_model.model.layers.1.mlp.up_proj.weight"]
+    assert legacy_names("lm_head.weight") == ["language_model.lm_head.weight"]
+    assert legacy_names("model.audio_tower.conv1.weight") == ["audio_tower.conv1.weight"]
 
 
-def test_build_model_loads_a_single_file_checkpoint_with_hub_names(tmp_path):
-    """Qwen's Hub uploads predate transformers 5: one file here, bf16, ``visual.*`` / ``model.*`` names."""
-    saved = build_model(tiny_hf_config(), seed=7)
-    tensors = {legacy_name(n): p.detach().to(torch.bfloat16) for n, p in saved.named_parameters()}
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    loaded = build_model(tiny_hf_config(), seed=0, checkpoint=str(tmp_path))
+@pytest.mark.parametrize("config", [tiny_hf_config(), tiny_qwen2_audio_config()], ids=["qwen2_5_vl", "qwen2_audio"])
+def test_build_model_loads_a_single_file_checkpoint_with_hub_names(config, tmp_path):
+    """The Hub's Qwen uploads predate transformers 5 (one file here, bf16): Qwen-VL's ``visual.*`` / ``model.*``
+    names, Qwen2-Audio's ``audio_tower.*`` / ``language_model.model.*`` / ``language_model.lm_head.*``, as
+    transformers 5 itself still writes them (``save_pretrained``)."""
+    saved = build_model(config, seed=7)
+    saved.to(torch.bfloat16).save_pretrained(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    hub = "visual." if "vision_config" in config else "language_model.lm_head."
+    assert any(name.startswith(hub) for name in tensors)
+    loaded = build_model(config, seed=0, checkpoint=str(tmp_path))
     for name, param in loaded.named_parameters():
+        stored = next(n for n in (name, *legacy_names(name)) if n in tensors)
         assert param.dtype == torch.float32
-        assert torch.equal(param, tensors[legacy_name(name)].float()), name
+        assert torch.equal(param, tensors[stored].float()), name
 
 
 def test_hf_folder_refuses_what_is_not_this_model(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runtime.model import build_model, meta_model
-from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen3_vl_config
+from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen2_audio_config, tiny_qwen3_vl_config
 from tests.runtime.ranks import SEED, measure_startup, run_scenarios, spawn
 
 
@@ -39,6 +39,9 @@ SPECS = {
         # Qwen3-VL: DeepStack mergers, the position table, q/k norms (replicated over TP)
         "qwen3_vl_uniform_tp2": dict(vision=dict(tp=2), llm=dict(tp=2), qwen3=True),
         "qwen3_vl_zero3_dp2": dict(vision=dict(dp=2, zero=3), llm=dict(dp=2, zero=3), qwen3=True),
+        # Qwen2-Audio: the encoder's blocks split over TP, the projector replicated; "vision" is the audio encoder
+        "qwen2_audio_uniform_tp2": dict(vision=dict(tp=2), llm=dict(tp=2), audio=True),
+        "qwen2_audio_zero3_dp2": dict(vision=dict(dp=2, zero=3), llm=dict(dp=2, zero=3), audio=True),
     },
     4: {
         "vision_dp2xtp2_zero3__llm_tp2xdp2_zero3": dict(
@@ -53,7 +56,7 @@ SPECS = {
 
 ROUND_TRIPS = {
     2: {"uniform_tp2": "zero3_dp2", "zero3_dp2": "llm_pp2__vision_dp2", "llm_pp2__vision_dp2": "uniform_tp2",
-        "qwen3_vl_uniform_tp2": "qwen3_vl_zero3_dp2"},
+        "qwen3_vl_uniform_tp2": "qwen3_vl_zero3_dp2", "qwen2_audio_uniform_tp2": "qwen2_audio_zero3_dp2"},
     4: {"vision_dp2xtp2_zero3__llm_tp2xdp2_zero3": "vision_tp4__llm_tp2xsp2_zero1"},
 }
 """Saving plan -> loading plan."""
@@ -71,14 +74,17 @@ def scenarios(request, tmp_path_factory):
     world = request.param
     tied = request.param == 4  # the 4-rank plans run the tied-embedding model (as Qwen2.5-VL-3B has)
     root = tmp_path_factory.mktemp(f"world{world}")
-    families = {"qwen2_5_vl": tied_config() if tied else tiny_hf_config(), "qwen3_vl": tiny_qwen3_vl_config()}
+    families = {"qwen2_5_vl": tied_config() if tied else tiny_hf_config(), "qwen3_vl": tiny_qwen3_vl_config(),
+                "qwen2_audio": tiny_qwen2_audio_config()}
     for family, config in families.items():
         write_hub_checkpoint(build_model(config, seed=11), root / family)
     plans, hubs = {}, {}
     for name, spec in SPECS[world].items():
         spec = dict(spec)
-        family = "qwen3_vl" if spec.pop("qwen3", False) else "qwen2_5_vl"
-        size = dict(image_size=QWEN3_IMAGE_SIZE) if family == "qwen3_vl" else {}
+        family = ("qwen3_vl" if spec.pop("qwen3", False) else "qwen2_audio" if spec.pop("audio", False)
+                  else "qwen2_5_vl")
+        size = {"qwen3_vl": dict(image_size=QWEN3_IMAGE_SIZE), "qwen2_audio": dict(audio_seconds=2.0, text_tokens=12),
+                "qwen2_5_vl": {}}[family]
         plans[name] = make_plan(dict(spec.pop("vision")), dict(spec.pop("llm")), hf_config=families[family],
                                 **size, **spec)
         hubs[name] = str(root / family)
@@ -87,9 +93,11 @@ def scenarios(request, tmp_path_factory):
 
 
 def _from_pretrained(path) -> dict:
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoConfig
 
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    from runtime.model import MODEL_CLASSES
+
+    model = MODEL_CLASSES[AutoConfig.from_pretrained(path).model_type].from_pretrained(path, dtype=torch.float32)
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
