@@ -53,7 +53,7 @@ def write_dataset(folder: Path, samples: int, seed: int = 0) -> Path:
     originals = folder / "sizes"
     originals.mkdir(parents=True, exist_ok=True)
     rows, index = [], 0
-    for count, text, images in histogram.shapes:
+    for count, text, images, _ in histogram.shapes:
         (h, w), = images
         h, w = max(28, round(h / 28) * 28), max(28, round(w / 28) * 28)
         original = originals / f"{w}x{h}.png"

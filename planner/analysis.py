@@ -343,7 +343,7 @@ def mixed_resolution_histogram(samples: int = 5000, seed: int = 0) -> DatasetHis
         shapes[key] = shapes.get(key, 0) + 1
     return DatasetHistogram(source=f"mixed_resolution_histogram(samples={samples}, seed={seed})",
                             text_tokens="drawn (log-normal around 120)", skipped={},
-                            shapes=tuple((c, t, sizes) for (t, sizes), c in sorted(shapes.items())))
+                            shapes=tuple((c, t, sizes, ()) for (t, sizes), c in sorted(shapes.items())))
 
 
 def strategy_of(plan: Plan) -> Strategy:
@@ -357,7 +357,7 @@ def _resized_images(histogram: DatasetHistogram, model: ModelSpec, min_pixels: i
     """(resized (height, width) of every image, each weighted by its count; text tokens per sample likewise)."""
     vi = model.vision_input
     sizes, weights, texts, counts = [], [], [], []
-    for count, text, images in histogram.shapes:
+    for count, text, images, _ in histogram.shapes:
         for h, w in images:
             try:
                 sizes.append(smart_resize(h, w, vi.patch_size * vi.spatial_merge_size, min_pixels, max_pixels))

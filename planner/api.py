@@ -17,6 +17,7 @@ from planner.dataset import DatasetHistogram, read_dataset
 from planner.models import ModelSpec
 from planner.plan_document import build_plan
 from planner.problem import (
+    DEFAULT_FPS,
     DEFAULT_GPU,
     MAX_AUDIO_SECONDS,
     MAX_GLOBAL_BATCH,
@@ -49,7 +50,7 @@ from planner.solver.fixes import fixed_text, parse_fixes, pinned_strategy, place
 from planner.strategy import Strategy
 
 __all__ = [
-    "DEFAULT_GPU", "Infeasible", "MAX_AUDIO_SECONDS", "MAX_GLOBAL_BATCH", "MAX_GPUS", "MAX_IMAGE_SIDE",
+    "DEFAULT_FPS", "DEFAULT_GPU", "Infeasible", "MAX_AUDIO_SECONDS", "MAX_GLOBAL_BATCH", "MAX_GPUS", "MAX_IMAGE_SIDE",
     "MAX_IMAGES_PER_SAMPLE", "MAX_TEXT_TOKENS", "MAX_TIME_LIMIT_S", "MAX_TOP_K", "MAX_VIDEO_FRAMES",
     "MAX_VISION_TOKENS", "MIN_VIDEO_FRAMES", "Problem", "check_bounds", "evaluate", "load_plan", "make_problem", "make_workload", "max_seq",
     "model_folder_tokenizer", "parse_fixes", "plan", "top_plans", "video_frames",

@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                            f"{api.MAX_VIDEO_FRAMES} frames); with no --image-size the sample has no image")
     data.add_argument("--video-seconds", type=float, metavar="S", help="a clip of S seconds instead of --video "
                       "(with --fps, default 2, and --video-size)")
-    data.add_argument("--fps", type=float, help="frames sampled per second of --video-seconds (default 2)")
+    data.add_argument("--fps", type=float, help="frames sampled per second of --video-seconds or of --dataset's "
+                      "video files (default 2)")
     data.add_argument("--video-size", type=_image_size, metavar="WxH", help="frame size of --video-seconds "
                       "(default 1280x720)")
     data.add_argument("--text-tokens", type=int, help="text tokens per sample (default 512; at least 2 per image "
@@ -111,8 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--frozen", action="append", default=[], metavar="MODULE", help="freeze a module (repeatable)")
     dataset = p.add_argument_group("dataset (instead of the per-sample workload)")
     dataset.add_argument("--dataset", metavar="FILE", help="plan for a conversation / caption JSONL or JSON file "
-                         "(image sizes from file headers) or a dataset histogram: samples are packed, step time is "
-                         "the mean pack's, memory holds the heaviest; --global-batch still counts samples")
+                         "(image sizes from file headers; videos, files sampled at --fps or frame lists, from their "
+                         "metadata) or a dataset histogram: samples are packed, step time is the mean pack's, memory "
+                         "holds the heaviest; --global-batch still counts samples")
     dataset.add_argument("--tokenizer", metavar="DIR", help="folder whose tokenizer.json counts the dataset's text "
                          "(default: the --model folder's if it has one, else estimated from UTF-8 bytes, stated in "
                          "the plan)")
@@ -196,11 +198,10 @@ def _inputs(args: argparse.Namespace) -> dict:
         frozen=args.frozen, profile=None if (args.profile or "").lower() == "none" else (args.profile or "auto"),
         allow_ring_cp=args.allow_cp, allow_pp=not args.no_pp, dataset=args.dataset, tokenizer=args.tokenizer, min_pixels=args.min_pixels,
         max_pixels=args.max_pixels, pack_tokens=args.pack_tokens, workers=args.workers,
+        **({"fps": args.fps} if args.dataset is not None else {}),
     )
 
 
-DEFAULT_FPS = 2.0
-"""Frames sampled per second of --video-seconds (the Qwen-VL video processors' default)."""
 DEFAULT_VIDEO_SIZE = (720, 1280)
 """(height, width) of --video-seconds frames by default: 720p."""
 
@@ -211,11 +212,11 @@ def _videos(args: argparse.Namespace) -> tuple[tuple[int, int, int], ...]:
 
     videos = tuple(args.video or ())
     if args.video_seconds is None:
-        if args.fps is not None or args.video_size is not None:
+        if (args.fps is not None and args.dataset is None) or args.video_size is not None:
             raise ValueError("--fps and --video-size describe --video-seconds: give it too")
         return videos
     height, width = args.video_size or DEFAULT_VIDEO_SIZE
-    return videos + ((api.video_frames(args.video_seconds, DEFAULT_FPS if args.fps is None else args.fps), height,
+    return videos + ((api.video_frames(args.video_seconds, api.DEFAULT_FPS if args.fps is None else args.fps), height,
                       width),)
 
 

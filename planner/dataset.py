@@ -1,11 +1,12 @@
-"""A training dataset as the planner sees it: each sample's image sizes (read from file headers, never decoded) and
-text tokens, resized as Qwen-VL's processor resizes, packed into packs of a token budget, priced by the mean pack
-(step time) and the heaviest pack (memory).
+"""A training dataset as the planner sees it: each sample's image sizes and videos' frames and sizes (read from file
+headers and container metadata, never decoded) and text tokens; images resized as Qwen-VL's processor resizes, video
+files sampled at the plan's fps and clips resized as the model's video processor does; packed into packs of a token
+budget, priced by the mean pack (step time) and the heaviest pack (memory).
 
-A scan is kept as a histogram (identical (text tokens, image sizes) samples counted once): written to a cache keyed
-by the path, size and modification time (ns) of the file, of every image it names and of the tokenizer.json, so the
-next plan of the same data reads only the histogram and a changed image is rescanned (``--rescan`` ignores the
-cache), and accepted as a dataset itself (``--dataset hist.json``).
+A scan is kept as a histogram (identical (text tokens, image sizes, videos) samples counted once): written to a cache
+keyed by the path, size and modification time (ns) of the file, of every image, video and frame it names and of the
+tokenizer.json, so the next plan of the same data reads only the histogram and a changed file is rescanned
+(``--rescan`` ignores the cache), and accepted as a dataset itself (``--dataset hist.json``).
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from planner.data_rows import (SkippedSample, cache_folder, file_key, image_header_size, image_keys, messages_of,
-                               read_rows)
+from planner.data_rows import (SkippedSample, VideoShape, cache_folder, file_key, image_header_size, media_files,
+                               media_keys, messages_of, read_rows, video_shape)
 from planner.versioned_json import write_atomically
 from planner.models import ModelSpec
 from planner.packing import pack_best_fit
-from planner.workload import ModuleTokens, PackedTokens, Workload, image_windows, packed_workload, smart_resize
+from planner.workload import (DEFAULT_FPS, ModuleTokens, PackedTokens, Workload, image_windows, packed_workload,
+                              sampled_frames, smart_resize, video_text_tokens, vision_tokens)
 
 CHAT_TOKENS_PER_TURN = 5
 """Tokens Qwen2's chat template adds around each turn: ``<|im_start|>``, the role, a newline, ``<|im_end|>``,
@@ -36,31 +38,34 @@ BYTES_PER_TOKEN = 4.0
 """Estimate of UTF-8 bytes per text token when no tokenizer is given (about four characters per token is the
 usual figure for English under byte-level BPE vocabularies such as Qwen2's); stated in the plan when used."""
 HISTOGRAM_FORMAT = "dhplan-dataset-histogram"
-HISTOGRAM_VERSION = 1
+HISTOGRAM_VERSION = 2
+"""2: each shape lists its videos."""
 PERCENTILES = (50, 95)
 
 
 @dataclass(kw_only=True, frozen=True)
 class DatasetHistogram:
-    """What a dataset's samples look like before resizing: counts of identical (text tokens, image sizes)."""
+    """What a dataset's samples look like before resizing: counts of identical (text tokens, image sizes, videos)."""
 
     source: str
     """The file scanned."""
     text_tokens: str
     """How text tokens were counted (the tokenizer, or the stated estimate)."""
-    shapes: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
-    """(count, text tokens incl. chat template and image markers, (height, width) of each image in pixels)."""
+    shapes: tuple[tuple[int, int, tuple[tuple[int, int], ...], tuple[VideoShape, ...]], ...]
+    """(count, text tokens incl. chat template and image markers (a video's prompt is the family's, added when
+    priced), (height, width) of each image in pixels, each video's (frames, height, width, fps; 0 for frames))."""
     skipped: dict[str, int]
     """Rows that cannot be samples, by reason."""
 
     @property
     def samples(self) -> int:
-        return sum(count for count, _, _ in self.shapes)
+        return sum(count for count, *_ in self.shapes)
 
     def to_json(self) -> dict[str, Any]:
         return {"format": HISTOGRAM_FORMAT, "version": HISTOGRAM_VERSION, "source": self.source,
                 "text_tokens": self.text_tokens, "skipped": self.skipped,
-                "shapes": [[c, t, [list(s) for s in sizes]] for c, t, sizes in self.shapes]}
+                "shapes": [[c, t, [list(s) for s in sizes], [list(v) for v in videos]]
+                           for c, t, sizes, videos in self.shapes]}
 
     @classmethod
     def from_json(cls, data: Any, path: Path) -> DatasetHistogram:
@@ -70,15 +75,18 @@ class DatasetHistogram:
             raise ValueError(f"dataset histogram {path} has version {data.get('version')!r}, this tool reads "
                              f"{HISTOGRAM_VERSION}: rescan the data")
         try:
-            shapes = tuple((int(c), int(t), tuple((int(h), int(w)) for h, w in sizes))
-                           for c, t, sizes in data["shapes"])
+            shapes = tuple((int(c), int(t), tuple((int(h), int(w)) for h, w in sizes),
+                            tuple(VideoShape(int(f), int(h), int(w), float(fps)) for f, h, w, fps in videos))
+                           for c, t, sizes, videos in data["shapes"])
             histogram = cls(source=str(data["source"]), text_tokens=str(data["text_tokens"]), shapes=shapes,
                             skipped={str(k): int(v) for k, v in data.get("skipped", {}).items()})
         except (KeyError, TypeError, ValueError, OverflowError):
             raise ValueError(f"dataset histogram {path} is malformed: expected shapes [[count, text_tokens, "
-                             "[[height, width], ...]], ...]") from None
-        if any(c < 1 or t < 0 or any(h < 1 or w < 1 for h, w in sizes) for c, t, sizes in shapes):
-            raise ValueError(f"dataset histogram {path} has a count below 1, negative text tokens or an empty image")
+                             "[[height, width], ...], [[frames, height, width, fps], ...]], ...]") from None
+        if any(c < 1 or t < 0 or any(h < 1 or w < 1 for h, w in sizes)
+               or any(min(v[:3]) < 1 or not 0 <= v.fps < math.inf for v in videos) for c, t, sizes, videos in shapes):
+            raise ValueError(f"dataset histogram {path} has a count below 1, negative text tokens, an empty image or "
+                             "video, or a bad frame rate")
         return histogram
 
 
@@ -89,27 +97,33 @@ VISION_MARKERS = "<|vision_start|><|vision_end|>"
 """What the chat template writes around an image's pads (the pads are counted as image tokens)."""
 
 
-def _texts(row: Any) -> tuple[list[tuple[str, str]], list[str]]:
-    """((kind, text) pieces to count, image paths) of one row. A conversation gives one ``turn`` per message as
-    Qwen2-VL's chat template renders it (``<|im_start|>role\\n...<|im_end|>\\n``, images as their markers), with
-    the default system turn the template adds to a conversation without one; a caption gives its text and one
-    ``markers`` piece per image (the runtime's caption layout)."""
+def _texts(row: Any) -> tuple[list[tuple[str, str]], list[str], list]:
+    """((kind, text) pieces to count, image paths, videos) of one row. A conversation gives one ``turn`` per message
+    as Qwen2-VL's chat template renders it (``<|im_start|>role\\n...<|im_end|>\\n``, images as their markers,
+    videos as nothing: the family's video prompt is counted when priced), with the default system turn the template
+    adds to a conversation without one; a caption gives its text and one ``markers`` piece per image (the runtime's
+    caption layout)."""
     if isinstance(row, dict) and "text" in row and "conversations" not in row and "messages" not in row:
         if "image" not in row:
             raise SkippedSample("malformed row")
         images = [str(p) for p in (row["image"] if isinstance(row["image"], list) else [row["image"]])]
-        return [("caption", str(row["text"]))] + [("markers", VISION_MARKERS)] * len(images), images
-    messages, images = messages_of(row)
+        return [("caption", str(row["text"]))] + [("markers", VISION_MARKERS)] * len(images), images, []
+    messages, images, videos = messages_of(row)
     if not any(m["role"] == "assistant" for m in messages):
         raise SkippedSample("no assistant turn")
     pieces = [] if messages[0]["role"] == "system" else [("turn", _turn("system", DEFAULT_SYSTEM_PROMPT))]
     for message in messages:
         content = message["content"]
         if not isinstance(content, str):
-            content = "".join(VISION_MARKERS if c.get("type") == "image" else str(c.get("text", ""))
-                              for c in content if isinstance(c, dict))
+            content = "".join(_part_text(c) for c in content if isinstance(c, dict))
         pieces.append(("turn", _turn(message["role"], content)))
-    return pieces, [str(p) for p in images]
+    return pieces, [str(p) for p in images], videos
+
+
+def _part_text(part: dict) -> str:
+    """What a content part adds to the counted text: an image its markers, a video nothing, text itself."""
+    kind = part.get("type")
+    return VISION_MARKERS if kind == "image" else "" if kind == "video" else str(part.get("text", ""))
 
 
 def _turn(role: str, content: str) -> str:
@@ -179,33 +193,33 @@ def _scan_rows(path: Path, rows: list[Any], malformed: int, tokenizer_dir: str |
     counter = _TextCounter(tokenizer_dir)
     skipped: Counter[str] = Counter({"malformed row": malformed} if malformed else {})
     sizes: dict[Path, tuple[int, int] | None] = {}
-    samples: list[tuple[list[tuple[str, str]], tuple[tuple[int, int], ...]]] = []
+    samples: list[tuple[list[tuple[str, str]], tuple[tuple[int, int], ...], tuple[VideoShape, ...]]] = []
     for row in rows:
         try:
-            pieces, images = _texts(row)
+            pieces, images, videos = _texts(row)
             found = tuple(image_header_size(path.parent / p, sizes) for p in images)
             if any(size is None for size in found):
                 raise SkippedSample("missing or unreadable image")
-            samples.append((pieces, found))
+            samples.append((pieces, found, tuple(video_shape(path.parent, v, sizes) for v in videos)))
         except SkippedSample as reason:
             skipped[str(reason)] += 1
-    counts = counter.counts([piece for pieces, _ in samples for piece in pieces])
-    shapes: Counter[tuple[int, tuple[tuple[int, int], ...]]] = Counter()
+    counts = counter.counts([piece for pieces, _, _ in samples for piece in pieces])
+    shapes: Counter[tuple[int, tuple[tuple[int, int], ...], tuple[VideoShape, ...]]] = Counter()
     at = 0
-    for pieces, images in samples:
-        shapes[(sum(counts[at:at + len(pieces)]), images)] += 1
+    for pieces, images, videos in samples:
+        shapes[(sum(counts[at:at + len(pieces)]), images, videos)] += 1
         at += len(pieces)
     if not shapes:
         raise ValueError(f"dataset {path} has no usable sample: skipped {dict(skipped) or 'no rows'}")
     return DatasetHistogram(source=str(path), text_tokens=counter.how, skipped=dict(skipped),
-                            shapes=tuple((c, t, images) for (t, images), c in sorted(shapes.items())))
+                            shapes=tuple((c, *shape) for shape, c in sorted(shapes.items())))
 
 
 def _cache_file(path: Path, rows: list[Any], tokenizer_dir: str | None) -> Path:
     """Where the histogram of ``path`` with these ``rows``, counted with ``tokenizer_dir``, is cached: keyed by
-    ``file_key`` of the file, of each image its rows name and of the tokenizer.json, so that replacing any of them
-    (an image by a larger one) misses the cache."""
-    key = [file_key(path)] + image_keys(path.parent, rows, lambda row: _texts(row)[1])
+    ``file_key`` of the file, of each image, video and frame its rows name and of the
+    tokenizer.json, so that replacing any of them (an image by a larger one) misses the cache."""
+    key = [file_key(path)] + media_keys(path.parent, rows, lambda row: media_files(*_texts(row)[1:]))
     if tokenizer_dir is not None:
         key.append(file_key(Path(tokenizer_dir) / "tokenizer.json"))
     return cache_folder() / (hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + ".json")
@@ -268,44 +282,68 @@ class SampleTokens:
     """Samples dropped while resizing (aspect ratio), by reason."""
 
 
-def sample_tokens(histogram: DatasetHistogram, model: ModelSpec, *, min_pixels: int | None = None,
-                  max_pixels: int | None = None) -> SampleTokens:
-    """Each sample's tokens per module after the processor's resize (between ``min_pixels`` and ``max_pixels``,
-    by default the model's image processor's).
+def sample_tokens(histogram: DatasetHistogram, model: ModelSpec, *, fps: float = DEFAULT_FPS,
+                  min_pixels: int | None = None, max_pixels: int | None = None) -> SampleTokens:
+    """Each sample's tokens per module after the processor's resize of its images (between ``min_pixels`` and
+    ``max_pixels``, by default the model's image processor's) and its clips (video files sampled at ``fps``,
+    ``clip_frames``), the clips priced as a synthetic workload's (``planner.workload``: a full-attention segment
+    per temporal group, the family's prompt text per clip and per group).
 
     Raises:
-        ValueError: the model has no vision encoder but the data has images, or it has one and no sample has an
-            image, or no sample is left.
+        ValueError: the model has no vision encoder but the data has images or videos, or it has one and no sample
+            has either, or no sample is left.
     """
     vi = model.vision_input
-    if vi is not None and not any(images for _, _, images in histogram.shapes):
+    if vi is not None and not any(images or videos for _, _, images, videos in histogram.shapes):
         skipped = f" (skipped: {histogram.skipped})" if histogram.skipped else ""
-        raise ValueError(f"dataset {histogram.source} has no sample with an image{skipped}, so {model.name}'s vision "
-                         "encoder would have nothing to train on: give rows that name image files (\"image\": "
-                         "\"a.jpg\", relative to the dataset file)")
+        raise ValueError(f"dataset {histogram.source} has no sample with an image or a video{skipped}, so "
+                         f"{model.name}'s vision encoder would have nothing to train on: give rows that name image or "
+                         "video files (\"image\": \"a.jpg\", \"video\": \"a.mp4\", relative to the dataset file)")
     if vi is not None:
         min_pixels = vi.min_pixels if min_pixels is None else min_pixels
         max_pixels = vi.max_pixels if max_pixels is None else max_pixels
     rows, skipped = [], Counter()
-    for count, text, images in histogram.shapes:
-        if images and vi is None:
-            raise ValueError(f"{model.name} has no vision encoder and {histogram.source} has images")
+    for count, text, images, videos in histogram.shapes:
+        if (images or videos) and vi is None:
+            raise ValueError(f"{model.name} has no vision encoder and {histogram.source} has images or videos")
         try:
             grids = [smart_resize(h, w, vi.patch_size * vi.spatial_merge_size, min_pixels, max_pixels)
                      for h, w in images] if images else []
+            clips = Workload(videos=tuple((clip_frames(v, fps, model), v.height, v.width) for v in videos),
+                             global_batch=1)
+            clip_tokens = vision_tokens(clips, model) if videos else ModuleTokens(tokens=0, segments=())
         except ValueError as reason:
             skipped[str(reason)] += count
             continue
         patches = [(h // vi.patch_size) * (w // vi.patch_size) for h, w in grids]
         windows = sum(image_windows(h // vi.patch_size, w // vi.patch_size, model) for h, w in grids)
         merged = sum(patches) // vi.spatial_merge_size**2 if grids else 0
-        rows.append((count, sum(patches), sum(p * p for p in patches), windows, text + merged))
+        llm = text + merged + clip_tokens.output_tokens + (video_text_tokens(clips, model) if videos else 0)
+        squares = sum(p * p for p in patches) + clip_tokens.squared_segments
+        rows.append((count, sum(patches) + clip_tokens.tokens, squares, windows + clip_tokens.windows, llm))
     if not rows:
         raise ValueError(f"no sample of {histogram.source} can be resized: skipped {dict(skipped)}")
     counts = np.array([r[0] for r in rows])
     column = lambda i: np.repeat(np.array([r[i] for r in rows], dtype=np.int64), counts)  # noqa: E731
     return SampleTokens(vision=column(1), vision_squares=column(2), windows=column(3), llm=column(4),
                         skipped=dict(skipped))
+
+
+SHORT_CLIP = "video of fewer sampled frames than one temporal patch"
+"""Counted for a clip too short for the vision tower's first temporal patch."""
+
+
+def clip_frames(video: VideoShape, fps: float, model: ModelSpec) -> int:
+    """Frames of a clip as the model's video processor samples it: a frame list's own, a file's at ``fps``
+    (``planner.workload.sampled_frames``).
+
+    Raises:
+        ValueError: ``SHORT_CLIP``.
+    """
+    frames = video.frames if not video.fps else len(sampled_frames(video.frames, video.fps, fps, model))
+    if frames < model.vision_input.temporal_patch_size:
+        raise ValueError(SHORT_CLIP)
+    return frames
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -143,6 +143,14 @@ class VideoInputSpec:
     vision start/end markers around each group), 0 where the clip has one marker pair only."""
     clip_text_tokens: int
     """Text tokens the prompt adds once per clip (the start/end markers of a clip without per-group text)."""
+    min_frames: int
+    """Fewest frames the video processor samples from a video file (``min_frames``)."""
+    max_frames: int
+    """Most frames it samples from a video file (``max_frames``)."""
+    samples_whole_temporal_patches: bool
+    """How it samples a file at an fps (``sample_frames``): whole temporal patches of frames, every (total / n)-th
+    (Qwen2-VL, Qwen2.5-VL), or n evenly spaced frames rounded to the nearest, padded to whole patches later
+    (Qwen3-VL)."""
 
 
 @dataclass(kw_only=True, frozen=True)

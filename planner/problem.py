@@ -28,7 +28,7 @@ from planner.hardware import PLAUSIBLE_RANGES, Cluster, get_device, load_cluster
 from planner.models import ModelSpec
 from planner.schema import DatasetInfo
 from planner.strategy import PRECISIONS, Precision
-from planner.workload import Workload, module_tokens
+from planner.workload import DEFAULT_FPS, Workload, module_tokens
 
 DEFAULT_GPU = "h100-80gb"
 """Hardware when none is named."""
@@ -329,6 +329,7 @@ def make_problem(
     max_pixels: int | None = None,
     pack_tokens: int | None = None,
     pack: bool = True,
+    fps: float | None = None,
     workers: int = 1,
 ) -> Problem:
     """Everything a plan depends on, from user-level inputs.
@@ -365,6 +366,7 @@ def make_problem(
             also tries twice and four times that and keeps the fastest).
         pack: False: every dataset sample is a micro-batch unit of its own (how a plan made for one image size
             meets the dataset); ``pack_tokens`` then does not apply.
+        fps: Frames sampled per second of the dataset's video files (default ``DEFAULT_FPS``).
         workers: Processes that cost candidates (``Problem.workers``): the same plan, sooner on several cores.
 
     Raises:
@@ -391,9 +393,9 @@ def make_problem(
         _check_no_sample_inputs(workload, sample_inputs)
         workload, dataset_info = dataset_workload_for(
             spec, cluster.num_devices, dataset, tokenizer=tokenizer, min_pixels=min_pixels, max_pixels=max_pixels,
-            pack_tokens=pack_tokens, pack=pack, global_batch=global_batch)
-    elif any(v is not None for v in (tokenizer, min_pixels, max_pixels, pack_tokens)):
-        raise ValueError("--tokenizer, --min-pixels, --max-pixels and --pack-tokens apply to --dataset")
+            pack_tokens=pack_tokens, pack=pack, global_batch=global_batch, fps=fps)
+    elif any(v is not None for v in (tokenizer, min_pixels, max_pixels, pack_tokens, fps)):
+        raise ValueError("--tokenizer, --min-pixels, --max-pixels, --pack-tokens and fps apply to --dataset")
     workload = workload or make_workload(
         spec, cluster.num_devices, image_sizes=image_sizes, vision_tokens=vision_tokens, text_tokens=text_tokens,
         images_per_sample=images_per_sample, audio_seconds=audio_seconds, global_batch=global_batch, videos=videos,
@@ -424,7 +426,7 @@ def _check_no_sample_inputs(workload: Workload | None, inputs: Mapping[str, Any]
 def dataset_workload_for(
     model: ModelSpec, num_gpus: int, dataset: str | DatasetHistogram, *, tokenizer: str | None = None,
     min_pixels: int | None = None, max_pixels: int | None = None, pack_tokens: int | None = None,
-    pack: bool = True, global_batch: int | None = None,
+    pack: bool = True, global_batch: int | None = None, fps: float | None = None,
 ) -> tuple[Workload, DatasetInfo]:
     """The packed workload of a dataset and what the plan records about it (see ``make_problem``)."""
     if model.audio_input is not None:
@@ -437,9 +439,11 @@ def dataset_workload_for(
         check_bounds("--pack-tokens", pack_tokens, 1, MAX_TEXT_TOKENS)
     if global_batch is not None:
         check_bounds("--global-batch", global_batch, 1, MAX_GLOBAL_BATCH)
+    fps = DEFAULT_FPS if fps is None else fps
+    check_bounds("--fps", float(fps), 0.01, 240.0)
     histogram = dataset if isinstance(dataset, DatasetHistogram) else read_dataset(dataset, tokenizer)
     check_histogram_bounds(histogram)
-    tokens = sample_tokens(histogram, model, min_pixels=min_pixels, max_pixels=max_pixels)
+    tokens = sample_tokens(histogram, model, fps=fps, min_pixels=min_pixels, max_pixels=max_pixels)
     if not pack and pack_tokens is not None:
         raise ValueError("--pack-tokens sets the budget of packs: it does not apply without packing")
     budget = None if not pack else pack_budgets(tokens, (1,))[0] if pack_tokens is None else pack_tokens
@@ -453,6 +457,7 @@ def dataset_workload_for(
     info = DatasetInfo(
         source=histogram.source, samples=packing.samples, skipped=skipped, text_tokens=histogram.text_tokens,
         min_pixels=min_pixels, max_pixels=max_pixels,
+        fps=fps if any(v.fps for *_, videos in histogram.shapes for v in videos) else None,
         tokens_per_sample={m: percentiles(v) for m, v in per_sample.items()},
         pack_tokens=packing.packed.pack_tokens, packs_per_epoch=packing.packs,
         samples_per_pack=packing.packed.samples_per_pack, packing_efficiency=packing.efficiency,
@@ -462,13 +467,14 @@ def dataset_workload_for(
 
 
 def check_histogram_bounds(histogram: DatasetHistogram) -> None:
-    """A dataset's samples within the per-sample bounds of the flags (``MAX_TEXT_TOKENS``, ``MAX_IMAGE_SIDE``,
-    ``MAX_IMAGES_PER_SAMPLE``) and at most ``MAX_DATASET_SAMPLES`` of them, else a one-line ValueError."""
+    """A dataset's samples within the per-sample bounds of the flags (``MAX_TEXT_TOKENS``, ``MAX_IMAGE_SIDE`` for
+    images and video frames, ``MAX_IMAGES_PER_SAMPLE``, ``MAX_VIDEOS_PER_SAMPLE``, ``MAX_VIDEO_FRAMES`` for a frame
+    list) and at most ``MAX_DATASET_SAMPLES`` of them, else a one-line ValueError."""
     where = f"dataset {histogram.source}"
     if histogram.samples > MAX_DATASET_SAMPLES:
         raise ValueError(f"{where} has {histogram.samples:,} samples, at most {MAX_DATASET_SAMPLES:,} are planned "
                          "for: plan for a random subset of it")
-    for _, text, images in histogram.shapes:
+    for _, text, images, videos in histogram.shapes:
         if text > MAX_TEXT_TOKENS:
             raise ValueError(f"{where} has a sample of {text:,} text tokens, at most {MAX_TEXT_TOKENS:,} are supported")
         if len(images) > MAX_IMAGES_PER_SAMPLE:
@@ -476,6 +482,14 @@ def check_histogram_bounds(histogram: DatasetHistogram) -> None:
                              "supported")
         if any(max(h, w) > MAX_IMAGE_SIDE for h, w in images):
             raise ValueError(f"{where} has an image side above {MAX_IMAGE_SIDE:,} pixels")
+        if len(videos) > MAX_VIDEOS_PER_SAMPLE:
+            raise ValueError(f"{where} has a sample of {len(videos)} videos, at most {MAX_VIDEOS_PER_SAMPLE} are "
+                             "supported")
+        if any(max(v.height, v.width) > MAX_IMAGE_SIDE for v in videos):
+            raise ValueError(f"{where} has a video frame side above {MAX_IMAGE_SIDE:,} pixels")
+        if any(not v.fps and v.frames > MAX_VIDEO_FRAMES for v in videos):
+            raise ValueError(f"{where} has a video of more than {MAX_VIDEO_FRAMES} frame files, at most "
+                             f"{MAX_VIDEO_FRAMES} are supported (a video file is sampled at --fps)")
 
 
 def _check_sample(workload: Workload, model: ModelSpec) -> None:

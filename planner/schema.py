@@ -16,11 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from planner.hardware import PLAUSIBLE_RANGES, DeviceSpec, check_plausible, with_host_fields
 from planner.versioned_json import read_versioned, validated
 
-SCHEMA_VERSION = 4
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
+SCHEMA_VERSION = 5
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
 """Version 2 added ``workload.dataset``, version 3 pipeline parallelism (``pp``, ``pp_schedule``,
-``virtual_stages``, ``pp_layers``), version 4 video clips (``workload.videos``); an older plan reads as one without
-them."""
+``virtual_stages``, ``pp_layers``), version 4 video clips (``workload.videos``), version 5 the fps a dataset's video
+files are sampled at (``workload.dataset.fps``); an older plan reads as one without them."""
 Source = Literal["analytical", "measured", "calibrated"]
 
 
@@ -201,6 +201,8 @@ class DatasetInfo(_Frozen):
     text_tokens: str = Field(description="how text tokens were counted")
     min_pixels: int
     max_pixels: int
+    fps: float | None = Field(default=None, description="frames sampled per second of its video files (None: it has "
+                              "none)")
     tokens_per_sample: dict[str, TokenPercentiles] = Field(description="per module, over the samples")
     pack_tokens: int | None = Field(description="LLM-token budget of a pack; None: one sample per pack")
     packs_per_epoch: int

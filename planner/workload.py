@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 import math
 
+import numpy as np
+
 from planner.models import ModelSpec
 
 
@@ -182,6 +184,30 @@ def video_grid(frames: int, height: int, width: int, model: ModelSpec) -> tuple[
     h, w = smart_resize(height, width, factor, video.min_pixels, video.max_pixels,
                         frames=frames if video.pixels_per_clip else 1, temporal_patch=vi.temporal_patch_size)
     return math.ceil(frames / vi.temporal_patch_size), h // vi.patch_size, w // vi.patch_size
+
+
+DEFAULT_FPS = 2.0
+"""Frames sampled per second of --video-seconds and of a dataset's video files (the Qwen-VL video processors'
+default)."""
+
+
+def sampled_frames(total: int, video_fps: float, fps: float, model: ModelSpec) -> list[int]:
+    """Indices of the frames the model's video processor samples at ``fps`` frames per second from a video file of
+    ``total`` frames at ``video_fps`` (transformers' ``sample_frames``, min/max frames from ``VideoInputSpec``).
+
+    ``Qwen3VLVideoProcessor``: n = int(total / video_fps * fps) within [min_frames, min(max_frames, total)],
+    ``np.linspace(0, total - 1, n).round()``. ``Qwen2VLVideoProcessor``: n = total / video_fps * fps within
+    [min_frames, max_frames'], max_frames' = min(max_frames, total) floored to whole temporal patches, n floored
+    likewise, every (total / n)-th frame (``torch.arange(0, total, total / n).int()``, here in exact integers)."""
+    vi = model.vision_input
+    video, patch = vi.video, vi.temporal_patch_size
+    wanted = total / video_fps * fps
+    if not video.samples_whole_temporal_patches:
+        count = min(max(int(wanted), video.min_frames), video.max_frames, total)
+        return np.linspace(0, total - 1, count).round().astype(int).tolist()
+    most = math.floor(min(video.max_frames, total) / patch) * patch
+    count = math.floor(min(max(wanted, video.min_frames), most, total) / patch) * patch
+    return [i * total // count for i in range(count)]
 
 
 def video_text_tokens(workload: Workload, model: ModelSpec) -> int:

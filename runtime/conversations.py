@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
-from planner.data_rows import SkippedSample, messages_of, read_rows
+from planner.data_rows import SkippedSample, Video, messages_of, read_rows
 from runtime.data import IGNORE_INDEX, Sample, SampleLayout, layout_image_processor, patchify
 
 IMAGE_PAD = "<|image_pad|>"
@@ -73,12 +73,12 @@ class ChatTokenizer:
         return ids, labels
 
 
-def conversation_of(row: Any) -> tuple[list[dict], list[str]]:
-    """(messages, image paths) of a row with an assistant turn, or ``SkippedSample``."""
-    messages, image_paths = messages_of(row)
+def conversation_of(row: Any) -> tuple[list[dict], list[str], list[Video]]:
+    """(messages, image paths, videos) of a row with an assistant turn, or ``SkippedSample``."""
+    messages, image_paths, videos = messages_of(row)
     if not any(m["role"] == "assistant" for m in messages):
         raise SkippedSample("no assistant turn")
-    return messages, [str(p) for p in image_paths]
+    return messages, [str(p) for p in image_paths], videos
 
 
 def open_images(folder: Path, paths: list[str]) -> list[Image.Image]:
@@ -129,9 +129,11 @@ class ConversationData:
 
     def build(self, row: Any) -> Sample:
         """One row as a sample of the layout, or ``SkippedSample``."""
-        messages, image_paths = conversation_of(row)
+        messages, image_paths, videos = conversation_of(row)
         if len(image_paths) != len(self.layout.image_sizes):
             raise SkippedSample("image count differs from the plan's")
+        if videos:
+            raise SkippedSample("a video in a plan of images (plan the data with --dataset)")
         images = open_images(self.path.parent, image_paths)
         ids, labels = self.chat.tokens(messages, self.layout.image_tokens())
         return {**patchify(images, self.layout, self.processor), **self._fit(ids, labels)}

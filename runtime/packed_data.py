@@ -35,7 +35,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from runtime.families import family_of
 
-from planner.data_rows import SkippedSample, cache_folder, file_key, image_header_size, image_keys
+from planner.data_rows import SkippedSample, cache_folder, file_key, image_header_size, media_keys
 from planner.packing import balance_packs, pack_best_fit
 from planner.schema import DatasetInfo
 from runtime.conversations import ChatTokenizer, conversation_of, open_images, read_conversation_rows
@@ -133,7 +133,7 @@ class PackedConversations:
         patch geometry, the image token and the tokenizer files' modification times."""
         key = [INDEX_VERSION, file_key(self.path), self.min_pixels, self.max_pixels, self.patch_size,
                self.merge_size, self.chat.image_token_id]
-        key += image_keys(self.path.parent, self.rows, lambda row: conversation_of(row)[1])
+        key += media_keys(self.path.parent, self.rows, lambda row: conversation_of(row)[1])
         for name in TOKENIZER_FILES:
             file = self.tokenizer_dir / name
             key += [name, file.stat().st_mtime_ns if file.exists() else 0]
@@ -148,7 +148,7 @@ class PackedConversations:
         return kept
 
     def _indexed(self, row_number: int, row: Any, sizes: dict) -> IndexedSample:
-        messages, image_paths = conversation_of(row)
+        messages, image_paths, _ = conversation_of(row)
         if not image_paths:
             raise SkippedSample("no image")
         found = [image_header_size(self.path.parent / p, sizes) for p in image_paths]
@@ -210,7 +210,7 @@ class PackedConversations:
         """Sample ``index`` of the index, built: pixel_values and image_grid_thw at native resolution, input_ids,
         mm_token_type_ids and labels of its whole sequence."""
         entry = self.samples[index]
-        messages, image_paths = conversation_of(self.rows[entry.row])
+        messages, image_paths, _ = conversation_of(self.rows[entry.row])
         try:
             images = open_images(self.path.parent, image_paths)
         except SkippedSample:

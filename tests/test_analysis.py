@@ -242,7 +242,7 @@ def test_dataset_comparison_costs_fixed_shape_plans_on_the_dataset():
 
     # mostly 448x448 thumbnails, a few 2688x2688 scans: a plan for the mean image packs micro-batches the scans break
     h = DatasetHistogram(source="test", text_tokens="given", skipped={},
-                         shapes=((60, 200, ((448, 448),)), (4, 200, ((2688, 2688),))))
+                         shapes=((60, 200, ((448, 448),), ()), (4, 200, ((2688, 2688),), ())))
     table = dataset_comparison("qwen-vl-32b", 8, h)
     packed, mean, largest = table.iloc[0], table.iloc[2], table.iloc[3]
     assert packed.fits_heaviest_micro_batch and packed.promised_tokens_per_s == packed.dataset_tokens_per_s

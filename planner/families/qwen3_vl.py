@@ -37,9 +37,11 @@ TIMESTAMP_TOKENS = 7
 """Tokens of one ``<12.5 seconds>`` timestamp (Qwen's tokenizer splits digits: ``<``, 1, 2, ``.``, 5, `` seconds``,
 ``>``); a named approximation: clips under 10 s take one fewer, over 100 s one more."""
 VIDEO = VideoInputSpec(min_pixels=4_096, max_pixels=25_165_824, pixels_per_clip=True,
-                       group_text_tokens=TIMESTAMP_TOKENS + 2, clip_text_tokens=0)
+                       group_text_tokens=TIMESTAMP_TOKENS + 2, clip_text_tokens=0, min_frames=4, max_frames=768,
+                       samples_whole_temporal_patches=False)
 """The checkpoints' video_preprocessor_config.json: a pixel budget for the whole clip (frames x H x W); the prompt
-gives each temporal group its timestamp and its own vision start/end pair (``Qwen3VLProcessor.replace_video_token``)."""
+gives each temporal group its timestamp and its own vision start/end pair (``Qwen3VLProcessor.replace_video_token``);
+a file is sampled by ``Qwen3VLVideoProcessor.sample_frames`` (4 to 768 frames)."""
 
 
 def decoder_layer_params(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,

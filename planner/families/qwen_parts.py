@@ -25,9 +25,11 @@ QWEN_VL_TEXT_DEFAULTS: dict[str, Any] = {
 QWEN2_VL_IMAGE_PIXELS = (56 * 56, 28 * 28 * 16384)
 """(min_pixels, max_pixels) of Qwen2-VL's and Qwen2.5-VL's preprocessor_config.json (3,136 and 12,845,056)."""
 QWEN2_VL_VIDEO = VideoInputSpec(min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28, pixels_per_clip=False,
-                                group_text_tokens=0, clip_text_tokens=2)
+                                group_text_tokens=0, clip_text_tokens=2, min_frames=4, max_frames=768,
+                                samples_whole_temporal_patches=True)
 """Qwen2-VL's and Qwen2.5-VL's video processor (``Qwen2VLVideoProcessor.size``: 100,352 to 602,112 pixels per
-frame); the prompt puts one vision start/end pair around the clip."""
+frame; ``sample_frames``: 4 to 768 frames, whole temporal patches); the prompt puts one vision start/end pair around
+the clip."""
 
 
 def patch_embed_layer(v: Mapping[str, Any], dim: int, bias: bool = False) -> LayerSpec:

@@ -59,7 +59,7 @@ def problem(
 def _packed(model, image: int, text: int, packs: int) -> Workload:
     sides = (image // 2, image, 2 * image)
     histogram = DatasetHistogram(source="test", text_tokens="given", skipped={},
-                                 shapes=tuple((6 // (i + 1), text, ((s, s),)) for i, s in enumerate(sides)))
+                                 shapes=tuple((6 // (i + 1), text, ((s, s),), ()) for i, s in enumerate(sides)))
     tokens = sample_tokens(histogram, model)
     return packed_workload(pack_dataset(tokens, model, int(tokens.llm.max()) * 2).packed, packs)
 

@@ -102,9 +102,9 @@ def test_scan_reads_sizes_from_headers_and_counts_bad_rows(tmp_path):
     histogram = scan_dataset(_write(tmp_path / "d.jsonl", rows))
     assert histogram.samples == 4
     assert histogram.skipped == {"malformed row": 1, "missing or unreadable image": 2, "no assistant turn": 1}
-    sizes = sorted({images for _, _, images in histogram.shapes})
+    sizes = sorted({images for _, _, images, _ in histogram.shapes})
     assert sizes == [((480, 640),), ((1200, 300),)]  # (height, width)
-    assert max(c for c, _, _ in histogram.shapes) == 2  # the two identical rows are counted once
+    assert max(c for c, *_ in histogram.shapes) == 2  # the two identical rows are counted once
 
 
 def test_text_tokens_are_what_the_runtime_renders(tmp_path):
@@ -127,10 +127,10 @@ def test_text_tokens_are_what_the_runtime_renders(tmp_path):
     layout = layout_from_plan(plan.workload, hf_config_from_dict(plan.model.hf_config))
     runtime = ConversationData(path, layout, tokenizer)
     histogram = scan_dataset(path, str(tokenizer))
-    counted = sorted(t for _, t, _ in histogram.shapes)
+    counted = sorted(t for _, t, *_ in histogram.shapes)
     rendered = []
     for row in rows:
-        messages, _ = dataset.messages_of(row)
+        messages, _, _ = dataset.messages_of(row)
         ids = runtime.chat.render(messages, layout.image_tokens())
         rendered.append(len(ids) - ids.count(layout.image_token_id))
     assert counted == sorted(rendered)
@@ -164,7 +164,7 @@ def test_a_replaced_image_is_rescanned(tmp_path, capsys):
 def test_a_dataset_without_images_is_refused_in_one_line(tmp_path):
     text_only = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     path = _write(tmp_path / "d.jsonl", [text_only, _row("missing.png")])
-    with pytest.raises(ValueError, match=r"has no sample with an image \(skipped: \{'missing or unreadable image': 1"
+    with pytest.raises(ValueError, match=r"has no sample with an image or a video \(skipped: \{'missing or unreadable image': 1"
                                          r"\}\), so qwen2.5-vl-tiny's vision encoder would have nothing to train on"):
         api.make_problem("qwen2.5-vl-tiny", 2, gpu="cpu", dataset=str(path))
 
@@ -174,14 +174,19 @@ def test_a_histogram_file_is_a_dataset(tmp_path):
     histogram = scan_dataset(_write(tmp_path / "d.jsonl", [_row(image)] * 3))
     dataset.write_histogram(histogram, tmp_path / "h.json")
     assert read_dataset(tmp_path / "h.json") == histogram
-    (tmp_path / "bad.json").write_text(json.dumps({"format": dataset.HISTOGRAM_FORMAT, "version": 1,
-                                                   "shapes": [[0, 5, []]], "source": "x", "text_tokens": "x"}))
+    bad = {"format": dataset.HISTOGRAM_FORMAT, "version": dataset.HISTOGRAM_VERSION, "shapes": [[0, 5, [], []]],
+           "source": "x", "text_tokens": "x"}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="count below 1"):
         read_dataset(tmp_path / "bad.json")
+    (tmp_path / "old.json").write_text(json.dumps({**bad, "version": 1, "shapes": [[1, 5, [[448, 448]]]]}))
+    with pytest.raises(ValueError, match="has version 1, this tool reads 2: rescan the data"):
+        read_dataset(tmp_path / "old.json")
 
 
 def _histogram(shapes):
-    return DatasetHistogram(source="test", text_tokens="given", shapes=tuple(shapes), skipped={})
+    """A histogram of (count, text tokens, images) shapes without videos."""
+    return DatasetHistogram(source="test", text_tokens="given", shapes=tuple((*s, ()) for s in shapes), skipped={})
 
 
 def test_packs_by_hand():
@@ -342,11 +347,11 @@ def test_balance_packs_deals_largest_first_to_the_least_loaded_bin_with_room():
 
 
 @pytest.mark.parametrize("shapes, skipped, message", [
-    ([[10**20, 10, [[448, 448]]]], {}, "has 100,000,000,000,000,000,000 samples, at most 1,048,576"),
-    ([[10**9, 10, [[448, 448]]]], {}, "has 1,000,000,000 samples, at most 1,048,576"),  # once a minute of np.repeat
-    ([[1, 10**14, [[448, 448]]]], {}, "a sample of 100,000,000,000,000 text tokens, at most 1,048,576"),
-    ([[1, 10, [[10**11, 448]]]], {}, "has an image side above 32,768 pixels"),
-    ([[1, 10, [[448, 448]]]], {"x": 1e400}, "is malformed"),  # once an OverflowError
+    ([[10**20, 10, [[448, 448]], []]], {}, "has 100,000,000,000,000,000,000 samples, at most 1,048,576"),
+    ([[10**9, 10, [[448, 448]], []]], {}, "has 1,000,000,000 samples, at most 1,048,576"),  # once a minute of np.repeat
+    ([[1, 10**14, [[448, 448]], []]], {}, "a sample of 100,000,000,000,000 text tokens, at most 1,048,576"),
+    ([[1, 10, [[10**11, 448]], []]], {}, "has an image side above 32,768 pixels"),
+    ([[1, 10, [[448, 448]], []]], {"x": 1e400}, "is malformed"),  # once an OverflowError
 ])
 def test_a_histogram_with_huge_numbers_is_refused_in_one_line(tmp_path, shapes, skipped, message):
     path = tmp_path / "h.json"
