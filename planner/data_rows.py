@@ -33,6 +33,8 @@ MIXED_FRAME_SIZES = "video frames of different sizes"
 """Counted for a frame-list video whose frames are not all of one size."""
 NO_FRAMES = "video without frames"
 """Counted for a video file or frame list with no frame."""
+SHORT_CLIP = "video of fewer sampled frames than one temporal patch"
+"""Counted for a clip too short for the vision tower's first temporal patch."""
 CACHE_ENV = "DHPLAN_CACHE_DIR"
 """Environment variable naming the folder where what was read of a dataset is cached (default
 ``~/.cache/dhplan/datasets``): the planner's histograms and the runtime's indexes."""

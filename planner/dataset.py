@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from planner.data_rows import (SkippedSample, VideoShape, cache_folder, file_key, image_header_size, media_files,
+from planner.data_rows import (SHORT_CLIP, SkippedSample, VideoShape, cache_folder, file_key, image_header_size, media_files,
                                media_keys, messages_of, read_rows, video_shape)
 from planner.versioned_json import write_atomically
 from planner.models import ModelSpec
@@ -327,10 +327,6 @@ def sample_tokens(histogram: DatasetHistogram, model: ModelSpec, *, fps: float =
     column = lambda i: np.repeat(np.array([r[i] for r in rows], dtype=np.int64), counts)  # noqa: E731
     return SampleTokens(vision=column(1), vision_squares=column(2), windows=column(3), llm=column(4),
                         skipped=dict(skipped))
-
-
-SHORT_CLIP = "video of fewer sampled frames than one temporal patch"
-"""Counted for a clip too short for the vision tower's first temporal patch."""
 
 
 def clip_frames(video: VideoShape, fps: float, model: ModelSpec) -> int:

@@ -3,7 +3,9 @@
 Formats: the Qwen-VL / LLaVA conversations and the messages rows that ``planner.data_rows`` reads.
 
 The folder's tokenizer renders the conversation with its chat template; each image's ``<|image_pad|>`` becomes as
-many pads as the image has merged tokens (what Qwen-VL's processor does). Labels are the tokens of each assistant
+many pads as the image has merged tokens (what Qwen-VL's processor does), and each video's
+``<|vision_start|><|video_pad|><|vision_end|>`` its clip's prompt (``runtime.packed_data``: the family's markers,
+pads and timestamps). Labels are the tokens of each assistant
 turn (its text and end-of-turn marker), -100 elsewhere, found by rendering the conversation up to each turn
 (``ChatTokenizer``).
 
@@ -17,6 +19,7 @@ data with nothing usable stops the run. Plans made for a dataset read it at nati
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,10 @@ from runtime.data import IGNORE_INDEX, Sample, SampleLayout, layout_image_proces
 
 IMAGE_PAD = "<|image_pad|>"
 """The pad token Qwen-VL's chat template writes once per image."""
+VISION_START, VIDEO_PAD, VISION_END = "<|vision_start|>", "<|video_pad|>", "<|vision_end|>"
+VIDEO_BLOCK = VISION_START + VIDEO_PAD + VISION_END
+"""What Qwen-VL's chat template writes once per video (the processor replaces it with the clip's prompt)."""
+MEDIA = re.compile(f"({re.escape(IMAGE_PAD)}|{re.escape(VIDEO_BLOCK)})")
 
 
 class ChatTokenizer:
@@ -48,25 +55,32 @@ class ChatTokenizer:
                              f"is {image_token_id}: give the model's own tokenizer")
         self.image_token_id = image_token_id
 
-    def render(self, messages: list[dict], image_tokens: list[int], *, generation_prompt: bool = False) -> list[int]:
-        """Token ids of ``messages`` through the chat template, image ``i``'s pad expanded to ``image_tokens[i]``."""
+    def render(self, messages: list[dict], image_tokens: list[int], *, generation_prompt: bool = False,
+               clip_prompts: tuple[str, ...] = ()) -> list[int]:
+        """Token ids of ``messages`` through the chat template, image ``i``'s pad expanded to ``image_tokens[i]``
+        and video ``j``'s block replaced by ``clip_prompts[j]``."""
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        pieces = text.split(IMAGE_PAD)
-        if len(pieces) - 1 > len(image_tokens):
-            raise SkippedSample("image markers differ from the images")
-        expanded = pieces[0] + "".join(IMAGE_PAD * image_tokens[i] + piece for i, piece in enumerate(pieces[1:]))
+        pieces = MEDIA.split(text)
+        expanded, images, videos = pieces[0], iter(image_tokens), iter(clip_prompts)
+        for marker, piece in zip(pieces[1::2], pieces[2::2]):
+            media = next(images, None) if marker == IMAGE_PAD else next(videos, None)
+            if media is None:
+                raise SkippedSample(f"{'image' if marker == IMAGE_PAD else 'video'} markers differ from the "
+                                    f"{'images' if marker == IMAGE_PAD else 'videos'}")
+            expanded += (IMAGE_PAD * media if marker == IMAGE_PAD else media) + piece
         return self.tokenizer(expanded, add_special_tokens=False).input_ids
 
-    def tokens(self, messages: list[dict], image_tokens: list[int]) -> tuple[list[int], list[int]]:
+    def tokens(self, messages: list[dict], image_tokens: list[int], clip_prompts: tuple[str, ...] = ()
+               ) -> tuple[list[int], list[int]]:
         """(input ids, labels): labels are the tokens each assistant turn adds to the rendered conversation."""
-        ids = self.render(messages, image_tokens)
+        ids = self.render(messages, image_tokens, clip_prompts=clip_prompts)
         if ids.count(self.image_token_id) != sum(image_tokens):
             raise SkippedSample("image markers differ from the images")
         labels = [IGNORE_INDEX] * len(ids)
         for i, message in enumerate(messages):
             if message["role"] == "assistant":
-                prefix = self.render(messages[:i], image_tokens, generation_prompt=True)
-                end = len(self.render(messages[: i + 1], image_tokens))
+                prefix = self.render(messages[:i], image_tokens, generation_prompt=True, clip_prompts=clip_prompts)
+                end = len(self.render(messages[: i + 1], image_tokens, clip_prompts=clip_prompts))
                 if ids[: len(prefix)] != prefix:
                     raise SkippedSample("the chat template does not render turns as prefixes")
                 labels[len(prefix):end] = ids[len(prefix):end]

@@ -14,6 +14,7 @@ in the tests) can build any sample; DP replica ``d`` of a micro-batch takes its 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -241,13 +242,13 @@ def patchify(images: list[Image.Image], layout: SampleLayout, processor: Qwen2VL
     return {"pixel_values": torch.cat(pixels).float(), "image_grid_thw": torch.cat(grids)}
 
 
-def patchify_clip(frames: list[Image.Image], size: tuple[int, int], layout: SampleLayout,
-                  processor: Qwen2VLImageProcessorPil) -> tuple[torch.Tensor, torch.Tensor]:
+def patchify_clip(frames: list[Image.Image], size: tuple[int, int], processor: Qwen2VLImageProcessorPil
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(pixel_values_videos [T/2 * h * w, C*T*P*P], video_grid_thw [1, 3]) of a clip's frames resized to ``size``:
     each frame through the image processor (which repeats a still image over the temporal patch), then each
     temporal patch filled with consecutive frames instead: the video processor's layout (``Qwen2VLVideoProcessor``
     / ``Qwen3VLVideoProcessor`` patchify [t, T, C, h, w] alike; their torchvision backend is not installed here)."""
-    temporal, height, width = layout.temporal_patch_size, *size
+    temporal, height, width = processor.temporal_patch_size, *size
     per_frame = []
     for frame in frames:
         frame = frame.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
@@ -258,7 +259,7 @@ def patchify_clip(frames: list[Image.Image], size: tuple[int, int], layout: Samp
     groups = len(frames) // temporal
     clip = torch.stack(per_frame).view(groups, temporal, *per_frame[0].shape)  # [t, T, h*w, C, P*P]
     pixels = clip.permute(0, 2, 3, 1, 4).reshape(groups * per_frame[0].shape[0], -1)  # [t*h*w, C*T*P*P]
-    grid = torch.tensor([[groups, height // layout.patch_size, width // layout.patch_size]])
+    grid = torch.tensor([[groups, height // processor.patch_size, width // processor.patch_size]])
     return pixels, grid
 
 
@@ -289,20 +290,23 @@ def token_sequence(text_ids: list[int], layout: SampleLayout, timestamp_ids: lis
 def visual_inputs(batch: Sample) -> tuple[torch.Tensor, torch.Tensor]:
     """(patches, grid_thw) of a micro-batch's images and clips in sequence order, sample by sample (its images,
     then its clips): what the vision tower runs and the hand-off routes, one row per visual token in that order.
-    ``collate`` keeps images and clips apart, as the HF model takes them."""
+    ``collate`` keeps images and clips apart, as the HF model takes them; a packed row counts each sample's
+    (``sample_images``, ``sample_videos``)."""
     if "video_grid_thw" not in batch:
         return batch["pixel_values"], batch["image_grid_thw"]
     samples = batch["input_ids"].shape[0] if "sample_lens" not in batch else len(batch["sample_lens"])
     parts = []
-    for kind, grid_key in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+    for kind, grid_key, counts in (("pixel_values", "image_grid_thw", "sample_images"),
+                                   ("pixel_values_videos", "video_grid_thw", "sample_videos")):
         if grid_key not in batch:  # clips only
             parts.append([(batch["pixel_values_videos"][:0], batch["video_grid_thw"][:0])] * samples)
             continue
         grids = batch[grid_key]
-        per_sample = len(grids) // samples
+        per_sample = batch[counts].tolist() if counts in batch else [len(grids) // samples] * samples
         patches = batch[kind].split(grids.prod(-1).tolist())
-        mine = [slice(i * per_sample, (i + 1) * per_sample) for i in range(samples)]
-        parts.append([(torch.cat(patches[own]), grids[own]) for own in mine])
+        bounds = [0, *itertools.accumulate(per_sample)]
+        mine = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+        parts.append([(torch.cat([batch[kind][:0], *patches[own]]), grids[own]) for own in mine])
     pixels = torch.cat([p for images, clips in zip(*parts) for p in (images[0], clips[0])])
     grid = torch.cat([g for images, clips in zip(*parts) for g in (images[1], clips[1])])
     return pixels, grid
@@ -325,7 +329,7 @@ class SyntheticData:
         sample = {**patchify(images, self.layout, self.processor), **token_sequence(text, self.layout, stamp)}
         if self.layout.videos:
             clips = [patchify_clip([Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-                                    for _ in range(frames)], (h, w), self.layout, self.processor)
+                                    for _ in range(frames)], (h, w), self.processor)
                      for frames, h, w in self.layout.videos]
             sample["pixel_values_videos"] = torch.cat([pixels for pixels, _ in clips])
             sample["video_grid_thw"] = torch.cat([grid for _, grid in clips])
@@ -399,11 +403,17 @@ def collate(samples: list[Sample]) -> Sample:
 def pack_rows(samples: list[Sample]) -> Sample:
     """A packed micro-batch: patches and grids concatenated, every sample's tokens back to back in one row [1, L]
     (no padding). Each sample's first label is IGNORE_INDEX: the token before it belongs to another sample, so it
-    is nobody's next token. ``sample_lens`` and ``sample_images`` give each sample's tokens and images."""
+    is nobody's next token. ``sample_lens``, ``sample_images`` (and with clips ``sample_videos``) give each sample's
+    tokens, images (and clips)."""
     labels = [s["labels"].clone() for s in samples]
     for row in labels:
         row[0] = IGNORE_INDEX
-    return {
+    clips = {}
+    if any("video_grid_thw" in s for s in samples):
+        clips = {"pixel_values_videos": torch.cat([s["pixel_values_videos"] for s in samples]),
+                 "video_grid_thw": torch.cat([s["video_grid_thw"] for s in samples]),
+                 "sample_videos": torch.tensor([len(s["video_grid_thw"]) for s in samples])}
+    return {**clips,
         "pixel_values": torch.cat([s["pixel_values"] for s in samples]),
         "image_grid_thw": torch.cat([s["image_grid_thw"] for s in samples]),
         "input_ids": torch.cat([s["input_ids"] for s in samples])[None],

@@ -91,15 +91,17 @@ def image_slots_per_rank(rows: list[tuple[int, torch.Tensor]], sp: int) -> list[
 
 def packed_position_ids(batch: dict[str, torch.Tensor], rope_index: Any) -> torch.Tensor:
     """[4, 1, L] positions of a packed row: each sample's text positions (from 0), then its own M-RoPE positions
-    (the model's ``get_rope_index`` on the sample alone)."""
-    rows, at, images = [], 0, 0
-    for length, count in zip(batch["sample_lens"].tolist(), batch["sample_images"].tolist()):
+    (the model's ``get_rope_index`` on the sample alone, its images' and clips' grids)."""
+    rows, at, images, clips = [], 0, 0, 0
+    videos = batch.get("sample_videos", torch.zeros_like(batch["sample_lens"])).tolist()
+    for length, count, clip_count in zip(batch["sample_lens"].tolist(), batch["sample_images"].tolist(), videos):
         ids = batch["input_ids"][:, at:at + length]
         types = batch["mm_token_type_ids"][:, at:at + length]
         grids = batch["image_grid_thw"][images:images + count]
-        mrope, _ = rope_index(ids, mm_token_type_ids=types, image_grid_thw=grids)
+        clip_grids = batch["video_grid_thw"][clips:clips + clip_count] if clip_count else None
+        mrope, _ = rope_index(ids, mm_token_type_ids=types, image_grid_thw=grids, video_grid_thw=clip_grids)
         rows.append(torch.cat([torch.arange(length).view(1, 1, length), mrope]))
-        at, images = at + length, images + count
+        at, images, clips = at + length, images + count, clips + clip_count
     return torch.cat(rows, dim=-1)
 
 

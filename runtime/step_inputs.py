@@ -44,8 +44,8 @@ def data_source(plan: Plan, options: Any, config: PretrainedConfig) -> Source | 
     if encoder.name not in DATA_ENCODERS:
         raise ValueError(no_data_reader(encoder.name, options.data))
     if layout.videos:
-        raise ValueError(f"the plan's samples hold video clips, and {options.data} holds images: a video plan trains "
-                         "on synthetic clips until video rows are read (plan the data with --dataset)")
+        raise ValueError(f"the plan's samples hold video clips of one fixed shape: a fixed-shape video plan trains on "
+                         f"synthetic clips; plan {options.data} with --dataset to train on its video rows")
     if is_conversation_file(Path(options.data)):
         if not options.tokenizer:
             raise ValueError(f"{options.data} holds conversations: give --tokenizer DIR, the model folder whose "

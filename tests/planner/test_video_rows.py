@@ -15,8 +15,9 @@ import pytest
 from planner import api
 from planner.catalog import get_model
 from planner.cli import main
-from planner.data_rows import CACHE_ENV, MISSING_VIDEO, MIXED_FRAME_SIZES, NO_FRAMES, VideoShape, messages_of
-from planner.dataset import SHORT_CLIP, DatasetHistogram, read_dataset, sample_tokens, scan_dataset
+from planner.data_rows import (CACHE_ENV, MISSING_VIDEO, MIXED_FRAME_SIZES, NO_FRAMES, SHORT_CLIP, VideoShape,
+                               messages_of)
+from planner.dataset import DatasetHistogram, read_dataset, sample_tokens, scan_dataset
 from planner.workload import Workload, module_tokens, sampled_frames, video_grid
 from tests.planner.video_files import write_empty_video, write_frames, write_mp4
 

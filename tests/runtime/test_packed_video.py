@@ -1,0 +1,142 @@
+"""Video rows in a dataset plan's runtime (runtime/packed_data.py): the index agrees with the planner's pricing of
+the same file, a built clip is what the synthetic video path makes for its size, bad videos are skipped with the
+planner's reasons, and a packed row of clips gets its vision rows and M-RoPE positions."""
+
+from __future__ import annotations
+
+import av
+import pytest
+import torch
+from PIL import Image
+
+from planner.data_rows import MISSING_VIDEO, MIXED_FRAME_SIZES, NO_FRAMES
+from planner.dataset import sample_tokens, scan_dataset
+from planner.families import model_from_hf_config
+from planner.families.qwen3_vl import TIMESTAMP_TOKENS
+from planner.workload import sampled_frames, video_grid
+from runtime.conversations import conversation_of
+from runtime.data import layout_from_plan, layout_image_processor, pack_rows, patchify_clip, visual_inputs
+from runtime.llm import packed_position_ids
+from runtime.model import build_model, hf_config_from_dict, split_model
+from runtime.packed_data import PackedConversations
+from tests.planner.test_video_rows import write_video_rows
+from tests.runtime.plans import dataset_info, tiny_hf_config, tiny_qwen3_vl_config
+from tests.runtime.tokenizer import save_tokenizer
+
+FPS = 2.0
+CONFIGS = {"qwen2.5-vl": tiny_hf_config, "qwen3-vl": tiny_qwen3_vl_config}
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DHPLAN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _indexed(path, tokenizer_dir, family: str) -> PackedConversations:
+    config = hf_config_from_dict(CONFIGS[family]())
+    dataset = dataset_info(4096).model_copy(update={"fps": FPS})
+    return PackedConversations(path, tokenizer_dir, config=config, dataset=dataset, seed=0)
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_the_index_agrees_with_the_planner(tmp_path, tokenizer_dir, family):
+    """Same vision tokens and grids per sample as the planner priced (``sample_tokens``, text counted by the same
+    tokenizer), and the same LLM tokens but for Qwen3-VL's timestamps, which the planner prices at a named
+    ``TIMESTAMP_TOKENS`` each and the runtime writes out (one byte-level token per character here)."""
+    path = write_video_rows(tmp_path)
+    data = _indexed(path, tokenizer_dir, family)
+    assert dict(data.skipped) == {MISSING_VIDEO: 1, MIXED_FRAME_SIZES: 1, NO_FRAMES: 1}
+    spec = model_from_hf_config(CONFIGS[family](), "tiny")
+    info = dataset_info(4096)
+    planned = sample_tokens(scan_dataset(path, str(tokenizer_dir)), spec, fps=FPS, min_pixels=info.min_pixels,
+                            max_pixels=info.max_pixels)
+    vision, llm = [], []
+    for entry in data.samples:
+        vision.append(sum(t * h * w for t, h, w in entry.grids))
+        stamps = sum(len(f"<{t:.1f} seconds>") - TIMESTAMP_TOKENS for t in _seconds(data, entry))
+        llm.append(entry.length - (stamps if family == "qwen3-vl" else 0))
+    assert sorted(vision) == sorted(planned.vision.tolist())
+    assert sorted(llm) == sorted(planned.llm.tolist())
+    clip = next(e for e in data.samples if e.clips == 1 and len(e.grids) == 1)
+    frames = 5 if family == "qwen3-vl" else 4  # the file's 10 frames at 4 fps, 2.5 s at 2 fps (test_video_rows)
+    assert clip.grids[0] in {video_grid(frames, 48, 64, spec), video_grid(6, 48, 64, spec)}
+
+
+def _seconds(data: PackedConversations, entry) -> list[float]:
+    """Each temporal group's time of a sample's clips."""
+    return [t for video in conversation_of(data.rows[entry.row])[2] for t in data._clip(video, {}).seconds]
+
+
+def _synthetic_layout(frames: int, config):
+    """The synthetic path's layout of one clip of ``frames`` 48 x 64 frames (``layout_from_plan``)."""
+    from types import SimpleNamespace
+
+    workload = SimpleNamespace(image_sizes=(), vision_tokens=None, videos=((frames, 48, 64),), text_tokens=8,
+                               module_tokens={})
+    return layout_from_plan(workload, config)
+
+
+def _contains(ids: list[int], block: list[int]) -> bool:
+    return any(ids[i:i + len(block)] == block for i in range(len(ids) - len(block) + 1))
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_a_built_clip_is_what_the_synthetic_path_makes_for_its_size(tmp_path, tokenizer_dir, family):
+    """The frame list (row 0) and the file (row 1): the same grid, pixel rows (``patchify_clip`` of the same frames:
+    the list's files, the file's frames at the planner's sampled indices decoded independently here) and prompt
+    ids (``SampleLayout.video_prompt`` per temporal group, with the group's timestamp ids on Qwen3-VL)."""
+    path = write_video_rows(tmp_path)
+    data = _indexed(path, tokenizer_dir, family)
+    config = hf_config_from_dict(CONFIGS[family]())
+    spec = model_from_hf_config(CONFIGS[family](), "tiny")
+    with av.open(str(tmp_path / "clip.mp4")) as container:
+        decoded = [frame.to_image() for frame in container.decode(video=0)]
+    picked = sampled_frames(10, 4.0, FPS, spec)
+    frame_lists = {0: [Image.open(tmp_path / f"f{i}.png") for i in range(6)],
+                   1: [decoded[i] for i in picked] + [decoded[picked[-1]]] * (len(picked) % 2)}
+    for row, frames in frame_lists.items():
+        index = next(i for i, e in enumerate(data.samples) if e.row == row)
+        sample = data.sample(index)
+        layout = _synthetic_layout(len(frames), config)
+        assert sample["video_grid_thw"].tolist() == [list(layout.grids()[0])] == [list(data.samples[index].grids[0])]
+        pixels, _ = patchify_clip(frames, layout.videos[0][1:], layout_image_processor(layout))
+        assert torch.equal(sample["pixel_values_videos"], pixels)
+        groups = layout.grids()[0][0]
+        seconds = _seconds(data, data.samples[index])
+        if layout.timestamp_tokens:
+            stamps = [data.chat.tokenizer(f"<{t:.1f} seconds>", add_special_tokens=False).input_ids for t in seconds]
+            expected = sum((layout.video_prompt(0, s)[0][:len(s) + len(layout.video_prompt(0, [])[0]) // groups]
+                            for s in stamps), [])
+        else:
+            expected = layout.video_prompt(0, [])[0]
+        ids = sample["input_ids"].tolist()
+        assert _contains(ids, expected)
+        video = sample["mm_token_type_ids"] == 2
+        assert int(video.sum()) == layout.num_patches // layout.merge_size**2 == expected.count(layout.video_token_id)
+        assert (sample["labels"][video] == -100).all()
+
+
+def test_a_packed_row_of_clips_and_images_runs_them_in_sequence_order(tmp_path, tokenizer_dir):
+    """Every sample packed in one row: the vision rows are each sample's images then clips (its visual tokens'
+    order), and each sample's M-RoPE positions are the model's on the sample alone with its clips' grids."""
+    data = _indexed(write_video_rows(tmp_path), tokenizer_dir, "qwen3-vl")
+    samples = [data.sample(i) for i in range(len(data.samples))]
+    batch = pack_rows(samples)
+    pixels, grid = visual_inputs(batch)
+    assert grid.tolist() == [list(g) for e in data.samples for g in e.grids]
+    assert len(pixels) == sum(t * h * w for e in data.samples for t, h, w in e.grids)
+    _, _, rope_index = split_model(build_model(tiny_qwen3_vl_config(), seed=0))
+    positions = packed_position_ids(batch, rope_index)
+    at = 0
+    for sample in samples:
+        length = len(sample["input_ids"])
+        alone, _ = rope_index(sample["input_ids"][None], mm_token_type_ids=sample["mm_token_type_ids"][None],
+                              image_grid_thw=sample["image_grid_thw"], video_grid_thw=sample["video_grid_thw"])
+        assert torch.equal(positions[1:, :, at:at + length], alone)
+        at += length
+    assert at == positions.shape[-1]
