@@ -287,7 +287,8 @@ def test_a_video_plan_lays_out_what_the_planner_counted_and_refuses_image_data(t
     assert layout.seq_len == plan.workload.module_tokens["llm"] == 40 + 24 + 2 * (7 + 1 + 6 + 1)
     ids = token_sequence([], layout)["input_ids"]
     assert int((ids == config.video_token_id).sum()) == 12
-    with pytest.raises(ValueError, match="the plan's samples hold video clips, and .* holds images"):
+    with pytest.raises(ValueError, match="the plan's samples hold video clips of one fixed shape: .* with --dataset "
+                                         "to train on its video rows"):
         data_source(plan, RunOptions(data=str(tmp_path / "captions.jsonl")), config)
 
 
