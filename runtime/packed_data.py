@@ -100,6 +100,12 @@ class Clip:
     a frame list's frames are taken as sampled at the plan's fps)."""
 
 
+def epochs_spanned(step_packs: int, epoch_packs: int) -> int:
+    """The most epochs ``step_packs`` consecutive pack positions can touch, epochs of ``epoch_packs`` packs (a step
+    starting at an epoch's last pack touches one more)."""
+    return -(-(step_packs - 1) // epoch_packs) + 1
+
+
 class PackedConversations:
     """A conversation file indexed, packed and ordered for a dataset plan (see the module docstring)."""
 
@@ -255,12 +261,15 @@ class PackedConversations:
             self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.packs)))
         return self.packs[int(self._order[1][at])]
 
-    def most_image_tokens(self, packs: int) -> int:
-        """The most LLM image tokens any ``packs`` packs hold together (what a pipelined LLM's first stage pads a
-        micro-batch's image rows to)."""
+    def most_image_tokens(self, packs: int, step_packs: int) -> int:
+        """The most LLM image and video tokens a micro-batch of ``packs`` packs can hold (what a pipelined LLM's
+        first stage pads a micro-batch's rows to), in steps of ``step_packs`` packs: a step's packs run on across
+        an epoch's end, so one pack appears in it once per epoch it spans (``epochs_spanned``) and may fill a
+        micro-batch that many times."""
         per_pack = sorted((sum(n for i in pack for _, n in self.samples[i].image_spans) for pack in self.packs),
                           reverse=True)
-        return sum(per_pack[:packs])
+        repeats = min(packs, epochs_spanned(step_packs, len(self.packs)))
+        return sum(sorted(per_pack * repeats, reverse=True)[:packs])
 
     def pack_tokens(self, pack: list[int]) -> int:
         return sum(self.samples[i].length for i in pack)

@@ -185,7 +185,7 @@ class StepInputs:
         text, dims = config.get_text_config(), self.dims["llm"]
         if self.packed:
             samples, seq_len = 1, dims.micro_batch * self.source.budget
-            image_tokens = self.source.most_image_tokens(dims.micro_batch)
+            image_tokens = self.source.most_image_tokens(dims.micro_batch, step_packs=self.positions_per_step)
         else:
             template = self.layout.template_ids()
             bounds = split_sequence(len(template), dims.sp)

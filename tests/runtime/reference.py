@@ -56,6 +56,13 @@ def _step_batches(plan: Plan, data, step: int) -> list[tuple[dict, float]]:
     slots = data.step_slots(step * plan.workload.global_batch, llm.grad_accum, llm.dp, llm.micro_batch)
     samples = [data.sample(i) for pack in slots for i in pack]
     targets = [int((s["labels"][1:] != IGNORE_INDEX).sum()) for s in samples]
-    batches = [({k: v[None] if k in ("input_ids", "mm_token_type_ids", "labels") else v for k, v in s.items()}, n)
-               for s, n in zip(samples, targets)]
+    batches = [({k: v[None] if k in ("input_ids", "mm_token_type_ids", "labels") else v for k, v in s.items()
+                 if k not in _absent(s)}, n) for s, n in zip(samples, targets)]
     return [(batch, n / sum(targets)) for batch, n in batches]
+
+
+def _absent(sample: dict) -> set[str]:
+    """The keys of a sample's images (or clips) when it has none: transformers' forward takes absent ones only."""
+    return {key for grid, keys in (("image_grid_thw", ("pixel_values", "image_grid_thw")),
+                                   ("video_grid_thw", ("pixel_values_videos", "video_grid_thw")))
+            if grid in sample and len(sample[grid]) == 0 for key in keys}

@@ -306,3 +306,16 @@ def test_an_image_replaced_by_one_of_another_size_is_indexed_anew(tmp_path, toke
     assert len(list((tmp_path / "cache" / "runtime-index").iterdir())) == 2
     assert after.samples[0].grids != before.samples[0].grids
     after.sample(0)  # built as indexed: no "its images are ... patches now"
+
+
+def test_a_micro_batch_may_hold_one_pack_once_per_epoch_its_step_spans(tmp_path, tokenizer_dir):
+    """A step's packs run on across an epoch's end: positions 4..10 of 5-pack epochs touch epochs 0, 1 and 2, so a
+    pipelined LLM's first stage makes room for the heaviest pack that many times in one micro-batch."""
+    from runtime.packed_data import epochs_spanned
+
+    assert [epochs_spanned(n, 5) for n in (1, 2, 5, 6, 7, 11)] == [1, 2, 2, 2, 3, 3]
+    data = packed(write_dataset(tmp_path), tokenizer_dir)
+    per_pack = sorted((sum(n for i in p for _, n in data.samples[i].image_spans) for p in data.packs), reverse=True)
+    # the heaviest pack last in one epoch and first in the next
+    assert data.most_image_tokens(2, step_packs=2) == per_pack[0] * 2
+    assert data.most_image_tokens(3, step_packs=len(data.packs)) == per_pack[0] * 2 + per_pack[1]

@@ -169,3 +169,32 @@ def test_a_model_folder_plans_for_and_trains_on_video_rows(tmp_path, ray_cluster
     *steps, summary = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert len(steps) == 2 and all(np.isfinite(s["loss"]) for s in steps)
     assert summary["data_skipped"] == {MISSING_VIDEO: 1, MIXED_FRAME_SIZES: 1, NO_FRAMES: 1}
+
+
+VIDEO_PACKED_PLANS = {
+    # each pack's image, frame-list and MPEG-4 clips split over the vision SP ranks on merge units, the rows sliced
+    # with their tokens over the LLM's (Qwen3-VL: DeepStack features and per-group timestamps)
+    "qwen3-vl/vision_sp2__llm_sp2": dict(vision=dict(sp=2, micro_batch=2), llm=dict(sp=2, micro_batch=2)),
+    # Qwen2.5-VL's windows per temporal group; the rows reach the first stage of a pipelined LLM
+    "qwen2.5-vl/vision_dp2__llm_pp2": dict(vision=dict(dp=2, grad_accum=2),
+                                           llm=dict(pp=2, pp_layers=[2, 2], micro_batch=2, grad_accum=2)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(VIDEO_PACKED_PLANS))
+def test_packed_parity_on_video_rows(name, tmp_path, tokenizer_dir, worker_pool):
+    """Packed micro-batches of the video rows (frame lists, an MPEG-4 file, a row with an image and two clips) give
+    the loss, gradients and parameters of the single-process HF model run on the same samples one at a time."""
+    from runtime.trainer import RunOptions
+    from tests.runtime.plans import make_plan
+    from tests.runtime.test_parity import LR, SEED, assert_parity
+
+    family, _ = name.split("/")
+    spec = dict(VIDEO_PACKED_PLANS[name])
+    plan = make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, pack_tokens=512,
+                     hf_config=CONFIGS[family]())
+    workload = plan.workload.model_copy(update={"dataset": plan.workload.dataset.model_copy(update={"fps": FPS})})
+    plan = plan.model_copy(update={"workload": workload})
+    options = RunOptions(seed=SEED, data=str(write_video_rows(tmp_path)), tokenizer=str(tokenizer_dir))
+    assert_parity(plan, options, worker_pool)
