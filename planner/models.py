@@ -163,6 +163,8 @@ class AudioInputSpec:
     """Encoder tokens per LLM token after pooling (Qwen2-Audio: 2)."""
     max_seconds: int
     """Longest clip one encoder pass accepts (Whisper: 30 s)."""
+    conv_stride: int = 2
+    """Mel frames per encoder position (Whisper's second convolution)."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -257,14 +257,28 @@ def vision_tokens(workload: Workload, model: ModelSpec) -> ModuleTokens:
 
 
 def audio_tokens(workload: Workload, model: ModelSpec) -> ModuleTokens:
-    """Audio-encoder positions of one sample: clips of at most max_seconds, each padded to a whole pass."""
+    """Audio-encoder positions of one sample: clips of at most max_seconds, each padded to a whole pass; the LLM
+    takes each clip's tokens of its real length (``clip_llm_tokens``)."""
     ai = model.audio_input
     if workload.audio_seconds <= 0:
         return ModuleTokens(tokens=0, segments=(), output_tokens=0)
     clips = math.ceil(workload.audio_seconds / ai.max_seconds)
     per_clip = ai.max_seconds * ai.encoder_tokens_per_second
     segments = (per_clip,) * clips
-    return ModuleTokens(tokens=sum(segments), segments=segments, output_tokens=sum(segments) // ai.pool_stride)
+    last = workload.audio_seconds - (clips - 1) * ai.max_seconds
+    output = (clips - 1) * clip_llm_tokens(ai.max_seconds, model) + clip_llm_tokens(last, model)
+    return ModuleTokens(tokens=sum(segments), segments=segments, output_tokens=output)
+
+
+def clip_llm_tokens(seconds: float, model: ModelSpec) -> int:
+    """LLM audio tokens of a clip of ``seconds`` (one pass at most): Qwen2-Audio's processor writes as many audio
+    tokens as the encoder keeps of the clip's real mel frames (``Qwen2AudioEncoder._get_feat_extract_output_lengths``:
+    the stride-2 convolution, then the 2x pool, on ``ceil(seconds * 100)`` frames, Whisper's 10 ms hop); the
+    padding to a whole pass is attended over (masked) but never reaches the LLM. 30 s: 3,000 frames -> 1,500 -> 750."""
+    ai = model.audio_input
+    frames = math.ceil(round(seconds * ai.encoder_tokens_per_second * ai.conv_stride, 6))
+    positions = (frames - 1) // ai.conv_stride + 1
+    return (positions - ai.pool_stride) // ai.pool_stride + 1
 
 
 def module_tokens(workload: Workload, model: ModelSpec) -> dict[str, ModuleTokens]:

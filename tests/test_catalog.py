@@ -260,6 +260,23 @@ def test_input_specs():
     assert audio.audio_input.max_seconds == 30
 
 
+@pytest.mark.parametrize(("seconds", "llm_tokens"), [(30, 750), (45, 750 + 375), (10, 250), (0.5, 12), (60, 1500)])
+def test_audio_llm_tokens_are_the_processors(seconds, llm_tokens):
+    """Hand-calculated: a clip's real mel frames (100 per second) through the stride-2 convolution and the 2x pool,
+    e.g. 15 s: 1,500 frames -> 750 positions -> 375 tokens; each pass costs the encoder 1,500 positions whatever its
+    length; and transformers' own ``_get_feat_extract_output_lengths`` gives the same."""
+    from planner.workload import Workload, module_tokens
+
+    model = get_model("qwen2-audio-7b")
+    tokens = module_tokens(Workload(audio_seconds=seconds, text_tokens=8, global_batch=1), model)
+    assert tokens["audio"].output_tokens == llm_tokens
+    assert tokens["audio"].tokens == 1500 * -(-seconds // 30)
+    encoder = transformers.models.qwen2_audio.modeling_qwen2_audio.Qwen2AudioEncoder
+    frames = [min(3000, round(seconds * 100) - 3000 * k) for k in range(int(-(-seconds // 30)))]
+    _, ours = encoder._get_feat_extract_output_lengths(None, torch.tensor(frames))
+    assert int(ours.sum()) == llm_tokens
+
+
 @pytest.mark.parametrize(
     ("ours", "config_class"),
     [

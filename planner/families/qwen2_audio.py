@@ -58,7 +58,7 @@ def model_spec(config: Mapping[str, Any], name: str) -> ModelSpec:
     tokens_per_second = WHISPER_MEL_FRAMES_PER_SECOND // WHISPER_CONV_STRIDE
     positions = positive_int(audio, "max_source_positions", "audio_config")
     audio_input = AudioInputSpec(encoder_tokens_per_second=tokens_per_second, pool_stride=POOL_STRIDE,
-                                 max_seconds=positions // tokens_per_second)
+                                 max_seconds=positions // tokens_per_second, conv_stride=WHISPER_CONV_STRIDE)
     return ModelSpec(
         name=name, family=MODEL_TYPE, hf_config=copy.deepcopy(dict(config)), audio_input=audio_input,
         modules=(audio_module(audio, llm.layer("embedding").hidden_size), llm),
