@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from planner.cli import main as plan_main
-from planner.dataset import DatasetHistogram, read_dataset
+from planner.dataset import DatasetHistogram, VideoShape, read_dataset
 from planner.hardware import get_device, load_cluster_file
 from planner.hf_configs import QWEN2_5_VL_TINY
 from planner.profiles import PROFILES_DIR
@@ -225,7 +225,8 @@ VALID_ROWS = [
     {"image": ["a.png", "b.png"], "text": "two pictures"},
 ]
 VALID_HISTOGRAM = DatasetHistogram(source="d.jsonl", text_tokens="estimated", skipped={"malformed row": 1},
-                                   shapes=((3, 40, ((56, 84),)), (2, 64, ((112, 112), (56, 84))))).to_json()
+                                   shapes=((3, 40, ((56, 84),), ()), (2, 64, ((112, 112), (56, 84)), ()),
+                                           (1, 30, (), (VideoShape(8, 48, 64, 4.0),)))).to_json()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -246,7 +247,7 @@ def test_the_valid_files_are_read_and_planned():
         Path(folder, RUN_STATE).write_text(json.dumps(VALID_RUN_STATE))
         assert read_run_state(folder) == VALID_RUN_STATE
         histogram = _write(folder, "h.json", json.dumps(VALID_HISTOGRAM).encode())
-        assert read_dataset(histogram).samples == 5
+        assert read_dataset(histogram).samples == 6
         assert run_plan(TINY + ["--dataset", histogram], "histogram") is not None
         for name, (h, w) in IMAGES.items():
             Image.new("RGB", (w, h)).save(os.path.join(folder, name))
