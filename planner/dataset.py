@@ -80,7 +80,7 @@ class DatasetHistogram:
                            for c, t, sizes, videos in data["shapes"])
             histogram = cls(source=str(data["source"]), text_tokens=str(data["text_tokens"]), shapes=shapes,
                             skipped={str(k): int(v) for k, v in data.get("skipped", {}).items()})
-        except (KeyError, TypeError, ValueError, OverflowError):
+        except (KeyError, TypeError, ValueError, OverflowError, AttributeError):  # AttributeError: "skipped" no dict
             raise ValueError(f"dataset histogram {path} is malformed: expected shapes [[count, text_tokens, "
                              "[[height, width], ...], [[frames, height, width, fps], ...]], ...]") from None
         if any(c < 1 or t < 0 or any(h < 1 or w < 1 for h, w in sizes)

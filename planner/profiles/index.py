@@ -69,6 +69,12 @@ def _optimizer_costs(points, statistic: str) -> tuple[float, float] | None:
     return share, t1 - share
 
 
+MAX_SEQ_EXTRAPOLATION = 4.0
+"""Sequences beyond this multiple of a layer's longest measured one are not taken from the profile (the analytical
+model prices them): a power law fitted to short sequences cannot see attention's quadratic term take over (a tiny
+model's decoder layer measured up to 1,024 tokens and extrapolated linearly to 40,000 ran at 4.6x the device's peak
+FLOPs)."""
+
 class ProfileIndex:
     """Fast lookups into a Profile: layer costs by shard, collective times by op/group/size."""
 
@@ -95,10 +101,11 @@ class ProfileIndex:
 
     def layer_cost(self, module: str, layer: str, *, tp: int, sp: int, seq_len: int, micro_batch: int,
                    includes_comm: bool = False) -> LayerCost | None:
-        """Measured cost of one layer instance, interpolated over seq_len and micro_batch; None if never measured.
+        """Measured cost of one layer instance, interpolated over seq_len and micro_batch; None if never measured,
+        or only at sequences more than ``MAX_SEQ_EXTRAPOLATION`` times shorter.
         ``includes_comm`` picks the points timed as run (collectives included) instead of the single-process shard."""
         grid = self._layers.get((module, layer, tp, sp, includes_comm))
-        if not grid:
+        if not grid or seq_len > MAX_SEQ_EXTRAPOLATION * max(seq for seq, _ in grid):
             return None
         exact = (seq_len, micro_batch) in grid
         values = {

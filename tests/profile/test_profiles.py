@@ -86,6 +86,13 @@ def test_index_layer_cost_marks_exact_points():
     assert idx.layer_cost("llm", "decoder_layer", tp=2, sp=1, seq_len=128, micro_batch=1) is None
 
 
+def test_index_leaves_sequences_far_beyond_the_measured_ones_to_the_analytical_model():
+    """Measured up to 256 tokens: 4 x 256 is still extrapolated from the profile, one token more is not (None)."""
+    idx = ProfileIndex(profile(layers=[layer_point(128, 1, 1.0), layer_point(256, 1, 2.0)]))
+    assert idx.layer_cost("llm", "decoder_layer", tp=1, sp=1, seq_len=4 * 256, micro_batch=1).forward_s == 8.0
+    assert idx.layer_cost("llm", "decoder_layer", tp=1, sp=1, seq_len=4 * 256 + 1, micro_batch=1) is None
+
+
 def test_collective_interpolation_and_floor():
     sizes, times = [1000, 3000], [1.0, 2.0]
     assert interp_collective(sizes, times, 2000) == pytest.approx(1.5)
