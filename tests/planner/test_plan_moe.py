@@ -53,3 +53,13 @@ def test_the_plan_file_carries_ep_and_an_older_one_reads_as_ep_1(tmp_path):
 def test_describe_shows_ep_only_when_experts_are_split():
     assert ModuleStrategy(dp=4, ep=4).describe() == "DP4-TP1-SP1-CP1-EP4 ZeRO0 rc=none mb=1 ga=1"
     assert ModuleStrategy(dp=4).describe() == "DP4-TP1-SP1-CP1 ZeRO0 rc=none mb=1 ga=1"
+
+
+def test_the_megatron_baseline_searches_ep_for_experts():
+    """Megatron-style TP x EP x PP: the LLM's experts over EP ranks of each stage's DP group; 1 for a dense LLM."""
+    from planner.baselines import megatron_family
+
+    moe = problem("qwen3-vl-moe-tiny", 8, batch=16)
+    assert {s.modules["llm"].ep for s in megatron_family(moe)} == {1, 2, 4}
+    assert all(s.modules["vision"].ep == 1 for s in megatron_family(moe))
+    assert {s.modules["llm"].ep for s in megatron_family(problem("qwen3-vl-tiny", 8, batch=16))} == {1}
