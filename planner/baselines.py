@@ -8,11 +8,14 @@
 * ``megatron``: what a Megatron-LM user configures for a large model: TP inside the node, the LLM pipelined (1F1B)
   across the GPUs' blocks, DP over the rest (Narayanan et al. 2021, Sec. 3.3: "use tensor parallelism up to the
   GPUs of a server, then pipeline parallelism across servers"); the vision tower with the same TP and data
-  parallel over all GPUs (it is small). Best over TP, PP (> 1), ZeRO 0/1, recompute and micro-batch.
+  parallel over all GPUs (it is small). Best over TP, PP (> 1), ZeRO 0/1, recompute and micro-batch; an LLM with
+  mixture-of-experts layers also over its expert-parallel degree, the experts split over EP ranks of each stage's
+  DP group (Megatron-LM's TP x EP x PP with expert-TP = TP, Narayanan et al. 2021 and Megatron-Core MoE).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -26,7 +29,8 @@ from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Strategy
 BASELINE_DESCRIPTIONS = {
     "uniform_tp": "uniform TP: every module with the same TP degree, DP over the rest, colocated (Megatron-style)",
     "zero3": "ZeRO-3: pure sharded data parallelism on all GPUs, colocated (FSDP-style)",
-    "megatron": "Megatron-style: TP inside a node, the LLM pipelined (1F1B) across nodes, DP over the rest",
+    "megatron": "Megatron-style: TP inside a node, the LLM pipelined (1F1B) across nodes, DP over the rest (MoE: "
+                "experts over EP ranks of the DP group)",
     "without_pp": "the planner's best plan without pipeline parallelism (pp = 1)",
     "with_pp": "the planner's best plan with the LLM pipelined (pp > 1)",
 }
@@ -77,11 +81,15 @@ def zero3_family(problem: Problem) -> Iterable[ModuleStrategy]:
 
 def megatron_family(problem: Problem) -> Iterable[Strategy]:
     """Every (tp dividing a node, pp > 1 up to the decoder layers, zero <= 1, recompute, micro-batch): the LLM
-    PP x DP x TP with 1F1B (at least pp micro-batches), every other module DP x TP on all GPUs."""
+    PP x DP x TP with 1F1B (at least pp micro-batches; with experts, every EP degree ``check_strategy`` allows),
+    every other module DP x TP on all GPUs."""
     n, batch = problem.num_gpus, problem.workload.global_batch
     if "llm" not in problem.model.module_names:
         return
-    layers = sum(layer.count for layer in problem.model.module("llm").layers if layer.kind == "decoder_layer")
+    llm_spec = problem.model.module("llm")
+    layers = sum(layer.count for layer in llm_spec.layers if layer.kind == "decoder_layer")
+    experts = next((layer.moe.num_experts for layer in llm_spec.layers if layer.moe is not None), 1)
+    expert_degrees = divisors(experts)
     for tp in divisors(problem.cluster.devices_per_node):
         if n % tp:
             continue
@@ -90,9 +98,9 @@ def megatron_family(problem: Problem) -> Iterable[Strategy]:
             if batch % (dp * pp):
                 continue
             for ga in (g for g in divisors(batch // (dp * pp)) if g >= pp):
-                for zero in (0, 1):
-                    for rc in RECOMPUTE_CHOICES:
-                        llm = ModuleStrategy(dp=dp, tp=tp, pp=pp, zero=zero, recompute=rc,
+                for zero, rc, ep in itertools.product((0, 1), RECOMPUTE_CHOICES, expert_degrees):
+                    if dp % ep == 0:
+                        llm = ModuleStrategy(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, recompute=rc,
                                              micro_batch=batch // (dp * ga), grad_accum=ga)
                         other = ModuleStrategy(dp=dp * pp, tp=tp, zero=zero, recompute=rc,
                                                micro_batch=batch // (dp * pp * ga), grad_accum=ga)

@@ -35,7 +35,7 @@ from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Placement
 
 NS_PER_S = 1_000_000_000
 """The solver's time unit is the nanosecond: integer coefficients, rounding error <= 0.5 ns per term."""
-FIX_FIELDS = ("dp", "tp", "sp", "cp", "pp", "virtual_stages", "pp_schedule", "zero", "recompute", "micro_batch",
+FIX_FIELDS = ("dp", "tp", "sp", "cp", "pp", "ep", "virtual_stages", "pp_schedule", "zero", "recompute", "micro_batch",
               "grad_accum", "gpus")
 """Fields ``--fix MODULE.FIELD=VALUE`` may pin."""
 
@@ -186,7 +186,7 @@ _RECOMPUTE_ORDER = {name: i for i, name in enumerate(RECOMPUTE_CHOICES)}
 
 def strategy_key(s: ModuleStrategy) -> tuple:
     """A total order on strategies, for deterministic tie-breaking (fewer GPUs, less parallelism first)."""
-    return (s.gpus, s.grad_accum, s.pp, s.virtual_stages, s.pp_schedule, s.tp, s.sp, s.cp, s.dp, s.zero,
+    return (s.gpus, s.grad_accum, s.pp, s.virtual_stages, s.pp_schedule, s.tp, s.sp, s.cp, s.dp, s.ep, s.zero,
             _RECOMPUTE_ORDER[s.recompute], s.micro_batch)
 
 
@@ -336,7 +336,7 @@ def _as_series(strategies: list[ModuleStrategy]) -> list[list[ModuleStrategy]]:
     """Strategies grouped into series that differ only in micro-batch size, ascending (``cost_series``)."""
     series: dict[tuple, list[ModuleStrategy]] = {}
     for s in strategies:
-        key = (s.gpus, s.pp, s.pp_schedule, s.virtual_stages, s.dp, s.tp, s.sp, s.cp, s.zero, s.recompute)
+        key = (s.gpus, s.pp, s.pp_schedule, s.virtual_stages, s.dp, s.tp, s.sp, s.cp, s.ep, s.zero, s.recompute)
         series.setdefault(key, []).append(s)
     return [sorted(group, key=lambda s: s.micro_batch) for group in series.values()]
 

@@ -7,6 +7,7 @@ Strategy space of one module on ``gpus`` GPUs, for a global batch B:
 * ``tp`` divides the GPUs of a node; ``sp`` divides the attention heads of a TP rank; ``cp`` fills the rest
   (``gpus = pp * dp * tp * sp * cp``) and is searched only with ``Problem.allow_ring_cp`` or a pinned cp; ZeRO 0-3
   (only 0 when nothing is reduced); recompute none/selective/full;
+* ``ep`` (a module with mixture-of-experts layers) divides its experts and dp * sp (``expert_degrees``);
 * ``pp`` (the LLM, with ``Problem.allow_pp`` or a pinned pp) divides its GPUs, with 1F1B, interleaved 1F1B or
   interleaved zero-bubble (``PIPELINE_CHUNKS``); encoders are then candidates twice (costed once), for an LLM that
   is pipelined (they hold every micro-batch's activations across its schedule) and one that is not, and the solver
@@ -21,12 +22,14 @@ N - g_encoder (``Strategy.first_ranks``).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import AbstractSet, Iterable, Iterator, Mapping
 
 from planner.cost import check_strategy
 from planner.models import ENCODER_MODULES, ModelSpec
 from planner.problem import Problem
+from planner.rules import expert_parallel_rule
 from planner.schema import ZERO_BUBBLE_SCHEDULES, zero_bubble_reasons
 from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Placement
 
@@ -157,8 +160,26 @@ def _verdict(problem: Problem, module: str, probe: ModuleStrategy, verdicts: Ver
     return verdicts[key]
 
 
-LayoutOption = tuple[tuple[int, int, int, int, int], str, int, list[int], list[tuple[int, str]]]
-"""((pp, dp, tp, sp, cp), pp_schedule, virtual_stages, valid grad_accum values descending, valid (zero, recompute))."""
+LayoutOption = tuple[tuple[int, int, int, int, int], str, int, list[int], list[tuple[int, str]], list[int]]
+"""((pp, dp, tp, sp, cp), pp_schedule, virtual_stages, valid grad_accum values descending, valid (zero, recompute),
+valid expert-parallel degrees)."""
+
+
+def expert_degrees(problem: Problem, module: str, dp: int, sp: int, cp: int, fixed: Mapping[str, int | str],
+                   reasons: list[str]) -> list[int]:
+    """Expert-parallel degrees of a layout: 1, and on a module with mixture-of-experts layers every divisor of its
+    experts and of dp * sp that ``expert_parallel_rule`` allows; only the pinned one when pinned (a pinned degree
+    the rule refuses appends its reason to ``reasons``)."""
+    spec = problem.model.module(module)
+    experts = next((layer.moe.num_experts for layer in spec.layers if layer.moe is not None), None)
+    degrees = divisors(math.gcd(experts, dp * sp)) if experts is not None else (1,)
+    if "ep" not in fixed:
+        return [ep for ep in degrees if expert_parallel_rule(ep, dp, sp, cp, experts, module) is None]
+    problem_with_pin = expert_parallel_rule(fixed["ep"], dp, sp, cp, experts, module)
+    if problem_with_pin:
+        reasons.append(problem_with_pin)
+        return []
+    return [fixed["ep"]]
 
 
 def _layout_options(
@@ -178,6 +199,9 @@ def _layout_options(
     pinned_pipeline = any(name in fixed for name in ("pp", "pp_schedule", "virtual_stages"))
     for pp, dp, tp, sp, cp in _layouts(problem, module, gpus, fixed):
         per_replica = batch // dp
+        expert_choices = expert_degrees(problem, module, dp, sp, cp, fixed, reasons)
+        if not expert_choices:
+            continue
         for schedule, chunks in _schedules(pp, fixed):
             settings = _zero_recompute_settings(schedule, dp * sp * cp, fixed, reasons if pinned_pipeline else [])
             if not settings:
@@ -197,7 +221,7 @@ def _layout_options(
                 if not problems:
                     usable_accums.append(ga)
             if usable_accums:
-                yield (pp, dp, tp, sp, cp), schedule, chunks, usable_accums, settings
+                yield (pp, dp, tp, sp, cp), schedule, chunks, usable_accums, settings, expert_choices
 
 
 def _zero_recompute_settings(schedule: str, sharding_ranks: int, fixed: Mapping[str, int | str],
@@ -230,11 +254,11 @@ def module_strategies(
     pipeline parallelism, or with a pinned pipeline (None if none was rejected)."""
     batch = problem.workload.global_batch
     series, reasons = [], []
-    for (pp, dp, tp, sp, cp), schedule, chunks, usable_accums, settings in _layout_options(
+    for (pp, dp, tp, sp, cp), schedule, chunks, usable_accums, settings, expert_choices in _layout_options(
             problem, module, gpus, fixed, verdicts, accums, reasons):
-        for zero, rc in settings:
+        for (zero, rc), ep in itertools.product(settings, expert_choices):
             series.append([
-                ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, pp_schedule=schedule, virtual_stages=chunks,
+                ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule, virtual_stages=chunks,
                                zero=zero, recompute=rc, micro_batch=batch // (dp * ga), grad_accum=ga)
                 for ga in usable_accums
             ])
@@ -246,6 +270,6 @@ def valid_accums(problem: Problem, module: str, gpus: int, fixed: Mapping[str, i
     """The grad_accum values of ``module_strategies``' strategies, without building them (a value found valid is
     not tried again)."""
     found: set[int] = set()
-    for *_, usable_accums, _ in _layout_options(problem, module, gpus, fixed, verdicts, None, [], found):
+    for *_, usable_accums, _, _ in _layout_options(problem, module, gpus, fixed, verdicts, None, [], found):
         found.update(usable_accums)
     return found

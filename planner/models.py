@@ -18,7 +18,7 @@ LayerKind = Literal[
     "audio_block",  # Whisper encoder layer
     "audio_projector",  # final norm + pooling + linear into the LLM width
     "embedding",  # token embedding
-    "decoder_layer",  # GQA + SwiGLU decoder layer
+    "decoder_layer",  # GQA + SwiGLU (or routed-experts, ``LayerSpec.moe``) decoder layer
     "final_norm",  # last RMSNorm of the decoder
     "lm_head",  # vocabulary projection (+ loss)
 ]
@@ -53,6 +53,25 @@ class MlpSpec:
 
 
 @dataclass(kw_only=True, frozen=True)
+class MoeSpec:
+    """Routed-experts feed-forward of one decoder layer, in place of its dense MLP (transformers
+    ``Qwen3VLMoeTextSparseMoeBlock``: a linear router, softmax, top-k, SwiGLU experts without bias)."""
+
+    num_experts: int
+    """Routed experts of the layer."""
+    experts_per_token: int
+    """Experts each token is sent to (top-k)."""
+    expert_intermediate_size: int
+    """Hidden width of one expert's SwiGLU MLP."""
+    expert_params: int
+    """Exact parameters of all routed experts of ONE layer instance (the router excluded): what EP shards."""
+    shared_expert_intermediate_size: int = 0
+    """Hidden width of an always-on shared expert (0: none, as in Qwen3-VL-MoE)."""
+    norm_topk_prob: bool = True
+    """Whether the top-k routing weights are renormalised to sum to 1."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class LayerSpec:
     """One layer type, repeated ``count`` times inside a module."""
 
@@ -75,7 +94,9 @@ class LayerSpec:
     attention: AttentionSpec | None = None
     """Self-attention of block layers."""
     mlp: MlpSpec | None = None
-    """Feed-forward of block layers."""
+    """Dense feed-forward of block layers (None on a mixture-of-experts layer)."""
+    moe: MoeSpec | None = None
+    """Routed experts of a mixture-of-experts decoder layer (None on a dense layer)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -93,6 +114,11 @@ class ModuleSpec:
     def num_params(self) -> int:
         """Exact parameter count of the whole module."""
         return sum(layer.params * layer.count for layer in self.layers)
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether any layer routes tokens to experts (expert parallelism applies)."""
+        return any(layer.moe is not None for layer in self.layers)
 
     @property
     def num_layers(self) -> int:

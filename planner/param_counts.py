@@ -87,3 +87,13 @@ def qwen2_decoder_layer_params(hidden: int, heads: int, kv_heads: int, head_dim:
 def lm_head_params(hidden: int, vocab_size: int, tied: bool) -> int:
     """``lm_head`` (Linear without bias); 0 when it shares the embedding matrix."""
     return 0 if tied else linear_params(hidden, vocab_size, bias=False)
+
+
+def routed_experts_params(num_experts: int, hidden: int, expert_intermediate: int) -> int:
+    """``Qwen3VLMoeTextExperts``: per expert a fused gate/up ``[2I, H]`` and a down ``[H, I]`` projection, no bias."""
+    return num_experts * 3 * hidden * expert_intermediate
+
+
+def top_k_router_params(num_experts: int, hidden: int) -> int:
+    """``Qwen3VLMoeTextTopKRouter``: one ``[E, H]`` weight, no bias."""
+    return num_experts * hidden

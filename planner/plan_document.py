@@ -48,7 +48,7 @@ def _module_plan(problem: Problem, strategy: Strategy, name: str, prediction: Mo
     s = strategy.modules[name]
     spec = problem.model.module(name)
     return ModulePlan(
-        name=name, ranks=strategy.module_ranks()[name], dp=s.dp, tp=s.tp, sp=s.sp, cp=s.cp, pp=s.pp,
+        name=name, ranks=strategy.module_ranks()[name], dp=s.dp, tp=s.tp, sp=s.sp, cp=s.cp, pp=s.pp, ep=s.ep,
         pp_schedule=s.pp_schedule, virtual_stages=s.virtual_stages, pp_layers=pp_layers,
         zero=s.zero, recompute=s.recompute, micro_batch=s.micro_batch, grad_accum=s.grad_accum, frozen=spec.frozen,
         num_params=spec.num_params, predicted=prediction,

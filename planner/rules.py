@@ -56,3 +56,21 @@ def injection_rule(pp_layers: tuple[int, ...] | list[int], injections: int) -> s
         return (f"the first pipeline chunk holds {pp_layers[0]} decoder layers, but the vision features are added "
                 f"after the first {injections}: give it at least {injections}")
     return None
+
+
+def expert_parallel_rule(ep: int, dp: int, sp: int, cp: int, num_experts: int | None, layer: str) -> str | None:
+    """Expert parallelism splits the experts of each MoE layer (``num_experts``; None: the module has none) over
+    ``ep`` of a stage's dp x sp ranks: ``ep`` divides the experts and dp * sp, and ring CP is not combined with it
+    (its ranks sit between SP and DP in the grid, so an EP group would not be one run of ranks). Planner and runtime
+    both apply it."""
+    if ep == 1:
+        return None
+    if num_experts is None:
+        return f"ep={ep} but {layer} has no experts (expert parallelism is for mixture-of-experts layers)"
+    if num_experts % ep:
+        return f"ep={ep} does not divide the {num_experts} experts of {layer}"
+    if (dp * sp) % ep:
+        return f"ep={ep} does not divide dp*sp = {dp}*{sp} = {dp * sp}, the ranks experts are split over"
+    if cp > 1:
+        return f"ep={ep} with cp={cp}: expert parallelism with ring context parallelism is not planned"
+    return None

@@ -16,11 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from planner.hardware import PLAUSIBLE_RANGES, DeviceSpec, check_plausible, with_host_fields
 from planner.versioned_json import read_versioned, validated
 
-SCHEMA_VERSION = 5
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5)
+SCHEMA_VERSION = 6
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)
 """Version 2 added ``workload.dataset``, version 3 pipeline parallelism (``pp``, ``pp_schedule``,
 ``virtual_stages``, ``pp_layers``), version 4 video clips (``workload.videos``), version 5 the fps a dataset's video
-files are sampled at (``workload.dataset.fps``); an older plan reads as one without them."""
+files are sampled at (``workload.dataset.fps``), version 6 expert parallelism (a module's ``ep``); an older plan reads
+as one without them."""
 Source = Literal["analytical", "measured", "calibrated"]
 
 
@@ -50,6 +51,7 @@ PASS_TIME_DOCS = {
     "tp_comm_s": "exposed tensor-parallel collectives",
     "sp_comm_s": "exposed Ulysses all-to-alls",
     "cp_comm_s": "exposed ring-attention KV passing",
+    "ep_comm_s": "exposed expert-parallel token dispatch and combine all-to-alls",
 }
 """Each term and what it holds (its description in the Plan); the cost model's ``planner.cost.times.PassTimes`` has
 these fields with the unit suffix."""
@@ -57,9 +59,10 @@ these fields with the unit suffix."""
 
 _PassTime = create_model(
     "_PassTime", __base__=_Frozen,
-    **{name.removesuffix("_s"): (float, Field(description=doc)) for name, doc in PASS_TIME_DOCS.items()},
+    **{name.removesuffix("_s"): (float, Field(description=doc, **({"default": 0.0} if name == "ep_comm_s" else {})))
+       for name, doc in PASS_TIME_DOCS.items()},
 )
-"""The pass-time terms, named without the unit suffix."""
+"""The pass-time terms, named without the unit suffix (``ep_comm`` 0 in plans before schema version 6)."""
 
 
 class ModuleTime(_PassTime):
@@ -124,6 +127,8 @@ class ModulePlan(_Frozen):
     pp_layers: list[int] | None = Field(default=None, description="pp > 1: decoder layers of each model chunk in "
                                         "pipeline order (chunk c runs on stage c % pp); the first chunk also holds "
                                         "the embedding, the last the final norm, lm_head and loss")
+    ep: int = Field(default=1, ge=1, description="expert-parallel degree: each MoE layer's experts split over ep of "
+                    "a stage's dp x sp ranks (1: dense, and every plan before schema version 6)")
     zero: int = Field(ge=0, le=3)
     recompute: Literal["none", "selective", "full"]
     micro_batch: int = Field(ge=1)

@@ -23,7 +23,7 @@ PIPELINE_SCHEDULES: tuple[PipelineSchedule, ...] = ("1f1b", "interleaved_1f1b", 
 """1F1B; interleaved 1F1B and interleaved zero-bubble (weight gradients deferred to fill the bubble), both with
 ``virtual_stages`` > 1 model chunks per rank (torch's ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
 ``ScheduleInterleavedZeroBubble``)."""
-DEGREE_FIELDS = ("dp", "tp", "sp", "cp", "pp", "zero", "recompute", "micro_batch", "grad_accum")
+DEGREE_FIELDS = ("dp", "tp", "sp", "cp", "pp", "ep", "zero", "recompute", "micro_batch", "grad_accum")
 STRATEGY_FIELDS = (*DEGREE_FIELDS, "pp_schedule", "virtual_stages")
 """Every field of a ``ModuleStrategy`` (a plan file's module has each of them)."""
 
@@ -55,9 +55,15 @@ class ModuleStrategy:
     model chunks per rank."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (1 for 1F1B; >= 2 for the interleaved schedules)."""
+    ep: int = 1
+    """Expert-parallel degree of a module with mixture-of-experts layers: each MoE layer's experts are split over
+    ``ep`` of the (pipeline stage's) dp x sp ranks, which exchange tokens by all-to-all; attention, router and norms
+    keep the module's DP/TP/SP, the experts are TP-split like a dense MLP (expert-TP = TP) and, under ZeRO, sharded
+    over the remaining dp * sp / ep ranks (torchtitan's ``ep`` / ``efsdp`` meshes, Megatron-LM's expert parallel
+    group). 1 on dense modules."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "sp", "cp", "pp", "virtual_stages", "micro_batch", "grad_accum"):
+        for name in ("dp", "tp", "sp", "cp", "pp", "ep", "virtual_stages", "micro_batch", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.pp_schedule not in PIPELINE_SCHEDULES:
@@ -95,13 +101,14 @@ class ModuleStrategy:
 
     def describe(self) -> str:
         """Short human-readable form, e.g. ``DP2-TP4-SP1-CP1 ZeRO1 rc=none mb=1 ga=8`` (with PP:
-        ``PP4(1f1b)-DP2-TP4-...``, ``PP4(interleaved_1f1b x2)-...``)."""
+        ``PP4(1f1b)-DP2-TP4-...``, ``PP4(interleaved_1f1b x2)-...``; with expert parallelism ``...-CP1-EP2 ...``)."""
         pipeline = ""
         if self.pp > 1:
             chunks = f" x{self.virtual_stages}" if self.virtual_stages > 1 else ""
             pipeline = f"PP{self.pp}({self.pp_schedule}{chunks})-"
         return (
-            f"{pipeline}DP{self.dp}-TP{self.tp}-SP{self.sp}-CP{self.cp} ZeRO{self.zero} "
+            f"{pipeline}DP{self.dp}-TP{self.tp}-SP{self.sp}-CP{self.cp}{f'-EP{self.ep}' if self.ep > 1 else ''} "
+            f"ZeRO{self.zero} "
             f"rc={self.recompute} mb={self.micro_batch} ga={self.grad_accum}"
         )
 

@@ -112,6 +112,9 @@ def check_plan(plan: Plan) -> None:
     encoder, _ = module_names(plan)
     vision, llm = plan.module(encoder), plan.module("llm")
     for module in (vision, llm):
+        if module.ep > 1:
+            raise NotImplementedError(f"expert parallelism (ep={module.ep}) is not run yet: plan {module.name} "
+                                      f"with --fix {module.name}.ep=1")
         if module.cp > 1:
             raise NotImplementedError(context_parallel_refusal(module.name, module.cp))
         if module.pp > 1:

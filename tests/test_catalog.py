@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from planner import param_counts
-from planner.families import qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl, qwen_parts
+from planner.families import qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl, qwen3_vl_moe, qwen_parts
 from planner.catalog import CATALOG, get_model, list_models, model_from_hf_config
 
 HF_CLASSES = {
@@ -22,6 +22,7 @@ HF_CLASSES = {
     "qwen2_vl": (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration),
     "qwen2_audio": (transformers.Qwen2AudioConfig, transformers.Qwen2AudioForConditionalGeneration),
     "qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration),
+    "qwen3_vl_moe": (transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration),
 }
 
 
@@ -170,6 +171,53 @@ def test_qwen3_vl_key_value_heads_default_to_transformers_32():
     assert_one_line_error("4 attention heads are not a multiple of 32 key/value heads", model_from_hf_config, tiny, "x")
 
 
+def test_qwen3_vl_moe_published_counts():
+    """The safetensors totals of Qwen3-VL-30B-A3B-Instruct (882 tensors) and -235B-A22B-Instruct (1,388 tensors),
+    docs/research/qwen3-vl.md sources S30 and S235, and their experts' share (section 2)."""
+    for name, total, experts in (("qwen3-vl-30b-a3b", 31_070_754_032, 28_991_029_248),
+                                 ("Qwen/Qwen3-VL-235B-A22B-Instruct", 235_670_022_896, 227_096_395_776)):
+        spec = get_model(name)
+        block = spec.module("llm").layer("decoder_layer")
+        assert spec.num_params == total
+        assert block.moe.expert_params * block.count == experts
+        assert block.mlp is None and not spec.tie_word_embeddings and spec.handoff_tensors == 4
+
+
+def test_qwen3_vl_moe_layer_by_hand():
+    """30B-A3B's decoder layer from the tensor table: q 2048x4096, k/v 2048x512, o 4096x2048, q/k norms of 128, two
+    RMSNorms of 2048, router [128, 2048], experts gate_up [128, 1536, 2048] and down [128, 2048, 768]."""
+    attention = 2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 128 + 2 * 2048
+    experts = 128 * 1536 * 2048 + 128 * 2048 * 768
+    block = get_model("qwen3-vl-30b-a3b").module("llm").layer("decoder_layer")
+    assert block.params == attention + 128 * 2048 + experts
+    assert (block.moe.num_experts, block.moe.experts_per_token, block.moe.expert_intermediate_size) == (128, 8, 768)
+
+
+def test_qwen3_vl_moe_dense_layers_match_transformers():
+    """``mlp_only_layers`` and ``decoder_sparse_step`` keep layers dense, as transformers builds them: with step 2
+    and layer 1 listed, of 4 layers only layer 3 routes to experts."""
+    config = copy.deepcopy(CATALOG["qwen3-vl-moe-tiny"].config)
+    config["text_config"].update(decoder_sparse_step=2, mlp_only_layers=[1])
+    spec = model_from_hf_config(config, "x")
+    llm = spec.module("llm")
+    assert (llm.layer("decoder_layer").count, llm.layer("dense_decoder_layer").count) == (1, 3)
+    _, model_class = HF_CLASSES["qwen3_vl_moe"]
+    with torch.device("meta"):
+        model = model_class(hf_config(config))
+    layers = model.model.language_model.layers
+    assert llm.layer("decoder_layer").params == count(layers[3])
+    assert llm.layer("dense_decoder_layer").params == count(layers[0])
+    assert spec.num_params == count(model)
+
+
+def test_qwen3_vl_moe_refuses_what_it_cannot_build():
+    config = copy.deepcopy(CATALOG["qwen3-vl-moe-tiny"].config)
+    config["text_config"]["num_experts_per_tok"] = 9
+    assert_one_line_error("num_experts_per_tok = 9 exceeds the 8 experts", model_from_hf_config, config, "x")
+    config["text_config"].update(num_experts_per_tok=2, mlp_only_layers=[0, 1, 2, 3])
+    assert_one_line_error("no decoder layer routes to experts", model_from_hf_config, config, "x")
+
+
 DECODER_ONLY = {
     "llama_biased_gqa": dict(model_type="llama", vocab_size=1000, hidden_size=128, intermediate_size=256,
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
@@ -288,6 +336,7 @@ def test_audio_llm_tokens_are_the_processors(seconds, llm_tokens):
         (qwen2_audio.ENCODER_DEFAULTS, transformers.Qwen2AudioEncoderConfig),
         (qwen3_vl.VISION_DEFAULTS, transformers.Qwen3VLVisionConfig),
         (qwen3_vl.TEXT_DEFAULTS, transformers.Qwen3VLTextConfig),
+        (qwen3_vl_moe.TEXT_DEFAULTS, transformers.Qwen3VLMoeTextConfig),
     ],
 )
 def test_defaults_are_the_transformers_defaults(ours, config_class):
@@ -297,7 +346,7 @@ def test_defaults_are_the_transformers_defaults(ours, config_class):
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-vl-7b", "qwen2-vl-2b", "qwen2-audio-7b", "qwen2.5-vl-32b", "qwen3-vl-2b",
-                                  "qwen3-vl-8b"])
+                                  "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3-vl-moe-tiny"])
 def test_transformers_saved_layout_gives_the_same_spec(name):
     """transformers 5 writes text_config/vision_config nested and every default spelled out."""
     saved = hf_config(CATALOG[name].config).to_dict()

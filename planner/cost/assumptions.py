@@ -62,6 +62,14 @@ class CostAssumptions:
     elementwise_traffic_factor: float = 3.0
     """HBM traffic of unfused eager elementwise ops (norms, rotary, activation, residual) relative to one read
     of every input and one write of every output (HF eager RMSNorm upcasts to fp32 in several kernels)."""
+    expert_gemm_half_efficiency_tokens: float = 128.0
+    """Tokens per expert at which a grouped expert GEMM reaches half the efficiency of the same GEMM with many
+    tokens: an expert with fewer rows than a tensor-core tile leaves it partly idle (MegaBlocks, Gale et al. 2023,
+    Sec. 5: block-sparse / grouped kernels tiled in 128-row blocks). Calibratable."""
+    moe_load_imbalance: float = 1.25
+    """Routed tokens of the busiest expert-parallel rank over the mean: it multiplies that rank's expert compute and
+    its dispatch bytes. Default: the Switch Transformer's training capacity factor 1.25 (Fedus et al. 2022, Sec.
+    2.2), the headroom a trained router needs; 1 models perfect balance."""
     backward_to_forward_flops: float = 2.0
     """Backward FLOPs of a GEMM relative to its forward: input gradient + weight gradient (Narayanan et al.
     2021, Sec. 5.1, eq. 3 accounting)."""
@@ -208,6 +216,9 @@ class CostAssumptions:
         ):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if self.moe_load_imbalance < 1 or self.expert_gemm_half_efficiency_tokens < 0:
+            raise ValueError(f"moe_load_imbalance must be >= 1 and expert_gemm_half_efficiency_tokens >= 0, got "
+                             f"{self.moe_load_imbalance} and {self.expert_gemm_half_efficiency_tokens}")
         if not 0 <= self.step_overhead_s < 3600 or not 0 < self.measured_time_scale <= 100:
             raise ValueError(f"step_overhead_s must be in [0, 3600) s and measured_time_scale in (0, 100], got "
                              f"{self.step_overhead_s} and {self.measured_time_scale}")

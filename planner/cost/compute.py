@@ -40,6 +40,35 @@ def matmul_efficiency(m: float, n: float, k: float, assumptions: CostAssumptions
     return assumptions.max_matmul_efficiency * d / (d + assumptions.matmul_half_saturation_dim)
 
 
+def grouped_gemm_efficiency(tokens_per_expert: float, n: float, k: float, assumptions: CostAssumptions) -> float:
+    """Achieved fraction of peak of a grouped expert GEMM: ``matmul_efficiency`` of its widths times
+    ``t / (t + t_half)``, t = tokens per expert, t_half = ``expert_gemm_half_efficiency_tokens``.
+
+    Source: Gale et al. 2023, "MegaBlocks: Efficient Sparse Training with Mixture-of-Experts", Sec. 5 (grouped /
+    block-sparse expert GEMMs tiled in 128-row blocks: an expert's partial last tile idles the tensor cores); the
+    saturating shape is ``matmul_efficiency``'s, ``t_half`` an assumption.
+    """
+    if tokens_per_expert <= 0:
+        return 0.0
+    width = matmul_efficiency(float("inf"), n, k, assumptions)
+    return width * tokens_per_expert / (tokens_per_expert + assumptions.expert_gemm_half_efficiency_tokens)
+
+
+def grouped_gemm_time(tokens_per_expert: float, experts: float, n: float, k: float, device: DeviceSpec,
+                      assumptions: CostAssumptions) -> float:
+    """Seconds of one grouped GEMM over ``experts`` local experts, each an (t x k) @ (k x n) product: roofline of
+    ``experts * 2tnk`` FLOPs at ``grouped_gemm_efficiency`` against reading every expert's weight and its rows
+    (few tokens per expert make it weight-bandwidth-bound)."""
+    if tokens_per_expert <= 0 or experts <= 0:
+        return 0.0
+    return roofline_time(
+        experts * gemm_flops(tokens_per_expert, n, k),
+        experts * gemm_bytes(tokens_per_expert, n, k, assumptions.activation_bytes),
+        device.peak_bf16_flops * grouped_gemm_efficiency(tokens_per_expert, n, k, assumptions),
+        device.memory_bandwidth * assumptions.memory_bandwidth_efficiency,
+    )
+
+
 def roofline_time(flops: float, num_bytes: float, flops_per_s: float, bytes_per_s: float) -> float:
     """``max(flops / flops_per_s, bytes / bytes_per_s)`` (Williams et al. 2009, eq. 1)."""
     return max(flops / flops_per_s if flops else 0.0, num_bytes / bytes_per_s if num_bytes else 0.0)

@@ -11,11 +11,24 @@ from dataclasses import dataclass, replace
 
 from planner.cost.assumptions import CostAssumptions
 from planner.cost.comm import Link, all_reduce_time, all_to_all_time, exposed_time, p2p_time
-from planner.cost.compute import attention_core_time, attention_flops, elementwise_time, gemm_flops, gemm_time
+from planner.cost.compute import (
+    attention_core_time,
+    attention_flops,
+    elementwise_time,
+    gemm_flops,
+    gemm_time,
+    grouped_gemm_time,
+)
 from planner.cost.host import pass_time
 from planner.cost.op_counts import LAYER_OPS, NO_OPS, PassOps, layer_pass_ops
 from planner.cost.times import PassTimes
-from planner.cost.memory import block_saved_bytes_per_token, loss_logits_bytes, score_matrix_bytes
+from planner.cost.memory import (
+    block_saved_bytes_per_token,
+    expert_dispatch_buffer_bytes,
+    expert_saved_bytes_per_token,
+    loss_logits_bytes,
+    score_matrix_bytes,
+)
 from planner.hardware import DeviceSpec
 from planner.models import LayerSpec
 
@@ -60,6 +73,10 @@ class Shard:
     """The GPU."""
     assumptions: CostAssumptions
     """Cost-model knobs."""
+    ep: int = 1
+    """Expert-parallel degree (mixture-of-experts layers)."""
+    ep_link: Link | None = None
+    """Link of the expert-parallel groups (needed when ep > 1)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -144,6 +161,8 @@ def _terms(
     sp_bwd: float = 0.0,
     cp_fwd: float = 0.0,
     cp_bwd: float = 0.0,
+    ep_fwd: float = 0.0,
+    ep_bwd: float = 0.0,
     recomputable: bool = False,
     input_grad: bool = True,
 ) -> LayerTerms:
@@ -175,10 +194,10 @@ def _terms(
     elif rc == "full":
         recompute = forward
     if not runs_backward:
-        tp_bwd = sp_bwd = cp_bwd = 0.0
+        tp_bwd = sp_bwd = cp_bwd = ep_bwd = 0.0
         saved = working = 0.0
     if rc == "full":
-        tp_fwd, sp_fwd = 2 * tp_fwd, 2 * sp_fwd
+        tp_fwd, sp_fwd, ep_fwd = 2 * tp_fwd, 2 * sp_fwd, 2 * ep_fwd
     cp_exposed = exposed_time(cp_fwd, attention_s, a.cp_comm_overlap) + exposed_time(
         cp_bwd, attention_s * attn_bwd, a.cp_comm_overlap
     )
@@ -191,6 +210,7 @@ def _terms(
         tp_comm_s=(tp_fwd + tp_bwd) * (1 - a.tp_comm_overlap),
         sp_comm_s=(sp_fwd + sp_bwd) * (1 - a.sp_comm_overlap),
         cp_comm_s=cp_exposed,
+        ep_comm_s=ep_fwd + ep_bwd,
         saved_bytes=saved,
         working_bytes=(saved if working is None else working) if recomputable else 0.0,
         buffer_bytes=buffers,
@@ -213,6 +233,23 @@ def ulysses_all_to_all_time(tokens: float, q_width: float, kv_width: float, shar
     q_and_out = 2 * all_to_all_time(tokens * q_width * e, shard.sp, shard.sp_link)
     k_and_v = 2 * all_to_all_time(tokens * kv_width * e, shard.sp, shard.sp_link)
     return q_and_out + k_and_v
+
+
+def expert_all_to_all_time(tokens: float, layer: LayerSpec, shard: Shard) -> float:
+    """Forward token exchange of one mixture-of-experts layer on the busiest EP rank: the dispatch all-to-all sends
+    each token's ``experts_per_token`` routed copies (``tokens x k x hidden`` activations) to the ranks holding their
+    experts and the combine all-to-all returns the experts' outputs; ``(ep - 1) / ep`` of the bytes leave the rank
+    (``all_to_all_time``), ``moe_load_imbalance`` times the mean on the busiest rank. Over NVLink or the NIC as the
+    EP group spans nodes. The backward runs both again on the gradients.
+
+    Source: Lepikhin et al. 2020, "GShard", Sec. 2.2 (dispatch and combine all-to-alls around the experts);
+    Rajbhandari et al. 2022, "DeepSpeed-MoE", Sec. 5.1 (the all-to-all volume, tokens x k x hidden per rank).
+    """
+    s, moe = shard, layer.moe
+    if moe is None or s.ep == 1:
+        return 0.0
+    volume = tokens * moe.experts_per_token * layer.hidden_size * s.assumptions.activation_bytes
+    return 2 * all_to_all_time(volume * rank_load_imbalance(s), s.ep, s.ep_link)
 
 
 def ring_kv_pass_time(kv_block_bytes: float, shard: Shard) -> float:
@@ -249,8 +286,10 @@ def _block_gemm_shapes(layer: LayerSpec, shard: Shard) -> tuple[tuple[float, flo
     a, m, h, tp = layer.attention, shard.tokens, layer.hidden_size, shard.tp
     q = a.num_heads * a.head_dim / tp
     kv = max(a.num_kv_heads, tp) / tp * a.head_dim
-    f = layer.mlp.intermediate_size / tp
     qkv = ((m, q, h), (m, kv, h), (m, kv, h)) if layer.kind == "decoder_layer" else ((m, q + 2 * kv, h),)
+    if layer.mlp is None:  # a mixture-of-experts layer: its router and experts are ``expert_terms``
+        return qkv + ((m, h, q),)
+    f = layer.mlp.intermediate_size / tp
     mlp = ((m, f, h), (m, f, h), (m, h, f)) if layer.mlp.gated else ((m, f, h), (m, h, f))
     return qkv + ((m, h, q),) + mlp
 
@@ -284,14 +323,15 @@ def _block_saved(layer: LayerSpec, shard: Shard, scores: float, recompute: str) 
         hidden=layer.hidden_size,
         q_width=a.num_heads * a.head_dim / s.tp,
         kv_width=max(a.num_kv_heads, s.tp * s.sp) / s.tp * a.head_dim,
-        mlp_width=layer.mlp.intermediate_size / s.tp,
-        gated=layer.mlp.gated,
+        mlp_width=0.0 if layer.mlp is None else layer.mlp.intermediate_size / s.tp,
+        gated=layer.mlp is None or layer.mlp.gated,
         heads=a.num_heads / s.tp,
         tp=s.tp,
         recompute=recompute,
         assumptions=s.assumptions,
     )
-    return s.tokens * per_token + score_matrix_bytes(scores, recompute, s.assumptions)
+    experts = expert_terms(layer, s)[2] if layer.moe is not None and recompute != "full" else 0.0
+    return s.tokens * per_token + score_matrix_bytes(scores, recompute, s.assumptions) + experts
 
 
 def block_elementwise_elements(layer: LayerSpec, shard: Shard) -> float:
@@ -300,8 +340,54 @@ def block_elementwise_elements(layer: LayerSpec, shard: Shard) -> float:
     a, tp = layer.attention, shard.tp
     h = layer.hidden_size / tp if shard.assumptions.megatron_sequence_parallel else layer.hidden_size
     rotary = 2 * (a.num_heads + max(a.num_kv_heads, tp)) * a.head_dim / tp
+    if layer.mlp is None:
+        return shard.tokens * (10 * h + rotary) + expert_elementwise_elements(layer, shard)
     activation = (3 if layer.mlp.gated else 2) * layer.mlp.intermediate_size / tp
     return shard.tokens * (10 * h + rotary + activation)
+
+
+def expert_elementwise_elements(layer: LayerSpec, shard: Shard) -> float:
+    """Elements read + written by a mixture-of-experts layer's memory-bound ops on the busiest rank: the router's
+    softmax and top-k (read and write its ``num_experts`` logits per token), and per routed copy the permutation
+    into expert order and back (read + write ``2 h``), the SwiGLU activation (read gate and up, write one) and the
+    routing weight's scaling and sum (read + write ``2 h``)."""
+    moe, h = layer.moe, layer.hidden_size
+    copies = shard.tokens * moe.experts_per_token * rank_load_imbalance(shard)
+    return shard.tokens * 2 * moe.num_experts + copies * (6 * h + 3 * moe.expert_intermediate_size / shard.tp)
+
+
+def expert_terms(layer: LayerSpec, shard: Shard) -> tuple[float, float, float, float]:
+    """(seconds, model FLOPs, saved bytes, exchange buffer bytes) of the router and the routed experts of one
+    mixture-of-experts layer's forward on one rank.
+
+    Router: a ``tokens x hidden x num_experts`` GEMM (2 t h E FLOPs), replicated on TP ranks. Experts: the rank's
+    ``num_experts / ep`` experts run three grouped GEMMs (gate, up: ``h -> f/tp``; down: ``f/tp -> h``) over the
+    routed copies it receives, ``tokens x k`` on average (6 t k h f / tp FLOPs, the FLOPs of the model), times
+    ``moe_load_imbalance`` on the busiest rank, which sets the time, at ``grouped_gemm_efficiency`` of the
+    tokens each of its experts gets. Source: Fedus et al. 2022 (Switch Transformer), Sec. 2.1-2.2 (top-k routing,
+    capacity); Gale et al. 2023 (MegaBlocks), Sec. 3 (experts as grouped GEMMs).
+    """
+    moe, s, h = layer.moe, shard, layer.hidden_size
+    f = moe.expert_intermediate_size / s.tp
+    local_experts = moe.num_experts / s.ep
+    copies = s.tokens * moe.experts_per_token
+    per_expert = copies * rank_load_imbalance(s) / local_experts
+    router_s, router_flops = _gemms(((s.tokens, moe.num_experts, h),), s)
+    experts_s = sum(grouped_gemm_time(per_expert, local_experts, n, k, s.device, s.assumptions)
+                    for n, k in ((f, h), (f, h), (h, f)))
+    flops = router_flops + 3 * gemm_flops(copies, f, h)
+    saved = s.tokens * expert_saved_bytes_per_token(
+        hidden=h, expert_width=f, num_experts=moe.num_experts, experts_per_token=moe.experts_per_token,
+        load_imbalance=rank_load_imbalance(s), assumptions=s.assumptions)
+    buffers = expert_dispatch_buffer_bytes(s.tokens, h, moe.experts_per_token, rank_load_imbalance(s),
+                                           s.assumptions.activation_bytes) if s.ep > 1 else 0.0
+    return router_s + experts_s, flops, saved, buffers
+
+
+def rank_load_imbalance(shard: Shard) -> float:
+    """Routed tokens of the busiest rank over the mean: ``moe_load_imbalance`` when experts are split over ranks,
+    1 when one rank holds them all (it then receives exactly its own tokens' copies)."""
+    return shard.assumptions.moe_load_imbalance if shard.ep > 1 else 1.0
 
 
 def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
@@ -318,10 +404,13 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     attn_s, attn_fl, scores, windowed = _block_attention(layer, s)
     tp_ar = 2 * all_reduce_time(s.tokens * layer.hidden_size * e, s.tp, s.tp_link)
     sp_fwd = buffers = cp_fwd = 0.0
+    if layer.moe is not None:
+        experts_s, experts_fl, _, buffers = expert_terms(layer, s)
+        gemm_s, gemm_fl = gemm_s + experts_s, gemm_fl + experts_fl
     if s.sp > 1 and not windowed:
         q, kv = a.num_heads * a.head_dim, max(a.num_kv_heads, s.sp) * a.head_dim
         sp_fwd = ulysses_all_to_all_time(s.tokens, q, kv, s)
-        buffers = s.tokens * 2 * (q + kv) * e
+        buffers = max(buffers, s.tokens * 2 * (q + kv) * e)
     if s.cp > 1:
         kv_block = s.tokens * 2 * max(a.num_kv_heads, s.tp) / s.tp * a.head_dim * e
         cp_fwd = ring_kv_pass_time(kv_block, s)
@@ -345,6 +434,8 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         sp_bwd=sp_fwd,
         cp_fwd=cp_fwd,
         cp_bwd=2 * cp_fwd,
+        ep_fwd=expert_all_to_all_time(s.tokens, layer, s),
+        ep_bwd=expert_all_to_all_time(s.tokens, layer, s),
         recomputable=True,
     )
 

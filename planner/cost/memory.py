@@ -21,8 +21,9 @@ def kv_params(layer: LayerSpec) -> float:
     return 2.0 * (layer.hidden_size + 1) * a.num_kv_heads * a.head_dim
 
 
-def layer_params_per_rank(layer: LayerSpec, tp: int) -> float:
-    """Parameters of ONE instance of ``layer`` held by one TP rank.
+def layer_params_per_rank(layer: LayerSpec, tp: int, ep: int = 1) -> float:
+    """Parameters of ONE instance of ``layer`` held by one TP rank (and, for a mixture-of-experts layer, one of
+    ``ep`` expert-parallel ranks: its experts are split over EP and, TP-split like a dense MLP, over TP).
 
     TP-split kinds hold ``params / tp``, except the K/V projections when TP does not divide the KV heads (a
     multiple of them): every TP rank then holds them whole (``runtime.parallel.tensor_parallel.
@@ -31,12 +32,21 @@ def layer_params_per_rank(layer: LayerSpec, tp: int) -> float:
     replicated. Norm weights and row-parallel biases (a few thousand parameters per layer) are counted as split,
     a < 0.1% approximation.
     """
+    experts = expert_params_per_rank(layer, tp, ep)
+    params = layer.params - (layer.moe.expert_params if layer.moe is not None else 0)
     if layer.kind not in TP_SPLIT_KINDS or tp == 1:
-        return float(layer.params)
+        return params + experts
     kv = kv_params(layer)
     if kv == 0.0 or layer.attention.num_kv_heads % tp == 0:
-        return layer.params / tp
-    return (layer.params - kv) / tp + kv
+        return params / tp + experts
+    return (params - kv) / tp + kv + experts
+
+
+def expert_params_per_rank(layer: LayerSpec, tp: int, ep: int) -> float:
+    """Routed-expert parameters of ONE instance of ``layer`` on one rank: ``expert_params / (tp * ep)`` (0 on a
+    dense layer). Expert parallelism places ``num_experts / ep`` whole experts on each EP rank (Lepikhin et al.
+    2020, GShard, Sec. 2.2; Rajbhandari et al. 2022, DeepSpeed-MoE, Sec. 5.1); expert-TP = TP splits each."""
+    return 0.0 if layer.moe is None else layer.moe.expert_params / (tp * ep)
 
 
 def model_state_bytes(
@@ -112,6 +122,32 @@ def block_saved_bytes_per_token(
     if recompute == "none" and assumptions.attention_implementation != "eager":
         saved += heads * assumptions.softmax_stat_bytes
     return saved
+
+
+def expert_saved_bytes_per_token(*, hidden: float, expert_width: float, num_experts: float, experts_per_token: float,
+                                 load_imbalance: float, assumptions: CostAssumptions) -> float:
+    """Bytes a mixture-of-experts feed-forward keeps for backward per token entering it on the busiest EP rank.
+
+    Router: its fp32 softmax over ``num_experts`` (read by its backward). Each of the ``experts_per_token`` routed
+    copies (times ``load_imbalance`` on the busiest rank): the dispatched input row (``hidden``), the expert's
+    SwiGLU gate, up, act(gate) and product (``4 expert_width`` per rank, as Korthikanti et al. 2022, Sec. 4.1 count a
+    SwiGLU MLP) and its output row before the routing weight scales it (``hidden``, read by the weight's gradient).
+    Source: the grouped-experts forward of transformers ``grouped_mm_experts_forward`` / torchtitan
+    ``GroupedExperts``; activation accounting per Korthikanti et al. 2022, eq. 1-2.
+    """
+    copies = experts_per_token * load_imbalance
+    router = num_experts * 4
+    return router + copies * (2 * hidden + 4 * expert_width) * assumptions.activation_bytes
+
+
+def expert_dispatch_buffer_bytes(tokens: float, hidden: float, experts_per_token: float, load_imbalance: float,
+                                 activation_bytes: float) -> float:
+    """Transient bytes of one token exchange of a MoE layer on the busiest rank: the permuted send buffer and the
+    receive buffer of ``tokens x experts_per_token`` rows of ``hidden`` (times ``load_imbalance`` received).
+    Source: the all-to-all dispatch of Lepikhin et al. 2020 (GShard), Sec. 2.2 / Rajbhandari et al. 2022
+    (DeepSpeed-MoE), Sec. 5.1: each routed copy is sent once and received once."""
+    rows = tokens * experts_per_token
+    return (rows + rows * load_imbalance) * hidden * activation_bytes
 
 
 def score_matrix_bytes(score_elements: float, recompute: str, assumptions: CostAssumptions) -> float:

@@ -38,6 +38,7 @@ from planner.cost.phases import own_peak_bytes
 from planner.cost.rank_cost import (
     ModuleStatic,
     axes_within_node,
+    layer_axes_within_node,
     flops_per_sample,
     layer_sums,
     module_static,
@@ -164,12 +165,12 @@ def in_flight_chunks(stage: int, num_stages: int, grad_accum: int, virtual_stage
 
 
 def pipeline_chunks(static: ModuleStatic, s: ModuleStrategy, layer_costs: LayerCostSource | None,
-                    within: tuple[bool, bool, bool], extra_first_s: float, p2p_s: float) -> tuple[int, ...]:
+                    within: tuple[bool, ...], extra_first_s: float, p2p_s: float) -> tuple[int, ...]:
     """Decoder layers of each of the ``pp * virtual_stages`` model chunks, balanced on time per micro-batch
     (``balanced_chunk_layers``): the first chunk also runs the layers before the decoder (embedding) and receives
     the hand-off (``extra_first_s``), the last the layers after it (final norm, lm_head and the loss), and every
     chunk but the last sends its output and receives its gradient (``p2p_s``)."""
-    key = (s.tp, s.sp, s.cp, s.micro_batch, s.recompute, s.pp, s.virtual_stages, within, extra_first_s, p2p_s)
+    key = (s.tp, s.sp, s.cp, s.ep, s.micro_batch, s.recompute, s.pp, s.virtual_stages, within, extra_first_s, p2p_s)
     if layer_costs is None and key in static.chunks:
         return static.chunks[key]
     layers = static.spec.layers
@@ -222,7 +223,7 @@ def pipeline_parts(s: ModuleStrategy, first_rank: int, devices_per_node: int, ch
     kind, chunks it holds in flight)). Ranks are alike when they hold the same chunks' worth of layers (and whether
     the first or the last), send as many chunks onward and have the same links; the first of a kind holds the most
     in flight (in-flight falls with the rank), so its cost stands for the kind. Memoised."""
-    key = (s.pp, s.pp_schedule, s.virtual_stages, s.grad_accum, s.tp, s.sp, s.cp, s.dp,
+    key = (s.pp, s.pp_schedule, s.virtual_stages, s.grad_accum, s.tp, s.sp, s.cp, s.dp, s.ep,
            first_rank % devices_per_node, devices_per_node, chunk_layers)
     found = _PARTS.get(key)
     if found is not None:
@@ -313,7 +314,7 @@ def pipelined_cost(
     are split by ``pipeline_chunks`` unless ``chunk_layers`` gives the split.
     """
     assumptions, dpn = static.assumptions, static.cluster.devices_per_node
-    within = axes_within_node(s, first_rank, dpn)[:3]
+    within = layer_axes_within_node(axes_within_node(s, first_rank, dpn))
     hidden = next(layer.hidden_size for layer in static.spec.layers if layer.kind in PIPELINED_KINDS)
     boundary_bytes = s.micro_batch * static.tokens.tokens / (s.sp * s.cp) * hidden * assumptions.activation_bytes
     stage_link = static.links[not _stages_within_node(s, first_rank, dpn)]
@@ -385,7 +386,7 @@ def pipelined_step_floor_s(
     s = strategy
     static = with_measured_collectives(module_static(model, module, pipeline_padded(workload), cluster, assumptions), s,
                                         layer_costs)
-    key = ("pipeline work", s.tp, s.sp, s.cp, s.micro_batch, s.recompute)  # memoised for the analytical model
+    key = ("pipeline work", s.tp, s.sp, s.cp, s.ep, s.micro_batch, s.recompute)  # memoised for the analytical model
     work, weight_grad = static.sums.get(key) or _pipeline_work(static, s, layer_costs)
     if layer_costs is None:
         static.sums[key] = work, weight_grad
@@ -397,6 +398,7 @@ def pipelined_step_floor_s(
 def _pipeline_work(static: ModuleStatic, s: ModuleStrategy, layer_costs: LayerCostSource | None) -> tuple[float, float]:
     """(``S``, ``W``) of ``pipelined_step_floor_s``: one micro-batch's compute, recomputation and layer collectives
     (each on the faster link) over every layer, and its weight-gradient passes."""
-    fast, slow = (layer_sums(static, s, (within,) * 3, layer_costs, static.spec.layers) for within in (True, False))
-    collectives = sum(min(getattr(fast, name), getattr(slow, name)) for name in ("tp_comm_s", "sp_comm_s", "cp_comm_s"))
+    fast, slow = (layer_sums(static, s, (within,) * 4, layer_costs, static.spec.layers) for within in (True, False))
+    collectives = sum(min(getattr(fast, name), getattr(slow, name))
+                      for name in ("tp_comm_s", "sp_comm_s", "cp_comm_s", "ep_comm_s"))
     return fast.forward_s + fast.backward_s + fast.recompute_s + collectives, fast.weight_grad_s

@@ -31,6 +31,7 @@ from planner.cost.op_counts import LAYER_OPS
 from planner.cost.memory import (
     FSDP_BLOCK_KINDS,
     bucket_bytes,
+    expert_params_per_rank,
     layer_params_per_rank,
     model_state_bytes,
     pipelined_fsdp_state_bytes,
@@ -167,7 +168,7 @@ def module_static(
     return entry
 
 
-def _shard(static: ModuleStatic, s: ModuleStrategy, links: tuple[Link, Link, Link], micro_batch: int | None = None) -> Shard:
+def _shard(static: ModuleStatic, s: ModuleStrategy, links: tuple[Link, ...], micro_batch: int | None = None) -> Shard:
     """The per-rank view of one micro-batch under strategy ``s``."""
     mb = s.micro_batch if micro_batch is None else micro_batch
     t = static.tokens
@@ -188,6 +189,8 @@ def _shard(static: ModuleStatic, s: ModuleStrategy, links: tuple[Link, Link, Lin
         cp_link=links[2],
         device=static.cluster.device,
         assumptions=static.assumptions,
+        ep=s.ep,
+        ep_link=links[3],
     )
 
 
@@ -213,6 +216,8 @@ class LayerSums(PassTimes):
     """Parameters on this rank (before ZeRO sharding) of the layers whose optimizer step is left to the formula."""
     optimizer_formula_tensors: float
     """... and their parameter tensors (ZeRO shards each tensor, so their count does not shrink)."""
+    optimizer_formula_expert_params: float
+    """Of ``optimizer_formula_params``, the routed experts' (ZeRO shards them over dp * sp / ep ranks)."""
     weight_grad_s: float
     """Of ``backward_s``, the weight-gradient passes (``planner.cost.layers.weight_gradient_time``; a measured
     backward keeps the analytical share)."""
@@ -220,7 +225,7 @@ class LayerSums(PassTimes):
 
 
 def _sum_layers(
-    static: ModuleStatic, s: ModuleStrategy, links: tuple[Link, Link, Link], layer_costs: LayerCostSource | None,
+    static: ModuleStatic, s: ModuleStrategy, links: tuple[Link, ...], layer_costs: LayerCostSource | None,
     layers: tuple[LayerSpec, ...], sharding: tuple | None = None,
 ) -> LayerSums:
     """Sum the layers' terms for one micro-batch; measured numbers replace analytical ones where available.
@@ -237,7 +242,7 @@ def _sum_layers(
     full = s.recompute == "full"
     forward_buffers = backward_buffers = 0.0
     loss_buffers = (0.0, 0.0, 0.0)
-    formula_params = formula_tensors = weight_grad = 0.0
+    formula_params = formula_tensors = formula_experts = weight_grad = 0.0
     sources = dict(static.analytical_sources)
     optimizer_measured = bool(layers)
     for layer in layers:
@@ -259,7 +264,8 @@ def _sum_layers(
             optimizer_s += n * measured.optimizer_s
             optimizer_call = max(optimizer_call, measured.optimizer_call_s)
         else:
-            formula_params += n * layer_params_per_rank(layer, s.tp)
+            formula_params += n * layer_params_per_rank(layer, s.tp, s.ep)
+            formula_experts += n * expert_params_per_rank(layer, s.tp, s.ep)
             formula_tensors += n * LAYER_OPS[layer.kind].param_tensors
             optimizer_measured = False
         times = times.plus(layer_times, n)
@@ -278,7 +284,7 @@ def _sum_layers(
                  backward_buffer_bytes=backward_buffers, loss_buffer_bytes=loss_buffers,
                  optimizer_measured_s=optimizer_s, optimizer_call_s=optimizer_call,
                  optimizer_formula_params=formula_params, optimizer_formula_tensors=formula_tensors,
-                 weight_grad_s=weight_grad, sources=final_sources)
+                 optimizer_formula_expert_params=formula_experts, weight_grad_s=weight_grad, sources=final_sources)
 
 
 def _measure(
@@ -299,15 +305,16 @@ def _measure(
 
 
 def layer_sums(
-    static: ModuleStatic, s: ModuleStrategy, within: tuple[bool, bool, bool], layer_costs: LayerCostSource | None,
+    static: ModuleStatic, s: ModuleStrategy, within: tuple[bool, ...], layer_costs: LayerCostSource | None,
     layers: tuple[LayerSpec, ...],
 ) -> LayerSums:
     """Sums over ``layers`` (the module's, or one pipeline stage's), memoised for the analytical model by the
-    sharding and the layer counts that determine them."""
+    sharding and the layer counts that determine them. ``within``: whether the TP, SP, CP and EP groups stay in a
+    node (``layer_axes_within_node``)."""
     links = tuple(static.links[not w] for w in within)
     if layer_costs is not None:
         return _sum_layers(static, s, links, layer_costs, layers)
-    key = (s.tp, s.sp, s.cp, s.micro_batch, s.recompute, within, _counts(layers))
+    key = (s.tp, s.sp, s.cp, s.ep, s.micro_batch, s.recompute, within, _counts(layers))
     sums = static.sums.get(key)
     if sums is None:
         sums = static.sums[key] = _sum_layers(static, s, links, None, layers, key[:-1])
@@ -342,18 +349,20 @@ def zero1_gradient_bytes(
     return params * assumptions.bytes_per_param(precision).gradients / shards
 
 
-def _params_per_rank(static: ModuleStatic, tp: int, layers: tuple[LayerSpec, ...]) -> tuple[float, float, float, float]:
-    """On one TP rank, of ``layers`` (the module's, or one pipeline stage's): (parameters, largest single layer
-    instance, the FSDP root unit's parameters (every layer but the blocks, ``FSDP_BLOCK_KINDS``), largest block
-    instance)."""
-    key = (tp, _counts(layers))
+def _params_per_rank(static: ModuleStatic, tp: int, ep: int, layers: tuple[LayerSpec, ...]
+                     ) -> tuple[float, float, float, float, float]:
+    """On one TP (and EP) rank, of ``layers`` (the module's, or one pipeline stage's): (parameters, largest single
+    layer instance, the FSDP root unit's parameters (every layer but the blocks, ``FSDP_BLOCK_KINDS``), largest block
+    instance, routed-expert parameters)."""
+    key = (tp, ep, _counts(layers))
     cached = static.params.get(key)
     if cached is None:
-        per_layer = [layer_params_per_rank(layer, tp) for layer in layers]
+        per_layer = [layer_params_per_rank(layer, tp, ep) for layer in layers]
         total = sum(p * layer.count for p, layer in zip(per_layer, layers))
         root = sum(p * layer.count for p, layer in zip(per_layer, layers) if layer.kind not in FSDP_BLOCK_KINDS)
         block = max((p for p, layer in zip(per_layer, layers) if layer.kind in FSDP_BLOCK_KINDS), default=0.0)
-        cached = static.params[key] = (total, max(per_layer), root, block)
+        experts = sum(expert_params_per_rank(layer, tp, ep) * layer.count for layer in layers)
+        cached = static.params[key] = (total, max(per_layer), root, block, experts)
     return cached
 
 
@@ -361,7 +370,7 @@ def flops_per_sample(static: ModuleStatic) -> float:
     """Model FLOPs (forward + backward, no recomputation, no parallelism) of one sample."""
     if static.flops_per_sample is None:
         base = ModuleStrategy(dp=1)
-        links = (_UNUSED_LINK,) * 3
+        links = (_UNUSED_LINK,) * 4
         shard = _shard(static, base, links, micro_batch=1)
         static.flops_per_sample = sum(
             (t.flops + t.backward_flops) * layer.count
@@ -421,24 +430,20 @@ def rank_cost(
     micro-batches' (with PP: model chunks') activations alive at its peak."""
     assumptions, cluster = static.assumptions, static.cluster
     within_all = axes_within_node(s, first_rank, cluster.devices_per_node)
-    sums = layer_sums(static, s, within_all[:3], layer_costs, layers)
+    sums = layer_sums(static, s, layer_axes_within_node(within_all), layer_costs, layers)
     forward_buffers, backward_buffers = sums.forward_buffer_bytes, sums.backward_buffer_bytes
 
     recipe = assumptions.bytes_per_param(precision)
-    params, largest, root, block = _params_per_rank(static, s.tp, layers)
+    params, largest, root, block, experts = _params_per_rank(static, s.tp, s.ep, layers)
     reduce_group = s.dp * s.cp * s.sp
     shards = reduce_group if assumptions.zero_shards_over_sequence_ranks else s.dp
     trainable = not static.spec.frozen
-    weights, grads, optim = model_state_bytes(params, recipe, zero=s.zero, shards=shards, frozen=not trainable)
-    if s.zero == 1 and trainable and shards > 1:
-        grads = zero1_gradient_bytes(params, precision, shards=shards, grad_accum=s.grad_accum,
-                                     assumptions=assumptions)
     # inside a step, torch's schedules neither reduce-scatter gradients nor reshard weights after a backward
     pipelined_fsdp = s.pp > 1 and s.zero >= 2 and shards > 1 and static.backward != "none"
-    if pipelined_fsdp:
-        weights, grads = pipelined_fsdp_state_bytes(
-            params, recipe, accumulated_gradient_bytes=assumptions.accumulated_gradient_bytes(precision),
-            frozen=not trainable)
+    dense_states = _state_bytes(static, s, precision, params - experts, shards, pipelined_fsdp)
+    # the routed experts' states, sharded by ZeRO over the dp * sp / ep ranks that hold the same experts
+    expert_states = _state_bytes(static, s, precision, experts, expert_zero_shards(shards, s.ep), pipelined_fsdp)
+    weights, grads, optim = (dense + expert for dense, expert in zip(dense_states, expert_states))
     if s.zero == 3 and shards > 1 and not pipelined_fsdp:
         forward_buffers += zero3_gather_bytes(root, block, recipe, prefetch=assumptions.zero3_prefetch_layers,
                                               frozen=not trainable, backward=False)
@@ -452,22 +457,12 @@ def rank_cost(
     forward_buffers = max(forward_buffers, sums.loss_buffer_bytes[0])
     loss_backward_buffers, loss_saved = sums.loss_buffer_bytes[1:]
 
-    dp_comm = zero_comm_time(
-        zero=1 if pipelined_fsdp else s.zero,
-        gradient_bytes=params * recipe.gradients,
-        weight_bytes=params * recipe.weights,
-        layer_weight_bytes=largest * recipe.weights,
-        bucket_bytes=bucket,
-        group_size=reduce_group,
-        link=static.links[not within_all[3]],
-        grad_accum=s.grad_accum,
-        forward_s=sums.forward_s,
-        backward_s=sums.backward_s,
-        trainable=trainable,
-        runs_backward=static.backward != "none",
-        overlap=assumptions.dp_comm_overlap,
-        zero0_overlap=assumptions.zero0_grad_sync_overlap,
-    )
+    dp_params = params - experts if s.ep > 1 else params
+    dp_comm = _dp_comm(static, s, sums, precision, pipelined_fsdp, dp_params, largest, bucket, reduce_group,
+                       not within_all[3])
+    if s.ep > 1:  # expert gradients are reduced over the ranks holding the same experts (Lepikhin et al. 2020)
+        dp_comm += _dp_comm(static, s, sums, precision, pipelined_fsdp, experts, largest, bucket,
+                            round(expert_zero_shards(reduce_group, s.ep)), not within_all[5])
     if pipelined_fsdp and s.zero == 3:
         dp_comm += pipelined_zero3_gather_time(
             weight_bytes=params * recipe.weights, layer_weight_bytes=largest * recipe.weights,
@@ -478,8 +473,12 @@ def rank_cost(
         dp_comm += bucket_copy_time(params * recipe.gradients, assumptions.zero0_bucket_copies, cluster.device,
                                     assumptions)
     optimizer_shards = shards if s.zero >= 1 else 1
+    expert_shards = expert_zero_shards(shards, s.ep) if s.zero >= 1 else 1
+    formula_experts = sums.optimizer_formula_expert_params if s.ep > 1 else 0.0
+    optimizer_params = ((sums.optimizer_formula_params - formula_experts) / optimizer_shards
+                        + formula_experts / expert_shards)
     optimizer_time = sums.optimizer_call_s + sums.optimizer_measured_s / optimizer_shards + optimizer_pass_time(
-        sums.optimizer_formula_params / optimizer_shards, sums.optimizer_formula_tensors, recipe,
+        optimizer_params, sums.optimizer_formula_tensors, recipe,
         dtensor=s.tp > 1 or s.zero >= 1, device=cluster.device, assumptions=assumptions)
     activations = sums.saved_bytes / s.virtual_stages
     if static.spec.name == "llm" and s.pp == 1:
@@ -516,16 +515,71 @@ def rank_cost(
 
 
 def axes_within_node(s: ModuleStrategy, first_rank: int, devices_per_node: int) -> tuple[bool, ...]:
-    """Whether each of the TP, SP, CP and DP-reduce axes of the (pipeline stage's) grid starting at ``first_rank``
-    stays in a node: what the links of a part cost depend on. Memoised: it depends on ``first_rank`` only through
-    its offset in a node."""
-    key = (s.tp, s.sp, s.cp, s.dp, first_rank % devices_per_node, devices_per_node)
+    """Whether each of the TP, SP, CP, DP-reduce, EP and expert-reduce axes of the (pipeline stage's) grid starting
+    at ``first_rank`` stays in a node: what the links of a part cost depend on. An EP group is ``ep`` consecutive
+    ranks of the dp x sp axis (stride tp; ring CP is not combined with EP), the experts' reduce group the ranks
+    ``ep`` apart holding the same experts. Memoised: it depends on ``first_rank`` only through its offset in a
+    node."""
+    key = (s.tp, s.sp, s.cp, s.dp, s.ep, first_rank % devices_per_node, devices_per_node)
     found = _WITHIN.get(key)
     if found is None:
         found = _WITHIN[key] = tuple(
             axis_within_node(first_rank % devices_per_node, stride, size, s.stage_gpus, devices_per_node)
-            for stride, size in ((1, s.tp), (s.tp, s.sp), (s.tp * s.sp, s.cp), (s.tp, s.dp * s.cp * s.sp)))
+            for stride, size in ((1, s.tp), (s.tp, s.sp), (s.tp * s.sp, s.cp), (s.tp, s.dp * s.cp * s.sp),
+                                 (s.tp, s.ep), (s.tp * s.ep, s.dp * s.cp * s.sp // s.ep)))
     return found
+
+
+def layer_axes_within_node(within_all: tuple[bool, ...]) -> tuple[bool, bool, bool, bool]:
+    """Of ``axes_within_node``, the axes a layer's own collectives use: TP, SP, CP and EP."""
+    return within_all[0], within_all[1], within_all[2], within_all[4]
+
+
+def expert_zero_shards(shards: int, ep: int) -> float:
+    """Ranks ZeRO shards a routed expert's states over: the module's ZeRO shards that hold the same experts,
+    ``shards / ep`` (torchtitan's ``efsdp`` mesh, dp_shard * cp * tp / ep, with expert-TP = TP here), at least 1."""
+    return max(1.0, shards / ep)
+
+
+def _state_bytes(static: ModuleStatic, s: ModuleStrategy, precision: Precision, params: float, shards: float,
+                 pipelined_fsdp: bool) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per GPU of ``params`` parameters sharded by ZeRO over ``shards``
+    ranks: ``model_state_bytes``, ZeRO-1's accumulated gradients (``zero1_gradient_bytes``) and a pipelined FSDP
+    stage's (``pipelined_fsdp_state_bytes``)."""
+    assumptions, trainable = static.assumptions, not static.spec.frozen
+    recipe = assumptions.bytes_per_param(precision)
+    weights, grads, optim = model_state_bytes(params, recipe, zero=s.zero, shards=shards, frozen=not trainable)
+    if s.zero == 1 and trainable and shards > 1:
+        grads = zero1_gradient_bytes(params, precision, shards=shards, grad_accum=s.grad_accum,
+                                     assumptions=assumptions)
+    if pipelined_fsdp:
+        weights, grads = pipelined_fsdp_state_bytes(
+            params, recipe, accumulated_gradient_bytes=assumptions.accumulated_gradient_bytes(precision),
+            frozen=not trainable)
+    return weights, grads, optim
+
+
+def _dp_comm(static: ModuleStatic, s: ModuleStrategy, sums: LayerSums, precision: Precision, pipelined_fsdp: bool,
+             params: float, largest: float, bucket: float, group_size: int, cross_node: bool) -> float:
+    """``zero_comm_time`` of ``params`` parameters reduced (and, ZeRO-3, gathered) over ``group_size`` ranks."""
+    assumptions = static.assumptions
+    recipe = assumptions.bytes_per_param(precision)
+    return zero_comm_time(
+        zero=1 if pipelined_fsdp else s.zero,
+        gradient_bytes=params * recipe.gradients,
+        weight_bytes=params * recipe.weights,
+        layer_weight_bytes=largest * recipe.weights,
+        bucket_bytes=bucket,
+        group_size=group_size,
+        link=static.links[cross_node],
+        grad_accum=s.grad_accum,
+        forward_s=sums.forward_s,
+        backward_s=sums.backward_s,
+        trainable=not static.spec.frozen,
+        runs_backward=static.backward != "none",
+        overlap=assumptions.dp_comm_overlap,
+        zero0_overlap=assumptions.zero0_grad_sync_overlap,
+    )
 
 
 _WITHIN: dict[tuple, tuple[bool, ...]] = {}

@@ -156,6 +156,7 @@ class ModuleCost(PassTimes):
             "tp_comm": self.tp_comm_s,
             "sp_comm": self.sp_comm_s,
             "cp_comm": self.cp_comm_s,
+            "ep_comm": self.ep_comm_s,
             "dp_comm": self.dp_comm_s,
             "optimizer": self.optimizer_s,
             "handoff": self.handoff_s,

@@ -16,6 +16,7 @@ class PassTimes:
     tp_comm_s: float = 0.0
     sp_comm_s: float = 0.0
     cp_comm_s: float = 0.0
+    ep_comm_s: float = 0.0
 
     def terms(self) -> dict[str, float]:
         """The terms by name (of a record that has more fields)."""
@@ -35,8 +36,8 @@ class PassTimes:
 
     @property
     def collectives_s(self) -> float:
-        """The layer collectives: TP + SP + CP."""
-        return self.tp_comm_s + self.sp_comm_s + self.cp_comm_s
+        """The layer collectives: TP + SP + CP + EP."""
+        return self.tp_comm_s + self.sp_comm_s + self.cp_comm_s + self.ep_comm_s
 
     @property
     def total_s(self) -> float:

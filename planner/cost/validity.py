@@ -6,7 +6,7 @@ import math
 
 from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, LayerSpec, ModelSpec, ModuleSpec
-from planner.rules import attention_rules, split_rule, width_rule
+from planner.rules import attention_rules, expert_parallel_rule, split_rule, width_rule
 from planner.schema import ZERO_BUBBLE_SCHEDULES, zero_bubble_reasons
 from planner.strategy import ModuleStrategy
 from planner.workload import ModuleTokens, Workload, module_tokens
@@ -47,6 +47,8 @@ def check_strategy(
         if layer.attention is not None:
             reasons += attention_rules(s.tp, s.sp, layer.attention.num_heads, layer.attention.num_kv_heads, layer.name)
         reasons += [problem for width, what in _tp_widths(layer) if (problem := width_rule(s.tp, width, what))]
+    if problem := expert_parallel_rule(s.ep, s.dp, s.sp, s.cp, _num_experts(spec), spec.name):
+        reasons.append(problem)
     if module in ENCODER_MODULES and s.cp > 1:
         reasons.append(f"{module} uses cp={s.cp}; context parallelism is implemented for the LLM only")
     tokens = module_tokens(workload, model)[module]
@@ -57,11 +59,19 @@ def check_strategy(
     return reasons
 
 
+def _num_experts(spec: ModuleSpec) -> int | None:
+    """Experts of the module's MoE layers (None without any)."""
+    return next((layer.moe.num_experts for layer in spec.layers if layer.moe is not None), None)
+
+
 def _tp_widths(layer: LayerSpec) -> list[tuple[int, str]]:
-    """(width, what) of each dimension TP splits in ``layer`` besides its attention heads."""
+    """(width, what) of each dimension TP splits in ``layer`` besides its attention heads (experts are TP-split as
+    a dense MLP is)."""
     widths = []
     if layer.mlp is not None:
         widths.append((layer.mlp.intermediate_size, f"MLP hidden width of {layer.name}"))
+    if layer.moe is not None:
+        widths.append((layer.moe.expert_intermediate_size, f"expert hidden width of {layer.name}"))
     if layer.kind == "patch_merger":
         widths.append((layer.in_features, f"input width of {layer.name}"))
     if layer.kind == "lm_head":
@@ -94,7 +104,11 @@ def pipeline_reasons(model: ModelSpec, spec: ModuleSpec, s: ModuleStrategy) -> l
     if model.tie_word_embeddings:
         reasons.append(f"pp={s.pp}: {model.name} ties lm_head to the embedding, which the runtime does not split "
                        "over pipeline stages yet")
-    layers = sum(layer.count for layer in spec.layers if layer.kind == "decoder_layer")
+    blocks = [layer for layer in spec.layers if layer.kind == "decoder_layer"]
+    if len(blocks) > 1:
+        reasons.append(f"pp={s.pp}: {model.name} mixes dense and mixture-of-experts decoder layers, which pipeline "
+                       "stages do not split yet")
+    layers = sum(layer.count for layer in blocks)
     chunks = s.pp * s.virtual_stages
     first = max(1, len(model.injection_layers))
     if layers < chunks - 1 + first:

@@ -17,12 +17,12 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Mapping
 
-from planner.families import qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl, text_decoders
+from planner.families import qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl, qwen3_vl_moe, text_decoders
 from planner.families.fields import check_field_types
 from planner.models import ModelSpec
 
 FAMILIES: dict[str, ModuleType] = {
-    model_type: adapter for adapter in (qwen2_5_vl, qwen2_vl, qwen3_vl, qwen2_audio, text_decoders)
+    model_type: adapter for adapter in (qwen2_5_vl, qwen2_vl, qwen3_vl, qwen2_audio, text_decoders, qwen3_vl_moe)
     for model_type in adapter.MODEL_TYPES
 }
 """``model_type`` -> its adapter."""

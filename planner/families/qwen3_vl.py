@@ -44,13 +44,19 @@ gives each temporal group its timestamp and its own vision start/end pair (``Qwe
 a file is sampled by ``Qwen3VLVideoProcessor.sample_frames`` (4 to 768 frames)."""
 
 
-def decoder_layer_params(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
-                         bias: bool = False) -> int:
-    """``Qwen3VLTextDecoderLayer``: q/k/v/o (bias per ``attention_bias``), q_norm and k_norm RMSNorms of one head's
-    width, SwiGLU MLP without bias, two RMSNorms."""
+def attention_and_norms_params(hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool = False) -> int:
+    """A Qwen3-VL decoder layer without its feed-forward: q/k/v/o (bias per ``attention_bias``), q_norm and k_norm
+    RMSNorms of one head's width, the two RMSNorms around attention and feed-forward."""
     attention = (linear_params(hidden, heads * head_dim, bias) + 2 * linear_params(hidden, kv_heads * head_dim, bias)
                  + linear_params(heads * head_dim, hidden, bias) + 2 * rms_norm_params(head_dim))
-    return attention + 3 * linear_params(hidden, intermediate, bias=False) + 2 * rms_norm_params(hidden)
+    return attention + 2 * rms_norm_params(hidden)
+
+
+def decoder_layer_params(hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                         bias: bool = False) -> int:
+    """``Qwen3VLTextDecoderLayer``: ``attention_and_norms_params`` and a SwiGLU MLP without bias."""
+    return (attention_and_norms_params(hidden, heads, kv_heads, head_dim, bias)
+            + 3 * linear_params(hidden, intermediate, bias=False))
 
 
 def deepstack_indexes(v: Mapping[str, Any], depth: int) -> list[int]:

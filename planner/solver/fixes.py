@@ -46,6 +46,9 @@ def parse_fixes(items: Iterable[str] | Mapping[str, Any], model: ModelSpec, num_
         if fieldname not in FIX_FIELDS:
             raise ValueError(f"--fix {key}: field must be one of {', '.join(FIX_FIELDS)}")
         value = _fix_value(key, fieldname, raw)
+        if fieldname == "ep" and value > 1 and not model.module(module).has_experts:
+            raise ValueError(f"--fix {key}={value}: {module} of {model.name} has no mixture-of-experts layers, so "
+                             "its ep is 1")
         previous = fixes.setdefault(module, {}).get(fieldname)
         if previous is not None and previous != value:
             raise ValueError(f"contradictory --fix: {key}={previous} and {key}={value}")
@@ -163,7 +166,7 @@ def pinned_strategy(problem: Problem, placement: str, pinned: str | None, fixes:
 
 
 def _only_strategy(problem: Problem, fixed: Mapping[str, Any]) -> ModuleStrategy | None:
-    """The module's strategy when ``fixed`` determines every field (grad_accum may follow from the batch; pp and
+    """The module's strategy when ``fixed`` determines every field (grad_accum may follow from the batch; pp, ep and
     virtual_stages are 1 unless pinned, virtual_stages the searched 2 with a pinned interleaved schedule)."""
     needed = ("dp", "tp", "sp", "cp", "zero", "recompute", "micro_batch")
     if not all(k in fixed for k in needed):
@@ -176,7 +179,7 @@ def _only_strategy(problem: Problem, fixed: Mapping[str, Any]) -> ModuleStrategy
     interleaved = fixed.get("pp_schedule", "1f1b") != "1f1b"
     chunks = fixed.get("virtual_stages", PIPELINE_CHUNKS[-1] if interleaved else 1)
     try:
-        return ModuleStrategy(grad_accum=ga, pp=fixed.get("pp", 1), virtual_stages=chunks,
+        return ModuleStrategy(grad_accum=ga, pp=fixed.get("pp", 1), ep=fixed.get("ep", 1), virtual_stages=chunks,
                               pp_schedule=fixed.get("pp_schedule", "interleaved_1f1b" if chunks > 1 else "1f1b"),
                               **{k: fixed[k] for k in needed})
     except ValueError as e:

@@ -24,7 +24,7 @@ def test_sums_by_hand():
     b = PassTimes(forward_s=0.1, recompute_s=1.0, sp_comm_s=0.25, cp_comm_s=0.25)
     total = a.plus(b, 2)
     assert total.terms() == pytest.approx({"forward_s": 1.2, "backward_s": 2.0, "recompute_s": 2.0, "tp_comm_s": 0.5,
-                                           "sp_comm_s": 0.5, "cp_comm_s": 0.5})
+                                           "sp_comm_s": 0.5, "cp_comm_s": 0.5, "ep_comm_s": 0.0})
     assert total.collectives_s == pytest.approx(1.5) and total.total_s == pytest.approx(6.7)
     assert a.scaled(3).terms() == pytest.approx({**PassTimes().terms(), "forward_s": 3.0, "backward_s": 6.0,
                                                  "tp_comm_s": 1.5})

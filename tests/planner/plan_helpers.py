@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import functools
+import itertools
 
 from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, check_strategy
@@ -69,7 +70,8 @@ def all_strategies(p: Problem, module: str, gpus: int, pp_sp: bool = False) -> l
     and micro-batch, filtered by ``check_strategy`` only (independent of planner.candidates' enumeration); ring CP
     (cp > 1) only when the problem allows it; pipeline parallelism of the LLM (every pp, 1F1B, interleaved 1F1B
     and interleaved zero-bubble with 2 chunks) when it allows that, with SP inside stages only when ``pp_sp``
-    (the planner searches it when ``--fix llm.sp`` pins SP)."""
+    (the planner searches it when ``--fix llm.sp`` pins SP); every expert-parallel degree dividing the GPUs
+    (``check_strategy`` keeps those of a module with experts that divide its experts and dp * sp)."""
     batch = p.workload.global_batch
     pipelines = [(1, "1f1b", 1)]
     if p.allow_pp and module == "llm":
@@ -88,22 +90,21 @@ def all_strategies(p: Problem, module: str, gpus: int, pp_sp: bool = False) -> l
                         cp = gpus // (pp * dp * tp * sp)
                         if cp > 1 and not p.allow_ring_cp:
                             continue
-                        for zero in range(4):
-                            for rc in RECOMPUTE_CHOICES:
-                                s = ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, pp_schedule=schedule,
-                                                   virtual_stages=chunks, zero=zero, recompute=rc,
-                                                   micro_batch=batch // (dp * ga), grad_accum=ga)
-                                if not check_strategy(p.model, module, s, p.cluster, p.workload):
-                                    found.append(s)
+                        for zero, rc, ep in itertools.product(range(4), RECOMPUTE_CHOICES, divisors(gpus)):
+                            s = ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule,
+                                               virtual_stages=chunks, zero=zero, recompute=rc,
+                                               micro_batch=batch // (dp * ga), grad_accum=ga)
+                            if not check_strategy(p.model, module, s, p.cluster, p.workload):
+                                found.append(s)
     return found
 
 
-def brute_force(p: Problem, placement: str, llm_sp: int | None = None, pipelined: bool | None = None
-                ) -> tuple[float, Strategy] | None:
+def brute_force(p: Problem, placement: str, llm_sp: int | None = None, pipelined: bool | None = None,
+                llm_ep: int | None = None) -> tuple[float, Strategy] | None:
     """The fastest fitting strategy of ``placement`` by trying every combination with ``cost.estimate``
     (disjoint: every split of the GPUs between the encoder and the LLM); ``llm_sp``: only LLM strategies of that SP
     degree, SP inside pipeline stages included (as ``--fix llm.sp`` plans); ``pipelined``: only LLM strategies
-    that are (or are not) pipelined."""
+    that are (or are not) pipelined; ``llm_ep``: only LLM strategies of that expert-parallel degree."""
     n = p.num_gpus
     encoder, llm = p.model.module_names
     splits = [(n, n)] if placement == "colocated" else [(g, n - g) for g in range(1, n)]
@@ -124,7 +125,7 @@ def brute_force(p: Problem, placement: str, llm_sp: int | None = None, pipelined
     for g_enc, g_llm in splits:
         llm_by_ga: dict[int, list[ModuleStrategy]] = {}
         for s in all_strategies(p, llm, g_llm, pp_sp=llm_sp is not None):
-            if llm_sp in (None, s.sp) and pipelined in (None, s.pp > 1):
+            if llm_sp in (None, s.sp) and pipelined in (None, s.pp > 1) and llm_ep in (None, s.ep):
                 llm_by_ga.setdefault(s.grad_accum, []).append(s)
         for s_enc in all_strategies(p, encoder, g_enc):
             for s_llm in llm_by_ga.get(s_enc.grad_accum, []):

@@ -2,7 +2,8 @@
 
 Coverage: the tiny model on 2, 4 (with and without ring CP in the space, with pipeline parallelism in it, and on
 packs of a mixed-resolution dataset) and 8 CPU "GPUs" (with and without pipeline parallelism) and Qwen2.5-VL-32B on 4 H200 (bf16 pure) and 8 H100, both
-placements, with the memory limit loose and tightened below the unconstrained optimum's peak (so that memory
+placements, and the tiny Qwen3-VL-MoE (expert parallelism in the space: on 4 CPU "GPUs", and on 2 nodes of 2 with
+pipeline parallelism; Qwen3-VL-30B-A3B on 8 H100 colocated with the LLM's ep pinned), with the memory limit loose and tightened below the unconstrained optimum's peak (so that memory
 binds). Brute force enumerates every integer grid, ZeRO stage, recompute mode and micro-batch that
 ``check_strategy`` accepts (and, disjoint, every split of the GPUs) and costs each pair with ``cost.estimate``.
 """
@@ -32,6 +33,9 @@ CASES = {
     "tiny-4gpu-pp": dict(TINY, gpus=4, batch=8, allow_pp=True),
     "tiny-4gpu-packed-pp": dict(TINY, gpus=4, batch=8, packed=True, allow_pp=True),
     "tiny-8gpu-pp": dict(TINY, gpus=8, batch=16, allow_pp=True),
+    "moe-tiny-4gpu": dict(TINY, model="qwen3-vl-moe-tiny", gpus=4, batch=4),
+    "moe-tiny-4gpu-2nodes-pp": dict(TINY, model="qwen3-vl-moe-tiny", gpus=4, batch=8, gpus_per_node=2, allow_pp=True),
+    "moe-30b-h100-8gpu": dict(model="qwen3-vl-30b-a3b", device="h100-80gb", gpus=8, batch=8, image=448, text=256),
     "32b-h200-4gpu-pure": dict(model="qwen-vl-32b", device="h200-141gb", gpus=4, batch=4, image=448, text=128,
                                precision="bf16_pure"),
     "32b-h200-4nodes-pp": dict(model="qwen-vl-32b", device="h200-141gb", gpus=4, batch=4, image=448, text=128,
@@ -39,7 +43,7 @@ CASES = {
     "32b-h100-8gpu": dict(model="qwen-vl-32b", device="h100-80gb", gpus=8, batch=8, image=896, text=256),
 }
 FAST = ["tiny-2gpu", "tiny-4gpu", "tiny-4gpu-cp", "tiny-4gpu-packed", "tiny-4gpu-pp", "tiny-4gpu-packed-pp",
-        "32b-h200-4gpu-pure"]
+        "32b-h200-4gpu-pure", "moe-tiny-4gpu", "moe-tiny-4gpu-2nodes-pp"]
 SLOW = ["tiny-8gpu", "tiny-8gpu-pp", "32b-h100-8gpu"]
 
 
@@ -103,7 +107,7 @@ def test_same_optimum_as_brute_force(case, placement):
 
 @pytest.mark.parametrize("placement", ["colocated", "disjoint"])
 @pytest.mark.parametrize("case,fraction", [("tiny-4gpu", 0.6), ("tiny-4gpu-packed", 0.6), ("tiny-4gpu-pp", 0.6),
-                                           ("32b-h200-4gpu-pure", 0.9)])
+                                           ("32b-h200-4gpu-pure", 0.9), ("moe-tiny-4gpu", 0.6)])
 def test_same_optimum_when_memory_binds(case, placement, fraction):
     _check_tightened(case, placement, fraction)
 
@@ -140,3 +144,15 @@ def test_pipelined_strategies_costed_on_demand_give_both_sides_of_pp(case, place
         assert other.infeasible and other.step_time_s is None
     else:
         assert other.step_time_s == pytest.approx(expected[0], abs=ROUNDING_S) and expected[0] >= sides[pipelines][0]
+
+
+@pytest.mark.parametrize("case", ["moe-tiny-4gpu", "moe-30b-h100-8gpu"])
+def test_same_optimum_with_expert_parallelism_pinned(case):
+    """``--fix llm.ep=N``: the solver's optimum is brute force's among plans whose LLM splits its experts N ways
+    (so a candidate missing from the EP space, or costed otherwise, shows), and EP changes the optimum's time."""
+    p = problem(**CASES[case])
+    expected = {ep: brute_force(p, "colocated", llm_ep=ep) for ep in (1, 4)}
+    assert expected[1][0] != pytest.approx(expected[4][0])
+    for ep, (step, best) in expected.items():
+        assert best.modules["llm"].ep == ep
+        _check(p, "colocated", (step, best), fixes={"llm": {"ep": ep}})

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from planner.hf_configs import QWEN3_VL_MOE_TINY
 from runtime import launcher
 from runtime.trainer import RunOptions
 from tests.runtime.plans import make_plan
@@ -43,6 +44,16 @@ def test_plan_of_another_schema_version(tmp_path):
 def test_context_parallel_plan_is_refused_before_ray(tmp_path):
     (tmp_path / "plan.json").write_text(make_plan(dict(cp=2), dict(cp=2)).to_json())
     assert_one_line_error(run_cli(str(tmp_path / "plan.json")), "context parallelism (cp=2) is not implemented")
+
+
+def test_what_the_runtime_does_not_build_yet_is_refused_before_ray(tmp_path):
+    """Plans of mixture-of-experts models: expert parallelism, and then the model itself (issue 31's next step)."""
+    (tmp_path / "ep.json").write_text(make_plan({}, dict(ep=2)).to_json())
+    assert_one_line_error(run_cli(str(tmp_path / "ep.json")), "expert parallelism (ep=2) is not run yet")
+    moe = json.loads(make_plan({}, {}).to_json())
+    moe["model"]["hf_config"] = QWEN3_VL_MOE_TINY
+    (tmp_path / "moe.json").write_text(json.dumps(moe))
+    assert_one_line_error(run_cli(str(tmp_path / "moe.json")), "not model_type='qwen3_vl_moe'")
 
 
 def test_what_a_pipeline_does_not_run_yet_is_refused_before_ray(tmp_path):

@@ -22,6 +22,7 @@ def test_runtime_imports_without_ortools_and_only_the_plan_schema_data_rows_pack
     assert result.returncode == 0, result.stderr
     families = ["planner.families", "planner.families.fields", "planner.families.qwen2_5_vl",
                 "planner.families.qwen2_audio", "planner.families.qwen2_vl", "planner.families.qwen3_vl",
+                "planner.families.qwen3_vl_moe",
                 "planner.families.qwen_parts", "planner.families.text_decoders"]
     assert result.stdout.strip() == str(["planner", "planner.data_rows", *families, "planner.hardware", "planner.models",
                                          "planner.packing", "planner.param_counts", "planner.rules", "planner.schema",
