@@ -6,8 +6,8 @@ Every clip is one whole encoder pass (``max_source_positions`` positions, ``2 *`
 planner prices it; Ulysses SP splits a micro-batch's clips, laid end to end, on pooling pairs, and every block
 attends within its clip (one segment per clip).
 
-Shape legend: C clips of the micro-batch, F mel frames per clip, T encoder positions per clip, n this rank's
-positions, D encoder width.
+Shape legend: C clips of the micro-batch, M mel bins, F mel frames per clip, T encoder positions per clip, n this
+rank's positions, D encoder width.
 """
 
 from __future__ import annotations
@@ -22,13 +22,12 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from transformers import Qwen2AudioForConditionalGeneration
 
-from planner.families.qwen2_audio import WHISPER_MEL_FRAMES_PER_SECOND
+from planner.families.qwen2_audio import POOL_STRIDE, WHISPER_MEL_FRAMES_PER_SECOND
 from planner.rules import attention_rules, width_rule
 from runtime.parallel.ulysses import UlyssesGroup, split_windows
 
 MODEL_TYPE = "qwen2_audio"
 MODEL_CLASS = Qwen2AudioForConditionalGeneration
-ENCODER = "audio"
 BLOCK_TP_PLAN = {
     "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
     "self_attn.v_proj": ColwiseParallel(), "self_attn.out_proj": RowwiseParallel(),
@@ -41,8 +40,6 @@ LLM_LAYER_TP_PLAN: dict = {}
 MARKER_OFFSETS = (1, 2)
 """``<|audio_bos|>`` and ``<|audio_eos|>`` follow ``<|AUDIO|>`` in Qwen2-Audio's vocabulary (151646, 151647,
 151648): their ids are the audio token's plus these."""
-POOL_STRIDE = 2
-"""Encoder positions per audio token (``Qwen2AudioEncoder.avg_pooler``)."""
 
 
 def handoff_tensors(config: Any) -> int:
