@@ -119,6 +119,26 @@ right.set_yticklabels([])
 plt.tight_layout()
 plt.show()
 data.round(2)"""),
+    new_markdown_cell("""\
+## Mixture-of-experts LLMs
+Qwen3-VL-30B-A3B and -235B-A22B: the planner searches expert parallelism (`ep`, the LLM's experts over ep of its
+dp x sp ranks) with the other degrees. Its plan against the baselines, each a speed-up (baseline step time / plan
+step time; empty where the baseline does not fit), among them the Megatron-style TP x EP x PP."""),
+    new_code_cell("""\
+import planner
+
+MOE_CASES = [("qwen3-vl-30b-a3b", 8), ("qwen3-vl-30b-a3b", 16), ("qwen3-vl-235b-a22b", 64),
+             ("qwen3-vl-235b-a22b", 256)]
+rows = []
+for model, gpus in MOE_CASES:
+    p = planner.plan(model, gpus)
+    llm = p.module("llm")
+    rows.append({"model": model, "GPUs": gpus, "LLM": f"DP{llm.dp} TP{llm.tp} EP{llm.ep} PP{llm.pp} ZeRO{llm.zero}",
+                 "step s": p.predicted.step_time_s, "tokens/s": p.predicted.tokens_per_s,
+                 "peak GiB": p.predicted.peak_memory_gib,
+                 **{f"vs {name}": b.speedup for name, b in p.baselines.items()}})
+moe = pd.DataFrame(rows)
+moe.round(2)"""),
     new_markdown_cell("## Conclusion"),
     new_code_cell("""\
 def speedup_span(n):
@@ -150,13 +170,19 @@ def dataset_note():
             f"the plan made for the largest image fits but runs {largest.dataset_tokens_per_s:,.0f} tokens/s "
             f"({packed.dataset_tokens_per_s / largest.dataset_tokens_per_s:.2f}x slower).")
 
+def moe_note():
+    parts = [f"{r.model} on {r.GPUs}: {r.LLM}, " + (f"{r['vs megatron']:.2f}x the Megatron-style TP x EP x PP"
+             if r["vs megatron"] == r["vs megatron"] else "where the Megatron-style TP x EP x PP does not fit")
+             for _, r in moe.iterrows()]
+    return "Mixture-of-experts LLMs, the planner's LLM layout: " + "; ".join(parts) + "."
+
 states = auto[["weights_gib", "gradients_gib", "optimizer_gib"]].sum(axis=1) / auto.peak_memory_gib
 display(Markdown(
     f"Over the best baseline that fits, the planner's plan for Qwen2.5-VL-32B is {speedup_span(16)} on 16 H100s "
     f"and {speedup_span(8)} on 8 H100s. {fit_note(8)} {fit_note(16)} "
     f"The longest square image per sample that fits is, on 16 GPUs: {longest_text(16)} vision tokens; on 8 GPUs: "
     f"{longest_text(8)}. Model states (weights, gradients, optimizer) take {states.min():.0%} to {states.max():.0%} "
-    f"of the planner's peak-GPU memory. " + dataset_note()
+    f"of the planner's peak-GPU memory. " + dataset_note() + " " + moe_note()
 ))"""),
 ]
 
