@@ -110,8 +110,8 @@ def check_plan(plan: Plan) -> None:
         ValueError, NotImplementedError: in one line.
     """
     encoder, _ = module_names(plan)
-    vision, llm = plan.module(encoder), plan.module("llm")
-    for module in (vision, llm):
+    tower, llm = plan.module(encoder), plan.module("llm")
+    for module in (tower, llm):
         if module.ep > 1:
             raise NotImplementedError(f"expert parallelism (ep={module.ep}) is not run yet: plan {module.name} "
                                       f"with --fix {module.name}.ep=1")
@@ -119,16 +119,16 @@ def check_plan(plan: Plan) -> None:
             raise NotImplementedError(context_parallel_refusal(module.name, module.cp))
         if module.pp > 1:
             check_pipeline(plan, module)
-    if vision.frozen and llm.frozen:
+    if tower.frozen and llm.frozen:
         raise ValueError("every module of the plan is frozen: nothing to train")
-    if vision.grad_accum != llm.grad_accum or vision.dp * vision.micro_batch != llm.dp * llm.micro_batch:
+    if tower.grad_accum != llm.grad_accum or tower.dp * tower.micro_batch != llm.dp * llm.micro_batch:
         raise ValueError(f"{encoder} and llm must agree on grad_accum and on samples per micro-batch "
                          "(dp * micro_batch)")
-    if plan.placement == "colocated" and set(vision.ranks) != set(llm.ranks):
+    if plan.placement == "colocated" and set(tower.ranks) != set(llm.ranks):
         raise ValueError(f"a colocated plan must place {encoder} and llm on the same ranks")
-    if plan.placement == "disjoint" and set(vision.ranks) & set(llm.ranks):
+    if plan.placement == "disjoint" and set(tower.ranks) & set(llm.ranks):
         raise ValueError(f"a disjoint plan must place {encoder} and llm on different ranks")
-    if sorted(set(vision.ranks) | set(llm.ranks)) != list(range(num_devices(plan))):
+    if sorted(set(tower.ranks) | set(llm.ranks)) != list(range(num_devices(plan))):
         raise ValueError("the plan's ranks must be 0..N-1")
 
 

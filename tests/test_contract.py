@@ -124,6 +124,21 @@ def test_audio_beyond_whole_clips_is_refused_in_one_line():
         validate_plan(plan("qwen2-audio-7b", 8, profile=None, audio_seconds=45), RunOptions())
 
 
+def test_audio_data_and_dry_run_are_refused_in_one_line(tmp_path):
+    """The runtime reads no audio files and the dry-run measures vision-language plans: an audio plan says so
+    before any work."""
+    from runtime.dry_run import dry_run
+
+    audio = plan("qwen2-audio-7b", 8, profile=None)
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match=r"^--data .*d\.jsonl: the runtime reads no audio data yet; an audio plan "
+                                         r"trains on synthetic samples \(leave out --data\)$"):
+        validate_plan(audio, RunOptions(data=str(tmp_path / "d.jsonl")))
+    with pytest.raises(NotImplementedError, match=r"^--dry-run measures vision-language plans; qwen2-audio-7b has "
+                                                  r"an audio encoder: run it for real \(python -m runtime\)$"):
+        dry_run(audio, RunOptions())
+
+
 def test_decoder_only_model_is_refused_in_one_line():
     """The planner plans a decoder-only config.json (for published text-model runs, issue 32); the runtime trains
     vision-language models and says so before any work."""
