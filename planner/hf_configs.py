@@ -487,13 +487,14 @@ QWEN2_AUDIO_TINY: dict[str, Any] = {
 }
 
 # Not a hub model: the Qwen3-VL-MoE structure at toy width (the tiny Qwen3-VL with 8 experts of width 64, top-2, in
-# every decoder layer) for CPU tests and demos.
+# every decoder layer) for CPU tests and demos. Its load-balancing loss weight is one its gradients show, for the tests
+# that turn the loss on (``output_router_logits``, off by transformers' default and here).
 QWEN3_VL_MOE_TINY: dict[str, Any] = {
     **QWEN3_VL_TINY,
     "architectures": ["Qwen3VLMoeForConditionalGeneration"],
     "model_type": "qwen3_vl_moe",
     "text_config": {**QWEN3_VL_TINY["text_config"], "model_type": "qwen3_vl_moe_text", "num_experts": 8,
                     "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1,
-                    "mlp_only_layers": []},
+                    "mlp_only_layers": [], "router_aux_loss_coef": 0.1},
     "vision_config": {**QWEN3_VL_TINY["vision_config"], "model_type": "qwen3_vl_moe_vision"},
 }

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -62,6 +63,13 @@ LEGACY_PREFIXES = (
 uploads, and what transformers 5 still writes for Qwen2-Audio)."""
 
 
+TRANSPOSED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+"""Fused expert weights the Hub's Qwen3-VL-MoE files hold transposed (``[E, in, out]``, transformers 4.57's layout):
+read transposed where the stored shape is the model's with its last two dims swapped (transformers 5's
+``conversion_mapping`` rule for ``qwen3_vl_moe``, ``Transpose(1, 2, check_dims=True)``: a square one is taken as
+stored)."""
+
+
 def legacy_names(hf_name: str) -> list[str]:
     """The names tensor ``hf_name`` may have in checkpoints written before transformers 5 (``LEGACY_PREFIXES``)."""
     return [old + hf_name.removeprefix(new) for new, old in LEGACY_PREFIXES if hf_name.startswith(new)]
@@ -103,7 +111,10 @@ class HFFolder:
         try:
             with safe_open(file, framework="pt") as f:
                 stored = f.get_slice(name)
-                if list(stored.get_shape()) != list(shape):
+                stored_shape = list(stored.get_shape())
+                if TRANSPOSED_EXPERTS.search(name) and stored_shape == [shape[0], shape[2], shape[1]] != list(shape):
+                    return stored[index[0], index[2], index[1]].transpose(1, 2)
+                if stored_shape != list(shape):
                     raise ValueError(f"checkpoint {self.path} holds {hf_name} with shape {stored.get_shape()}, the "
                                      f"plan's model has {list(shape)}: a checkpoint of another model size?")
                 return stored[index]

@@ -4,12 +4,12 @@ folder."""
 
 from __future__ import annotations
 
-from planner.rules import attention_rules, injection_rule, width_rule
+from planner.rules import attention_rules, expert_parallel_rule, injection_rule, width_rule
 from planner.schema import Plan
 from runtime import preflight
 from runtime.model import hf_config_from_dict
 from runtime.parallel.ulysses import split_sequence
-from runtime.parallel_dims import ParallelDims
+from runtime.parallel_dims import plan_dims
 from runtime.preflight import module_names
 from runtime.trainer import RunOptions
 from runtime.families import family_of
@@ -21,7 +21,7 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
     preflight.check_plan(plan)
     preflight.check_inputs(plan, data=options.data, checkpoint=options.checkpoint, tokenizer=options.tokenizer)
     names = module_names(plan)
-    encoder, llm = (ParallelDims.from_plan(plan.module(name)) for name in names)
+    encoder, llm = (plan_dims(plan, name) for name in names)
     config = hf_config_from_dict(plan.model.hf_config)
     family = family_of(config)
     tc = config.get_text_config()
@@ -30,6 +30,9 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
     widths = [(tc.intermediate_size, "MLP hidden width of the LLM's decoder layers"),
               (tc.vocab_size, "vocabulary entries")]
     reasons += [problem for width, what in widths if (problem := width_rule(llm.tp, width, what))]
+    reasons += [problem for dims, what in ((encoder, f"the {encoder.name} encoder"), (llm, "the LLM"))
+                if (problem := expert_parallel_rule(dims.ep, dims.tp, dims.dp, dims.sp, dims.cp, dims.experts or None,
+                                                    what))]
     injection = injection_rule(llm.pp_layers, family.handoff_tensors(config) - 1)
     reasons += [injection] if injection else []
     if reasons:

@@ -64,21 +64,24 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModSt
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import _sharding_prop as sharding_prop
-from torch.distributed.tensor import DTensor
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_flatten, tree_map_only
+from transformers.distributed.expert_parallel import AllToAllEP, EPImplementationInterface, _AllToAllState
 
 from planner.schema import ZERO_BUBBLE_SCHEDULES, Plan
 from runtime import trainer as trainer_module
 from runtime.data import Sample, SampleLayout, layout_from_plan, token_sequence
 from runtime.model import hf_config_from_dict
 from runtime.parallel.ulysses import split_sequence, split_windows
-from runtime.parallel_dims import ParallelDims, forget_earlier_worlds
+from runtime.parallel_dims import forget_earlier_worlds, plan_dims
 from runtime.pipeline import PipelinedLanguageModel
 from runtime.step_inputs import StepInputs
 from runtime.parallel.precision import module_precision
 from runtime.parallelize import uses_fsdp
 from runtime import vision as vision_module
+from runtime.parallel import experts as experts_module
 from runtime.preflight import module_names
 from runtime.trainer import RunOptions, Trainer, numerics_device_type
 from runtime.vision import window_layout
@@ -268,9 +271,39 @@ def _vote_alone(schedule, stages, has_backward: bool, p2p_done: bool) -> None:
         stage._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC
 
 
+BALANCED_EP = "dry_run_balanced"
+"""The dry-run's entry in transformers' ``EPImplementationInterface``."""
+
+
+class BalancedAllToAllEP(AllToAllEP):
+    """transformers' ``AllToAllEP`` with balanced routing: where tokens go is data (fake here, so the real split
+    sizes would read 0), so each rank of the EP group sends every peer an equal share of its (token, expert) pairs
+    and receives as many. Memory is the exchange's at the mean load (the planner's ``moe_load_imbalance`` adds the
+    busiest rank's excess)."""
+
+    def _dispatch_tokens(self, hidden_states, top_k_index, top_k_weights):
+        num_tokens = hidden_states.size(0)
+        if self.tp_mesh.size() > 1:  # the TP rank's slice of the tokens (a local chunk, as the parent's)
+            hidden_states, top_k_index, top_k_weights = (
+                DTensor.from_local(t, self.tp_mesh, [Replicate()], run_check=False)
+                .redistribute(self.tp_mesh, [Shard(0)]).to_local() for t in (hidden_states, top_k_index, top_k_weights))
+        ep_size, top_k = self.ep_mesh.size(), top_k_index.size(-1)
+        order = torch.argsort(top_k_index.reshape(-1))
+        pairs = top_k_index.numel()
+        sizes = [pairs // ep_size + (peer < pairs % ep_size) for peer in range(ep_size)]
+        received = all_to_all_single_autograd(hidden_states[order // top_k], sizes, sizes, self.ep_mesh.get_group())
+        expert_ids = (torch.arange(pairs) % self.num_local_experts).unsqueeze(-1)
+        weights = torch.ones(pairs, 1, dtype=received.dtype)
+        return received, expert_ids, weights, _AllToAllState(top_k_weights, order, sizes, sizes, num_tokens)
+
+
+EPImplementationInterface.register(BALANCED_EP, BalancedAllToAllEP)
+
+
 @contextlib.contextmanager
 def _emulation():
-    """The trainer's tensors on CPU, vision windows as one segment, a pipeline's stages voting alone; DTensor's
+    """The trainer's tensors on CPU, vision windows as one segment, a pipeline's stages voting alone, experts'
+    tokens exchanged as if routed evenly (``BalancedAllToAllEP``); DTensor's
     sharding propagation in its own fake mode (it allocates tensors of global shapes, which must neither be real
     nor counted)."""
     propagation = FakeTensorMode()
@@ -278,14 +311,15 @@ def _emulation():
             mock.patch.object(vision_module, "shard_vision_batch",
                               _windows_as_one_segment(vision_module.shard_vision_batch)), \
             mock.patch.object(sharding_prop, "detect_fake_mode", lambda *_: propagation), \
-            mock.patch.object(_PipelineSchedule, "_warmup_p2p", _vote_alone):
+            mock.patch.object(_PipelineSchedule, "_warmup_p2p", _vote_alone), \
+            mock.patch.object(experts_module, "EP_IMPLEMENTATION", BALANCED_EP):
         yield
 
 
 # ---- roles ------------------------------------------------------------------------------------------------------
 def _slice_lengths(plan: Plan, name: str, layout: SampleLayout, config: Any) -> list[int]:
     """Sequence positions each SP rank of module ``name`` holds per micro-batch."""
-    dims = ParallelDims.from_plan(plan.module(name))
+    dims = plan_dims(plan, name)
     if name == "llm":
         bounds = split_sequence(layout.seq_len, dims.sp)
         return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
@@ -299,7 +333,7 @@ def role_keys(plan: Plan) -> dict[int, tuple]:
     config = hf_config_from_dict(plan.model.hf_config)
     layout = layout_from_plan(plan.workload, config)
     lengths = {name: _slice_lengths(plan, name, layout, config) for name in module_names(plan)}
-    dims = {name: ParallelDims.from_plan(plan.module(name)) for name in module_names(plan)}
+    dims = {name: plan_dims(plan, name) for name in module_names(plan)}
     keys = {}
     for rank in sorted({r for m in plan.modules for r in m.ranks}):
         key = []
@@ -577,7 +611,7 @@ def numerics(plan: Plan) -> str:
     parts = []
     for name in module_names(plan):
         recipe = module_precision(plan.training.precision, device,
-                                  fsdp=uses_fsdp(ParallelDims.from_plan(plan.module(name))))
+                                  fsdp=uses_fsdp(plan_dims(plan, name)))
         compute = ("FSDP2 bf16 all-gathers" if recipe.fsdp_policy is not None
                    else "bf16 autocast" if recipe.autocast_dtype is not None else "")
         dtype = str(recipe.param_dtype).removeprefix("torch.")
@@ -727,7 +761,7 @@ def _in_flight(plan: Plan, name: str, stage: int | None) -> int:
 
 def _pipeline_stage(plan: Plan, rank: int) -> int | None:
     """The LLM pipeline stage ``rank`` runs (None: the LLM is not pipelined or not on this rank)."""
-    dims = ParallelDims.from_plan(plan.module("llm"))
+    dims = plan_dims(plan, "llm")
     return dims.stage_of(rank) if dims.pp > 1 and rank in dims.ranks else None
 
 

@@ -45,6 +45,9 @@ def step_record(step: int, results: list[dict[str, Any]]) -> dict[str, Any]:
     skipped = [r["data_skipped"] for r in results if r.get("data_skipped")]
     if skipped:  # the rank that skipped most so far (DP replicas read different rows, TP peers the same ones)
         record["data_skipped"] = max(skipped, key=lambda counts: sum(counts.values()))
+    experts = next((r for r in results if "expert_tokens" in r), None)
+    if experts:  # every LLM rank reports the same sums
+        record["expert_tokens"], record["moe_load_imbalance"] = experts["expert_tokens"], experts["moe_load_imbalance"]
     stages = pipeline_stages(results)
     if stages:
         record["pp_stages"] = stages

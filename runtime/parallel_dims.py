@@ -4,7 +4,10 @@ A module's ranks form a ``pp x dp x cp x sp x tp`` grid (tp innermost, pp outerm
 block of consecutive ranks), as the planner lays them out. Two meshes are built over it: ``mesh`` with axes
 (``dp_cp_sp``, ``tp``), and ``pp`` in front when the module is pipelined — the root that FSDP (on ``dp_cp_sp``, the
 module's data-parallel / gradient-sum group within a stage), TP (on ``tp``) and the pipeline (on ``pp``) share, as
-torchtitan composes them — and ``grid_mesh`` with the named axes, for the SP and DP groups. (Both are built
+torchtitan composes them — and ``grid_mesh`` with the named axes, for the SP and DP groups. A mixture-of-experts
+LLM adds ``expert_mesh`` ([pp,] ``efsdp``, ``ep``): each MoE layer's experts are split over ``ep x tp`` ranks (an EP
+group: ``ep`` consecutive data ranks of a stage with all their TP ranks, torchtitan's ``etp = 1``), and each expert's
+weights are sharded by FSDP over the ``efsdp = dp * sp / ep`` groups holding the same experts. (All are built
 directly rather than by flattening a slice:
 flattening creates process groups that every rank of the world, including ranks outside a disjoint module,
 would have to join.) The runtime never re-decides any of these numbers.
@@ -18,7 +21,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from planner.schema import ModulePlan
+from planner.schema import ModulePlan, Plan
 from runtime.preflight import context_parallel_refusal
 
 AXES = ("pp", "dp", "cp", "sp", "tp")
@@ -62,10 +65,17 @@ class ParallelDims:
     """Decoder layers of each model chunk, in pipeline order (chunk c on stage c % pp)."""
     frozen: bool = False
     """Weights are not trained: no gradients, no optimizer (the module still passes gradients through)."""
+    ep: int = 1
+    """Expert-parallel degree over the stage's data ranks (dp * sp)."""
+    experts: int = 0
+    """Routed experts of each of the module's MoE layers (0: none)."""
     mesh: DeviceMesh | None = field(default=None, repr=False)
     """([pp,] dp_cp_sp, tp) mesh, the root of FSDP, TP and the pipeline (``build_mesh``)."""
     grid_mesh: DeviceMesh | None = field(default=None, repr=False)
     """([pp,] dp, cp, sp, tp) mesh (``build_mesh``)."""
+    expert_mesh: DeviceMesh | None = field(default=None, repr=False)
+    """([pp,] efsdp, ep) mesh of a module whose experts are split (``experts_split``; ``build_mesh``): ``ep`` the
+    ``ep x tp`` ranks of an EP group, ``efsdp`` the groups holding the same experts."""
 
     def __post_init__(self) -> None:
         if len(self.ranks) != self.num_devices:
@@ -76,14 +86,25 @@ class ParallelDims:
             raise NotImplementedError(context_parallel_refusal(self.name, self.cp))
 
     @classmethod
-    def from_plan(cls, module: ModulePlan) -> "ParallelDims":
-        """The degrees a plan gives one module."""
+    def from_plan(cls, module: ModulePlan, experts: int = 0) -> "ParallelDims":
+        """The degrees a plan gives one module; ``experts``: routed experts of its MoE layers (``plan_experts``)."""
         return cls(
             name=module.name, ranks=tuple(module.ranks), dp=module.dp, cp=module.cp, sp=module.sp, tp=module.tp,
             zero=module.zero, recompute=module.recompute, micro_batch=module.micro_batch,
             grad_accum=module.grad_accum, frozen=module.frozen, pp=module.pp, pp_schedule=module.pp_schedule,
-            virtual_stages=module.virtual_stages, pp_layers=tuple(module.pp_layers or ()),
+            virtual_stages=module.virtual_stages, pp_layers=tuple(module.pp_layers or ()), ep=module.ep,
+            experts=experts,
         )
+
+    @property
+    def experts_split(self) -> bool:
+        """The module's experts are split over ``ep x tp > 1`` ranks (expert parallelism, runtime.parallel.experts)."""
+        return self.experts > 0 and self.ep * self.tp > 1
+
+    @property
+    def expert_fsdp_degree(self) -> int:
+        """Ranks holding the same experts (``efsdp``): their gradients are summed, ZeRO shards over them."""
+        return self.batch_degree // self.ep
 
     @property
     def num_devices(self) -> int:
@@ -107,7 +128,7 @@ class ParallelDims:
         0)."""
         ranks = self.ranks[stage * self.stage_devices:(stage + 1) * self.stage_devices]
         return replace(self, ranks=ranks, pp=1, pp_schedule="1f1b", virtual_stages=1, pp_layers=(), mesh=None,
-                       grid_mesh=None)
+                       grid_mesh=None, expert_mesh=None)
 
     @property
     def batch_degree(self) -> int:
@@ -143,6 +164,12 @@ class ParallelDims:
         """Create the module's meshes; every rank of the world must call this, for every module, in the same
         order (creating a process group is collective), and only the module's ranks may slice them."""
         grid = torch.tensor(self.ranks).view(self.pp, self.dp, self.cp, self.sp, self.tp)
+        if self.experts_split:
+            experts = grid.view(self.pp, self.expert_fsdp_degree, self.ep * self.tp)
+            if self.pp_enabled:
+                self.expert_mesh = DeviceMesh(device_type, experts, mesh_dim_names=("pp", "efsdp", "ep"))
+            else:
+                self.expert_mesh = DeviceMesh(device_type, experts[0], mesh_dim_names=("efsdp", "ep"))
         if self.pp_enabled:
             self.mesh = DeviceMesh(device_type, grid.view(self.pp, self.batch_degree, self.tp),
                                    mesh_dim_names=("pp", BATCH_AXIS, "tp"))
@@ -153,10 +180,22 @@ class ParallelDims:
 
     def __str__(self) -> str:
         pipeline = f"PP{self.pp}-" if self.pp_enabled else ""
+        experts = f"-EP{self.ep}" if self.ep > 1 else ""
         return (
-            f"{self.name}: {pipeline}DP{self.dp}-CP{self.cp}-SP{self.sp}-TP{self.tp} ZeRO{self.zero} "
+            f"{self.name}: {pipeline}DP{self.dp}-CP{self.cp}-SP{self.sp}-TP{self.tp}{experts} ZeRO{self.zero} "
             f"rc={self.recompute} mb={self.micro_batch} ga={self.grad_accum} ranks={list(self.ranks)}"
         )
+
+
+def plan_experts(plan: Plan, name: str) -> int:
+    """Routed experts of each MoE layer of module ``name`` (the LLM's ``num_experts``; 0 for a dense module)."""
+    text = plan.model.hf_config.get("text_config", plan.model.hf_config)
+    return int(text.get("num_experts", 0) or 0) if name == "llm" else 0
+
+
+def plan_dims(plan: Plan, name: str) -> ParallelDims:
+    """The degrees a plan gives module ``name``, its experts included."""
+    return ParallelDims.from_plan(plan.module(name), experts=plan_experts(plan, name))
 
 
 def forget_earlier_worlds() -> None:

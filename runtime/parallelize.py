@@ -1,4 +1,5 @@
-"""Apply a module's planned parallelism, in torchtitan's order: TP -> recomputation -> FSDP (blocks, then root).
+"""Apply a module's planned parallelism, in torchtitan's order: TP -> EP -> recomputation -> FSDP (experts, blocks,
+then root).
 
 The module arrives on the ``meta`` device and stays there: runtime.checkpoint.materialize then gives this rank's
 shards storage and values.
@@ -16,6 +17,7 @@ from torch import nn
 
 from runtime.model import LanguageModel
 from runtime.pipeline import PipelinedLanguageModel, split_language_model
+from runtime.parallel.experts import apply_expert_parallel, shard_experts
 from runtime.parallel.fsdp import apply_fsdp
 from runtime.parallel.precision import Precision, cast_norm_outputs
 from runtime.parallel.recompute import apply_recompute
@@ -41,13 +43,18 @@ def parallelize_encoder(tower: nn.Module, dims: ParallelDims, precision: Precisi
 
 
 def parallelize_llm(llm: LanguageModel, dims: ParallelDims, precision: Precision, family: ModuleType) -> None:
-    """Language model: TP (vocab-parallel embedding and loss), recomputation, ZeRO over ``dp x sp``."""
+    """Language model: TP (vocab-parallel embedding and loss), EP of its experts (runtime.parallel.experts),
+    recomputation, ZeRO over ``dp x sp`` (the experts' over ``efsdp``)."""
     assert dims.mesh is not None, "build_mesh first"
     if dims.tp_enabled:
         parallelize_llm_tp(llm, dims.mesh["tp"], family)
+    if dims.experts_split:
+        apply_expert_parallel(llm, dims)
     cast_norm_outputs(llm, precision)
     apply_recompute(llm.language_model, dims.recompute)
     if uses_fsdp(dims):
+        if dims.experts_split:
+            shard_experts(llm, dims, zero=dims.zero, mp_policy=precision.fsdp_policy)
         apply_fsdp(llm, list(llm.language_model.layers), dims.mesh[BATCH_AXIS], zero=dims.zero,
                    mp_policy=precision.fsdp_policy)
 
@@ -63,7 +70,11 @@ def parallelize_pipelined_llm(llm: LanguageModel, dims: ParallelDims, precision:
     for chunk in pipelined.chunks:
         if dims.tp_enabled:
             parallelize_llm_tp(chunk, dims.mesh["tp"], family)
+        if dims.experts_split:
+            apply_expert_parallel(chunk, dims)
         if uses_fsdp(dims):
+            if dims.experts_split:
+                shard_experts(chunk, dims, zero=dims.zero, mp_policy=precision.fsdp_policy)
             apply_fsdp(chunk, list(chunk.language_model.layers.values()), dims.mesh[BATCH_AXIS], zero=dims.zero,
                        mp_policy=precision.fsdp_policy)
     return pipelined

@@ -36,9 +36,10 @@ from runtime.dcp_checkpoint import load_checkpoint
 from runtime.handoff import Handoff, Posted
 from runtime.model import hf_config_from_dict
 from runtime.optim import clip_grad_norm
+from runtime.parallel.experts import RouterStats, busiest_rank_load, moe_layers
 from runtime.parallel.fsdp import all_reduce_gradients, set_gradient_sync
 from runtime.parallel.precision import module_precision
-from runtime.parallel_dims import BATCH_AXIS, ParallelDims
+from runtime.parallel_dims import BATCH_AXIS, plan_dims
 from runtime.parallelize import uses_fsdp
 from runtime.pipeline import build_schedule
 from runtime.preflight import module_names
@@ -96,7 +97,7 @@ class Trainer:
         self.module_names = module_names(plan)
         self.encoder = self.module_names[0]
         """The encoder module's name (``vision`` or ``audio``)."""
-        self.dims = {name: ParallelDims.from_plan(plan.module(name)) for name in self.module_names}
+        self.dims = {name: plan_dims(plan, name) for name in self.module_names}
         for dims in self.dims.values():
             dims.build_mesh(self.device.type)
         self.numerics = numerics_device_type(plan)
@@ -121,6 +122,13 @@ class Trainer:
             self.schedule = build_schedule(self.modules["llm"], self.dims["llm"], self.device,
                                            self.inputs.pipeline_shapes, self._pipeline_loss,
                                            functools.partial(self._timed, "pp_compute_s"))
+        text = config.get_text_config()
+        self.balancing_coef = text.router_aux_loss_coef if getattr(text, "output_router_logits", False) else 0.0
+        """Weight of transformers' load-balancing loss in the LLM's loss (0: the config leaves it out)."""
+        experts = self.dims["llm"].experts
+        self.routers = RouterStats(self.modules["llm"], experts, probabilities=bool(self.balancing_coef)) if (
+            "llm" in self.modules and experts) else None
+        """The MoE routers' choices (runtime.parallel.experts); None for a dense LLM or off its ranks."""
         self.step = 0
         self.samples_seen = 0
         """Global index of the next sample: the data position, independent of the plan."""
@@ -179,15 +187,32 @@ class Trainer:
         llm, dims = self.modules["llm"], self.dims["llm"]
         embeds.requires_grad_(not self.dims[self.encoder].frozen)
         set_gradient_sync(llm, zero=dims.zero, last_micro_batch=micro == self.num_micro_batches - 1)
+        balancing = torch.zeros((), device=self.device)
         with loss_parallel() if dims.tp_enabled else contextlib.nullcontext():
-            with self._timed("llm_forward_s"), self.model.autocast("llm"):
+            with self._timed("llm_forward_s"), self.model.autocast("llm"), self._routing():
                 # the logits die with the loss's frame: only the log-softmax the backward reads stays
                 loss = self._loss(llm(shard.input_ids_Bs, embeds, shard.position_ids_3Bs, shard.ulysses),
                                   shard.targets_Bs, num_tokens)
+                if self.balancing_coef:
+                    group = dims.mesh[BATCH_AXIS].get_group() if dims.batch_enabled else None
+                    targets = (shard.targets_Bs != IGNORE_INDEX).sum()
+                    balancing = self.balancing_coef * self.routers.balancing_loss(group, targets, num_tokens)
             with self._timed("llm_backward_s"):
-                loss.backward()
+                torch.autograd.backward([loss, balancing] if balancing.requires_grad else [loss])
         value = loss.full_tensor() if isinstance(loss, DTensor) else loss
-        return embeds.grad, float(value.detach())
+        return embeds.grad, float(value.detach()) + float(balancing.detach())
+
+    @contextlib.contextmanager
+    def _routing(self):
+        """Record the MoE routers' choices (runtime.parallel.experts ``RouterStats``) around a forward."""
+        if self.routers is None:
+            yield
+            return
+        self.routers.start()
+        try:
+            yield
+        finally:
+            self.routers.stop()
 
     def hand_back(self, grad: torch.Tensor | None, micro: int) -> Posted:
         """Post the encoder tokens' gradients back to the encoder ranks and, on those, the receives of their own."""
@@ -210,6 +235,8 @@ class Trainer:
                 dims = self.dims[name]
                 if dims.zero == 0 and dims.batch_enabled:
                     all_reduce_gradients(module, dims.mesh[BATCH_AXIS].get_group())
+                if dims.zero == 0 and dims.experts_split and dims.expert_fsdp_degree > 1:
+                    all_reduce_gradients(module, dims.expert_mesh["efsdp"].get_group(), experts=True)
         with self._timed("optimizer_s"):
             norm = clip_grad_norm(*self._norm_parts(), self.plan.training.grad_clip_norm, self.device)
             for optimizer, schedule in self.optimizers.values():
@@ -260,6 +287,7 @@ class Trainer:
             idle = self.timings["llm_pipeline_s"] - self.timings["pp_compute_s"]
             pipeline = {"pp_stage": self.dims["llm"].stage_of(self.rank), "pp_idle_s": max(idle, 0.0)}
         norm = self.optimizer_step()
+        experts = self._expert_load()
         self.step += 1
         self.samples_seen += self.inputs.positions_per_step
         _sync(self.device)
@@ -269,9 +297,21 @@ class Trainer:
             "lr": lr,
             "step_time_s": time.perf_counter() - start, "llm_tokens": self.inputs.step_tokens, "data_s": data_s,
             "handoff_comm_s": self.handoff.comm_seconds,
-            "peak_memory_bytes": _peak_memory(self.device), **self.timings, **pipeline,
+            "peak_memory_bytes": _peak_memory(self.device), **self.timings, **pipeline, **experts,
             **({"data_skipped": dict(skipped)} if skipped else {}),
         }
+
+    def _expert_load(self) -> dict[str, Any]:
+        """The step's routed tokens per expert (summed over the MoE layers and the LLM's ranks) and the busiest EP
+        rank's load over the mean (runtime.parallel.experts ``busiest_rank_load``); nothing for a dense LLM."""
+        if self.routers is None:
+            return {}
+        dims = self.dims["llm"]
+        groups = [dims.mesh[BATCH_AXIS].get_group()] if dims.batch_enabled else []
+        groups += [dims.mesh["pp"].get_group()] if dims.pp_enabled else []
+        counts = self.routers.step_counts(moe_layers(self.inputs.config.get_text_config()), groups)
+        return {"expert_tokens": [int(c) for c in counts.sum(0).tolist()],
+                "moe_load_imbalance": busiest_rank_load(counts.cpu(), dims.ep * dims.tp if dims.experts_split else 1)}
 
     def _colocated_step(self, num_tokens: torch.Tensor) -> float:
         loss = 0.0
@@ -322,7 +362,7 @@ class Trainer:
         target = torch.cat([s.targets_Bs for s in shards]) if last else None
         self._step_num_tokens = num_tokens
         with loss_parallel() if dims.tp_enabled else contextlib.nullcontext():
-            with self._timed("llm_pipeline_s"):
+            with self._timed("llm_pipeline_s"), self._routing():
                 self.schedule.step(*inputs, target=target, losses=losses if last else None, return_outputs=False,
                                    position_ids=position_ids)
         loss = sum((float((l.full_tensor() if isinstance(l, DTensor) else l).detach()) for l in losses), 0.0)

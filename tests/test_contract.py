@@ -75,12 +75,8 @@ def emitted_plans(model: str, gpus: int, per_node: int, workload: dict):
                 yield f"{model} {placement} {module} {strategy.describe()}", plan
 
 
-MOE_MODELS = {"qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b", "qwen3-vl-moe-tiny"}
-"""Planned, not built: the runtime's expert parallelism is the next step of issue 31."""
-
-
 def test_runtime_builds_every_catalog_family():
-    assert set(RUNTIME_MODELS) == {name for name, *_ in list_models()} - MOE_MODELS
+    assert set(RUNTIME_MODELS) == {name for name, *_ in list_models()}
 
 
 @pytest.fixture

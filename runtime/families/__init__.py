@@ -34,10 +34,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from runtime.families import qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl
+from runtime.families import qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl, qwen3_vl_moe
 
 FAMILIES: dict[str, ModuleType] = {adapter.MODEL_TYPE: adapter for adapter in (qwen2_5_vl, qwen2_vl, qwen3_vl,
-                                                                                   qwen2_audio)}
+                                                                                   qwen3_vl_moe, qwen2_audio)}
 """``model_type`` -> its runtime adapter."""
 
 

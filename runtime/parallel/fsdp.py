@@ -27,6 +27,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from runtime.parallel.experts import expert_parameters
+
 
 def apply_fsdp(
     module: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh, *, zero: int,
@@ -55,21 +57,26 @@ def set_gradient_sync(module: nn.Module, *, zero: int, last_micro_batch: bool) -
 
 
 FLAT_GRADIENTS_ATTR = "_flat_gradient_buffer"
-"""Attribute of a ZeRO-0 module holding its persistent flat gradient buffer."""
+"""Attribute prefix of a ZeRO-0 module's persistent flat gradient buffers (one per parameter set)."""
 
 
 @torch.no_grad()
-def all_reduce_gradients(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """ZeRO-0: sum every gradient over ``group`` with one flat all-reduce (a single bucket). The flat buffer
-    persists across steps (as DDP's buckets do), so each step copies the gradients in and out of memory that is
-    already mapped."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
+def all_reduce_gradients(module: nn.Module, group: dist.ProcessGroup, *, experts: bool = False) -> None:
+    """ZeRO-0: sum the gradients of ``module``'s parameters over ``group`` with one flat all-reduce (a single
+    bucket); ``experts``: its split experts' weights (runtime.parallel.experts, summed over their ``efsdp`` group)
+    instead of the others. The flat buffer persists across steps (as DDP's buckets do), so each step copies the
+    gradients in and out of memory that is already mapped."""
+    expert_params = expert_parameters(module)
+    grads = [p.grad for p in module.parameters() if p.grad is not None and (p in expert_params) == experts]
+    if not grads:
+        return
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     numel = sum(g.numel() for g in local)
-    flat = getattr(module, FLAT_GRADIENTS_ATTR, None)
+    attr = FLAT_GRADIENTS_ATTR + ("_experts" if experts else "")
+    flat = getattr(module, attr, None)
     if flat is None or flat.numel() != numel or flat.dtype != local[0].dtype or flat.device != local[0].device:
         flat = torch.empty(numel, dtype=local[0].dtype, device=local[0].device)
-        setattr(module, FLAT_GRADIENTS_ATTR, flat)
+        setattr(module, attr, flat)
     torch.cat([g.reshape(-1) for g in local], out=flat)
     dist.all_reduce(flat, group=group)
     torch._foreach_copy_(local, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in local]), local)])

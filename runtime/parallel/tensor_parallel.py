@@ -208,7 +208,9 @@ def parallelize_llm_tp(llm: nn.Module, mesh: DeviceMesh, family: Any) -> None:
     if kv_heads % tp:
         replicated = ReplicatedHeadsColwise(kv_heads)
         block_plan = {**block_plan, "self_attn.k_proj": replicated, "self_attn.v_proj": replicated}
+    dense_mlp = {k: v for k, v in block_plan.items() if not k.startswith("mlp.")}
     for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
-        parallelize_module(block, mesh, block_plan)
+        # a mixture-of-experts MLP is not TP-split: its router stays whole, its experts go to runtime.parallel.experts
+        parallelize_module(block, mesh, block_plan if hasattr(block.mlp, "gate_proj") else dense_mlp)
         if kv_heads % tp:  # one KV head for the rank's config.num_attention_heads / tp query heads
             block.self_attn.num_key_value_groups = config.num_attention_heads // tp

@@ -84,6 +84,16 @@ def tiny_qwen3_vl_config() -> dict[str, Any]:
     return copy.deepcopy(dict(get_model("qwen3-vl-tiny").hf_config))
 
 
+def tiny_qwen3_vl_moe_config(*, balancing: bool = True) -> dict[str, Any]:
+    """The catalog's tiny Qwen3-VL-MoE (the tiny Qwen3-VL with 8 experts, top-2, in every decoder layer);
+    ``balancing``: with transformers' load-balancing loss (``output_router_logits``; off in the catalog) or without."""
+    from planner.catalog import get_model
+
+    config = copy.deepcopy(dict(get_model("qwen3-vl-moe-tiny").hf_config))
+    config["text_config"]["output_router_logits"] = balancing
+    return config
+
+
 def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAGE_SIZE, text_tokens=TEXT_TOKENS,
               learning_rate=1e-3, warmup_steps=2, grad_clip_norm=1.0, hf_config=None,
               pack_tokens: int | None = None, videos: tuple[tuple[int, int, int], ...] = (),

@@ -12,6 +12,9 @@ expectations are derived here from the plan's degrees alone (never from the runt
   row-parallel ones (attention output, down, fc2, merger ``mlp.2``, ``linear_fc2``) ``Shard(1)``, bias
   replicated; the embedding and ``lm_head`` are sharded on the vocabulary (dim 0);
   everything else (norms, patch embedding) is replicated.
+- EP (a mixture-of-experts LLM with ep x tp > 1): each MoE layer's fused expert weights are ``S(0)`` over their EP
+  group (``ep`` consecutive data ranks with all their TP ranks), and under ZeRO also over the ranks holding the same
+  experts (efsdp), not over the batch group.
 - ZeRO >= 1 with dp * cp * sp > 1: every parameter is also sharded on dim 0 over the module's batch group
   (its ranks with the same TP coordinate); ZeRO-0 adds nothing on that group (plain tensors or Replicate).
 - Frozen modules have ``requires_grad=False`` everywhere, trained ones ``True``.
@@ -54,6 +57,8 @@ VOCAB_PARALLEL = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
 """Vocabulary-parallel embedding and output projection: vocabulary rows (dim 0) split over TP."""
 KV_PROJECTION = re.compile(r"(^|\.)self_attn\.[kv]_proj\.(weight|bias)$")
 """The LLM's key/value projections (replicated over TP when it is a multiple of their heads)."""
+EXPERTS = re.compile(r"(^|\.)mlp\.experts\.(gate_up_proj|down_proj)$")
+"""A mixture-of-experts layer's fused expert weights [E, ...]: split on the expert dim over the EP group."""
 BLOCK = re.compile(r"(^|\.)(blocks|layers)\.\d+$")
 """Transformer blocks: the vision tower's and the decoder's, each an FSDP unit under ZeRO."""
 
@@ -181,12 +186,35 @@ def kv_heads(plan: Plan) -> int:
     return config.get("text_config", config)["num_key_value_heads"]
 
 
-def expected_layout(module: ModulePlan, rank: int, name: str, *, kv_heads: int, gathered: bool = False) -> Layout:
+def num_experts(plan: Plan) -> int:
+    """Routed experts of each of the LLM's MoE layers (0 for a dense LLM), from the plan's model config."""
+    config = plan.model.hf_config
+    return config.get("text_config", config).get("num_experts", 0)
+
+
+def expert_groups(module: ModulePlan, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(EP group, efsdp group) of ``rank``: ``ep x tp`` consecutive ranks of its stage split the experts; the ranks
+    at the same place in the other EP groups hold the same experts."""
+    ranks, size = stage_ranks(module, rank), module.ep * module.tp
+    index = ranks.index(rank)
+    first = index - index % size
+    return tuple(ranks[first:first + size]), tuple(r for i, r in enumerate(ranks) if i % size == index % size)
+
+
+def expected_layout(module: ModulePlan, rank: int, name: str, *, kv_heads: int, gathered: bool = False,
+                    experts: int = 0) -> Layout:
     """The layout the plan implies for parameter ``name`` of ``module`` on ``rank`` (of a model with ``kv_heads``
-    LLM key/value heads); ``gathered``: as FSDP holds it between its all-gather and its reshard (no batch-group
-    shard)."""
+    LLM key/value heads and ``experts`` routed experts per MoE layer); ``gathered``: as FSDP holds it between its
+    all-gather and its reshard (no batch-group shard). Split experts (``ep x tp > 1``) are ``S(0)`` over their EP
+    group, and under ZeRO over their efsdp group."""
     tp_group, batch_group = axis_groups(module, rank)
     layout: Layout = {}
+    if module.name == "llm" and experts and module.ep * module.tp > 1 and EXPERTS.search(name):
+        ep_group, efsdp_group = expert_groups(module, rank)
+        layout[ep_group] = "S(0)"
+        if module.zero >= 1 and len(efsdp_group) > 1 and len(batch_group) > 1 and not gathered:
+            layout[efsdp_group] = "S(0)"
+        return layout
     replicated_kv = module.name == "llm" and kv_heads % module.tp != 0 and KV_PROJECTION.search(name)
     dim = None if replicated_kv else tp_split_dim(name)
     if module.tp > 1 and dim is not None:
@@ -217,7 +245,7 @@ def assert_parameters_sharded_as_planned(plan: Plan, summaries: list[dict[str, A
             assert params, f"rank {rank}: {module_name} has no parameters"
             for name, p in params.items():
                 where = f"rank {rank} {module_name} {name}"
-                expected = expected_layout(module, rank, name, kv_heads=kv_heads(plan))
+                expected = expected_layout(module, rank, name, kv_heads=kv_heads(plan), experts=num_experts(plan))
                 assert p["layout"] == expected, f"{where}: layout {p['layout']}, plan implies {expected}"
                 assert p["local_shape"] == local_shape(p["shape"], expected), (
                     f"{where}: local shard {p['local_shape']} of {p['shape']}, plan implies "

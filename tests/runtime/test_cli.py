@@ -11,10 +11,9 @@ import sys
 import pytest
 import torch
 
-from planner.hf_configs import QWEN3_VL_MOE_TINY
 from runtime import launcher
 from runtime.trainer import RunOptions
-from tests.runtime.plans import make_plan
+from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_qwen3_vl_moe_config
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -46,14 +45,20 @@ def test_context_parallel_plan_is_refused_before_ray(tmp_path):
     assert_one_line_error(run_cli(str(tmp_path / "plan.json")), "context parallelism (cp=2) is not implemented")
 
 
-def test_what_the_runtime_does_not_build_yet_is_refused_before_ray(tmp_path):
-    """Plans of mixture-of-experts models: expert parallelism, and then the model itself (issue 31's next step)."""
-    (tmp_path / "ep.json").write_text(make_plan({}, dict(ep=2)).to_json())
-    assert_one_line_error(run_cli(str(tmp_path / "ep.json")), "expert parallelism (ep=2) is not run yet")
-    moe = json.loads(make_plan({}, {}).to_json())
-    moe["model"]["hf_config"] = QWEN3_VL_MOE_TINY
-    (tmp_path / "moe.json").write_text(json.dumps(moe))
-    assert_one_line_error(run_cli(str(tmp_path / "moe.json")), "not model_type='qwen3_vl_moe'")
+def test_expert_parallelism_the_runtime_cannot_run_is_refused_before_ray(tmp_path):
+    """ep on a dense LLM, experts that do not split over an EP group's ep x tp ranks, and the load-balancing loss
+    with a pipelined LLM (its counts span every stage's layers)."""
+    (tmp_path / "dense.json").write_text(make_plan(dict(dp=2), dict(dp=2, ep=2)).to_json())
+    assert_one_line_error(run_cli(str(tmp_path / "dense.json")), "ep=2 but the LLM has no experts")
+    moe = tiny_qwen3_vl_moe_config()
+    (tmp_path / "split.json").write_text(make_plan(dict(dp=3), dict(dp=3, ep=3), hf_config=moe,
+                                                   image_size=QWEN3_IMAGE_SIZE).to_json())
+    assert_one_line_error(run_cli(str(tmp_path / "split.json")), "does not divide the 8 experts")
+    pipelined = make_plan(dict(dp=2, grad_accum=2), dict(pp=2, pp_layers=[2, 2], grad_accum=2), hf_config=moe,
+                          image_size=QWEN3_IMAGE_SIZE)
+    (tmp_path / "pp.json").write_text(pipelined.to_json())
+    assert_one_line_error(run_cli(str(tmp_path / "pp.json")), "the load-balancing loss (text_config."
+                                                              "output_router_logits) is not run with a pipelined LLM")
 
 
 def test_what_a_pipeline_does_not_run_yet_is_refused_before_ray(tmp_path):

@@ -44,7 +44,7 @@ from runtime import launcher
 from runtime.trainer import RunOptions
 from tests.runtime import sharding_checks
 from tests.runtime.plans import (QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen2_audio_config,
-                                 tiny_qwen2_vl_config, tiny_qwen3_vl_config)
+                                 tiny_qwen2_vl_config, tiny_qwen3_vl_config, tiny_qwen3_vl_moe_config)
 from tests.runtime.reference import reference_run
 
 STEPS = 3
@@ -217,6 +217,26 @@ QWEN2_AUDIO_PLANS = {
 """Qwen2-Audio plans (runtime.families.qwen2_audio); ``vision`` holds the audio encoder's degrees."""
 
 
+QWEN3_VL_MOE = dict(hf_config=tiny_qwen3_vl_moe_config(), image_size=QWEN3_IMAGE_SIZE)
+QWEN3_VL_MOE_PLANS = {
+    # 8 experts over 2 data ranks (4 each), ZeRO-0: expert gradients stay on their rank, the rest is summed; the
+    # routers re-run by full recomputation save what their forward saved
+    "moe_ep2": dict(vision=dict(dp=2), llm=dict(dp=2, ep=2, recompute="full"), **QWEN3_VL_MOE),
+    # EP groups {0,1} and {2,3}; each expert's weights and states ZeRO-3-sharded over the 2 ranks holding it
+    "moe_ep2_dp4_zero3": dict(vision=dict(dp=4, zero=3), llm=dict(dp=4, ep=2, zero=3), **QWEN3_VL_MOE),
+    # EP group = 2 data ranks x 2 TP ranks (2 experts each); each TP rank sends its half of the tokens
+    "moe_ep2_tp2_zero1": dict(vision=dict(dp=2, tp=2, zero=1), llm=dict(dp=2, tp=2, ep=2, zero=1), **QWEN3_VL_MOE),
+    # two stages, each with its own EP group of 2; no balancing loss (refused with PP)
+    "moe_ep2_pp2": dict(vision=dict(dp=2, tp=2, grad_accum=2),
+                        llm=dict(pp=2, pp_layers=[2, 2], dp=2, ep=2, grad_accum=2),
+                        **{**QWEN3_VL_MOE, "hf_config": tiny_qwen3_vl_moe_config(balancing=False)}),
+    # the vision tower's sequence split beside the LLM's experts split over its 2 data ranks
+    "moe_vision_sp2__llm_ep2": dict(vision=dict(sp=2, micro_batch=2), llm=dict(dp=2, ep=2), **QWEN3_VL_MOE),
+}
+"""Qwen3-VL-MoE plans (runtime.parallel.experts), one micro-batch per rank where the balancing loss is on (the
+reference computes it over the whole batch at once)."""
+
+
 def clip_coefficient(norm: float, max_norm: float) -> float:
     """The factor global-norm clipping multiplies every gradient by (torch.nn.utils.clip_grad_norm_'s formula)."""
     return min(1.0, max_norm / (norm + 1e-6))
@@ -249,10 +269,11 @@ def run_runtime(plan, options: RunOptions | None = None, pool: launcher.WorkerPo
     grad_norms = [[r["grad_norm"] for r in step] for step in results]
     coef = clip_coefficient(grad_norms[0][0], plan.training.grad_clip_norm)
     return {"losses": losses, "grad_norms": grad_norms, "grads": {n: g / coef for n, g in grads.items()},
-            "params": params}
+            "params": params, "results": results}
 
 
-def assert_parity(plan, options: RunOptions | None = None, pool: launcher.WorkerPool | None = None) -> None:
+def assert_parity(plan, options: RunOptions | None = None, pool: launcher.WorkerPool | None = None) -> dict:
+    """The runtime's run (``run_runtime``) after checking it against the reference."""
     ref = reference_run(plan, seed=SEED, steps=STEPS, options=options)
     got = run_runtime(plan, options, pool)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
@@ -268,6 +289,7 @@ def assert_parity(plan, options: RunOptions | None = None, pool: launcher.Worker
     for name, p_ref in ref["params"].items():
         err = (got["params"][name] - p_ref).abs().max().item()
         assert err <= 0.1 * LR, f"parameter {name} after {STEPS} steps: max error {err:.3g}"
+    return got
 
 
 @pytest.mark.slow
@@ -303,6 +325,20 @@ def test_parity_pipelined(name, worker_pool):
 def test_parity_qwen3_vl(name, worker_pool):
     spec = dict(QWEN3_VL_PLANS[name])
     assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
+
+
+@pytest.mark.parametrize("name", list(QWEN3_VL_MOE_PLANS))
+def test_parity_qwen3_vl_moe(name, worker_pool):
+    """Parity, and every LLM rank reports the step's routed tokens per expert: each token of the global batch
+    routed to ``k`` experts in each of the 4 MoE layers."""
+    spec = dict(QWEN3_VL_MOE_PLANS[name])
+    plan = make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec)
+    text = plan.model.hf_config["text_config"]
+    for step in assert_parity(plan, pool=worker_pool)["results"]:
+        for result in (r for r in step if "llm" in r["modules"]):
+            routed = result["llm_tokens"] * text["num_experts_per_tok"] * text["num_hidden_layers"]
+            assert len(result["expert_tokens"]) == 8 and sum(result["expert_tokens"]) == routed
+            assert result["moe_load_imbalance"] >= 1.0
 
 
 @pytest.mark.parametrize("name", list(QWEN2_AUDIO_PLANS))

@@ -11,7 +11,11 @@ import pytest
 import torch
 
 from runtime.model import build_model, meta_model
-from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen2_audio_config, tiny_qwen3_vl_config
+from safetensors.torch import load_file, save_file
+
+from tests.runtime.plans import (QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen2_audio_config,
+                                 tiny_qwen3_vl_config, tiny_qwen3_vl_moe_config)
+from tests.runtime.sharding_checks import EXPERTS
 from tests.runtime.ranks import SEED, measure_startup, run_scenarios, spawn
 
 
@@ -50,6 +54,9 @@ SPECS = {
         "vision_tp4__llm_tp2xsp2_zero1": dict(
             vision=dict(tp=4, micro_batch=2), llm=dict(tp=2, sp=2, micro_batch=2, zero=1)
         ),
+        # Qwen3-VL-MoE: experts split over EP groups of 2 (and ZeRO-3 over the 2 holding each), or over 2 x TP2
+        "qwen3_vl_moe_ep2_dp4_zero3": dict(vision=dict(dp=4, zero=3), llm=dict(dp=4, ep=2, zero=3), moe=True),
+        "qwen3_vl_moe_ep2_tp2_zero1": dict(vision=dict(dp=2, tp=2), llm=dict(dp=2, tp=2, ep=2, zero=1), moe=True),
     },
 }
 """Plans per world size: TP, SP, DP, ZeRO 1-3, FSDP x TP, PP, colocated and disjoint."""
@@ -57,7 +64,8 @@ SPECS = {
 ROUND_TRIPS = {
     2: {"uniform_tp2": "zero3_dp2", "zero3_dp2": "llm_pp2__vision_dp2", "llm_pp2__vision_dp2": "uniform_tp2",
         "qwen3_vl_uniform_tp2": "qwen3_vl_zero3_dp2", "qwen2_audio_uniform_tp2": "qwen2_audio_zero3_dp2"},
-    4: {"vision_dp2xtp2_zero3__llm_tp2xdp2_zero3": "vision_tp4__llm_tp2xsp2_zero1"},
+    4: {"vision_dp2xtp2_zero3__llm_tp2xdp2_zero3": "vision_tp4__llm_tp2xsp2_zero1",
+        "qwen3_vl_moe_ep2_dp4_zero3": "qwen3_vl_moe_ep2_tp2_zero1"},
 }
 """Saving plan -> loading plan."""
 
@@ -68,6 +76,25 @@ def write_hub_checkpoint(model: torch.nn.Module, path) -> None:
     assert len(list(path.glob("model-*-of-*.safetensors"))) >= 2
 
 
+def moe_config() -> dict:
+    """The tiny Qwen3-VL-MoE with experts narrower than the model (gate_up_proj 64 x 128, not square), so that the
+    Hub's transposed expert layout is told apart by its shape (as transformers tells it)."""
+    config = tiny_qwen3_vl_moe_config()
+    config["text_config"]["moe_intermediate_size"] = 32
+    return config
+
+
+def write_hub_moe_checkpoint(model: torch.nn.Module, path) -> None:
+    """``write_hub_checkpoint`` with the fused experts as the Hub's Qwen3-VL-MoE files hold them: ``gate_up_proj``
+    [E, hidden, 2 f] and ``down_proj`` [E, f, hidden] (transformers 4.57's layout; transformers 5 transposes them
+    on load, ``conversion_mapping``)."""
+    write_hub_checkpoint(model, path)
+    for file in path.glob("model-*-of-*.safetensors"):
+        tensors = load_file(file)
+        save_file({name: t.transpose(1, 2).contiguous() if EXPERTS.search(name) else t for name, t in tensors.items()},
+                  file, metadata={"format": "pt"})
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["2_ranks", "4_ranks"])
 def scenarios(request, tmp_path_factory):
     """Every scenario on ``world`` spawned ranks (one spawn per world size: starting a process costs seconds)."""
@@ -75,16 +102,17 @@ def scenarios(request, tmp_path_factory):
     tied = request.param == 4  # the 4-rank plans run the tied-embedding model (as Qwen2.5-VL-3B has)
     root = tmp_path_factory.mktemp(f"world{world}")
     families = {"qwen2_5_vl": tied_config() if tied else tiny_hf_config(), "qwen3_vl": tiny_qwen3_vl_config(),
-                "qwen2_audio": tiny_qwen2_audio_config()}
+                "qwen2_audio": tiny_qwen2_audio_config(), "qwen3_vl_moe": moe_config()}
     for family, config in families.items():
-        write_hub_checkpoint(build_model(config, seed=11), root / family)
+        write = write_hub_moe_checkpoint if family == "qwen3_vl_moe" else write_hub_checkpoint
+        write(build_model(config, seed=11), root / family)
     plans, hubs = {}, {}
     for name, spec in SPECS[world].items():
         spec = dict(spec)
         family = ("qwen3_vl" if spec.pop("qwen3", False) else "qwen2_audio" if spec.pop("audio", False)
-                  else "qwen2_5_vl")
+                  else "qwen3_vl_moe" if spec.pop("moe", False) else "qwen2_5_vl")
         size = {"qwen3_vl": dict(image_size=QWEN3_IMAGE_SIZE), "qwen2_audio": dict(audio_seconds=2.0, text_tokens=12),
-                "qwen2_5_vl": {}}[family]
+                "qwen3_vl_moe": dict(image_size=QWEN3_IMAGE_SIZE), "qwen2_5_vl": {}}[family]
         plans[name] = make_plan(dict(spec.pop("vision")), dict(spec.pop("llm")), hf_config=families[family],
                                 **size, **spec)
         hubs[name] = str(root / family)

@@ -23,7 +23,8 @@ from runtime.parallel_dims import ParallelDims
 from runtime.trainer import RunOptions
 from runtime.families import FAMILIES
 from runtime.vision import shard_vision_batch
-from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen3_vl_config
+from tests.runtime.plans import (QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen3_vl_config,
+                                 tiny_qwen3_vl_moe_config)
 
 
 @pytest.fixture(scope="module")
@@ -466,3 +467,39 @@ def test_plan_schedule_builds_torchs_schedule_and_times_every_compute_pass(sched
         assert len(timed) == 3 * len(built._stages)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_balancing_loss_is_transformers_load_balancing_loss():
+    """One rank holding the whole batch: the routers' recorded choices give transformers' own ``aux_loss`` (Switch
+    Transformer's, over every MoE layer and token) of the same forward."""
+    from runtime.parallel.experts import RouterStats
+
+    model = build_model(tiny_qwen3_vl_moe_config(), seed=0)
+    stats = RouterStats(model, num_experts=8, probabilities=True)
+    ids = torch.randint(0, 100, (2, 24))
+    stats.start()
+    out = model(input_ids=ids, output_router_logits=True)
+    targets = torch.tensor(float(ids.numel()))  # the micro-batch is the whole step: weight 1
+    ours = stats.balancing_loss(None, targets, targets)
+    stats.stop()
+    assert out.aux_loss is not None and len(stats.counts) == 4
+    torch.testing.assert_close(ours, out.aux_loss, rtol=1e-6, atol=0)
+
+
+def test_busiest_rank_load_by_hand():
+    """8 experts on 2 ranks (experts 0-3 and 4-7): layer 0 loads 6 + 2 (busiest 6 over the mean 4 = 1.5), layer 1
+    loads 4 + 4 (1.0): 1.25 averaged."""
+    from runtime.parallel.experts import busiest_rank_load
+
+    counts = torch.tensor([[3.0, 1, 1, 1, 0, 1, 0, 1], [1.0, 1, 1, 1, 1, 1, 1, 1]])
+    assert busiest_rank_load(counts, 2) == pytest.approx(1.25)
+    assert busiest_rank_load(counts, 1) == pytest.approx(1.0)
+
+
+def test_moe_layers_follow_transformers_sparse_step_and_dense_layers():
+    from types import SimpleNamespace
+
+    from runtime.parallel.experts import moe_layers
+
+    config = SimpleNamespace(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[1])
+    assert moe_layers(config) == [3, 5]
