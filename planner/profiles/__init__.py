@@ -12,6 +12,7 @@ The file conventions (units, ``seq_len``, ``includes_comm``) are in ``planner.pr
 
 from planner.profiles.calibration import (
     CALIBRATED_ASSUMPTIONS,
+    MEASURED_ASSUMPTIONS,
     MEMORY_ASSUMPTIONS,
     STEP_TIME_ASSUMPTIONS,
     PhysicalRange,
@@ -52,7 +53,8 @@ from planner.profiles.schema import (
 
 __all__ = [
     "CALIBRATED_ASSUMPTIONS", "COLLECTIVE_OPS", "EXTRAPOLATION_SLOPES", "LINK_FIT_OP", "MAX_MEASURED_AMOUNT",
-    "MAX_MEASURED_SECONDS", "MEMORY_ASSUMPTIONS", "PROFILES_DIR", "PROFILE_SCHEMA_VERSION", "READABLE_SCHEMA_VERSIONS",
+    "MAX_MEASURED_SECONDS", "MEASURED_ASSUMPTIONS", "MEMORY_ASSUMPTIONS", "PROFILES_DIR", "PROFILE_SCHEMA_VERSION",
+    "READABLE_SCHEMA_VERSIONS",
     "RECOMPUTED_KINDS", "STEP_TIME_ASSUMPTIONS", "CalibratedRun", "Calibration", "CollectiveOp", "CollectivePoint",
     "DeviceMeasurements", "LayerCost", "LayerPoint", "MatmulPoint", "MemoryPoint", "PhysicalRange", "Profile",
     "ProfileCostSource", "ProfileIndex", "Provenance", "Spread", "apply_calibration", "concurrency_slowdown",

@@ -10,7 +10,8 @@ efficiency, collective bus efficiency, host seconds per operator call, fixed ste
 layer times) are fitted by bounded least squares of log(predicted / measured), with a prior at their defaults
 (``PhysicalRange.prior_width`` against ``MEASUREMENT_NOISE``) so that a handful of noisy runs cannot trade one
 assumption off against another; the memory reserve
-(``framework_overhead_bytes``) is fitted to the measured peaks. Everything stays inside ``PhysicalRange`` bounds.
+(``framework_overhead_bytes``) is fitted to the measured peaks. What the runs measure directly
+(``MEASURED_ASSUMPTIONS``: a mixture-of-experts run's ``moe_load_imbalance``) is their median, set before the fit. Everything stays inside ``PhysicalRange`` bounds.
 The fit goes into the profile (with every run's error before, after and left out); ``plan`` then costs with it and
 says so.
 """
@@ -37,6 +38,8 @@ from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.results import Estimate
 from planner.hardware import Cluster
 from planner.profiles import (
+    CALIBRATED_ASSUMPTIONS,
+    MEASURED_ASSUMPTIONS,
     MEMORY_ASSUMPTIONS,
     PROFILE_SCHEMA_VERSION,
     STEP_TIME_ASSUMPTIONS,
@@ -132,6 +135,20 @@ def measured_peak_bytes(path: Path) -> int | None:
     return round(max(peaks) * GIB) if peaks else None
 
 
+def measured_load_imbalance(path: Path) -> float | None:
+    """Median over the steps of a metrics file of the busiest EP rank's routed tokens over the mean
+    (``moe_load_imbalance``, a mixture-of-experts run's; None when it records none)."""
+    values = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("moe_load_imbalance"), (int, float)):
+            values.append(float(row["moe_load_imbalance"]))
+    return statistics.median(values) if values else None
+
+
 @dataclass(kw_only=True, frozen=True)
 class MeasuredRun:
     """One run: the plan it ran and what it measured."""
@@ -140,6 +157,8 @@ class MeasuredRun:
     plan: Plan
     measured_s: float
     measured_peak_bytes: int | None = None
+    measured_load_imbalance: float | None = None
+    """The busiest EP rank's routed tokens over the mean (a mixture-of-experts run)."""
 
 
 def runs_from_metrics(metrics: list[str], plans: list[str]) -> list[MeasuredRun]:
@@ -148,10 +167,11 @@ def runs_from_metrics(metrics: list[str], plans: list[str]) -> list[MeasuredRun]
         raise ValueError(f"give one --plan for all metrics files or one per file ({len(metrics)}), got {len(plans)}")
     plan_files = plans * len(metrics) if len(plans) == 1 else plans
     return [MeasuredRun(name=p, plan=load_plan(p), measured_s=measured_step_time(Path(m)),
-                        measured_peak_bytes=measured_peak_bytes(Path(m))) for m, p in zip(metrics, plan_files)]
+                        measured_peak_bytes=measured_peak_bytes(Path(m)),
+                        measured_load_imbalance=measured_load_imbalance(Path(m))) for m, p in zip(metrics, plan_files)]
 
 
-TABLE_COLUMNS = ("plan", "args", "step_time_s", "peak_memory_gib")
+TABLE_COLUMNS = ("plan", "args", "step_time_s", "peak_memory_gib", "moe_load_imbalance")
 
 
 def _table_rows(path: Path) -> list[dict]:
@@ -224,7 +244,8 @@ def runs_from_table(path: Path) -> list[MeasuredRun]:
         peak = _positive(row, "peak_memory_gib", where, required=False)
         runs.append(MeasuredRun(name=str(row.get("plan") or row["args"]), plan=plan,
                                 measured_s=_positive(row, "step_time_s", where, required=True),
-                                measured_peak_bytes=None if peak is None else round(peak * GIB)))
+                                measured_peak_bytes=None if peak is None else round(peak * GIB),
+                                measured_load_imbalance=_positive(row, "moe_load_imbalance", where, required=False)))
     return runs
 
 
@@ -322,18 +343,31 @@ def fit(predictors: list[Predictor], runs: list[MeasuredRun], names: list[str]) 
     return values if reserve is None else {**values, "framework_overhead_bytes": reserve}
 
 
+def measured_values(runs: list[MeasuredRun]) -> dict[str, float]:
+    """``MEASURED_ASSUMPTIONS`` the runs record: the median over the runs, within its physical range."""
+    imbalances = [r.measured_load_imbalance for r in runs if r.measured_load_imbalance is not None]
+    if not imbalances:
+        return {}
+    r = MEASURED_ASSUMPTIONS["moe_load_imbalance"]
+    return {"moe_load_imbalance": min(max(statistics.median(imbalances), r.low), r.high)}
+
+
 def calibrate_runs(runs: list[MeasuredRun], profile: Profile, *, sources: list[str]) -> Calibration:
-    """Fit on all runs; each run also predicted from a fit on the others when there are three or more."""
+    """Set what the runs measure, then fit on all runs; each run also predicted from a fit on the others when there
+    are three or more."""
     predictors = [Predictor(run, profile) for run in runs]
+    before = [p({}).step_time_s for p in predictors]
+    measured_directly = measured_values(runs)
+    for p in predictors:
+        p.base = with_values(p.base, measured_directly)
     names = identifiable(predictors)
-    values = fit(predictors, runs, names)
+    values = {**measured_directly, **fit(predictors, runs, names)}
     left_out: list[float | None] = [None] * len(runs)
     if len(runs) >= 3:
         for i in range(len(runs)):
             others = [j for j in range(len(runs)) if j != i]
             fitted = fit([predictors[j] for j in others], [runs[j] for j in others], names)
             left_out[i] = predictors[i](fitted).step_time_s
-    before = [p({}).step_time_s for p in predictors]
     after = [p(values) for p in predictors]
     measured = [r.measured_s for r in runs]
     at_bound = [n for n in names if min(abs(_normalised(n, values[n])), abs(1 - _normalised(n, values[n]))) < 1e-6]
@@ -386,9 +420,8 @@ def calibrate_main(sources: list[str], plans: list[str], *, out: str | None) -> 
               f"{100 * (r.after_s / r.measured_s - 1):>+8.1f}% {loo:>9}")
     loo = "" if cal.leave_one_out_rms is None else f", leave-one-out {cal.leave_one_out_rms:.1%}"
     print(f"relative RMS error {cal.rms_error_before:.1%} -> {cal.rms_error_after:.1%}{loo}")
-    ranges = {**STEP_TIME_ASSUMPTIONS, **MEMORY_ASSUMPTIONS}
     for name, value in sorted(cal.values.items()):
-        r = ranges[name]
+        r = CALIBRATED_ASSUMPTIONS[name]
         flag = "  (at its bound: the runs want a value outside the physical range)" if name in cal.at_bound else ""
         print(f"  {name} = {value:.4g}  (range {r.low:g}..{r.high:g}){flag}")
     if cal.not_identifiable:

@@ -49,7 +49,14 @@ MEMORY_ASSUMPTIONS: dict[str, PhysicalRange] = {
 }
 """Assumptions fitted to measured peak memory."""
 
-CALIBRATED_ASSUMPTIONS = {**STEP_TIME_ASSUMPTIONS, **MEMORY_ASSUMPTIONS}
+MEASURED_ASSUMPTIONS: dict[str, PhysicalRange] = {
+    "moe_load_imbalance": PhysicalRange(low=1.0, high=256.0, prior_width=None, why="the busiest EP rank's routed "
+                                        "tokens over the mean: 1 is perfect balance, the EP group's size (every "
+                                        "token on one rank) the most; the runtime measures it every step"),
+}
+"""Assumptions the runs measure directly (their metrics' median), set before the step-time fit."""
+
+CALIBRATED_ASSUMPTIONS = {**STEP_TIME_ASSUMPTIONS, **MEMORY_ASSUMPTIONS, **MEASURED_ASSUMPTIONS}
 
 
 def apply_calibration(assumptions: CostAssumptions, calibration: Calibration | None) -> CostAssumptions:

@@ -200,3 +200,25 @@ def test_calibration_goes_into_the_profile_the_plans_were_costed_with(tmp_path):
     (tmp_path / "runs.csv").write_text(f"plan,step_time_s\n{tmp_path / 'p.json'},1.0\n")
     assert main(["--calibrate", str(tmp_path / "runs.csv")]) == 0
     assert load_profile(profile_file).calibration is not None
+
+
+def test_calibration_sets_the_expert_load_imbalance_the_runs_measured(tmp_path):
+    """A mixture-of-experts run records the busiest EP rank's load over the mean every step; the calibration takes
+    the median over the runs' steps (not a fit), and plan then costs with it."""
+    from planner.profiles import apply_calibration
+
+    moe = get_model("qwen3-vl-moe-tiny")
+    modules = {"vision": ModuleStrategy(dp=2, micro_batch=2), "llm": ModuleStrategy(dp=2, ep=2, micro_batch=2)}
+    plan_file = tmp_path / "moe.json"
+    plan_file.write_text(make_plan(moe, Strategy(placement="colocated", modules=modules), WORKLOAD,
+                                   get_device("cpu")).to_json())
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "step_time_s": 0.5, "moe_load_imbalance": v}) + "\n"
+                               for s, v in enumerate([1.9, 1.5, 1.6, 1.7])))
+    profile_file = tmp_path / "cpu.json"
+    save_profile(Profile(schema_version=PROFILE_SCHEMA_VERSION, hardware="cpu", model=moe.name, provenance=PROV),
+                 profile_file)
+    assert main(["--calibrate", str(metrics), "--plan", str(plan_file), "--out", str(profile_file)]) == 0
+    calibrated = load_profile(profile_file)
+    assert calibrated.calibration.values["moe_load_imbalance"] == pytest.approx(1.65)
+    assert apply_calibration(DEFAULT_ASSUMPTIONS, calibrated.calibration).moe_load_imbalance == pytest.approx(1.65)
