@@ -24,6 +24,10 @@ What runs, documented because it is what the numbers mean:
 - Pixel values are fake zeros of the planned shape (``PlannedShapes``), so no image is synthesised.
 - A pipeline schedule's stages take their static metadata without the start-up vote (``_vote_alone``: the fake
   process group delivers no message).
+- Mixture-of-experts layers: where tokens are routed is data, so each rank of an EP group sends every peer an equal
+  share of its (token, expert) pairs (``BalancedAllToAllEP``: the mean load; the planner adds its
+  ``moe_load_imbalance``); fp32 experts (a CPU plan) run transformers' grouped-GEMM fallback op, whose fake
+  implementation takes fp32.
 - Window-attention blocks run their windows as one segment (``_windows_as_one_segment``): same memory with a
   flash-style kernel, hundreds of times fewer fake ops.
 - Of a step's micro-batches, ``MICRO_BATCHES_RUN`` run (the first two and the last); every micro-batch's inputs
@@ -69,6 +73,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_flatten, tree_map_only
 from transformers.distributed.expert_parallel import AllToAllEP, EPImplementationInterface, _AllToAllState
+from transformers.integrations import moe as moe_integration
 
 from planner.schema import ZERO_BUBBLE_SCHEDULES, Plan
 from runtime import trainer as trainer_module
@@ -300,10 +305,22 @@ class BalancedAllToAllEP(AllToAllEP):
 EPImplementationInterface.register(BALANCED_EP, BalancedAllToAllEP)
 
 
+def _fp32_grouped_mm_by_fallback(can_use_grouped_mm):
+    """transformers' choice of ``torch._grouped_mm`` for the experts, but fp32 ones (a CPU plan's recipe) through its
+    own ``grouped_mm_fallback`` op: the grouped kernel's fake (meta) implementation takes bf16 only, the fallback's
+    gives the same output and keeps the same inputs for its backward."""
+
+    def can_use(input, weight, offs) -> bool:
+        return weight.dtype != torch.float32 and can_use_grouped_mm(input, weight, offs)
+
+    return can_use
+
+
 @contextlib.contextmanager
 def _emulation():
     """The trainer's tensors on CPU, vision windows as one segment, a pipeline's stages voting alone, experts'
-    tokens exchanged as if routed evenly (``BalancedAllToAllEP``); DTensor's
+    tokens exchanged as if routed evenly (``BalancedAllToAllEP``), fp32 experts' grouped GEMMs through transformers'
+    fallback op (``_fp32_grouped_mm_by_fallback``); DTensor's
     sharding propagation in its own fake mode (it allocates tensors of global shapes, which must neither be real
     nor counted)."""
     propagation = FakeTensorMode()
@@ -312,7 +329,9 @@ def _emulation():
                               _windows_as_one_segment(vision_module.shard_vision_batch)), \
             mock.patch.object(sharding_prop, "detect_fake_mode", lambda *_: propagation), \
             mock.patch.object(_PipelineSchedule, "_warmup_p2p", _vote_alone), \
-            mock.patch.object(experts_module, "EP_IMPLEMENTATION", BALANCED_EP):
+            mock.patch.object(experts_module, "EP_IMPLEMENTATION", BALANCED_EP), \
+            mock.patch.object(moe_integration, "_can_use_grouped_mm",
+                              _fp32_grouped_mm_by_fallback(moe_integration._can_use_grouped_mm)):
         yield
 
 

@@ -25,7 +25,7 @@ from runtime.dry_run import (StepMemTracker, _device_snapshot, dry_run, format_r
 from runtime.model import RandomInit
 from runtime.parallel_dims import forget_earlier_worlds
 from runtime.trainer import RunOptions, Trainer
-from tests.runtime.plans import make_plan
+from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_qwen3_vl_moe_config
 
 PEAK_TOLERANCE = 0.02
 """Dry-run vs real peak tensor memory: the same code on the same shapes and dtypes; what differs is the data's
@@ -75,6 +75,9 @@ PLANS = {
     "llm-pp2xtp2-interleaved": lambda: make_plan({"dp": 2, "tp": 2, "grad_accum": 4}, {
         "pp": 2, "tp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2, "pp_layers": [1, 1, 1, 1],
         "micro_batch": 2, "grad_accum": 4}),
+    # experts split over an EP group of 2 data x 2 TP ranks: the dry-run exchanges tokens as if evenly routed
+    "moe-ep2xtp2": lambda: make_plan({"dp": 2, "tp": 2}, {"dp": 2, "tp": 2, "ep": 2, "zero": 1},
+                                     hf_config=tiny_qwen3_vl_moe_config(), image_size=QWEN3_IMAGE_SIZE),
 }
 
 
@@ -128,7 +131,7 @@ DRY_RUN_32B = """
 import json, resource
 from runtime.dry_run import dry_run
 from runtime.trainer import RunOptions
-from tests.runtime.plans import make_plan
+from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_qwen3_vl_moe_config
 plan = make_plan({"dp": 2, "zero": 3}, {"dp": 2, "zero": 3}, image_size=(448, 448), hf_config=json.loads(%r))
 report = dry_run(plan, RunOptions())
 (role,) = report.roles
