@@ -58,17 +58,23 @@ def injection_rule(pp_layers: tuple[int, ...] | list[int], injections: int) -> s
     return None
 
 
-def expert_parallel_rule(ep: int, dp: int, sp: int, cp: int, num_experts: int | None, layer: str) -> str | None:
-    """Expert parallelism splits the experts of each MoE layer (``num_experts``; None: the module has none) over
-    ``ep`` of a stage's dp x sp ranks: ``ep`` divides the experts and dp * sp, and ring CP is not combined with it
-    (its ranks sit between SP and DP in the grid, so an EP group would not be one run of ranks). Planner and runtime
-    both apply it."""
+def expert_parallel_rule(ep: int, tp: int, dp: int, sp: int, cp: int, num_experts: int | None,
+                         layer: str) -> str | None:
+    """Expert parallelism splits the experts of each MoE layer (``num_experts``; None: the module has none) over an
+    EP group of ``ep`` of a stage's dp x sp ranks with all their ``tp`` ranks, ``ep * tp`` ranks holding whole
+    experts (TP ranks take disjoint slices of their tokens; torchtitan's etp=1, transformers ``AllToAllEP``): ``ep *
+    tp`` divides the experts whenever the module has experts (so tp alone splits them, with ep=1), and for ep > 1
+    ``ep`` divides dp * sp and ring CP is not combined with it (its ranks sit between SP and DP in the grid, so an EP
+    group would not be one run of ranks). Planner and runtime both apply it."""
+    if num_experts is None:
+        if ep > 1:
+            return f"ep={ep} but {layer} has no experts (expert parallelism is for mixture-of-experts layers)"
+        return None
+    if num_experts % (ep * tp):
+        return (f"ep*tp = {ep}*{tp} = {ep * tp} does not divide the {num_experts} experts of {layer} (experts are "
+                f"split over an EP group's ep x tp ranks)")
     if ep == 1:
         return None
-    if num_experts is None:
-        return f"ep={ep} but {layer} has no experts (expert parallelism is for mixture-of-experts layers)"
-    if num_experts % ep:
-        return f"ep={ep} does not divide the {num_experts} experts of {layer}"
     if (dp * sp) % ep:
         return f"ep={ep} does not divide dp*sp = {dp}*{sp} = {dp * sp}, the ranks experts are split over"
     if cp > 1:

@@ -26,8 +26,8 @@ def check_strategy(
     Rules: TP divides the attention heads (KV heads divided or replicated) and Ulysses SP divides the heads of
     a TP rank (KV heads are repeated as needed); the module fits the cluster; TP stays inside a node unless
     allowed; SP leaves at least one attention window per rank on window-attention blocks; encoders use no CP
-    (ring attention is priced for the LLM only); dp * micro_batch * grad_accum equals the global batch; pipeline
-    parallelism as ``pipeline_reasons`` allows.
+    (ring attention is priced for the LLM only); dp * micro_batch * grad_accum equals the global batch; experts split
+    over ep x tp ranks as ``expert_parallel_rule`` allows; pipeline parallelism as ``pipeline_reasons`` allows.
     """
     spec = model.module(module)
     s = strategy
@@ -47,7 +47,7 @@ def check_strategy(
         if layer.attention is not None:
             reasons += attention_rules(s.tp, s.sp, layer.attention.num_heads, layer.attention.num_kv_heads, layer.name)
         reasons += [problem for width, what in _tp_widths(layer) if (problem := width_rule(s.tp, width, what))]
-    if problem := expert_parallel_rule(s.ep, s.dp, s.sp, s.cp, _num_experts(spec), spec.name):
+    if problem := expert_parallel_rule(s.ep, s.tp, s.dp, s.sp, s.cp, _num_experts(spec), spec.name):
         reasons.append(problem)
     if module in ENCODER_MODULES and s.cp > 1:
         reasons.append(f"{module} uses cp={s.cp}; context parallelism is implemented for the LLM only")
@@ -65,13 +65,11 @@ def _num_experts(spec: ModuleSpec) -> int | None:
 
 
 def _tp_widths(layer: LayerSpec) -> list[tuple[int, str]]:
-    """(width, what) of each dimension TP splits in ``layer`` besides its attention heads (experts are TP-split as
-    a dense MLP is)."""
+    """(width, what) of each dimension TP splits in ``layer`` besides its attention heads (not the routed experts:
+    TP ranks hold whole experts, ``expert_parallel_rule``)."""
     widths = []
     if layer.mlp is not None:
         widths.append((layer.mlp.intermediate_size, f"MLP hidden width of {layer.name}"))
-    if layer.moe is not None:
-        widths.append((layer.moe.expert_intermediate_size, f"expert hidden width of {layer.name}"))
     if layer.kind == "patch_merger":
         widths.append((layer.in_features, f"input width of {layer.name}"))
     if layer.kind == "lm_head":

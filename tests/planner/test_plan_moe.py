@@ -1,17 +1,22 @@
 """Expert parallelism in the planner's space: where it is offered, how it is pinned and refused, and how the plan
 file carries it."""
 
+import copy
 import json
+from dataclasses import replace
 
 import pytest
 from plan_helpers import problem
 
 from planner.api import plan
+from planner.catalog import CATALOG, model_from_hf_config
 from planner.enumeration import module_strategies
+from planner.rules import expert_parallel_rule
 from planner.schema import SCHEMA_VERSION, load_plan
 from planner.strategy import ModuleStrategy
 
 MOE = problem("qwen3-vl-moe-tiny", 4, overhead_gib=0.0)
+SIXTEEN = problem("qwen3-vl-moe-tiny", 16, batch=16, overhead_gib=0.0)
 
 
 def _degrees(p, module):
@@ -27,13 +32,46 @@ def test_ep_is_offered_to_modules_with_experts_only():
 
 
 @pytest.mark.parametrize(("fix", "message"), [
-    ("llm.ep=3", "no valid llm strategy: ep=3 does not divide the 8 experts of llm"),
+    ("llm.ep=3,llm.tp=1", r"no valid llm strategy: ep\*tp = 3\*1 = 3 does not divide the 8 experts of llm"),
+    ("llm.ep=4,llm.tp=4", r"no valid llm strategy: ep\*tp = 4\*4 = 16 does not divide the 8 experts of llm"),
     ("vision.ep=2", "--fix vision.ep=2: vision of qwen3-vl-moe-tiny has no mixture-of-experts layers"),
 ])
 def test_an_impossible_ep_pin_is_refused_in_one_line(fix, message):
     with pytest.raises(ValueError, match=message) as error:
-        plan(MOE, fix=[fix])
+        plan(SIXTEEN, fix=fix.split(","))
     assert "\n" not in str(error.value)
+
+
+def test_the_rule_splits_experts_over_ep_times_tp_ranks():
+    """An EP group is ep data ranks with all their tp ranks, holding whole experts: 8 experts go over ep=2 x tp=4 but
+    not ep=2 x tp=8; tp alone splits them (ep=1, tp=2 is fine, tp=16 is not); a dense module takes any tp."""
+    assert expert_parallel_rule(2, 4, 8, 1, 1, 8, "the LLM") is None
+    assert expert_parallel_rule(2, 8, 8, 1, 1, 8, "the LLM") == (
+        "ep*tp = 2*8 = 16 does not divide the 8 experts of the LLM (experts are split over an EP group's ep x tp "
+        "ranks)")
+    assert expert_parallel_rule(1, 2, 4, 1, 1, 8, "the LLM") is None
+    assert expert_parallel_rule(1, 16, 1, 1, 1, 8, "the LLM").startswith("ep*tp = 1*16 = 16 does not divide")
+    assert expert_parallel_rule(1, 16, 1, 1, 1, None, "the LLM") is None
+    assert expert_parallel_rule(2, 1, 3, 1, 1, 8, "the LLM").startswith("ep=2 does not divide dp*sp = 3*1 = 3")
+    assert expert_parallel_rule(2, 1, 2, 1, 2, 8, "the LLM").startswith("ep=2 with cp=2")
+
+
+def test_the_space_keeps_ep_times_tp_dividing_the_experts():
+    """The tiny LLM's 8 experts on 16 GPUs: every (tp, ep) offered has ep x tp dividing 8, and with tp=4 the data
+    ranks' ep stops at 2 though dp*sp = 4 would allow 4."""
+    series, _ = module_strategies(SIXTEEN, "llm", 16, {}, {})
+    pairs = {(s.tp, s.ep) for group in series for s in group}
+    assert all(8 % (ep * tp) == 0 for tp, ep in pairs)
+    assert {ep for tp, ep in pairs if tp == 4} == {1, 2}
+
+
+def test_a_tp_that_does_not_divide_the_experts_is_refused_with_its_reason():
+    """6 experts: tp=4 cannot hold them whole even with ep=1, and a pinned tp=4 says so (not a generic refusal)."""
+    config = copy.deepcopy(CATALOG["qwen3-vl-moe-tiny"].config)
+    config["text_config"]["num_experts"] = 6
+    six = replace(MOE, model=model_from_hf_config(config, "six-experts"))
+    with pytest.raises(ValueError, match=r"ep\*tp = 1\*4 = 4 does not divide the 6 experts of llm"):
+        plan(six, fix=["llm.tp=4"])
 
 
 def test_the_plan_file_carries_ep_and_an_older_one_reads_as_ep_1(tmp_path):
