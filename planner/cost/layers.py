@@ -420,13 +420,16 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     GEMMs per Narayanan et al. 2021 (eq. 3 accounting), attention core per segment/window, elementwise
     traffic, Korthikanti activations. TP: 2 all-reduces of the block output in forward and 2 in backward
     (Shoeybi et al. 2019, Megatron-LM, Sec. 3, Fig. 4), plus ``replicated_kv_backward_time`` when TP replicates
-    KV heads. Ulysses exchanges only around full attention; window
+    KV heads; a mixture-of-experts layer's router and whole experts are not TP-split (transformers'
+    ``base_model_tp_plan`` of Qwen3-VL-MoE splits attention only), so only attention's 1 + 1 remain, and its TP
+    ranks meet in the expert exchange instead (``expert_all_to_all_time``). Ulysses exchanges only around full
+    attention; window
     blocks keep whole windows on a rank. Ring CP passes KV blocks (KV + dKV in backward).
     """
     s, e, a = shard, shard.assumptions.activation_bytes, layer.attention
     gemm_s, gemm_fl = _gemms(_block_gemm_shapes(layer, s), s)
     attn_s, attn_fl, scores, windowed = _block_attention(layer, s)
-    tp_ar = 2 * all_reduce_time(s.tokens * layer.hidden_size * e, s.tp, s.tp_link)
+    tp_ar = (2 if layer.moe is None else 1) * all_reduce_time(s.tokens * layer.hidden_size * e, s.tp, s.tp_link)
     sp_fwd = buffers = cp_fwd = 0.0
     if layer.moe is not None:
         experts_s, experts_fl, _, buffers = expert_terms(layer, s)

@@ -11,7 +11,7 @@ from cost_toys import COMPUTE_ONLY, TOY_DEVICE
 
 from planner.catalog import get_model
 from planner.cost import module_cost
-from planner.cost.comm import Link, all_gather_time, all_to_all_time
+from planner.cost.comm import Link, all_gather_time, all_reduce_time, all_to_all_time
 from planner.cost.compute import gemm_time, grouped_gemm_efficiency, grouped_gemm_time, matmul_efficiency
 from planner.cost.layers import (
     Shard,
@@ -207,3 +207,12 @@ def test_tp_alone_prices_the_exchange_in_a_module():
     """ep=1 x tp=2 splits the tiny LLM's experts over the TP pair: the step pays all-to-alls and all-gathers."""
     assert _llm_cost(dp=2, tp=2).ep_comm_s > 0
     assert _llm_cost(dp=4).ep_comm_s == 0
+
+
+def test_a_moe_layer_all_reduces_over_tp_around_attention_only():
+    """tp=2: the attention output's all-reduce in forward and its input gradient's in backward, 64 x 128 x 2 bytes
+    each (1/2 x 2 of it on the TP link plus 2 latencies); the router and the whole experts add none."""
+    one = 2 * (1 / 2) * (64 * 128 * 2) / 4e11 + 2 * 2e-6
+    assert all_reduce_time(64 * 128 * 2, 2, TP_LINK) == pytest.approx(one)
+    terms = layer_terms(MOE_LAYER, shard(tp=2, tp_link=TP_LINK))
+    assert terms.tp_comm_s == pytest.approx(2 * one * (1 - A.tp_comm_overlap))
