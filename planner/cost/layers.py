@@ -423,8 +423,7 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     KV heads; a mixture-of-experts layer's router and whole experts are not TP-split (transformers'
     ``base_model_tp_plan`` of Qwen3-VL-MoE splits attention only), so only attention's 1 + 1 remain, and its TP
     ranks meet in the expert exchange instead (``expert_all_to_all_time``). Ulysses exchanges only around full
-    attention; window
-    blocks keep whole windows on a rank. Ring CP passes KV blocks (KV + dKV in backward).
+    attention; window blocks keep whole windows on a rank. Ring CP passes KV blocks (KV + dKV in backward).
     """
     s, e, a = shard, shard.assumptions.activation_bytes, layer.attention
     gemm_s, gemm_fl = _gemms(_block_gemm_shapes(layer, s), s)
