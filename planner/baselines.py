@@ -9,8 +9,9 @@
   across the GPUs' blocks, DP over the rest (Narayanan et al. 2021, Sec. 3.3: "use tensor parallelism up to the
   GPUs of a server, then pipeline parallelism across servers"); the vision tower with the same TP and data
   parallel over all GPUs (it is small). Best over TP, PP (> 1), ZeRO 0/1, recompute and micro-batch; an LLM with
-  mixture-of-experts layers also over its expert-parallel degree, the experts split over EP ranks of each stage's
-  DP group (Megatron-LM's TP x EP x PP with expert-TP = TP, Narayanan et al. 2021 and Megatron-Core MoE).
+  mixture-of-experts layers also over its expert-parallel degree, whole experts split over EP groups of ep ranks of
+  each stage's DP group with all their TP ranks (Megatron-LM's TP x EP x PP, Narayanan et al. 2021, with Megatron-Core's
+  MoE parallel folding at expert-TP 1, whose EP group folds the TP ranks: Liu et al. 2025, "MoE Parallel Folding").
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ BASELINE_DESCRIPTIONS = {
     "uniform_tp": "uniform TP: every module with the same TP degree, DP over the rest, colocated (Megatron-style)",
     "zero3": "ZeRO-3: pure sharded data parallelism on all GPUs, colocated (FSDP-style)",
     "megatron": "Megatron-style: TP inside a node, the LLM pipelined (1F1B) across nodes, DP over the rest (MoE: "
-                "experts over EP ranks of the DP group)",
+                "whole experts over EP ranks of the DP group x TP)",
     "without_pp": "the planner's best plan without pipeline parallelism (pp = 1)",
     "with_pp": "the planner's best plan with the LLM pipelined (pp > 1)",
 }
@@ -81,7 +82,8 @@ def zero3_family(problem: Problem) -> Iterable[ModuleStrategy]:
 
 def megatron_family(problem: Problem) -> Iterable[Strategy]:
     """Every (tp dividing a node, pp > 1 up to the decoder layers, zero <= 1, recompute, micro-batch): the LLM
-    PP x DP x TP with 1F1B (at least pp micro-batches; with experts, every EP degree ``check_strategy`` allows),
+    PP x DP x TP with 1F1B (at least pp micro-batches; with experts, every EP degree ``check_strategy`` allows: ep
+    dividing dp, ep x tp the experts),
     every other module DP x TP on all GPUs."""
     n, batch = problem.num_gpus, problem.workload.global_batch
     if "llm" not in problem.model.module_names:

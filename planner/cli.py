@@ -360,14 +360,15 @@ def _module_block(m) -> list[str]:
     frozen = " (frozen)" if m.frozen else ""
     mem = m.predicted.memory_gib
     pipeline = f"PP {m.pp} x " if m.pp > 1 else ""
-    experts = f" (experts over EP {m.ep})" if m.ep > 1 else ""
+    split = t.ep_comm > 0  # experts split over an EP group of ep x tp ranks, exchanging tokens
+    experts = f" (experts over EP {m.ep} x TP {m.tp})" if split else ""
     lines = [
         f"{m.name}{frozen}: {len(m.ranks)} GPUs (ranks {_ranks(m.ranks)}), {_count(m.num_params)} params",
         f"    {pipeline}DP {m.dp} x TP {m.tp} x SP {m.sp} x CP {m.cp}{experts}   ZeRO-{m.zero}   recompute {m.recompute}   "
         f"micro-batch {m.micro_batch}   grad accum {m.grad_accum}",
         f"    per step: forward {t.forward:.3f} s, backward {t.backward:.3f} s, recompute {t.recompute:.3f} s, "
         f"TP {t.tp_comm:.3f} s, SP {t.sp_comm:.3f} s, CP {t.cp_comm:.3f} s, "
-        + (f"EP {t.ep_comm:.3f} s, " if m.ep > 1 else "") + f"DP exposed {t.dp_comm:.3f} s, "
+        + (f"EP {t.ep_comm:.3f} s, " if split else "") + f"DP exposed {t.dp_comm:.3f} s, "
         f"optimizer {t.optimizer:.3f} s, hand-off {t.handoff:.3f} s"
         + (f", PP sends {t.pp_comm:.3f} s, PP bubble {t.pp_bubble:.3f} s" if m.pp > 1 else ""),
         f"    memory per GPU {mem.total:.1f} GiB (weights {mem.weights:.1f}, grads {mem.gradients:.1f}, "

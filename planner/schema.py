@@ -127,8 +127,9 @@ class ModulePlan(_Frozen):
     pp_layers: list[int] | None = Field(default=None, description="pp > 1: decoder layers of each model chunk in "
                                         "pipeline order (chunk c runs on stage c % pp); the first chunk also holds "
                                         "the embedding, the last the final norm, lm_head and loss")
-    ep: int = Field(default=1, ge=1, description="expert-parallel degree: each MoE layer's experts split over ep of "
-                    "a stage's dp x sp ranks (1: dense, and every plan before schema version 6)")
+    ep: int = Field(default=1, ge=1, description="expert-parallel degree: each MoE layer's whole experts split over "
+                    "ep of a stage's dp x sp ranks with all their tp ranks, ep * tp in all (1: no data ranks, and "
+                    "every plan before schema version 6)")
     zero: int = Field(ge=0, le=3)
     recompute: Literal["none", "selective", "full"]
     micro_batch: int = Field(ge=1)

@@ -56,11 +56,12 @@ class ModuleStrategy:
     virtual_stages: int = 1
     """Model chunks per pipeline rank (1 for 1F1B; >= 2 for the interleaved schedules)."""
     ep: int = 1
-    """Expert-parallel degree of a module with mixture-of-experts layers: each MoE layer's experts are split over
-    ``ep`` of the (pipeline stage's) dp x sp ranks, which exchange tokens by all-to-all; attention, router and norms
-    keep the module's DP/TP/SP, the experts are TP-split like a dense MLP (expert-TP = TP) and, under ZeRO, sharded
-    over the remaining dp * sp / ep ranks (torchtitan's ``ep`` / ``efsdp`` meshes, Megatron-LM's expert parallel
-    group). 1 on dense modules."""
+    """Expert-parallel degree of a module with mixture-of-experts layers: each MoE layer's experts are split over an
+    EP group of ``ep`` of the (pipeline stage's) dp x sp ranks with all their TP ranks, ``ep * tp`` ranks each holding
+    whole experts and exchanging tokens by all-to-all, every TP rank its slice of the tokens (so tp > 1 splits them
+    even with ep = 1); attention, router and norms keep the module's DP/TP/SP, and under ZeRO the experts are
+    sharded over the remaining dp * sp / ep ranks (torchtitan's ``ep`` / ``efsdp`` meshes with etp=1, transformers
+    ``AllToAllEP``). 1 on dense modules."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "sp", "cp", "pp", "ep", "virtual_stages", "micro_batch", "grad_accum"):

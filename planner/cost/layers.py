@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from planner.cost.assumptions import CostAssumptions
-from planner.cost.comm import Link, all_reduce_time, all_to_all_time, exposed_time, p2p_time
+from planner.cost.comm import Link, all_gather_time, all_reduce_time, all_to_all_time, exposed_time, p2p_time
 from planner.cost.compute import (
     attention_core_time,
     attention_flops,
@@ -74,9 +74,10 @@ class Shard:
     assumptions: CostAssumptions
     """Cost-model knobs."""
     ep: int = 1
-    """Expert-parallel degree (mixture-of-experts layers)."""
+    """Expert-parallel degree (mixture-of-experts layers): the data ranks of an EP group, which holds all their TP
+    ranks too (``expert_group_size``)."""
     ep_link: Link | None = None
-    """Link of the expert-parallel groups (needed when ep > 1)."""
+    """Link of the EP groups, ep x tp consecutive ranks (needed when a MoE layer's ep * tp > 1)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -235,21 +236,39 @@ def ulysses_all_to_all_time(tokens: float, q_width: float, kv_width: float, shar
     return q_and_out + k_and_v
 
 
+def expert_group_size(shard: Shard) -> int:
+    """Ranks a mixture-of-experts layer's experts are split over, each holding ``num_experts / (ep * tp)`` whole
+    experts: an EP group is ``ep`` data ranks with all their ``tp`` ranks (torchtitan's etp=1, where EP borrows the TP
+    ranks: torchtitan/distributed/parallel_dims.py; transformers ``AllToAllEP``,
+    transformers/distributed/expert_parallel.py). 1: one rank holds every expert."""
+    return shard.ep * shard.tp
+
+
 def expert_all_to_all_time(tokens: float, layer: LayerSpec, shard: Shard) -> float:
-    """Forward token exchange of one mixture-of-experts layer on the busiest EP rank: the dispatch all-to-all sends
-    each token's ``experts_per_token`` routed copies (``tokens x k x hidden`` activations) to the ranks holding their
-    experts and the combine all-to-all returns the experts' outputs; ``(ep - 1) / ep`` of the bytes leave the rank
-    (``all_to_all_time``), ``moe_load_imbalance`` times the mean on the busiest rank. Over NVLink or the NIC as the
-    EP group spans nodes. The backward runs both again on the gradients.
+    """Forward token exchange of one mixture-of-experts layer on the busiest rank of its EP group
+    (``expert_group_size``, ep x tp ranks). The TP ranks of a batch each route a disjoint ``1 / tp`` slice of the
+    ``tokens`` they share: the dispatch all-to-all sends the slice's ``experts_per_token`` routed copies (``tokens / tp
+    x k x hidden`` activations) to the ranks holding their experts and the combine all-to-all returns the experts'
+    outputs; ``(n - 1) / n`` of the bytes leave the rank (``all_to_all_time`` over the n = ep * tp ranks),
+    ``moe_load_imbalance`` times the mean on the busiest rank, over NVLink or the NIC as the EP group spans nodes. With
+    tp > 1 the TP group then all-gathers its slices' outputs (``tokens x hidden``, ``all_gather_time`` on the TP link).
+    The backward runs both all-to-alls again on the gradients and adds one more all-gather over TP: the backward of
+    the input's Replicate -> Shard(0) slicing gathers the row gradients (``tokens x hidden``), while the combine's
+    all-gather has a local slice for backward. So the backward costs this same time (``block_terms``' ``ep_bwd``).
 
     Source: Lepikhin et al. 2020, "GShard", Sec. 2.2 (dispatch and combine all-to-alls around the experts);
-    Rajbhandari et al. 2022, "DeepSpeed-MoE", Sec. 5.1 (the all-to-all volume, tokens x k x hidden per rank).
+    Rajbhandari et al. 2022, "DeepSpeed-MoE", Sec. 5.1 (the all-to-all volume, tokens x k x hidden per rank);
+    torchtitan's etp=1 ("ep borrows tp": torchtitan/distributed/parallel_dims.py, the MoE ``ExpertParallel`` of
+    torchtitan/distributed/expert_parallel.py) and transformers ``AllToAllEP`` (transformers/distributed/
+    expert_parallel.py: ``_dispatch_tokens`` slices the tokens over TP, ``_combine_tokens`` all-gathers them).
     """
     s, moe = shard, layer.moe
-    if moe is None or s.ep == 1:
+    if moe is None or expert_group_size(s) == 1:
         return 0.0
-    volume = tokens * moe.experts_per_token * layer.hidden_size * s.assumptions.activation_bytes
-    return 2 * all_to_all_time(volume * rank_load_imbalance(s), s.ep, s.ep_link)
+    e = s.assumptions.activation_bytes
+    volume = tokens / s.tp * moe.experts_per_token * layer.hidden_size * e
+    exchange = 2 * all_to_all_time(volume * rank_load_imbalance(s), expert_group_size(s), s.ep_link)
+    return exchange + all_gather_time(tokens * layer.hidden_size * e, s.tp, s.tp_link)
 
 
 def ring_kv_pass_time(kv_block_bytes: float, shard: Shard) -> float:
@@ -348,46 +367,51 @@ def block_elementwise_elements(layer: LayerSpec, shard: Shard) -> float:
 
 def expert_elementwise_elements(layer: LayerSpec, shard: Shard) -> float:
     """Elements read + written by a mixture-of-experts layer's memory-bound ops on the busiest rank: the router's
-    softmax and top-k (read and write its ``num_experts`` logits per token), and per routed copy the permutation
-    into expert order and back (read + write ``2 h``), the SwiGLU activation (read gate and up, write one) and the
-    routing weight's scaling and sum (read + write ``2 h``)."""
+    softmax and top-k over all its tokens (read and write its ``num_experts`` logits per token; the router is
+    replicated on TP ranks), and per routed copy of its TP slice (``tokens / tp x k``, ``expert_terms``) the
+    permutation into expert order and back (read + write ``2 h``), the SwiGLU activation of a whole expert (read gate
+    and up, write one, ``3 f``) and the routing weight's scaling and sum (read + write ``2 h``)."""
     moe, h = layer.moe, layer.hidden_size
-    copies = shard.tokens * moe.experts_per_token * rank_load_imbalance(shard)
-    return shard.tokens * 2 * moe.num_experts + copies * (6 * h + 3 * moe.expert_intermediate_size / shard.tp)
+    copies = shard.tokens / shard.tp * moe.experts_per_token * rank_load_imbalance(shard)
+    return shard.tokens * 2 * moe.num_experts + copies * (6 * h + 3 * moe.expert_intermediate_size)
 
 
 def expert_terms(layer: LayerSpec, shard: Shard) -> tuple[float, float, float, float]:
     """(seconds, model FLOPs, saved bytes, exchange buffer bytes) of the router and the routed experts of one
     mixture-of-experts layer's forward on one rank.
 
-    Router: a ``tokens x hidden x num_experts`` GEMM (2 t h E FLOPs), replicated on TP ranks. Experts: the rank's
-    ``num_experts / ep`` experts run three grouped GEMMs (gate, up: ``h -> f/tp``; down: ``f/tp -> h``) over the
-    routed copies it receives, ``tokens x k`` on average (6 t k h f / tp FLOPs, the FLOPs of the model), times
-    ``moe_load_imbalance`` on the busiest rank, which sets the time, at ``grouped_gemm_efficiency`` of the
-    tokens each of its experts gets. Source: Fedus et al. 2022 (Switch Transformer), Sec. 2.1-2.2 (top-k routing,
-    capacity); Gale et al. 2023 (MegaBlocks), Sec. 3 (experts as grouped GEMMs).
+    Router: a ``tokens x hidden x num_experts`` GEMM (2 t h E FLOPs), replicated on TP ranks (all ``tokens``).
+    Experts: the rank's ``num_experts / (ep * tp)`` whole experts (``expert_group_size``) run three grouped GEMMs
+    (gate, up: ``h -> f``; down: ``f -> h``) over the routed copies it receives, on average its TP slice's ``tokens /
+    tp x k`` (6 t k h f / tp FLOPs, the FLOPs of the model), times ``moe_load_imbalance`` on the busiest rank, which
+    sets the time, at ``grouped_gemm_efficiency`` of the tokens each of its experts gets. Saved activations and the
+    exchange buffers count the slice's copies, the router's softmax all tokens.
+    Source: Fedus et al. 2022 (Switch Transformer), Sec. 2.1-2.2 (top-k routing, capacity); Gale et al. 2023
+    (MegaBlocks), Sec. 3 (experts as grouped GEMMs); the TP slicing of torchtitan's etp=1 and transformers
+    ``AllToAllEP`` (``expert_all_to_all_time``).
     """
     moe, s, h = layer.moe, shard, layer.hidden_size
-    f = moe.expert_intermediate_size / s.tp
-    local_experts = moe.num_experts / s.ep
-    copies = s.tokens * moe.experts_per_token
-    per_expert = copies * rank_load_imbalance(s) / local_experts
+    f = moe.expert_intermediate_size
+    imbalance = rank_load_imbalance(s)
+    local_experts = moe.num_experts / expert_group_size(s)
+    copies = s.tokens / s.tp * moe.experts_per_token
+    per_expert = copies * imbalance / local_experts
     router_s, router_flops = _gemms(((s.tokens, moe.num_experts, h),), s)
     experts_s = sum(grouped_gemm_time(per_expert, local_experts, n, k, s.device, s.assumptions)
                     for n, k in ((f, h), (f, h), (h, f)))
     flops = router_flops + 3 * gemm_flops(copies, f, h)
     saved = s.tokens * expert_saved_bytes_per_token(
         hidden=h, expert_width=f, num_experts=moe.num_experts, experts_per_token=moe.experts_per_token,
-        load_imbalance=rank_load_imbalance(s), assumptions=s.assumptions)
-    buffers = expert_dispatch_buffer_bytes(s.tokens, h, moe.experts_per_token, rank_load_imbalance(s),
-                                           s.assumptions.activation_bytes) if s.ep > 1 else 0.0
+        load_imbalance=imbalance, tp=s.tp, assumptions=s.assumptions)
+    buffers = expert_dispatch_buffer_bytes(s.tokens / s.tp, h, moe.experts_per_token, imbalance,
+                                           s.assumptions.activation_bytes) if expert_group_size(s) > 1 else 0.0
     return router_s + experts_s, flops, saved, buffers
 
 
 def rank_load_imbalance(shard: Shard) -> float:
-    """Routed tokens of the busiest rank over the mean: ``moe_load_imbalance`` when experts are split over ranks,
-    1 when one rank holds them all (it then receives exactly its own tokens' copies)."""
-    return shard.assumptions.moe_load_imbalance if shard.ep > 1 else 1.0
+    """Routed tokens of the busiest rank over the mean: ``moe_load_imbalance`` when experts are split over ranks
+    (``expert_group_size`` > 1), 1 when one rank holds them all (it then receives exactly its own tokens' copies)."""
+    return shard.assumptions.moe_load_imbalance if expert_group_size(shard) > 1 else 1.0
 
 
 def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
@@ -396,13 +420,15 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     GEMMs per Narayanan et al. 2021 (eq. 3 accounting), attention core per segment/window, elementwise
     traffic, Korthikanti activations. TP: 2 all-reduces of the block output in forward and 2 in backward
     (Shoeybi et al. 2019, Megatron-LM, Sec. 3, Fig. 4), plus ``replicated_kv_backward_time`` when TP replicates
-    KV heads. Ulysses exchanges only around full attention; window
-    blocks keep whole windows on a rank. Ring CP passes KV blocks (KV + dKV in backward).
+    KV heads; a mixture-of-experts layer's router and whole experts are not TP-split (transformers'
+    ``base_model_tp_plan`` of Qwen3-VL-MoE splits attention only), so only attention's 1 + 1 remain, and its TP
+    ranks meet in the expert exchange instead (``expert_all_to_all_time``). Ulysses exchanges only around full
+    attention; window blocks keep whole windows on a rank. Ring CP passes KV blocks (KV + dKV in backward).
     """
     s, e, a = shard, shard.assumptions.activation_bytes, layer.attention
     gemm_s, gemm_fl = _gemms(_block_gemm_shapes(layer, s), s)
     attn_s, attn_fl, scores, windowed = _block_attention(layer, s)
-    tp_ar = 2 * all_reduce_time(s.tokens * layer.hidden_size * e, s.tp, s.tp_link)
+    tp_ar = (2 if layer.moe is None else 1) * all_reduce_time(s.tokens * layer.hidden_size * e, s.tp, s.tp_link)
     sp_fwd = buffers = cp_fwd = 0.0
     if layer.moe is not None:
         experts_s, experts_fl, _, buffers = expert_terms(layer, s)

@@ -22,8 +22,8 @@ def kv_params(layer: LayerSpec) -> float:
 
 
 def layer_params_per_rank(layer: LayerSpec, tp: int, ep: int = 1) -> float:
-    """Parameters of ONE instance of ``layer`` held by one TP rank (and, for a mixture-of-experts layer, one of
-    ``ep`` expert-parallel ranks: its experts are split over EP and, TP-split like a dense MLP, over TP).
+    """Parameters of ONE instance of ``layer`` held by one TP rank (and, for a mixture-of-experts layer, one rank of
+    an EP group of ``ep`` x ``tp`` ranks: its experts are split over them as whole experts).
 
     TP-split kinds hold ``params / tp``, except the K/V projections when TP does not divide the KV heads (a
     multiple of them): every TP rank then holds them whole (``runtime.parallel.tensor_parallel.
@@ -44,8 +44,9 @@ def layer_params_per_rank(layer: LayerSpec, tp: int, ep: int = 1) -> float:
 
 def expert_params_per_rank(layer: LayerSpec, tp: int, ep: int) -> float:
     """Routed-expert parameters of ONE instance of ``layer`` on one rank: ``expert_params / (tp * ep)`` (0 on a
-    dense layer). Expert parallelism places ``num_experts / ep`` whole experts on each EP rank (Lepikhin et al.
-    2020, GShard, Sec. 2.2; Rajbhandari et al. 2022, DeepSpeed-MoE, Sec. 5.1); expert-TP = TP splits each."""
+    dense layer). Expert parallelism places ``num_experts / (ep * tp)`` whole experts on each rank of an EP group,
+    ``ep`` data ranks with all their ``tp`` ranks (Lepikhin et al. 2020, GShard, Sec. 2.2; Rajbhandari et al. 2022,
+    DeepSpeed-MoE, Sec. 5.1; torchtitan's etp=1 and transformers ``AllToAllEP``, where EP borrows the TP ranks)."""
     return 0.0 if layer.moe is None else layer.moe.expert_params / (tp * ep)
 
 
@@ -125,17 +126,20 @@ def block_saved_bytes_per_token(
 
 
 def expert_saved_bytes_per_token(*, hidden: float, expert_width: float, num_experts: float, experts_per_token: float,
-                                 load_imbalance: float, assumptions: CostAssumptions) -> float:
-    """Bytes a mixture-of-experts feed-forward keeps for backward per token entering it on the busiest EP rank.
+                                 load_imbalance: float, tp: int, assumptions: CostAssumptions) -> float:
+    """Bytes a mixture-of-experts feed-forward keeps for backward per token entering it on the busiest rank of its
+    EP group, whose ``tp`` ranks each route a disjoint ``1 / tp`` slice of the tokens they share.
 
-    Router: its fp32 softmax over ``num_experts`` (read by its backward). Each of the ``experts_per_token`` routed
-    copies (times ``load_imbalance`` on the busiest rank): the dispatched input row (``hidden``), the expert's
-    SwiGLU gate, up, act(gate) and product (``4 expert_width`` per rank, as Korthikanti et al. 2022, Sec. 4.1 count a
-    SwiGLU MLP) and its output row before the routing weight scales it (``hidden``, read by the weight's gradient).
+    Router (replicated on the TP ranks): its fp32 softmax over ``num_experts`` for every token (read by its
+    backward). Each of the slice's ``experts_per_token`` routed copies (``1 / tp`` per token entering, times
+    ``load_imbalance`` on the busiest rank): the dispatched input row (``hidden``), the whole expert's SwiGLU gate, up,
+    act(gate) and product (``4 expert_width``, as Korthikanti et al. 2022, Sec. 4.1 count a SwiGLU MLP) and its output
+    row before the routing weight scales it (``hidden``, read by the weight's gradient).
     Source: the grouped-experts forward of transformers ``grouped_mm_experts_forward`` / torchtitan
-    ``GroupedExperts``; activation accounting per Korthikanti et al. 2022, eq. 1-2.
+    ``GroupedExperts``, the TP slicing of transformers ``AllToAllEP`` / torchtitan's etp=1; activation accounting per
+    Korthikanti et al. 2022, eq. 1-2.
     """
-    copies = experts_per_token * load_imbalance
+    copies = experts_per_token * load_imbalance / tp
     router = num_experts * 4
     return router + copies * (2 * hidden + 4 * expert_width) * assumptions.activation_bytes
 
@@ -143,7 +147,8 @@ def expert_saved_bytes_per_token(*, hidden: float, expert_width: float, num_expe
 def expert_dispatch_buffer_bytes(tokens: float, hidden: float, experts_per_token: float, load_imbalance: float,
                                  activation_bytes: float) -> float:
     """Transient bytes of one token exchange of a MoE layer on the busiest rank: the permuted send buffer and the
-    receive buffer of ``tokens x experts_per_token`` rows of ``hidden`` (times ``load_imbalance`` received).
+    receive buffer of ``tokens x experts_per_token`` rows of ``hidden`` (times ``load_imbalance`` received), where
+    ``tokens`` are the rank's own (with TP, its ``1 / tp`` slice of the tokens its TP group shares).
     Source: the all-to-all dispatch of Lepikhin et al. 2020 (GShard), Sec. 2.2 / Rajbhandari et al. 2022
     (DeepSpeed-MoE), Sec. 5.1: each routed copy is sent once and received once."""
     rows = tokens * experts_per_token

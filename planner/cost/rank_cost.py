@@ -457,6 +457,7 @@ def rank_cost(
     forward_buffers = max(forward_buffers, sums.loss_buffer_bytes[0])
     loss_backward_buffers, loss_saved = sums.loss_buffer_bytes[1:]
 
+    # with ep = 1 the ranks holding the same experts (split over TP or not) are the dense reduce group: one reduction
     dp_params = params - experts if s.ep > 1 else params
     dp_comm = _dp_comm(static, s, sums, precision, pipelined_fsdp, dp_params, largest, bucket, reduce_group,
                        not within_all[3])
@@ -517,16 +518,16 @@ def rank_cost(
 def axes_within_node(s: ModuleStrategy, first_rank: int, devices_per_node: int) -> tuple[bool, ...]:
     """Whether each of the TP, SP, CP, DP-reduce, EP and expert-reduce axes of the (pipeline stage's) grid starting
     at ``first_rank`` stays in a node: what the links of a part cost depend on. An EP group is ``ep`` consecutive
-    ranks of the dp x sp axis (stride tp; ring CP is not combined with EP), the experts' reduce group the ranks
-    ``ep`` apart holding the same experts. Memoised: it depends on ``first_rank`` only through its offset in a
-    node."""
+    ranks of the dp x sp axis with all their TP ranks, ``ep * tp`` consecutive ranks (``layers.expert_group_size``;
+    ring CP is not combined with EP), the experts' reduce group the ranks ``tp * ep`` apart holding the same experts.
+    Memoised: it depends on ``first_rank`` only through its offset in a node."""
     key = (s.tp, s.sp, s.cp, s.dp, s.ep, first_rank % devices_per_node, devices_per_node)
     found = _WITHIN.get(key)
     if found is None:
         found = _WITHIN[key] = tuple(
             axis_within_node(first_rank % devices_per_node, stride, size, s.stage_gpus, devices_per_node)
             for stride, size in ((1, s.tp), (s.tp, s.sp), (s.tp * s.sp, s.cp), (s.tp, s.dp * s.cp * s.sp),
-                                 (s.tp, s.ep), (s.tp * s.ep, s.dp * s.cp * s.sp // s.ep)))
+                                 (1, s.ep * s.tp), (s.tp * s.ep, s.dp * s.cp * s.sp // s.ep)))
     return found
 
 
@@ -537,7 +538,8 @@ def layer_axes_within_node(within_all: tuple[bool, ...]) -> tuple[bool, bool, bo
 
 def expert_zero_shards(shards: int, ep: int) -> float:
     """Ranks ZeRO shards a routed expert's states over: the module's ZeRO shards that hold the same experts,
-    ``shards / ep`` (torchtitan's ``efsdp`` mesh, dp_shard * cp * tp / ep, with expert-TP = TP here), at least 1."""
+    ``shards / ep`` (torchtitan's ``efsdp`` mesh, dp_shard * cp * tp / ep_titan with etp=1, where its EP degree
+    ep_titan is our ep * tp; transformers ``AllToAllEP``'s efsdp_size = fsdp_size * tp_size / ep_size), at least 1."""
     return max(1.0, shards / ep)
 
 

@@ -91,6 +91,14 @@ def test_fix_and_workload_flags(capsys, tmp_path):
     assert p.module("vision").sp == 8 and p.module("llm").tp == 8 and p.module("vision").frozen
 
 
+def test_experts_split_over_tp_alone_show_their_exchange(capsys, tmp_path):
+    """ep=1 x tp=2: the experts are split over the TP pair, so the layout line says so and the times show EP."""
+    code, text, _ = _run(["--model", "qwen3-vl-moe-tiny", "--gpu", "cpu", "--gpus", "2", "--global-batch", "2",
+                          "--fix", "llm.tp=2", "--fix", "llm.ep=1", "--out", str(tmp_path / "e.json")], capsys)
+    llm = text[text.index("llm:"):]
+    assert code == 0 and "(experts over EP 1 x TP 2)" in llm and ", EP " in llm
+
+
 def test_max_seq_headline(capsys, tmp_path):
     code, text, _ = _run(["--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--global-batch", "2",
                           "--max-seq", "--out", str(tmp_path / "m.json")], capsys)
