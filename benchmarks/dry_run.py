@@ -1,5 +1,5 @@
 """Dry-run vs planner at full size: the runtime's own peak memory per role, module and category (runtime.dry_run)
-beside the plan's prediction, for the 32B / 72B plans of issue 10.
+beside the plan's prediction, for the 32B / 72B plans of issue 10, Qwen3-VL's and the mixture-of-experts ones.
 
     PYTHONPATH=$PWD python benchmarks/dry_run.py [--only NAME ...] [--out benchmarks/results/dry_run.txt]
 
@@ -64,6 +64,10 @@ CONFIGS = (
     Config(name="qwen3-32b-default", model="qwen3-vl-32b", gpus=16),
     Config(name="qwen3-32b-sp8-tp8-16k", model="qwen3-vl-32b", gpus=8, vision_tokens=16384, fix=SP8_TP8),
     Config(name="qwen3-32b-video-2min-720p", model="qwen3-vl-32b", gpus=16, videos=((240, 720, 1280),)),
+    Config(name="qwen3-moe-30b-8gpus", model="qwen3-vl-30b-a3b", gpus=8),
+    Config(name="qwen3-moe-30b-16gpus", model="qwen3-vl-30b-a3b", gpus=16),
+    Config(name="qwen3-moe-30b-tp2-ep4", model="qwen3-vl-30b-a3b", gpus=8, fix=("llm.tp=2", "llm.ep=4")),
+    Config(name="qwen3-moe-235b-64gpus", model="qwen3-vl-235b-a22b", gpus=64),
 )
 
 

@@ -121,9 +121,10 @@ plt.show()
 data.round(2)"""),
     new_markdown_cell("""\
 ## Mixture-of-experts LLMs
-Qwen3-VL-30B-A3B and -235B-A22B: the planner searches expert parallelism (`ep`, the LLM's experts over ep of its
-dp x sp ranks) with the other degrees. Its plan against the baselines, each a speed-up (baseline step time / plan
-step time; empty where the baseline does not fit), among them the Megatron-style TP x EP x PP."""),
+Qwen3-VL-30B-A3B and -235B-A22B: the planner searches expert parallelism (`ep`: the LLM's experts, whole, over an
+EP group of ep of its dp x sp ranks with all their TP ranks) with the other degrees. Its plan against the
+baselines, each a speed-up (baseline step time / plan step time; empty where the baseline does not fit), among them
+the Megatron-style TP x EP x PP."""),
     new_code_cell("""\
 import planner
 
@@ -139,6 +140,20 @@ for model, gpus in MOE_CASES:
                  **{f"vs {name}": b.speedup for name, b in p.baselines.items()}})
 moe = pd.DataFrame(rows)
 moe.round(2)"""),
+    new_markdown_cell("""\
+30B-A3B on 16 H100s as the image grows (the sides of the sweep above), and for one 64-frame 448 px video clip per
+sample: the vision tower's layout follows the image while the LLM keeps its experts split."""),
+    new_code_cell("""\
+def moe_row(workload, **inputs):
+    p = planner.plan("qwen3-vl-30b-a3b", 16, **inputs)
+    vision, llm = p.module("vision"), p.module("llm")
+    return {"workload": workload, "vision": f"DP{vision.dp} SP{vision.sp} TP{vision.tp} ZeRO{vision.zero}",
+            "LLM": f"DP{llm.dp} SP{llm.sp} TP{llm.tp} EP{llm.ep} ZeRO{llm.zero}", "step s": p.predicted.step_time_s,
+            **{f"vs {name}": b.speedup for name, b in p.baselines.items()}}
+
+moe_sweep = pd.DataFrame([moe_row(f"{side} px image", image_sizes=[(side, side)]) for side in SIDES]
+                         + [moe_row("64 x 448 px clip", image_sizes=[], videos=[(64, 448, 448)])])
+moe_sweep.round(2)"""),
     new_markdown_cell("## Conclusion"),
     new_code_cell("""\
 def speedup_span(n):
@@ -174,7 +189,11 @@ def moe_note():
     parts = [f"{r.model} on {r.GPUs}: {r.LLM}, " + (f"{r['vs megatron']:.2f}x the Megatron-style TP x EP x PP"
              if r["vs megatron"] == r["vs megatron"] else "where the Megatron-style TP x EP x PP does not fit")
              for _, r in moe.iterrows()]
-    return "Mixture-of-experts LLMs, the planner's LLM layout: " + "; ".join(parts) + "."
+    megatron = moe_sweep["vs megatron"]
+    sweep = (f" For 30B-A3B on 16 GPUs from 448 to 3584 px images and a 64-frame clip the plan is "
+             f"{megatron.min():.2f}x to {megatron.max():.2f}x the Megatron-style where it fits "
+             f"({int(megatron.isna().sum())} of {len(megatron)} workloads it does not).")
+    return "Mixture-of-experts LLMs, the planner's LLM layout: " + "; ".join(parts) + "." + sweep
 
 states = auto[["weights_gib", "gradients_gib", "optimizer_gib"]].sum(axis=1) / auto.peak_memory_gib
 display(Markdown(
