@@ -337,16 +337,18 @@ def _counts(layers: tuple[LayerSpec, ...]) -> tuple[tuple[str, int], ...]:
     return tuple((layer.name, layer.count) for layer in layers)
 
 
-def zero1_gradient_bytes(
-    params: float, precision: Precision, *, shards: int, grad_accum: int, assumptions: CostAssumptions
+def fsdp_gradient_bytes(
+    params: float, precision: Precision, *, shards: float, grad_accum: int, assumptions: CostAssumptions
 ) -> float:
-    """Gradient bytes per GPU of a ZeRO-1 module as the runtime runs it (FSDP2 without per-micro-batch
-    reduce-scatter): several micro-batches accumulate unsharded gradients in the reduce dtype
-    (``CostAssumptions.accumulated_gradient_bytes``); a single one is reduce-scattered during the backward, leaving
-    ZeRO-2's ``gradients / shards`` (Rajbhandari et al. 2020, Sec. 5.1, P_os+g)."""
+    """Gradient bytes per GPU of a ZeRO-1/2 module as the runtime runs it (FSDP2): a ZeRO-1 module with several
+    micro-batches accumulates unsharded gradients (no per-micro-batch reduce-scatter); otherwise each backward
+    reduce-scatters them into the sharded parameter's gradient, ``1 / shards`` of them (Rajbhandari et al. 2020,
+    Sec. 5.1, P_os+g). Either way in FSDP2's reduce dtype (``CostAssumptions.accumulated_gradient_bytes``: fp32
+    under bf16_mixed, whose sharded parameters are fp32), not the recipe's bf16 gradient: a ZeRO-2 module's split
+    experts, sharded over the few ranks that hold the same ones, hold 4 bytes per parameter, not 2."""
     if grad_accum > 1:
         return params * assumptions.accumulated_gradient_bytes(precision)
-    return params * assumptions.bytes_per_param(precision).gradients / shards
+    return params * assumptions.accumulated_gradient_bytes(precision) / shards
 
 
 def _params_per_rank(static: ModuleStatic, tp: int, ep: int, layers: tuple[LayerSpec, ...]
@@ -546,14 +548,15 @@ def expert_zero_shards(shards: int, ep: int) -> float:
 def _state_bytes(static: ModuleStatic, s: ModuleStrategy, precision: Precision, params: float, shards: float,
                  pipelined_fsdp: bool) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per GPU of ``params`` parameters sharded by ZeRO over ``shards``
-    ranks: ``model_state_bytes``, ZeRO-1's accumulated gradients (``zero1_gradient_bytes``) and a pipelined FSDP
-    stage's (``pipelined_fsdp_state_bytes``)."""
+    ranks: ``model_state_bytes``, the gradients of a ZeRO-1/2 module FSDP2 wraps (``fsdp_gradient_bytes``; its
+    split experts too, whatever ``shards``) and a pipelined FSDP stage's (``pipelined_fsdp_state_bytes``)."""
     assumptions, trainable = static.assumptions, not static.spec.frozen
     recipe = assumptions.bytes_per_param(precision)
     weights, grads, optim = model_state_bytes(params, recipe, zero=s.zero, shards=shards, frozen=not trainable)
-    if s.zero == 1 and trainable and shards > 1:
-        grads = zero1_gradient_bytes(params, precision, shards=shards, grad_accum=s.grad_accum,
-                                     assumptions=assumptions)
+    fsdp = s.dp * s.cp * s.sp > 1  # runtime.parallelize.uses_fsdp
+    if s.zero in (1, 2) and trainable and fsdp:
+        grads = fsdp_gradient_bytes(params, precision, shards=shards, grad_accum=s.grad_accum if s.zero == 1 else 1,
+                                    assumptions=assumptions)
     if pipelined_fsdp:
         weights, grads = pipelined_fsdp_state_bytes(
             params, recipe, accumulated_gradient_bytes=assumptions.accumulated_gradient_bytes(precision),

@@ -365,11 +365,14 @@ def test_buffers_by_pass_the_loss_alone_and_zero3_root_unit_in_both_passes():
     assert big.modules["llm"].backward_buffers_bytes == pytest.approx(gathered + 2 * (root + block), abs=1)
 
 
-def test_zero1_gradients_as_fsdp2_holds_them():
+def test_zero1_and_zero2_gradients_as_fsdp2_holds_them():
     params = MODEL.module("vision").num_params
     one = _estimate(ModuleStrategy(dp=8, zero=1), ModuleStrategy(dp=8)).modules["vision"]
-    # one micro-batch: reduce-scattered during the backward, bf16 shards over 8 ranks (as ZeRO-2)
-    assert one.gradients_bytes == pytest.approx(2 * params / 8, abs=1)
+    # one micro-batch: reduce-scattered during the backward into the fp32 sharded parameters' gradients, 1/8 each
+    assert one.gradients_bytes == pytest.approx(4 * params / 8, abs=1)
+    zero2 = estimate(MODEL, CLUSTER, WORKLOAD, colocated(ModuleStrategy(dp=4, zero=2, grad_accum=2),
+                                                         ModuleStrategy(dp=4, grad_accum=2)))
+    assert zero2.modules["vision"].gradients_bytes == pytest.approx(4 * params / 4, abs=1)  # every micro-batch
     two = estimate(MODEL, CLUSTER, WORKLOAD, colocated(ModuleStrategy(dp=4, zero=1, grad_accum=2),
                                                        ModuleStrategy(dp=4, grad_accum=2)))
     # two micro-batches: FSDP2 accumulates the unsharded gradients in fp32
