@@ -113,13 +113,16 @@ class StepInputs:
             self.step_tokens = self.positions_per_step * self.layout.seq_len
         indexes = self._indexes_at(position, self._step_slots)
         if self.prefetcher is None:
-            self._step_samples = {i: self.source.sample(i) for i in indexes}
+            self._step_samples = {}
+            for i in indexes:  # each sample declared host data as it is built, not once the step's all exist
+                self._step_samples[i] = sample = self.source.sample(i)
+                self.on_host_data(sample.values())
         else:
             self._step_samples = self.prefetcher.take(position, indexes)
             following = position + self.positions_per_step
             self.prefetcher.submit(following, self._indexes_at(following, self._slots_at(following)))
-        for sample in self._step_samples.values():
-            self.on_host_data(sample.values())
+            for sample in self._step_samples.values():
+                self.on_host_data(sample.values())
         for micro in range(self.num_micro_batches):
             for name in self.held:
                 self.samples(micro, name)

@@ -199,6 +199,17 @@ def test_a_steps_samples_stay_in_host_memory_and_only_shards_reach_the_device():
         dist.destroy_process_group()
 
 
+def test_a_steps_host_samples_never_count_together():
+    """The step's samples are host data: each stops being counted as it is built, so the peak does not grow with the
+    micro-batches the step prepares (counting them until the step's last was built made a 32-micro-batch plan of
+    462,400-patch images peak at 65 GiB of "activations" that no device holds)."""
+    image = (896, 896)  # 4,096 patches: 19 MiB of fp32 pixels per sample, far above the tiny model's tensors
+    few, many = (measure_role(make_plan({"grad_accum": ga}, {"grad_accum": ga}, image_size=image), 0, RunOptions())
+                 for ga in (2, 16))
+    sample_bytes = 4096 * 3 * 2 * 14 * 14 * 4
+    assert abs(many.peak["Total"] - few.peak["Total"]) < sample_bytes
+
+
 def test_forget_stops_counting_host_data_once():
     tracker = StepMemTracker({})
     with tracker:
