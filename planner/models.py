@@ -69,6 +69,9 @@ class MoeSpec:
     """Hidden width of an always-on shared expert (0: none, as in Qwen3-VL-MoE)."""
     norm_topk_prob: bool = True
     """Whether the top-k routing weights are renormalised to sum to 1."""
+    balancing_loss: bool = False
+    """Trained with transformers' load-balancing loss (``output_router_logits``): not pipelined
+    (``planner.rules.balancing_loss_rule``)."""
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -80,3 +80,12 @@ def expert_parallel_rule(ep: int, tp: int, dp: int, sp: int, cp: int, num_expert
     if cp > 1:
         return f"ep={ep} with cp={cp}: expert parallelism with ring context parallelism is not planned"
     return None
+
+
+def balancing_loss_rule(pp: int, balancing_loss: bool) -> str | None:
+    """A mixture-of-experts LLM trained with transformers' load-balancing loss (``output_router_logits``) is not
+    pipelined: the loss's expert counts span every stage's layers. Planner and runtime both apply it."""
+    if pp > 1 and balancing_loss:
+        return (f"pp={pp}: the load-balancing loss (text_config.output_router_logits) is not run with a pipelined "
+                "LLM, its expert counts span every stage's layers; set it false or plan with --fix llm.pp=1")
+    return None

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
 
+from planner.rules import balancing_loss_rule
 from planner.schema import Plan
 from runtime.checkpoint_dir import Problem, read_run_state, resolve_resume, run_state_problem
 
@@ -117,10 +118,8 @@ def check_plan(plan: Plan) -> None:
         if module.pp > 1:
             check_pipeline(plan, module)
     text = plan.model.hf_config.get("text_config", plan.model.hf_config)
-    if llm.pp > 1 and text.get("output_router_logits") and text.get("router_aux_loss_coef", 0.001):
-        raise NotImplementedError("the load-balancing loss (text_config.output_router_logits) is not run with a "
-                                  "pipelined LLM: its expert counts span every stage's layers; set it false or plan "
-                                  "with --fix llm.pp=1")
+    if problem := balancing_loss_rule(llm.pp, text.get("output_router_logits") is True):
+        raise NotImplementedError(problem)
     if tower.frozen and llm.frozen:
         raise ValueError("every module of the plan is frozen: nothing to train")
     if tower.grad_accum != llm.grad_accum or tower.dp * tower.micro_batch != llm.dp * llm.micro_batch:

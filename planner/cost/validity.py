@@ -6,7 +6,7 @@ import math
 
 from planner.hardware import Cluster
 from planner.models import ENCODER_MODULES, LayerSpec, ModelSpec, ModuleSpec
-from planner.rules import attention_rules, expert_parallel_rule, split_rule, width_rule
+from planner.rules import attention_rules, balancing_loss_rule, expert_parallel_rule, split_rule, width_rule
 from planner.schema import ZERO_BUBBLE_SCHEDULES, zero_bubble_reasons
 from planner.strategy import ModuleStrategy
 from planner.workload import ModuleTokens, Workload, module_tokens
@@ -95,13 +95,16 @@ def pipeline_reasons(model: ModelSpec, spec: ModuleSpec, s: ModuleStrategy) -> l
     micro-batches as stages, and the interleaved schedules a micro-batch count that their rounds
     (``max(1, grad_accum // pp)``) divide. What the runtime does not run inside a pipeline yet is ruled out too:
     an lm_head tied to the embedding (on the first and the last stage), and a zero-bubble schedule with ZeRO-3 or
-    full recomputation (``zero_bubble_reasons``)."""
+    full recomputation (``zero_bubble_reasons``), and the load-balancing loss (``balancing_loss_rule``)."""
     if spec.name != "llm":
         return [f"{spec.name} uses pp={s.pp}; pipeline parallelism is planned for the LLM only"]
     reasons = []
     if model.tie_word_embeddings:
         reasons.append(f"pp={s.pp}: {model.name} ties lm_head to the embedding, which the runtime does not split "
                        "over pipeline stages yet")
+    if problem := balancing_loss_rule(s.pp, any(layer.moe is not None and layer.moe.balancing_loss
+                                                for layer in spec.layers)):
+        reasons.append(problem)
     blocks = [layer for layer in spec.layers if layer.kind == "decoder_layer"]
     if len(blocks) > 1:
         reasons.append(f"pp={s.pp}: {model.name} mixes dense and mixture-of-experts decoder layers, which pipeline "

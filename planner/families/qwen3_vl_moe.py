@@ -26,6 +26,7 @@ TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
     "num_attention_heads": 16, "num_key_value_heads": 16, "attention_bias": False, "decoder_sparse_step": 1,
     "moe_intermediate_size": 1408, "num_experts_per_tok": 4, "num_experts": 60, "mlp_only_layers": [],
+    "output_router_logits": False,
 }
 """transformers ``Qwen3VLMoeTextConfig`` defaults (``num_local_experts`` is its alias of ``num_experts``)."""
 
@@ -47,7 +48,8 @@ def moe_spec(text: Mapping[str, Any]) -> MoeSpec:
     if top_k > experts:
         raise ValueError(f"text_config.num_experts_per_tok = {top_k} exceeds the {experts} experts")
     return MoeSpec(num_experts=experts, experts_per_token=top_k, expert_intermediate_size=inter,
-                   expert_params=routed_experts_params(experts, hidden, inter), norm_topk_prob=True)
+                   expert_params=routed_experts_params(experts, hidden, inter), norm_topk_prob=True,
+                   balancing_loss=text["output_router_logits"] is True)
 
 
 def moe_llm_module(text: Mapping[str, Any], tied: bool) -> ModuleSpec:

@@ -101,3 +101,19 @@ def test_the_megatron_baseline_searches_ep_for_experts():
     assert {s.modules["llm"].ep for s in megatron_family(moe)} == {1, 2, 4}
     assert all(s.modules["vision"].ep == 1 for s in megatron_family(moe))
     assert {s.modules["llm"].ep for s in megatron_family(problem("qwen3-vl-tiny", 8, batch=16))} == {1}
+
+
+def test_the_balancing_loss_is_not_pipelined():
+    """A config that trains with transformers' load-balancing loss (``output_router_logits``): its counts span every
+    stage's layers, which the runtime does not exchange, so the planner offers no pipelined LLM and a pinned one is
+    refused in one line (the same rule the runtime applies); without the loss PP is offered."""
+    config = copy.deepcopy(dict(CATALOG["qwen3-vl-moe-tiny"].config))
+    config["text_config"]["output_router_logits"] = True
+    balanced = model_from_hf_config(config, "balanced")
+    pipelined = lambda p: {s.pp for group in module_strategies(p, "llm", p.num_gpus, {}, {})[0] for s in group}
+    assert pipelined(problem("qwen3-vl-moe-tiny", 4, allow_pp=True)) > {1}
+    assert pipelined(replace(problem("qwen3-vl-moe-tiny", 4, allow_pp=True), model=balanced)) == {1}
+    with pytest.raises(ValueError, match=r"pp=2: the load-balancing loss \(text_config.output_router_logits\) is "
+                                         r"not run with a pipelined LLM") as error:
+        plan(replace(problem("qwen3-vl-moe-tiny", 4, allow_pp=True), model=balanced), fix=["llm.pp=2"])
+    assert "\n" not in str(error.value)

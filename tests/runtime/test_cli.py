@@ -57,8 +57,8 @@ def test_expert_parallelism_the_runtime_cannot_run_is_refused_before_ray(tmp_pat
                                RunOptions())
     pipelined = make_plan(dict(dp=2, grad_accum=2), dict(pp=2, pp_layers=[2, 2], grad_accum=2), hf_config=moe,
                           image_size=QWEN3_IMAGE_SIZE)
-    with pytest.raises(NotImplementedError, match=r"^the load-balancing loss \(text_config.output_router_logits\) "
-                                                  r"is not run with a pipelined LLM"):
+    with pytest.raises(NotImplementedError, match=r"^pp=2: the load-balancing loss \(text_config."
+                                                  r"output_router_logits\) is not run with a pipelined LLM"):
         launcher.validate_plan(pipelined, RunOptions())
 
 
