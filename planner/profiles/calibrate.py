@@ -122,30 +122,29 @@ def plan_inputs(plan: Plan):
     return model, cluster, workload, strategy
 
 
-def measured_peak_bytes(path: Path) -> int | None:
-    """Largest ``peak_memory_gib`` over the steps of a metrics file (None when it records none)."""
-    peaks = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and not row.get("summary") and isinstance(row.get("peak_memory_gib"), (int, float)):
-            peaks.append(row["peak_memory_gib"])
-    return round(max(peaks) * GIB) if peaks else None
-
-
-def measured_load_imbalance(path: Path) -> float | None:
-    """Median over the steps of a metrics file of the busiest EP rank's routed tokens over the mean
-    (``moe_load_imbalance``, a mixture-of-experts run's; None when it records none)."""
+def step_values(path: Path, key: str) -> list[float]:
+    """``key`` of every step record of a metrics file that has it as a number (the closing summary left out)."""
     values = []
     for line in path.read_text().splitlines():
         try:
             row = json.loads(line) if line.strip() else None
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and isinstance(row.get("moe_load_imbalance"), (int, float)):
-            values.append(float(row["moe_load_imbalance"]))
+        if isinstance(row, dict) and not row.get("summary") and isinstance(row.get(key), (int, float)):
+            values.append(float(row[key]))
+    return values
+
+
+def measured_peak_bytes(path: Path) -> int | None:
+    """Largest ``peak_memory_gib`` over the steps of a metrics file (None when it records none)."""
+    peaks = step_values(path, "peak_memory_gib")
+    return round(max(peaks) * GIB) if peaks else None
+
+
+def measured_load_imbalance(path: Path) -> float | None:
+    """Median over the steps of a metrics file of the busiest EP rank's routed tokens over the mean
+    (``moe_load_imbalance``, a mixture-of-experts run's; None when it records none)."""
+    values = step_values(path, "moe_load_imbalance")
     return statistics.median(values) if values else None
 
 
