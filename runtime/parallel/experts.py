@@ -103,7 +103,8 @@ class RouterStats:
             if not self.recording or torch._C._current_graph_task_id() != -1:
                 return  # not asked, or recomputed inside a backward (counted at its forward)
             flat = indices.reshape(-1)  # counted by a scatter: a fixed output shape (the dry-run's fake tensors)
-            counts = torch.zeros(self.num_experts, device=flat.device).scatter_add_(0, flat, torch.ones(flat.shape))
+            counts = torch.zeros(self.num_experts, device=flat.device).scatter_add_(
+                0, flat, torch.ones_like(flat, dtype=torch.float32))
             self.counts.append(counts)
             if probs is not None:
                 self.probs.append(probs)
@@ -128,8 +129,8 @@ class RouterStats:
         (``group``; Fedus et al. 2022, Switch Transformer, eqs. 4-6). ``f`` is summed over the group first; the
         rank's own ``P`` share makes the shares sum to the whole. Weighted by the micro-batch's share of the
         step's ``num_tokens`` targets (``targets``: this rank's), as the step's cross-entropy is."""
-        totals = torch.cat([torch.stack(self.counts).sum(0), torch.tensor([float(self.rows), float(targets)])])
-        totals = totals.to(num_tokens.device)
+        counts = torch.stack(self.counts).sum(0)  # on the routers' device, as are the targets: no host sync
+        totals = torch.cat([counts, counts.new_tensor([self.rows]), targets.reshape(1).to(counts)])
         if group is not None:
             dist.all_reduce(totals, group=group)
         counts, rows, micro_targets = totals[:-2], totals[-2], totals[-1]
