@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from planner.hardware import PLAUSIBLE_RANGES
+from planner.schema import ATTENTION_CALLS
 from planner.versioned_json import write_atomically
 
 EXIT_USER_ERROR = 2
@@ -149,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{default_workers()} here); the plan is the same for any N")
     search.add_argument("--top-k", type=int, metavar="K",
                         help=f"show the K best distinct plans (default 1, at most {api.MAX_TOP_K})")
+    search.add_argument("--attention", choices=ATTENTION_CALLS, help="how the runtime calls attention over "
+                        "windows, images and packed samples: varlen (one variable-length flash call per layer; "
+                        "CUDA) or sdpa (one SDPA call per segment); default: varlen on GPUs, sdpa on a CPU")
     search.add_argument("--max-seq", action="store_true",
                         help="find the longest image sequence (vision tokens per sample) any plan fits (one plan: "
                              "not with --top-k)")
@@ -197,7 +201,7 @@ def _inputs(args: argparse.Namespace) -> dict:
         videos=_videos(args),
         frozen=args.frozen, profile=None if (args.profile or "").lower() == "none" else (args.profile or "auto"),
         allow_ring_cp=args.allow_cp, allow_pp=not args.no_pp, dataset=args.dataset, tokenizer=args.tokenizer, min_pixels=args.min_pixels,
-        max_pixels=args.max_pixels, pack_tokens=args.pack_tokens, workers=args.workers,
+        max_pixels=args.max_pixels, pack_tokens=args.pack_tokens, workers=args.workers, attention=args.attention,
         **({"fps": args.fps} if args.dataset is not None else {}),
     )
 

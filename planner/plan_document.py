@@ -8,6 +8,7 @@ from typing import Mapping
 
 from planner.baselines import BASELINE_DESCRIPTIONS, BaselineOutcome, baselines
 from planner.cost import Estimate, estimate
+from planner.cost.memory import loss_chunk_tokens
 from planner.cost.report import module_predictions, prediction
 from planner.units import GIB
 from planner.problem import Problem
@@ -47,9 +48,12 @@ def _module_plan(problem: Problem, strategy: Strategy, name: str, prediction: Mo
                  pp_layers: list[int] | None) -> ModulePlan:
     s = strategy.modules[name]
     spec = problem.model.module(name)
+    has_loss = any(layer.kind == "lm_head" for layer in spec.layers)
     return ModulePlan(
         name=name, ranks=strategy.module_ranks()[name], dp=s.dp, tp=s.tp, sp=s.sp, cp=s.cp, pp=s.pp, ep=s.ep,
         pp_schedule=s.pp_schedule, virtual_stages=s.virtual_stages, pp_layers=pp_layers,
+        attention=problem.assumptions.attention_calls,
+        loss_chunk_tokens=loss_chunk_tokens(s.pp, problem.assumptions) if has_loss else 0,
         zero=s.zero, recompute=s.recompute, micro_batch=s.micro_batch, grad_accum=s.grad_accum, frozen=spec.frozen,
         num_params=spec.num_params, predicted=prediction,
     )

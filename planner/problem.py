@@ -24,9 +24,9 @@ from planner.dataset import (
     read_dataset,
     sample_tokens,
 )
-from planner.hardware import PLAUSIBLE_RANGES, Cluster, get_device, load_cluster_file, make_cluster
+from planner.hardware import PLAUSIBLE_RANGES, Cluster, DeviceSpec, get_device, load_cluster_file, make_cluster
 from planner.models import ModelSpec
-from planner.schema import DatasetInfo
+from planner.schema import ATTENTION_CALLS, AttentionCalls, DatasetInfo
 from planner.strategy import PRECISIONS, Precision
 from planner.workload import DEFAULT_FPS, Workload, module_tokens
 
@@ -331,6 +331,7 @@ def make_problem(
     pack: bool = True,
     fps: float | None = None,
     workers: int = 1,
+    attention: str | None = None,
 ) -> Problem:
     """Everything a plan depends on, from user-level inputs.
 
@@ -368,6 +369,8 @@ def make_problem(
             meets the dataset); ``pack_tokens`` then does not apply.
         fps: Frames sampled per second of the dataset's video files (default ``DEFAULT_FPS``).
         workers: Processes that cost candidates (``Problem.workers``): the same plan, sooner on several cores.
+        attention: How the runtime calls attention (``varlen`` or ``sdpa``, ``planner.schema.AttentionCalls``);
+            default: what it runs on the hardware (``attention_calls_for``).
 
     Raises:
         ValueError: any bad input, in one line.
@@ -401,10 +404,19 @@ def make_problem(
         images_per_sample=images_per_sample, audio_seconds=audio_seconds, global_batch=global_batch, videos=videos,
     )
     _check_sample(workload, spec)
+    if attention is not None and attention not in ATTENTION_CALLS:
+        raise ValueError(f"--attention must be one of {', '.join(ATTENTION_CALLS)}, got {attention!r}")
     cluster, layer_costs, assumptions = _profile_source(spec, cluster, profile, assumptions)
+    assumptions = replace(assumptions, attention_calls=attention or attention_calls_for(cluster.device))
     return Problem(model=spec, cluster=cluster, workload=workload, precision=precision, assumptions=assumptions,
                    layer_costs=layer_costs, allow_ring_cp=allow_ring_cp, allow_pp=allow_pp,
                    dataset=dataset_info, workers=workers)
+
+
+def attention_calls_for(device: DeviceSpec) -> AttentionCalls:
+    """The attention calls the runtime makes on ``device``: one variable-length flash call per layer on a GPU
+    (torch's ``varlen_attn``), one SDPA call per segment on a CPU (no variable-length kernel there)."""
+    return "sdpa" if device.name.lower() == "cpu" else "varlen"
 
 
 def model_folder_tokenizer(model: str | ModelSpec) -> str | None:

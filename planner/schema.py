@@ -16,13 +16,19 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from planner.hardware import PLAUSIBLE_RANGES, DeviceSpec, check_plausible, with_host_fields
 from planner.versioned_json import read_versioned, validated
 
-SCHEMA_VERSION = 6
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6)
+SCHEMA_VERSION = 7
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 """Version 2 added ``workload.dataset``, version 3 pipeline parallelism (``pp``, ``pp_schedule``,
 ``virtual_stages``, ``pp_layers``), version 4 video clips (``workload.videos``), version 5 the fps a dataset's video
-files are sampled at (``workload.dataset.fps``), version 6 expert parallelism (a module's ``ep``); an older plan reads
-as one without them."""
+files are sampled at (``workload.dataset.fps``), version 6 expert parallelism (a module's ``ep``), version 7 the attention kernel and the chunked loss a module
+was priced with (``attention``, ``loss_chunk_tokens``); an older plan reads as one without them (per-segment SDPA,
+the whole logits at once)."""
 Source = Literal["analytical", "measured", "calibrated"]
+AttentionCalls = Literal["varlen", "sdpa"]
+"""How a module calls attention over segmented sequences (windows, images, packed samples): ``varlen`` one
+variable-length flash call per layer over all segments (torch's ``varlen_attn`` / flash-attn's varlen API, CUDA),
+``sdpa`` one SDPA call per segment (transformers' loop; the CPU path)."""
+ATTENTION_CALLS: tuple[AttentionCalls, ...] = ("varlen", "sdpa")
 
 
 class _Frozen(BaseModel):
@@ -130,6 +136,12 @@ class ModulePlan(_Frozen):
     ep: int = Field(default=1, ge=1, description="expert-parallel degree: each MoE layer's whole experts split over "
                     "ep of a stage's dp x sp ranks with all their tp ranks, ep * tp in all (1: no data ranks, and "
                     "every plan before schema version 6)")
+    attention: AttentionCalls = Field(default="sdpa", description="the attention calls the module was priced with "
+                                      "and runs: varlen (one variable-length flash call per layer; CUDA) or sdpa "
+                                      "(one SDPA call per segment; every plan before schema version 7)")
+    loss_chunk_tokens: int = Field(default=0, ge=0, description="the module with lm_head: tokens per chunk of its "
+                                   "lm_head + cross-entropy, each chunk's logits recomputed in backward; 0: the "
+                                   "whole slice's logits at once (a pipelined LLM, and every plan before version 7)")
     zero: int = Field(ge=0, le=3)
     recompute: Literal["none", "selective", "full"]
     micro_batch: int = Field(ge=1)

@@ -26,6 +26,8 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from runtime.checkpoint import HFFolder, materialize
 from runtime.families import FAMILIES
+from runtime.loss import chunked_cross_entropy_sum, cross_entropy_sum
+from runtime.parallel.attention import VARLEN_ATTENTION, packed_segments
 from runtime.parallel.ulysses import UlyssesGroup
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {model_type: f.MODEL_CLASS for model_type, f in FAMILIES.items()}
@@ -160,10 +162,11 @@ class LanguageModel(nn.Module):
 
     def forward(
         self, input_ids_BL: torch.Tensor, image_rows_MW: torch.Tensor, position_ids_3BL: torch.Tensor,
-        ulysses_group: UlyssesGroup | None = None,
+        ulysses_group: UlyssesGroup | None = None, targets_BL: torch.Tensor | None = None, loss_chunk_tokens: int = 0,
     ) -> torch.Tensor:
         """Logits [B, L, V] (a DTensor sharded on V under tensor parallelism), as the HF model computes them, from
-        the image tokens' hand-off rows (``embed_image_rows``).
+        the image tokens' hand-off rows (``embed_image_rows``); with ``targets_BL``, their cross-entropy summed
+        over the positions with a target instead (runtime.loss: ``loss_chunk_tokens`` at a time when positive).
 
         Under sequence parallelism ``L`` is this rank's slice, ``image_rows_MW`` the image tokens in it, and
         ``ulysses_group`` (runtime.parallel.ulysses.UlyssesGroup) reaches every decoder layer's attention kernel.
@@ -172,7 +175,12 @@ class LanguageModel(nn.Module):
         hidden_BLD, injection = embed_image_rows(decoder, input_ids_BL, image_rows_MW, self.visual_token_ids)
         hidden_BLD = decoder_forward(decoder, hidden_BLD, position_ids_3BL, enumerate(decoder.layers),
                                      ulysses_group=ulysses_group, injection=injection)
-        return self.lm_head(decoder.norm(hidden_BLD))
+        hidden_BLD = decoder.norm(hidden_BLD)
+        if targets_BL is None:
+            return self.lm_head(hidden_BLD)
+        if loss_chunk_tokens:
+            return chunked_cross_entropy_sum(self.lm_head, hidden_BLD, targets_BL, loss_chunk_tokens)
+        return cross_entropy_sum(self.lm_head(hidden_BLD), targets_BL)
 
     @staticmethod
     def hf_name(name: str) -> str:
@@ -226,6 +234,10 @@ def decoder_forward(decoder: nn.Module, hidden_BLD: torch.Tensor, position_ids: 
         masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
     position_embeddings = decoder.rotary_emb(hidden_BLD, position_ids)
     extra = {} if ulysses_group is None else {"ulysses_group": ulysses_group}
+    if decoder.config._attn_implementation == VARLEN_ATTENTION and ulysses_group is None:  # one bound for all layers
+        rows = text_positions if text_positions is not None else torch.arange(
+            hidden_BLD.shape[1], device=hidden_BLD.device).expand(hidden_BLD.shape[:2])
+        extra["cu_seq_lens_q"], extra["max_length_q"] = packed_segments(rows)
     for index, layer in layers:
         hidden_BLD = layer(hidden_BLD, attention_mask=masks[layer_types[index] if layer_types else "full_attention"],
                            position_embeddings=position_embeddings, position_ids=text_positions, use_cache=False,

@@ -117,6 +117,12 @@ def check_plan(plan: Plan) -> None:
             raise NotImplementedError(context_parallel_refusal(module.name, module.cp))
         if module.pp > 1:
             check_pipeline(plan, module)
+        if module.attention == "varlen" and is_cpu_plan(plan):
+            raise ValueError(f"module {module.name}: attention varlen is torch's variable-length flash kernel, which "
+                             "needs CUDA; plan for a CPU with --attention sdpa")
+        if module.loss_chunk_tokens and module.pp > 1:
+            raise NotImplementedError(f"module {module.name}: a pipelined LLM's loss takes the last stage's whole "
+                                      "logits; plan it with loss_chunk_tokens 0")
     text = plan.model.hf_config.get("text_config", plan.model.hf_config)
     if problem := balancing_loss_rule(llm.pp, text.get("output_router_logits") is True):
         raise NotImplementedError(problem)

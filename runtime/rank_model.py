@@ -34,6 +34,7 @@ class RankModel:
                  weights: TensorSource | None = None):
         self.plan, self.rank, self.dims, self.precision, self.device = plan, rank, dims, precision, device
         model = meta_model(plan.model.hf_config, attention=attention.register())
+        attention.use_planned_calls(model, {m.name: m.attention for m in plan.modules})
         self.init = RandomInit(copy.deepcopy(model), seed)
         """The random init; its ``meta`` copy of the whole model also says what a saved checkpoint holds."""
         self.modules, self.rope_index = self._build(model, weights or self._weights_source(checkpoint, resume))

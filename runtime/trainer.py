@@ -34,6 +34,7 @@ from runtime.checkpoint import TensorSource, save_hf_folder
 from runtime.data import IGNORE_INDEX
 from runtime.dcp_checkpoint import load_checkpoint
 from runtime.handoff import Handoff, Posted
+from runtime.loss import cross_entropy_sum
 from runtime.model import hf_config_from_dict
 from runtime.optim import clip_grad_norm
 from runtime.parallel.experts import RouterStats, busiest_rank_load, moe_layers
@@ -123,6 +124,8 @@ class Trainer:
                                            self.inputs.pipeline_shapes, self._pipeline_loss,
                                            functools.partial(self._timed, "pp_compute_s"))
         text = config.get_text_config()
+        self.loss_chunk_tokens = plan.module("llm").loss_chunk_tokens
+        """Tokens per chunk of the LLM's loss (runtime.loss), 0 for the whole slice at once."""
         self.balancing_coef = text.router_aux_loss_coef if getattr(text, "output_router_logits", False) else 0.0
         """Weight of transformers' load-balancing loss in the LLM's loss (0: the config leaves it out)."""
         experts = self.dims["llm"].experts
@@ -190,9 +193,8 @@ class Trainer:
         balancing = torch.zeros((), device=self.device)
         with loss_parallel() if dims.tp_enabled else contextlib.nullcontext():
             with self._timed("llm_forward_s"), self.model.autocast("llm"), self._routing():
-                # the logits die with the loss's frame: only the log-softmax the backward reads stays
-                loss = self._loss(llm(shard.input_ids_Bs, embeds, shard.position_ids_3Bs, shard.ulysses),
-                                  shard.targets_Bs, num_tokens)
+                loss = llm(shard.input_ids_Bs, embeds, shard.position_ids_3Bs, shard.ulysses,
+                           targets_BL=shard.targets_Bs, loss_chunk_tokens=self.loss_chunk_tokens) / num_tokens
                 if self.balancing_coef:
                     group = dims.mesh[BATCH_AXIS].get_group() if dims.batch_enabled else None
                     targets = (shard.targets_Bs != IGNORE_INDEX).sum()
@@ -260,9 +262,7 @@ class Trainer:
     def _loss(logits: torch.Tensor, targets: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy summed over this rank's positions, divided by the step's target-token count:
         the sum over micro-batches, replicas and sequence slices is transformers' mean loss over the global batch."""
-        ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
-                             reduction="sum")
-        return ce / num_tokens
+        return cross_entropy_sum(logits, targets) / num_tokens
 
     # ---- the step ---------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
@@ -372,8 +372,9 @@ class Trainer:
         return [g.reshape(-1, g.shape[-1])[:len(e)] for g, e in zip(grads, embeds)], loss
 
     def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss of one micro-batch on the last stage (``_loss`` over the step's target tokens)."""
-        return self._loss(logits, targets, self._step_num_tokens)
+        """The schedule's loss of one micro-batch on the last stage: its cross-entropy over the step's target-token
+        count (the sum over micro-batches, replicas and sequence slices is transformers' mean over the batch)."""
+        return cross_entropy_sum(logits, targets) / self._step_num_tokens
 
     def _disjoint_step(self, num_tokens: torch.Tensor | None) -> float:
         """1F1B across the two groups: the encoder group runs up to MAX_ENCODER_IN_FLIGHT forwards ahead, then

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from planner.schema import AttentionCalls
 from planner.units import GIB
 
 AttentionImplementation = Literal["flash", "sdpa_mem_efficient", "eager"]
@@ -97,6 +98,8 @@ class CostAssumptions:
     step) or its per-parameter loop (the default on CPU: 11 calls per parameter tensor, ``OPTIMIZER_OPS``)."""
 
     # --- attention ---
+    attention_calls: AttentionCalls = "varlen"
+    """How attention is called over segments (``AttentionCalls``); ``planner.problem`` sets ``sdpa`` on a CPU."""
     attention_implementation: AttentionImplementation = "flash"
     """flash / sdpa_mem_efficient keep only logsumexp per head and token; eager stores the s x s scores."""
     flash_attention_efficiency: float = 0.55
@@ -159,6 +162,11 @@ class CostAssumptions:
     loss_logits_backward_bytes: float = 8.0
     """Bytes per (token, vocab/TP) logit alive beside the saved log-softmax while the loss backward runs: the fp32
     gradients of the nll loss and of the log-softmax (4 + 4)."""
+    loss_chunk_tokens: int = 1024
+    """Tokens per chunk of the chunked lm_head + cross-entropy (an unpipelined LLM): each chunk's logits exist only
+    while its loss is formed and again while its backward recomputes them, so the logits' memory is that of one
+    chunk; 1,024 tokens of a 152K vocabulary are 1.9 GB at 12 B per logit, and a GEMM of 1,024 rows still runs
+    near its peak."""
     loss_parallel_extra_bytes: float = 4.0
     """Transient bytes per logit that the vocab-parallel loss adds under TP, forward and backward alike: torch's
     ``loss_parallel`` (torch/distributed/tensor/parallel/loss.py) materialises ``exp`` of the fp32 logits beside the

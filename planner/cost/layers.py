@@ -24,9 +24,11 @@ from planner.cost.op_counts import LAYER_OPS, NO_OPS, PassOps, layer_pass_ops
 from planner.cost.times import PassTimes
 from planner.cost.memory import (
     block_saved_bytes_per_token,
+    chunked_loss_logits_bytes,
     expert_dispatch_buffer_bytes,
     expert_saved_bytes_per_token,
     loss_logits_bytes,
+    packed_mask_bytes,
     score_matrix_bytes,
 )
 from planner.hardware import DeviceSpec
@@ -78,6 +80,8 @@ class Shard:
     ranks too (``expert_group_size``)."""
     ep_link: Link | None = None
     """Link of the EP groups, ep x tp consecutive ranks (needed when a MoE layer's ep * tp > 1)."""
+    loss_chunk_tokens: float = 0.0
+    """Tokens per chunk of the chunked loss (``memory.loss_chunk_tokens``); 0: the whole logits at once."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -313,17 +317,41 @@ def _block_gemm_shapes(layer: LayerSpec, shard: Shard) -> tuple[tuple[float, flo
     return qkv + ((m, h, q),) + mlp
 
 
+def attention_calls(layer: LayerSpec, shard: Shard) -> float:
+    """Attention-kernel calls of one block on one rank per micro-batch: one per window or segment the rank attends
+    (``sdpa``: transformers' Qwen-VL vision attention loops ``cu_seqlens`` with one SDPA call each), or one for
+    them all (``varlen``: a single variable-length call over ``cu_seqlens``, FlashAttention-2's varlen API; Dao
+    2023, Sec. 3.3 / torch's ``varlen_attn``)."""
+    s = shard
+    windowed = bool(layer.attention.window_patches) and s.windows > 0
+    segments = (s.windows / s.sp if windowed else s.segments) * s.micro_batch
+    return min(segments, 1.0) if s.assumptions.attention_calls == "varlen" else segments
+
+
+def dense_packed_mask(layer: LayerSpec, shard: Shard) -> bool:
+    """Whether a decoder's packed row (several samples, ``segments > 1``) runs one masked SDPA call: transformers'
+    packed-sequence mask ([B, 1, L, L] booleans, built from the position ids) with per-segment calls (``sdpa``)
+    and the whole row on the rank; Ulysses and ring CP attend segment by segment, ``varlen`` takes ``cu_seqlens``.
+    The masked kernel computes every block of the row (no causal or segment skipping)."""
+    s = shard
+    return (layer.attention.causal and s.segments > 1 and s.assumptions.attention_calls == "sdpa"
+            and s.sp == 1 and s.cp == 1)
+
+
 def _block_attention(layer: LayerSpec, shard: Shard) -> tuple[float, float, float, bool]:
     """(seconds, FLOPs, score elements, windowed) of a block's attention core on one rank.
 
     Heads are split by tp and sp (Ulysses attends full segments on a head shard), queries by cp; window blocks
-    attend per window, full blocks per segment, causal kernels skip masked blocks (eager computes them all).
+    attend per window, full blocks per segment, causal kernels skip masked blocks (eager computes them all); a
+    packed row under a dense mask (``dense_packed_mask``) is one segment of the whole row, every block computed.
     """
     a, s, asm = layer.attention, shard, shard.assumptions
     heads = a.num_heads / (s.tp * s.sp)
     windowed = bool(a.window_patches) and s.windows > 0
     seg, num_seg = (s.window_tokens, s.windows) if windowed else (s.segment_tokens, s.segments)
     causal = asm.causal_attention_flops_fraction if a.causal and asm.attention_implementation != "eager" else 1.0
+    if dense_packed_mask(layer, s):
+        seg, num_seg, causal = s.segment_tokens * s.segments, 1.0, 1.0
     flops = attention_flops(seg, num_seg * s.micro_batch, heads * a.head_dim, causal) / s.cp
     scores = seg * seg * num_seg * s.micro_batch * heads / s.cp
     return attention_core_time(flops, seg / s.cp, scores, s.device, asm), flops, scores, windowed
@@ -441,11 +469,13 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         kv_block = s.tokens * 2 * max(a.num_kv_heads, s.tp) / s.tp * a.head_dim * e
         cp_fwd = ring_kv_pass_time(kv_block, s)
         buffers += 2 * kv_block
-    segments = (s.windows / s.sp if windowed else s.segments) * s.micro_batch
+    if dense_packed_mask(layer, s):
+        buffers += packed_mask_bytes(s.segment_tokens * s.segments, s.micro_batch)
+    calls = attention_calls(layer, s)
     return _terms(
         s,
-        ops=layer_pass_ops(layer.kind, tp=s.tp, segments=segments, ulysses=s.sp > 1 and not windowed),
-        attention_ops=NO_OPS.plus(LAYER_OPS[layer.kind].per_segment_forward, segments),
+        ops=layer_pass_ops(layer.kind, tp=s.tp, segments=calls, ulysses=s.sp > 1 and not windowed),
+        attention_ops=NO_OPS.plus(LAYER_OPS[layer.kind].per_segment_forward, calls),
         gemm_s=gemm_s,
         gemm_flops_=gemm_fl,
         attention_s=attn_s,
@@ -535,11 +565,12 @@ def final_norm_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
 
 
 def lm_head_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
-    """Vocabulary projection + cross-entropy, vocab-parallel under TP (``loss_parallel``).
+    """Vocabulary projection + cross-entropy, vocab-parallel under TP (``loss_parallel``), whole or chunked.
 
     GEMM tokens x h x V/tp; the loss reads and writes the fp32 logits (memory-bound); it keeps its input and
     the fp32 log-softmax, and the bf16 + fp32 logits (forward) and the loss's fp32 gradients (backward) are transient
-    peaks (``loss_logits_bytes``). TP: two
+    peaks (``loss_logits_bytes``). Chunked (``Shard.loss_chunk_tokens``), only one chunk's logits live at a time
+    (``chunked_loss_logits_bytes``) and the backward recomputes the forward once more. TP: two
     small fp32 all-reduces of per-token max and sum in forward, an all-reduce of the input gradient in
     backward (column-parallel input; Shoeybi et al. 2019, Sec. 3).
     """
@@ -548,9 +579,12 @@ def lm_head_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     vocab = (layer.out_features or h) / shard.tp
     gemm_s, gemm_fl = _gemms(((m, vocab, h),), shard)
     saved_logits, transient, backward_transient = loss_logits_bytes(m, vocab, asm, vocab_parallel=shard.tp > 1)
-    loss_bytes = 2 * (saved_logits + transient)
-    loss_s = loss_bytes / (shard.device.memory_bandwidth * asm.memory_bandwidth_efficiency)
-    return _terms(
+    loss_s = 2 * (saved_logits + transient) / (shard.device.memory_bandwidth * asm.memory_bandwidth_efficiency)
+    chunked = shard.loss_chunk_tokens > 0 and shard.backward != "none"
+    if chunked:
+        saved_logits, transient, backward_transient = chunked_loss_logits_bytes(
+            min(m, shard.loss_chunk_tokens), vocab, asm, vocab_parallel=shard.tp > 1)
+    terms = _terms(
         shard,
         ops=_ops(layer, shard),
         gemm_s=gemm_s,
@@ -563,6 +597,7 @@ def lm_head_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         tp_fwd=2 * all_reduce_time(m * 4, shard.tp, shard.tp_link),
         tp_bwd=all_reduce_time(m * h * e, shard.tp, shard.tp_link),
     )
+    return replace(terms, recompute_s=terms.forward_s) if chunked else terms
 
 
 def audio_conv_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:

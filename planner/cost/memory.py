@@ -186,6 +186,32 @@ def loss_logits_bytes(
             logits * (assumptions.loss_logits_backward_bytes + extra))
 
 
+def chunked_loss_logits_bytes(
+    chunk_tokens: float, vocab_per_rank: float, assumptions: CostAssumptions, *, vocab_parallel: bool = False
+) -> tuple[float, float, float]:
+    """(saved, forward transient, backward transient) bytes of a cross-entropy formed ``chunk_tokens`` at a time,
+    each chunk's lm_head and loss under activation checkpointing (the fused / chunked linear cross-entropy of
+    Hsu et al. 2024, "Liger Kernel", Sec. 3.3, and Wijmans et al. 2025, "Cut Your Losses in Large-Vocabulary
+    Language Models", Sec. 3): nothing of the logits is saved; one chunk's log-softmax lives beside its forward
+    transient while the chunk forms its loss, and beside its backward transient while its backward (after the
+    recompute) runs. ``loss_logits_bytes`` of one chunk gives each piece."""
+    saved, transient, backward = loss_logits_bytes(chunk_tokens, vocab_per_rank, assumptions,
+                                                   vocab_parallel=vocab_parallel)
+    return 0.0, saved + transient, saved + backward
+
+
+def packed_mask_bytes(row_tokens: float, rows: float) -> float:
+    """Bytes of transformers' packed-sequence mask for SDPA: one boolean per (query, key) pair of each row,
+    ``[rows, 1, L, L]`` (``masking_utils.sdpa_mask``), alive through the decoder's forward and backward."""
+    return rows * row_tokens * row_tokens
+
+
+def loss_chunk_tokens(pp: int, assumptions: CostAssumptions) -> int:
+    """Tokens per chunk of the LLM's loss (``assumptions.loss_chunk_tokens``), or 0 (the whole logits at once)
+    for a pipelined LLM, whose schedule hands the last stage's logits to its loss function."""
+    return 0 if pp > 1 else assumptions.loss_chunk_tokens
+
+
 FSDP_BLOCK_KINDS = frozenset({"vision_block", "audio_block", "decoder_layer"})
 """Layer kinds the runtime shards as their own FSDP unit (``fully_shard`` per block); every other layer of a
 module (patchifier, merger, embedding, final norm, lm_head) belongs to the module's root unit."""

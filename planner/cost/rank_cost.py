@@ -32,6 +32,7 @@ from planner.cost.memory import (
     FSDP_BLOCK_KINDS,
     bucket_bytes,
     expert_params_per_rank,
+    loss_chunk_tokens,
     layer_params_per_rank,
     model_state_bytes,
     pipelined_fsdp_state_bytes,
@@ -191,6 +192,7 @@ def _shard(static: ModuleStatic, s: ModuleStrategy, links: tuple[Link, ...], mic
         assumptions=static.assumptions,
         ep=s.ep,
         ep_link=links[3],
+        loss_chunk_tokens=loss_chunk_tokens(s.pp, static.assumptions),
     )
 
 

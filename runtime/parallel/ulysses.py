@@ -122,10 +122,12 @@ def attention(
     k_BKsD: torch.Tensor,
     v_BKsD: torch.Tensor,
     ug: UlyssesGroup,
+    segmented: bool = True,
     **kwargs,
 ) -> torch.Tensor:
     """Attention of a sequence-sharded block: heads all-to-all, ``core`` (SDPA, causal if ``module.is_causal``)
-    per segment of the whole sequence, all-to-all back. K is the number of KV heads (grouped-query attention).
+    per segment of the whole sequence (or, not ``segmented``, once: a variable-length core given the segments in
+    ``kwargs``), all-to-all back. K is the number of KV heads (grouped-query attention).
 
     Returns [B, s, H, Dh], the layout transformers' SDPA function returns.
     """
@@ -133,7 +135,7 @@ def attention(
     k_BKsD, v_BKsD = (t.repeat_interleave(repeats, dim=1) if repeats > 1 else t for t in (k_BKsD, v_BKsD))
     q, k, v = (SeqToHeads.apply(t, ug) for t in (q_BHsD, k_BKsD, v_BKsD))
     grouped = _grouped(module, q.shape[1], k.shape[1])
-    segments = list(ug.segment_lens)
+    segments = list(ug.segment_lens) if segmented else [q.shape[2]]
     outs = [
         core(grouped, qi, ki, vi, None, **kwargs)[0]
         for qi, ki, vi in zip(q.split(segments, dim=2), k.split(segments, dim=2), v.split(segments, dim=2))

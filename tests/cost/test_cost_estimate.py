@@ -214,7 +214,9 @@ def test_recompute_trades_memory_for_time():
     none = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8)).modules["llm"]
     full = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8, recompute="full")).modules["llm"]
     assert full.activations_per_micro_batch_bytes < none.activations_per_micro_batch_bytes
-    assert full.recompute_s > 0 and none.recompute_s == 0
+    assert full.recompute_s > none.recompute_s > 0  # without recomputation: the chunked loss's lm_head alone
+    whole_loss = colocated(ModuleStrategy(dp=8), ModuleStrategy(dp=8))
+    assert estimate(MODEL, CLUSTER, WORKLOAD, whole_loss, replace(A, loss_chunk_tokens=0)).modules["llm"].recompute_s == 0
 
 
 def test_grad_accum_scales_per_step_times():
@@ -342,6 +344,10 @@ def test_buffers_by_pass_the_loss_alone_and_zero3_root_unit_in_both_passes():
     root = sum(l.params * l.count for l in llm.layers if l.kind != "decoder_layer")
     block = max(l.params for l in llm.layers if l.kind == "decoder_layer")
     loss_forward, loss_backward = 64 * 1000 * 6, 64 * 1000 * 8  # 64 tokens x 1000 vocab x 6 B / x 8 B
+    whole = replace(A, loss_chunk_tokens=0)  # the whole logits at once (a pipelined LLM's loss)
+
+    def _estimate(vision, llm, workload=WORKLOAD):
+        return estimate(MODEL, CLUSTER, workload, colocated(vision, llm), whole)
     z0 = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8)).modules["llm"]
     # forward: the loss's transient logits; the loss's backward: its gradients, and it frees the fp32 log-softmax
     # (64 x 1000 x 4 B); the blocks' backward: the gradient bucket (all of the toy's bf16 gradients, under the
@@ -358,11 +364,19 @@ def test_buffers_by_pass_the_loss_alone_and_zero3_root_unit_in_both_passes():
     assert z3.forward_buffers_bytes == pytest.approx(gathered, abs=1)
     assert z3.backward_buffers_bytes == pytest.approx(gathered + 2 * (root + block), abs=1)
     one_sample = replace(WORKLOAD, global_batch=64)  # 8 samples per rank: the loss's 8 x 64 x 1000 x 6 B dominate
-    big = estimate(MODEL, CLUSTER, one_sample, colocated(ModuleStrategy(dp=8, micro_batch=8),
-                                                              ModuleStrategy(dp=8, zero=3, micro_batch=8)))
+    big = _estimate(ModuleStrategy(dp=8, micro_batch=8), ModuleStrategy(dp=8, zero=3, micro_batch=8), one_sample)
     assert big.modules["llm"].forward_buffers_bytes == 8 * loss_forward
     assert big.modules["llm"].loss_backward_buffers_bytes == 8 * loss_backward
     assert big.modules["llm"].backward_buffers_bytes == pytest.approx(gathered + 2 * (root + block), abs=1)
+
+
+def test_a_chunked_loss_holds_one_chunks_logits_and_saves_none():
+    """Chunked at 16 of the toy's 64 tokens: a chunk's log-softmax beside its forward transient (4 + 6 B per
+    logit) and beside its backward transient (4 + 8 B), nothing saved across the pass."""
+    z0 = estimate(MODEL, CLUSTER, WORKLOAD, colocated(ModuleStrategy(dp=8), ModuleStrategy(dp=8)),
+                  replace(A, loss_chunk_tokens=16)).modules["llm"]
+    assert z0.forward_buffers_bytes == 16 * 1000 * 10
+    assert (z0.loss_backward_buffers_bytes, z0.loss_saved_bytes) == (16 * 1000 * 12, 0)
 
 
 def test_zero1_and_zero2_gradients_as_fsdp2_holds_them():

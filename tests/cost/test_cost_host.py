@@ -60,18 +60,20 @@ def test_a_narrow_block_under_tp_is_host_bound():
     assert compute_only[1] < compute_only[0]
 
 
-def test_selective_recompute_redispatches_the_attention_loop():
-    """A window block's selective recompute re-runs one SDPA per window: 16 windows x 4 calls at 5 us, against
-    the attention core's device time (overlap 0.9)."""
+@pytest.mark.parametrize("calls, dispatched", [("sdpa", 16), ("varlen", 1)])
+def test_selective_recompute_redispatches_the_attention_loop(calls, dispatched):
+    """A window block's selective recompute re-runs its attention calls: one SDPA per window (16 windows) or one
+    variable-length call for them all, 4 operator calls each at 5 us, against the attention core's device time
+    (overlap 0.9)."""
     block = next(layer for layer in toy_model().modules[0].layers if layer.attention and layer.attention.window_patches)
     link = Link(bandwidth=GPU.intra_node_bandwidth, latency=GPU.intra_node_latency)
 
     def terms(assumptions):
         shard = Shard(tp=1, sp=1, cp=1, micro_batch=1, tokens=1024, segment_tokens=1024, segments=1,
                       window_tokens=64, windows=16, recompute="selective", backward="full", tp_link=link,
-                      sp_link=link, cp_link=link, device=GPU, assumptions=assumptions)
+                      sp_link=link, cp_link=link, device=GPU, assumptions=replace(assumptions, attention_calls=calls))
         return layer_terms(block, shard)
 
     device_s = terms(COMPUTE_ONLY).recompute_s  # no host cost: the core's work and its kernels' launches
-    host_s = 16 * LAYER_OPS["vision_block"].per_segment_forward.ops * HOST.host_seconds_per_op
+    host_s = dispatched * LAYER_OPS["vision_block"].per_segment_forward.ops * HOST.host_seconds_per_op
     assert terms(HOST).recompute_s == pytest.approx(max(device_s, host_s) + 0.1 * min(device_s, host_s))

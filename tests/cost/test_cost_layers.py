@@ -235,3 +235,21 @@ def test_ring_kv_pass_time_formula():
 def test_block_elementwise_elements():
     # decoder, 64 tokens, tp=1: 10h + 2(q + kv) + 3f = 1280 + 2*(128 + 32) + 768 = 2368 per token
     assert block_elementwise_elements(DECODER, shard()) == 64 * 2368
+
+
+def test_a_packed_row_under_sdpa_attends_its_whole_row_through_a_dense_mask():
+    """A decoder row of 4 packed samples of 16 tokens: ``varlen`` attends each sample (causal half of 4 x 16^2
+    pairs per head width), per-segment ``sdpa`` runs transformers' packed mask, every one of the 64^2 pairs computed
+    and a 64 x 64 boolean mask beside them; a row of one sample needs no mask."""
+    def packed(calls, segments=4):
+        s = replace(shard(assumptions=replace(A, attention_calls=calls)), segment_tokens=64 / segments,
+                    segments=segments)
+        return layer_terms(DECODER, s), layer_terms(DECODER, replace(s, segments=segments))
+
+    varlen, _ = packed("varlen")
+    sdpa, _ = packed("sdpa")
+    assert varlen.flops == pytest.approx(DECODER_GEMM_FLOPS + 4 * 4 * 16 * 16 * 128 * 0.5)
+    assert sdpa.flops == pytest.approx(DECODER_GEMM_FLOPS + 4 * 64 * 64 * 128)
+    assert sdpa.buffer_bytes - varlen.buffer_bytes == 64 * 64
+    alone = layer_terms(DECODER, shard(assumptions=replace(A, attention_calls="sdpa")))
+    assert alone.flops == pytest.approx(DECODER_GEMM_FLOPS + DECODER_ATTN_FLOPS) and alone.buffer_bytes == 0

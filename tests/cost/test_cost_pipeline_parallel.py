@@ -402,13 +402,14 @@ def test_pipelined_step_floor_by_hand(schedule, chunks):
     and weight-gradient passes over every layer: the pp = 1 cost's, with instant links and no TP; never above
     the pipelined cost itself."""
     model, cluster = deep_model(6), instant_links()
+    assumptions = replace(COMPUTE_ONLY, loss_chunk_tokens=0)  # the pp = 1 cost's loss as a pipelined LLM runs it
     s = ModuleStrategy(dp=4, pp=2, pp_schedule=schedule, virtual_stages=chunks, micro_batch=1, grad_accum=4)
     whole = module_cost(model, "llm", cluster, toy_workload(s.samples_per_step), replace(s, dp=8, pp=1,
                         pp_schedule="1f1b", virtual_stages=1), placement="colocated", precision="bf16_mixed",
-                        first_rank=0, assumptions=COMPUTE_ONLY)
+                        first_rank=0, assumptions=assumptions)
     work, weight_grads = whole.per_micro_batch_s, whole.weight_grad_per_micro_batch_s
     filled = work - 2 * weight_grads if schedule == "interleaved_zb" else work
     floor = pipelined_step_floor_s(model, "llm", cluster, toy_workload(s.samples_per_step), s,
-                                   assumptions=COMPUTE_ONLY)
+                                   assumptions=assumptions)
     assert floor == pytest.approx((4 - 1 / chunks) * work / 2 + filled / chunks)
     assert floor <= llm_cost(s, model, cluster=cluster).micro_batches_s

@@ -5,11 +5,13 @@ model run on the same samples one at a time."""
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.nn.attention.varlen import varlen_attn
 
 from runtime.data import IGNORE_INDEX, pack_rows
 from runtime.llm import packed_position_ids
@@ -18,6 +20,7 @@ from runtime.packed_data import UNDECODED_IMAGE, PackedConversations
 from runtime.parallel import attention
 from tests.runtime.plans import dataset_info, make_plan, tiny_hf_config, tiny_qwen3_vl_config
 from tests.runtime.tokenizer import save_tokenizer
+from tests.runtime.varlen_cpu import register_cpu_reference
 
 CONFIG = hf_config_from_dict(tiny_hf_config())
 IMAGE_SIZES = [(84, 140), (112, 168), (224, 56), (140, 140), (300, 400), (84, 196)]
@@ -319,3 +322,44 @@ def test_a_micro_batch_may_hold_one_pack_once_per_epoch_its_step_spans(tmp_path,
     # the heaviest pack last in one epoch and first in the next
     assert data.most_image_tokens(2, step_packs=2) == per_pack[0] * 2
     assert data.most_image_tokens(3, step_packs=len(data.packs)) == per_pack[0] * 2 + per_pack[1]
+
+
+def _forward_backward(model, batch):
+    """The runtime's vision tower (through transformers' attention) and LLM on a packed batch: the logits and the
+    gradient of every parameter of a scalar of them."""
+    _, llm, rope_index = split_model(model)
+    model.zero_grad()
+    embeds = model.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"]).pooler_output
+    logits = llm(batch["input_ids"], torch.cat(embeds), packed_position_ids(batch, rope_index))
+    (logits.square().mean()).backward()
+    return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_variable_length_attention_attends_each_segment_as_sdpa_does(tmp_path, tokenizer_dir):
+    """A GPU plan's ``attention = "varlen"``: one variable-length call per layer over the vision windows and
+    images (non-causal) and over a packed LLM row's samples (causal, grouped KV heads), with no mask; with the op
+    run by a per-segment SDPA CPU kernel (tests.runtime.varlen_cpu), the logits and every gradient are the SDPA
+    path's (per-window calls, the dense packed mask)."""
+    register_cpu_reference()
+    data = packed(write_dataset(tmp_path), tokenizer_dir)
+    batch = pack_rows([data.sample(i) for i in (0, 4, 11)])
+    sdpa = build_model(tiny_hf_config(), seed=0, attention=attention.register())
+    varlen = build_model(tiny_hf_config(), seed=0, attention=attention.register())
+    attention.use_planned_calls(varlen, {"vision": "varlen", "llm": "varlen"})
+    calls = []
+    with mock.patch.object(attention, "varlen_attn", side_effect=lambda *a, **k: calls.append(a[3]) or varlen_attn(
+            *a, **k)):
+        logits, grads = _forward_backward(varlen, batch)
+    expected_logits, expected_grads = _forward_backward(sdpa, batch)
+    config = CONFIG.vision_config
+    assert len(calls) == config.depth + CONFIG.text_config.num_hidden_layers  # one call per layer
+    assert len(calls[-1]) == 4  # the LLM row's three samples
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_packed_segments_split_where_positions_restart():
+    cu, longest = attention.packed_segments(torch.tensor([[0, 1, 2, 0, 1, 0], [5, 6, 7, 8, 9, 10]]))
+    assert cu.tolist() == [0, 3, 5, 6, 12] and longest == 6

@@ -243,6 +243,9 @@ def test_check_resources_says_what_is_missing():
         (dict(dp=2, frozen=True), dict(dp=2, frozen=True), "colocated", "frozen"),
         (dict(dp=2, ranks=[0, 1]), dict(dp=2, ranks=[0, 1]), "disjoint", "different ranks"),
         (dict(dp=3), dict(sp=3, micro_batch=3), "colocated", "sp=3 does not divide the 4 attention heads per TP rank of the LLM"),
+        (dict(dp=2, attention="varlen"), dict(dp=2), "colocated",
+         "module vision: attention varlen is torch's variable-length flash kernel, which needs CUDA; plan for a CPU "
+         "with --attention sdpa"),
     ],
 )
 def test_validate_plan_refuses_in_one_line(vision, llm, placement, message):
@@ -503,3 +506,35 @@ def test_moe_layers_follow_transformers_sparse_step_and_dense_layers():
 
     config = SimpleNamespace(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[1])
     assert moe_layers(config) == [3, 5]
+
+
+def _saved_bytes(fn) -> tuple[torch.Tensor, int]:
+    """``fn()``'s result and the bytes autograd saved for its backward (each storage once)."""
+    storages = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        return fn(), sum(storages.values())
+
+
+def test_the_chunked_loss_is_the_whole_loss_and_saves_no_logits():
+    """The chunked cross-entropy gives the whole-logits loss and gradients, saving for backward only what lm_head
+    reads (its input, weight and targets), not the log-softmax of every token."""
+    from runtime.loss import chunked_cross_entropy_sum, cross_entropy_sum
+
+    torch.manual_seed(0)
+    tokens, width, vocab = 40, 16, 300
+    lm_head = torch.nn.Linear(width, vocab, bias=False)
+    hidden = torch.randn(1, tokens, width, requires_grad=True)
+    targets = torch.randint(vocab, (1, tokens))
+    targets[0, :3] = IGNORE_INDEX
+    whole, whole_saved = _saved_bytes(lambda: cross_entropy_sum(lm_head(hidden), targets))
+    expected = torch.autograd.grad(whole, (hidden, lm_head.weight))
+    chunked, chunked_saved = _saved_bytes(lambda: chunked_cross_entropy_sum(lm_head, hidden, targets, 16))
+    torch.testing.assert_close(chunked, whole)
+    for got, want in zip(torch.autograd.grad(chunked, (hidden, lm_head.weight)), expected):
+        torch.testing.assert_close(got, want)
+    assert whole_saved >= tokens * vocab * 4
+    assert chunked_saved <= (tokens * width + width * vocab) * 4 + tokens * 8
