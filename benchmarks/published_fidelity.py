@@ -14,7 +14,8 @@ compared (no: torch.compile or Float8, which the cost model does not price; such
 
 Calibration: the GPU assumptions the step time depends on (``CALIBRATED``) are refitted by
 ``planner.profiles.calibrate.fit_step_time`` (the planner's own ``--calibrate`` fit: bounded least squares of log
-errors with a prior at the defaults) on every other compared row in file order and checked on the rest.
+errors with a prior at the defaults) on every other like-for-like row (time_compared yes) in file order and checked
+on the rest; mapped rows are reported but neither fitted nor counted in the targets' medians.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ class RowResult:
 
 
 def calibrate(predictors: list[RowPredictor]) -> tuple[dict[str, float], list[str]]:
-    """Fit ``CALIBRATED`` on every other compared row; (fitted values, the fitted rows' ids)."""
+    """Fit ``CALIBRATED`` on every other like-for-like row; (fitted values, the fitted rows' ids)."""
     compared = [p for p in predictors if p.run.time_compared == "yes"]
     fitted = compared[::2]
     values = fit_step_time(fitted, [published_step_s(p.run) for p in fitted], list(CALIBRATED))
@@ -279,7 +280,8 @@ def report(results: list[RowResult], values: dict[str, float]) -> str:
     memory = [r.memory_error for r in results if r.memory_error is not None]
     lines += [
         "",
-        "tokens/s per GPU, median |error| (targets: <= 15 % uncalibrated, <= 10 % held out after calibration):",
+        "tokens/s per GPU, median |error| (targets: <= 15 % uncalibrated, <= 10 % held out after calibration;",
+        "fit and held out among the like-for-like rows, time 'yes'):",
         f"  uncalibrated, all compared rows:   {_median_abs([r.error(r.uncalibrated) for r in compared])}",
         f"  uncalibrated, like-for-like rows:  {_median_abs([r.error(r.uncalibrated) for r in like])}",
         f"  calibrated, fitted rows:           {_median_abs([r.error(r.calibrated) for r in fitted])}",
