@@ -1,25 +1,17 @@
 """The closed loop profile -> plan -> run, reduced: two configurations, a few steps, a loose bound."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.benchmark_modules import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("fidelity_cpu", ROOT / "benchmarks" / "fidelity_cpu.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
 def test_reduced_fidelity_loop(ray_cluster, tmp_path):
-    bench = load_benchmark()
+    bench = load_benchmark("fidelity_cpu")
     from planner.catalog import get_model
     from planner.profiles import find_profile
 
@@ -36,7 +28,7 @@ def test_reduced_fidelity_loop(ray_cluster, tmp_path):
 
 
 def test_another_processor_gets_its_own_profile_file():
-    bench = load_benchmark()
+    bench = load_benchmark("fidelity_cpu")
     from planner.profiles import load_profile
 
     committed = ROOT / "profiles" / "cpu" / "qwen2.5-vl-cpu-small.json"
@@ -54,7 +46,7 @@ def test_calibrating_on_three_measured_runs_predicts_the_others(tmp_path):
     import json
     import statistics
 
-    bench = load_benchmark()
+    bench = load_benchmark("fidelity_cpu")
     rows = json.loads((ROOT / "benchmarks" / "results" / "fidelity_cpu.json").read_text())
     profile = ROOT / rows[0]["profile"]
     configs = {c.name: c for c in bench.CONFIGS}
