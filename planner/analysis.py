@@ -37,7 +37,7 @@ from planner.hardware import DeviceSpec, get_device
 from planner.models import ModelSpec
 from planner.profiles import LayerPoint, MemoryPoint, Profile, device_from_profile, load_profile
 from planner.schema import Plan
-from planner.strategy import ModuleStrategy, Strategy
+from planner.strategy import Strategy, strategy_of
 from planner.workload import Workload, module_tokens, smart_resize
 
 __all__ = [
@@ -344,12 +344,6 @@ def mixed_resolution_histogram(samples: int = 5000, seed: int = 0) -> DatasetHis
     return DatasetHistogram(source=f"mixed_resolution_histogram(samples={samples}, seed={seed})",
                             text_tokens="drawn (log-normal around 120)", skipped={},
                             shapes=tuple((c, t, sizes, ()) for (t, sizes), c in sorted(shapes.items())))
-
-
-def strategy_of(plan: Plan) -> Strategy:
-    """The strategy a plan file records."""
-    modules = {m.name: ModuleStrategy.of_plan_module(m) for m in plan.modules}
-    return Strategy(placement=plan.placement, modules=modules, precision=plan.training.precision)
 
 
 def _resized_images(histogram: DatasetHistogram, model: ModelSpec, min_pixels: int, max_pixels: int
