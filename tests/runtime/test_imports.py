@@ -27,4 +27,5 @@ def test_runtime_imports_without_ortools_and_only_the_plan_schema_data_rows_pack
                 "planner.families.qwen_parts", "planner.families.text_decoders"]
     assert result.stdout.strip() == str(["planner", "planner.data_rows", *families, "planner.hardware", "planner.models",
                                          "planner.packing", "planner.param_counts", "planner.rules", "planner.schema",
-                                         "planner.trace_format", "planner.units", "planner.versioned_json", "planner.workload"])
+                                         "planner.trace_format", "planner.units", "planner.versioned_json",
+                                         "planner.workload"])
