@@ -392,6 +392,36 @@ else:
     right.set(xlabel="step-time error (%)", ylabel="configurations")
     plt.show()
     display(steps)"""),
+    new_markdown_cell("""\
+## One step, predicted and measured
+`plan --trace` writes a plan's predicted step as a Chrome trace (what each GPU group computes and communicates,
+when, as the cost model prices it; it ends at the plan's step time), `python -m runtime --trace DIR` every measured
+step in the same format (the spans the trainer times, per rank). `benchmarks/step_timeline.py` made both for one
+plan, the fidelity benchmark's "2w disjoint mb1" (vision on one CPU worker, the LLM on the other, 4 micro-batches),
+and kept the fastest measured step after the first: `benchmarks/results/step_timeline/`. Blue forward, orange
+backward, red optimizer, grey communication (measured: waits for the hand-off); open the files in ui.perfetto.dev
+for every span's seconds; summed over the step below."""),
+    new_code_cell("""\
+import json
+
+from planner.analysis import plot_step_trace
+from planner.trace_format import makespan_s
+
+TIMELINE = ROOT / "benchmarks" / "results" / "step_timeline"
+predicted, measured = (json.loads((TIMELINE / f"{kind}.json").read_text()) for kind in ("predicted", "measured"))
+until = max(t["otherData"]["step_time_s"] for t in (predicted, measured))
+fig, axes = plt.subplots(1, 2, figsize=(16, 3.5), sharey=False)
+plot_step_trace(predicted, axes[0], title="predicted (plan --trace)", until_s=until)
+plot_step_trace(measured, axes[1], title="measured (python -m runtime --trace)", until_s=until)
+plt.tight_layout()
+plt.show()
+
+def span_seconds(trace, key):
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] != "step"]
+    return pd.DataFrame([(e["name"], e["args"][key]) for e in spans], columns=["span", key]).groupby("span").sum()
+
+spans = span_seconds(predicted, "predicted_s").join(span_seconds(measured, "measured_s"), how="outer")
+spans"""),
     new_markdown_cell("## Conclusion"),
     new_code_cell("""\
 def summary(rows):
@@ -408,6 +438,12 @@ if steps is not None:
                  f"{steps.error.abs().median():.0%} (worst {steps.error.abs().max():.0%}).")
 else:
     parts.append("The end-to-end fidelity results file is not there yet, so only layer-level fidelity is shown.")
+both = spans.dropna()
+worst = (both.predicted_s / both.measured_s - 1).abs().idxmax()
+parts.append(f"Over one step of the disjoint plan the predicted timeline ends at {makespan_s(predicted) * 1e3:.0f} ms "
+             f"and the measured one at {makespan_s(measured) * 1e3:.0f} ms; of the spans both draw, {worst} differs "
+             f"most ({both.predicted_s[worst] * 1e3:.0f} ms predicted vs {both.measured_s[worst] * 1e3:.0f} ms "
+             "measured over the step).")
 display(Markdown(" ".join(parts)))"""),
 ]
 

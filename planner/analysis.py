@@ -37,13 +37,14 @@ from planner.hardware import DeviceSpec, get_device
 from planner.models import ModelSpec
 from planner.profiles import LayerPoint, MemoryPoint, Profile, device_from_profile, load_profile
 from planner.schema import Plan
-from planner.strategy import ModuleStrategy, Strategy
+from planner.strategy import Strategy, strategy_of
 from planner.workload import Workload, module_tokens, smart_resize
 
 __all__ = [
     "BASELINES", "MEMORY_PARTS", "MODULE_FIELDS", "STRATEGIES", "STRATEGY_LABELS", "baseline_plans",
     "binding_module", "compare", "layer_fidelity", "load_fidelity_results", "longest_sequence", "longest_sequences",
-    "plan_row", "plot_longest_sequences", "plot_memory", "plot_throughput", "sweep", "dataset_comparison",
+    "plan_row", "plot_longest_sequences", "plot_memory", "plot_step_trace", "plot_throughput", "sweep",
+    "dataset_comparison",
     "mixed_resolution_histogram", "strategy_of",
 ]
 
@@ -346,12 +347,6 @@ def mixed_resolution_histogram(samples: int = 5000, seed: int = 0) -> DatasetHis
                             shapes=tuple((c, t, sizes, ()) for (t, sizes), c in sorted(shapes.items())))
 
 
-def strategy_of(plan: Plan) -> Strategy:
-    """The strategy a plan file records."""
-    modules = {m.name: ModuleStrategy.of_plan_module(m) for m in plan.modules}
-    return Strategy(placement=plan.placement, modules=modules, precision=plan.training.precision)
-
-
 def _resized_images(histogram: DatasetHistogram, model: ModelSpec, min_pixels: int, max_pixels: int
                     ) -> tuple[np.ndarray, np.ndarray]:
     """(resized (height, width) of every image, each weighted by its count; text tokens per sample likewise)."""
@@ -565,3 +560,38 @@ def plot_longest_sequences(frame: pd.DataFrame, ax) -> None:
     ax.set_xlabel("GPUs")
     ax.set_ylabel("longest vision tokens per sample")
     ax.grid(True, axis="y", alpha=0.3)
+
+
+TRACE_COLORS = (("recompute", "tab:purple"), ("weights", "tab:brown"), ("forward", "tab:blue"),
+                ("backward", "tab:orange"), ("optimizer", "tab:red"), ("overhead", "tab:olive"))
+"""Colour of a compute span by the first of these words in its name; communication spans are grey."""
+
+
+def plot_step_trace(trace: Mapping[str, Any], ax, *, title: str = "", until_s: float | None = None,
+                    legend: bool = False) -> None:
+    """One step's trace (``planner.trace_format``: ``plan --trace`` or ``python -m runtime --trace``) as bars, one
+    row per rank and lane, time in ms; ``until_s`` fixes the x range (to compare two traces at one scale). The whole
+    step's span (a measured trace's host lane) is left out."""
+    from planner.trace_format import LANES
+
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] != "step"]
+    rows = sorted({(e["pid"], e["tid"]) for e in spans})
+    lanes = {tid: lane for lane, tid in LANES.items()}
+    for y, (pid, tid) in enumerate(rows):
+        mine = [e for e in spans if (e["pid"], e["tid"]) == (pid, tid)]
+        colors = [next((c for word, c in TRACE_COLORS if word in e["name"]), "tab:gray") for e in mine]
+        ax.broken_barh([(e["ts"] / 1e3, e["dur"] / 1e3) for e in mine], (y - 0.4, 0.8), facecolors=colors,
+                       edgecolors="white", linewidth=0.3)
+    ax.set_yticks(range(len(rows)), [f"{names.get(pid, pid)}\n{lanes[tid]}" for pid, tid in rows], fontsize="small")
+    ax.invert_yaxis()
+    ax.set_xlim(0, (until_s or trace["otherData"]["step_time_s"]) * 1e3)
+    ax.set_xlabel("ms from the step's start")
+    ax.set_title(title, fontsize="medium")
+    ax.grid(True, axis="x", alpha=0.3)
+    if legend:
+        from matplotlib.patches import Patch
+
+        kinds = [(word, color) for word, color in TRACE_COLORS if any(word in e["name"] for e in spans)]
+        ax.legend(handles=[Patch(color=c, label=w) for w, c in kinds + [("communication", "tab:gray")]],
+                  fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))

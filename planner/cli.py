@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print the plan JSON on stdout and nothing else (a JSON list with --top-k > 1)")
     out.add_argument("--out", metavar="PATH", help="where to write the plan (default plan.json; with --json: "
                      "only when given; with --top-k K also PATH-2 ... PATH-K, all checked writable first)")
+    out.add_argument("--trace", metavar="PATH", help="also write the best plan's predicted step as a Chrome trace "
+                     "(each GPU group's compute, communication, pipeline schedule and optimizer; open it in "
+                     "ui.perfetto.dev; `python -m runtime --trace DIR` writes the measured steps)")
     out.add_argument("--list-models", action="store_true", help="list catalog models and exit")
     out.add_argument("--list-gpus", action="store_true", help="list hardware and exit")
     return p
@@ -226,7 +229,7 @@ def _videos(args: argparse.Namespace) -> tuple[tuple[int, int, int], ...]:
 
 def _run(args: argparse.Namespace) -> list:
     from planner import api
-    from planner.dataset import read_dataset, write_histogram
+    from planner.dataset import write_histogram
 
     if args.model is None or args.gpus is None:
         raise ValueError("give --model and --gpus (or --list-models / --list-gpus)")
@@ -234,8 +237,7 @@ def _run(args: argparse.Namespace) -> list:
     if args.dataset is None and (args.histogram_out or args.rescan):
         raise ValueError(f"{'--histogram-out' if args.histogram_out else '--rescan'} applies to --dataset: give one")
     if args.dataset is not None:
-        tokenizer = args.tokenizer if args.tokenizer is not None else api.model_folder_tokenizer(args.model)
-        inputs["dataset"] = read_dataset(args.dataset, tokenizer, rescan=args.rescan)
+        inputs["dataset"] = _dataset(args, rescan=args.rescan)
     if args.histogram_out:
         try:
             write_histogram(inputs["dataset"], args.histogram_out)
@@ -249,6 +251,34 @@ def _run(args: argparse.Namespace) -> list:
         return [api.max_seq(problem, placement=args.placement, fix=args.fix, time_limit_s=args.time_limit)]
     return api.top_plans(problem, k=args.top_k or 1, placement=args.placement, fix=args.fix,
                          time_limit_s=args.time_limit)
+
+
+def _dataset(args: argparse.Namespace, *, rescan: bool):
+    """The --dataset's histogram, its text counted with --tokenizer or the model folder's."""
+    from planner import api
+    from planner.dataset import read_dataset
+
+    tokenizer = args.tokenizer if args.tokenizer is not None else api.model_folder_tokenizer(args.model)
+    return read_dataset(args.dataset, tokenizer, rescan=rescan)
+
+
+def _write_trace(args: argparse.Namespace, plan) -> None:
+    """--trace: the best plan's predicted step (planner.trace), re-costed on the problem it was planned on (a
+    dataset's pack budget, --max-seq's image)."""
+    from planner import api
+    from planner.trace import plan_trace
+    from planner.trace_format import write_trace
+
+    inputs = _inputs(args)
+    if args.dataset is not None:
+        inputs.update(dataset=_dataset(args, rescan=False), pack_tokens=plan.workload.dataset.pack_tokens)
+    if args.max_seq:
+        inputs.update(image_sizes=None, vision_tokens=plan.workload.vision_tokens)
+    trace = plan_trace(api.make_problem(args.model, args.gpus, **inputs), plan)
+    try:
+        write_trace(trace, args.trace)
+    except OSError as e:
+        raise ValueError(f"cannot write {args.trace}: {e.strerror}") from None
 
 
 def _out_paths(out: str, count: int) -> list[Path]:
@@ -285,6 +315,11 @@ def _check_output_args(args: argparse.Namespace, out: str | None) -> None:
         api.check_bounds("--top-k", args.top_k, 1, api.MAX_TOP_K)  # before naming its output files
     if out:
         check_writable(_out_paths(out, args.top_k or 1))
+    if args.trace is not None:
+        if not args.trace.strip() or (out and Path(args.trace).resolve() in [p.resolve() for p in _out_paths(
+                out, args.top_k or 1)]):
+            raise ValueError(f"--trace needs a file path of its own (not empty, not a plan's), got {args.trace!r}")
+        check_writable([Path(args.trace)])
 
 
 def _write(plans: list, out: str, asked: int) -> list[Path]:
@@ -473,6 +508,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_output_args(args, out)
         plans = _run(args)
         paths = _write(plans, out, args.top_k or 1) if out else []
+        if args.trace is not None:
+            _write_trace(args, plans[0])
+            paths.append(Path(args.trace))
     except (ValueError, NotImplementedError) as e:
         _fail(str(e))
     if args.json:

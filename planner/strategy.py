@@ -171,3 +171,9 @@ class Strategy:
         """Global ranks of each module (see first_ranks)."""
         firsts = self.first_ranks()
         return {name: list(range(firsts[name], firsts[name] + s.gpus)) for name, s in self.modules.items()}
+
+
+def strategy_of(plan: Any) -> Strategy:
+    """The strategy a plan file records (``planner.schema.Plan``)."""
+    modules = {m.name: ModuleStrategy.of_plan_module(m) for m in plan.modules}
+    return Strategy(placement=plan.placement, modules=modules, precision=plan.training.precision)

@@ -1,6 +1,6 @@
 """``python -m runtime plan.json [--steps N] [--metrics FILE] [--checkpoint DIR] [--save DIR] [--data PATH] [--seed S]
 [--tokenizer DIR] [--no-prefetch] [--checkpoint-dir DIR [--checkpoint-every K] [--keep-last N] [--max-failures N]]
-[--resume [PATH]] [--dry-run]``
+[--resume [PATH]] [--trace DIR [--trace-profiler]] [--dry-run]``
 
 Runs locally (starts Ray) or on the Ray cluster at RAY_ADDRESS / under ``ray job submit``; under
 ``torchrun --nproc-per-node N -m runtime plan.json`` each process runs one rank, without Ray.
@@ -65,6 +65,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "tensors with a fake process group of the plan's size (no GPU, no memory): the runtime's "
                         "own peak memory per category beside the plan's prediction; exit 0 if it fits, 1 if not, "
                         "3 if it could not measure")
+    parser.add_argument("--trace", metavar="DIR", help="write each step's measured timeline as a Chrome trace, "
+                        "DIR/step-<k>.json (every rank's timed spans; `plan --trace` writes the predicted one; open "
+                        "them in ui.perfetto.dev)")
+    parser.add_argument("--trace-profiler", action="store_true", help="with --trace: each rank also writes "
+                        "torch.profiler's trace of every step, DIR/profiler-step-<k>-rank-<r>.json (slower steps)")
     parser.add_argument("--max-failures", type=int, default=0, help="on Ray: restart from the latest checkpoint "
                         "at most this many times when a worker dies (default 0)")
     args = parser.parse_args(argv)
@@ -90,6 +95,10 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--{needs_dir[0].replace('_', '-')} needs --checkpoint-dir (where checkpoints go)")
     if args.resume is not None and args.checkpoint is not None:
         raise ValueError("--resume and --checkpoint both set the starting weights: give one")
+    if args.trace_profiler and args.trace is None:
+        raise ValueError("--trace-profiler needs --trace DIR (where the traces go)")
+    if args.trace is not None and args.dry_run:
+        raise ValueError("--trace records the steps of a run; --dry-run runs none (drop one of them)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  steps=args.steps)
         if args.checkpoint_dir is not None:
             preflight.prepare_folder(args.checkpoint_dir, "--checkpoint-dir")
+        if args.trace is not None:
+            preflight.prepare_folder(args.trace, "--trace")
         if env is not None and args.dry_run:
             raise ValueError("--dry-run runs every rank role in this one process: run it without torchrun")
         if env is not None and args.max_failures:
@@ -168,10 +179,8 @@ def _run_on_ray(plan: Plan, args: argparse.Namespace) -> int:
     from ray.exceptions import RayActorError, RayTaskError
 
     from runtime.launcher import run
-    from runtime.trainer import RunOptions
 
-    options = RunOptions(seed=args.seed, data=args.data, tokenizer=args.tokenizer, prefetch=args.prefetch,
-                         checkpoint=args.checkpoint, resume=args.resume)
+    options = _run_options(args)
     try:
         run(plan, options, steps=args.steps, metrics_path=args.metrics, save=args.save,
             checkpoints=_checkpoint_options(args))
@@ -188,6 +197,15 @@ def _run_on_ray(plan: Plan, args: argparse.Namespace) -> int:
     except RayActorError as e:
         return _refuse(_worker_failure(e, args.max_failures), status=1)
     return 0
+
+
+def _run_options(args: argparse.Namespace):
+    """What the command line adds to the plan (``runtime.trainer.RunOptions``)."""
+    from runtime.trainer import RunOptions
+
+    return RunOptions(seed=args.seed, data=args.data, tokenizer=args.tokenizer, prefetch=args.prefetch,
+                      checkpoint=args.checkpoint, resume=args.resume, trace=args.trace,
+                      trace_profiler=args.trace_profiler)
 
 
 def _dry_run(plan: Plan, args: argparse.Namespace) -> int:
@@ -221,10 +239,8 @@ def _checkpoint_options(args: argparse.Namespace) -> CheckpointOptions:
 def _run_under_torchrun(plan: Plan, args: argparse.Namespace, env: preflight.TorchrunEnv) -> int:
     from runtime.driver import validate_plan
     from runtime.torchrun import run
-    from runtime.trainer import RunOptions
 
-    options = RunOptions(seed=args.seed, data=args.data, tokenizer=args.tokenizer, prefetch=args.prefetch,
-                         checkpoint=args.checkpoint, resume=args.resume)
+    options = _run_options(args)
     try:
         validate_plan(plan, options)
     except USER_ERRORS as e:

@@ -138,6 +138,8 @@ class Handoff:
                 dist.barrier(group=group, device_ids=[device.index or 0])
         self._mailbox: dict[int, torch.Tensor] = {}
         self.comm_seconds = 0.0
+        self.waits: list[tuple[float, float]] = []
+        """(start, end) perf_counter seconds of each wait of the step (runtime.trace)."""
 
     def _is_gradient_sender(self, llm_rank: int) -> bool:
         coord = self.llm.coordinate(llm_rank)
@@ -223,5 +225,7 @@ class Handoff:
         start = time.perf_counter()
         for work in posted.works:
             work.wait()
-        self.comm_seconds += time.perf_counter() - start
+        end = time.perf_counter()
+        self.comm_seconds += end - start
+        self.waits.append((start, end))
         return posted.finish()

@@ -347,7 +347,7 @@ def run(
     complete checkpoint at most ``checkpoints.max_failures`` times, then the failure is raised.
     """
     check_outputs(metrics=metrics_path, save=save)
-    log = MetricsLog(plan, steps=steps, path=metrics_path)
+    log = MetricsLog(plan, steps=steps, path=metrics_path, trace_dir=options.trace)
     failures, failed_at, saved_at = 0, None, {}
     try:
         while True:

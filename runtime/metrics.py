@@ -20,6 +20,7 @@ from tqdm import tqdm
 from planner.schema import Plan
 from planner.versioned_json import write_atomically
 from planner.units import GIB
+from runtime.trace import write_step_trace
 
 TIMED = ("vision_forward_s", "vision_backward_s", "audio_forward_s", "audio_backward_s", "llm_forward_s",
          "llm_backward_s", "llm_pipeline_s", "grad_sync_s", "optimizer_s", "handoff_comm_s", "data_s")
@@ -70,10 +71,12 @@ def pipeline_stages(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class MetricsLog:
-    """Writes step records (JSON lines) and drives the progress bar; ``summary`` compares with the plan."""
+    """Writes step records (JSON lines) and, with ``trace_dir``, each step's trace (runtime.trace); drives the
+    progress bar; ``summary`` compares with the plan."""
 
-    def __init__(self, plan: Plan, *, steps: int, path: str | None, append: bool = False):
-        self.plan = plan
+    def __init__(self, plan: Plan, *, steps: int, path: str | None, append: bool = False,
+                 trace_dir: str | None = None):
+        self.plan, self.trace_dir = plan, trace_dir
         self.records: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.path = path
@@ -84,6 +87,13 @@ class MetricsLog:
         record = step_record(step, results)
         self.records.append(record)
         self._write(record)
+        if self.trace_dir is not None:
+            try:
+                write_step_trace(self.trace_dir, step, results)
+            except OSError as e:
+                self.warn(f"the trace of step {step} cannot be written to {self.trace_dir} "
+                          f"({' '.join(str(e).split())}): no more traces, training goes on")
+                self.trace_dir = None
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", step_s=f"{record['step_time_s']:.3f}")
         self.bar.update(1)
         return record

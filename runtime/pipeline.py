@@ -196,11 +196,11 @@ def stage_metadata(chunk: LanguageModelChunk, shapes: MicroBatchShapes, tp_mesh:
 
 def build_schedule(model: PipelinedLanguageModel, dims: ParallelDims, device: torch.device, shapes: MicroBatchShapes,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   compute_timer: Callable[[], ContextManager]):
+                   compute_timer: Callable[[str], ContextManager]):
     """The plan's schedule over this rank's chunks, on the pipeline group of its grid position, each stage built
     with its micro-batch ``shapes``. Gradients are not rescaled (``scale_grads=False``): the loss is already
-    divided by the step's target tokens. Every chunk's forward and backward runs inside ``compute_timer()`` (what
-    is left of the schedule's time is waiting)."""
+    divided by the step's target tokens. Every chunk's forward and backward runs inside ``compute_timer(action)``
+    (what is left of the schedule's time is waiting)."""
     group = dims.mesh["pp"].get_group()
     num_chunks = len(dims.pp_layers)
     tp_mesh = dims.mesh["tp"] if dims.tp_enabled else None
@@ -217,14 +217,14 @@ def build_schedule(model: PipelinedLanguageModel, dims: ParallelDims, device: to
     return Schedule1F1B(stage, **options)
 
 
-def _time_compute(stage: PipelineStage, timer: Callable[[], ContextManager]) -> None:
+def _time_compute(stage: PipelineStage, timer: Callable[[str], ContextManager]) -> None:
     """Run the stage's per-micro-batch forward and backward (the schedule's compute actions: a zero-bubble schedule
-    runs the weight gradients as actions of their own) inside ``timer()``."""
+    runs the weight gradients as actions of their own) inside ``timer(action)``, ``action`` the method's name."""
     for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
         call = getattr(stage, name)
 
-        def timed(*args, _call=call, **kwargs):
-            with timer():
+        def timed(*args, _call=call, _name=name, **kwargs):
+            with timer(_name):
                 return _call(*args, **kwargs)
 
         setattr(stage, name, timed)

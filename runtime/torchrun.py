@@ -103,7 +103,7 @@ def _train(job: Job, *, steps: int, metrics_path: str | None, checkpoints: Check
     return."""
     log = None
     if job.rank == 0:
-        log = MetricsLog(job.plan, steps=steps, path=metrics_path)
+        log = MetricsLog(job.plan, steps=steps, path=metrics_path, trace_dir=job.trainer.options.trace)
         if job.trainer.options.resume is not None:
             log.event("resume", path=job.trainer.options.resume, step=job.trainer.step)
     try:

@@ -46,6 +46,7 @@ from runtime.pipeline import build_schedule
 from runtime.preflight import module_names
 from runtime.rank_model import RankModel
 from runtime.step_inputs import StepInputs, to_device
+from runtime.trace import HANDOFF_WAIT, STEP, profiled
 from runtime.families import family_of
 
 
@@ -70,6 +71,10 @@ class RunOptions:
     resume: str | None = None
     """Complete training checkpoint (runtime.dcp_checkpoint) to continue from: weights, optimizer, LR schedule,
     counters and RNG states; written under this plan or any other of the same model."""
+    trace: str | None = None
+    """Folder the measured steps' Chrome traces go to (runtime.trace; ``--trace DIR``)."""
+    trace_profiler: bool = False
+    """With ``trace``: each rank also writes torch.profiler's trace of every step there (``--trace-profiler``)."""
 
 
 def numerics_device_type(plan: Plan) -> str:
@@ -266,11 +271,17 @@ class Trainer:
 
     # ---- the step ---------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
-        """One optimizer step; returns this rank's measurements."""
+        """One optimizer step (under torch.profiler if the run asked for its traces); returns this rank's
+        measurements, with ``spans``: (timer, start, end) seconds from the step's start (runtime.trace)."""
+        with profiled(self.options.trace if self.options.trace_profiler else None, self.rank, self.step):
+            return self._train_step()
+
+    def _train_step(self) -> dict[str, Any]:
         self.timings: dict[str, float] = defaultdict(float)
-        self.handoff.comm_seconds = 0.0
+        self.handoff.comm_seconds, self.handoff.waits = 0.0, []
         data_s = self.inputs.prepare(self.samples_seen)
-        start = time.perf_counter()
+        start = self._step_start = time.perf_counter()
+        self.spans: list[tuple[str, float, float]] = []
         for optimizer, _ in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
         num_tokens = self.inputs.count_target_tokens() if "llm" in self.modules else None
@@ -292,10 +303,13 @@ class Trainer:
         self.samples_seen += self.inputs.positions_per_step
         _sync(self.device)
         skipped = getattr(self.inputs.source, "skipped", None)
+        step_time = time.perf_counter() - start
+        spans = self.spans + [(HANDOFF_WAIT, s - start, e - start) for s, e in self.handoff.waits]
         return {
             "rank": self.rank, "modules": sorted(self.modules), "loss": loss, "grad_norm": norm,
             "lr": lr,
-            "step_time_s": time.perf_counter() - start, "llm_tokens": self.inputs.step_tokens, "data_s": data_s,
+            "step_time_s": step_time, "llm_tokens": self.inputs.step_tokens, "data_s": data_s,
+            "spans": [(STEP, 0.0, step_time), *spans],
             "handoff_comm_s": self.handoff.comm_seconds,
             "peak_memory_bytes": _peak_memory(self.device), **self.timings, **pipeline, **experts,
             **({"data_skipped": dict(skipped)} if skipped else {}),
@@ -439,11 +453,14 @@ class Trainer:
         self.inputs.close()
 
     @contextlib.contextmanager
-    def _timed(self, key: str):
+    def _timed(self, key: str, span: str | None = None):
+        """Add the block's seconds to the step's ``key`` timer and record its span (named ``span`` or ``key``)."""
         start = time.perf_counter()
         yield
         _sync(self.device)
-        self.timings[key] += time.perf_counter() - start
+        end = time.perf_counter()
+        self.timings[key] += end - start
+        self.spans.append((span or key, start - self._step_start, end - self._step_start))
 
 
 def _sync(device: torch.device) -> None:

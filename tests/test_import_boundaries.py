@@ -32,6 +32,8 @@ PLANNER_MODULES = [
     "planner.problem",
     "planner.search",
     "planner.plan_document",
+    "planner.trace",
+    "planner.trace_format",
     "planner.profiles.calibrate",
     "planner.profiles.compare",
 ]

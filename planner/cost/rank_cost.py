@@ -491,9 +491,8 @@ def rank_cost(
                                               assumptions.activation_bytes)
     ga = s.grad_accum
     transfers = handoff_s + pp_comm_s
-    passes = 1 + (static.backward != "none") + (s.recompute == "full")  # forwards and backwards a collective repeats in
-    forward_share = 2 if static.backward == "full" else 1
-    forward_per_mb = sums.forward_s + sums.collectives_s / passes + transfers / forward_share
+    forward_per_mb = (sums.forward_s + sums.collectives_s / collective_passes(static.backward, s.recompute)
+                      + transfers / transfer_passes(static.backward))
     return ModuleCost(
         module=static.spec.name,
         strategy=s,
@@ -517,6 +516,18 @@ def rank_cost(
         flops_per_step=flops_per_sample(static) * s.samples_per_step,
         sources=sums.sources,
     )
+
+
+def collective_passes(backward: str, recompute: str) -> int:
+    """Passes a layer's collectives run in per micro-batch, each an equal share: the forward, the backward (unless
+    the module runs none: ``backward_mode``) and full recomputation's second forward."""
+    return 1 + (backward != "none") + (recompute == "full")
+
+
+def transfer_passes(backward: str) -> int:
+    """Passes a micro-batch's transfers (hand-off, pipeline sends) are shared over: the forward's outbound one, and
+    the gradient's way back for a fully trainable module (``backward_mode`` ``full``)."""
+    return 2 if backward == "full" else 1
 
 
 def axes_within_node(s: ModuleStrategy, first_rank: int, devices_per_node: int) -> tuple[bool, ...]:

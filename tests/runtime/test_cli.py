@@ -101,20 +101,33 @@ def test_plan_written_by_the_planner_runs_end_to_end(tmp_path, ray_cluster):
     planner = shutil.which("plan", path=os.path.dirname(sys.executable))
     if planner is None:
         pytest.skip("the `plan` command is not installed")
-    plan_path, metrics = tmp_path / "plan.json", tmp_path / "metrics.jsonl"
+    plan_path, metrics, traces = tmp_path / "plan.json", tmp_path / "metrics.jsonl", tmp_path / "traces"
     made = subprocess.run(
         [planner, "--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--image-size", "168x112",
-         "--text-tokens", "40", "--global-batch", "4", "--out", str(plan_path)],
+         "--text-tokens", "40", "--global-batch", "4", "--out", str(plan_path), "--trace", str(tmp_path / "step.json")],
         capture_output=True, text=True, timeout=300,
     )
     assert made.returncode == 0, made.stderr
     address = ray_cluster.get_runtime_context().gcs_address
-    result = run_cli(str(plan_path), "--steps", "2", "--metrics", str(metrics), env={"RAY_ADDRESS": address})
+    result = run_cli(str(plan_path), "--steps", "2", "--metrics", str(metrics), "--trace", str(traces),
+                     "--trace-profiler", env={"RAY_ADDRESS": address})
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r.get("step") for r in records[:2]] == [0, 1] and records[2]["summary"]
     assert all(5.0 < r["loss"] < 9.0 for r in records[:2])
     assert "step time" in result.stdout and "predicted" in result.stdout
+    # the measured traces: every rank's spans of each step, beside the predicted one, and torch.profiler's own
+    predicted = {e["name"] for e in json.loads((tmp_path / "step.json").read_text())["traceEvents"]}
+    for step, record in enumerate(records[:2]):
+        trace = json.loads((traces / f"step-{step}.json").read_text())
+        spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        assert {e["pid"] for e in spans} == {0, 1}
+        assert trace["otherData"]["step_time_s"] == record["step_time_s"]
+        drawn = {e["name"] for e in spans}
+        assert {"vision forward", "llm forward", "llm backward", "vision backward"} <= drawn & predicted
+        assert {"step", "optimizer"} <= drawn
+        assert all(json.loads((traces / f"profiler-step-{step}-rank-{r}.json").read_text())["traceEvents"]
+                   for r in (0, 1))
 
 
 @pytest.mark.slow

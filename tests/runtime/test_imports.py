@@ -2,8 +2,9 @@
 both halves parse datasets with), the packer (planner.packing: a dataset plan runs the packs it was priced
 on), the shared validity rules (planner.rules) and unit constants (planner.units) from the planner, the model
 families' config reading with the workload's resize (planner.families, planner.models, planner.param_counts,
-planner.workload: a video plan's clips are laid out as the planner counted them), and what the schema uses: the
-device description (planner.hardware) and the reader of versioned JSON files (planner.versioned_json)."""
+planner.workload: a video plan's clips are laid out as the planner counted them), the trace format the predicted and
+measured steps share (planner.trace_format), and what the schema uses: the device description (planner.hardware)
+and the reader of versioned JSON files (planner.versioned_json)."""
 
 import subprocess
 import sys
@@ -26,4 +27,5 @@ def test_runtime_imports_without_ortools_and_only_the_plan_schema_data_rows_pack
                 "planner.families.qwen_parts", "planner.families.text_decoders"]
     assert result.stdout.strip() == str(["planner", "planner.data_rows", *families, "planner.hardware", "planner.models",
                                          "planner.packing", "planner.param_counts", "planner.rules", "planner.schema",
-                                         "planner.units", "planner.versioned_json", "planner.workload"])
+                                         "planner.trace_format", "planner.units", "planner.versioned_json",
+                                         "planner.workload"])

@@ -459,7 +459,7 @@ def test_plan_schedule_builds_torchs_schedule_and_times_every_compute_pass(sched
                                   compute_dtype=torch.float32, handoff_dtype=torch.float32, rows_require_grad=True)
         timed = []
         built = build_schedule(model, dims, torch.device("cpu"), shapes, lambda out, target: out.sum(),
-                               lambda: contextlib.nullcontext(timed.append(1)))
+                               lambda action: contextlib.nullcontext(timed.append(action)))
         assert type(built).__name__ == expected
         actions = [str(a) for a in built.pipeline_order[0] if a is not None]
         assert sum("W" in a for a in actions) == weight_passes
@@ -468,6 +468,7 @@ def test_plan_schedule_builds_torchs_schedule_and_times_every_compute_pass(sched
                 with contextlib.suppress(Exception):
                     getattr(stage, name)(0)
         assert len(timed) == 3 * len(built._stages)
+        assert set(timed) == {"forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"}  # each named
     finally:
         dist.destroy_process_group()
 
