@@ -231,8 +231,16 @@ def run_logged(command: list[str], log: Path, timeout: float, env: dict[str, str
             return f"stopped after its cap of {timeout:.0f} s"
     if status == 0:
         return None
-    tail = log.read_text().strip().splitlines()[-1:] or [""]
-    return f"exit status {status}: {tail[0][:300]}"
+    return f"exit status {status}: {telling_line(log.read_text())[:300]}"
+
+
+def telling_line(output: str) -> str:
+    """What in ``output`` says why it failed: the runtime's one-line refusal, else the last line naming an error
+    (``...Error: ...``) other than torchrun's ChildFailedError, else the last line that is not a banner of '='."""
+    lines = [line.strip() for line in output.splitlines() if line.strip().strip("=")]
+    refusals = [line for line in lines if "runtime: error:" in line]
+    errors = [line for line in lines if "error:" in line.lower() and "ChildFailedError" not in line]
+    return (refusals or errors or lines or [""])[-1]
 
 
 def out_of_time(report: Report, step: str) -> None:

@@ -120,3 +120,11 @@ def test_the_prepared_gpu_plans_fit_their_gpu_as_the_gpu_run_recosts_them(hardwa
     assert plan.cluster.device.name == prepared.cluster.device.name and plan.cluster.num_devices == 1
     assert plan.workload.dataset.packs_per_epoch == prepared.workload.dataset.packs_per_epoch
     assert plan.predicted.step_time_s * gpu_check.gpu_setup(hardware, setup.model).steps < gpu_check.TOTAL_BUDGET_S / 2
+
+
+def test_a_failed_steps_reason_is_the_line_that_names_the_error_not_torchruns_banner():
+    rank_fault = "[rank0]: Traceback\n[rank0]: torch.OutOfMemoryError: CUDA out of memory.\n" \
+                 "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n  error_file: <N/A>\n" + "=" * 60
+    assert gpu_check.telling_line(rank_fault) == "[rank0]: torch.OutOfMemoryError: CUDA out of memory."
+    refusal = "runtime: error: the tokenizer maps <|image_pad|> to 1002\nTraceback\nValueError: x\n" + "=" * 60
+    assert gpu_check.telling_line(refusal) == "runtime: error: the tokenizer maps <|image_pad|> to 1002"
