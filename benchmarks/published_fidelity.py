@@ -167,8 +167,9 @@ def published_step_s(run: PublishedRun) -> float:
 
 
 def row_assumptions(run: PublishedRun, base: CostAssumptions = DEFAULT_ASSUMPTIONS) -> CostAssumptions:
-    """The assumptions a row's framework fixes: Megatron-style sequence parallelism where it shards the norms."""
-    return replace(base, megatron_sequence_parallel=run.sequence_parallel)
+    """The assumptions a row's framework fixes: Megatron-style sequence parallelism where it shards the norms, and
+    the whole logits' loss (neither torchtitan's nor Megatron-LM's published runs chunk it)."""
+    return replace(base, megatron_sequence_parallel=run.sequence_parallel, loss_chunk_tokens=0)
 
 
 def row_problem(run: PublishedRun, assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS) -> Problem:
