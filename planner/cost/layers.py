@@ -28,6 +28,7 @@ from planner.cost.memory import (
     expert_dispatch_buffer_bytes,
     expert_saved_bytes_per_token,
     loss_logits_bytes,
+    mlp_backward_transient_bytes,
     packed_mask_bytes,
     score_matrix_bytes,
 )
@@ -471,6 +472,9 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         buffers += 2 * kv_block
     if dense_packed_mask(layer, s):
         buffers += packed_mask_bytes(s.segment_tokens * s.segments, s.micro_batch)
+    mlp_backward = 0.0
+    if layer.mlp is not None and layer.mlp.gated:
+        mlp_backward = mlp_backward_transient_bytes(s.tokens, layer.mlp.intermediate_size / s.tp, s.assumptions)
     calls = attention_calls(layer, s)
     return _terms(
         s,
@@ -484,6 +488,7 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         saved=_block_saved(layer, s, scores, s.recompute),
         working=_block_saved(layer, s, scores, "none"),
         buffers=buffers,
+        backward_buffers=max(buffers, mlp_backward),
         tp_fwd=tp_ar,
         tp_bwd=tp_ar + replicated_kv_backward_time(layer, s),
         sp_fwd=sp_fwd,

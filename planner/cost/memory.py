@@ -200,6 +200,13 @@ def chunked_loss_logits_bytes(
     return 0.0, saved + transient, saved + backward
 
 
+def mlp_backward_transient_bytes(tokens: float, intermediate_per_rank: float, assumptions: CostAssumptions) -> float:
+    """Bytes a gated MLP's backward holds beside the layer's saved activations on one rank:
+    ``mlp_backward_transient_tensors`` tensors of ``tokens x intermediate / tp`` in the activation dtype (its
+    hidden activations' gradients; measured, see the assumption)."""
+    return assumptions.mlp_backward_transient_tensors * tokens * intermediate_per_rank * assumptions.activation_bytes
+
+
 def packed_mask_bytes(row_tokens: float, rows: float) -> float:
     """Bytes of transformers' packed-sequence mask for SDPA: one boolean per (query, key) pair of each row,
     ``[rows, 1, L, L]`` (``masking_utils.sdpa_mask``), alive through the decoder's forward and backward."""
@@ -219,7 +226,7 @@ module (patchifier, merger, embedding, final norm, lm_head) belongs to the modul
 
 def zero3_gather_bytes(
     root_params: float, largest_block_params: float, recipe: BytesPerParam, *, prefetch: int, frozen: bool,
-    backward: bool,
+    backward: bool, input_params: float = 0.0,
 ) -> float:
     """ZeRO-3 temporary buffers alive while the module runs its forward (``backward=False``) or its backward.
 
@@ -228,12 +235,15 @@ def zero3_gather_bytes(
     then the module: Zhao et al. 2023, "PyTorch FSDP", Sec. 3.2 units) the root unit's parameters (``root_params``:
     embedding, final norm, lm_head) are gathered around the whole module's forward and again around its whole
     backward, and its gradients wait for the module's post-backward reduce-scatter. Both passes hold the root unit and
-    the running + ``prefetch`` blocks; the backward adds the unsharded gradients of the root unit and of one block.
+    the running + ``prefetch`` blocks; the backward adds the unsharded gradients of the root unit and of one block,
+    though not both whole at once: the root's input layer (``input_params``: the embedding, the patch embedding)
+    gets its gradient last, after every block's backward.
     """
     gathered = (root_params + (1 + prefetch) * largest_block_params) * recipe.weights
     if frozen or not backward:
         return gathered
-    return gathered + (root_params + largest_block_params) * recipe.gradients
+    unsharded = max(root_params, root_params - input_params + largest_block_params)
+    return gathered + unsharded * recipe.gradients
 
 
 def bucket_bytes(gradient_bytes: float, assumptions: CostAssumptions) -> float:

@@ -370,6 +370,16 @@ def _params_per_rank(static: ModuleStatic, tp: int, ep: int, layers: tuple[Layer
     return cached
 
 
+INPUT_LAYER_KINDS = frozenset({"embedding", "patch_embed", "audio_conv"})
+"""Layer kinds that take a module's input: their gradients come last in its backward."""
+
+
+def _input_layer_params(layers: tuple[LayerSpec, ...], tp: int, ep: int) -> float:
+    """Parameters on one rank of ``layers``' input layer (0 when they hold none: a later pipeline stage)."""
+    return sum(layer_params_per_rank(layer, tp, ep) * layer.count for layer in layers
+               if layer.kind in INPUT_LAYER_KINDS)
+
+
 def flops_per_sample(static: ModuleStatic) -> float:
     """Model FLOPs (forward + backward, no recomputation, no parallelism) of one sample."""
     if static.flops_per_sample is None:
@@ -452,7 +462,8 @@ def rank_cost(
         forward_buffers += zero3_gather_bytes(root, block, recipe, prefetch=assumptions.zero3_prefetch_layers,
                                               frozen=not trainable, backward=False)
         backward_buffers += zero3_gather_bytes(root, block, recipe, prefetch=assumptions.zero3_prefetch_layers,
-                                               frozen=not trainable, backward=True)
+                                               frozen=not trainable, backward=True,
+                                               input_params=_input_layer_params(layers, s.tp, s.ep))
         bucket = largest * recipe.gradients
     else:
         bucket = bucket_bytes(params * recipe.gradients, assumptions) if trainable and reduce_group > 1 else 0.0

@@ -344,7 +344,9 @@ def test_buffers_by_pass_the_loss_alone_and_zero3_root_unit_in_both_passes():
     root = sum(l.params * l.count for l in llm.layers if l.kind != "decoder_layer")
     block = max(l.params for l in llm.layers if l.kind == "decoder_layer")
     loss_forward, loss_backward = 64 * 1000 * 6, 64 * 1000 * 8  # 64 tokens x 1000 vocab x 6 B / x 8 B
-    whole = replace(A, loss_chunk_tokens=0)  # the whole logits at once (a pipelined LLM's loss)
+    whole = replace(A, loss_chunk_tokens=0,  # the whole logits at once (a pipelined LLM's loss)
+                    mlp_backward_transient_tensors=0)  # the blocks' backward transients: their own test
+    embedding = sum(l.params * l.count for l in llm.layers if l.kind == "embedding")
 
     def _estimate(vision, llm, workload=WORKLOAD):
         return estimate(MODEL, CLUSTER, workload, colocated(vision, llm), whole)
@@ -357,17 +359,19 @@ def test_buffers_by_pass_the_loss_alone_and_zero3_root_unit_in_both_passes():
     assert z0.backward_buffers_bytes == pytest.approx(2 * params, abs=1)
     z3 = _estimate(ModuleStrategy(dp=8), ModuleStrategy(dp=8, zero=3)).modules["llm"]
     # ZeRO-3: the root unit (embedding, norm, lm_head) and two blocks gathered in bf16 in both passes; the backward
-    # adds the root unit's and one block's unsharded bf16 gradients. The loss runs outside the module's forward
-    # and backward, with none of them gathered.
+    # adds one block's and the root unit's unsharded bf16 gradients, the embedding's only after the blocks'. The
+    # loss runs outside the module's forward and backward, with none of them gathered.
+    unsharded = max(root, root - embedding + block)
+    assert unsharded == root - embedding + block  # the toy's block outweighs its embedding
     gathered = 2 * (root + 2 * block)
     assert gathered > loss_forward
     assert z3.forward_buffers_bytes == pytest.approx(gathered, abs=1)
-    assert z3.backward_buffers_bytes == pytest.approx(gathered + 2 * (root + block), abs=1)
+    assert z3.backward_buffers_bytes == pytest.approx(gathered + 2 * unsharded, abs=1)
     one_sample = replace(WORKLOAD, global_batch=64)  # 8 samples per rank: the loss's 8 x 64 x 1000 x 6 B dominate
     big = _estimate(ModuleStrategy(dp=8, micro_batch=8), ModuleStrategy(dp=8, zero=3, micro_batch=8), one_sample)
     assert big.modules["llm"].forward_buffers_bytes == 8 * loss_forward
     assert big.modules["llm"].loss_backward_buffers_bytes == 8 * loss_backward
-    assert big.modules["llm"].backward_buffers_bytes == pytest.approx(gathered + 2 * (root + block), abs=1)
+    assert big.modules["llm"].backward_buffers_bytes == pytest.approx(gathered + 2 * unsharded, abs=1)
 
 
 def test_a_chunked_loss_holds_one_chunks_logits_and_saves_none():
