@@ -8,6 +8,7 @@ explains a request no plan fits. The search is ``planner.search``, the Plan docu
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
 from planner.baselines import BaselineOutcome, baselines
@@ -198,13 +199,17 @@ def max_seq(
     **inputs: Any,
 ) -> Plan:
     """The plan at the longest image sequence (vision tokens per sample, one square merge-aligned image) that any
-    plan fits at the given batch; ``plan.workload.vision_tokens`` holds it.
+    plan fits at the given batch in all but ``max_seq_memory_margin`` of the usable memory (the cost model's error
+    at the edge); ``plan.workload.vision_tokens`` holds it.
 
     Raises:
         ValueError: not a vision model, or bad input; Infeasible when even the smallest image does not fit.
     """
     check_time_limit(time_limit_s)
     problem = _as_problem(model, gpus, inputs)
+    a = problem.assumptions
+    problem = replace(problem, assumptions=replace(
+        a, usable_memory_fraction=a.usable_memory_fraction * (1 - a.max_seq_memory_margin)))
     if problem.dataset is not None:
         raise ValueError("--max-seq searches one image size per sample; a dataset gives its own: drop one of them")
     if problem.model.vision_input is None:

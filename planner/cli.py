@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from planner.hardware import PLAUSIBLE_RANGES
+from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
 from planner.schema import ATTENTION_CALLS
 from planner.versioned_json import write_atomically
 
@@ -493,7 +494,8 @@ def render(plans: list, *, max_seq: bool = False) -> str:
         side = round(w.vision_tokens**0.5) * patch
         head = [f"longest image sequence that fits: {w.vision_tokens:,} vision tokens per sample "
                 f"(one {side}x{side} image, {w.llm_image_tokens:,} LLM image tokens) at global batch "
-                f"{w.global_batch}", ""]
+                f"{w.global_batch}, keeping {DEFAULT_ASSUMPTIONS.max_seq_memory_margin:.0%} of the usable memory for "
+                "the cost model's error (max_seq_memory_margin)", ""]
     return "\n\n".join(["\n".join(head + [render_plan(plans[0])]), *(render_plan(p) for p in plans[1:])])
 
 

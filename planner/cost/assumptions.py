@@ -183,6 +183,10 @@ class CostAssumptions:
     """Per-GPU allowance for the CUDA context, cuBLAS/NCCL workspaces and communicator buffers."""
     usable_memory_fraction: float = 0.92
     """Fraction of HBM the allocator can hand out before fragmentation makes allocations fail."""
+    max_seq_memory_margin: float = 0.02
+    """Fraction of the usable memory ``--max-seq`` leaves free at the longest sequence it answers: the cost model's
+    error where a plan is planned to its last GiB (dry-run vs planner peak within 2 % on README's long-sequence and
+    edge plans), so that the answer is one the runtime fits rather than one the error turns."""
 
     # --- communication (alpha-beta, Hockney 1994; ring algorithms, Thakur et al. 2005) ---
     intra_node_bus_efficiency: float = 0.80
@@ -235,6 +239,8 @@ class CostAssumptions:
         if not 0 <= self.step_overhead_s < 3600 or not 0 < self.measured_time_scale <= 100:
             raise ValueError(f"step_overhead_s must be in [0, 3600) s and measured_time_scale in (0, 100], got "
                              f"{self.step_overhead_s} and {self.measured_time_scale}")
+        if not 0 <= self.max_seq_memory_margin < 1:
+            raise ValueError(f"max_seq_memory_margin must be in [0, 1), got {self.max_seq_memory_margin}")
         for name in ("host_seconds_per_op", "dtensor_seconds_per_op"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1) seconds, got {getattr(self, name)}")

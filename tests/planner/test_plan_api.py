@@ -1,6 +1,7 @@
 """planner.api: workload defaults, --fix, evaluation, infeasibility explanations, --max-seq, baselines, the Plan."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -8,10 +9,11 @@ from planner import api
 from planner.analysis import strategy_of
 from planner.api import Infeasible, evaluate, make_problem, max_seq, parse_fixes, plan, top_plans
 from planner.catalog import get_model
-from planner.cost import check_strategy, estimate
+from planner.cost import DEFAULT_ASSUMPTIONS, check_strategy, estimate
 from planner.schema import load_plan
 from planner.solver.explain import MAX_SEQ_SIDE_PATCHES
 from planner.strategy import ModuleStrategy, Strategy
+from planner.units import GIB
 
 M32 = "qwen-vl-32b"
 FULL_PIN = [
@@ -231,13 +233,19 @@ def test_infeasible_suggests_a_sequence_that_fits():
 
 
 @pytest.mark.slow
-def test_max_seq_is_the_longest_fitting_square_image():
+def test_max_seq_is_the_longest_square_image_that_fits_inside_the_margin():
+    """The longest sequence leaves ``max_seq_memory_margin`` of the usable memory free: one merge unit more does
+    not fit in what remains, though it may fit in all of it."""
     p = max_seq(M32, 16)
     tokens = p.workload.vision_tokens
     side = round(tokens**0.5)
     assert side * side == tokens and side % 2 == 0
+    a = DEFAULT_ASSUMPTIONS
+    inside = replace(a, usable_memory_fraction=a.usable_memory_fraction * (1 - a.max_seq_memory_margin))
+    usable = p.cluster.device.memory_bytes * inside.usable_memory_fraction
+    assert p.predicted.peak_memory_gib * GIB <= usable + 1
     with pytest.raises(Infeasible):
-        plan(M32, 16, vision_tokens=(side + 2) ** 2)
+        plan(M32, 16, vision_tokens=(side + 2) ** 2, assumptions=inside)
 
 
 def test_max_seq_small_model_cpu():
