@@ -38,9 +38,11 @@ from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.comm import Link
 from planner.cost.layers import Shard, layer_terms
 from planner.cost.rank_cost import backward_mode, segment_stats
+from planner.families import model_from_hf_config
 from planner.hardware import DeviceSpec
 from planner.models import ModelSpec
 from planner.packing import balance_packs
+from planner.schema import Plan
 from planner.workload import ModuleTokens, Workload, image_windows
 
 Grid = tuple[int, int, int]
@@ -122,6 +124,16 @@ class SampleWork:
             found = self._memo[(module, key)] = module_work(self.model, module, tokens, self.device,
                                                             self.assumptions, degrees)
         return found
+
+
+def plan_sample_work(plan: Plan) -> SampleWork:
+    """The work a plan's runtime balances on: the plan's model (its frozen modules frozen), device, attention calls
+    and each module's TP, SP and recomputation; the default cost-model assumptions otherwise."""
+    model = model_from_hf_config(plan.model.hf_config, plan.model.name)
+    model = model.with_frozen([m.name for m in plan.modules if m.frozen and m.name in model.module_names])
+    assumptions = replace(DEFAULT_ASSUMPTIONS, attention_calls=plan.module("llm").attention)
+    degrees = {m.name: ModuleDegrees(tp=m.tp, sp=m.sp, recompute=m.recompute) for m in plan.modules}
+    return SampleWork(model, plan.cluster.device, assumptions, degrees)
 
 
 def assign_lpt(costs: Sequence[float], bins: int) -> list[list[int]]:
