@@ -98,6 +98,7 @@ def plan_process_s(data: Path, env: dict) -> float:
 
 def loader_lines(data: Path, folder: Path, samples: int) -> list[str]:
     """The runtime loader's index and build rates on the first ``samples`` rows, against one rank's need."""
+    from planner.balance import plan_sample_work
     from runtime.model import hf_config_from_dict
     from runtime.packed_data import PackedConversations
     from tests.runtime.plans import tiny_hf_config
@@ -110,7 +111,8 @@ def loader_lines(data: Path, folder: Path, samples: int) -> list[str]:
     need = made.predicted.samples_per_s / made.module("vision").dp
     start = time.perf_counter()
     loader = PackedConversations(subset, save_tokenizer(folder / "tokenizer"), config=hf_config_from_dict(
-        tiny_hf_config()), dataset=info.model_copy(update={"max_pixels": LOADER_MAX_PIXELS}), seed=0)
+        tiny_hf_config()), dataset=info.model_copy(update={"max_pixels": LOADER_MAX_PIXELS}), seed=0,
+        work=plan_sample_work(made))
     index_s = time.perf_counter() - start
     built = min(len(loader.samples), 200)
     start = time.perf_counter()

@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     dataset = p.add_argument_group("dataset (instead of the per-sample workload)")
     dataset.add_argument("--dataset", metavar="FILE", help="plan for a conversation / caption JSONL or JSON file "
                          "(image sizes from file headers; videos, files sampled at --fps or frame lists, from their "
-                         "metadata) or a dataset histogram: samples are packed, step time is the mean pack's, memory "
-                         "holds the heaviest; --global-batch still counts samples")
+                         "metadata) or a dataset histogram: samples are packed, step time is the busiest replica's "
+                         "under the per-step balancing, memory holds the heaviest pack; --global-batch still counts "
+                         "samples")
     dataset.add_argument("--tokenizer", metavar="DIR", help="folder whose tokenizer.json counts the dataset's text "
                          "(default: the --model folder's if it has one, else estimated from UTF-8 bytes, stated in "
                          "the plan)")
@@ -416,6 +417,9 @@ def _module_block(m) -> list[str]:
     ]
     if m.pp > 1:
         lines.append(f"    pipeline: {_pipeline_line(m)}")
+    if m.predicted.expected_imbalance is not None:
+        lines.append(f"    balanced per step on its own work: expected imbalance {m.predicted.expected_imbalance:.3f} "
+                     f"(busiest / mean replica over {m.dp} replicas; the times above are the busiest's)")
     return lines
 
 

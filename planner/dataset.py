@@ -21,13 +21,14 @@ from typing import Any
 
 import numpy as np
 
+from planner.balance import StepBalance
 from planner.data_rows import (SHORT_CLIP, SkippedSample, VideoShape, cache_folder, file_key, image_header_size, media_files,
                                media_keys, messages_of, read_rows, video_shape)
 from planner.versioned_json import write_atomically
 from planner.models import ModelSpec
 from planner.packing import pack_best_fit
 from planner.workload import (DEFAULT_FPS, ModuleTokens, PackedTokens, Workload, image_windows, packed_workload,
-                              sampled_frames, smart_resize, video_text_tokens, vision_tokens)
+                              sampled_frames, smart_resize, video_grid, video_text_tokens, vision_tokens)
 
 CHAT_TOKENS_PER_TURN = 5
 """Tokens Qwen2's chat template adds around each turn: ``<|im_start|>``, the role, a newline, ``<|im_end|>``,
@@ -280,6 +281,10 @@ class SampleTokens:
     """LLM tokens (text + merged image tokens)."""
     skipped: dict[str, int]
     """Samples dropped while resizing (aspect ratio), by reason."""
+    shape: np.ndarray
+    """Each sample's entry in ``grids``."""
+    grids: tuple[tuple[tuple[int, int, int], ...], ...]
+    """(temporal patches or groups, rows, cols) in patches of each image, then each clip, of a sample shape."""
 
 
 def sample_tokens(histogram: DatasetHistogram, model: ModelSpec, *, fps: float = DEFAULT_FPS,
@@ -316,17 +321,20 @@ def sample_tokens(histogram: DatasetHistogram, model: ModelSpec, *, fps: float =
             skipped[str(reason)] += count
             continue
         patches = [(h // vi.patch_size) * (w // vi.patch_size) for h, w in grids]
+        items = tuple((1, h // vi.patch_size, w // vi.patch_size) for h, w in grids) + tuple(
+            video_grid(*clip, model) for clip in clips.videos)
         windows = sum(image_windows(h // vi.patch_size, w // vi.patch_size, model) for h, w in grids)
         merged = sum(patches) // vi.spatial_merge_size**2 if grids else 0
         llm = text + merged + clip_tokens.output_tokens + (video_text_tokens(clips, model) if videos else 0)
         squares = sum(p * p for p in patches) + clip_tokens.squared_segments
-        rows.append((count, sum(patches) + clip_tokens.tokens, squares, windows + clip_tokens.windows, llm))
+        rows.append((count, sum(patches) + clip_tokens.tokens, squares, windows + clip_tokens.windows, llm, items))
     if not rows:
         raise ValueError(f"no sample of {histogram.source} can be resized: skipped {dict(skipped)}")
     counts = np.array([r[0] for r in rows])
     column = lambda i: np.repeat(np.array([r[i] for r in rows], dtype=np.int64), counts)  # noqa: E731
     return SampleTokens(vision=column(1), vision_squares=column(2), windows=column(3), llm=column(4),
-                        skipped=dict(skipped))
+                        skipped=dict(skipped), shape=np.repeat(np.arange(len(rows)), counts),
+                        grids=tuple(r[5] for r in rows))
 
 
 def clip_frames(video: VideoShape, fps: float, model: ModelSpec) -> int:
@@ -383,6 +391,7 @@ def pack_dataset(tokens: SampleTokens, model: ModelSpec, pack_tokens: int | None
                   "windows": tokens.windows[keep], "merged": tokens.vision[keep] // merge, "llm": tokens.llm[keep],
                   "llm_squares": tokens.llm[keep] ** 2}
     if pack_tokens is None:
+        packs = [[i] for i in range(len(per_sample["llm"]))]
         order, starts = np.arange(len(per_sample["llm"])), np.arange(len(per_sample["llm"]))
     else:
         packs = pack_best_fit(per_sample["llm"].tolist(), pack_tokens)
@@ -401,8 +410,11 @@ def pack_dataset(tokens: SampleTokens, model: ModelSpec, pack_tokens: int | None
         mean_tokens = (("vision", _vision_tokens(mean)),) + mean_tokens
         heavy_tokens = (("vision", _vision_tokens(heaviest("vision", "vision_squares"))),) + heavy_tokens
     count = len(starts)
-    packed = PackedTokens(mean=mean_tokens, heaviest=heavy_tokens,
-                          samples_per_pack=len(order) / count, pack_tokens=pack_tokens)
+    shapes, lengths = tokens.shape[keep], per_sample["llm"]
+    balance = StepBalance(pack_grids=tuple(tuple(g for i in p for g in tokens.grids[shapes[i]]) for p in packs),
+                          pack_lengths=tuple(tuple(int(lengths[i]) for i in p) for p in packs))
+    packed = PackedTokens(mean=mean_tokens, heaviest=heavy_tokens, samples_per_pack=len(order) / count,
+                          pack_tokens=pack_tokens, balance=balance)
     return Packing(packed=packed, packs=count, samples=len(order), too_long=int((~keep).sum()),
                    efficiency=None if pack_tokens is None else float(sums["llm"].sum()) / (count * pack_tokens))
 

@@ -96,6 +96,9 @@ class ModulePrediction(_Frozen):
                                                       "peak (this module's share alone)")
     stage_memory_gib: list[MemoryBreakdown] | None = Field(default=None, description="pp > 1: each pipeline "
                                                            "stage's breakdown at its own peak (this module alone)")
+    expected_imbalance: float | None = Field(default=None, description="a dataset plan: the busiest replica's work "
+                                             "over the mean replica's, expected under the per-step assignment "
+                                             "(planner.balance); the times are the busiest replica's")
 
 
 ZERO_BUBBLE_SCHEDULES = ("interleaved_zb",)

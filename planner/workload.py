@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from planner.models import ModelSpec
+
+if TYPE_CHECKING:
+    from planner.balance import StepBalance
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -91,6 +95,9 @@ class PackedTokens:
     """LLM-token budget of a pack; None: every sample is a pack of its own (no packing)."""
     heaviest_workload: Workload | None = None
     """The workload of one heaviest pack (set by ``packed_workload``)."""
+    balance: StepBalance | None = None
+    """The packs' items as the per-step assignment sees them (``planner.balance``): what prices each module's
+    slowest replica; None: the mean pack is priced."""
 
 
 def packed_workload(packs: PackedTokens, global_batch: int) -> Workload:

@@ -1,9 +1,10 @@
 """Hand vision outputs to the LLM's layout and their gradients back, by point-to-point messages.
 
 One global micro-batch of ``B`` samples (or packs) is split two ways: vision DP replica ``d`` (with its SP ranks
-``k``) produced the image tokens of samples ``[d*mb_v, (d+1)*mb_v)``, window-ordered; LLM rank (dp ``e``, sp ``j``)
-needs, of samples ``[e*mb_l, (e+1)*mb_l)``, the image tokens its sequence slice holds (all of them without LLM SP),
-in sequence order (``llm_needs``). Samples may differ in images and lengths: the routes (``Routes``) are built per
+``k``) produced the image tokens of samples ``[d*mb_v, (d+1)*mb_v)`` (a dataset plan: of the images the per-step
+assignment gave it, from any LLM replica's packs, and a filler's that go nowhere), window-ordered; LLM rank (dp
+``e``, sp ``j``) needs, of samples ``[e*mb_l, (e+1)*mb_l)``, the image tokens its sequence slice holds (all of
+them without LLM SP), in sequence order (``llm_needs``). Samples may differ in images and lengths: the routes (``Routes``) are built per
 micro-batch from its image grids and image-token positions, which every rank knows before any data is read.
 Each piece (d, k) is sent by the piece's first TP rank to every LLM rank that needs some of its rows, and only
 those rows. Gradients go back from the first TP rank of every LLM (dp, sp) coordinate (its TP ranks hold the same
@@ -49,14 +50,16 @@ class Piece:
     """Ranks that ran the piece and take its gradient (all its TP ranks)."""
 
 
-def build_pieces(vision: ParallelDims, positions: list[list[torch.Tensor]], offsets: list[int]) -> list[Piece]:
+def build_pieces(vision: ParallelDims, positions: list[list[torch.Tensor]], orders: list[torch.Tensor]
+                 ) -> list[Piece]:
     """Every vision piece of a micro-batch, given each replica's SP ranks' replica-order positions
-    (``positions[d][k]``) and where each replica's tokens start in the micro-batch (``offsets[d]``)."""
+    (``positions[d][k]``) and the micro-batch index of each of a replica's tokens in replica order (``orders[d]``;
+    -1: a filler's, which no LLM rank takes)."""
     pieces = []
     for d in range(vision.dp):
         for k in range(vision.sp):
             owners = tuple(vision.ranks_where(dp=d, sp=k))
-            pieces.append(Piece(replica=d, sp_rank=k, positions=positions[d][k] + offsets[d], producer=owners[0],
+            pieces.append(Piece(replica=d, sp_rank=k, positions=orders[d][positions[d][k]], producer=owners[0],
                                 owners=owners))
     return pieces
 
@@ -89,14 +92,24 @@ class Routes:
 
     @classmethod
     def build(cls, vision: ParallelDims, llm: ParallelDims, vision_positions: list[list[torch.Tensor]],
-              llm_slots: list[list[torch.Tensor]], device: torch.device) -> Routes:
+              llm_slots: list[list[torch.Tensor]], device: torch.device,
+              vision_orders: list[torch.Tensor] | None = None) -> Routes:
         """The routes of a micro-batch whose vision replica ``d``'s SP rank ``k`` emits the tokens
         ``vision_positions[d][k]`` of the replica's images, and whose LLM replica ``e``'s SP rank ``j`` places the
-        replica's image tokens ``llm_slots[e][j]``; replicas' tokens follow each other in replica order."""
-        produced = [sum(len(p) for p in replica) for replica in vision_positions]
+        replica's image tokens ``llm_slots[e][j]``. The micro-batch's image tokens are the LLM replicas' in replica
+        order; ``vision_orders[d]`` gives the micro-batch index of each of vision replica ``d``'s tokens (-1: a
+        filler's), by default the replicas' tokens following each other in replica order."""
+        if vision_orders is None:
+            produced = [sum(len(p) for p in replica) for replica in vision_positions]
+            vision_orders = [torch.arange(a, a + n) for a, n in zip(itertools.accumulate(produced, initial=0),
+                                                                    produced)]
         placed = [sum(len(s) for s in replica) for replica in llm_slots]
-        assert sum(produced) == sum(placed), f"vision emits {sum(produced)} image tokens, the LLM places {sum(placed)}"
-        pieces = build_pieces(vision, vision_positions, list(itertools.accumulate(produced[:-1], initial=0)))
+        emitted = torch.sort(torch.cat(vision_orders)).values
+        emitted = emitted[emitted >= 0]
+        assert torch.equal(emitted, torch.arange(sum(placed))), (
+            f"vision emits {len(emitted)} image tokens (each once: {len(emitted.unique()) == len(emitted)}), "
+            f"the LLM places {sum(placed)}")
+        pieces = build_pieces(vision, vision_positions, vision_orders)
         needs = llm_needs(llm, llm_slots, list(itertools.accumulate(placed[:-1], initial=0)))
         table = {}
         for i, piece in enumerate(pieces):

@@ -1,5 +1,6 @@
 """Per-step measurements: one JSON line per step to a file, a progress bar, and a final summary beside the
-plan's predictions.
+plan's predictions. A dataset plan's step also gives, per balanced module, the busiest rank's compute and assigned
+work over the mean rank's (``imbalance``), and the summary the median step's beside the plan's expectation.
 
 Each rank measures itself; a step's line takes, per quantity, the slowest rank holding the module (the step
 waits for it), and keeps every rank's own numbers under ``ranks``. Communication that is measurable from the step
@@ -25,6 +26,28 @@ from runtime.trace import write_step_trace
 TIMED = ("vision_forward_s", "vision_backward_s", "audio_forward_s", "audio_backward_s", "llm_forward_s",
          "llm_backward_s", "llm_pipeline_s", "grad_sync_s", "optimizer_s", "handoff_comm_s", "data_s")
 """Per-rank timers reported as the max over ranks (and each rank's own under ``ranks``)."""
+BALANCED = ("vision", "llm")
+"""Modules whose replicas a dataset plan balances per step: each rank reports ``<module>_work_s``, its replica's
+assigned work (``planner.balance``)."""
+
+
+def module_imbalance(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per balanced module, over its ranks: the busiest rank's over the mean rank's compute (forward + backward) time
+    (``measured``) and assigned work (``assigned``); nothing for a fixed-shape plan."""
+    out = {}
+    for name in BALANCED:
+        ranks = [r for r in results if f"{name}_work_s" in r]
+        if len(ranks) > 1:
+            compute = [r.get(f"{name}_forward_s", 0.0) + r.get(f"{name}_backward_s", 0.0) for r in ranks]
+            work = [r[f"{name}_work_s"] for r in ranks]
+            out[name] = {"measured": max_over_mean(compute), "assigned": max_over_mean(work)}
+    return out
+
+
+def max_over_mean(values: list[float]) -> float:
+    """max / mean (1 when all are 0)."""
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else 1.0
 
 
 def step_record(step: int, results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -52,8 +75,12 @@ def step_record(step: int, results: list[dict[str, Any]]) -> dict[str, Any]:
     stages = pipeline_stages(results)
     if stages:
         record["pp_stages"] = stages
-    record["ranks"] = [{"rank": r["rank"], "step_time_s": r["step_time_s"], **{k: r[k] for k in TIMED if k in r}}
-                       for r in results]
+    imbalance = module_imbalance(results)
+    if imbalance:
+        record["imbalance"] = imbalance
+    work = tuple(f"{name}_work_s" for name in BALANCED)
+    record["ranks"] = [{"rank": r["rank"], "step_time_s": r["step_time_s"],
+                        **{k: r[k] for k in TIMED + work if k in r}} for r in results]
     return record
 
 
@@ -162,6 +189,12 @@ class MetricsLog:
         skipped = [r["data_skipped"] for r in self.records if r.get("data_skipped")]
         if skipped:
             result["data_skipped"] = skipped[-1]
+        balanced = [r["imbalance"] for r in timed if "imbalance" in r]
+        if balanced:  # the median step's, beside the plan's expectation
+            result["imbalance"] = {name: {"measured": statistics.median(b[name]["measured"] for b in balanced),
+                                          "assigned": statistics.median(b[name]["assigned"] for b in balanced),
+                                          "predicted": self.plan.module(name).predicted.expected_imbalance}
+                                   for name in balanced[0]}
         result.update(self._event_summary())
         if self.path:
             self._append_last(result)
@@ -204,6 +237,9 @@ def format_summary(summary: dict[str, Any], memory_note: str) -> str:
         rows.append((label, f"{s['measured']:.4g}", f"{s['predicted']:.4g}", f"{s['ratio']:.2f}"))
     t = summary["tokens_per_s"]
     rows.append(("tokens/s", f"{t['measured']:.4g}", f"{t['predicted']:.4g}", ""))
+    for name, b in summary.get("imbalance", {}).items():
+        predicted = "" if b["predicted"] is None else f"{b['predicted']:.3f}"
+        rows.append((f"{name} imbalance (max/mean rank)", f"{b['measured']:.3f}", predicted, ""))
     width = max(len(r[0]) for r in rows)
     lines = [f"{r[0]:<{width}}  {r[1]:>10}  {r[2]:>10}  {r[3]:>6}" for r in rows]
     return "\n".join([f"{summary['steps']} steps, final loss {summary['final_loss']:.4f}", *lines])

@@ -10,8 +10,9 @@ per temporal group, after the group's ``<t seconds>`` timestamp as ``Qwen3VLProc
 conversation is rendered through the model folder's chat template to count its tokens, and the usable samples are
 packed by best-fit decreasing into packs of at most the plan's LLM-token budget (``planner.packing``: the packer the
 plan was priced with). An epoch visits its packs in a seeded order, so each
-sample is seen once per epoch; a step's packs are dealt to the LLM's data-parallel replicas by tokens
-(``balance_packs``). Every rank thus knows every micro-batch's composition — image grids and image-token positions —
+sample is seen once per epoch; a step's packs are dealt to the LLM's data-parallel replicas by LLM work
+(``balance_packs``), and each micro-batch's images and clips to the vision replicas by vision work (``assign_vision``;
+``planner.balance``). Every rank thus knows every micro-batch's composition — image grids and image-token positions —
 without reading a pixel, which is what the hand-off routes need. The index is cached (beside the planner's
 histograms, ``planner.data_rows.cache_folder``), so a restart or a recovery reads it instead of rendering every
 conversation again. Only the ranks that run a sample build it (decode, patchify, tokenize with labels).
@@ -41,6 +42,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from runtime.families import family_of
 
+from planner.balance import SampleWork, assign_lpt
 from planner.data_rows import (SHORT_CLIP, SkippedSample, Video, cache_folder, file_key, image_header_size,
                                media_files, media_keys, video_shape)
 from planner.families import model_from_hf_config
@@ -109,12 +111,14 @@ def epochs_spanned(step_packs: int, epoch_packs: int) -> int:
 class PackedConversations:
     """A conversation file indexed, packed and ordered for a dataset plan (see the module docstring)."""
 
-    def __init__(self, path: str | Path, tokenizer_dir: str | Path, *, config: Any, dataset: DatasetInfo, seed: int):
+    def __init__(self, path: str | Path, tokenizer_dir: str | Path, *, config: Any, dataset: DatasetInfo, seed: int,
+                 work: SampleWork):
         self.path = Path(path)
         vc = config.vision_config
         self.patch_size, self.merge_size = vc.patch_size, vc.spatial_merge_size
         self.min_pixels, self.max_pixels, self.budget = dataset.min_pixels, dataset.max_pixels, dataset.pack_tokens
-        self.seed = seed
+        self.seed, self.work = seed, work
+        """``work``: what a vision item and an LLM pack cost (``planner.balance.plan_sample_work``)."""
         self.tokenizer_dir = Path(tokenizer_dir)
         self.chat = ChatTokenizer(tokenizer_dir, config.image_token_id)
         self.video_token_id = config.video_token_id
@@ -274,20 +278,34 @@ class PackedConversations:
     def pack_tokens(self, pack: list[int]) -> int:
         return sum(self.samples[i].length for i in pack)
 
+    def pack_work(self, pack: list[int]) -> float:
+        """The LLM's work of a pack (``planner.balance.SampleWork.llm``)."""
+        return self.work.llm([self.samples[i].length for i in pack])
+
     def step_slots(self, first: int, micro_batches: int, replicas: int, per_replica: int) -> list[list[int]]:
         """The packs (sample indexes each) of a step's slots, slot ``m * replicas * per_replica + e * per_replica + i``
         being pack ``i`` of LLM replica ``e`` in micro-batch ``m``: the step's packs from position ``first`` on,
-        dealt to the replicas by LLM tokens (each replica's largest first, so micro-batch ``m`` holds every
-        replica's ``m``-th largest)."""
+        dealt to the replicas by LLM work (each replica's costliest first, so micro-batch ``m`` holds every
+        replica's ``m``-th)."""
         count = micro_batches * replicas * per_replica
         packs = [self.pack(first + k) for k in range(count)]
-        dealt = balance_packs([self.pack_tokens(p) for p in packs], replicas, micro_batches * per_replica)
+        dealt = balance_packs([self.pack_work(p) for p in packs], replicas, micro_batches * per_replica)
         slots: list[list[int]] = [[] for _ in range(count)]
         for e, mine in enumerate(dealt):
             for j, k in enumerate(mine):
                 m, i = divmod(j, per_replica)
                 slots[(m * replicas + e) * per_replica + i] = packs[k]
         return slots
+
+    def vision_items(self, packs: list[list[int]]) -> list[tuple[int, int]]:
+        """(sample index, entry of its ``grids``) of every image and clip of ``packs``, in the order the LLM's rows
+        place their tokens: pack by pack, sample by sample, each sample's images then its clips."""
+        return [(i, k) for pack in packs for i in pack for k in range(len(self.samples[i].grids))]
+
+    def assign_vision(self, items: list[tuple[int, int]], replicas: int) -> list[list[int]]:
+        """Which of ``items`` each vision replica runs: longest processing time first on their vision work
+        (``planner.balance.assign_lpt``), the same on every rank."""
+        return assign_lpt([self.work.vision(self.samples[i].grids[k]) for i, k in items], replicas)
 
     # ---- samples ----------------------------------------------------------------------------------------------
     def sample(self, index: int) -> Sample:

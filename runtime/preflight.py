@@ -128,7 +128,8 @@ def check_plan(plan: Plan) -> None:
         raise NotImplementedError(problem)
     if tower.frozen and llm.frozen:
         raise ValueError("every module of the plan is frozen: nothing to train")
-    if tower.grad_accum != llm.grad_accum or tower.dp * tower.micro_batch != llm.dp * llm.micro_batch:
+    packed = plan.workload.dataset is not None  # its vision replicas take each micro-batch's images by work
+    if tower.grad_accum != llm.grad_accum or (not packed and tower.dp * tower.micro_batch != llm.dp * llm.micro_batch):
         raise ValueError(f"{encoder} and llm must agree on grad_accum and on samples per micro-batch "
                          "(dp * micro_batch)")
     if plan.placement == "colocated" and set(tower.ranks) != set(llm.ranks):

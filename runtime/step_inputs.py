@@ -8,7 +8,9 @@ native-resolution samples (runtime.packed_data).
 from __future__ import annotations
 
 import itertools
+import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,19 +18,20 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
+from planner.balance import plan_sample_work
 from planner.schema import Plan
 from runtime.conversations import ConversationData
 from runtime.data import IGNORE_INDEX, CaptionData, Sample, Source, collate, pack_rows
 from runtime.families import family_of
 from runtime.handoff import Routes
 from runtime.llm import LLMShard, image_slots_per_rank, packed_position_ids, pad_packed_row, shard_llm_batch
-from runtime.packed_data import PackedConversations
+from runtime.packed_data import IndexedSample, PackedConversations
 from runtime.parallel.ulysses import split_sequence
 from runtime.parallel_dims import BATCH_AXIS, ParallelDims
 from runtime.pipeline import MicroBatchShapes
 from runtime.prefetch import Prefetcher
 from runtime.preflight import DATA_ENCODERS, is_conversation_file, module_names, no_data_reader
-from runtime.vision import merged_positions_per_rank, window_layout
+from runtime.vision import filler_grid, merged_positions_per_rank, window_layout
 
 
 def data_source(plan: Plan, options: Any, config: PretrainedConfig) -> Source | PackedConversations:
@@ -36,7 +39,7 @@ def data_source(plan: Plan, options: Any, config: PretrainedConfig) -> Source | 
     ``options.tokenizer``), image-caption pairs, or synthetic samples (``options``: runtime.trainer.RunOptions)."""
     if plan.workload.dataset is not None:
         return PackedConversations(options.data, options.tokenizer, config=config, dataset=plan.workload.dataset,
-                                   seed=options.seed)
+                                   seed=options.seed, work=plan_sample_work(plan))
     encoder = family_of(config).ENCODER
     layout = encoder.layout_from_plan(plan.workload, config)
     if not options.data:
@@ -71,9 +74,9 @@ class StepInputs:
         self.pipeline_shapes: MicroBatchShapes | None = None
         """A pipelined LLM's micro-batch at this rank's chunk boundaries (``micro_batch_shapes``), once set."""
         self._step_slots: list[list[int]] | None = None
+        self._vision_micro: list[VisionMicroBatch] = []
+        """A dataset plan's prepared step: each micro-batch's images and which of them each vision replica runs."""
         self._fixed_routes = None if self.packed else self._layout_routes()
-        if self.packed:
-            check_vision_windows(self.source, dims["vision"], config.vision_config)
 
     @property
     def num_micro_batches(self) -> int:
@@ -107,11 +110,12 @@ class StepInputs:
         self._llm_shards: dict[int, LLMShard] = {}
         self._step_slots = self._slots_at(position)
         if self.packed:
+            self._vision_micro = self._vision_assignment(self._step_slots)
             self._step_routes = [self._packed_routes(micro) for micro in range(self.num_micro_batches)]
             self.step_tokens = sum(self.source.pack_tokens(pack) for pack in self._step_slots)
         else:
             self.step_tokens = self.positions_per_step * self.layout.seq_len
-        indexes = self._indexes_at(position, self._step_slots)
+        indexes = self._indexes_at(position, self._step_slots, self._vision_micro)
         if self.prefetcher is None:
             self._step_samples = {}
             for i in indexes:  # each sample declared host data as it is built, not once the step's all exist
@@ -134,8 +138,11 @@ class StepInputs:
         """This rank's samples of micro-batch ``micro`` for module ``name`` (its DP replica's slice), in host memory
         (pinned on a GPU): a stage moves only its own shard of a micro-batch to the device, when it runs, so the
         step's pixels are never all on the device (32 micro-batches of 16,384-patch fp32 images are 2.3 GiB). Modules
-        that hold the same samples share them. A dataset plan's micro-batch is one packed row (``pack_rows``)."""
+        that hold the same samples share them. A dataset plan's micro-batch is one packed row (``pack_rows``), its
+        vision replica's the images and clips the step's assignment gave it (``vision_items_batch``)."""
         dims = self.dims[name]
+        if self.packed and name == self.encoder:
+            return self._vision_batch(micro)
         key = tuple(self._slot_samples(micro, dims, dims.coordinate(self.rank)["dp"]))
         if key not in self.batches:
             samples = [self._step_samples[i] for i in key]
@@ -144,6 +151,40 @@ class StepInputs:
             self.batches[key] = {k: v.pin_memory() if pin else v for k, v in batch.items()}
             self.on_host_data(self.batches[key].values())
         return self.batches[key]
+
+    def _vision_batch(self, micro: int) -> Sample:
+        """This rank's vision replica's images and clips of packed micro-batch ``micro`` (a filler with them where
+        they have too few windows, ``filler_grid``), in host memory."""
+        vision = self.dims[self.encoder]
+        micro_batch = self._vision_micro[micro]
+        mine = micro_batch.replica_items(vision.coordinate(self.rank)["dp"])
+        key = ("vision", *mine)
+        if key not in self.batches:
+            batch = vision_items_batch([self._step_samples[i] for i, _ in mine], [k for _, k in mine],
+                                       self.config.vision_config, vision.sp)
+            pin = self.device.type == "cuda"
+            self.batches[key] = {k: v.pin_memory() if pin else v for k, v in batch.items()}
+            self.on_host_data(self.batches[key].values())
+        return self.batches[key]
+
+    def assigned_work(self) -> dict[str, float]:
+        """A dataset plan's prepared step: the work (``planner.balance``) of this rank's replica of each module it
+        holds, ``<module>_work_s``; nothing for a fixed-shape plan."""
+        if not self.packed:
+            return {}
+        work, index = self.source.work, self.source.samples
+        out = {}
+        if self.encoder in self.held:
+            replica = self.dims[self.encoder].coordinate(self.rank)["dp"]
+            out[f"{self.encoder}_work_s"] = sum(work.vision(index[i].grids[k]) for micro in self._vision_micro
+                                                for i, k in micro.replica_items(replica))
+        if "llm" in self.held:
+            llm = self.dims["llm"]
+            replica = llm.coordinate(self.rank)["dp"]
+            first = [m * llm.dp * llm.micro_batch + replica * llm.micro_batch for m in range(llm.grad_accum)]
+            out["llm_work_s"] = sum(self.source.pack_work(self._step_slots[f + i]) for f in first
+                                    for i in range(llm.micro_batch))
+        return out
 
     def llm_shard(self, micro: int) -> LLMShard:
         """This rank's slice of micro-batch ``micro`` for the LLM (the whole sequences without SP)."""
@@ -216,14 +257,33 @@ class StepInputs:
         """The prepared step's ``slot_samples``."""
         return slot_samples(micro, dims, replica, position=self.position, slots=self._step_slots)
 
-    def _indexes_at(self, position: int, slots: list[list[int]] | None) -> list[int]:
-        """The samples this rank's modules run in the step at ``position``, each once."""
+    def _vision_assignment(self, slots: list[list[int]]) -> list[VisionMicroBatch]:
+        """Each micro-batch of a dataset plan's step (its packs among ``slots``): its images and clips in the LLM's
+        order and which of them each vision replica runs (``PackedConversations.assign_vision``)."""
+        llm, vision = self.dims["llm"], self.dims[self.encoder]
+        per_micro = llm.dp * llm.micro_batch
+        micro_batches = []
+        for micro in range(llm.grad_accum):
+            items = self.source.vision_items(slots[micro * per_micro:(micro + 1) * per_micro])
+            micro_batches.append(VisionMicroBatch(items=items, replicas=self.source.assign_vision(items, vision.dp)))
+        return micro_batches
+
+    def _indexes_at(self, position: int, slots: list[list[int]] | None,
+                    vision_micro: list[VisionMicroBatch] | None = None) -> list[int]:
+        """The samples this rank's modules run in the step at ``position``, each once (a dataset plan's vision
+        replica: the samples of the images assigned to it, ``vision_micro`` or the step's assignment)."""
+        if self.packed and self.encoder in self.held and not vision_micro:
+            vision_micro = self._vision_assignment(slots)
         indexes = {}
         for micro in range(self.num_micro_batches):
             for name in self.held:
                 dims = self.dims[name]
                 replica = dims.coordinate(self.rank)["dp"]
-                indexes.update(dict.fromkeys(slot_samples(micro, dims, replica, position=position, slots=slots)))
+                if self.packed and name == self.encoder:
+                    found = [i for i, _ in vision_micro[micro].replica_items(replica)]
+                else:
+                    found = slot_samples(micro, dims, replica, position=position, slots=slots)
+                indexes.update(dict.fromkeys(found))
         return list(indexes)
 
     def _layout_routes(self) -> Routes:
@@ -236,42 +296,75 @@ class StepInputs:
         return Routes.build(encoder, llm, [positions] * encoder.dp, [slots] * llm.dp, self.device)
 
     def _packed_routes(self, micro: int) -> Routes:
-        """The hand-off routes of packed micro-batch ``micro``, from the index alone (no sample is built)."""
-        vision, llm = self.dims["vision"], self.receiving_llm
-        index = self.source.samples
-        positions = []
-        for d in range(vision.dp):
-            grid = torch.tensor([g for i in self._slot_samples(micro, vision, d) for g in index[i].grids])
-            positions.append(merged_positions_per_rank(grid, self.config.vision_config, vision.sp))
-        slots = []
-        for e in range(llm.dp):
-            samples = [index[i] for i in self._slot_samples(micro, llm, e)]
-            starts = itertools.accumulate((s.length for s in samples), initial=0)
-            row = (sum(s.length for s in samples), torch.cat([s.image_positions + a for s, a in zip(samples, starts)]))
-            slots.append(image_slots_per_rank([row], llm.sp))
-        return Routes.build(vision, llm, positions, slots, self.device)
+        """The hand-off routes of packed micro-batch ``micro`` (``packed_routes``)."""
+        llm = self.receiving_llm
+        rows = [self._slot_samples(micro, llm, e) for e in range(llm.dp)]
+        return packed_routes(self.source.samples, self._vision_micro[micro], rows, self.dims[self.encoder], llm,
+                             self.config.vision_config, self.device)
 
 
+def packed_routes(index: list[IndexedSample], micro_batch: VisionMicroBatch, llm_rows: list[list[int]],
+                  vision: ParallelDims, llm: ParallelDims, config: Any, device: torch.device) -> Routes:
+    """The hand-off routes of a packed micro-batch, from the index alone (no sample is built): each vision replica's
+    images and clips (``micro_batch``), wherever the assignment put them, to the LLM replica whose row (the samples
+    ``llm_rows[e]``) holds their text, and to the SP rank whose slice of it holds their tokens."""
+    merge = config.spatial_merge_size**2
+    tokens = [t * h * w // merge for t, h, w in (index[i].grids[k] for i, k in micro_batch.items)]
+    starts = list(itertools.accumulate(tokens, initial=0))
+    positions, orders = [], []
+    for mine in micro_batch.replicas:
+        grids = [index[i].grids[k] for i, k in (micro_batch.items[j] for j in mine)]
+        order = [torch.arange(starts[j], starts[j] + tokens[j]) for j in mine]
+        if needs_filler(grids, config, vision.sp):
+            grids.append(filler_grid(config, vision.sp))
+            order.append(torch.full((math.prod(grids[-1]) // merge,), -1))
+        positions.append(merged_positions_per_rank(torch.tensor(grids), config, vision.sp))
+        orders.append(torch.cat(order))
+    slots = []
+    for row in llm_rows:
+        samples = [index[i] for i in row]
+        offsets = itertools.accumulate((s.length for s in samples), initial=0)
+        image_positions = torch.cat([s.image_positions + a for s, a in zip(samples, offsets)])
+        slots.append(image_slots_per_rank([(sum(s.length for s in samples), image_positions)], llm.sp))
+    return Routes.build(vision, llm, positions, slots, device, vision_orders=orders)
 
-def check_vision_windows(source: PackedConversations, vision: ParallelDims, config: Any) -> None:
-    """Every vision micro-batch of the data splits over the vision SP ranks on window boundaries: its fewest
-    attention windows (the smallest pack's, times the packs per micro-batch) are at least ``sp``.
 
-    Raises:
-        ValueError: in one line, with the smallest pack and what would make it fit.
-    """
-    if vision.sp == 1:
-        return
-    windows = {}
-    for pack in source.packs:
-        grid = torch.tensor([g for i in pack for g in source.samples[i].grids])
-        windows[len(window_layout(grid, config)[1]) - 1] = pack
-    fewest = min(windows)
-    if fewest * vision.micro_batch < vision.sp:
-        rows = [source.samples[i].row for i in windows[fewest]]
-        raise ValueError(f"vision sp={vision.sp} needs at least {vision.sp} attention windows per micro-batch, and a "
-                         f"pack of rows {rows} has {fewest} ({vision.micro_batch} pack(s) per micro-batch): plan with "
-                         "a lower vision sp, more packs per vision micro-batch, or a larger --min-pixels")
+@dataclass(kw_only=True, frozen=True)
+class VisionMicroBatch:
+    """A dataset plan's micro-batch as the vision replicas split it."""
+
+    items: list[tuple[int, int]]
+    """(sample index, entry of its grids) of each image and clip, in the order the LLM's rows place their tokens."""
+    replicas: list[list[int]]
+    """Which of ``items`` each vision replica runs (``PackedConversations.assign_vision``)."""
+
+    def replica_items(self, replica: int) -> list[tuple[int, int]]:
+        return [self.items[j] for j in self.replicas[replica]]
+
+
+def needs_filler(grids: list[tuple[int, int, int]], config: Any, sp: int) -> bool:
+    """Whether a vision replica's images have fewer attention windows than its ``sp`` ranks (none at all: no image),
+    so it runs a filler beside them (``filler_grid``)."""
+    return not grids or len(window_layout(torch.tensor(grids), config)[1]) - 1 < sp
+
+
+def vision_items_batch(samples: list[Sample], entries: list[int], config: Any, sp: int) -> Sample:
+    """A vision replica's micro-batch: entry ``entries[n]`` of ``samples[n]``'s images then clips, each
+    ``pixel_values`` rows and ``image_grid_thw`` row (the tower takes a clip's temporal groups as its grid says), and a
+    filler of zeros (``filler_grid``) where they have fewer windows than ``sp``."""
+    pixels, grids = [], []
+    for sample, entry in zip(samples, entries):
+        parts = [(sample["pixel_values"], sample["image_grid_thw"])]
+        if "video_grid_thw" in sample:
+            parts.append((sample["pixel_values_videos"], sample["video_grid_thw"]))
+        every = [(p, g) for values, grid in parts for p, g in zip(values.split(grid.prod(-1).tolist()), grid)]
+        pixels.append(every[entry][0])
+        grids.append(tuple(every[entry][1].tolist()))
+    if needs_filler(grids, config, sp):
+        grids.append(filler_grid(config, sp))
+        width = config.in_channels * config.temporal_patch_size * config.patch_size**2
+        pixels.append(torch.zeros(math.prod(grids[-1]), width))
+    return {"pixel_values": torch.cat(pixels), "image_grid_thw": torch.tensor(grids, dtype=torch.long)}
 
 
 def slot_samples(micro: int, dims: ParallelDims, replica: int, *, position: int,

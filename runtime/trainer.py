@@ -312,6 +312,7 @@ class Trainer:
             "spans": [(STEP, 0.0, step_time), *spans],
             "handoff_comm_s": self.handoff.comm_seconds,
             "peak_memory_bytes": _peak_memory(self.device), **self.timings, **pipeline, **experts,
+            **self.inputs.assigned_work(),
             **({"data_skipped": dict(skipped)} if skipped else {}),
         }
 

@@ -152,6 +152,15 @@ def window_layout(grid_thw: torch.Tensor, config: Any) -> tuple[torch.Tensor, li
     return window_index, cu_windows.tolist()
 
 
+def filler_grid(config: Any, sp: int) -> tuple[int, int, int]:
+    """The smallest image grid with ``sp`` attention windows (merge units without windows): what a vision replica
+    runs beside too few windows of its own (none: no image this micro-batch), so that every SP rank has a window and
+    every collective of the replica (FSDP, TP, SP) runs as on its peers; its tokens go nowhere, its gradient is 0."""
+    units = config.window_size // (config.patch_size * config.spatial_merge_size) if getattr(
+        config, "window_size", None) else 1
+    return 1, config.spatial_merge_size, config.spatial_merge_size * units * sp
+
+
 def full_attention_blocks(config: Any) -> frozenset[int]:
     """Blocks attending over whole images (all of them in Qwen2-VL)."""
     full = getattr(config, "fullatt_block_indexes", None)

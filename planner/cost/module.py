@@ -8,8 +8,10 @@ from dataclasses import replace
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.layer_costs import LayerCostSource
 from planner.cost.pipeline import pipelined_cost
+from planner import balance  # a module: planner.balance imports planner.cost
 from planner.cost.rank_cost import (
     axes_within_node,
+    flops_per_sample,
     handoff_per_micro_batch,
     module_static,
     rank_cost,
@@ -65,9 +67,14 @@ def module_cost(
     """
     options = dict(placement=placement, precision=precision, first_rank=first_rank, num_stages=num_stages,
                    stage_index=stage_index, assumptions=assumptions, layer_costs=layer_costs)
-    if strategy.pp > 1:
+    if strategy.pp > 1:  # every pack padded to the budget: the pipeline's rows are alike
         workload = pipeline_padded(workload)
-    cost = _module_cost(model, module, cluster, workload, strategy, **options)
+    balanced, imbalance = (workload, None) if strategy.pp > 1 else balance.balanced_workload(
+        workload, model, module, strategy.dp, strategy.micro_batch, strategy.grad_accum, cluster.device, assumptions)
+    cost = _module_cost(model, module, cluster, balanced, strategy, **options)
+    if imbalance is not None:  # model FLOPs are the mean replica's: the busiest one's extra work is others' waiting
+        mean = module_static(model, module, workload, cluster, assumptions)
+        cost = replace(cost, imbalance=imbalance, flops_per_step=flops_per_sample(mean) * strategy.samples_per_step)
     heaviest = workload.heaviest()
     if heaviest is not None:
         heavy = _module_cost(model, module, cluster, heaviest, strategy, chunk_layers=cost.chunk_layers, **options)

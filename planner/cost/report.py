@@ -48,6 +48,7 @@ def module_predictions(estimate: Estimate) -> dict[str, ModulePrediction]:
             stage_peak_memory_gib=[max(m.total for m in own_phases(c)) / GIB for c in cost.rank_costs()] or None,
             stage_memory_gib=[memory_gib(max(own_phases(c), key=lambda m: m.total)) for c in cost.rank_costs()]
             or None,
+            expected_imbalance=cost.imbalance,
         )
     return predictions
 

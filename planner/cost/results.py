@@ -111,6 +111,9 @@ class ModuleCost(PassTimes):
     memory of the rank with the largest own peak."""
     rank_stages: tuple[tuple[int, int], ...] = ()
     """pp > 1: for each pipeline rank, (its entry in ``stage_costs``, the model chunks it holds in flight)."""
+    imbalance: float | None = None
+    """A dataset plan: the busiest replica's work over the mean replica's expected under the per-step assignment
+    (``planner.balance``; the times above are the busiest replica's); None otherwise."""
 
     def rank_costs(self) -> tuple["ModuleCost", ...]:
         """pp > 1: every pipeline rank's own cost, in pipeline order."""

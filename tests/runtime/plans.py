@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from planner.hardware import DeviceSpec
+from planner.balance import SampleWork
+from planner.families import model_from_hf_config
+from planner.hardware import DeviceSpec, get_device
 from planner.schema import (
     SCHEMA_VERSION, ClusterInfo, DatasetInfo, MemoryBreakdown, ModelInfo, ModulePlan, ModulePrediction,
     ModuleTime, Plan, Prediction, SolverInfo, TokenPercentiles, TrainingInfo, WorkloadInfo,
@@ -40,6 +42,11 @@ def tiny_qwen2_vl_config() -> dict[str, Any]:
     config["vision_config"] = {**config["vision_config"], "depth": 2, "embed_dim": 64, "mlp_ratio": 2, "num_heads": 4,
                                "hidden_size": 128}
     return config
+
+
+def sample_work(hf_config: dict[str, Any]) -> SampleWork:
+    """What the runtime balances a dataset plan's replicas on (``planner.balance``), for a model on a CPU."""
+    return SampleWork(model_from_hf_config(hf_config, "tiny"), get_device("cpu"))
 
 
 def dataset_info(pack_tokens: int) -> DatasetInfo:

@@ -5,6 +5,7 @@ model run on the same samples one at a time."""
 from __future__ import annotations
 
 import json
+import math
 from unittest import mock
 
 import numpy as np
@@ -18,7 +19,7 @@ from runtime.llm import packed_position_ids
 from runtime.model import build_model, hf_config_from_dict, split_model
 from runtime.packed_data import UNDECODED_IMAGE, PackedConversations
 from runtime.parallel import attention
-from tests.runtime.plans import dataset_info, make_plan, tiny_hf_config, tiny_qwen3_vl_config
+from tests.runtime.plans import dataset_info, make_plan, sample_work, tiny_hf_config, tiny_qwen3_vl_config
 from tests.runtime.tokenizer import save_tokenizer
 from tests.runtime.varlen_cpu import register_cpu_reference
 
@@ -55,7 +56,8 @@ def write_dataset(folder, rows: int = 12, extra: list | None = None):
 
 
 def packed(path, tokenizer_dir, pack_tokens=PACK_TOKENS, seed=0) -> PackedConversations:
-    return PackedConversations(path, tokenizer_dir, config=CONFIG, dataset=dataset_info(pack_tokens), seed=seed)
+    return PackedConversations(path, tokenizer_dir, config=CONFIG, dataset=dataset_info(pack_tokens), seed=seed,
+                               work=sample_work(tiny_hf_config()))
 
 
 def test_the_index_counts_what_the_built_samples_hold(tmp_path, tokenizer_dir):
@@ -88,16 +90,16 @@ def test_packs_fit_the_budget_and_each_epoch_sees_every_sample_once(tmp_path, to
     assert [again.pack(k) for k in range(2 * count)] == [data.pack(k) for k in range(2 * count)]  # every rank agrees
 
 
-def test_a_step_deals_its_packs_to_replicas_by_tokens(tmp_path, tokenizer_dir):
+def test_a_step_deals_its_packs_to_replicas_by_llm_work(tmp_path, tokenizer_dir):
     data = packed(write_dataset(tmp_path, rows=24), tokenizer_dir, pack_tokens=256)
     micro_batches, replicas, per_replica = 2, 2, 2
 
-    def replica_tokens(slots, e):  # replica e's packs' tokens, micro-batch by micro-batch
-        return [data.pack_tokens(slots[(m * replicas + e) * per_replica + i]) for m in range(micro_batches)
+    def replica_work(slots, e):  # replica e's packs' LLM work, micro-batch by micro-batch
+        return [data.pack_work(slots[(m * replicas + e) * per_replica + i]) for m in range(micro_batches)
                 for i in range(per_replica)]
 
     def spread(slots):
-        loads = [sum(replica_tokens(slots, e)) for e in range(replicas)]
+        loads = [sum(replica_work(slots, e)) for e in range(replicas)]
         return max(loads) - min(loads)
 
     improved = False
@@ -108,8 +110,108 @@ def test_a_step_deals_its_packs_to_replicas_by_tokens(tmp_path, tokenizer_dir):
         assert spread(slots) <= spread(step)
         improved |= spread(slots) < spread(step)
         for e in range(replicas):
-            assert replica_tokens(slots, e) == sorted(replica_tokens(slots, e), reverse=True)  # largest first
+            assert replica_work(slots, e) == sorted(replica_work(slots, e), reverse=True)  # costliest first
     assert improved
+
+
+def _vision_dims(dp, sp=1):
+    from runtime.parallel_dims import ParallelDims
+
+    return ParallelDims(name="vision", ranks=tuple(range(dp * sp)), dp=dp, cp=1, sp=sp, tp=1, zero=0,
+                        recompute="none", micro_batch=1, grad_accum=1)
+
+
+def _llm_dims(dp, sp=1, first_rank=0):
+    from runtime.parallel_dims import ParallelDims
+
+    return ParallelDims(name="llm", ranks=tuple(range(first_rank, first_rank + dp * sp)), dp=dp, cp=1, sp=sp, tp=1,
+                        zero=0, recompute="none", micro_batch=2, grad_accum=1)
+
+
+@pytest.mark.parametrize("vision_dp, vision_sp, llm_dp, llm_sp, disjoint", [
+    (3, 1, 2, 1, False), (2, 2, 2, 2, False), (4, 1, 1, 2, True), (16, 1, 2, 1, False)])
+def test_each_image_is_run_once_and_its_tokens_reach_the_llm_row_that_holds_its_text(
+        tmp_path, tokenizer_dir, vision_dp, vision_sp, llm_dp, llm_sp, disjoint):
+    """Per step, the vision replicas take every image of each micro-batch's packs exactly once (by vision work, any
+    replica from any LLM replica's packs; more replicas than images leaves some with only a filler), and the routes
+    deliver each merged token, as the replica emits it in window order, to the LLM rank and row slot of that image's
+    own tokens: the tokens are followed by identity, independently of the routes' own bookkeeping."""
+    from runtime.llm import image_slots_per_rank
+    from runtime.step_inputs import VisionMicroBatch, packed_routes
+    from runtime.vision import merged_positions_per_rank
+
+    data = packed(write_dataset(tmp_path, rows=24), tokenizer_dir, pack_tokens=256)
+    vc, merge = CONFIG.vision_config, CONFIG.vision_config.spatial_merge_size**2
+    vision, llm = _vision_dims(vision_dp, vision_sp), _llm_dims(llm_dp, llm_sp, vision_dp * vision_sp * disjoint)
+    for first in range(0, 3 * llm_dp * llm.micro_batch, llm_dp * llm.micro_batch):
+        slots = data.step_slots(first, 1, llm_dp, llm.micro_batch)
+        items = data.vision_items(slots)
+        micro = VisionMicroBatch(items=items, replicas=data.assign_vision(items, vision_dp))
+        assert sorted(j for mine in micro.replicas for j in mine) == list(range(len(items)))  # each once
+        assert len(items) == sum(len(data.samples[i].grids) for pack in slots for i in pack)  # none left out
+        rows = [[i for pack in slots[e * llm.micro_batch:(e + 1) * llm.micro_batch] for i in pack]
+                for e in range(llm_dp)]
+        routes = packed_routes(data.samples, micro, rows, vision, llm, vc, torch.device("cpu"))
+        # each piece's rows, by identity: (item, its token) in the replica's window order, or a filler's
+        received = {rank: [None] * len(need) for rank, need in routes.needs.items()}
+        for (i, rank), (keep, slot) in routes.table.items():
+            piece = routes.pieces[i]
+            mine = micro.replicas[piece.replica]
+            tokens = [(j, t) for j in mine for t in range(_tokens(data, items[j], merge))]
+            own = merged_positions_per_rank(torch.tensor(_grids(data, items, mine, vc, vision_sp)), vc, vision_sp)
+            emitted = [tokens[p] if p < len(tokens) else "filler" for p in own[piece.sp_rank].tolist()]
+            for row, at in zip([r for r, k in zip(emitted, keep.tolist()) if k], slot.tolist()):
+                assert received[rank][at] is None  # every row from exactly one sender
+                received[rank][at] = row
+        # what each LLM rank's slice of its row holds, by identity: its images' tokens in sequence order
+        at = 0
+        for e, row in enumerate(rows):
+            ordered = [(j, t) for j in range(at, at + sum(len(data.samples[i].grids) for i in row))
+                       for t in range(_tokens(data, items[j], merge))]
+            at += sum(len(data.samples[i].grids) for i in row)
+            samples = [data.samples[i] for i in row]
+            starts = np.cumsum([0] + [s.length for s in samples])
+            positions = torch.cat([s.image_positions + int(a) for s, a in zip(samples, starts)])
+            slices = image_slots_per_rank([(int(starts[-1]), positions)], llm_sp)
+            for j in range(llm_sp):
+                rank = llm.ranks_where(dp=e, sp=j)[0]
+                assert received[rank] == [ordered[n] for n in slices[j].tolist()]
+
+
+def _tokens(data, item, merge):
+    return math.prod(data.samples[item[0]].grids[item[1]]) // merge
+
+
+def _grids(data, items, mine, vc, sp):
+    from runtime.step_inputs import needs_filler
+    from runtime.vision import filler_grid
+
+    grids = [data.samples[i].grids[k] for i, k in (items[j] for j in mine)]
+    return grids + [filler_grid(vc, sp)] if needs_filler(grids, vc, sp) else grids
+
+
+def test_a_vision_replica_with_too_few_windows_runs_a_filler_that_goes_nowhere():
+    """A replica with no image, or fewer attention windows than its SP ranks, runs a filler image of zeros with
+    exactly enough windows, so that each of its ranks still runs every block and its collectives."""
+    from runtime.step_inputs import needs_filler, vision_items_batch
+    from runtime.vision import filler_grid, window_layout
+
+    vc = CONFIG.vision_config
+    for sp in (1, 2, 4):
+        grid = filler_grid(vc, sp)
+        assert len(window_layout(torch.tensor([grid]), vc)[1]) - 1 == sp
+    small = (1, 4, 6)  # one 8 x 8-patch window
+    assert needs_filler([], vc, 1) and not needs_filler([small], vc, 1)
+    assert needs_filler([small], vc, 2) and not needs_filler([small, small], vc, 2)
+    width = 3 * vc.temporal_patch_size * vc.patch_size**2
+    sample = {"pixel_values": torch.arange(24 * width, dtype=torch.float32).view(24, width),
+              "image_grid_thw": torch.tensor([small])}
+    alone = vision_items_batch([sample], [0], vc, 2)
+    assert alone["image_grid_thw"].tolist() == [list(small), list(filler_grid(vc, 2))]
+    assert torch.equal(alone["pixel_values"][:24], sample["pixel_values"])
+    assert not alone["pixel_values"][24:].any()
+    empty = vision_items_batch([], [], vc, 1)
+    assert empty["image_grid_thw"].tolist() == [list(filler_grid(vc, 1))]
 
 
 def test_bad_rows_are_skipped_and_counted(tmp_path, tokenizer_dir):
@@ -188,24 +290,6 @@ def test_the_prefetch_worker_builds_the_samples_and_reports_what_it_skipped(tmp_
         prefetcher.close()
 
 
-def test_vision_sequence_parallelism_needs_enough_windows_in_every_micro_batch(tmp_path, tokenizer_dir):
-    from runtime.parallel_dims import ParallelDims
-    from runtime.step_inputs import check_vision_windows
-
-    Image.new("RGB", (84, 56)).save(tmp_path / "small.png")  # 4 x 6 patches: one 8 x 8-patch window
-    (tmp_path / "d.jsonl").write_text(json.dumps(_row("small.png", "Q?", "A.")) + "\n")
-    data = packed(tmp_path / "d.jsonl", tokenizer_dir)
-
-    def vision(micro_batch):
-        return ParallelDims(name="vision", ranks=(0, 1), dp=1, cp=1, sp=2, tp=1, zero=0, recompute="none",
-                            micro_batch=micro_batch, grad_accum=1)
-
-    with pytest.raises(ValueError, match=r"vision sp=2 needs at least 2 attention windows per micro-batch, and a "
-                                         r"pack of rows \[0\] has 1 \(1 pack\(s\) per micro-batch\)"):
-        check_vision_windows(data, vision(1), CONFIG.vision_config)
-    check_vision_windows(data, vision(2), CONFIG.vision_config)
-
-
 PACKED_PLANS = {
     "vision_dp2__llm_dp2_zero3_accum2": dict(vision=dict(dp=2, grad_accum=2), llm=dict(dp=2, zero=3, grad_accum=2)),
     "vision_sp2__llm_sp2": dict(vision=dict(sp=2, micro_batch=2), llm=dict(sp=2, micro_batch=2)),
@@ -221,7 +305,15 @@ PACKED_PLANS = {
     "qwen3_vl_vision_dp2__llm_pp2": dict(vision=dict(dp=2, grad_accum=2),
                                          llm=dict(pp=2, pp_layers=[2, 2], micro_batch=2, grad_accum=2),
                                          hf_config=tiny_qwen3_vl_config()),
+    # one pack of mostly one sample per micro-batch for two vision replicas (a dataset plan's vision replicas take
+    # each micro-batch's images, whatever their count): one often gets no image (a filler, FSDP and SP or TP
+    # collectives as its peers), or one with fewer windows than its SP ranks
+    "empty_vision_replica_dp2xsp2_zero3__llm_tp4": dict(vision=dict(dp=2, sp=2, zero=3, grad_accum=2),
+                                                        llm=dict(tp=4, grad_accum=2), pack_tokens=256),
+    "empty_vision_replica_dp2xtp2_zero3__llm_tp4": dict(vision=dict(dp=2, tp=2, zero=3, grad_accum=2),
+                                                        llm=dict(tp=4, grad_accum=2), pack_tokens=256),
 }
+EMPTY_REPLICA_PLANS = [name for name in PACKED_PLANS if name.startswith("empty_vision_replica")]
 PREFETCHED = {"disjoint_vision_1__llm_dp2"}
 """Plans whose samples come from the prefetch worker."""
 
@@ -237,9 +329,16 @@ def test_packed_parity(name, tmp_path, tokenizer_dir, worker_pool):
     from tests.runtime.test_parity import LR, SEED, assert_parity
 
     spec = dict(PACKED_PLANS[name])
-    plan = make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, pack_tokens=PACK_TOKENS, **spec)
+    pack_tokens = spec.pop("pack_tokens", PACK_TOKENS)
+    plan = make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, pack_tokens=pack_tokens, **spec)
     options = RunOptions(seed=SEED, data=str(write_dataset(tmp_path)), tokenizer=str(tokenizer_dir),
                          prefetch=name in PREFETCHED)
+    if name in EMPTY_REPLICA_PLANS:  # the run does hold a micro-batch where a vision replica has no image
+        from tests.runtime.test_parity import STEPS
+
+        data = packed(options.data, tokenizer_dir, pack_tokens)
+        micro_batches = [data.assign_vision(data.vision_items([data.pack(p)]), 2) for p in range(2 * STEPS)]
+        assert any(not mine for replicas in micro_batches for mine in replicas)
     assert_parity(plan, options, worker_pool)
 
 

@@ -21,7 +21,7 @@ from runtime.llm import packed_position_ids
 from runtime.model import build_model, hf_config_from_dict, split_model
 from runtime.packed_data import PackedConversations
 from tests.planner.test_video_rows import write_video_rows
-from tests.runtime.plans import dataset_info, tiny_hf_config, tiny_qwen3_vl_config
+from tests.runtime.plans import dataset_info, sample_work, tiny_hf_config, tiny_qwen3_vl_config
 from tests.runtime.tokenizer import save_tokenizer
 
 FPS = 2.0
@@ -41,7 +41,8 @@ def _cache(tmp_path, monkeypatch):
 def _indexed(path, tokenizer_dir, family: str) -> PackedConversations:
     config = hf_config_from_dict(CONFIGS[family]())
     dataset = dataset_info(4096).model_copy(update={"fps": FPS})
-    return PackedConversations(path, tokenizer_dir, config=config, dataset=dataset, seed=0)
+    return PackedConversations(path, tokenizer_dir, config=config, dataset=dataset, seed=0,
+                               work=sample_work(CONFIGS[family]()))
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
