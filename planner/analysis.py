@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from planner.api import DEFAULT_GPU, Infeasible, evaluate, make_problem, max_seq, plan
+from planner.api import DEFAULT_GPU, Infeasible, evaluate, make_problem, max_seq, plan, with_max_seq_margin
 from planner.dataset import DatasetHistogram
 from planner.baselines import best_of, megatron_family, uniform_tp_family, zero3_family
 from planner.catalog import get_model
@@ -287,7 +287,7 @@ def longest_sequence(model: str | ModelSpec, gpus: int, *, strategy: str = "auto
             return None
     if strategy not in BASELINES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    problem = make_problem(model, gpus, **inputs)
+    problem = with_max_seq_margin(make_problem(model, gpus, **inputs))
     if problem.model.vision_input is None:
         raise ValueError(f"{problem.model.name} has no vision encoder: there is no image sequence to lengthen")
     merge = problem.model.vision_input.spatial_merge_size

@@ -189,6 +189,14 @@ def evaluate(model: str | ModelSpec | Problem, strategy: Strategy, gpus: int | N
     return _evaluated(problem, strategy, {}, baselines(problem))
 
 
+def with_max_seq_margin(problem: Problem) -> Problem:
+    """``problem`` with ``max_seq_memory_margin`` of its usable memory held back (how the longest sequences are
+    searched, for the planner's plans and the baselines alike)."""
+    a = problem.assumptions
+    return replace(problem, assumptions=replace(
+        a, usable_memory_fraction=a.usable_memory_fraction * (1 - a.max_seq_memory_margin)))
+
+
 def max_seq(
     model: str | ModelSpec | Problem,
     gpus: int | None = None,
@@ -206,10 +214,7 @@ def max_seq(
         ValueError: not a vision model, or bad input; Infeasible when even the smallest image does not fit.
     """
     check_time_limit(time_limit_s)
-    problem = _as_problem(model, gpus, inputs)
-    a = problem.assumptions
-    problem = replace(problem, assumptions=replace(
-        a, usable_memory_fraction=a.usable_memory_fraction * (1 - a.max_seq_memory_margin)))
+    problem = with_max_seq_margin(_as_problem(model, gpus, inputs))
     if problem.dataset is not None:
         raise ValueError("--max-seq searches one image size per sample; a dataset gives its own: drop one of them")
     if problem.model.vision_input is None:

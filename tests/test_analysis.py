@@ -22,7 +22,7 @@ from planner.analysis import (
     longest_sequence,
     sweep,
 )
-from planner.api import evaluate, make_problem, max_seq, plan
+from planner.api import evaluate, make_problem, max_seq, plan, with_max_seq_margin
 from planner.baselines import best_of, zero3_family
 from planner.profiles import PROFILES_DIR, load_profile
 from planner.schema import load_plan
@@ -145,11 +145,13 @@ def test_largest_finds_the_edge_of_a_monotone_predicate():
     assert _largest(lambda u: False, 1000) is None
 
 
-def test_longest_sequence_of_a_baseline_is_the_edge_of_fitting():
+def test_longest_sequence_of_a_baseline_is_the_edge_of_fitting_inside_the_margin():
+    """A baseline's longest sequence is searched as ``--max-seq`` searches the planner's: in all but
+    ``max_seq_memory_margin`` of the usable memory."""
     tokens = longest_sequence("qwen-vl-7b", 8, strategy="zero3")
     side = math.isqrt(tokens)
     assert side * side == tokens and side % 2 == 0
-    problem = make_problem("qwen-vl-7b", 8)
+    problem = with_max_seq_margin(make_problem("qwen-vl-7b", 8))
 
     def fits(s):
         at = replace(problem, workload=replace(problem.workload, image_sizes=(), vision_tokens=s * s))
