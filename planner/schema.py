@@ -20,9 +20,9 @@ SCHEMA_VERSION = 7
 READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 """Version 2 added ``workload.dataset``, version 3 pipeline parallelism (``pp``, ``pp_schedule``,
 ``virtual_stages``, ``pp_layers``), version 4 video clips (``workload.videos``), version 5 the fps a dataset's video
-files are sampled at (``workload.dataset.fps``), version 6 expert parallelism (a module's ``ep``), version 7 the attention kernel and the chunked loss a module
-was priced with (``attention``, ``loss_chunk_tokens``); an older plan reads as one without them (per-segment SDPA,
-the whole logits at once)."""
+files are sampled at (``workload.dataset.fps``), version 6 expert parallelism (a module's ``ep``), version 7 the
+attention kernel and the chunked loss a module was priced with (``attention``, ``loss_chunk_tokens``); an older plan
+reads as one without them (per-segment SDPA, the whole logits at once)."""
 Source = Literal["analytical", "measured", "calibrated"]
 AttentionCalls = Literal["varlen", "sdpa"]
 """How a module calls attention over segmented sequences (windows, images, packed samples): ``varlen`` one

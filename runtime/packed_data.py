@@ -12,7 +12,7 @@ packed by best-fit decreasing into packs of at most the plan's LLM-token budget 
 plan was priced with). An epoch visits its packs in a seeded order, so each
 sample is seen once per epoch; a step's packs are dealt to the LLM's data-parallel replicas by LLM work
 (``balance_packs``), and each micro-batch's images and clips to the vision replicas by vision work (``assign_vision``;
-``planner.balance``). Every rank thus knows every micro-batch's composition — image grids and image-token positions —
+``planner.balance``). Every rank thus knows every micro-batch's composition (image grids and image-token positions)
 without reading a pixel, which is what the hand-off routes need. The index is cached (beside the planner's
 histograms, ``planner.data_rows.cache_folder``), so a restart or a recovery reads it instead of rendering every
 conversation again. Only the ranks that run a sample build it (decode, patchify, tokenize with labels).
