@@ -5,7 +5,8 @@ One global micro-batch of ``B`` samples (or packs) is split two ways: vision DP 
 assignment gave it, from any LLM replica's packs, and a filler's that go nowhere), window-ordered; LLM rank (dp
 ``e``, sp ``j``) needs, of samples ``[e*mb_l, (e+1)*mb_l)``, the image tokens its sequence slice holds (all of
 them without LLM SP), in sequence order (``llm_needs``). Samples may differ in images and lengths: the routes
-(``Routes``) are built per micro-batch from its image grids and image-token positions, which every rank knows before any data is read.
+(``Routes``) are built per micro-batch from its image grids and image-token positions, which every rank knows
+before any data is read.
 Each piece (d, k) is sent by the piece's first TP rank to every LLM rank that needs some of its rows, and only
 those rows. Gradients go back from the first TP rank of every LLM (dp, sp) coordinate (its TP ranks hold the same
 values) to every TP rank of each piece it used, which places the rows it receives (every row comes from exactly
