@@ -17,11 +17,28 @@ work above the mean replica's that balancing leaves, as a share of the step (an 
 over its ranks, so at best it removes that excess).
 
     python benchmarks/balance.py
+
+``--cpu-run`` runs both policies instead of simulating them: a tiny Qwen2.5-VL (tests/runtime/plans.py) planned
+over 4 CPU ranks, both modules DP 4, on a conversation file of many small images and a few large ones, trained
+``--steps`` steps under ``torchrun`` (gloo, one thread per rank) once with ``--balance tokens`` and once with
+``--balance modules``; printed per rank, the median over the steps after the first: measured vision and LLM compute
+(forward + backward) beside the work the assignment gave the rank (the cost model's, on its CPU device spec), and
+the step time (each step waits for its slowest rank).
+
+    python benchmarks/balance.py --cpu-run [--steps 6]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -33,6 +50,7 @@ from planner.dataset import DatasetHistogram, pack_budgets, pack_dataset, sample
 from planner.hardware import get_device
 from planner.packing import balance_packs
 
+ROOT = Path(__file__).resolve().parent.parent
 MODEL = get_model("qwen-vl-32b")
 RANKS = (8, 64, 1024)
 MICRO_BATCHES = 4
@@ -83,7 +101,121 @@ def simulate(balance, work: SampleWork, ranks: int, per_module: bool, rng: np.ra
             "assign_ms": 1e3 * np.mean(assign_s), "sp_gain": np.mean(sp_gain)}
 
 
+CPU_RANKS = 4
+CPU_SMALL = ((112, 112), (112, 168), (168, 112), (140, 140))
+"""(height, width) of the many small images: one or two attention windows, 16 to 25 LLM tokens."""
+CPU_LARGE = ((672, 672), (560, 784))
+"""The few large ones: 2,304 / 2,240 patches, 576 / 560 LLM tokens, attention ~500x a small image's."""
+CPU_ROWS, CPU_LARGE_EVERY = 192, 12
+"""Conversations, and every how many is a large image's: best-fit decreasing packs up to 3 large images together (their
+samples are the longest), so a step's packs differ widely in vision work."""
+CPU_PACK_TOKENS, CPU_MAX_PIXELS = 2048, 672 * 672
+CPU_GRAD_ACCUM = 2
+
+
+def write_cpu_data(folder: Path) -> tuple[Path, Path]:
+    """(conversation JSONL, tokenizer folder): ``CPU_ROWS`` rows of random-pixel images, one in ``CPU_LARGE_EVERY``
+    large, answers of 2 to 30 words, and the tests' byte-level tokenizer with the tiny model's special tokens."""
+    from PIL import Image
+
+    from tests.runtime.tokenizer import qwen_special_tokens, save_tokenizer
+
+    rng = np.random.default_rng(0)
+    names = []
+    for k, (h, w) in enumerate(CPU_SMALL + CPU_LARGE):
+        names.append(f"image{k}.png")
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / names[-1])
+    rows = []
+    for k in range(CPU_ROWS):
+        image = names[len(CPU_SMALL) + k // CPU_LARGE_EVERY % len(CPU_LARGE)] if k % CPU_LARGE_EVERY == 0 else \
+            names[k % len(CPU_SMALL)]
+        rows.append({"image": image, "conversations": [
+            {"from": "human", "value": f"<image>\nWhat is in picture {k}?"},
+            {"from": "gpt", "value": " ".join(["thing"] * int(rng.integers(2, 31)))}]})
+    data = folder / "data.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return data, save_tokenizer(folder / "tokenizer", qwen_special_tokens(get_model("qwen2.5-vl-tiny").hf_config))
+
+
+def cpu_plan(path: Path) -> Path:
+    """The tiny model over ``CPU_RANKS`` CPU ranks, vision and LLM DP ``CPU_RANKS`` each, one pack per replica per
+    micro-batch, as a dataset plan of ``CPU_PACK_TOKENS``-token packs and images up to ``CPU_MAX_PIXELS``."""
+    from tests.runtime.plans import make_plan
+
+    plan = make_plan(dict(dp=CPU_RANKS, grad_accum=CPU_GRAD_ACCUM), dict(dp=CPU_RANKS, grad_accum=CPU_GRAD_ACCUM),
+                     pack_tokens=CPU_PACK_TOKENS)
+    dataset = plan.workload.dataset.model_copy(update={"max_pixels": CPU_MAX_PIXELS})
+    plan = plan.model_copy(update={"workload": plan.workload.model_copy(update={"dataset": dataset})})
+    path.write_text(plan.to_json())
+    return path
+
+
+def cpu_run(policy: str, plan: Path, data: Path, tokenizer: Path, steps: int, folder: Path) -> list[dict]:
+    """The per-step records of ``steps`` steps of ``plan`` under torchrun with ``--balance policy``."""
+    metrics = folder / f"metrics-{policy}.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(CPU_RANKS),
+               "-m", "runtime", str(plan), "--data", str(data), "--tokenizer", str(tokenizer), "--steps", str(steps),
+               "--metrics", str(metrics), "--balance", policy, "--no-prefetch"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"--balance {policy} run failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
+    return [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r and "ranks" in r]
+
+
+def rank_rows(records: list[dict]) -> list[tuple[int, int, dict[str, float]]]:
+    """(step, rank, its vision and LLM compute (forward + backward) and assigned work, step time) of the steps
+    after the first."""
+    return [(record["step"], r["rank"], {
+        "vision": r.get("vision_forward_s", 0.0) + r.get("vision_backward_s", 0.0), "vision_work": r["vision_work_s"],
+        "llm": r.get("llm_forward_s", 0.0) + r.get("llm_backward_s", 0.0), "llm_work": r["llm_work_s"],
+        "step": r["step_time_s"]}) for record in records[1:] for r in record["ranks"]]
+
+
+def cpu_main(steps: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        data, tokenizer = write_cpu_data(folder)
+        plan = cpu_plan(folder / "plan.json")
+        runs = {policy: cpu_run(policy, plan, data, tokenizer, steps, folder) for policy in ("tokens", "modules")}
+    small = ", ".join(f"{w}x{h}" for h, w in CPU_SMALL)
+    large = ", ".join(f"{w}x{h}" for h, w in CPU_LARGE)
+    print(f"tiny Qwen2.5-VL (tests/runtime/plans.py) on {CPU_RANKS} CPU ranks (gloo, 1 thread each, on "
+          f"{os.cpu_count()} cores: times are noisy), vision DP {CPU_RANKS} + LLM DP {CPU_RANKS} colocated, "
+          f"{CPU_GRAD_ACCUM} micro-batches of one {CPU_PACK_TOKENS}-token pack per replica; {CPU_ROWS} conversations, "
+          f"1 in {CPU_LARGE_EVERY} over a large image ({large} px), the others small ({small}); {steps} steps per "
+          "policy, the same packs each step; work: the cost model's per rank (planner.balance, the plan's CPU device "
+          "spec); compute: forward + backward\n")
+    print("| policy | step | rank | vision compute (s) | vision work (s) | LLM compute (s) | LLM work (s) | step (s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for policy, records in runs.items():
+        for step, rank, r in rank_rows(records):
+            print(f"| {policy} | {step} | {rank} | {r['vision']:.3f} | {r['vision_work']:.4f} | {r['llm']:.3f} | "
+                  f"{r['llm_work']:.4f} | {r['step']:.3f} |")
+    print("\nmedians over the steps after the first; busiest / mean rank per step (runtime.metrics' imbalance):\n")
+    print("| policy | vision compute: busiest / mean | vision work: busiest / mean | LLM compute: busiest / mean | "
+          "step time (s) |")
+    print("|---|---:|---:|---:|---:|")
+    for policy, records in runs.items():
+        timed = records[1:]
+
+        def median(module: str, what: str) -> float:
+            return statistics.median(r["imbalance"][module][what] for r in timed)
+
+        print(f"| {policy} | {median('vision', 'measured'):.2f} | {median('vision', 'assigned'):.2f} | "
+              f"{median('llm', 'measured'):.2f} | {statistics.median(r['step_time_s'] for r in timed):.3f} |")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu-run", action="store_true", help="run both policies on a tiny 4-rank CPU plan")
+    parser.add_argument("--steps", type=int, default=6, help="steps per policy of --cpu-run (default 6)")
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(f"--steps must be >= 2 (the first is a warm-up), got {args.steps}")
+    if args.cpu_run:
+        return cpu_main(args.steps)
     work = SampleWork(MODEL, get_device("h100"))
     mixture = mixed_resolution_histogram()
     print(f"{MODEL.name} on H100s; work per item from the cost model (planner.balance.SampleWork); "

@@ -21,6 +21,10 @@ thumbnails cost, while their LLM tokens differ far less. So each module is balan
   the per-item cost distribution (a heavy tail of large images or clips, how many items a replica gets), which the
   dataset's own packs give exactly and a closed form would have to assume. The cost model then prices the slowest
   replica: the mean pack's work scaled by the imbalance.
+- **Its memory** (``StepBalance.heaviest_replica``, ``heaviest_replica_workload``): what the replica with the most
+  tokens holds in a micro-batch: a vision replica the images the simulated assignment gave it (by LPT a replica
+  can hold more than the mean, up to about the mean plus its largest image, and the heaviest pack's images are
+  split), an LLM replica its micro-batch's whole packs (at most the epoch's heaviest).
 
 Pure Python (no torch): the runtime imports the same work and the same assignment.
 """
@@ -91,6 +95,17 @@ def module_work(model: ModelSpec, module: str, tokens: ModuleTokens, device: Dev
     return total
 
 
+def items_tokens(grids: Sequence[Grid], model: ModelSpec) -> ModuleTokens:
+    """What vision items of ``grids`` put through the tower together (``planner.workload.vision_tokens``'
+    accounting): ``t`` full-attention segments of ``h * w`` patches per item, their windows, and the merged tokens
+    handed to the LLM."""
+    merge = model.vision_input.spatial_merge_size**2
+    segments = tuple(h * w for t, h, w in grids for _ in range(t))
+    return ModuleTokens(tokens=sum(segments), segments=segments,
+                        windows=sum(t * image_windows(h, w, model) for t, h, w in grids),
+                        output_tokens=sum(t * h * w // merge for t, h, w in grids))
+
+
 class SampleWork:
     """The work of one vision item or one LLM pack (``module_work``), memoised by what determines it."""
 
@@ -107,10 +122,7 @@ class SampleWork:
     def vision(self, grid: Grid) -> float:
         """One image (``t = 1``) or clip (``t`` temporal groups): ``t`` full-attention segments of ``h * w``
         patches, and their windows (``planner.workload.vision_tokens``' accounting)."""
-        t, h, w = grid
-        tokens = ModuleTokens(tokens=t * h * w, segments=(h * w,) * t,
-                              windows=t * image_windows(h, w, self.model))
-        return self._work("vision", tuple(grid), tokens)
+        return self._work("vision", tuple(grid), items_tokens([grid], self.model))
 
     def llm(self, lengths: Sequence[int]) -> float:
         """One pack of samples of ``lengths`` tokens: one attention segment each."""
@@ -166,11 +178,6 @@ def llm_micro_loads(pack_loads: Sequence[float], dealt: list[list[int]], per_rep
             for m in range(micro_batches)]
 
 
-def vision_micro_loads(item_costs: Sequence[float], replicas: int) -> list[float]:
-    """Each vision replica's work in one micro-batch whose images cost ``item_costs``, assigned by ``assign_lpt``."""
-    return [sum(item_costs[i] for i in mine) for mine in assign_lpt(item_costs, replicas)]
-
-
 @dataclass(eq=False)
 class StepBalance:
     """A dataset's packs as the per-step assignment sees them, and the expected imbalance it leaves per module."""
@@ -189,30 +196,64 @@ class StepBalance:
         ``per_replica`` packs' worth per micro-batch: the mean over simulated micro-batches (vision: each of
         ``replicas * per_replica`` packs drawn from the epoch, their images assigned by ``assign_lpt``) or steps
         (LLM: ``micro_batches`` such micro-batches, dealt by ``balance_packs`` on LLM work)."""
+        return self._simulated(module, replicas, per_replica, micro_batches, work)[0]
+
+    def heaviest_replica(self, module: str, replicas: int, per_replica: int, micro_batches: int,
+                         work: SampleWork) -> ModuleTokens:
+        """What one replica of ``module`` holds in its heaviest micro-batch under the per-step assignment (the most
+        tokens, then the largest squared segments), per pack (the cost model multiplies a pack by the micro-batch's
+        ``per_replica``). LLM: its micro-batch is ``per_replica`` whole packs, so at most the epoch's
+        ``per_replica`` heaviest. Vision: the images of the heaviest replica in the micro-batches simulated for
+        ``expected_imbalance`` (LPT can give a replica more than the mean: about the mean plus its largest image,
+        or many small images of the same work as a large one) or the dataset's largest item alone, whichever holds
+        more; with one replica, its ``per_replica`` heaviest packs' images."""
+        if module == "vision" and replicas > 1:
+            heaviest = self._simulated(module, replicas, per_replica, micro_batches, work)[1]
+            largest = max(([g] for grids in self.pack_grids for g in grids), key=_weight)
+            heaviest = max(heaviest, items_tokens(largest, work.model), key=_heft)
+        elif module == "vision":
+            packs = sorted(self.pack_grids, key=_weight, reverse=True)
+            heaviest = items_tokens([g for grids in _repeated(packs, per_replica) for g in grids], work.model)
+        else:
+            packs = sorted(self.pack_lengths, key=lambda n: (sum(n), sum(k * k for k in n)), reverse=True)
+            lengths = [n for pack in _repeated(packs, per_replica) for n in pack]
+            heaviest = ModuleTokens(tokens=sum(lengths), segments=tuple(lengths))
+        return ModuleTokens(tokens=heaviest.tokens / per_replica, segments=(), windows=heaviest.windows / per_replica,
+                            output_tokens=heaviest.output_tokens / per_replica,
+                            segment_squares=heaviest.squared_segments / per_replica)
+
+    def _simulated(self, module: str, replicas: int, per_replica: int, micro_batches: int, work: SampleWork
+                   ) -> tuple[float, ModuleTokens | None]:
+        """(the expected imbalance, vision: the heaviest replica's items seen), memoised."""
         key = (module, replicas, per_replica, micro_batches, id(work))
         if key not in self._memo:
             self._memo[key] = self._simulate(module, replicas, per_replica, micro_batches, work)
         return self._memo[key]
 
-    def _simulate(self, module: str, replicas: int, per_replica: int, micro_batches: int, work: SampleWork) -> float:
+    def _simulate(self, module: str, replicas: int, per_replica: int, micro_batches: int, work: SampleWork
+                  ) -> tuple[float, ModuleTokens | None]:
         if replicas == 1:
-            return 1.0
+            return 1.0, None
         rng = np.random.default_rng(self.seed)
         low, high = SIMULATED_RANGE
         if module == "vision":
             packs = replicas * per_replica
-            loads = []
+            loads, heaviest = [], ModuleTokens(tokens=0, segments=())
             for _ in range(min(max(math.ceil(SIMULATED_ITEMS / packs), low), high)):
-                costs = [work.vision(g) for k in self._draw(rng, packs) for g in self.pack_grids[k]]
-                loads.append(vision_micro_loads(costs, replicas))
-            return step_imbalance(loads)
+                grids = [g for k in self._draw(rng, packs) for g in self.pack_grids[k]]
+                costs = [work.vision(g) for g in grids]
+                assigned = assign_lpt(costs, replicas)
+                loads.append([sum(costs[i] for i in mine) for mine in assigned])
+                mine = max(assigned, key=lambda mine: _weight([grids[i] for i in mine]))
+                heaviest = max(heaviest, items_tokens([grids[i] for i in mine], work.model), key=_heft)
+            return step_imbalance(loads), heaviest
         step = replicas * per_replica * micro_batches
         ratios = []
         for _ in range(min(max(math.ceil(SIMULATED_ITEMS / step), low), high)):
             pack_loads = [work.llm(self.pack_lengths[k]) for k in self._draw(rng, step)]
             dealt = balance_packs(pack_loads, replicas, per_replica * micro_batches)
             ratios.append(step_imbalance(llm_micro_loads(pack_loads, dealt, per_replica)))
-        return float(np.mean(ratios))
+        return float(np.mean(ratios)), None
 
     def _draw(self, rng: np.random.Generator, count: int) -> np.ndarray:
         """``count`` packs of a step: without replacement within an epoch, as the runtime's seeded order visits
@@ -220,8 +261,33 @@ class StepBalance:
         return rng.choice(len(self.pack_lengths), size=count, replace=count > len(self.pack_lengths))
 
 
+def _heft(tokens: ModuleTokens) -> tuple[float, float]:
+    """What orders what a replica holds by memory: the most tokens, then the largest squared segments."""
+    return tokens.tokens, tokens.squared_segments
+
+
+def _weight(grids: Sequence[Grid]) -> tuple[int, int]:
+    """``_heft`` of vision items, from their grids alone."""
+    return sum(t * h * w for t, h, w in grids), sum(t * (h * w) ** 2 for t, h, w in grids)
+
+
+def _repeated(packs: list, count: int) -> list:
+    """The first ``count`` of ``packs`` (heaviest first), each once per epoch a micro-batch of ``count`` packs can
+    span (it repeats a pack only when it holds more than an epoch)."""
+    return (packs * math.ceil(count / len(packs)))[:count]
+
+
 _WORK: dict[tuple, SampleWork] = {}
 _BALANCED: dict[tuple, tuple[Workload, Workload, float]] = {}
+_HEAVIEST: dict[tuple, tuple[Workload, Workload]] = {}
+
+
+def _work(model: ModelSpec, device: DeviceSpec, assumptions: CostAssumptions) -> SampleWork:
+    """The ``SampleWork`` of a model, device and assumptions, kept per their identity."""
+    key = (id(model), id(device), id(assumptions))
+    if key not in _WORK or _WORK[key].model is not model:
+        _WORK[key] = SampleWork(model, device, assumptions)
+    return _WORK[key]
 
 
 def balanced_workload(workload: Workload, model: ModelSpec, module: str, dp: int, micro_batch: int, grad_accum: int,
@@ -238,16 +304,35 @@ def balanced_workload(workload: Workload, model: ModelSpec, module: str, dp: int
     found = _BALANCED.get(key)
     if found is not None and found[0] is workload:
         return found[1], found[2]
-    work_key = (id(model), id(device), id(assumptions))
-    if work_key not in _WORK or _WORK[work_key].model is not model:
-        _WORK[work_key] = SampleWork(model, device, assumptions)
-    factor = packs.balance.expected_imbalance(module, dp, micro_batch, grad_accum, _WORK[work_key])
+    work = _work(model, device, assumptions)
+    factor = packs.balance.expected_imbalance(module, dp, micro_batch, grad_accum, work)
     scaled = tuple((m, _scaled(t, factor) if m == module else t) for m, t in packs.mean)
     balanced = replace(workload, packs=replace(packs, mean=scaled))
     if len(_BALANCED) >= 256:
         _BALANCED.clear()
     _BALANCED[key] = (workload, balanced, factor)
     return balanced, factor
+
+
+def heaviest_replica_workload(workload: Workload, model: ModelSpec, module: str, dp: int, micro_batch: int,
+                              grad_accum: int, device: DeviceSpec, assumptions: CostAssumptions) -> Workload | None:
+    """The workload whose one pack is what memory must hold for ``module``: its heaviest pack (``Workload.heaviest``)
+    with the module's tokens replaced, for a dataset's packs under the per-step assignment, by those of the
+    module's heaviest replica micro-batch per pack (``StepBalance.heaviest_replica``). Memoised by identity."""
+    heaviest = workload.heaviest()
+    packs = workload.packs
+    if heaviest is None or packs.balance is None or module not in BALANCED_MODULES:
+        return heaviest
+    key = (id(workload), id(model), module, dp, micro_batch, grad_accum, id(device), id(assumptions))
+    found = _HEAVIEST.get(key)
+    if found is None or found[0] is not workload:
+        tokens = packs.balance.heaviest_replica(module, dp, micro_batch, grad_accum, _work(model, device, assumptions))
+        mine = tuple((m, tokens if m == module else t) for m, t in heaviest.packs.mean)
+        found = (workload, replace(heaviest, packs=replace(heaviest.packs, mean=mine, heaviest=mine)))
+        if len(_HEAVIEST) >= 256:
+            _HEAVIEST.clear()
+        _HEAVIEST[key] = found
+    return found[1]
 
 
 def _scaled(tokens: ModuleTokens, factor: float) -> ModuleTokens:

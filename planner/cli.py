@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     dataset.add_argument("--dataset", metavar="FILE", help="plan for a conversation / caption JSONL or JSON file "
                          "(image sizes from file headers; videos, files sampled at --fps or frame lists, from their "
                          "metadata) or a dataset histogram: samples are packed, step time is the busiest replica's "
-                         "under the per-step balancing, memory holds the heaviest pack; --global-batch still counts "
-                         "samples")
+                         "under the per-step balancing, memory holds the heaviest micro-batch a replica gets; "
+                         "--global-batch still counts samples")
     dataset.add_argument("--tokenizer", metavar="DIR", help="folder whose tokenizer.json counts the dataset's text "
                          "(default: the --model folder's if it has one, else estimated from UTF-8 bytes, stated in "
                          "the plan)")
@@ -364,7 +364,7 @@ def _dataset_lines(w, pipelined: bool) -> list[str]:
     return [f"dataset    {d.source}: {d.samples:,} samples (skipped: {skipped}); text {d.text_tokens}",
             f"           tokens/sample {tokens}",
             f"           {packing}; mean pack {w.module_tokens['llm']:,} LLM tokens, heaviest pack {heaviest} "
-            f"(memory holds it); {w.global_batch} packs/step"] + (
+            f"(memory holds a replica's heaviest micro-batch); {w.global_batch} packs/step"] + (
         [f"           the pipelined LLM pads every pack to {d.pack_tokens:,} tokens (one shape for its schedule): "
          f"{1 - d.packing_efficiency:.1%} of its tokens are padding, priced"] if pipelined else [])
 

@@ -1,6 +1,6 @@
 """``python -m runtime plan.json [--steps N] [--metrics FILE] [--checkpoint DIR] [--save DIR] [--data PATH] [--seed S]
 [--tokenizer DIR] [--no-prefetch] [--checkpoint-dir DIR [--checkpoint-every K] [--keep-last N] [--max-failures N]]
-[--resume [PATH]] [--trace DIR [--trace-profiler]] [--dry-run]``
+[--resume [PATH]] [--trace DIR [--trace-profiler]] [--balance modules|tokens] [--dry-run]``
 
 Runs locally (starts Ray) or on the Ray cluster at RAY_ADDRESS / under ``ray job submit``; under
 ``torchrun --nproc-per-node N -m runtime plan.json`` each process runs one rank, without Ray.
@@ -70,6 +70,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "them in ui.perfetto.dev)")
     parser.add_argument("--trace-profiler", action="store_true", help="with --trace: each rank also writes "
                         "torch.profiler's trace of every step, DIR/profiler-step-<k>-rank-<r>.json (slower steps)")
+    parser.add_argument("--balance", default="modules", help="how a dataset plan's steps are split over the "
+                        "replicas: modules (default: each module's replicas on its own work, as the plan priced it) "
+                        "or tokens (the earlier split, to compare: packs by LLM tokens, vision replica d running LLM "
+                        "replica d's images)")
     parser.add_argument("--max-failures", type=int, default=0, help="on Ray: restart from the latest checkpoint "
                         "at most this many times when a worker dies (default 0)")
     args = parser.parse_args(argv)
@@ -111,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         check_flags(args)
         plan = load_plan(args.plan)
         preflight.check_plan(plan)
+        preflight.check_balance(plan, args.balance)
         if args.dry_run and plan.workload.dataset is not None:
             raise NotImplementedError("--dry-run measures fixed-shape plans; one made for a dataset (its heaviest "
                                       "pack) is not synthesised yet: plan with --image-size/--text-tokens to dry-run")
@@ -205,7 +210,7 @@ def _run_options(args: argparse.Namespace):
 
     return RunOptions(seed=args.seed, data=args.data, tokenizer=args.tokenizer, prefetch=args.prefetch,
                       checkpoint=args.checkpoint, resume=args.resume, trace=args.trace,
-                      trace_profiler=args.trace_profiler)
+                      trace_profiler=args.trace_profiler, balance=args.balance)
 
 
 def _dry_run(plan: Plan, args: argparse.Namespace) -> int:

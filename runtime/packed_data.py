@@ -28,6 +28,7 @@ packs are fixed by then on every rank); so are a video's frames. Only data with 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from collections import Counter
@@ -112,13 +113,15 @@ class PackedConversations:
     """A conversation file indexed, packed and ordered for a dataset plan (see the module docstring)."""
 
     def __init__(self, path: str | Path, tokenizer_dir: str | Path, *, config: Any, dataset: DatasetInfo, seed: int,
-                 work: SampleWork):
+                 work: SampleWork, balance: str = "modules"):
         self.path = Path(path)
         vc = config.vision_config
         self.patch_size, self.merge_size = vc.patch_size, vc.spatial_merge_size
         self.min_pixels, self.max_pixels, self.budget = dataset.min_pixels, dataset.max_pixels, dataset.pack_tokens
         self.seed, self.work = seed, work
         """``work``: what a vision item and an LLM pack cost (``planner.balance.plan_sample_work``)."""
+        self.by_tokens = balance == "tokens"
+        """The earlier split (``runtime.preflight.BALANCE_POLICIES``): packs by LLM tokens, images with their packs."""
         self.tokenizer_dir = Path(tokenizer_dir)
         self.chat = ChatTokenizer(tokenizer_dir, config.image_token_id)
         self.video_token_id = config.video_token_id
@@ -285,11 +288,12 @@ class PackedConversations:
     def step_slots(self, first: int, micro_batches: int, replicas: int, per_replica: int) -> list[list[int]]:
         """The packs (sample indexes each) of a step's slots, slot ``m * replicas * per_replica + e * per_replica + i``
         being pack ``i`` of LLM replica ``e`` in micro-batch ``m``: the step's packs from position ``first`` on,
-        dealt to the replicas by LLM work (each replica's costliest first, so micro-batch ``m`` holds every
-        replica's ``m``-th)."""
+        dealt to the replicas by LLM work (by LLM tokens with ``by_tokens``; each replica's costliest first, so
+        micro-batch ``m`` holds every replica's ``m``-th)."""
         count = micro_batches * replicas * per_replica
         packs = [self.pack(first + k) for k in range(count)]
-        dealt = balance_packs([self.pack_work(p) for p in packs], replicas, micro_batches * per_replica)
+        cost = self.pack_tokens if self.by_tokens else self.pack_work
+        dealt = balance_packs([cost(p) for p in packs], replicas, micro_batches * per_replica)
         slots: list[list[int]] = [[] for _ in range(count)]
         for e, mine in enumerate(dealt):
             for j, k in enumerate(mine):
@@ -302,10 +306,16 @@ class PackedConversations:
         place their tokens: pack by pack, sample by sample, each sample's images then its clips."""
         return [(i, k) for pack in packs for i in pack for k in range(len(self.samples[i].grids))]
 
-    def assign_vision(self, items: list[tuple[int, int]], replicas: int) -> list[list[int]]:
-        """Which of ``items`` each vision replica runs: longest processing time first on their vision work
-        (``planner.balance.assign_lpt``), the same on every rank."""
-        return assign_lpt([self.work.vision(self.samples[i].grids[k]) for i, k in items], replicas)
+    def assign_vision(self, packs: list[list[int]], replicas: int) -> list[list[int]]:
+        """Which of the images and clips of a micro-batch's ``packs`` (``vision_items``) each vision replica runs:
+        longest processing time first on their vision work (``planner.balance.assign_lpt``), the same on every rank;
+        with ``by_tokens``, replica ``d`` those of the ``d``-th of ``replicas`` equal runs of packs."""
+        items = self.vision_items(packs)
+        if not self.by_tokens:
+            return assign_lpt([self.work.vision(self.samples[i].grids[k]) for i, k in items], replicas)
+        per_replica = len(packs) // replicas
+        first = list(itertools.accumulate((sum(len(self.samples[i].grids) for i in p) for p in packs), initial=0))
+        return [list(range(first[d * per_replica], first[(d + 1) * per_replica])) for d in range(replicas)]
 
     # ---- samples ----------------------------------------------------------------------------------------------
     def sample(self, index: int) -> Sample:

@@ -40,6 +40,12 @@ every one both of them state."""
 FALLBACK_PREFIX = "dhplan-weights-"
 """Name prefix of the timestamped folder the weights go to when ``--save`` cannot be written."""
 
+BALANCE_POLICIES = ("modules", "tokens")
+"""How a dataset plan's step is split over the replicas (``--balance``): ``modules``, each module's replicas on its
+own work (``planner.balance``, what the plan priced); ``tokens``, the earlier split, kept to compare with: the packs
+dealt to the LLM replicas by LLM tokens, vision replica ``d`` running the images of the micro-batch's ``d``-th share
+of packs (LLM replica ``d``'s when the degrees match)."""
+
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """Environment variables torchrun sets in each process it starts; all of them present means "under torchrun"."""
 
@@ -138,6 +144,16 @@ def check_plan(plan: Plan) -> None:
         raise ValueError(f"a disjoint plan must place {encoder} and llm on different ranks")
     if sorted(set(tower.ranks) | set(llm.ranks)) != list(range(num_devices(plan))):
         raise ValueError("the plan's ranks must be 0..N-1")
+
+
+def check_balance(plan: Plan, balance: str) -> None:
+    """``--balance`` names a policy of ``BALANCE_POLICIES``, and another than the default only for a dataset plan
+    (a fixed-shape plan's replicas hold equal samples); raises ValueError (one line)."""
+    if balance not in BALANCE_POLICIES:
+        raise ValueError(f"--balance must be {' or '.join(BALANCE_POLICIES)}, got {balance!r}")
+    if balance != BALANCE_POLICIES[0] and plan.workload.dataset is None:
+        raise ValueError(f"--balance {balance} splits a dataset plan's packs; this plan's samples are of one fixed "
+                         "shape (plan with --dataset, or drop --balance)")
 
 
 def check_inputs(plan: Plan, *, data: str | None, checkpoint: str | None, tokenizer: str | None) -> None:

@@ -39,7 +39,7 @@ def data_source(plan: Plan, options: Any, config: PretrainedConfig) -> Source | 
     ``options.tokenizer``), image-caption pairs, or synthetic samples (``options``: runtime.trainer.RunOptions)."""
     if plan.workload.dataset is not None:
         return PackedConversations(options.data, options.tokenizer, config=config, dataset=plan.workload.dataset,
-                                   seed=options.seed, work=plan_sample_work(plan))
+                                   seed=options.seed, work=plan_sample_work(plan), balance=options.balance)
     encoder = family_of(config).ENCODER
     layout = encoder.layout_from_plan(plan.workload, config)
     if not options.data:
@@ -264,8 +264,9 @@ class StepInputs:
         per_micro = llm.dp * llm.micro_batch
         micro_batches = []
         for micro in range(llm.grad_accum):
-            items = self.source.vision_items(slots[micro * per_micro:(micro + 1) * per_micro])
-            micro_batches.append(VisionMicroBatch(items=items, replicas=self.source.assign_vision(items, vision.dp)))
+            packs = slots[micro * per_micro:(micro + 1) * per_micro]
+            micro_batches.append(VisionMicroBatch(items=self.source.vision_items(packs),
+                                                  replicas=self.source.assign_vision(packs, vision.dp)))
         return micro_batches
 
     def _indexes_at(self, position: int, slots: list[list[int]] | None,

@@ -75,6 +75,8 @@ class RunOptions:
     """Folder the measured steps' Chrome traces go to (runtime.trace; ``--trace DIR``)."""
     trace_profiler: bool = False
     """With ``trace``: each rank also writes torch.profiler's trace of every step there (``--trace-profiler``)."""
+    balance: str = "modules"
+    """How a dataset plan's steps are split over the replicas (``--balance``; ``preflight.BALANCE_POLICIES``)."""
 
 
 def numerics_device_type(plan: Plan) -> str:

@@ -75,7 +75,8 @@ def module_cost(
     if imbalance is not None:  # model FLOPs are the mean replica's: the busiest one's extra work is others' waiting
         mean = module_static(model, module, workload, cluster, assumptions)
         cost = replace(cost, imbalance=imbalance, flops_per_step=flops_per_sample(mean) * strategy.samples_per_step)
-    heaviest = workload.heaviest()
+    heaviest = workload.heaviest() if strategy.pp > 1 else balance.heaviest_replica_workload(
+        workload, model, module, strategy.dp, strategy.micro_batch, strategy.grad_accum, cluster.device, assumptions)
     if heaviest is not None:
         heavy = _module_cost(model, module, cluster, heaviest, strategy, chunk_layers=cost.chunk_layers, **options)
         cost = _with_heavy_memory(cost, heavy)
@@ -96,14 +97,9 @@ def _with_heavy_memory(cost: ModuleCost, heavy: ModuleCost) -> ModuleCost:
 
 PACK_MEMORY_FIELDS = ("forward_buffers_bytes", "backward_buffers_bytes", "loss_backward_buffers_bytes",
                       "loss_saved_bytes", "activations_per_micro_batch_bytes")
-"""ModuleCost fields that grow with a micro-batch's tokens: for a dataset plan they are the heaviest pack's (every
-micro-batch of the step must fit), the times the mean pack's."""
-
-
-PACK_MEMORY_FIELDS = ("forward_buffers_bytes", "backward_buffers_bytes", "loss_backward_buffers_bytes",
-                      "loss_saved_bytes", "activations_per_micro_batch_bytes")
-"""ModuleCost fields that grow with a micro-batch's tokens: for a dataset plan they are the heaviest pack's (every
-micro-batch of the step must fit), the times the mean pack's."""
+"""ModuleCost fields that grow with a micro-batch's tokens: for a dataset plan they are those of the heaviest
+micro-batch a replica holds (every micro-batch of the step must fit; ``planner.balance.heaviest_replica_workload``),
+the times the mean pack's."""
 
 
 def _module_cost(

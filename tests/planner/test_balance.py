@@ -11,6 +11,7 @@ from planner import api
 from planner.balance import (
     ModuleDegrees,
     SampleWork,
+    StepBalance,
     assign_lpt,
     balanced_workload,
     llm_micro_loads,
@@ -24,7 +25,7 @@ from planner.dataset import DatasetHistogram, pack_dataset, sample_tokens
 from planner.hardware import get_device
 from planner.schema import load_plan
 from planner.strategy import ModuleStrategy
-from planner.workload import packed_workload
+from planner.workload import ModuleTokens, PackedTokens, packed_workload
 
 MODEL = get_model("qwen-vl-32b")
 H100 = get_device("h100")
@@ -109,7 +110,51 @@ def test_a_dataset_plan_is_timed_on_the_busiest_replica_and_prints_its_imbalance
     assert timed.imbalance > 1.2 and mean.imbalance is None
     assert timed.forward_s > 1.2 * mean.forward_s
     assert timed.flops_per_step == pytest.approx(mean.flops_per_step)  # the model FLOPs are the mean's
-    assert timed.activations_per_micro_batch_bytes == mean.activations_per_micro_batch_bytes  # the heaviest pack's
+    # one image per replica and micro-batch: the heaviest replica holds the heaviest pack
+    assert timed.activations_per_micro_batch_bytes == mean.activations_per_micro_batch_bytes
+
+
+def test_memory_holds_the_heaviest_replicas_micro_batch_not_the_mean_nor_the_heaviest_pack():
+    # 4 packs of 16 x 16-patch images (256 patches, 2 x 2 windows of 8 x 8 patches, 64 merged tokens each): A holds
+    # 3, B 2, C and D 1. Two vision replicas, two packs each per micro-batch: every micro-batch draws all 4 packs,
+    # and LPT splits their 7 equal images 4 / 3. The heaviest replica: 4 images = 1,024 patches, 16 windows, 256
+    # merged tokens, squares 4 x 256^2, i.e. per pack (micro-batch 2) 512 / 8 / 128 / 131,072 -- not the mean pack's
+    # 448 patches, nor pack A's 768. The LLM replica's micro-batch: the two heaviest whole packs, 150 tokens
+    # (100 + 50) and 120 (one sample, squares 14,400 above (60, 60)'s 7,200): per pack 135 tokens, squares
+    # (100^2 + 50^2 + 120^2) / 2 = 13,450 -- not the heaviest pack's 150.
+    image = (1, 16, 16)
+    balance = StepBalance(pack_grids=((image,) * 3, (image,) * 2, (image,), (image,)),
+                          pack_lengths=((100, 50), (120,), (30,), (60, 60)))
+    work = SampleWork(MODEL, H100)
+    vision = balance.heaviest_replica("vision", 2, 2, 1, work)
+    assert (vision.tokens, vision.windows, vision.output_tokens, vision.squared_segments) == (512, 8, 128, 131072)
+    llm = balance.heaviest_replica("llm", 2, 2, 1, work)
+    assert (llm.tokens, llm.squared_segments) == (135, 13450)
+    alone = balance.heaviest_replica("vision", 1, 2, 1, work)  # one replica: the two heaviest packs' 5 images
+    assert (alone.tokens, alone.windows) == (5 * 256 / 2, 5 * 4 / 2)
+
+    # the plan's memory is priced on it: as a workload whose heaviest pack is those tokens, not pack A's
+    def tokens(images, lengths):
+        return (("vision", ModuleTokens(tokens=256 * images, segments=(), windows=4 * images, output_tokens=64 * images,
+                                        segment_squares=256**2 * images)),
+                ("llm", ModuleTokens(tokens=sum(lengths), segments=(), segment_squares=sum(n * n for n in lengths))))
+
+    packs = PackedTokens(mean=tokens(7 / 4, [105]), heaviest=tokens(3, [100, 50]), samples_per_pack=1.75,
+                         pack_tokens=160, balance=balance)
+    problem = api.make_problem(MODEL, 2, profile=None)
+
+    def activations(packs, module):
+        s = ModuleStrategy(dp=2, micro_batch=2, zero=3)
+        return module_cost(MODEL, module, problem.cluster, packed_workload(packs, 4), s, placement="colocated",
+                           precision="bf16_mixed", first_rank=0, assumptions=problem.assumptions
+                           ).activations_per_micro_batch_bytes
+
+    heaviest = dict(packs.heaviest)  # the other module's: its heaviest pack's
+    by_hand = dict(vision=replace(packs, balance=None, heaviest=(("vision", vision), ("llm", heaviest["llm"]))),
+                   llm=replace(packs, balance=None, heaviest=(("vision", heaviest["vision"]), ("llm", llm))))
+    for module in ("vision", "llm"):
+        assert activations(packs, module) == activations(by_hand[module], module)
+        assert activations(packs, module) != activations(replace(packs, balance=None), module)
 
 
 def test_plan_prints_each_modules_expected_imbalance(tmp_path, capsys):

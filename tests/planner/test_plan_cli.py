@@ -204,7 +204,7 @@ def test_dataset_plan_and_its_histogram(tmp_path, capsys, monkeypatch):
                         capsys)
     assert code == 0
     assert "3 samples (skipped: 1 malformed row); text estimated as UTF-8 bytes / 4" in out
-    assert "full; mean pack" in out and "(memory holds it)" in out
+    assert "full; mean pack" in out and "(memory holds a replica's heaviest micro-batch)" in out
     _run(argv[:-1] + [str(tmp_path / "h.json"), "--out", str(tmp_path / "q.json")], capsys)
     first, again = load_plan(tmp_path / "p.json"), load_plan(tmp_path / "q.json")
     assert first.modules == again.modules and first.predicted == again.predicted

@@ -101,6 +101,9 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      "--seed must be 0 to 9,223,372,036,854,775,807 (what torch and numpy seed with), got -1"),
     ("seed_huge", lambda t: ["--seed", str(10**23)],
      "--seed must be 0 to 9,223,372,036,854,775,807 (what torch and numpy seed with), got 100000000000000000000000"),
+    ("balance_unknown", lambda t: ["--balance", "lpt"], "--balance must be modules or tokens, got 'lpt'"),
+    ("balance_of_fixed_shapes", lambda t: ["--balance", "tokens"], "--balance tokens splits a dataset plan's packs; "
+     "this plan's samples are of one fixed shape (plan with --dataset, or drop --balance)"),
     ("tokenizer_without_tokenizer_files", lambda t: ["--data", conversations(t), "--tokenizer", str(t)],
      "--tokenizer {tmp} is not a folder with a tokenizer (no tokenizer_config.json)"),
 ]

@@ -55,9 +55,9 @@ def write_dataset(folder, rows: int = 12, extra: list | None = None):
     return folder / "d.jsonl"
 
 
-def packed(path, tokenizer_dir, pack_tokens=PACK_TOKENS, seed=0) -> PackedConversations:
+def packed(path, tokenizer_dir, pack_tokens=PACK_TOKENS, seed=0, balance="modules") -> PackedConversations:
     return PackedConversations(path, tokenizer_dir, config=CONFIG, dataset=dataset_info(pack_tokens), seed=seed,
-                               work=sample_work(tiny_hf_config()))
+                               work=sample_work(tiny_hf_config()), balance=balance)
 
 
 def test_the_index_counts_what_the_built_samples_hold(tmp_path, tokenizer_dir):
@@ -114,6 +114,29 @@ def test_a_step_deals_its_packs_to_replicas_by_llm_work(tmp_path, tokenizer_dir)
     assert improved
 
 
+def test_balance_tokens_deals_packs_by_llm_tokens_and_runs_each_llm_replicas_images_on_its_vision_replica(
+        tmp_path, tokenizer_dir):
+    """``--balance tokens``, the earlier split: the step's packs dealt by LLM tokens (not work), and vision replica
+    ``d`` runs exactly the images of LLM replica ``d``'s packs, in their order."""
+    from planner.packing import balance_packs
+
+    path = write_dataset(tmp_path, rows=24)
+    data, modules = (packed(path, tokenizer_dir, pack_tokens=256, balance=b) for b in ("tokens", "modules"))
+    replicas, per_replica = 2, 2
+    data.pack_work = lambda pack: -data.pack_tokens(pack)  # were the deal by work, the lightest would go first
+    for first in (0, 4, 8):
+        slots = data.step_slots(first, 1, replicas, per_replica)
+        step = [data.pack(first + k) for k in range(replicas * per_replica)]
+        dealt = balance_packs([data.pack_tokens(p) for p in step], replicas, per_replica)
+        assert slots == [step[k] for mine in dealt for k in mine]
+        assigned = data.assign_vision(slots, replicas)
+        items = data.vision_items(slots)
+        for d in range(replicas):
+            assert [items[j] for j in assigned[d]] == data.vision_items(slots[d * per_replica:(d + 1) * per_replica])
+    balanced = modules.assign_vision(slots, replicas)
+    assert sorted(j for mine in balanced for j in mine) == list(range(len(items)))
+
+
 def _vision_dims(dp, sp=1):
     from runtime.parallel_dims import ParallelDims
 
@@ -121,11 +144,11 @@ def _vision_dims(dp, sp=1):
                         recompute="none", micro_batch=1, grad_accum=1)
 
 
-def _llm_dims(dp, sp=1, first_rank=0):
+def _llm_dims(dp, sp=1, first_rank=0, micro_batch=2):
     from runtime.parallel_dims import ParallelDims
 
     return ParallelDims(name="llm", ranks=tuple(range(first_rank, first_rank + dp * sp)), dp=dp, cp=1, sp=sp, tp=1,
-                        zero=0, recompute="none", micro_batch=2, grad_accum=1)
+                        zero=0, recompute="none", micro_batch=micro_batch, grad_accum=1)
 
 
 @pytest.mark.parametrize("vision_dp, vision_sp, llm_dp, llm_sp, disjoint", [
@@ -135,47 +158,80 @@ def test_each_image_is_run_once_and_its_tokens_reach_the_llm_row_that_holds_its_
     """Per step, the vision replicas take every image of each micro-batch's packs exactly once (by vision work, any
     replica from any LLM replica's packs; more replicas than images leaves some with only a filler), and the routes
     deliver each merged token, as the replica emits it in window order, to the LLM rank and row slot of that image's
-    own tokens: the tokens are followed by identity, independently of the routes' own bookkeeping."""
+    own tokens (``_assert_routes_follow_each_token``)."""
+    data = packed(write_dataset(tmp_path, rows=24), tokenizer_dir, pack_tokens=256)
+    vision, llm = _vision_dims(vision_dp, vision_sp), _llm_dims(llm_dp, llm_sp, vision_dp * vision_sp * disjoint)
+    for first in range(0, 3 * llm_dp * llm.micro_batch, llm_dp * llm.micro_batch):
+        _assert_routes_follow_each_token(data, data.step_slots(first, 1, llm_dp, llm.micro_batch), vision, llm)
+
+
+def test_a_vision_replica_with_fewer_windows_than_its_sp_ranks_sends_its_tokens_beside_a_filler(
+        tmp_path, tokenizer_dir):
+    """Under vision SP 2, a replica whose only image has one attention window (56 x 56 px: 4 x 4 patches) runs it
+    with a filler, and its pieces are what its SP ranks emit (the window on one rank, the filler's on the other): a
+    filler added only for a replica without images would leave the routes one piece short of the ranks' output."""
+    Image.fromarray(np.zeros((56, 56, 3), dtype=np.uint8)).save(tmp_path / "small.png")
+    write_dataset(tmp_path, rows=1)
+    rows = [_row("i1.png", "What is this?", "A larger picture."), _row("small.png", "And this?", "A small one.")]
+    (tmp_path / "two.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = packed(tmp_path / "two.jsonl", tokenizer_dir, pack_tokens=256)
+    from runtime.vision import window_layout
+
+    vc, vision, llm = CONFIG.vision_config, _vision_dims(2, sp=2), _llm_dims(1, micro_batch=1)
+    slots = data.step_slots(0, 1, 1, 1)
+    assert slots == [[0, 1]] and data.samples[1].grids == ((1, 4, 4),)  # one pack: both samples
+    replicas = data.assign_vision(slots, 2)
+    small = [j for j, mine in enumerate(replicas) if [data.vision_items(slots)[k] for k in mine] == [(1, 0)]]
+    assert small and len(window_layout(torch.tensor([(1, 4, 4)]), vc)[1]) - 1 == 1  # alone, one window
+    _assert_routes_follow_each_token(data, slots, vision, llm)
+
+
+def _assert_routes_follow_each_token(data, slots, vision, llm):
+    """The vision replicas take every image of the micro-batch of ``slots`` exactly once, each replica's pieces are
+    what its SP ranks emit (filler included), and the routes deliver each merged token, as the replica emits it in
+    window order, to the LLM rank and row slot of that image's own tokens: the tokens are followed by identity,
+    independently of the routes' own bookkeeping."""
     from runtime.llm import image_slots_per_rank
     from runtime.step_inputs import VisionMicroBatch, packed_routes
     from runtime.vision import merged_positions_per_rank
 
-    data = packed(write_dataset(tmp_path, rows=24), tokenizer_dir, pack_tokens=256)
     vc, merge = CONFIG.vision_config, CONFIG.vision_config.spatial_merge_size**2
-    vision, llm = _vision_dims(vision_dp, vision_sp), _llm_dims(llm_dp, llm_sp, vision_dp * vision_sp * disjoint)
-    for first in range(0, 3 * llm_dp * llm.micro_batch, llm_dp * llm.micro_batch):
-        slots = data.step_slots(first, 1, llm_dp, llm.micro_batch)
-        items = data.vision_items(slots)
-        micro = VisionMicroBatch(items=items, replicas=data.assign_vision(items, vision_dp))
-        assert sorted(j for mine in micro.replicas for j in mine) == list(range(len(items)))  # each once
-        assert len(items) == sum(len(data.samples[i].grids) for pack in slots for i in pack)  # none left out
-        rows = [[i for pack in slots[e * llm.micro_batch:(e + 1) * llm.micro_batch] for i in pack]
-                for e in range(llm_dp)]
-        routes = packed_routes(data.samples, micro, rows, vision, llm, vc, torch.device("cpu"))
-        # each piece's rows, by identity: (item, its token) in the replica's window order, or a filler's
-        received = {rank: [None] * len(need) for rank, need in routes.needs.items()}
-        for (i, rank), (keep, slot) in routes.table.items():
-            piece = routes.pieces[i]
-            mine = micro.replicas[piece.replica]
-            tokens = [(j, t) for j in mine for t in range(_tokens(data, items[j], merge))]
-            own = merged_positions_per_rank(torch.tensor(_grids(data, items, mine, vc, vision_sp)), vc, vision_sp)
-            emitted = [tokens[p] if p < len(tokens) else "filler" for p in own[piece.sp_rank].tolist()]
-            for row, at in zip([r for r, k in zip(emitted, keep.tolist()) if k], slot.tolist()):
-                assert received[rank][at] is None  # every row from exactly one sender
-                received[rank][at] = row
-        # what each LLM rank's slice of its row holds, by identity: its images' tokens in sequence order
-        at = 0
-        for e, row in enumerate(rows):
-            ordered = [(j, t) for j in range(at, at + sum(len(data.samples[i].grids) for i in row))
-                       for t in range(_tokens(data, items[j], merge))]
-            at += sum(len(data.samples[i].grids) for i in row)
-            samples = [data.samples[i] for i in row]
-            starts = np.cumsum([0] + [s.length for s in samples])
-            positions = torch.cat([s.image_positions + int(a) for s, a in zip(samples, starts)])
-            slices = image_slots_per_rank([(int(starts[-1]), positions)], llm_sp)
-            for j in range(llm_sp):
-                rank = llm.ranks_where(dp=e, sp=j)[0]
-                assert received[rank] == [ordered[n] for n in slices[j].tolist()]
+    llm_dp, llm_sp, vision_sp = llm.dp, llm.sp, vision.sp
+    items = data.vision_items(slots)
+    micro = VisionMicroBatch(items=items, replicas=data.assign_vision(slots, vision.dp))
+    assert sorted(j for mine in micro.replicas for j in mine) == list(range(len(items)))  # each once
+    assert len(items) == sum(len(data.samples[i].grids) for pack in slots for i in pack)  # none left out
+    rows = [[i for pack in slots[e * llm.micro_batch:(e + 1) * llm.micro_batch] for i in pack]
+            for e in range(llm_dp)]
+    routes = packed_routes(data.samples, micro, rows, vision, llm, vc, torch.device("cpu"))
+    for piece in routes.pieces:  # each piece is exactly what its SP rank emits
+        mine = micro.replicas[piece.replica]
+        own = merged_positions_per_rank(torch.tensor(_grids(data, items, mine, vc, vision_sp)), vc, vision_sp)
+        assert len(piece.positions) == len(own[piece.sp_rank])
+    # each piece's rows, by identity: (item, its token) in the replica's window order, or a filler's
+    received = {rank: [None] * len(need) for rank, need in routes.needs.items()}
+    for (i, rank), (keep, slot) in routes.table.items():
+        piece = routes.pieces[i]
+        mine = micro.replicas[piece.replica]
+        tokens = [(j, t) for j in mine for t in range(_tokens(data, items[j], merge))]
+        own = merged_positions_per_rank(torch.tensor(_grids(data, items, mine, vc, vision_sp)), vc, vision_sp)
+        emitted = [tokens[p] if p < len(tokens) else "filler" for p in own[piece.sp_rank].tolist()]
+        for row, at in zip([r for r, k in zip(emitted, keep.tolist()) if k], slot.tolist()):
+            assert received[rank][at] is None  # every row from exactly one sender
+            received[rank][at] = row
+    # what each LLM rank's slice of its row holds, by identity: its images' tokens in sequence order
+    at = 0
+    for e, row in enumerate(rows):
+        ordered = [(j, t) for j in range(at, at + sum(len(data.samples[i].grids) for i in row))
+                   for t in range(_tokens(data, items[j], merge))]
+        at += sum(len(data.samples[i].grids) for i in row)
+        samples = [data.samples[i] for i in row]
+        starts = np.cumsum([0] + [s.length for s in samples])
+        positions = torch.cat([s.image_positions + int(a) for s, a in zip(samples, starts)])
+        slices = image_slots_per_rank([(int(starts[-1]), positions)], llm_sp)
+        for j in range(llm_sp):
+            rank = llm.ranks_where(dp=e, sp=j)[0]
+            assert received[rank] == [ordered[n] for n in slices[j].tolist()]
 
 
 def _tokens(data, item, merge):
@@ -337,7 +393,7 @@ def test_packed_parity(name, tmp_path, tokenizer_dir, worker_pool):
         from tests.runtime.test_parity import STEPS
 
         data = packed(options.data, tokenizer_dir, pack_tokens)
-        micro_batches = [data.assign_vision(data.vision_items([data.pack(p)]), 2) for p in range(2 * STEPS)]
+        micro_batches = [data.assign_vision([data.pack(p)], 2) for p in range(2 * STEPS)]
         assert any(not mine for replicas in micro_batches for mine in replicas)
     assert_parity(plan, options, worker_pool)
 
