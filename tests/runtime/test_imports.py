@@ -3,8 +3,10 @@ both halves parse datasets with), the packer (planner.packing: a dataset plan ru
 on), the shared validity rules (planner.rules) and unit constants (planner.units) from the planner, the model
 families' config reading with the workload's resize (planner.families, planner.models, planner.param_counts,
 planner.workload: a video plan's clips are laid out as the planner counted them), the trace format the predicted and
-measured steps share (planner.trace_format), and what the schema uses: the device description (planner.hardware)
-and the reader of versioned JSON files (planner.versioned_json)."""
+measured steps share (planner.trace_format), the cost model a sample's work per module comes from (planner.balance,
+planner.cost, planner.strategy: a dataset plan's steps are assigned with the costs the plan was priced on; the cost
+model is pure Python), and what the schema uses: the device description (planner.hardware) and the reader of
+versioned JSON files (planner.versioned_json)."""
 
 import subprocess
 import sys
@@ -13,7 +15,7 @@ RUNTIME_MODULES = ["runtime.__main__", "runtime.launcher", "runtime.torchrun", "
                    "runtime.checkpoint", "runtime.preflight", "runtime.driver"]
 
 
-def test_runtime_imports_without_ortools_and_only_the_plan_schema_data_rows_packer_rules_and_units():
+def test_runtime_imports_without_ortools_and_only_the_planner_parts_it_shares():
     code = (
         "import sys\nsys.modules['ortools'] = None\n"
         + "".join(f"import {m}\n" for m in RUNTIME_MODULES)
@@ -25,7 +27,10 @@ def test_runtime_imports_without_ortools_and_only_the_plan_schema_data_rows_pack
                 "planner.families.qwen2_audio", "planner.families.qwen2_vl", "planner.families.qwen3_vl",
                 "planner.families.qwen3_vl_moe",
                 "planner.families.qwen_parts", "planner.families.text_decoders"]
-    assert result.stdout.strip() == str(["planner", "planner.data_rows", *families, "planner.hardware", "planner.models",
-                                         "planner.packing", "planner.param_counts", "planner.rules", "planner.schema",
-                                         "planner.trace_format", "planner.units", "planner.versioned_json",
-                                         "planner.workload"])
+    cost = ["planner.cost"] + [f"planner.cost.{m}" for m in (
+        "assumptions", "comm", "compute", "estimate", "host", "layer_costs", "layers", "memory", "module", "op_counts",
+        "phases", "pipeline", "rank_cost", "results", "times", "validity")]
+    assert result.stdout.strip() == str(["planner", "planner.balance", *cost, "planner.data_rows", *families,
+                                         "planner.hardware", "planner.models", "planner.packing", "planner.param_counts",
+                                         "planner.rules", "planner.schema", "planner.strategy", "planner.trace_format",
+                                         "planner.units", "planner.versioned_json", "planner.workload"])
