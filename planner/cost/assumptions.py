@@ -124,6 +124,10 @@ class CostAssumptions:
     saved (the gradients of its gate and up projections' outputs and of their product, less the saved inputs it
     frees as it goes): measured with FakeTensorMode + MemTracker on a Qwen2.5-VL-32B decoder layer (bf16) at 4,096,
     8,192 and 22,855 tokens, 2.18 each time. Korthikanti et al. 2022 count what is saved, not these."""
+    ungated_mlp_backward_transient_tensors: float = 1.3
+    """The same for an ungated MLP (fc1, activation, fc2: Qwen2-VL's and Qwen3-VL's vision blocks): the gradients of
+    its hidden activation and of fc1's output; measured likewise on a Qwen3-VL-32B vision block (bf16) at 4,096 and
+    16,384 patches, 1.27 per token plus one weight-sized temporary."""
     norm_upcast_bytes: float = 4.0
     """Extra bytes per element each norm keeps for backward: transformers' RMSNorm (Qwen2RMSNorm) casts its
     input to fp32 before the variance and its backward reads that fp32 copy (measured with FakeTensorMode:

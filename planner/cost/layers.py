@@ -473,8 +473,9 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     if dense_packed_mask(layer, s):
         buffers += packed_mask_bytes(s.segment_tokens * s.segments, s.micro_batch)
     mlp_backward = 0.0
-    if layer.mlp is not None and layer.mlp.gated:
-        mlp_backward = mlp_backward_transient_bytes(s.tokens, layer.mlp.intermediate_size / s.tp, s.assumptions)
+    if layer.mlp is not None:
+        mlp_backward = mlp_backward_transient_bytes(s.tokens, layer.mlp.intermediate_size / s.tp, s.assumptions,
+                                                    gated=layer.mlp.gated)
     calls = attention_calls(layer, s)
     return _terms(
         s,

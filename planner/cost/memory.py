@@ -200,11 +200,15 @@ def chunked_loss_logits_bytes(
     return 0.0, saved + transient, saved + backward
 
 
-def mlp_backward_transient_bytes(tokens: float, intermediate_per_rank: float, assumptions: CostAssumptions) -> float:
-    """Bytes a gated MLP's backward holds beside the layer's saved activations on one rank:
-    ``mlp_backward_transient_tensors`` tensors of ``tokens x intermediate / tp`` in the activation dtype (its
-    hidden activations' gradients; measured, see the assumption)."""
-    return assumptions.mlp_backward_transient_tensors * tokens * intermediate_per_rank * assumptions.activation_bytes
+def mlp_backward_transient_bytes(tokens: float, intermediate_per_rank: float, assumptions: CostAssumptions, *,
+                                 gated: bool) -> float:
+    """Bytes an MLP's backward holds beside the layer's saved activations on one rank: ``tokens x intermediate /
+    tp`` activation-dtype tensors, ``mlp_backward_transient_tensors`` of them for a gated MLP,
+    ``ungated_mlp_backward_transient_tensors`` for an ungated one (its hidden activations' gradients; measured, see
+    the assumptions)."""
+    tensors = (assumptions.mlp_backward_transient_tensors if gated
+               else assumptions.ungated_mlp_backward_transient_tensors)
+    return tensors * tokens * intermediate_per_rank * assumptions.activation_bytes
 
 
 def packed_mask_bytes(row_tokens: float, rows: float) -> float:

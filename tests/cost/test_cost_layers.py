@@ -255,11 +255,13 @@ def test_a_packed_row_under_sdpa_attends_its_whole_row_through_a_dense_mask():
     assert alone.flops == pytest.approx(DECODER_GEMM_FLOPS + DECODER_ATTN_FLOPS) and alone.buffer_bytes == 0
 
 
-def test_a_gated_mlps_backward_holds_its_hidden_gradients_beside_the_saved_activations():
+def test_an_mlps_backward_holds_its_hidden_gradients_beside_the_saved_activations():
     """The toy decoder's SwiGLU (intermediate 256): its backward holds 2.2 tensors of 64 tokens x 256 / tp beside
-    what the layer saved; the forward holds none, and a TP rank holds its share."""
+    what the layer saved (an ungated MLP 1.3); the forward holds none, and a TP rank holds its share."""
     e = A.activation_bytes
     for tp in (1, 2):
         t = layer_terms(DECODER, shard(tp=tp))
         assert t.backward_buffer_bytes == pytest.approx(2.2 * 64 * 256 / tp * e)
         assert t.buffer_bytes == 0
+    ungated = replace(DECODER, mlp=replace(DECODER.mlp, gated=False))  # fc1, activation, fc2: 1.3 such tensors
+    assert layer_terms(ungated, shard()).backward_buffer_bytes == pytest.approx(1.3 * 64 * 256 * e)
