@@ -1,6 +1,6 @@
-"""Per-module balancing against LLM-token-only balancing, on README's mixed-resolution mixture and on the same mixture
-with video clips mixed in (Qwen2.5-VL-32B's vision tower and LLM on H100s, the cost model's work per item,
-``planner.balance``).
+"""Per-module balancing against LLM-token-only balancing, on the mixed-resolution mixture of docs/planner.md and
+on the same mixture with video clips mixed in (Qwen2.5-VL-32B's vision tower and LLM on H100s, the cost model's
+work per item, ``planner.balance``).
 
 For 8, 64 and 1,024 ranks (each module DP over all of them, one pack per replica per micro-batch, 4 micro-batches a
 step), steps are drawn from the dataset's packs and assigned two ways:

@@ -33,7 +33,7 @@ Why plans are prepared here: the GPU machine's image has torch and transformers 
 The runtime under torchrun imports neither Ray nor OR-Tools, and re-costing a prepared strategy needs no solver;
 reading and writing plans needs pydantic, so the GPU run carries the wheels of pydantic 2.14.4, pydantic_core
 2.50.5 (cp312, manylinux 2.17), annotated_types 0.8.0, typing_inspection 0.4.5 and typing_extensions 4.16.0 (2.8 MB).
-README.md's "GPU check" gives the ``pip download`` and the device call; the files it brings back go to
+docs/gpu.md gives the ``pip download`` and the device call; the files it brings back go to
 ``profiles/<gpu>/<model>.json`` (``profile.json``) and ``benchmarks/results/gpu/`` (the rest).
 """
 

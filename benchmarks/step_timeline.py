@@ -1,4 +1,4 @@
-"""Predicted and measured step timelines of one CPU plan, side by side (README "Step timeline", notebooks/fidelity).
+"""Predicted and measured step timelines of one CPU plan, side by side (docs/runtime.md, notebooks/fidelity).
 
     .venv/bin/python benchmarks/step_timeline.py [--steps 4] [--out benchmarks/results/step_timeline]
         [--figure docs/figures/step_timeline.png]
