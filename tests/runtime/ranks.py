@@ -42,18 +42,25 @@ def _rank_main(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) 
         dist.destroy_process_group()
 
 
-def spawn(world: int, fn, *args) -> list:
-    """``fn(rank, *args)`` on ``world`` gloo ranks in fresh processes; each rank's return value.
+FORKSERVER_PRELOAD = ["runtime.trainer", "tests.runtime.ranks"]
+"""What the fork server imports once per test session (~8 s of torch and transformers here), so that every rank
+after the first spawn starts from a process that already holds them instead of importing them again."""
 
-    The children inherit ``sys.path`` less the ``tests`` folder pytest prepends (there, ``runtime`` would be
-    ``tests/runtime``).
+
+def spawn(world: int, fn, *args) -> list:
+    """``fn(rank, *args)`` on ``world`` gloo ranks in fresh processes, forked from a server that imported the
+    runtime once; each rank's return value.
+
+    The server (and so the children) inherits ``sys.path`` less the ``tests`` folder pytest prepends (there,
+    ``runtime`` would be ``tests/runtime``).
     """
     saved = list(sys.path)
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != TESTS_DIR]
     try:
         with tempfile.TemporaryDirectory() as out_dir:
+            mp.set_forkserver_preload(FORKSERVER_PRELOAD)
             mp.start_processes(_rank_main, args=(world, _free_port(), fn, args, out_dir), nprocs=world,
-                               start_method="spawn")
+                               start_method="forkserver")
             return [torch.load(os.path.join(out_dir, f"{rank}.pt")) for rank in range(world)]
     finally:
         sys.path[:] = saved
