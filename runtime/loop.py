@@ -49,6 +49,8 @@ def train(job: StepJob, log: MetricsLog | None, steps: int, checkpoints: Checkpo
     """Steps from where ``job`` stands until ``steps`` are done, a metrics line per step and per completed
     checkpoint (``log``: None on the ranks that do not log), a checkpoint whenever one is due, then the last
     checkpoint finished. ``on_saved`` sees each completed checkpoint's measurements."""
+    if log is not None:
+        log.start_at(job.steps_done)
     while job.steps_done < steps:
         step = job.steps_done
         results = job.step()

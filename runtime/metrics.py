@@ -128,7 +128,10 @@ class MetricsLog:
     def rewind(self, step: int) -> None:
         """Forget the records of steps ``step`` on (a recovery runs them again); their lines stay in the file."""
         self.records = [r for r in self.records if r["step"] < step]
-        self.bar.n = len(self.records)
+
+    def start_at(self, step: int) -> None:
+        """The progress bar counts from ``step`` steps done (a resumed or recovered run), its rate from here."""
+        self.bar.n = self.bar.initial = self.bar.last_print_n = step
         self.bar.refresh()
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:

@@ -62,6 +62,15 @@ def test_a_checkpoint_that_could_not_be_written_is_a_warning_and_training_goes_o
     assert DISK_FULL in warnings[0]
 
 
+def test_the_progress_bar_of_a_resumed_run_starts_at_the_resumed_step(tmp_path):
+    """A 4-step run resumed at step 2 ends its bar at 4/4, not 2/4 (50 %)."""
+    job, log = DiskFullJob(), MetricsLog(make_plan({}, {}), steps=4, path=None)
+    job.steps_done = 2
+    loop.train(job, log, 4, CheckpointOptions())
+    assert (log.bar.n, log.bar.total) == (4, 4) and "4/4" in str(log.bar)
+    log.close()
+
+
 @contextlib.contextmanager
 def _file_size_limit(nbytes: int):
     """No file this process writes can grow past ``nbytes``: its writes fail with EFBIG, as on a full disk (no
