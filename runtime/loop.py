@@ -58,6 +58,12 @@ def train(job: StepJob, log: MetricsLog | None, steps: int, checkpoints: Checkpo
             log.log(step, results)
         if checkpoints.due(job.steps_done, steps):
             _saved(log, job.save_training_checkpoint(checkpoints), on_saved)
+    finish_checkpoints(job, log, checkpoints, on_saved)
+
+
+def finish_checkpoints(job: StepJob, log: MetricsLog | None, checkpoints: CheckpointOptions,
+                       on_saved: Callable[[dict[str, Any]], None] = lambda saved: None) -> None:
+    """Wait for a checkpoint still being written (at the end, or when a stop signal arrived) and log it."""
     if checkpoints.directory is not None:
         _saved(log, job.finish_checkpoints(), on_saved)
 
