@@ -18,14 +18,12 @@ import time
 from planner.schema import Plan, PlanError, load_plan
 from runtime import preflight
 from runtime.checkpoint_dir import CheckpointOptions, latest_checkpoint
+from runtime.stop_signals import name_and_status, stopping_on_signals
 
 USER_ERRORS = (PlanError, ValueError, NotImplementedError, OSError)
 
 DRY_RUN_FAILED = 3
 """Exit status of a dry-run that could not measure the plan: a fault, no memory verdict (1 is DOES NOT FIT)."""
-
-INTERRUPTED = 130
-"""Exit status after Ctrl-C (128 + SIGINT, as a shell reports it)."""
 
 REPORT_GRACE_S = 2.0
 """Under torchrun, how long the other ranks wait before exiting on a mistake every rank found and rank 0 reports:
@@ -143,16 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return _dry_run(plan, args)
     report = env is None or env.rank == 0
-    try:
-        if args.resume is not None:
-            args.resume = _sound_resume(requested_resume, args, plan, report=report)
-        if env is None:
-            return _run_on_ray(plan, args)
-        return _run_under_torchrun(plan, args, env)
-    except USER_ERRORS as e:
-        return _refuse(e, report=report)
-    except KeyboardInterrupt:
-        return _interrupted(args, report=report)
+    with stopping_on_signals():
+        try:
+            if args.resume is not None:
+                args.resume = _sound_resume(requested_resume, args, plan, report=report)
+            if env is None:
+                return _run_on_ray(plan, args)
+            return _run_under_torchrun(plan, args, env)
+        except USER_ERRORS as e:
+            return _refuse(e, report=report)
+        except KeyboardInterrupt as e:  # Ctrl-C, or a scheduler's SIGTERM (runtime.stop_signals)
+            return _interrupted(args, e, report=report)
 
 
 def _sound_resume(requested: str, args: argparse.Namespace, plan: Plan, *, report: bool) -> str:
@@ -168,16 +167,18 @@ def _sound_resume(requested: str, args: argparse.Namespace, plan: Plan, *, repor
                                   problem=checkpoint_problem, warn=warn)
 
 
-def _interrupted(args: argparse.Namespace, *, report: bool) -> int:
-    """Ctrl-C: one line naming the complete checkpoint the run can resume from, if there is one."""
+def _interrupted(args: argparse.Namespace, stop: KeyboardInterrupt, *, report: bool) -> int:
+    """Ctrl-C or another stop signal: one line naming the complete checkpoint the run can resume from, if there is
+    one; the exit status is 128 + the signal's number."""
+    what, status = name_and_status(stop)
     newest = latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
     newest = newest or args.resume
     where = (f"resume with --resume {newest}" if newest else
              "no complete checkpoint was written to resume from" + ("" if args.checkpoint_dir else
                                                                   " (--checkpoint-dir writes them)"))
     if report:
-        print(f"runtime: interrupted (Ctrl-C): {where}", file=sys.stderr)
-    return INTERRUPTED
+        print(f"runtime: interrupted ({what}): {where}", file=sys.stderr)
+    return status
 
 
 def _run_on_ray(plan: Plan, args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -236,8 +237,9 @@ def save_hf_folder(trainer: Any, path: str, *, dtype: torch.dtype | None = None,
     """Write the trainer's weights as a Hugging Face folder (``from_pretrained`` and ``--checkpoint`` load it).
 
     Collective: every rank of the world calls it. Each module's (or pipeline stage's) ranks gather its tensors one
-    at a time, each file's owner keeps and writes its own; then rank 0 writes the index and ``config.json``, each
-    renamed into place once written.
+    at a time, each file's owner keeps and writes its own into ``path/.saving`` (``STAGING``); then rank 0 writes
+    the index and ``config.json`` there and replaces the folder's model with them (``replace_model``): a folder
+    that already held a model (``--checkpoint hf --save hf``) ends with the new one alone, never two.
 
     Args:
         trainer: a runtime.trainer.Trainer.
@@ -251,7 +253,8 @@ def save_hf_folder(trainer: Any, path: str, *, dtype: torch.dtype | None = None,
     sizes = {m: [(name, shape.numel() * dt.itemsize) for name, shape, dt in entries] for m, entries in specs.items()}
     files = plan_files(sizes, {m: ranks for m, (ranks, _) in parts.items()}, max_file_bytes)
     mine = {name: f for f in files if f.owner == trainer.rank for name in f.tensors}
-    failure = _attempt(os.makedirs, path, exist_ok=True)
+    staging = os.path.join(path, STAGING)
+    failure = _attempt(os.makedirs, staging, exist_ok=True)
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for module_name in trainer.modules:
         for name, tensor in trainer.iter_full_tensors(module_name, "param"):  # collective: every rank keeps going
@@ -262,17 +265,41 @@ def save_hf_folder(trainer: Any, path: str, *, dtype: torch.dtype | None = None,
             kept[name] = tensor.to(dtypes[name]).contiguous()
             if len(kept) == len(file.tensors):
                 tensors = pending.pop(file.name)
-                failure = failure or _attempt(save_file, tensors, os.path.join(path, file.name),
+                failure = failure or _attempt(save_file, tensors, os.path.join(staging, file.name),
                                               metadata={"format": "pt"})
     assert not pending, f"incomplete files: {sorted(pending)}"
     _raise_if_any_rank_failed(failure, trainer.device)
     if trainer.rank == 0:  # last, once every rank's files are written: a folder without them is never loadable
         total = sum(nbytes for entries in sizes.values() for _, nbytes in entries)
         weight_map = {name: f.name for f in files for name in f.tensors}
-        failure = _attempt(write_index, path, total, weight_map)
-        failure = failure or _attempt(write_atomically, os.path.join(path, CONFIG_NAME),
+        failure = _attempt(write_index, staging, total, weight_map)
+        failure = failure or _attempt(write_atomically, os.path.join(staging, CONFIG_NAME),
                                       trainer.hf_config().to_json_string(use_diff=True))
+        failure = failure or _attempt(replace_model, path, [f.name for f in files])
     _raise_if_any_rank_failed(failure, trainer.device)
+
+
+STAGING = ".saving"
+"""Sub-folder of a ``--save`` folder that the new model is written into before it replaces the folder's model."""
+
+OLD_WEIGHTS = (SINGLE_FILE, INDEX_FILE, "pytorch_model.bin", "pytorch_model.bin.index.json")
+"""The weight and index files of a model saved by ``save_pretrained`` (safetensors, or the older pickled format)."""
+
+_SHARD = re.compile(r"^(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)$")
+"""A shard file of a sharded ``save_pretrained`` model."""
+
+
+def replace_model(path: str, shards: list[str]) -> None:
+    """Move the model written into ``path/STAGING`` (``shards``, the index and config.json) into ``path``, after
+    removing the weights of the model already there: its index first (a folder caught half way has none, so it
+    loads nothing rather than a mix), its single-file weights and every shard. Other files (a tokenizer) stay."""
+    staging = os.path.join(path, STAGING)
+    stale = [n for n in os.listdir(path) if n in OLD_WEIGHTS or _SHARD.match(n)]
+    for name in sorted(stale, key=lambda n: not n.endswith(".index.json")):
+        os.remove(os.path.join(path, name))
+    for name in [*shards, CONFIG_NAME, INDEX_FILE]:  # the index last: the weights it names are in place first
+        os.replace(os.path.join(staging, name), os.path.join(path, name))
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def _attempt(write: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None:

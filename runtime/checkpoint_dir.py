@@ -4,6 +4,12 @@ checkpoint, pruning. The sharded contents are runtime.dcp_checkpoint's.
 Layout: ``DIR/step-000012/`` per checkpoint. A checkpoint is written as ``DIR/step-000012.tmp/``; once every rank
 has written its shards, rank 0 writes the marker file ``COMPLETE`` into it (last) and renames the folder to its
 final name. A folder without the marker, or still named ``*.tmp``, is never resumed from.
+
+The marker records the checkpoint's place in the order the folder's checkpoints were completed (``{"order": n}``),
+and "newest" means last completed, not most steps: a run resumed from an older checkpoint abandons the later
+steps of the run it branched from, and its own checkpoints (step 3 after step 4 of the abandoned branch) are the
+newest ones, which ``--resume`` picks and ``--keep-last`` keeps. Markers without an order (written before it was
+recorded) come first, by step.
 """
 
 from __future__ import annotations
@@ -69,8 +75,20 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, COMPLETE_MARKER))
 
 
+def completion_order(path: str) -> int:
+    """A complete checkpoint's place in the order its folder's checkpoints were completed (0 when its marker
+    records none)."""
+    try:
+        with open(os.path.join(path, COMPLETE_MARKER), encoding="utf-8") as f:
+            order = json.load(f).get("order")
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON ("ok"), not an object
+        return 0
+    return order if type(order) is int and order > 0 else 0
+
+
 def complete_checkpoints(directory: str) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint in ``directory``, oldest first; [] if there is none."""
+    """(step, path) of every complete checkpoint in ``directory``, oldest first (in the order they were
+    completed); [] if there is none."""
     if not os.path.isdir(directory):
         return []
     found = []
@@ -78,21 +96,23 @@ def complete_checkpoints(directory: str) -> list[tuple[int, str]]:
         match = _NAME.match(name)
         path = os.path.join(directory, name)
         if match and is_complete(path):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
+            found.append((completion_order(path), int(match.group(1)), path))
+    return [(step, path) for _, step, path in sorted(found)]
 
 
 def latest_checkpoint(directory: str) -> str | None:
-    """The complete checkpoint with the most steps in ``directory``, or None."""
+    """The complete checkpoint of ``directory`` completed last, or None."""
     found = complete_checkpoints(directory)
     return found[-1][1] if found else None
 
 
 def mark_complete(tmp_path: str) -> str:
-    """Write the marker into a fully written ``*.tmp`` checkpoint and give it its final name; returns that."""
+    """Write the marker into a fully written ``*.tmp`` checkpoint, after every complete one of its folder in the
+    completion order, and give it its final name; returns that."""
     assert tmp_path.endswith(TMP_SUFFIX), tmp_path
+    earlier = [completion_order(path) for _, path in complete_checkpoints(os.path.dirname(tmp_path))]
     with open(os.path.join(tmp_path, COMPLETE_MARKER), "w") as f:
-        f.write("ok\n")
+        json.dump({"order": max(earlier, default=0) + 1}, f)
     final = tmp_path.removesuffix(TMP_SUFFIX)
     if os.path.exists(final):  # a checkpoint of the same step from an earlier attempt of this run
         shutil.rmtree(final)
@@ -101,8 +121,8 @@ def mark_complete(tmp_path: str) -> str:
 
 
 def prune(directory: str, keep_last: int) -> list[str]:
-    """Remove all but the ``keep_last`` newest complete checkpoints, and unfinished ``*.tmp`` ones; returns the
-    removed paths."""
+    """Remove all but the ``keep_last`` newest (last completed) complete checkpoints, and unfinished ``*.tmp``
+    ones; returns the removed paths."""
     removed = [path for _, path in complete_checkpoints(directory)[:-keep_last]]
     removed += [os.path.join(directory, n) for n in os.listdir(directory)
                 if n.startswith(PREFIX) and n.endswith(TMP_SUFFIX)]

@@ -31,7 +31,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
@@ -40,6 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from runtime.checkpoint import local_region
+from runtime.dcp_metadata import SafeFileSystemReader, UnsafeCheckpoint, read_metadata
 from runtime.checkpoint_dir import (
     RUN_STATE, TMP_SUFFIX, checkpoint_name, mark_complete, prune, read_run_state, run_state_problem,
 )
@@ -275,13 +275,17 @@ def shards_problem(path: str) -> str | None:
     """What is wrong with a checkpoint's DCP shards, or None: its ``.metadata`` must read, and every file it
     points into must hold the bytes it points at (a truncated or missing shard is found; flipped bytes are not)."""
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = read_metadata(path)
+    except UnsafeCheckpoint as e:
+        return f"its DCP metadata is refused: {e}"
     except Exception as e:  # a truncated pickle raises any of several errors
         return f"its DCP metadata cannot be read ({type(e).__name__}: {' '.join(str(e).split())})"[:300]
     ends: dict[str, int] = {}
     for info in metadata.storage_data.values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     for name, end in sorted(ends.items()):
+        if os.path.basename(name) != name or name in ("", ".", ".."):
+            return f"its DCP metadata points outside the checkpoint folder ({name!r})"
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             return f"its shard {name} is missing"
@@ -297,9 +301,14 @@ def checkpoint_problem(path: str) -> str | None:
 
 def load_checkpoint(trainer: Any, path: str) -> None:
     """Load a complete checkpoint (written under any plan of the same model) into the trainer's materialised
-    shards, optimizers, LR schedules, counters and RNG states (collective: every rank calls it)."""
+    shards, optimizers, LR schedules, counters and RNG states (collective: every rank calls it).
+
+    Raises:
+        UnsafeCheckpoint: its metadata names what a DCP metadata file never holds (before any rank loads).
+    """
+    read_metadata(path)  # a refusal as one ValueError, not wrapped in DCP's collective error
     state = TrainingState(trainer)
-    dcp.load(state.flat, checkpoint_id=path)
+    dcp.load(state.flat, storage_reader=SafeFileSystemReader(path))
     state.restore()
     trainer.load_state_dict(read_run_state(path))
     for name, (optimizer, schedule) in trainer.optimizers.items():
@@ -309,7 +318,7 @@ def load_checkpoint(trainer: Any, path: str) -> None:
             group["lr"] = lr
     rng = os.path.join(path, rng_file(trainer.rank))
     if os.path.isfile(rng):
-        states = torch.load(rng)
+        states = torch.load(rng, weights_only=True)
         torch.set_rng_state(states["cpu"])
         if "cuda" in states and trainer.device.type == "cuda":
             torch.cuda.set_rng_state(states["cuda"])

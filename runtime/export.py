@@ -1,7 +1,8 @@
 """``python -m runtime.export CHECKPOINT OUT``: a complete training checkpoint (runtime.dcp_checkpoint) as a
 Hugging Face folder that ``from_pretrained`` and ``--checkpoint`` load, with no running job and no process group.
 
-The weights are read with DCP's no-distributed load (``dcp.load(..., no_dist=True)``), which assembles each
+The checkpoint is checked as ``--resume`` checks it (runtime.dcp_checkpoint.checkpoint_problem; its metadata
+read without running code from it, runtime.dcp_metadata). The weights are read with DCP's no-distributed load (``dcp.load(..., no_dist=True)``), which assembles each
 tensor from the shards every rank wrote, whatever the plan was. They are read and written one output file at a
 time (at most ``--max-file-bytes``, one tensor at least), so the exporting process holds one file's tensors.
 """
@@ -28,11 +29,15 @@ def export(checkpoint: str, out: str, *, max_file_bytes: int = 1 << 30) -> list[
 
     from planner.versioned_json import write_atomically
     from runtime.checkpoint import plan_files, write_index
-    from runtime.dcp_checkpoint import CONFIG_FILE, PARAM
+    from runtime.dcp_checkpoint import CONFIG_FILE, PARAM, checkpoint_problem
+    from runtime.dcp_metadata import SafeFileSystemReader, read_metadata
 
     if not os.path.isdir(checkpoint) or not is_complete(checkpoint):
         raise ValueError(f"{checkpoint} is not a complete training checkpoint (written by --checkpoint-dir)")
-    metadata = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    problem = checkpoint_problem(checkpoint)  # the check --resume makes: a damaged or crafted one is refused
+    if problem is not None:
+        raise ValueError(f"{checkpoint} is damaged: {problem}")
+    metadata = read_metadata(checkpoint).state_dict_metadata
     prefix = PARAM + "/"
     shapes = {key.removeprefix(prefix): (meta.size, meta.properties.dtype)
               for key, meta in metadata.items() if key.startswith(prefix)}
@@ -43,7 +48,7 @@ def export(checkpoint: str, out: str, *, max_file_bytes: int = 1 << 30) -> list[
         tensors = {prefix + name: torch.empty(shapes[name][0], dtype=shapes[name][1]) for name in file.tensors}
         with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(tensors, checkpoint_id=checkpoint, no_dist=True)
+            dcp.load(tensors, storage_reader=SafeFileSystemReader(checkpoint), no_dist=True)
         save_file({k.removeprefix(prefix): v for k, v in tensors.items()}, os.path.join(out, file.name),
                   metadata={"format": "pt"})
     total = sum(nbytes for _, nbytes in sizes["model"])

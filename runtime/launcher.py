@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -35,9 +36,10 @@ from runtime.checkpoint_dir import CheckpointOptions, newest_sound
 from runtime.dcp_checkpoint import Checkpointer, checkpoint_problem
 from runtime import loop
 from runtime.driver import validate_plan
-from runtime.metrics import MetricsLog, format_summary
+from runtime.metrics import MetricsLog, print_summary
 from runtime.parallel_dims import forget_earlier_worlds
 from runtime.preflight import check_outputs, is_cpu_plan, num_devices, save_with_fallback
+from runtime.stop_signals import keep_handler
 from runtime.trainer import RunOptions, Trainer
 
 PLACEMENT_TIMEOUT_S = 120
@@ -264,7 +266,9 @@ class WorkerPool:
 def ensure_ray() -> None:
     """Attach to RAY_ADDRESS (or the cluster of ``ray job submit``), else start Ray on this machine."""
     if not ray.is_initialized():
+        previous = signal.getsignal(signal.SIGTERM)
         ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False, logging_level="ERROR")
+        keep_handler(previous)  # ray.init's SIGTERM handler would exit mid-step, aborting in Ray's C++ teardown
 
 
 def start(plan: Plan, options: RunOptions, *, resource_wait_s: float = 0.0, pool: WorkerPool | None = None) -> Job:
@@ -348,26 +352,13 @@ def run(
     """
     check_outputs(metrics=metrics_path, save=save)
     log = MetricsLog(plan, steps=steps, path=metrics_path, trace_dir=options.trace)
-    failures, failed_at, saved_at = 0, None, {}
     try:
-        while True:
-            job = start(plan, options, resource_wait_s=PLACEMENT_TIMEOUT_S if failures else 0.0)
-            try:
-                if failed_at is not None:
-                    _log_recovery(log, job, failed_at, failures, saved_at)
-                elif options.resume is not None:
-                    log.event("resume", path=options.resume, step=job.steps_done)
-                _train(job, log, steps, checkpoints, saved_at)
-                break
-            except ray.exceptions.RayError as e:
-                if not _worker_lost(e) or failures >= checkpoints.max_failures:
-                    raise
-                failures += 1
-                failed_at = (job.steps_done, time.perf_counter(), _first_line(e))
-                resume = newest_sound(checkpoints.directory, checkpoint_problem)[0] if checkpoints.directory else None
-                options = dataclasses.replace(options, resume=resume or options.resume)
-        summary = log.summary()
-        print(format_summary(summary, "peak RSS per worker" if is_cpu_plan(plan) else "max allocated per GPU"))
+        try:
+            job = _train_recovering(plan, options, log, steps, checkpoints)
+        except KeyboardInterrupt as stop:  # Ctrl-C or a stop signal (runtime.stop_signals): the steps done so far
+            print_summary(log, plan, stopped=str(stop))
+            raise
+        summary = print_summary(log, plan)
         try:
             if save is not None:
                 save_with_fallback(lambda folder: save_checkpoint(job, folder), save)
@@ -378,13 +369,44 @@ def run(
     return summary
 
 
+def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: int, checkpoints: CheckpointOptions
+                      ) -> Job:
+    """Start the job and train it until ``steps`` are done, restarting it from the latest complete checkpoint
+    when a worker is lost (at most ``checkpoints.max_failures`` times); the job, still up."""
+    failures, failed_at, saved_at = 0, None, {}
+    while True:
+        job = start(plan, options, resource_wait_s=PLACEMENT_TIMEOUT_S if failures else 0.0)
+        try:
+            if failed_at is not None:
+                _log_recovery(log, job, failed_at, failures, saved_at)
+            elif options.resume is not None:
+                log.event("resume", path=options.resume, step=job.steps_done)
+            _train(job, log, steps, checkpoints, saved_at)
+            return job
+        except ray.exceptions.RayError as e:
+            if not _worker_lost(e) or failures >= checkpoints.max_failures:
+                raise
+            failures += 1
+            failed_at = (job.steps_done, time.perf_counter(), _first_line(e))
+            resume = newest_sound(checkpoints.directory, checkpoint_problem)[0] if checkpoints.directory else None
+            options = dataclasses.replace(options, resume=resume or options.resume)
+
+
 def _train(job: Job, log: MetricsLog, steps: int, checkpoints: CheckpointOptions, saved_at: dict[int, float]
            ) -> None:
     """``loop.train`` from where the job stands, noting when each checkpoint was done in ``saved_at``; a failing
     step shuts the job down and raises."""
+    def on_saved(saved: dict[str, Any]) -> None:
+        saved_at[saved["step"]] = time.perf_counter()
+
     try:
-        loop.train(job, log, steps, checkpoints,
-                   on_saved=lambda saved: saved_at.__setitem__(saved["step"], time.perf_counter()))
+        loop.train(job, log, steps, checkpoints, on_saved=on_saved)
+    except KeyboardInterrupt:  # a stop signal reached the driver only: the workers let a checkpoint being written
+        try:                   # complete (one step at most), so that the run resumes from it; a second one stops this
+            loop.finish_checkpoints(job, log, checkpoints, on_saved)
+        finally:
+            job.shutdown()
+        raise
     except BaseException:
         job.shutdown()
         raise

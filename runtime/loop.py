@@ -49,6 +49,8 @@ def train(job: StepJob, log: MetricsLog | None, steps: int, checkpoints: Checkpo
     """Steps from where ``job`` stands until ``steps`` are done, a metrics line per step and per completed
     checkpoint (``log``: None on the ranks that do not log), a checkpoint whenever one is due, then the last
     checkpoint finished. ``on_saved`` sees each completed checkpoint's measurements."""
+    if log is not None:
+        log.start_at(job.steps_done)
     while job.steps_done < steps:
         step = job.steps_done
         results = job.step()
@@ -56,6 +58,12 @@ def train(job: StepJob, log: MetricsLog | None, steps: int, checkpoints: Checkpo
             log.log(step, results)
         if checkpoints.due(job.steps_done, steps):
             _saved(log, job.save_training_checkpoint(checkpoints), on_saved)
+    finish_checkpoints(job, log, checkpoints, on_saved)
+
+
+def finish_checkpoints(job: StepJob, log: MetricsLog | None, checkpoints: CheckpointOptions,
+                       on_saved: Callable[[dict[str, Any]], None] = lambda saved: None) -> None:
+    """Wait for a checkpoint still being written (at the end, or when a stop signal arrived) and log it."""
     if checkpoints.directory is not None:
         _saved(log, job.finish_checkpoints(), on_saved)
 

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from planner.schema import Plan
 from planner.versioned_json import write_atomically
 from planner.units import GIB
+from runtime.preflight import is_cpu_plan
 from runtime.trace import write_step_trace
 
 TIMED = ("vision_forward_s", "vision_backward_s", "audio_forward_s", "audio_backward_s", "llm_forward_s",
@@ -128,7 +129,10 @@ class MetricsLog:
     def rewind(self, step: int) -> None:
         """Forget the records of steps ``step`` on (a recovery runs them again); their lines stay in the file."""
         self.records = [r for r in self.records if r["step"] < step]
-        self.bar.n = len(self.records)
+
+    def start_at(self, step: int) -> None:
+        """The progress bar counts from ``step`` steps done (a resumed or recovered run), its rate from here."""
+        self.bar.n = self.bar.initial = self.bar.last_print_n = step
         self.bar.refresh()
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -168,9 +172,10 @@ class MetricsLog:
             self.file.close()
             self.file = None
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, **extra: Any) -> dict[str, Any]:
         """Measured median step time (after the first, warm-up step) and peak memory beside the prediction; with
-    checkpoints or recoveries, their count, save stall and lost steps / seconds."""
+    checkpoints or recoveries, their count, save stall and lost steps / seconds; then ``extra`` (``stopped``: the
+    signal that stopped the run)."""
         timed = self.records[1:] or self.records
         measured_step = statistics.median(r["step_time_s"] for r in timed)
         measured_mem = max(r["peak_memory_gib"] for r in self.records)
@@ -196,6 +201,7 @@ class MetricsLog:
                                           "predicted": self.plan.module(name).predicted.expected_imbalance}
                                    for name in balanced[0]}
         result.update(self._event_summary())
+        result.update(extra)
         if self.path:
             self._append_last(result)
         return result
@@ -243,3 +249,12 @@ def format_summary(summary: dict[str, Any], memory_note: str) -> str:
     width = max(len(r[0]) for r in rows)
     lines = [f"{r[0]:<{width}}  {r[1]:>10}  {r[2]:>10}  {r[3]:>6}" for r in rows]
     return "\n".join([f"{summary['steps']} steps, final loss {summary['final_loss']:.4f}", *lines])
+
+
+def print_summary(log: MetricsLog, plan: Plan, **extra: Any) -> dict[str, Any] | None:
+    """The run's summary (``extra`` added), printed and returned; None when no step was done."""
+    if not log.records:
+        return None
+    summary = log.summary(**extra)
+    print(format_summary(summary, "peak RSS per worker" if is_cpu_plan(plan) else "max allocated per GPU"))
+    return summary

@@ -18,12 +18,13 @@ rest of that message forever.)
 from __future__ import annotations
 
 import multiprocessing
-import signal
 from collections import Counter
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+
+from runtime.stop_signals import ignore_stop_signals
 
 WORKER_EXIT_WAIT_S = 5.0
 """How long ``close`` waits for the worker to leave after its request pipe closed, before killing it."""
@@ -33,7 +34,7 @@ def _serve(source: Any, requests: Connection, results: Connection, rank_ends: tu
     """The worker's loop: build the samples of each requested index list until the rank closes its pipe."""
     for end in rank_ends:  # the rank's ends, inherited by the fork: held here, a dead rank would not be seen
         end.close()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the rank's to handle; this worker ends with its pipe
+    ignore_stop_signals()  # Ctrl-C, SIGTERM are the rank's to handle; this worker ends with its pipe
     torch.set_num_threads(1)
     while True:
         try:

@@ -19,7 +19,7 @@ from runtime import loop
 from runtime.checkpoint_dir import CheckpointOptions
 from runtime.dcp_checkpoint import Checkpointer
 from runtime.driver import validate_plan
-from runtime.metrics import MetricsLog, format_summary
+from runtime.metrics import MetricsLog, print_summary
 from runtime.preflight import TorchrunEnv, check_outputs, check_world_size, is_cpu_plan, save_with_fallback
 from runtime.trainer import RunOptions, Trainer
 
@@ -108,11 +108,11 @@ def _train(job: Job, *, steps: int, metrics_path: str | None, checkpoints: Check
             log.event("resume", path=job.trainer.options.resume, step=job.trainer.step)
     try:
         loop.train(job, log, steps, checkpoints)
+    except KeyboardInterrupt as stop:  # on every rank (torchrun's agent passes a stop signal on to each): a
+        if log is not None:            # checkpoint being written is discarded, the last complete one stays
+            print_summary(log, job.plan, stopped=str(stop))
+        raise
     finally:
         if log is not None:
             log.close()
-    if log is None:
-        return None
-    summary = log.summary()
-    print(format_summary(summary, "peak RSS per worker" if is_cpu_plan(job.plan) else "max allocated per GPU"))
-    return summary
+    return None if log is None else print_summary(log, job.plan)

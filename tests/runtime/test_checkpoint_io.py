@@ -1,18 +1,25 @@
-"""Pieces of sharded start-up that need no process group: Hub names, slices in a parallel layout, file plans,
-precision recipes, the attention kernel choice."""
+"""Pieces of sharded start-up that need no process group (or a fake one of one rank): Hub names, slices in a parallel
+layout, file plans, precision recipes, the attention kernel choice, ``--save`` into a folder that holds a model."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 from safetensors.torch import save_file
+
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from runtime.checkpoint import HFFolder, legacy_names, plan_files, read_region
 from runtime.model import build_model
 from runtime.parallel import attention
 from runtime.parallel.precision import module_precision
 from runtime.parallel.tensor_parallel import qkv_row_order, qkv_to_tp_layout
-from tests.runtime.plans import tiny_hf_config, tiny_qwen2_audio_config
+from runtime.parallel_dims import forget_earlier_worlds
+from runtime.trainer import RunOptions, Trainer
+from tests.runtime.plans import make_plan, tiny_hf_config, tiny_qwen2_audio_config
 
 
 def test_legacy_hub_names_are_those_transformers_renames():
@@ -120,3 +127,33 @@ def test_attention_kernel_is_sdpa_on_cpu_and_with_an_explicit_mask():
     q = torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16)
     assert attention.attention_core(q, None) is attention.sdpa_attention_forward  # CPU: SDPA, even in bf16
     assert attention.attention_core(q, torch.ones(1, 1, 4, 4, dtype=torch.bool)) is attention.sdpa_attention_forward
+
+
+def test_save_into_the_folder_the_run_started_from_leaves_the_new_model_alone(tmp_path):
+    """``--checkpoint hf --save hf`` on a folder holding one ``model.safetensors``: the saved folder holds the
+    trained weights alone (the stale file removed), so ``from_pretrained`` and ``--checkpoint`` read the same ones;
+    the files beside them (tokenizer, generation config) stay."""
+    from transformers import AutoModelForImageTextToText
+
+    folder = str(tmp_path / "hf")
+    build_model(tiny_hf_config(), seed=7).save_pretrained(folder)
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")
+    assert "model.safetensors" in os.listdir(folder)
+    forget_earlier_worlds()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        trainer = Trainer(make_plan({}, {}), rank=0, options=RunOptions(checkpoint=folder))
+        trainer.train_step()
+        trainer.save_hf_folder(folder)
+        trained = trainer.full_tensors("param")
+    finally:
+        dist.destroy_process_group()
+    assert sorted(os.listdir(folder)) == ["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+                                          "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+                                          "tokenizer.json"]
+    loaded = dict(AutoModelForImageTextToText.from_pretrained(folder).named_parameters())
+    assert loaded.keys() == trained.keys()
+    runtime_view = HFFolder(folder)
+    for name, tensor in trained.items():
+        assert torch.equal(loaded[name].detach(), tensor), name
+        assert torch.equal(runtime_view.read(name, (), tensor.shape), tensor), name

@@ -196,6 +196,29 @@ def test_only_complete_checkpoints_are_resumed_from(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step-000006", "step-000012"]
 
 
+def _complete(folder, step: int) -> str:
+    os.makedirs(folder / f"{checkpoint_dir.checkpoint_name(step)}{checkpoint_dir.TMP_SUFFIX}")
+    return checkpoint_dir.mark_complete(str(folder / f"{checkpoint_dir.checkpoint_name(step)}"
+                                            f"{checkpoint_dir.TMP_SUFFIX}"))
+
+
+def test_a_run_resumed_from_an_older_checkpoint_orders_its_own_after_the_abandoned_ones(tmp_path):
+    """An earlier run wrote steps 2 and 4; a run resumed from step 2 writes step 3 (``--checkpoint-every 1
+    --keep-last 1``): its step 3 is the newest, kept by pruning and picked by a later ``--resume DIR``, and the
+    abandoned step 4 goes. Markers of an older version (``ok``) come first, by step."""
+    for step in (2, 4):
+        _complete(tmp_path, step)
+    resumed_run = _complete(tmp_path, 3)
+    assert checkpoint_dir.latest_checkpoint(str(tmp_path)) == resumed_run
+    assert checkpoint_dir.resolve_resume(str(tmp_path), None) == resumed_run
+    checkpoint_dir.prune(str(tmp_path), keep_last=1)
+    assert sorted(os.listdir(tmp_path)) == ["step-000003"]
+    for step in (5, 1):
+        os.makedirs(tmp_path / checkpoint_dir.checkpoint_name(step))
+        (tmp_path / checkpoint_dir.checkpoint_name(step) / checkpoint_dir.COMPLETE_MARKER).write_text("ok\n")
+    assert [step for step, _ in checkpoint_dir.complete_checkpoints(str(tmp_path))] == [1, 5, 3]
+
+
 @pytest.fixture
 def plan_file(tmp_path):
     path = tmp_path / "plan.json"

@@ -1,7 +1,7 @@
 """How a run ends or goes on when something outside it fails: a checkpoint that could not be written (the loop
 warns and trains on), a full disk under the metrics file or a saved folder's index (written through a temporary
-file renamed into place: the file is whole or as it was), Ctrl-C (one line naming the checkpoint to resume from,
-exit status 130), a dry-run's own fault (one line, exit status 3, never DOES NOT FIT's 1)."""
+file renamed into place: the file is whole or as it was), Ctrl-C or a scheduler's SIGTERM (one line naming the
+checkpoint to resume from, the summary, exit status 128 + the signal), a dry-run's own fault (one line, exit status 3, never DOES NOT FIT's 1)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,15 @@ def test_a_checkpoint_that_could_not_be_written_is_a_warning_and_training_goes_o
     assert DISK_FULL in warnings[0]
 
 
+def test_the_progress_bar_of_a_resumed_run_starts_at_the_resumed_step(tmp_path):
+    """A 4-step run resumed at step 2 ends its bar at 4/4, not 2/4 (50 %)."""
+    job, log = DiskFullJob(), MetricsLog(make_plan({}, {}), steps=4, path=None)
+    job.steps_done = 2
+    loop.train(job, log, 4, CheckpointOptions())
+    assert (log.bar.n, log.bar.total) == (4, 4) and "4/4" in str(log.bar)
+    log.close()
+
+
 @contextlib.contextmanager
 def _file_size_limit(nbytes: int):
     """No file this process writes can grow past ``nbytes``: its writes fail with EFBIG, as on a full disk (no
@@ -118,27 +127,43 @@ def _records(path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_ends_a_run_in_one_line_naming_the_checkpoint_to_resume_from(tmp_path, ray_cluster):
-    """SIGINT to the run's process group (what Ctrl-C in a terminal sends) once the step-2 checkpoint is written:
-    exit status 130, no traceback, one line naming that checkpoint."""
+@pytest.mark.parametrize("signum, name, extra", [(signal.SIGINT, "Ctrl-C", []),
+                                                 (signal.SIGTERM, "SIGTERM", ["--async-checkpoint"])])
+def test_a_stop_signal_ends_a_run_in_one_line_naming_the_checkpoint_to_resume_from(
+    tmp_path, ray_cluster, signum, name, extra
+):
+    """Ctrl-C (SIGINT to the run's process group, as a terminal sends it) or a scheduler's SIGTERM to the driver
+    once the step-2 checkpoint is written: exit status 128 + the signal, no traceback (no Ray abort), one line
+    naming a complete checkpoint, the summary of the steps done; with an async checkpoint in flight, it completes
+    (no partial folder is left)."""
+    from runtime.checkpoint_dir import TMP_SUFFIX, is_complete, latest_checkpoint
+
     (tmp_path / "plan.json").write_text(make_plan({}, {}).to_json())
     metrics = tmp_path / "m.jsonl"
     process = subprocess.Popen(
         [sys.executable, "-m", "runtime", str(tmp_path / "plan.json"), "--steps", "1000", "--metrics", str(metrics),
-         "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"],
+         "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address})
     deadline = time.monotonic() + 240
     while not any(r.get("event") == "checkpoint" for r in _records(metrics)):
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
         time.sleep(0.05)
-    os.killpg(process.pid, signal.SIGINT)
-    _, err = process.communicate(timeout=120)
-    assert process.returncode == 130, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
+    if signum == signal.SIGINT:
+        os.killpg(process.pid, signum)
+    else:
+        os.kill(process.pid, signum)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signum, err[-3000:]
+    assert "Traceback" not in err and "Aborted" not in err, err[-3000:]
     lines = [line for line in err.splitlines() if line.startswith("runtime: ")]
-    assert len(lines) == 1 and lines[0].startswith("runtime: interrupted (Ctrl-C): resume with --resume "), err
-    assert os.path.basename(lines[0].split("--resume ")[1]).startswith("step-"), lines[0]
+    assert len(lines) == 1 and lines[0].startswith(f"runtime: interrupted ({name}): resume with --resume "), err
+    named = lines[0].split("--resume ")[1]
+    assert is_complete(named) and named == latest_checkpoint(str(tmp_path / "ck")), (named, os.listdir(named))
+    assert not [n for n in os.listdir(tmp_path / "ck") if n.endswith(TMP_SUFFIX)]
+    summary = _records(metrics)[-1]
+    assert summary.get("summary") and summary["stopped"] == name and summary["steps"] >= 2, summary
+    assert out.startswith(f"{summary['steps']} steps, final loss "), out
     _assert_no_workers_left()
 
 
