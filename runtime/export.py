@@ -1,4 +1,4 @@
-"""``python -m runtime.export CHECKPOINT OUT``: a complete training checkpoint (runtime.dcp_checkpoint) as a
+"""``python -m runtime.export CHECKPOINT OUT``: a complete training checkpoint (runtime.checkpoints.dcp_checkpoint) as a
 Hugging Face folder that ``from_pretrained`` and ``--checkpoint`` load, with no running job and no process group.
 
 The weights are read with DCP's no-distributed load (``dcp.load(..., no_dist=True)``), which assembles each
@@ -13,7 +13,7 @@ import os
 import sys
 import warnings
 
-from runtime.checkpoint_dir import is_complete
+from runtime.run.checkpoint_dir import is_complete
 
 
 def export(checkpoint: str, out: str, *, max_file_bytes: int = 1 << 30) -> list[str]:
@@ -26,9 +26,9 @@ def export(checkpoint: str, out: str, *, max_file_bytes: int = 1 << 30) -> list[
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from planner.versioned_json import write_atomically
-    from runtime.checkpoint import plan_files, write_index
-    from runtime.dcp_checkpoint import CONFIG_FILE, PARAM
+    from planner.contract.versioned_json import write_atomically
+    from runtime.checkpoints.hf_folder import plan_files, write_index
+    from runtime.checkpoints.dcp_checkpoint import CONFIG_FILE, PARAM
 
     if not os.path.isdir(checkpoint) or not is_complete(checkpoint):
         raise ValueError(f"{checkpoint} is not a complete training checkpoint (written by --checkpoint-dir)")

@@ -15,25 +15,25 @@ def _import_with_blocked(modules: list[str], blocked: list[str]) -> subprocess.C
 
 PLANNER_MODULES = [
     "planner",
-    "planner.schema",
-    "planner.models",
-    "planner.workload",
-    "planner.strategy",
-    "planner.hardware",
+    "planner.contract.schema",
+    "planner.contract.models",
+    "planner.contract.workload",
+    "planner.contract.strategy",
+    "planner.contract.hardware",
     "planner.catalog",
     "planner.cost",
     "planner.profiles",
     "planner.dataset",
-    "planner.packing",
-    "planner.data_rows",
-    "planner.rules",
-    "planner.units",
-    "planner.versioned_json",
+    "planner.contract.packing",
+    "planner.contract.data_rows",
+    "planner.contract.rules",
+    "planner.contract.units",
+    "planner.contract.versioned_json",
     "planner.problem",
     "planner.search",
     "planner.plan_document",
     "planner.trace",
-    "planner.trace_format",
+    "planner.contract.trace_format",
     "planner.profiles.calibrate",
     "planner.profiles.compare",
 ]
@@ -46,5 +46,5 @@ def test_planner_imports_without_torch_ray_transformers(module):
 
 
 def test_plan_schema_imports_without_ortools():
-    result = _import_with_blocked(["planner.schema"], ["ortools"])
+    result = _import_with_blocked(["planner.contract.schema"], ["ortools"])
     assert result.returncode == 0, result.stderr

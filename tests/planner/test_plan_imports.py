@@ -23,12 +23,12 @@ def test_import_planner_pulls_in_nothing_heavy():
 
 def test_lazy_exports_resolve():
     result = _python("import planner\nprint(planner.plan.__module__, planner.load_plan.__module__)")
-    assert result.stdout.split() == ["planner.api", "planner.schema"]
+    assert result.stdout.split() == ["planner.api", "planner.contract.schema"]
 
 
-@pytest.mark.parametrize("module", ["planner.api", "planner.cli", "planner.candidates", "planner.enumeration",
-                                    "planner.baselines", "planner.solver.cp_sat", "planner.solver.fixes",
-                                    "planner.solver.explain"])
+@pytest.mark.parametrize("module", ["planner.api", "planner.cli", "planner.search.candidates", "planner.search.enumeration",
+                                    "planner.search.baselines", "planner.search.solver.cp_sat", "planner.search.solver.fixes",
+                                    "planner.search.solver.explain"])
 def test_planner_modules_import_without_torch_ray_transformers(module):
     result = _python(BLOCK_HEAVY + f"import {module}")
     assert result.returncode == 0, result.stderr

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runtime.trainer import RunOptions, Trainer
+from runtime.training.trainer import RunOptions, Trainer
 
 SEED = 3
 """Random-init seed of the scenarios."""

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from runtime.checkpoint import HFFolder, legacy_names, plan_files, read_region
-from runtime.model import build_model
+from runtime.checkpoints.hf_folder import HFFolder, legacy_names, plan_files, read_region
+from runtime.models.model import build_model
 from runtime.parallel import attention
 from runtime.parallel.precision import module_precision
 from runtime.parallel.tensor_parallel import qkv_row_order, qkv_to_tp_layout

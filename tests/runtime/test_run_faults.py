@@ -16,10 +16,12 @@ import time
 
 import pytest
 
-from runtime import checkpoint, dry_run, loop
+from runtime.checkpoints import hf_folder as checkpoint
+from runtime import dry_run
+from runtime.training import loop
 from runtime.__main__ import DRY_RUN_FAILED, main
-from runtime.checkpoint_dir import CheckpointOptions
-from runtime.metrics import MetricsLog
+from runtime.run.checkpoint_dir import CheckpointOptions
+from runtime.observability.metrics import MetricsLog
 from tests.runtime.plans import make_plan
 from tests.runtime.test_recovery import _assert_no_workers_left
 
