@@ -4,14 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 import math
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from planner.contract.models import ModelSpec
 
-if TYPE_CHECKING:
-    from planner.cost.balance import StepBalance
+
+class PackBalance(Protocol):
+    """A dataset's packs as the per-step assignment sees them: what the cost model asks of
+    ``planner.cost.balance.StepBalance`` (``work``: its ``SampleWork``)."""
+
+    def expected_imbalance(self, module: str, replicas: int, per_replica: int, micro_batches: int,
+                           work: Any) -> float:
+        """The expected ``step_imbalance`` of ``module`` under the per-step assignment."""
+
+    def heaviest_replica(self, module: str, replicas: int, per_replica: int, micro_batches: int,
+                         work: Any) -> ModuleTokens:
+        """What one replica of ``module`` holds in its heaviest micro-batch, per pack."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -95,7 +105,7 @@ class PackedTokens:
     """LLM-token budget of a pack; None: every sample is a pack of its own (no packing)."""
     heaviest_workload: Workload | None = None
     """The workload of one heaviest pack (set by ``packed_workload``)."""
-    balance: StepBalance | None = None
+    balance: PackBalance | None = None
     """The packs' items as the per-step assignment sees them (``planner.cost.balance``): what prices each module's
     slowest replica; None: the mean pack is priced."""
 

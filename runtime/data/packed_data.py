@@ -41,7 +41,7 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
-from runtime.models.families import family_of
+from runtime.data.normalization import image_normalization
 
 from planner.cost.balance import SampleWork, assign_lpt
 from planner.contract.data_rows import (SHORT_CLIP, SkippedSample, Video, cache_folder, file_key, image_header_size,
@@ -130,7 +130,7 @@ class PackedConversations:
         self.fps = dataset.fps or DEFAULT_FPS
         self.timestamped = self.spec.vision_input.video.group_text_tokens > 2
         """Whether each temporal group has its timestamp (``runtime.data.samples.clip_sizes``' rule)."""
-        mean, std = family_of(config).IMAGE_NORMALIZATION
+        mean, std = image_normalization(config)
         self.processor = Qwen2VLImageProcessorPil(
             patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
             size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}, image_mean=list(mean),

@@ -28,8 +28,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from planner.contract.families import model_from_hf_config
 from planner.contract.workload import video_grid
-from runtime.models.families import family_of
-from runtime.models.vision import merged_positions_per_rank
+from runtime.data.normalization import image_normalization
+from runtime.parallel.windows import merged_positions_per_rank
 
 IGNORE_INDEX = -100
 """Label value the loss skips (transformers' convention)."""
@@ -189,7 +189,7 @@ def layout_from_plan(workload: Any, config: Any) -> SampleLayout:
         videos=videos,
         video_token_id=config.video_token_id,
         timestamp_tokens=timestamps,
-        normalization=family_of(config).IMAGE_NORMALIZATION,
+        normalization=image_normalization(config),
     )
     planned = workload.module_tokens.get("vision")
     if planned is not None and planned != layout.num_patches:

@@ -16,11 +16,13 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
-from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids, get_vision_window_index
+from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids
 
 from planner.contract.rules import attention_rules, width_rule
+from runtime.data.samples import SyntheticData, layout_from_plan, visual_inputs
 from runtime.parallel.tensor_parallel import parallelize_vision_tp, qkv_row_order
 from runtime.parallel.ulysses import UlyssesGroup, split_windows
+from runtime.parallel.windows import merged_positions_per_rank, window_layout
 
 
 class VisionTower(nn.Module):
@@ -95,22 +97,16 @@ class VisionEncoder:
     @staticmethod
     def layout_from_plan(workload: Any, config: Any) -> Any:
         """runtime.data.samples ``layout_from_plan``."""
-        from runtime.data.samples import layout_from_plan  # runtime.data.samples reads the families, which read this module
-
         return layout_from_plan(workload, config)
 
     @staticmethod
     def synthetic(layout: Any, seed: int) -> Any:
         """Random images and clips of the layout (runtime.data.samples ``SyntheticData``)."""
-        from runtime.data.samples import SyntheticData
-
         return SyntheticData(layout, seed)
 
     def shard(self, batch: Mapping[str, torch.Tensor], config: Any, *, sp_rank: int, sp_group: Any,
               sp: int) -> VisionShard:
         """This SP rank's part of a replica's images and clips (``shard_vision_batch``)."""
-        from runtime.data.samples import visual_inputs
-
         pixels, grid = visual_inputs(batch)
         grid, vc = grid.cpu(), config.vision_config
         return shard_vision_batch(pixels, grid, vc, sp_rank=sp_rank, sp_group=sp_group, sp=sp,
@@ -139,19 +135,6 @@ class VisionShard:
     """The family's other per-patch inputs, this rank's rows (Qwen3-VL: position-table taps and weights)."""
 
 
-def window_layout(grid_thw: torch.Tensor, config: Any) -> tuple[torch.Tensor, list[int]]:
-    """Merge-unit window order and window boundaries (in patches) of a replica's images."""
-    unit = config.spatial_merge_size**2
-    if getattr(config, "window_size", None) is None:  # Qwen2-VL: no windows, split anywhere on merge units
-        num_units = int(grid_thw.prod(-1).sum()) // unit
-        return torch.arange(num_units), list(range(0, num_units * unit + 1, unit))
-    window_index, cu_windows = get_vision_window_index(
-        grid_thw, spatial_merge_size=config.spatial_merge_size, window_size=config.window_size,
-        patch_size=config.patch_size,
-    )
-    return window_index, cu_windows.tolist()
-
-
 def filler_grid(config: Any, sp: int) -> tuple[int, int, int]:
     """The smallest image grid with ``sp`` attention windows (merge units without windows): what a vision replica
     runs beside too few windows of its own (none: no image this micro-batch), so that every SP rank has a window and
@@ -165,14 +148,6 @@ def full_attention_blocks(config: Any) -> frozenset[int]:
     """Blocks attending over whole images (all of them in Qwen2-VL)."""
     full = getattr(config, "fullatt_block_indexes", None)
     return frozenset(range(config.depth)) if full is None else frozenset(full)
-
-
-def merged_positions_per_rank(grid_thw: torch.Tensor, config: Any, sp: int) -> list[torch.Tensor]:
-    """Replica-order index of the merged tokens each of ``sp`` SP ranks emits (what the hand-off routes)."""
-    unit = config.spatial_merge_size**2
-    window_index, cu_windows = window_layout(grid_thw, config)
-    bounds = split_windows(cu_windows, sp)
-    return [window_index[a // unit : b // unit] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def shard_vision_batch(

@@ -21,7 +21,8 @@ and, in a vision family, the hooks its ``VisionEncoder`` calls:
 
 - ``vision_tp_plans(visual) -> [(submodule, plan)]``: the DTensor ``parallelize_module`` plans of the vision
   tower (its fused ``attn.qkv`` rows are put in TP layout first, by runtime.parallel.tensor_parallel);
-- ``IMAGE_NORMALIZATION``: (image_mean, image_std) of the checkpoints' processor config;
+- ``IMAGE_NORMALIZATION``: (image_mean, image_std) of the checkpoints' processor config (its entry in
+  runtime.data.normalization, which the data readers use);
 - ``vision_patch_inputs(grid_thw, config) -> {name: [N, ...]}``: per-patch inputs besides pixels and positions, in
   patch order (the shard takes its patches' rows);
 - ``vision_forward(visual, shard) -> [m, handoff_tensors * D]``: this rank's rows of the hand-off.

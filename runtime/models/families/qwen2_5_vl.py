@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import Qwen2_5_VLForConditionalGeneration
-from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
+from runtime.data.normalization import IMAGE_NORMALIZATIONS
 from runtime.models.vision import VisionEncoder, VisionShard, blocks_forward
 
 MODEL_TYPE = "qwen2_5_vl"
@@ -25,7 +25,7 @@ BLOCK_TP_PLAN = {
 """A vision block: attention heads and the gated MLP's width split (Megatron-LM, Shoeybi et al. 2019)."""
 MERGER_TP_PLAN = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
 """The merger's two-layer MLP."""
-IMAGE_NORMALIZATION = (tuple(OPENAI_CLIP_MEAN), tuple(OPENAI_CLIP_STD))
+IMAGE_NORMALIZATION = IMAGE_NORMALIZATIONS[MODEL_TYPE]
 """(image_mean, image_std) of the checkpoints' preprocessor_config.json: CLIP's."""
 LLM_LAYER_TP_PLAN: dict = {}
 """Nothing beyond the common decoder-layer plan."""

@@ -24,6 +24,7 @@ from transformers import Qwen2AudioForConditionalGeneration
 
 from planner.contract.families.qwen2_audio import POOL_STRIDE, WHISPER_MEL_FRAMES_PER_SECOND
 from planner.contract.rules import attention_rules, width_rule
+from runtime.data.samples import ordinary_ids
 from runtime.parallel.ulysses import UlyssesGroup, split_windows
 
 MODEL_TYPE = "qwen2_audio"
@@ -221,8 +222,6 @@ def layout_from_plan(workload: Any, config: Any) -> AudioLayout:
     if workload.text_tokens < 2 * clips + 1:
         raise ValueError(f"{workload.text_tokens} text tokens cannot hold a start and end marker for each of {clips} "
                          "clips plus one text token")
-    from runtime.data.samples import ordinary_ids  # runtime.data.samples reads the families
-
     text = config.get_text_config()
     text_ids = ordinary_ids(text.vocab_size, [config.audio_token_id + k for k in (0, *MARKER_OFFSETS)])
     return AudioLayout(clips=clips, mel_bins=ac.num_mel_bins, mel_frames=2 * ac.max_source_positions,

@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import Qwen3VLForConditionalGeneration
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
+from runtime.data.normalization import IMAGE_NORMALIZATIONS
 from runtime.parallel.tensor_parallel import ReplicatedWeightSummedGradients
 from runtime.models.vision import VisionEncoder, VisionShard, blocks_forward
 
@@ -30,7 +31,7 @@ BLOCK_TP_PLAN = {
 """A vision block: attention heads and the MLP's width split (torchtitan's Qwen3-VL vision plan)."""
 MERGER_TP_PLAN = {"linear_fc1": ColwiseParallel(), "linear_fc2": RowwiseParallel()}
 """The merger's and each DeepStack merger's two-layer MLP (their norms stay replicated)."""
-IMAGE_NORMALIZATION = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+IMAGE_NORMALIZATION = IMAGE_NORMALIZATIONS[MODEL_TYPE]
 """(image_mean, image_std) of the checkpoints' preprocessor_config.json (docs/research/qwen3-vl.md), not the image
 processor class's CLIP defaults."""
 LLM_LAYER_TP_PLAN = {
