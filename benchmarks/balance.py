@@ -1,6 +1,6 @@
 """Per-module balancing against LLM-token-only balancing, on the mixed-resolution mixture of docs/planner.md and
 on the same mixture with video clips mixed in (Qwen2.5-VL-32B's vision tower and LLM on H100s, the cost model's
-work per item, ``planner.balance``).
+work per item, ``planner.cost.balance``).
 
 For 8, 64 and 1,024 ranks (each module DP over all of them, one pack per replica per micro-batch, 4 micro-batches a
 step), steps are drawn from the dataset's packs and assigned two ways:
@@ -43,12 +43,12 @@ from pathlib import Path
 import numpy as np
 
 from planner.analysis import mixed_resolution_histogram
-from planner.balance import SampleWork, assign_lpt, llm_micro_loads, step_imbalance
+from planner.cost.balance import SampleWork, assign_lpt, llm_micro_loads, step_imbalance
 from planner.catalog import get_model
-from planner.data_rows import VideoShape
+from planner.contract.data_rows import VideoShape
 from planner.dataset import DatasetHistogram, pack_budgets, pack_dataset, sample_tokens
-from planner.hardware import get_device
-from planner.packing import balance_packs
+from planner.contract.hardware import get_device
+from planner.contract.packing import balance_packs
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = get_model("qwen-vl-32b")
@@ -185,7 +185,7 @@ def cpu_main(steps: int) -> None:
           f"{os.cpu_count()} cores: times are noisy), vision DP {CPU_RANKS} + LLM DP {CPU_RANKS} colocated, "
           f"{CPU_GRAD_ACCUM} micro-batches of one {CPU_PACK_TOKENS}-token pack per replica; {CPU_ROWS} conversations, "
           f"1 in {CPU_LARGE_EVERY} over a large image ({large} px), the others small ({small}); {steps} steps per "
-          "policy, the same packs each step; work: the cost model's per rank (planner.balance, the plan's CPU device "
+          "policy, the same packs each step; work: the cost model's per rank (planner.cost.balance, the plan's CPU device "
           "spec); compute: forward + backward\n")
     print("| policy | step | rank | vision compute (s) | vision work (s) | LLM compute (s) | LLM work (s) | step (s) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -193,7 +193,7 @@ def cpu_main(steps: int) -> None:
         for step, rank, r in rank_rows(records):
             print(f"| {policy} | {step} | {rank} | {r['vision']:.3f} | {r['vision_work']:.4f} | {r['llm']:.3f} | "
                   f"{r['llm_work']:.4f} | {r['step']:.3f} |")
-    print("\nmedians over the steps after the first; busiest / mean rank per step (runtime.metrics' imbalance):\n")
+    print("\nmedians over the steps after the first; busiest / mean rank per step (runtime.observability.metrics' imbalance):\n")
     print("| policy | vision compute: busiest / mean | vision work: busiest / mean | LLM compute: busiest / mean | "
           "step time (s) |")
     print("|---|---:|---:|---:|---:|")
@@ -218,7 +218,7 @@ def main() -> None:
         return cpu_main(args.steps)
     work = SampleWork(MODEL, get_device("h100"))
     mixture = mixed_resolution_histogram()
-    print(f"{MODEL.name} on H100s; work per item from the cost model (planner.balance.SampleWork); "
+    print(f"{MODEL.name} on H100s; work per item from the cost model (planner.cost.balance.SampleWork); "
           f"{MICRO_BATCHES} micro-batches of one pack per replica; mean of {STEPS} drawn steps\n")
     print("| data | ranks | vision imbalance: tokens / per module | LLM imbalance: tokens / per module "
           "| step compute (s): tokens / per module | speed-up | assignment (ms/step) | per-step SP could gain |")

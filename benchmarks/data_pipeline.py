@@ -13,7 +13,7 @@ the header of every one). Prints:
   default ``max_pixels`` and at 1,003,520 pixels (a common training setting);
 - the header scan of all rows (``planner.dataset.read_dataset``, empty cache), the cached read, and the whole
   ``plan --dataset`` process with a cold and a warm cache;
-- the runtime's loader (``runtime.packed_data.PackedConversations``) on the first ``--loader-samples`` rows at
+- the runtime's loader (``runtime.data.packed_data.PackedConversations``) on the first ``--loader-samples`` rows at
   ``max_pixels`` 1,003,520: its start-up index per sample, and samples/s building samples (decode, the processor's
   resize and patchify, chat template and labels) in one process, against what one rank must build per second for
   the plan of Qwen2.5-VL-32B on 16 H100s for those rows (the plan's samples/s over its vision DP replicas: the
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' token
 from planner.analysis import mixed_resolution_histogram  # noqa: E402
 from planner.api import plan  # noqa: E402
 from planner.catalog import get_model  # noqa: E402
-from planner.data_rows import CACHE_ENV  # noqa: E402
+from planner.contract.data_rows import CACHE_ENV  # noqa: E402
 from planner.dataset import pack_budgets, pack_dataset, read_dataset, sample_tokens  # noqa: E402
 
 MODEL = "qwen-vl-32b"
@@ -98,9 +98,9 @@ def plan_process_s(data: Path, env: dict) -> float:
 
 def loader_lines(data: Path, folder: Path, samples: int) -> list[str]:
     """The runtime loader's index and build rates on the first ``samples`` rows, against one rank's need."""
-    from planner.balance import plan_sample_work
-    from runtime.model import hf_config_from_dict
-    from runtime.packed_data import PackedConversations
+    from planner.cost.balance import plan_sample_work
+    from runtime.models.model import hf_config_from_dict
+    from runtime.data.packed_data import PackedConversations
     from tests.runtime.plans import tiny_hf_config
     from tests.runtime.tokenizer import save_tokenizer
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from planner.api import plan as make_plan
 from runtime.dry_run import dry_run, format_report
-from runtime.trainer import RunOptions
+from runtime.training.trainer import RunOptions
 
 OUT = Path(__file__).parent / "results" / "dry_run.txt"
 

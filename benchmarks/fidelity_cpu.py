@@ -11,7 +11,7 @@
    re-measured (delete the file, or its points, to re-measure).
 2. For each configuration, ``plan`` (the CLI, with ``--fix`` pinning placement and degrees) writes a plan costed
    with that profile.
-3. The runtime (``runtime.launcher.run``, Ray started once) trains it for ``--steps`` steps; a run's step time is
+3. The runtime (``runtime.launch.launcher.run``, Ray started once) trains it for ``--steps`` steps; a run's step time is
    the median over steps after the first (the slowest rank, as the runtime's metrics file records it). With
    ``--repeats R`` every configuration runs R times, interleaved, and the fastest run counts: the prediction is for
    an otherwise idle machine, and other processes on a shared one only ever add time. Runs are fresh unless
@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = str(ROOT / "benchmarks" / "qwen2.5-vl-cpu-small")
 THREADS = 1
-"""torch threads of each runtime worker (runtime.launcher gives every worker one CPU)."""
+"""torch threads of each runtime worker (runtime.launch.launcher gives every worker one CPU)."""
 PROFILE_ARGS = ["--threads", str(THREADS), "--vision-seq", "256,576,1024", "--llm-seq", "128,256,512,1024",
                 "--micro-batches", "1,2,4", "--tp", "1,2", "--sp", "1,2"]
 """The grid the committed profile was measured on; covers every configuration below."""
@@ -182,9 +182,9 @@ def finished(metrics: Path) -> bool:
 def run_plan(plan_file: Path, steps: int, metrics: Path) -> float:
     """Train the plan for ``steps`` steps (unless ``metrics`` already holds a finished run of it); the median step
     time after the first."""
-    from runtime.launcher import run
+    from runtime.launch.launcher import run
     from planner.profiles.calibrate import measured_step_time
-    from runtime.trainer import RunOptions
+    from runtime.training.trainer import RunOptions
 
     if not finished(metrics):
         metrics.unlink(missing_ok=True)
@@ -253,7 +253,7 @@ def format_table(results: list[Result], calibrated: tuple[list[float], list[floa
 
 
 def load_plan(path: Path):
-    from planner.schema import load_plan as load
+    from planner.contract.schema import load_plan as load
 
     return load(path)
 

@@ -287,7 +287,7 @@ def choose_plan(setup: Setup, inputs: dict[str, Any], profile: Path | None, prep
     OR-Tools imports, else the prepared plan's strategy costed so."""
     from planner import api
     from planner.analysis import strategy_of
-    from planner.schema import load_plan
+    from planner.contract.schema import load_plan
 
     source = "the measured profile" if profile else "the analytical model"
     if solver_available():
@@ -370,7 +370,7 @@ def measured_mfu(summary: dict, plan: Any) -> float:
 
 def step_compare(report: Report, setup: Setup, summary: dict, plan_paths: tuple[Path, Path]) -> None:
     """Measured against the profiled and the analytical prediction."""
-    from planner.schema import load_plan
+    from planner.contract.schema import load_plan
 
     plan, analytical = (load_plan(p) for p in plan_paths)
     step, memory = summary["step_time_s"]["measured"], summary["peak_memory_gib"]["measured"]
@@ -483,7 +483,7 @@ def step_varlen(report: Report, setup: Setup) -> None:
     the block-mask stand-in. A case whose tensors disagree is the step's error."""
     import torch
 
-    from runtime.model import hf_config_from_dict
+    from runtime.models.model import hf_config_from_dict
     from planner.catalog import get_model
 
     config = hf_config_from_dict(get_model(setup.model).hf_config)

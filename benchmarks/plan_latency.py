@@ -88,7 +88,7 @@ def main() -> None:
     args = parser.parse_args()
 
     print(f"{'GPUs':>5} {'placement':>10} {'kept':>5} {'search':>7} {'status':>10} {'step time':>9} {'LLM pp':>6}")
-    importlib.import_module("planner.solver.cp_sat")  # its OR-Tools import is not solver time
+    importlib.import_module("planner.search.solver.cp_sat")  # its OR-Tools import is not solver time
 
     for n in args.sizes:
         for placement in ("colocated", "disjoint"):

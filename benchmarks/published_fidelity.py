@@ -38,8 +38,8 @@ from planner.cost.results import Estimate  # noqa: E402
 from planner.problem import Problem  # noqa: E402
 from planner.profiles.calibrate import fit_step_time  # noqa: E402
 from planner.profiles.calibration import with_values  # noqa: E402
-from planner.strategy import ModuleStrategy, Strategy  # noqa: E402
-from planner.units import GIB  # noqa: E402
+from planner.contract.strategy import ModuleStrategy, Strategy  # noqa: E402
+from planner.contract.units import GIB  # noqa: E402
 
 PUBLISHED = ROOT / "benchmarks" / "published"
 CALIBRATED = ("max_matmul_efficiency", "flash_attention_efficiency", "intra_node_bus_efficiency",

@@ -1,9 +1,9 @@
 """Runtime overhead on CPU under Ray Train: the runtime's Trainer inside a ``TorchTrainer`` vs a plain PyTorch step,
-with the plain-actor launcher (runtime.launcher) measured in the same run for comparison.
+with the plain-actor launcher (runtime.launch.launcher) measured in the same run for comparison.
 
 The model, plan, samples and plain step are benchmarks/runtime_overhead.py's (imported, not copied). The
 TorchTrainer runs one worker (``ScalingConfig(num_workers=1, use_gpu=False, resources_per_worker={"CPU": 1})``,
-``RunConfig(storage_path=<temp dir>)``); its ``train_loop_per_worker`` builds ``runtime.trainer.Trainer`` on the
+``RunConfig(storage_path=<temp dir>)``); its ``train_loop_per_worker`` builds ``runtime.training.trainer.Trainer`` on the
 gloo process group Ray Train initialised and ``ray.train.report``s every step's ``step_time_s``.
 
 Same load: the three loops run in lockstep, one step each in turn (plain in this process, then the launcher's
@@ -46,8 +46,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.runtime_overhead import WARMUP_STEPS, PlainStep, benchmark_plan  # noqa: E402
-from runtime import launcher  # noqa: E402
-from runtime.trainer import RunOptions, Trainer  # noqa: E402
+from runtime.launch import launcher  # noqa: E402
+from runtime.training.trainer import RunOptions, Trainer  # noqa: E402
 
 WAIT_S = 600
 """Longest wait for the TorchTrainer worker's next message before the benchmark gives up."""

@@ -24,11 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime import launcher  # noqa: E402
-from runtime.data import SyntheticData, collate, layout_from_plan  # noqa: E402
-from runtime.model import build_model  # noqa: E402
-from runtime.optim import warmup_factor  # noqa: E402
-from runtime.trainer import RunOptions  # noqa: E402
+from runtime.launch import launcher  # noqa: E402
+from runtime.data.samples import SyntheticData, collate, layout_from_plan  # noqa: E402
+from runtime.models.model import build_model  # noqa: E402
+from runtime.training.optim import warmup_factor  # noqa: E402
+from runtime.training.trainer import RunOptions  # noqa: E402
 from tests.runtime.plans import make_plan, tiny_hf_config  # noqa: E402
 
 WARMUP_STEPS = 2

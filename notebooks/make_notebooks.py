@@ -405,7 +405,7 @@ for every span's seconds; summed over the step below."""),
 import json
 
 from planner.analysis import plot_step_trace
-from planner.trace_format import makespan_s
+from planner.contract.trace_format import makespan_s
 
 TIMELINE = ROOT / "benchmarks" / "results" / "step_timeline"
 predicted, measured = (json.loads((TIMELINE / f"{kind}.json").read_text()) for kind in ("predicted", "measured"))

@@ -1,7 +1,7 @@
 """dhplan planner: per-module parallelism plans for multimodal training.
 
 ``plan``, ``top_plans``, ``evaluate``, ``max_seq`` (``planner.api``), ``compare`` and ``sweep``
-(``planner.analysis``, which imports pandas) and ``load_plan`` (``planner.schema``) are imported lazily, so
+(``planner.analysis``, which imports pandas) and ``load_plan`` (``planner.contract.schema``) are imported lazily, so
 ``import planner`` pulls in neither OR-Tools, pandas nor pydantic until one is used.
 """
 
@@ -18,7 +18,7 @@ _EXPORTS = {
     "make_problem": "planner.api",
     "compare": "planner.analysis",
     "sweep": "planner.analysis",
-    "load_plan": "planner.schema",
+    "load_plan": "planner.contract.schema",
 }
 
 __all__ = sorted(_EXPORTS)

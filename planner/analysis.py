@@ -27,18 +27,18 @@ import pandas as pd
 
 from planner.api import DEFAULT_GPU, Infeasible, evaluate, make_problem, max_seq, plan, with_max_seq_margin
 from planner.dataset import DatasetHistogram
-from planner.baselines import best_of, megatron_family, uniform_tp_family, zero3_family
+from planner.search.baselines import best_of, megatron_family, uniform_tp_family, zero3_family
 from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, estimate
 from planner.problem import Problem
 from planner.cost.comm import Link
 from planner.cost.layers import Shard, layer_terms
-from planner.hardware import DeviceSpec, get_device
-from planner.models import ModelSpec
+from planner.contract.hardware import DeviceSpec, get_device
+from planner.contract.models import ModelSpec
 from planner.profiles import LayerPoint, MemoryPoint, Profile, device_from_profile, load_profile
-from planner.schema import Plan
-from planner.strategy import Strategy, strategy_of
-from planner.workload import Workload, module_tokens, smart_resize
+from planner.contract.schema import Plan
+from planner.contract.strategy import Strategy, strategy_of
+from planner.contract.workload import Workload, module_tokens, smart_resize
 
 __all__ = [
     "BASELINES", "MEMORY_PARTS", "MODULE_FIELDS", "STRATEGIES", "STRATEGY_LABELS", "baseline_plans",
@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 BASELINES = {"uniform_tp": uniform_tp_family, "zero3": zero3_family, "megatron": megatron_family}
-"""Baseline name -> the family of module strategies it is the best of (``planner.baselines``)."""
+"""Baseline name -> the family of module strategies it is the best of (``planner.search.baselines``)."""
 STRATEGIES = ("auto", *BASELINES)
 """What a row's ``strategy`` column holds: the planner's plan (auto) or a baseline."""
 STRATEGY_LABELS = {"auto": "planner (auto)", "uniform_tp": "uniform TP", "zero3": "ZeRO-3", "megatron": "Megatron"}
@@ -278,7 +278,7 @@ def longest_sequence(model: str | ModelSpec, gpus: int, *, strategy: str = "auto
     or None when even the smallest image does not fit.
 
     ``auto`` is ``planner.api.max_seq`` (any plan the planner can find); a baseline name searches that baseline's
-    family (``planner.baselines``) by bisection over the image side.
+    family (``planner.search.baselines``) by bisection over the image side.
     """
     if strategy == "auto":
         try:
@@ -569,10 +569,10 @@ TRACE_COLORS = (("recompute", "tab:purple"), ("weights", "tab:brown"), ("forward
 
 def plot_step_trace(trace: Mapping[str, Any], ax, *, title: str = "", until_s: float | None = None,
                     legend: bool = False) -> None:
-    """One step's trace (``planner.trace_format``: ``plan --trace`` or ``python -m runtime --trace``) as bars, one
+    """One step's trace (``planner.contract.trace_format``: ``plan --trace`` or ``python -m runtime --trace``) as bars, one
     row per rank and lane, time in ms; ``until_s`` fixes the x range (to compare two traces at one scale). The whole
     step's span (a measured trace's host lane) is left out."""
-    from planner.trace_format import LANES
+    from planner.contract.trace_format import LANES
 
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] != "step"]

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
-from planner.baselines import BaselineOutcome, baselines
+from planner.search.baselines import BaselineOutcome, baselines
 from planner.cost import estimate
-from planner.units import GIB
+from planner.contract.units import GIB
 from planner.dataset import DatasetHistogram, read_dataset
-from planner.models import ModelSpec
+from planner.contract.models import ModelSpec
 from planner.plan_document import build_plan
 from planner.problem import (
     DEFAULT_FPS,
@@ -37,9 +37,9 @@ from planner.problem import (
     model_folder_tokenizer,
     video_frames,
 )
-from planner.schema import Plan, load_plan
+from planner.contract.schema import Plan, load_plan
 from planner.search import MAX_TIME_LIMIT_S, check_time_limit, pipeline_alternative, solve_strategies
-from planner.solver.explain import (
+from planner.search.solver.explain import (
     Infeasible,
     candidates_or_error,
     explain_infeasible,
@@ -47,8 +47,8 @@ from planner.solver.explain import (
     variant,
     vision_workload,
 )
-from planner.solver.fixes import fixed_text, parse_fixes, pinned_strategy, placements_to_solve
-from planner.strategy import Strategy
+from planner.search.solver.fixes import fixed_text, parse_fixes, pinned_strategy, placements_to_solve
+from planner.contract.strategy import Strategy
 
 __all__ = [
     "DEFAULT_FPS", "DEFAULT_GPU", "Infeasible", "MAX_AUDIO_SECONDS", "MAX_GLOBAL_BATCH", "MAX_GPUS", "MAX_IMAGE_SIDE",

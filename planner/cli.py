@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from planner.hardware import PLAUSIBLE_RANGES
+from planner.contract.hardware import PLAUSIBLE_RANGES
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
-from planner.schema import ATTENTION_CALLS
-from planner.versioned_json import write_atomically
+from planner.contract.schema import ATTENTION_CALLS
+from planner.contract.versioned_json import write_atomically
 
 EXIT_USER_ERROR = 2
 
@@ -191,7 +191,7 @@ def _list_models() -> None:
 
 
 def _list_gpus() -> None:
-    from planner.hardware import list_devices
+    from planner.contract.hardware import list_devices
 
     for name, aliases, description in list_devices():
         print(f"{name:12} {description}  (aliases: {', '.join(aliases) or '-'})")
@@ -269,7 +269,7 @@ def _write_trace(args: argparse.Namespace, plan) -> None:
     dataset's pack budget, --max-seq's image)."""
     from planner import api
     from planner.trace import plan_trace
-    from planner.trace_format import write_trace
+    from planner.contract.trace_format import write_trace
 
     inputs = _inputs(args)
     if args.dataset is not None:

@@ -21,13 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from planner.balance import StepBalance
-from planner.data_rows import (SHORT_CLIP, SkippedSample, VideoShape, cache_folder, file_key, image_header_size, media_files,
+from planner.cost.balance import StepBalance
+from planner.contract.data_rows import (SHORT_CLIP, SkippedSample, VideoShape, cache_folder, file_key, image_header_size, media_files,
                                media_keys, messages_of, read_rows, video_shape)
-from planner.versioned_json import write_atomically
-from planner.models import ModelSpec
-from planner.packing import pack_best_fit
-from planner.workload import (DEFAULT_FPS, ModuleTokens, PackedTokens, Workload, image_windows, packed_workload,
+from planner.contract.versioned_json import write_atomically
+from planner.contract.models import ModelSpec
+from planner.contract.packing import pack_best_fit
+from planner.contract.workload import (DEFAULT_FPS, ModuleTokens, PackedTokens, Workload, image_windows, packed_workload,
                               sampled_frames, smart_resize, video_grid, video_text_tokens, vision_tokens)
 
 CHAT_TOKENS_PER_TURN = 5
@@ -291,7 +291,7 @@ def sample_tokens(histogram: DatasetHistogram, model: ModelSpec, *, fps: float =
                   min_pixels: int | None = None, max_pixels: int | None = None) -> SampleTokens:
     """Each sample's tokens per module after the processor's resize of its images (between ``min_pixels`` and
     ``max_pixels``, by default the model's image processor's) and its clips (video files sampled at ``fps``,
-    ``clip_frames``), the clips priced as a synthetic workload's (``planner.workload``: a full-attention segment
+    ``clip_frames``), the clips priced as a synthetic workload's (``planner.contract.workload``: a full-attention segment
     per temporal group, the family's prompt text per clip and per group).
 
     Raises:
@@ -339,7 +339,7 @@ def sample_tokens(histogram: DatasetHistogram, model: ModelSpec, *, fps: float =
 
 def clip_frames(video: VideoShape, fps: float, model: ModelSpec) -> int:
     """Frames of a clip as the model's video processor samples it: a frame list's own, a file's at ``fps``
-    (``planner.workload.sampled_frames``).
+    (``planner.contract.workload.sampled_frames``).
 
     Raises:
         ValueError: ``SHORT_CLIP``.
@@ -375,7 +375,7 @@ def _llm_tokens(sums: dict[str, float]) -> ModuleTokens:
 
 
 def pack_dataset(tokens: SampleTokens, model: ModelSpec, pack_tokens: int | None) -> Packing:
-    """Best-fit-decreasing packs of at most ``pack_tokens`` LLM tokens (``planner.packing``), or one sample per pack
+    """Best-fit-decreasing packs of at most ``pack_tokens`` LLM tokens (``planner.contract.packing``), or one sample per pack
     when None: the mean pack, and per module the heaviest (most tokens, then the largest squared segments).
 
     Raises:

@@ -6,13 +6,13 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Mapping
 
-from planner.baselines import BASELINE_DESCRIPTIONS, BaselineOutcome, baselines
+from planner.search.baselines import BASELINE_DESCRIPTIONS, BaselineOutcome, baselines
 from planner.cost import Estimate, estimate
 from planner.cost.memory import loss_chunk_tokens
 from planner.cost.report import module_predictions, prediction
-from planner.units import GIB
+from planner.contract.units import GIB
 from planner.problem import Problem
-from planner.schema import (
+from planner.contract.schema import (
     SCHEMA_VERSION,
     BaselineResult,
     ClusterInfo,
@@ -24,8 +24,8 @@ from planner.schema import (
     TrainingInfo,
     WorkloadInfo,
 )
-from planner.strategy import Strategy
-from planner.workload import module_tokens
+from planner.contract.strategy import Strategy
+from planner.contract.workload import module_tokens
 
 OBJECTIVE_TOLERANCE_S = 5e-9
 """The solver's integer step time (ns, at most four rounded terms) vs the cost model's float step time."""

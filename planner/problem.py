@@ -24,11 +24,11 @@ from planner.dataset import (
     read_dataset,
     sample_tokens,
 )
-from planner.hardware import PLAUSIBLE_RANGES, Cluster, DeviceSpec, get_device, load_cluster_file, make_cluster
-from planner.models import ModelSpec
-from planner.schema import ATTENTION_CALLS, AttentionCalls, DatasetInfo
-from planner.strategy import PRECISIONS, Precision
-from planner.workload import DEFAULT_FPS, Workload, module_tokens
+from planner.contract.hardware import PLAUSIBLE_RANGES, Cluster, DeviceSpec, get_device, load_cluster_file, make_cluster
+from planner.contract.models import ModelSpec
+from planner.contract.schema import ATTENTION_CALLS, AttentionCalls, DatasetInfo
+from planner.contract.strategy import PRECISIONS, Precision
+from planner.contract.workload import DEFAULT_FPS, Workload, module_tokens
 
 DEFAULT_GPU = "h100-80gb"
 """Hardware when none is named."""
@@ -369,7 +369,7 @@ def make_problem(
             meets the dataset); ``pack_tokens`` then does not apply.
         fps: Frames sampled per second of the dataset's video files (default ``DEFAULT_FPS``).
         workers: Processes that cost candidates (``Problem.workers``): the same plan, sooner on several cores.
-        attention: How the runtime calls attention (``varlen`` or ``sdpa``, ``planner.schema.AttentionCalls``);
+        attention: How the runtime calls attention (``varlen`` or ``sdpa``, ``planner.contract.schema.AttentionCalls``);
             default: what it runs on the hardware (``attention_calls_for``).
 
     Raises:
@@ -514,7 +514,7 @@ def _check_sample(workload: Workload, model: ModelSpec) -> None:
                          f"(fewer or smaller images)")
     if "vision" in tokens and workload.packs is None:
         images = 1 if workload.vision_tokens is not None else len(workload.image_sizes)
-        if workload.text_tokens < 2 * images + 1:  # runtime.data.SampleLayout's rule
+        if workload.text_tokens < 2 * images + 1:  # runtime.data.samples.SampleLayout's rule
             raise ValueError(f"{workload.text_tokens} text tokens cannot hold a start and end marker for each of "
                              f"{images} images plus one text token (--text-tokens {2 * images + 1} or more)")
     clips = len(tokens["audio"].segments) if "audio" in tokens else 0

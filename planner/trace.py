@@ -3,7 +3,7 @@
 The trace is the Chrome trace event format that Perfetto (ui.perfetto.dev) and chrome://tracing open: ``X``
 (complete) events with ``ts`` / ``dur`` in microseconds, ``pid`` a global rank, ``tid`` a lane (``LANES``:
 compute, communication, host), ``args.predicted_s`` the span's seconds; ``M`` events name the ranks and lanes.
-``runtime.trace`` writes the measured steps of ``python -m runtime --trace`` in the same format.
+``runtime.observability.trace`` writes the measured steps of ``python -m runtime --trace`` in the same format.
 
 It is drawn from the cost model's own terms of the plan (``planner.cost.Estimate``), the ones its step time sums,
 so the trace ends at the plan's predicted step time; it is not a replay of a schedule. Ranks doing the same work
@@ -35,11 +35,11 @@ from typing import Any, Iterable, Mapping
 from planner.cost import CostAssumptions, Estimate, ModuleCost, estimate
 from planner.cost.phases import data_flow_order
 from planner.cost.rank_cost import backward_mode, collective_passes, transfer_passes
-from planner.models import ModelSpec
+from planner.contract.models import ModelSpec
 from planner.problem import Problem
-from planner.schema import ZERO_BUBBLE_SCHEDULES, Plan
-from planner.strategy import Strategy, strategy_of
-from planner.trace_format import LANES, US, chrome_trace
+from planner.contract.schema import ZERO_BUBBLE_SCHEDULES, Plan
+from planner.contract.strategy import Strategy, strategy_of
+from planner.contract.trace_format import LANES, US, chrome_trace
 
 _COLLECTIVES = (("tp_comm_s", "TP"), ("sp_comm_s", "SP all-to-all"), ("cp_comm_s", "CP ring"),
                 ("ep_comm_s", "EP all-to-all"))

@@ -15,10 +15,10 @@ import os
 import sys
 import time
 
-from planner.schema import Plan, PlanError, load_plan
-from runtime import preflight
-from runtime.checkpoint_dir import CheckpointOptions, latest_checkpoint
-from runtime.stop_signals import name_and_status, stopping_on_signals
+from planner.contract.schema import Plan, PlanError, load_plan
+from runtime.run import preflight
+from runtime.run.checkpoint_dir import CheckpointOptions, latest_checkpoint
+from runtime.run.stop_signals import name_and_status, stopping_on_signals
 
 USER_ERRORS = (PlanError, ValueError, NotImplementedError, OSError)
 
@@ -150,14 +150,14 @@ def main(argv: list[str] | None = None) -> int:
             return _run_under_torchrun(plan, args, env)
         except USER_ERRORS as e:
             return _refuse(e, report=report)
-        except KeyboardInterrupt as e:  # Ctrl-C, or a scheduler's SIGTERM (runtime.stop_signals)
+        except KeyboardInterrupt as e:  # Ctrl-C, or a scheduler's SIGTERM (runtime.run.stop_signals)
             return _interrupted(args, e, report=report)
 
 
 def _sound_resume(requested: str, args: argparse.Namespace, plan: Plan, *, report: bool) -> str:
     """``preflight.check_resume`` with the DCP shards checked too (imports torch): from the latest, damaged
     checkpoints are passed over, saying so in one line; a damaged one named is refused."""
-    from runtime.dcp_checkpoint import checkpoint_problem
+    from runtime.checkpoints.dcp_checkpoint import checkpoint_problem
 
     def warn(line: str) -> None:
         if report:
@@ -184,7 +184,7 @@ def _interrupted(args: argparse.Namespace, stop: KeyboardInterrupt, *, report: b
 def _run_on_ray(plan: Plan, args: argparse.Namespace) -> int:
     from ray.exceptions import RayActorError, RayTaskError
 
-    from runtime.launcher import run
+    from runtime.launch.launcher import run
 
     options = _run_options(args)
     try:
@@ -206,8 +206,8 @@ def _run_on_ray(plan: Plan, args: argparse.Namespace) -> int:
 
 
 def _run_options(args: argparse.Namespace):
-    """What the command line adds to the plan (``runtime.trainer.RunOptions``)."""
-    from runtime.trainer import RunOptions
+    """What the command line adds to the plan (``runtime.training.trainer.RunOptions``)."""
+    from runtime.training.trainer import RunOptions
 
     return RunOptions(seed=args.seed, data=args.data, tokenizer=args.tokenizer, prefetch=args.prefetch,
                       checkpoint=args.checkpoint, resume=args.resume, trace=args.trace,
@@ -216,7 +216,7 @@ def _run_options(args: argparse.Namespace):
 
 def _dry_run(plan: Plan, args: argparse.Namespace) -> int:
     from runtime.dry_run import dry_run, format_report
-    from runtime.trainer import RunOptions
+    from runtime.training.trainer import RunOptions
 
     try:
         report = dry_run(plan, RunOptions(seed=args.seed), log=lambda line: print(line, file=sys.stderr))
@@ -243,8 +243,8 @@ def _checkpoint_options(args: argparse.Namespace) -> CheckpointOptions:
 
 
 def _run_under_torchrun(plan: Plan, args: argparse.Namespace, env: preflight.TorchrunEnv) -> int:
-    from runtime.driver import validate_plan
-    from runtime.torchrun import run
+    from runtime.launch.driver import validate_plan
+    from runtime.launch.torchrun import run
 
     options = _run_options(args)
     try:

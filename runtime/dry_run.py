@@ -75,22 +75,22 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from transformers.distributed.expert_parallel import AllToAllEP, EPImplementationInterface, _AllToAllState
 from transformers.integrations import moe as moe_integration
 
-from planner.schema import ZERO_BUBBLE_SCHEDULES, Plan
-from runtime import trainer as trainer_module
-from runtime.data import Sample, SampleLayout, layout_from_plan, token_sequence
-from runtime.model import hf_config_from_dict
+from planner.contract.schema import ZERO_BUBBLE_SCHEDULES, Plan
+from runtime.training import trainer as trainer_module
+from runtime.data.samples import Sample, SampleLayout, layout_from_plan, token_sequence
+from runtime.models.model import hf_config_from_dict
 from runtime.parallel.ulysses import split_sequence, split_windows
-from runtime.parallel_dims import forget_earlier_worlds, plan_dims
-from runtime.pipeline import PipelinedLanguageModel
-from runtime.step_inputs import StepInputs
+from runtime.parallel.parallel_dims import forget_earlier_worlds, plan_dims
+from runtime.models.pipeline import PipelinedLanguageModel
+from runtime.training.step_inputs import StepInputs
 from runtime.parallel.precision import module_precision
-from runtime.parallelize import uses_fsdp
-from runtime import vision as vision_module
+from runtime.models.parallelize import uses_fsdp
+from runtime.models import vision as vision_module
 from runtime.parallel import experts as experts_module
-from runtime.preflight import module_names
-from runtime.trainer import RunOptions, Trainer, numerics_device_type
-from runtime.vision import window_layout
-from planner.units import GIB
+from runtime.run.preflight import module_names
+from runtime.training.trainer import RunOptions, Trainer, numerics_device_type
+from runtime.models.vision import window_layout
+from planner.contract.units import GIB
 
 REAL_TENSOR_LIMIT_BYTES = 16 * 1024**2
 """Integer and boolean factories at most this large make real tensors (indices, masks); larger ones are fake."""
@@ -193,7 +193,7 @@ class PlannedShapes:
 
 
 class ZeroWeights:
-    """A weight source (runtime.checkpoint.TensorSource) of zeros: under the fake mode, fake storage of the slice's
+    """A weight source (runtime.checkpoints.hf_folder.TensorSource) of zeros: under the fake mode, fake storage of the slice's
     shape; nothing is drawn or read."""
 
     def read(self, hf_name: str, index: tuple[slice, ...], shape: torch.Size) -> torch.Tensor:
@@ -249,7 +249,7 @@ class DryRunTrainer(Trainer):
 
 
 def _windows_as_one_segment(shard_vision_batch):
-    """runtime.vision.shard_vision_batch with the window-attention blocks' windows run as one segment.
+    """runtime.models.vision.shard_vision_batch with the window-attention blocks' windows run as one segment.
 
     transformers runs non-flash attention window by window (hundreds of SDPA calls per block, minutes of fake
     dispatch for a 32B plan). A flash-style kernel keeps the output and one logsumexp per head and token whatever
@@ -270,7 +270,7 @@ def _vote_alone(schedule, stages, has_backward: bool, p2p_done: bool) -> None:
 
     The stages vote (through point-to-point sends) whether every one has its metadata; the fake process group
     delivers nothing, so a received vote would read "no". The runtime builds every stage with its metadata
-    (runtime.pipeline ``stage_metadata``), so each stage's own vote is the pipeline's."""
+    (runtime.models.pipeline ``stage_metadata``), so each stage's own vote is the pipeline's."""
     for stage in stages:
         dynamic = InferenceMode.needs_dynamic(stage._user_meta, has_backward)
         stage._inference_mode = InferenceMode.DYNAMIC if dynamic else InferenceMode.STATIC

@@ -1,8 +1,8 @@
-"""``python -m runtime.export CHECKPOINT OUT``: a complete training checkpoint (runtime.dcp_checkpoint) as a
+"""``python -m runtime.export CHECKPOINT OUT``: a complete training checkpoint (runtime.checkpoints.dcp_checkpoint) as a
 Hugging Face folder that ``from_pretrained`` and ``--checkpoint`` load, with no running job and no process group.
 
-The checkpoint is checked as ``--resume`` checks it (runtime.dcp_checkpoint.checkpoint_problem; its metadata
-read without running code from it, runtime.dcp_metadata). The weights are read with DCP's no-distributed load (``dcp.load(..., no_dist=True)``), which assembles each
+The checkpoint is checked as ``--resume`` checks it (runtime.checkpoints.dcp_checkpoint.checkpoint_problem; its metadata
+read without running code from it, runtime.checkpoints.dcp_metadata). The weights are read with DCP's no-distributed load (``dcp.load(..., no_dist=True)``), which assembles each
 tensor from the shards every rank wrote, whatever the plan was. They are read and written one output file at a
 time (at most ``--max-file-bytes``, one tensor at least), so the exporting process holds one file's tensors.
 """
@@ -14,7 +14,7 @@ import os
 import sys
 import warnings
 
-from runtime.checkpoint_dir import is_complete
+from runtime.run.checkpoint_dir import is_complete
 
 
 def export(checkpoint: str, out: str, *, max_file_bytes: int = 1 << 30) -> list[str]:
@@ -27,10 +27,10 @@ def export(checkpoint: str, out: str, *, max_file_bytes: int = 1 << 30) -> list[
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from planner.versioned_json import write_atomically
-    from runtime.checkpoint import plan_files, write_index
-    from runtime.dcp_checkpoint import CONFIG_FILE, PARAM, checkpoint_problem
-    from runtime.dcp_metadata import SafeFileSystemReader, read_metadata
+    from planner.contract.versioned_json import write_atomically
+    from runtime.checkpoints.hf_folder import plan_files, write_index
+    from runtime.checkpoints.dcp_checkpoint import CONFIG_FILE, PARAM, checkpoint_problem
+    from runtime.checkpoints.dcp_metadata import SafeFileSystemReader, read_metadata
 
     if not os.path.isdir(checkpoint) or not is_complete(checkpoint):
         raise ValueError(f"{checkpoint} is not a complete training checkpoint (written by --checkpoint-dir)")

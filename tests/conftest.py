@@ -23,10 +23,10 @@ def ray_cluster():
 
 @pytest.fixture(scope="session")
 def worker_pool(ray_cluster):
-    """Warm Ray workers (runtime.launcher.WorkerPool) that the parity tests' jobs reuse: each job joins a fresh
+    """Warm Ray workers (runtime.launch.launcher.WorkerPool) that the parity tests' jobs reuse: each job joins a fresh
     process group and builds fresh Trainers, without paying the workers' start-up again. Tests of start-up,
     recovery and the command line start their own."""
-    from runtime.launcher import WorkerPool
+    from runtime.launch.launcher import WorkerPool
 
     pool = WorkerPool()
     yield pool

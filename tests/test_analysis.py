@@ -23,9 +23,9 @@ from planner.analysis import (
     sweep,
 )
 from planner.api import evaluate, make_problem, max_seq, plan, with_max_seq_margin
-from planner.baselines import best_of, zero3_family
+from planner.search.baselines import best_of, zero3_family
 from planner.profiles import PROFILES_DIR, load_profile
-from planner.schema import load_plan
+from planner.contract.schema import load_plan
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import pytest
 import torch
 import transformers
 
-from planner import param_counts
-from planner.families import qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl, qwen3_vl_moe, qwen_parts
+from planner.contract import param_counts
+from planner.contract.families import qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl, qwen3_vl_moe, qwen_parts
 from planner.catalog import CATALOG, get_model, list_models, model_from_hf_config
 
 HF_CLASSES = {
@@ -258,7 +258,7 @@ def test_llama_3_1_8b_published_count():
 @pytest.mark.parametrize(("model_type", "config_class"), [
     ("llama", transformers.LlamaConfig), ("qwen2", transformers.Qwen2Config), ("qwen3", transformers.Qwen3Config)])
 def test_decoder_only_defaults_are_the_transformers_defaults(model_type, config_class):
-    from planner.families import text_decoders
+    from planner.contract.families import text_decoders
 
     ours = text_decoders.DEFAULTS[model_type]
     theirs = config_class()
@@ -313,7 +313,7 @@ def test_audio_llm_tokens_are_the_processors(seconds, llm_tokens):
     """Hand-calculated: a clip's real mel frames (100 per second) through the stride-2 convolution and the 2x pool,
     e.g. 15 s: 1,500 frames -> 750 positions -> 375 tokens; each pass costs the encoder 1,500 positions whatever its
     length; and transformers' own ``_get_feat_extract_output_lengths`` gives the same."""
-    from planner.workload import Workload, module_tokens
+    from planner.contract.workload import Workload, module_tokens
 
     model = get_model("qwen2-audio-7b")
     tokens = module_tokens(Workload(audio_seconds=seconds, text_tokens=8, global_batch=1), model)

@@ -1,5 +1,5 @@
 """The planner-runtime contract: every strategy the planner's candidate generator can emit, the runtime's plan
-validation (``runtime.driver.validate_plan``) accepts, for every catalog model the runtime builds, on a few
+validation (``runtime.launch.driver.validate_plan``) accepts, for every catalog model the runtime builds, on a few
 cluster shapes and workloads (a short sequence among them, where SP degrees meet the token counts); and a sample
 of them builds its first rank under the dry-run (fake tensors, the plan's world), at full size.
 
@@ -17,13 +17,13 @@ import random
 import pytest
 
 from planner.api import make_problem, plan
-from planner.enumeration import group_sizes, module_strategies
+from planner.search.enumeration import group_sizes, module_strategies
 from planner.plan_document import build_plan
 from planner.catalog import get_model, list_models
-from planner.strategy import Strategy
-from runtime.driver import validate_plan
-from runtime.model import MODEL_CLASSES, hf_config_from_dict
-from runtime.trainer import RunOptions
+from planner.contract.strategy import Strategy
+from runtime.launch.driver import validate_plan
+from runtime.models.model import MODEL_CLASSES, hf_config_from_dict
+from runtime.training.trainer import RunOptions
 
 CLUSTERS = ((8, 8), (16, 8), (6, 2))
 """(GPUs, GPUs per node): one node, two nodes, and a count whose divisors are not powers of two."""
@@ -83,7 +83,7 @@ def test_runtime_builds_every_catalog_family():
 def config_built_once(monkeypatch):
     """``validate_plan`` builds the transformers config of the plan's model each call (two thirds of its time);
     the emitted plans of one model share it, so it is built once per model here (it is only read)."""
-    from runtime import driver
+    from runtime.launch import driver
 
     built = {}
 
@@ -138,7 +138,7 @@ def test_audio_data_and_dry_run_are_refused_in_one_line(tmp_path):
 def test_decoder_only_model_is_refused_in_one_line():
     """The planner plans a decoder-only config.json (for published text-model runs, issue 32); the runtime trains
     vision-language models and says so before any work."""
-    from planner.families import model_from_hf_config
+    from planner.contract.families import model_from_hf_config
 
     llama = model_from_hf_config(dict(model_type="llama", vocab_size=1000, hidden_size=128, intermediate_size=256,
                                       num_hidden_layers=2, num_attention_heads=4), "tiny-llama")

@@ -30,15 +30,15 @@ from PIL import Image
 
 from planner.cli import main as plan_main
 from planner.dataset import DatasetHistogram, VideoShape, read_dataset
-from planner.hardware import get_device, load_cluster_file
-from planner.hf_configs import QWEN2_5_VL_TINY
+from planner.contract.hardware import get_device, load_cluster_file
+from planner.catalog.hf_configs import QWEN2_5_VL_TINY
 from planner.profiles import PROFILES_DIR
 from planner.profiles.files import load_profile
 from planner.catalog import get_model
-from planner.schema import Plan, load_plan
-from planner.units import GIB
-from runtime import preflight
-from runtime.checkpoint_dir import RUN_STATE, read_run_state, run_state_problem
+from planner.contract.schema import Plan, load_plan
+from planner.contract.units import GIB
+from runtime.run import preflight
+from runtime.run.checkpoint_dir import RUN_STATE, read_run_state, run_state_problem
 
 EXAMPLES = int(os.environ.get("DHPLAN_FUZZ_EXAMPLES", 40))
 """Mutated files per kind and CI run."""
@@ -263,8 +263,8 @@ def test_the_valid_files_are_read_and_planned():
 def test_plan_files(case):
     """``load_plan`` and the runtime's checks before any worker starts (``preflight.check_plan`` and the driver's
     ``validate_plan``, what ``python -m runtime PLAN`` runs first)."""
-    from runtime.driver import validate_plan
-    from runtime.trainer import RunOptions
+    from runtime.launch.driver import validate_plan
+    from runtime.training.trainer import RunOptions
 
     kind, data = case
     with tempfile.TemporaryDirectory() as folder:
@@ -285,8 +285,8 @@ def plans_with_a_mutated_model_config(draw) -> tuple[str, bytes]:
 @given(case=plans_with_a_mutated_model_config())
 def test_a_plans_model_config_in_the_runtime(case):
     """A plan file whose ``model.hf_config`` was edited: loaded, and put through the runtime's checks."""
-    from runtime.driver import validate_plan
-    from runtime.trainer import RunOptions
+    from runtime.launch.driver import validate_plan
+    from runtime.training.trainer import RunOptions
 
     kind, data = case
     with tempfile.TemporaryDirectory() as folder:
@@ -340,8 +340,8 @@ def test_histograms(case, plan):
 def test_hf_configs(case, plan):
     """``get_model`` of a config.json, and a third of them planned for (``plan --model FILE``) with the plan put
     through the runtime's checks: a config the planner accepts must be one the runtime builds."""
-    from runtime.driver import validate_plan
-    from runtime.trainer import RunOptions
+    from runtime.launch.driver import validate_plan
+    from runtime.training.trainer import RunOptions
 
     kind, data = case
     with tempfile.TemporaryDirectory() as folder:
@@ -424,6 +424,6 @@ def test_a_config_field_of_a_type_transformers_refuses_is_refused_in_one_line(tm
 def test_the_activations_the_planner_accepts_are_the_ones_transformers_knows():
     from transformers.activations import ACT2CLS
 
-    from planner.families.fields import ACTIVATIONS
+    from planner.contract.families.fields import ACTIVATIONS
 
     assert sorted(ACTIVATIONS) == sorted(ACT2CLS)

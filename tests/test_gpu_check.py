@@ -109,7 +109,7 @@ def test_the_prepared_gpu_plans_fit_their_gpu_as_the_gpu_run_recosts_them(hardwa
     from planner import api
     from planner.analysis import strategy_of
     from planner.dataset import read_dataset
-    from planner.schema import load_plan
+    from planner.contract.schema import load_plan
 
     setup = gpu_check.gpu_setup(hardware, "qwen2.5-vl-3b")
     prepared = load_plan(gpu_check.PREPARED / f"{hardware}-qwen2.5-vl-3b.json")

@@ -8,7 +8,7 @@ from dataclasses import fields
 
 import pytest
 
-from planner.hardware import (
+from planner.contract.hardware import (
     DEVICE_CATALOG,
     PLAUSIBLE_RANGES,
     check_plausible,
@@ -19,7 +19,7 @@ from planner.hardware import (
     make_cluster,
     override_device,
 )
-from planner.units import GIB
+from planner.contract.units import GIB
 
 
 def test_catalog_has_the_required_devices_with_datasheet_numbers():

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from planner.schema import AttentionCalls
-from planner.units import GIB
+from planner.contract.schema import AttentionCalls
+from planner.contract.units import GIB
 
 AttentionImplementation = Literal["flash", "sdpa_mem_efficient", "eager"]
 ATTENTION_IMPLEMENTATIONS: tuple[AttentionImplementation, ...] = ("flash", "sdpa_mem_efficient", "eager")

@@ -14,7 +14,7 @@ from functools import lru_cache
 from typing import Callable
 
 from planner.cost.assumptions import CostAssumptions
-from planner.hardware import Cluster
+from planner.contract.hardware import Cluster
 
 
 @dataclass(kw_only=True, frozen=True)

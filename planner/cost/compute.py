@@ -9,7 +9,7 @@ from __future__ import annotations
 from planner.cost.assumptions import BytesPerParam, CostAssumptions
 from planner.cost.host import pass_time
 from planner.cost.op_counts import optimizer_pass_ops
-from planner.hardware import DeviceSpec
+from planner.contract.hardware import DeviceSpec
 
 
 def gemm_flops(m: float, n: float, k: float) -> float:

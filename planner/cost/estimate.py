@@ -28,11 +28,11 @@ from planner.cost.phases import PHASE_KINDS, Phase, alive, alive_bytes, data_flo
 from planner.cost.pipeline import NUM_PATHS, path_terms, pipeline_step_time
 from planner.cost.results import Estimate, MemoryBreakdown, ModuleCost
 from planner.cost.validity import check_strategy
-from planner.hardware import Cluster
-from planner.models import ModelSpec
-from planner.strategy import Placement, Strategy
-from planner.workload import Workload, module_tokens
-from planner.units import GIB
+from planner.contract.hardware import Cluster
+from planner.contract.models import ModelSpec
+from planner.contract.strategy import Placement, Strategy
+from planner.contract.workload import Workload, module_tokens
+from planner.contract.units import GIB
 
 __all__ = ["Estimate", "MemoryBreakdown", "ModuleCost", "combine", "estimate", "module_cost"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from planner.cost.assumptions import CostAssumptions
 from planner.cost.op_counts import PassOps
-from planner.hardware import DeviceSpec
+from planner.contract.hardware import DeviceSpec
 
 
 def host_dispatch_time(ops: PassOps, assumptions: CostAssumptions) -> float:

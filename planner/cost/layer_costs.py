@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from planner.models import LayerSpec
-from planner.strategy import Recompute
+from planner.contract.models import LayerSpec
+from planner.contract.strategy import Recompute
 
 ANALYTICAL = "analytical"
 MEASURED = "measured"

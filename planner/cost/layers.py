@@ -32,8 +32,8 @@ from planner.cost.memory import (
     packed_mask_bytes,
     score_matrix_bytes,
 )
-from planner.hardware import DeviceSpec
-from planner.models import LayerSpec
+from planner.contract.hardware import DeviceSpec
+from planner.contract.models import LayerSpec
 
 Backward = str
 """How much backward a module runs: ``full`` (weight + input grads), ``input`` (frozen, input grads only,

@@ -6,7 +6,7 @@ All sizes are bytes. "Per token" means per token entering the layer on one rank.
 from __future__ import annotations
 
 from planner.cost.assumptions import BytesPerParam, CostAssumptions
-from planner.models import LayerSpec
+from planner.contract.models import LayerSpec
 
 TP_SPLIT_KINDS = frozenset({"vision_block", "audio_block", "decoder_layer", "patch_merger", "embedding", "lm_head"})
 """Layer kinds whose weights TP splits (Megatron column/row linears, vocab-parallel embedding and lm_head);

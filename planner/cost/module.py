@@ -8,7 +8,7 @@ from dataclasses import replace
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.layer_costs import LayerCostSource
 from planner.cost.pipeline import pipelined_cost
-from planner import balance  # a module: planner.balance imports planner.cost
+from planner.cost import balance  # a module: planner.cost.balance imports planner.cost
 from planner.cost.rank_cost import (
     axes_within_node,
     flops_per_sample,
@@ -18,10 +18,10 @@ from planner.cost.rank_cost import (
     with_measured_collectives,
 )
 from planner.cost.results import ModuleCost
-from planner.hardware import Cluster
-from planner.models import ModelSpec
-from planner.strategy import ModuleStrategy, Placement, Precision
-from planner.workload import Workload, pipeline_padded
+from planner.contract.hardware import Cluster
+from planner.contract.models import ModelSpec
+from planner.contract.strategy import ModuleStrategy, Placement, Precision
+from planner.contract.workload import Workload, pipeline_padded
 
 
 def module_cost(
@@ -98,7 +98,7 @@ def _with_heavy_memory(cost: ModuleCost, heavy: ModuleCost) -> ModuleCost:
 PACK_MEMORY_FIELDS = ("forward_buffers_bytes", "backward_buffers_bytes", "loss_backward_buffers_bytes",
                       "loss_saved_bytes", "activations_per_micro_batch_bytes")
 """ModuleCost fields that grow with a micro-batch's tokens: for a dataset plan they are those of the heaviest
-micro-batch a replica holds (every micro-batch of the step must fit; ``planner.balance.heaviest_replica_workload``),
+micro-batch a replica holds (every micro-batch of the step must fit; ``planner.cost.balance.heaviest_replica_workload``),
 the times the mean pack's."""
 
 

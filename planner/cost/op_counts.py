@@ -102,7 +102,7 @@ def layer_pass_ops(kind: str, *, tp: int, segments: float, ulysses: bool) -> tup
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class OptimizerOps:
-    """Operator calls of the runtime's optimizer step (runtime/optim.py: gradient norm, clipping scale, AdamW) over
+    """Operator calls of the runtime's optimizer step (runtime/training/optim.py: gradient norm, clipping scale, AdamW) over
     a module's parameter tensors."""
 
     fixed: float

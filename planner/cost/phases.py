@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from planner.cost.results import MemoryBreakdown, ModuleCost
-from planner.models import ENCODER_MODULES
+from planner.contract.models import ENCODER_MODULES
 
 PhaseKind = Literal["forward", "backward_start", "backward_end"]
 PHASE_KINDS: tuple[PhaseKind, ...] = ("forward", "backward_start", "backward_end")

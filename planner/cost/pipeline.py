@@ -3,7 +3,7 @@ pipeline parallelism (pp > 1: ``pipelined_cost``, one ``rank_cost`` per distinct
 
 The disjoint placement, as the runtime schedules it:
 
-The runtime (runtime/trainer.py, ``_disjoint_step``) runs ``m = grad_accum`` micro-batches: the encoder group runs
+The runtime (runtime/training/trainer.py, ``_disjoint_step``) runs ``m = grad_accum`` micro-batches: the encoder group runs
 at most two forwards ahead, then alternates backward and forward (F0 F1 B0 F2 B1 F3 ... B(m-1)); the LLM group
 runs each micro-batch's forward and backward, in order, once its activations have arrived, and sends the
 gradient back. The step is the longest path through that dependency graph (critical-path method, Kelley &
@@ -46,11 +46,11 @@ from planner.cost.rank_cost import (
     with_measured_collectives,
 )
 from planner.cost.results import ModuleCost
-from planner.hardware import Cluster
-from planner.models import ENCODER_MODULES, LayerSpec, ModelSpec
-from planner.schema import ZERO_BUBBLE_SCHEDULES
-from planner.strategy import ModuleStrategy, Precision
-from planner.workload import Workload, pipeline_padded
+from planner.contract.hardware import Cluster
+from planner.contract.models import ENCODER_MODULES, LayerSpec, ModelSpec
+from planner.contract.schema import ZERO_BUBBLE_SCHEDULES
+from planner.contract.strategy import ModuleStrategy, Precision
+from planner.contract.workload import Workload, pipeline_padded
 
 NUM_PATHS = 4
 """Critical paths ``pipeline_step_time`` takes the max of."""
@@ -90,7 +90,7 @@ def balanced_chunk_layers(num_layers: int, chunk_extra_s: Sequence[float], layer
                           first_at_least: int = 1) -> tuple[int, ...]:
     """Decoder layers per model chunk (pipeline stage, or virtual stage) that minimise the slowest chunk's time
     ``extra_c + n_c * layer_s``, each chunk holding at least one layer, the first at least ``first_at_least``
-    (every layer the encoder's injected features reach: ``planner.rules.injection_rule``).
+    (every layer the encoder's injected features reach: ``planner.contract.rules.injection_rule``).
 
     A chunk's ``extra`` is what it holds besides decoder layers: the first the token embedding and the encoders'
     hand-off, the last the final norm, the vocabulary projection and the loss (at a 152K vocabulary worth several
@@ -277,7 +277,7 @@ def pipeline_receive_buffer_bytes(boundary_bytes: float, chunks: int, first: boo
 
 def stage0_handoff_bytes(per_sample: float, backward: bool, micro_batch: int, grad_accum: int) -> int:
     """Bytes a pipeline's first stage holds through the schedule: every micro-batch's encoder output (``per_sample``
-    bytes a sample), and as much again for their gradient when an encoder trains (runtime.trainer ``llm_pipeline``:
+    bytes a sample), and as much again for their gradient when an encoder trains (runtime.training.trainer ``llm_pipeline``:
     one leaf of all micro-batches' rows, whose gradient is allocated whole by the first backward to reach it)."""
     return math.ceil((1 + backward) * grad_accum * micro_batch * per_sample)
 

@@ -40,10 +40,10 @@ from planner.cost.memory import (
 )
 from planner.cost.results import ModuleCost
 from planner.cost.times import PassTimes
-from planner.hardware import Cluster
-from planner.models import ENCODER_MODULES, LayerSpec, ModelSpec, ModuleSpec
-from planner.strategy import ModuleStrategy, Placement, Precision
-from planner.workload import ModuleTokens, Workload, module_tokens
+from planner.contract.hardware import Cluster
+from planner.contract.models import ENCODER_MODULES, LayerSpec, ModelSpec, ModuleSpec
+from planner.contract.strategy import ModuleStrategy, Placement, Precision
+from planner.contract.workload import ModuleTokens, Workload, module_tokens
 
 
 _UNUSED_LINK = Link(bandwidth=1.0, latency=0.0)
@@ -577,7 +577,7 @@ def _state_bytes(static: ModuleStatic, s: ModuleStrategy, precision: Precision, 
     assumptions, trainable = static.assumptions, not static.spec.frozen
     recipe = assumptions.bytes_per_param(precision)
     weights, grads, optim = model_state_bytes(params, recipe, zero=s.zero, shards=shards, frozen=not trainable)
-    fsdp = s.dp * s.cp * s.sp > 1  # runtime.parallelize.uses_fsdp
+    fsdp = s.dp * s.cp * s.sp > 1  # runtime.models.parallelize.uses_fsdp
     if s.zero in (1, 2) and trainable and fsdp:
         grads = fsdp_gradient_bytes(params, precision, shards=shards, grad_accum=s.grad_accum if s.zero == 1 else 1,
                                     assumptions=assumptions)

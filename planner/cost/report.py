@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from planner.cost.phases import own_phases
 from planner.cost.results import Estimate, MemoryBreakdown, ModuleCost
-from planner.schema import MemoryBreakdown as MemoryGiB
-from planner.schema import ModulePrediction, ModuleTime, Prediction
-from planner.units import GIB
+from planner.contract.schema import MemoryBreakdown as MemoryGiB
+from planner.contract.schema import ModulePrediction, ModuleTime, Prediction
+from planner.contract.units import GIB
 
 
 def memory_gib(memory: MemoryBreakdown) -> MemoryGiB:

@@ -6,8 +6,8 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 from planner.cost.times import PassTimes
-from planner.strategy import ModuleStrategy, Placement
-from planner.units import GIB
+from planner.contract.strategy import ModuleStrategy, Placement
+from planner.contract.units import GIB
 
 
 
@@ -113,7 +113,7 @@ class ModuleCost(PassTimes):
     """pp > 1: for each pipeline rank, (its entry in ``stage_costs``, the model chunks it holds in flight)."""
     imbalance: float | None = None
     """A dataset plan: the busiest replica's work over the mean replica's expected under the per-step assignment
-    (``planner.balance``; the times above are the busiest replica's); None otherwise."""
+    (``planner.cost.balance``; the times above are the busiest replica's); None otherwise."""
 
     def rank_costs(self) -> tuple["ModuleCost", ...]:
         """pp > 1: every pipeline rank's own cost, in pipeline order."""

@@ -1,5 +1,5 @@
 """The time terms of a layer's or a module's passes: one definition for the layer terms, the module sums, the module
-cost and the Plan's ``ModuleTime`` (whose schema names and describes them, ``planner.schema.PASS_TIME_DOCS``)."""
+cost and the Plan's ``ModuleTime`` (whose schema names and describes them, ``planner.contract.schema.PASS_TIME_DOCS``)."""
 
 from __future__ import annotations
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 
-from planner.hardware import Cluster
-from planner.models import ENCODER_MODULES, LayerSpec, ModelSpec, ModuleSpec
-from planner.rules import attention_rules, balancing_loss_rule, expert_parallel_rule, split_rule, width_rule
-from planner.schema import ZERO_BUBBLE_SCHEDULES, zero_bubble_reasons
-from planner.strategy import ModuleStrategy
-from planner.workload import ModuleTokens, Workload, module_tokens
+from planner.contract.hardware import Cluster
+from planner.contract.models import ENCODER_MODULES, LayerSpec, ModelSpec, ModuleSpec
+from planner.contract.rules import attention_rules, balancing_loss_rule, expert_parallel_rule, split_rule, width_rule
+from planner.contract.schema import ZERO_BUBBLE_SCHEDULES, zero_bubble_reasons
+from planner.contract.strategy import ModuleStrategy
+from planner.contract.workload import ModuleTokens, Workload, module_tokens
 
 
 def check_strategy(

@@ -36,7 +36,7 @@ from planner.catalog import model_from_hf_config
 from planner.cost import estimate
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.results import Estimate
-from planner.hardware import Cluster
+from planner.contract.hardware import Cluster
 from planner.profiles import (
     CALIBRATED_ASSUMPTIONS,
     MEASURED_ASSUMPTIONS,
@@ -56,10 +56,10 @@ from planner.profiles import (
 )
 from planner.profiles.calibration import with_values
 from planner.problem import profile_assumptions
-from planner.schema import Plan, load_plan
-from planner.strategy import ModuleStrategy, Strategy
-from planner.workload import Workload
-from planner.units import GIB
+from planner.contract.schema import Plan, load_plan
+from planner.contract.strategy import ModuleStrategy, Strategy
+from planner.contract.workload import Workload
+from planner.contract.units import GIB
 
 WARMUP_STEPS = 1
 """Steps dropped from the start of every run (allocator warm-up, first-touch, lazy initialisation)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from planner.cost.assumptions import CostAssumptions
-from planner.units import GIB
+from planner.contract.units import GIB
 from planner.profiles.schema import Calibration
 
 

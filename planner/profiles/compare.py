@@ -15,8 +15,8 @@ from planner.cost.assumptions import CostAssumptions
 from planner.cost.comm import Link
 from planner.cost.layers import Shard, layer_terms
 from planner.cost.memory import layer_params_per_rank
-from planner.hardware import get_device
-from planner.models import ModelSpec
+from planner.contract.hardware import get_device
+from planner.contract.models import ModelSpec
 from planner.profiles import MemoryPoint, load_profile
 
 MiB = 2**20

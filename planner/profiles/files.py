@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from planner.profiles.schema import PROFILE_SCHEMA_VERSION, Profile, check_measurements
-from planner.versioned_json import read_versioned, validated, write_atomically
+from planner.contract.versioned_json import read_versioned, validated, write_atomically
 
 READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
 """Versions ``load_profile`` reads: version 1 lacks ``LayerPoint.includes_comm`` (all its points are single-process

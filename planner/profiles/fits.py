@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
-from planner.hardware import DeviceSpec, check_plausible
+from planner.contract.hardware import DeviceSpec, check_plausible
 from planner.profiles.index import pick_time
 from planner.profiles.schema import Profile
 

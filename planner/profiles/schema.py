@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from planner.hardware import PLAUSIBLE_RANGES, PlausibleRange, check_plausible, get_device
+from planner.contract.hardware import PLAUSIBLE_RANGES, PlausibleRange, check_plausible, get_device
 
 PROFILE_SCHEMA_VERSION = 4
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]

@@ -1,1 +1,1 @@
-"""One file per parallelism technique, applied to the runtime's modules by runtime.parallelize."""
+"""One file per parallelism technique, applied to the runtime's modules by runtime.models.parallelize."""

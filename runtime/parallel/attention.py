@@ -179,7 +179,7 @@ SUB_CONFIGS = {"vision": "vision_config", "audio": "audio_config", "llm": "text_
 
 
 def use_planned_calls(model: torch.nn.Module, calls: dict[str, str]) -> None:
-    """Point each module's attention (module name -> ``planner.schema.AttentionCalls``) at the kernel its plan
+    """Point each module's attention (module name -> ``planner.contract.schema.AttentionCalls``) at the kernel its plan
     calls. Set on the built model: transformers refuses to build an implementation named flash that it does
     not ship, and reads the name at every forward."""
     for name, module_calls in calls.items():
@@ -188,7 +188,7 @@ def use_planned_calls(model: torch.nn.Module, calls: dict[str, str]) -> None:
 
 def register(calls: str = "sdpa") -> str:
     """Register the runtime's kernels (each with its mask format) with transformers; returns the name of the one
-    a module planned with ``attention = calls`` runs (``planner.schema.AttentionCalls``)."""
+    a module planned with ``attention = calls`` runs (``planner.contract.schema.AttentionCalls``)."""
     AttentionInterface.register(ATTENTION, attention_forward)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     AttentionInterface.register(VARLEN_ATTENTION, varlen_forward)

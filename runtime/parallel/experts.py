@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers.distributed.expert_parallel import apply_expert_parallelism
 
-from runtime.parallel_dims import ParallelDims
+from runtime.parallel.parallel_dims import ParallelDims
 
 EP_IMPLEMENTATION = "all_to_all"
 """transformers' ``EPImplementationInterface`` entry: token all-to-alls (the one that trains)."""

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 PRECISIONS = ("bf16_mixed", "bf16_pure")
-"""Recipes a plan may ask for (planner.schema TrainingInfo.precision)."""
+"""Recipes a plan may ask for (planner.contract.schema TrainingInfo.precision)."""
 
 
 @dataclass(kw_only=True, frozen=True)

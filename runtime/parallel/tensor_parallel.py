@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from planner.rules import heads_rule
+from planner.contract.rules import heads_rule
 
 LLM_BLOCK_PLAN = {
     "self_attn.q_proj": ColwiseParallel(),
@@ -184,7 +184,7 @@ def _local_rows_lookup(embedding: nn.Embedding, ids: DTensor) -> DTensor:
 
 def parallelize_llm_tp(llm: nn.Module, mesh: DeviceMesh, family: Any) -> None:
     """Shard the decoder blocks (the common plan and the family's ``LLM_LAYER_TP_PLAN``), the embedding
-    (vocab-parallel) and lm_head (logits sharded on vocab); a pipeline chunk (runtime.pipeline) has the embedding
+    (vocab-parallel) and lm_head (logits sharded on vocab); a pipeline chunk (runtime.models.pipeline) has the embedding
     only on the first stage and lm_head only on the last."""
     tp = mesh.size()
     config = llm.language_model.config

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planner.rules import split_rule
+from planner.contract.rules import split_rule
 
 
 @dataclass(kw_only=True, frozen=True)

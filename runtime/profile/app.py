@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from planner.catalog import get_model
-from planner.models import ModelSpec
+from planner.contract.models import ModelSpec
 from planner.profiles import (
     PROFILE_SCHEMA_VERSION,
     PROFILES_DIR,

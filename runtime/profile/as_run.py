@@ -47,20 +47,20 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 )
 
 from planner.catalog import get_model
-from planner.models import LayerSpec
+from planner.contract.models import LayerSpec
 from planner.profiles import RECOMPUTED_KINDS, LayerPoint, Spread, load_profile, save_profile
-from planner.rules import heads_rule
+from planner.contract.rules import heads_rule
 from runtime.parallel import attention
-from runtime.families import qwen2_5_vl
+from runtime.models.families import qwen2_5_vl
 from runtime.parallel.tensor_parallel import parallelize_llm_tp, parallelize_vision_tp
 from runtime.profile.device import free_port
 from runtime.profile.layers import GridPoint
 from runtime.profile.measure import TimingConfig, analyze_fake, default_dtype, one_step, time_optimizer_step
 from runtime.profile.shards import ShardInputs, build_shard, hf_config
 from runtime.profile.ops import OpCount, OpCounter
-from runtime.llm import shard_llm_batch
+from runtime.models.llm import shard_llm_batch
 from runtime.parallel.ulysses import split_windows
-from runtime.vision import shard_vision_batch, window_layout
+from runtime.models.vision import shard_vision_batch, window_layout
 
 VISION_KINDS = frozenset({"patch_embed", "vision_block", "patch_merger"})
 LLM_KINDS = frozenset({"embedding", "decoder_layer", "final_norm", "lm_head"})

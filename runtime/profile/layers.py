@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from planner.models import LayerSpec, ModelSpec
+from planner.contract.models import LayerSpec, ModelSpec
 from planner.profiles import LayerPoint, MemoryPoint, Profile
 from runtime.profile.measure import TimingConfig, analyze_fake, default_dtype, time_optimizer_step, time_shard
 from runtime.profile.shards import build_shard, hf_config, tokens_multiple, valid_degree

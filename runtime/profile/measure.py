@@ -24,7 +24,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.checkpoint import checkpoint
 
 from planner.profiles import Spread
-from runtime.optim import adamw, grad_sq_norm, scale_gradients
+from runtime.training.optim import adamw, grad_sq_norm, scale_gradients
 from runtime.profile.flops import flop_counter
 from runtime.profile.shards import LayerShard, shard_param_bytes
 
@@ -128,7 +128,7 @@ whole model's weights, gradients and Adam states stream through the optimizer, s
 @torch.no_grad()
 def time_optimizer_step(module: nn.Module, cfg: TimingConfig, *, instances: int = 1,
                         slowest_rank: bool = False) -> Spread:
-    """Seconds of the runtime's optimizer step (runtime/optim.py: the gradients' squared norm, scaling them by the
+    """Seconds of the runtime's optimizer step (runtime/training/optim.py: the gradients' squared norm, scaling them by the
     clipping factor, one AdamW step) over the parameters of ``instances`` copies of ``module`` in one call: the
     runtime steps all of a module's layers at once, so one and two instances separate a layer's own share from the
     call's fixed cost. Median over ``cfg.repeats`` after ``cfg.warmup`` (Adam's states are allocated at the first),

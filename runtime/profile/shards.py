@@ -29,7 +29,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VLVisionBlock,
 )
 
-from planner.models import LayerSpec
+from planner.contract.models import LayerSpec
 
 SEGMENTED_SDPA = "segmented_sdpa_flash_varlen_api"
 """Our attention function's registered name. It contains "flash" so that transformers' vision attention hands it the

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
-from planner.hardware import Cluster, DeviceSpec
-from planner.families.qwen_parts import QWEN2_VL_IMAGE_PIXELS, QWEN2_VL_VIDEO
-from planner.models import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, ModuleSpec, VisionInputSpec
-from planner.strategy import ModuleStrategy, Strategy
-from planner.workload import Workload
-from planner.units import GIB
+from planner.contract.hardware import Cluster, DeviceSpec
+from planner.contract.families.qwen_parts import QWEN2_VL_IMAGE_PIXELS, QWEN2_VL_VIDEO
+from planner.contract.models import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, ModuleSpec, VisionInputSpec
+from planner.contract.strategy import ModuleStrategy, Strategy
+from planner.contract.workload import Workload
+from planner.contract.units import GIB
 
 
 COMPUTE_ONLY = replace(DEFAULT_ASSUMPTIONS, host_seconds_per_op=0.0, dtensor_seconds_per_op=0.0)

@@ -4,7 +4,7 @@ import pytest
 from cost_toys import toy_cluster, toy_model, toy_workload
 
 from planner.cost import LayerMeasurement, module_cost
-from planner.strategy import ModuleStrategy
+from planner.contract.strategy import ModuleStrategy
 
 MODEL, CLUSTER, WORKLOAD = toy_model(), toy_cluster(8), toy_workload(global_batch=8)
 

@@ -6,8 +6,8 @@ import pytest
 from cost_toys import COMPUTE_ONLY, TOY_DEVICE, colocated, toy_cluster, toy_model, toy_workload
 
 from planner.cost import LayerMeasurement, ModuleCost, combine, estimate, module_cost
-from planner.strategy import ModuleStrategy, Strategy
-from planner.units import GIB
+from planner.contract.strategy import ModuleStrategy, Strategy
+from planner.contract.units import GIB
 
 A = COMPUTE_ONLY
 MODEL = toy_model()
@@ -423,7 +423,7 @@ def test_deepstack_bytes_by_hand():
     """Qwen3-VL-32B, one 1344x1344 image: 1,764 LLM image tokens of width 5,120 in bf16, 4 tensors across."""
     from planner.catalog import get_model
     from planner.cost.rank_cost import handoff_bytes, injected_feature_bytes
-    from planner.workload import Workload
+    from planner.contract.workload import Workload
 
     assert handoff_bytes(1764, 5120, 4, 2) == 1764 * 5120 * 4 * 2 == 72_253_440
     model, workload = get_model("qwen3-vl-32b"), Workload(image_sizes=((1344, 1344),), text_tokens=512, global_batch=8)

@@ -7,10 +7,10 @@ import pytest
 
 from planner.catalog import get_model
 from planner.cost import estimate
-from planner.hardware import Cluster, get_device
-from planner.strategy import ModuleStrategy, Strategy
-from planner.workload import Workload
-from planner.units import GIB
+from planner.contract.hardware import Cluster, get_device
+from planner.contract.strategy import ModuleStrategy, Strategy
+from planner.contract.workload import Workload
+from planner.contract.units import GIB
 
 MODEL = get_model("qwen2.5-vl-32b")
 CLUSTER = Cluster(device=get_device("h100-80gb"), num_devices=16, devices_per_node=8)

@@ -22,9 +22,9 @@ from planner.cost.layers import (
 )
 from planner.cost.rank_cost import _STATIC, axes_within_node
 from planner.cost.memory import expert_dispatch_buffer_bytes, expert_saved_bytes_per_token, layer_params_per_rank
-from planner.hardware import make_cluster
-from planner.strategy import ModuleStrategy
-from planner.workload import Workload
+from planner.contract.hardware import make_cluster
+from planner.contract.strategy import ModuleStrategy
+from planner.contract.workload import Workload
 
 A = COMPUTE_ONLY
 LINK = Link(bandwidth=1.6e11, latency=1e-5)

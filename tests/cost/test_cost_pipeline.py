@@ -7,7 +7,7 @@ import pytest
 from planner.cost.pipeline import path_terms, pipeline_step_time
 
 IN_FLIGHT = 2
-"""Encoder forwards the runtime runs ahead (runtime/trainer.py MAX_ENCODER_IN_FLIGHT)."""
+"""Encoder forwards the runtime runs ahead (runtime/training/trainer.py MAX_ENCODER_IN_FLIGHT)."""
 
 
 def simulate(forward: float, backward: float, llm: float, micro_batches: int) -> float:

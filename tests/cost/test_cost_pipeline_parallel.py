@@ -15,8 +15,8 @@ from planner.cost.pipeline import (
     pipelined_step_floor_s,
     stage0_handoff_bytes,
 )
-from planner.models import ModelSpec
-from planner.strategy import ModuleStrategy, Strategy
+from planner.contract.models import ModelSpec
+from planner.contract.strategy import ModuleStrategy, Strategy
 
 
 def test_balanced_chunk_layers_by_hand():
@@ -38,7 +38,7 @@ def test_pipelined_qwen3_vl_first_stage_holds_the_deepstack_layers():
     """Planner and runtime agree: every emitted pipelined Qwen3-VL plan's first chunk holds the DeepStack
     layers, and a plan whose first chunk does not is refused in one line."""
     from planner.api import plan
-    from planner.rules import injection_rule
+    from planner.contract.rules import injection_rule
 
     made = plan("qwen3-vl-32b", 64, fix=["llm.pp=8"])
     llm = made.module("llm")

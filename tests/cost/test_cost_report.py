@@ -5,8 +5,8 @@ from cost_toys import colocated, toy_cluster, toy_model, toy_workload
 
 from planner.cost import estimate
 from planner.cost.report import module_predictions, prediction
-from planner.strategy import ModuleStrategy, Strategy
-from planner.units import GIB
+from planner.contract.strategy import ModuleStrategy, Strategy
+from planner.contract.units import GIB
 
 MODEL, CLUSTER, WORKLOAD = toy_model(), toy_cluster(8), toy_workload(8)
 

@@ -7,7 +7,7 @@ import pytest
 from planner.cost.layers import LayerTerms
 from planner.cost.results import ModuleCost
 from planner.cost.times import PASS_TIME_FIELDS, PassTimes
-from planner.schema import PASS_TIME_DOCS, ModuleTime
+from planner.contract.schema import PASS_TIME_DOCS, ModuleTime
 
 
 def test_every_term_is_documented_and_shared():

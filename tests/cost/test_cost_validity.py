@@ -3,9 +3,9 @@
 from cost_toys import toy_cluster, toy_model, toy_workload
 
 from planner.cost import check_strategy
-from planner.rules import heads_rule
-from planner.strategy import ModuleStrategy
-from planner.workload import Workload
+from planner.contract.rules import heads_rule
+from planner.contract.strategy import ModuleStrategy
+from planner.contract.workload import Workload
 
 MODEL = toy_model()
 CLUSTER = toy_cluster(8)

@@ -12,12 +12,12 @@ from planner.cost import DEFAULT_ASSUMPTIONS, check_strategy
 from planner.cost import module_cost
 from planner.cost.estimate import combine
 from planner.dataset import DatasetHistogram, pack_dataset, sample_tokens
-from planner.enumeration import divisors
-from planner.hardware import get_device, make_cluster
+from planner.search.enumeration import divisors
+from planner.contract.hardware import get_device, make_cluster
 from planner.problem import Problem
-from planner.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Strategy
-from planner.units import GIB
-from planner.workload import Workload, packed_workload
+from planner.contract.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Strategy
+from planner.contract.units import GIB
+from planner.contract.workload import Workload, packed_workload
 
 
 def problem(
@@ -67,7 +67,7 @@ def _packed(model, image: int, text: int, packs: int) -> Workload:
 
 def all_strategies(p: Problem, module: str, gpus: int, pp_sp: bool = False) -> list[ModuleStrategy]:
     """Every valid strategy of ``module`` on ``gpus`` GPUs: all integer grids, ZeRO 0-3, every recompute mode
-    and micro-batch, filtered by ``check_strategy`` only (independent of planner.candidates' enumeration); ring CP
+    and micro-batch, filtered by ``check_strategy`` only (independent of planner.search.candidates' enumeration); ring CP
     (cp > 1) only when the problem allows it; pipeline parallelism of the LLM (every pp, 1F1B, interleaved 1F1B
     and interleaved zero-bubble with 2 chunks) when it allows that, with SP inside stages only when ``pp_sp``
     (the planner searches it when ``--fix llm.sp`` pins SP); every expert-parallel degree dividing the GPUs

@@ -12,10 +12,10 @@ import pytest
 
 from planner import api
 from planner.cli import main
-from planner.hf_configs import QWEN2_5_VL_TINY
+from planner.catalog.hf_configs import QWEN2_5_VL_TINY
 from planner.profiles import PROFILES_DIR
-from planner.schema import PlanError, load_plan
-from planner.solver import cp_sat, explain
+from planner.contract.schema import PlanError, load_plan
+from planner.search.solver import cp_sat, explain
 
 TINY_PROFILE = PROFILES_DIR / "cpu" / "qwen2.5-vl-tiny.json"
 M32 = ["--model", "qwen-vl-32b", "--gpus", "16"]

@@ -1,4 +1,4 @@
-"""Per-module balancing (planner/balance.py): a sample's work per module from the cost model, the per-step LPT
+"""Per-module balancing (planner/cost/balance.py): a sample's work per module from the cost model, the per-step LPT
 assignment, and the imbalance a dataset plan prices and prints."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from planner import api
-from planner.balance import (
+from planner.cost.balance import (
     ModuleDegrees,
     SampleWork,
     StepBalance,
@@ -22,10 +22,10 @@ from planner.cost import module_cost
 from planner.cost.comm import Link
 from planner.cost.layers import Shard, layer_terms
 from planner.dataset import DatasetHistogram, pack_dataset, sample_tokens
-from planner.hardware import get_device
-from planner.schema import load_plan
-from planner.strategy import ModuleStrategy
-from planner.workload import ModuleTokens, PackedTokens, packed_workload
+from planner.contract.hardware import get_device
+from planner.contract.schema import load_plan
+from planner.contract.strategy import ModuleStrategy
+from planner.contract.workload import ModuleTokens, PackedTokens, packed_workload
 
 MODEL = get_model("qwen-vl-32b")
 H100 = get_device("h100")

@@ -1,4 +1,4 @@
-"""Planning for a dataset (planner/dataset.py, planner/packing.py): header-only image sizes, the processor's resize,
+"""Planning for a dataset (planner/dataset.py, planner/contract/packing.py): header-only image sizes, the processor's resize,
 text counts that match the runtime's rendering, packing, the cache, and plans whose memory holds the heaviest pack."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from planner import api, dataset
-from planner.data_rows import CACHE_ENV
+from planner.contract.data_rows import CACHE_ENV
 from planner.catalog import get_model
 from planner.cli import main
 from planner.cost import module_cost
@@ -24,9 +24,9 @@ from planner.dataset import (
     sample_tokens,
     scan_dataset,
 )
-from planner.packing import balance_packs, pack_best_fit
-from planner.strategy import ModuleStrategy
-from planner.workload import MAX_ASPECT_RATIO, PackedTokens, packed_workload, pipeline_padded, smart_resize
+from planner.contract.packing import balance_packs, pack_best_fit
+from planner.contract.strategy import ModuleStrategy
+from planner.contract.workload import MAX_ASPECT_RATIO, PackedTokens, packed_workload, pipeline_padded, smart_resize
 
 MODEL = get_model("qwen-vl-32b")
 
@@ -111,9 +111,9 @@ def test_scan_reads_sizes_from_headers_and_counts_bad_rows(tmp_path):
 def test_text_tokens_are_what_the_runtime_renders(tmp_path):
     """With the model folder's tokenizer, a conversation's text tokens are exactly the runtime's rendering of it
     less its image pads (the byte-level test tokenizer: one token per byte of text)."""
-    from runtime.conversations import ConversationData
-    from runtime.data import layout_from_plan
-    from runtime.model import hf_config_from_dict
+    from runtime.data.conversations import ConversationData
+    from runtime.data.samples import layout_from_plan
+    from runtime.models.model import hf_config_from_dict
     from tests.runtime.plans import make_plan
     from tests.runtime.tokenizer import save_tokenizer
 

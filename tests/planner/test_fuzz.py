@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from planner.cli import main
-from planner.hardware import PLAUSIBLE_RANGES, get_device
-from planner.hf_configs import QWEN2_5_VL_TINY
+from planner.contract.hardware import PLAUSIBLE_RANGES, get_device
+from planner.catalog.hf_configs import QWEN2_5_VL_TINY
 from planner.profiles import PROFILES_DIR
 
 DEFAULT_EXAMPLES = 300

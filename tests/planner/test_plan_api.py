@@ -10,10 +10,10 @@ from planner.analysis import strategy_of
 from planner.api import Infeasible, evaluate, make_problem, max_seq, parse_fixes, plan, top_plans
 from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, check_strategy, estimate
-from planner.schema import load_plan
-from planner.solver.explain import MAX_SEQ_SIDE_PATCHES
-from planner.strategy import ModuleStrategy, Strategy
-from planner.units import GIB
+from planner.contract.schema import load_plan
+from planner.search.solver.explain import MAX_SEQ_SIDE_PATCHES
+from planner.contract.strategy import ModuleStrategy, Strategy
+from planner.contract.units import GIB
 
 M32 = "qwen-vl-32b"
 FULL_PIN = [
@@ -90,7 +90,7 @@ def test_each_baseline_is_the_fastest_fitting_member_of_its_family(gpus):
     """``best_of`` skips the memory of members no faster than a fitting one; it still picks what costing every
     member in full picks (ties: the first), whatever the members' order (in the families' own order the fastest
     fitting member comes first here, so they are tried reversed)."""
-    from planner.baselines import _uniform, best_of, megatron_family, uniform_tp_family, zero3_family
+    from planner.search.baselines import _uniform, best_of, megatron_family, uniform_tp_family, zero3_family
 
     p = make_problem(M32, gpus)
     for name, family in (("uniform_tp", uniform_tp_family), ("zero3", zero3_family), ("megatron", megatron_family)):
@@ -270,7 +270,7 @@ def test_top_plans_ranked_with_both_placements():
 
 
 def test_disjoint_placement_of_three_modules_is_refused():
-    from planner.models import ModelSpec
+    from planner.contract.models import ModelSpec
 
     vl, audio = get_model("qwen2.5-vl-tiny"), get_model("qwen2-audio-7b")
     three = ModelSpec(name="three", family="qwen2_5_vl", hf_config={}, vision_input=vl.vision_input,

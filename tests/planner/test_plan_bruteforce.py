@@ -14,9 +14,9 @@ import pytest
 from plan_helpers import brute_force, problem, with_usable_memory
 
 from planner.api import plan
-from planner.candidates import build_candidates
+from planner.search.candidates import build_candidates
 from planner.cost import estimate
-from planner.solver.cp_sat import solve
+from planner.search.solver.cp_sat import solve
 
 pytestmark = pytest.mark.slow  # each exhausts a strategy space: seconds apiece, left out of ``make test-fast``
 

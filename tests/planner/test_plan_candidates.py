@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 from plan_helpers import problem, with_usable_memory
 
-from planner.candidates import (
+from planner.search.candidates import (
     Candidates,
     build_candidates,
     cost_candidate,
@@ -17,8 +17,8 @@ from planner.candidates import (
 )
 from planner.catalog import get_model
 from planner.cost import check_strategy
-from planner.enumeration import divisors, encoder_node_counts, group_sizes, module_strategies
-from planner.models import ModelSpec
+from planner.search.enumeration import divisors, encoder_node_counts, group_sizes, module_strategies
+from planner.contract.models import ModelSpec
 
 
 def test_divisors():
@@ -131,8 +131,8 @@ def test_disjoint_groups_are_costed_only_where_the_other_group_can_take_the_rest
     """The encoder is costed on a (GPU count, grad_accum) only when the LLM has a valid strategy of that grad_accum on
     the other GPUs, and the LLM only where a fitting encoder candidate complements it: the plan is the one without
     that restriction, from fewer strategies costed."""
-    import planner.candidates as candidates
-    from planner.solver.cp_sat import solve
+    import planner.search.candidates as candidates
+    from planner.search.solver.cp_sat import solve
 
     p = problem("qwen-vl-32b", 16, device="h100-80gb", batch=64, image=1344, text=512, allow_pp=True)
     cands = build_candidates(p, "disjoint")
@@ -170,7 +170,7 @@ def test_micro_batch_early_stop_drops_no_fitting_candidate(placement):
 
 @pytest.mark.parametrize("placement", ["colocated", "disjoint"])
 def test_feasible_agrees_with_the_solver(placement):
-    from planner.solver.cp_sat import solve
+    from planner.search.solver.cp_sat import solve
 
     p = problem(overhead_gib=0.0)
     loose = build_candidates(p, placement)
@@ -212,7 +212,7 @@ def _logged_share_of_worker(index):
 def test_costing_in_worker_processes_gives_the_serial_candidates(placement, monkeypatch, tmp_path):
     import os
 
-    import planner.candidates as candidates
+    import planner.search.candidates as candidates
 
     p = problem("qwen-vl-32b", 32, device="h100-80gb", batch=128, image=1344, text=512, allow_pp=True)
     serial = build_candidates(p, placement)

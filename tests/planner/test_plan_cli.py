@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from planner.cli import main
-from planner.schema import load_plan
+from planner.contract.schema import load_plan
 
 
 def _run(argv, capsys):

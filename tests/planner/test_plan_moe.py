@@ -10,10 +10,10 @@ from plan_helpers import problem
 
 from planner.api import plan
 from planner.catalog import CATALOG, model_from_hf_config
-from planner.enumeration import module_strategies
-from planner.rules import expert_parallel_rule
-from planner.schema import SCHEMA_VERSION, load_plan
-from planner.strategy import ModuleStrategy
+from planner.search.enumeration import module_strategies
+from planner.contract.rules import expert_parallel_rule
+from planner.contract.schema import SCHEMA_VERSION, load_plan
+from planner.contract.strategy import ModuleStrategy
 
 MOE = problem("qwen3-vl-moe-tiny", 4, overhead_gib=0.0)
 SIXTEEN = problem("qwen3-vl-moe-tiny", 16, batch=16, overhead_gib=0.0)
@@ -95,7 +95,7 @@ def test_describe_shows_ep_only_when_experts_are_split():
 
 def test_the_megatron_baseline_searches_ep_for_experts():
     """Megatron-style TP x EP x PP: the LLM's experts over EP ranks of each stage's DP group; 1 for a dense LLM."""
-    from planner.baselines import megatron_family
+    from planner.search.baselines import megatron_family
 
     moe = problem("qwen3-vl-moe-tiny", 8, batch=16)
     assert {s.modules["llm"].ep for s in megatron_family(moe)} == {1, 2, 4}

@@ -6,11 +6,11 @@ import pytest
 from plan_helpers import problem
 
 import planner.search as search
-import planner.candidates as candidates
+import planner.search.candidates as candidates
 from planner.api import make_problem, top_plans
-from planner.candidates import placed_cost
+from planner.search.candidates import placed_cost
 from planner.cost.pipeline import pipelined_step_floor_s
-from planner.enumeration import group_sizes, module_strategies
+from planner.search.enumeration import group_sizes, module_strategies
 
 
 @pytest.mark.parametrize("placement", ["colocated", "disjoint"])

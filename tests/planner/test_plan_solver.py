@@ -5,10 +5,10 @@ from dataclasses import replace
 import pytest
 from plan_helpers import problem
 
-from planner.candidates import build_candidates, least_colocated_need
+from planner.search.candidates import build_candidates, least_colocated_need
 from planner.cost import estimate
-from planner.solver.cp_sat import SolverSettings, solve
-from planner.strategy import Strategy
+from planner.search.solver.cp_sat import SolverSettings, solve
+from planner.contract.strategy import Strategy
 
 ROUNDING_S = 2e-9
 
@@ -27,7 +27,7 @@ def _problem(name):
 
 
 def _audio_problem(kw):
-    from planner.workload import Workload
+    from planner.contract.workload import Workload
 
     kw = dict(kw)
     kw.pop("image")
@@ -118,7 +118,7 @@ def test_no_plan_when_nothing_fits_together():
 
 def test_statuses_without_proof_are_reported(monkeypatch):
     """FEASIBLE (time limit hit with a plan) skips the tie-break; UNKNOWN (no plan yet) is a one-line error."""
-    from planner.solver import cp_sat
+    from planner.search.solver import cp_sat
 
     p = problem()
     cands = build_candidates(p, "colocated")

@@ -12,10 +12,10 @@ from planner.api import make_problem
 from planner.cli import main
 from planner.cost import estimate
 from planner.cost.pipeline import path_terms, pipeline_step_time
-from planner.strategy import ModuleStrategy as MS
-from planner.strategy import Strategy
+from planner.contract.strategy import ModuleStrategy as MS
+from planner.contract.strategy import Strategy
 from planner.trace import Part, _disjoint, _Timeline, micro_batch_parts, predicted_trace
-from planner.trace_format import LANES, makespan_s
+from planner.contract.trace_format import LANES, makespan_s
 
 STRATEGIES = {  # 16 GPUs, 64 samples a step
     "colocated ZeRO-3 full recompute, SP encoder": Strategy(placement="colocated", modules={

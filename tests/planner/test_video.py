@@ -7,7 +7,7 @@ import pytest
 from planner import api
 from planner.catalog import get_model
 from planner.cli import main
-from planner.workload import Workload, module_tokens, video_grid
+from planner.contract.workload import Workload, module_tokens, video_grid
 
 
 def test_two_minutes_of_720p_at_2_fps_on_qwen3_vl_by_hand():

@@ -1,4 +1,4 @@
-"""Video rows in a dataset (planner/data_rows.py, planner/dataset.py): frame lists and video files read from headers
+"""Video rows in a dataset (planner/contract/data_rows.py, planner/dataset.py): frame lists and video files read from headers
 and container metadata, files sampled at the plan's fps as transformers' video processors sample, clips priced as
 the synthetic video workload prices them, bad videos skipped with a one-line reason."""
 
@@ -15,10 +15,10 @@ import pytest
 from planner import api
 from planner.catalog import get_model
 from planner.cli import main
-from planner.data_rows import (CACHE_ENV, MISSING_VIDEO, MIXED_FRAME_SIZES, NO_FRAMES, SHORT_CLIP, VideoShape,
+from planner.contract.data_rows import (CACHE_ENV, MISSING_VIDEO, MIXED_FRAME_SIZES, NO_FRAMES, SHORT_CLIP, VideoShape,
                                messages_of)
 from planner.dataset import DatasetHistogram, read_dataset, sample_tokens, scan_dataset
-from planner.workload import Workload, module_tokens, sampled_frames, video_grid
+from planner.contract.workload import Workload, module_tokens, sampled_frames, video_grid
 from tests.planner.video_files import write_empty_video, write_frames, write_mp4
 
 QWEN3 = get_model("qwen3-vl-tiny")

@@ -5,13 +5,13 @@ import statistics
 
 import pytest
 
-from planner import schema
+from planner.contract import schema
 from planner.catalog import get_model
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
-from planner.hardware import get_device
+from planner.contract.hardware import get_device
 from planner.profiles import PROFILE_SCHEMA_VERSION, Profile, Provenance, load_profile, save_profile
-from planner.strategy import ModuleStrategy, Strategy
-from planner.workload import Workload
+from planner.contract.strategy import ModuleStrategy, Strategy
+from planner.contract.workload import Workload
 from runtime.profile.__main__ import main
 from planner.profiles.calibrate import MeasuredRun, Predictor, load_runs, measured_step_time, plan_inputs
 

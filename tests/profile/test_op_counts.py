@@ -7,7 +7,7 @@ import torch.multiprocessing as mp
 
 from planner.catalog import get_model
 from planner.cost.op_counts import LAYER_OPS, layer_pass_ops, optimizer_pass_ops
-from runtime.optim import adamw, grad_sq_norm, scale_gradients
+from runtime.training.optim import adamw, grad_sq_norm, scale_gradients
 from runtime.profile.as_run import build_rank, count_layer_ops
 from runtime.profile.device import free_port
 from runtime.profile.ops import OpCounter, host_seconds_per_op

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from planner.hardware import DeviceSpec
+from planner.contract.hardware import DeviceSpec
 from planner.profiles import (
     PROFILE_SCHEMA_VERSION,
     CollectivePoint,
@@ -185,10 +185,10 @@ def test_to_json_is_canonical():
 def test_profile_cost_source_feeds_the_cost_model():
     from planner.catalog import get_model
     from planner.cost import estimate
-    from planner.hardware import make_cluster
+    from planner.contract.hardware import make_cluster
     from planner.profiles import ProfileCostSource
-    from planner.strategy import ModuleStrategy, Strategy
-    from planner.workload import Workload
+    from planner.contract.strategy import ModuleStrategy, Strategy
+    from planner.contract.workload import Workload
 
     model = get_model("qwen2.5-vl-tiny")
     fwd = {"embedding": 0.001, "decoder_layer": 0.02, "final_norm": 0.002}  # lm_head left unmeasured
@@ -281,10 +281,10 @@ def test_measured_collective_curves_replace_the_link_model():
 def test_plan_says_collectives_are_measured_when_the_profile_covers_its_groups():
     from planner.catalog import get_model
     from planner.cost import estimate
-    from planner.hardware import make_cluster
+    from planner.contract.hardware import make_cluster
     from planner.profiles import ProfileCostSource
-    from planner.strategy import ModuleStrategy, Strategy
-    from planner.workload import Workload
+    from planner.contract.strategy import ModuleStrategy, Strategy
+    from planner.contract.workload import Workload
 
     model = get_model("qwen2.5-vl-tiny")
     ar = [CollectivePoint(op="all_reduce", group_size=2, message_bytes=s, time=spread(0.5), backend="gloo")
@@ -347,10 +347,10 @@ def test_profile_cost_source_prefers_as_run_points():
 def test_measured_optimizer_step_replaces_the_formula():
     from planner.catalog import get_model
     from planner.cost import estimate
-    from planner.hardware import make_cluster
+    from planner.contract.hardware import make_cluster
     from planner.profiles import ProfileCostSource
-    from planner.strategy import ModuleStrategy, Strategy
-    from planner.workload import Workload
+    from planner.contract.strategy import ModuleStrategy, Strategy
+    from planner.contract.workload import Workload
 
     model = get_model("qwen2.5-vl-tiny")
     llm_layers = {layer.name: layer.count for layer in model.module("llm").layers}
@@ -378,10 +378,10 @@ def test_measured_optimizer_step_replaces_the_formula():
 def test_optimizer_call_cost_is_paid_once_per_module():
     from planner.catalog import get_model
     from planner.cost import estimate
-    from planner.hardware import make_cluster
+    from planner.contract.hardware import make_cluster
     from planner.profiles import ProfileCostSource
-    from planner.strategy import ModuleStrategy, Strategy
-    from planner.workload import Workload
+    from planner.contract.strategy import ModuleStrategy, Strategy
+    from planner.contract.workload import Workload
 
     model = get_model("qwen2.5-vl-tiny")
     llm_layers = {layer.name: layer.count for layer in model.module("llm").layers}

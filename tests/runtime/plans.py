@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from planner.balance import SampleWork
-from planner.families import model_from_hf_config
-from planner.hardware import DeviceSpec, get_device
-from planner.schema import (
+from planner.cost.balance import SampleWork
+from planner.contract.families import model_from_hf_config
+from planner.contract.hardware import DeviceSpec, get_device
+from planner.contract.schema import (
     SCHEMA_VERSION, ClusterInfo, DatasetInfo, MemoryBreakdown, ModelInfo, ModulePlan, ModulePrediction,
     ModuleTime, Plan, Prediction, SolverInfo, TokenPercentiles, TrainingInfo, WorkloadInfo,
 )
@@ -45,7 +45,7 @@ def tiny_qwen2_vl_config() -> dict[str, Any]:
 
 
 def sample_work(hf_config: dict[str, Any]) -> SampleWork:
-    """What the runtime balances a dataset plan's replicas on (``planner.balance``), for a model on a CPU."""
+    """What the runtime balances a dataset plan's replicas on (``planner.cost.balance``), for a model on a CPU."""
     return SampleWork(model_from_hf_config(hf_config, "tiny"), get_device("cpu"))
 
 
@@ -133,8 +133,8 @@ def make_plan(vision: dict, llm: dict, *, placement="colocated", image_size=IMAG
         patches = round(audio_seconds * 50 / positions) * positions
         llm_tokens = text_tokens + patches // 2
     if videos:  # (frames, height, width) clips, as the planner counts them
-        from planner.families import model_from_hf_config
-        from planner.workload import Workload, module_tokens
+        from planner.contract.families import model_from_hf_config
+        from planner.contract.workload import Workload, module_tokens
 
         tokens = module_tokens(Workload(image_sizes=tuple(sizes), videos=videos, text_tokens=text_tokens,
                                         global_batch=1), model_from_hf_config(hf_config, "tiny"))

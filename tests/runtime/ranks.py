@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runtime.trainer import RunOptions, Trainer
+from runtime.training.trainer import RunOptions, Trainer
 
 SEED = 3
 """Random-init seed of the scenarios."""
@@ -42,7 +42,7 @@ def _rank_main(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) 
         dist.destroy_process_group()
 
 
-FORKSERVER_PRELOAD = ["runtime.trainer", "tests.runtime.ranks"]
+FORKSERVER_PRELOAD = ["runtime.training.trainer", "tests.runtime.ranks"]
 """What the fork server imports once per test session (~8 s of torch and transformers here), so that every rank
 after the first spawn starts from a process that already holds them instead of importing them again."""
 

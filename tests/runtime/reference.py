@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from planner.schema import Plan
-from runtime.data import IGNORE_INDEX, collate
-from runtime.model import build_model, split_model
-from runtime.optim import warmup_factor
-from runtime.preflight import module_names
-from runtime.step_inputs import data_source
-from runtime.trainer import RunOptions
+from planner.contract.schema import Plan
+from runtime.data.samples import IGNORE_INDEX, collate
+from runtime.models.model import build_model, split_model
+from runtime.training.optim import warmup_factor
+from runtime.run.preflight import module_names
+from runtime.training.step_inputs import data_source
+from runtime.training.trainer import RunOptions
 
 
 def reference_run(plan: Plan, *, seed: int, steps: int, options: RunOptions | None = None) -> dict:

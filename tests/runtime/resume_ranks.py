@@ -11,11 +11,11 @@ from typing import Any
 
 from torch.distributed.checkpoint import filesystem
 
-from planner.schema import Plan
-from runtime import dcp_checkpoint
-from runtime.checkpoint_dir import latest_checkpoint
-from runtime.dcp_checkpoint import Checkpointer
-from runtime.trainer import RunOptions, Trainer
+from planner.contract.schema import Plan
+from runtime.checkpoints import dcp_checkpoint
+from runtime.run.checkpoint_dir import latest_checkpoint
+from runtime.checkpoints.dcp_checkpoint import Checkpointer
+from runtime.training.trainer import RunOptions, Trainer
 
 SEED = 0
 

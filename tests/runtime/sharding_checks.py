@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from planner.schema import ModulePlan, Plan
+from planner.contract.schema import ModulePlan, Plan
 
 Layout = dict[tuple[int, ...], str]
 """Ranks of a mesh axis -> how the tensor is split over them ("S(0)", "S(1)"; anything else is unexpected)."""

@@ -176,7 +176,7 @@ def write_config_and_weights(folder: str) -> None:
 
 
 def test_weights_that_cannot_go_to_save_go_to_a_timestamped_folder_here(tmp_path, monkeypatch):
-    from runtime.preflight import SavedElsewhere, save_with_fallback
+    from runtime.run.preflight import SavedElsewhere, save_with_fallback
 
     monkeypatch.chdir(tmp_path)
     Path(tmp_path, "taken").write_text("a file where the folder should be")
@@ -188,7 +188,7 @@ def test_weights_that_cannot_go_to_save_go_to_a_timestamped_folder_here(tmp_path
 
 
 def test_a_save_that_leaves_no_loadable_folder_falls_back_and_one_that_never_works_says_so(tmp_path, monkeypatch):
-    from runtime.preflight import SavedElsewhere, save_with_fallback
+    from runtime.run.preflight import SavedElsewhere, save_with_fallback
 
     monkeypatch.chdir(tmp_path)
     written = []

@@ -12,13 +12,13 @@ from safetensors.torch import save_file
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from runtime.checkpoint import HFFolder, legacy_names, plan_files, read_region
-from runtime.model import build_model
+from runtime.checkpoints.hf_folder import HFFolder, legacy_names, plan_files, read_region
+from runtime.models.model import build_model
 from runtime.parallel import attention
 from runtime.parallel.precision import module_precision
 from runtime.parallel.tensor_parallel import qkv_row_order, qkv_to_tp_layout
-from runtime.parallel_dims import forget_earlier_worlds
-from runtime.trainer import RunOptions, Trainer
+from runtime.parallel.parallel_dims import forget_earlier_worlds
+from runtime.training.trainer import RunOptions, Trainer
 from tests.runtime.plans import make_plan, tiny_hf_config, tiny_qwen2_audio_config
 
 

@@ -18,9 +18,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from runtime import export
 from runtime.__main__ import main
-from runtime.checkpoint_dir import COMPLETE_MARKER, RUN_STATE
-from runtime.dcp_checkpoint import CONFIG_FILE, checkpoint_problem
-from runtime.dcp_metadata import METADATA_FILE, SafeFileSystemReader, UnsafeCheckpoint, read_metadata
+from runtime.run.checkpoint_dir import COMPLETE_MARKER, RUN_STATE
+from runtime.checkpoints.dcp_checkpoint import CONFIG_FILE, checkpoint_problem
+from runtime.checkpoints.dcp_metadata import METADATA_FILE, SafeFileSystemReader, UnsafeCheckpoint, read_metadata
 from tests.runtime.plans import make_plan, tiny_hf_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,7 +134,7 @@ UNSAFE = {
     "shell=True": re.compile(r"shell\s*=\s*True"),
     "trust_remote_code=True": re.compile(r"trust_remote_code\s*=\s*True"),
     "yaml.load without SafeLoader": re.compile(r"yaml\.(unsafe_)?load(_all)?\((?![^)]*SafeLoader)"),
-    "pickle.load outside runtime/dcp_metadata.py": re.compile(r"\bc?pickle\.loads?\b"),
+    "pickle.load outside runtime/checkpoints/dcp_metadata.py": re.compile(r"\bc?pickle\.loads?\b"),
     "torch.load without weights_only=True": re.compile(r"torch\.load\((?![^)]*weights_only\s*=\s*True)"),
 }
 """What must not appear in the sources: each runs code from the data it reads."""
@@ -146,7 +146,7 @@ def test_no_source_reads_data_with_an_unsafe_loader():
         for path in sorted((ROOT / package).rglob("*.py")):
             text, name = path.read_text(encoding="utf-8"), path.relative_to(ROOT).as_posix()
             for what, pattern in UNSAFE.items():
-                if what.startswith("pickle") and name == "runtime/dcp_metadata.py":
+                if what.startswith("pickle") and name == "runtime/checkpoints/dcp_metadata.py":
                     continue
                 found += [f"{name}:{text.count(chr(10), 0, m.start()) + 1}: {what}" for m in pattern.finditer(text)]
     assert not found, found

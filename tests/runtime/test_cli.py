@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from runtime import launcher
-from runtime.trainer import RunOptions
+from runtime.launch import launcher
+from runtime.training.trainer import RunOptions
 from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_qwen3_vl_moe_config
 
 
@@ -132,7 +132,7 @@ def test_plan_written_by_the_planner_runs_end_to_end(tmp_path, ray_cluster):
 
 @pytest.mark.slow
 def test_workers_start_from_and_save_a_checkpoint_folder(tmp_path, ray_cluster):
-    from runtime.model import build_model
+    from runtime.models.model import build_model
 
     saved = build_model(make_plan({}, {}).model.hf_config, seed=7)
     saved.save_pretrained(tmp_path / "start")
@@ -177,7 +177,7 @@ def test_weights_go_to_a_fallback_folder_when_the_save_folder_breaks_during_trai
     tmp_path, ray_cluster, monkeypatch, capsys
 ):
     from runtime.__main__ import main
-    from runtime.model import build_model
+    from runtime.models.model import build_model
 
     plan = make_plan({}, {})
     (tmp_path / "plan.json").write_text(plan.to_json())

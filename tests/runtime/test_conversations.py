@@ -1,4 +1,4 @@
-"""Conversation data (runtime/conversations.py): both formats, the chat template, loss on assistant turns only,
+"""Conversation data (runtime/data/conversations.py): both formats, the chat template, loss on assistant turns only,
 bad rows skipped and counted."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from runtime.conversations import ConversationData, messages_of
-from runtime.preflight import is_conversation_file
-from runtime.data import IGNORE_INDEX, layout_from_plan
-from runtime.model import hf_config_from_dict
+from runtime.data.conversations import ConversationData, messages_of
+from runtime.run.preflight import is_conversation_file
+from runtime.data.samples import IGNORE_INDEX, layout_from_plan
+from runtime.models.model import hf_config_from_dict
 from tests.runtime.plans import make_plan
 from tests.runtime.tokenizer import save_tokenizer
 
@@ -125,7 +125,7 @@ def test_a_conversation_file_trains_from_the_command_line(tmp_path, tokenizer_di
 
 
 def test_conversations_need_a_tokenizer_and_no_llm_sequence_parallelism(tmp_path):
-    from runtime.preflight import check_conversations
+    from runtime.run.preflight import check_conversations
 
     data = str(_write(tmp_path / "d.jsonl", [_llava("a.png")]))
     with pytest.raises(ValueError, match="give --tokenizer DIR"):

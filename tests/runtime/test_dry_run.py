@@ -19,13 +19,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from planner import api as planner_api
 from planner.catalog import get_model
-from planner.schema import Plan
-from planner.units import GIB
+from planner.contract.schema import Plan
+from planner.contract.units import GIB
 from runtime.dry_run import (StepMemTracker, _device_snapshot, dry_run, format_report, measure_role, roles,
                              usable_bytes)
-from runtime.model import RandomInit
-from runtime.parallel_dims import forget_earlier_worlds
-from runtime.trainer import RunOptions, Trainer
+from runtime.models.model import RandomInit
+from runtime.parallel.parallel_dims import forget_earlier_worlds
+from runtime.training.trainer import RunOptions, Trainer
 from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_qwen3_vl_moe_config
 
 PEAK_TOLERANCE = 0.02
@@ -131,7 +131,7 @@ def _few_layer_32b() -> dict:
 DRY_RUN_32B = """
 import json, resource
 from runtime.dry_run import dry_run
-from runtime.trainer import RunOptions
+from runtime.training.trainer import RunOptions
 from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_qwen3_vl_moe_config
 plan = make_plan({"dp": 2, "zero": 3}, {"dp": 2, "zero": 3}, image_size=(448, 448), hf_config=json.loads(%r))
 report = dry_run(plan, RunOptions())

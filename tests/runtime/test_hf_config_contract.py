@@ -16,8 +16,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from planner.api import plan
 from planner.catalog import model_from_hf_config
-from runtime.parallel_dims import forget_earlier_worlds
-from runtime.trainer import RunOptions, Trainer
+from runtime.parallel.parallel_dims import forget_earlier_worlds
+from runtime.training.trainer import RunOptions, Trainer
 from tests.runtime.plans import tiny_hf_config, tiny_qwen2_vl_config
 
 QWEN2_5_VL_ODD_VALUES = {

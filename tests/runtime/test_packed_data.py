@@ -1,4 +1,4 @@
-"""Dataset plans in the runtime (runtime/packed_data.py): the index every rank builds, packs and epochs, balanced
+"""Dataset plans in the runtime (runtime/data/packed_data.py): the index every rank builds, packs and epochs, balanced
 replicas, bad rows, packed rows and their positions, and parity of packed micro-batches against the single-process
 model run on the same samples one at a time."""
 
@@ -14,10 +14,10 @@ import torch
 from PIL import Image
 from torch.nn.attention.varlen import varlen_attn
 
-from runtime.data import IGNORE_INDEX, pack_rows
-from runtime.llm import packed_position_ids
-from runtime.model import build_model, hf_config_from_dict, split_model
-from runtime.packed_data import UNDECODED_IMAGE, PackedConversations
+from runtime.data.samples import IGNORE_INDEX, pack_rows
+from runtime.models.llm import packed_position_ids
+from runtime.models.model import build_model, hf_config_from_dict, split_model
+from runtime.data.packed_data import UNDECODED_IMAGE, PackedConversations
 from runtime.parallel import attention
 from tests.runtime.plans import dataset_info, make_plan, sample_work, tiny_hf_config, tiny_qwen3_vl_config
 from tests.runtime.tokenizer import save_tokenizer
@@ -118,7 +118,7 @@ def test_balance_tokens_deals_packs_by_llm_tokens_and_runs_each_llm_replicas_ima
         tmp_path, tokenizer_dir):
     """``--balance tokens``, the earlier split: the step's packs dealt by LLM tokens (not work), and vision replica
     ``d`` runs exactly the images of LLM replica ``d``'s packs, in their order."""
-    from planner.packing import balance_packs
+    from planner.contract.packing import balance_packs
 
     path = write_dataset(tmp_path, rows=24)
     data, modules = (packed(path, tokenizer_dir, pack_tokens=256, balance=b) for b in ("tokens", "modules"))
@@ -138,14 +138,14 @@ def test_balance_tokens_deals_packs_by_llm_tokens_and_runs_each_llm_replicas_ima
 
 
 def _vision_dims(dp, sp=1):
-    from runtime.parallel_dims import ParallelDims
+    from runtime.parallel.parallel_dims import ParallelDims
 
     return ParallelDims(name="vision", ranks=tuple(range(dp * sp)), dp=dp, cp=1, sp=sp, tp=1, zero=0,
                         recompute="none", micro_batch=1, grad_accum=1)
 
 
 def _llm_dims(dp, sp=1, first_rank=0, micro_batch=2):
-    from runtime.parallel_dims import ParallelDims
+    from runtime.parallel.parallel_dims import ParallelDims
 
     return ParallelDims(name="llm", ranks=tuple(range(first_rank, first_rank + dp * sp)), dp=dp, cp=1, sp=sp, tp=1,
                         zero=0, recompute="none", micro_batch=micro_batch, grad_accum=1)
@@ -175,7 +175,7 @@ def test_a_vision_replica_with_fewer_windows_than_its_sp_ranks_sends_its_tokens_
     rows = [_row("i1.png", "What is this?", "A larger picture."), _row("small.png", "And this?", "A small one.")]
     (tmp_path / "two.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = packed(tmp_path / "two.jsonl", tokenizer_dir, pack_tokens=256)
-    from runtime.vision import window_layout
+    from runtime.models.vision import window_layout
 
     vc, vision, llm = CONFIG.vision_config, _vision_dims(2, sp=2), _llm_dims(1, micro_batch=1)
     slots = data.step_slots(0, 1, 1, 1)
@@ -191,9 +191,9 @@ def _assert_routes_follow_each_token(data, slots, vision, llm):
     what its SP ranks emit (filler included), and the routes deliver each merged token, as the replica emits it in
     window order, to the LLM rank and row slot of that image's own tokens: the tokens are followed by identity,
     independently of the routes' own bookkeeping."""
-    from runtime.llm import image_slots_per_rank
-    from runtime.step_inputs import VisionMicroBatch, packed_routes
-    from runtime.vision import merged_positions_per_rank
+    from runtime.models.llm import image_slots_per_rank
+    from runtime.training.step_inputs import VisionMicroBatch, packed_routes
+    from runtime.models.vision import merged_positions_per_rank
 
     vc, merge = CONFIG.vision_config, CONFIG.vision_config.spatial_merge_size**2
     llm_dp, llm_sp, vision_sp = llm.dp, llm.sp, vision.sp
@@ -239,8 +239,8 @@ def _tokens(data, item, merge):
 
 
 def _grids(data, items, mine, vc, sp):
-    from runtime.step_inputs import needs_filler
-    from runtime.vision import filler_grid
+    from runtime.training.step_inputs import needs_filler
+    from runtime.models.vision import filler_grid
 
     grids = [data.samples[i].grids[k] for i, k in (items[j] for j in mine)]
     return grids + [filler_grid(vc, sp)] if needs_filler(grids, vc, sp) else grids
@@ -249,8 +249,8 @@ def _grids(data, items, mine, vc, sp):
 def test_a_vision_replica_with_too_few_windows_runs_a_filler_that_goes_nowhere():
     """A replica with no image, or fewer attention windows than its SP ranks, runs a filler image of zeros with
     exactly enough windows, so that each of its ranks still runs every block and its collectives."""
-    from runtime.step_inputs import needs_filler, vision_items_batch
-    from runtime.vision import filler_grid, window_layout
+    from runtime.training.step_inputs import needs_filler, vision_items_batch
+    from runtime.models.vision import filler_grid, window_layout
 
     vc = CONFIG.vision_config
     for sp in (1, 2, 4):
@@ -325,7 +325,7 @@ def test_a_packed_row_gives_each_sample_its_own_logits(tmp_path, tokenizer_dir):
 
 
 def test_the_prefetch_worker_builds_the_samples_and_reports_what_it_skipped(tmp_path, tokenizer_dir):
-    from runtime.prefetch import Prefetcher
+    from runtime.data.prefetch import Prefetcher
 
     data = packed(write_dataset(tmp_path), tokenizer_dir)
     direct = {i: data.sample(i) for i in (0, 3, 5)}
@@ -381,7 +381,7 @@ def test_packed_parity(name, tmp_path, tokenizer_dir, worker_pool):
     disjoint placement, a pipelined LLM on rows padded to their budget) give the loss, gradients and parameters of
     the single-process HF model run on the same samples one at a time, each weighted by its share of the step's
     target tokens."""
-    from runtime.trainer import RunOptions
+    from runtime.training.trainer import RunOptions
     from tests.runtime.test_parity import LR, SEED, assert_parity
 
     spec = dict(PACKED_PLANS[name])
@@ -434,7 +434,7 @@ def test_a_model_folder_plans_for_and_trains_on_a_mixed_resolution_dataset(tmp_p
 
 
 def test_the_index_is_cached_until_the_data_or_the_tokenizer_changes(tmp_path, tokenizer_dir, monkeypatch):
-    from runtime.conversations import ChatTokenizer
+    from runtime.data.conversations import ChatTokenizer
 
     monkeypatch.setenv("DHPLAN_CACHE_DIR", str(tmp_path / "cache"))
     path = write_dataset(tmp_path, extra=[_row("missing.png", "Q?", "A."), _row("i1.png", "Q?", "long " * 200)])
@@ -469,7 +469,7 @@ def test_an_image_replaced_by_one_of_another_size_is_indexed_anew(tmp_path, toke
 def test_a_micro_batch_may_hold_one_pack_once_per_epoch_its_step_spans(tmp_path, tokenizer_dir):
     """A step's packs run on across an epoch's end: positions 4..10 of 5-pack epochs touch epochs 0, 1 and 2, so a
     pipelined LLM's first stage makes room for the heaviest pack that many times in one micro-batch."""
-    from runtime.packed_data import epochs_spanned
+    from runtime.data.packed_data import epochs_spanned
 
     assert [epochs_spanned(n, 5) for n in (1, 2, 5, 6, 7, 11)] == [1, 2, 2, 2, 3, 3]
     data = packed(write_dataset(tmp_path), tokenizer_dir)

@@ -1,4 +1,4 @@
-"""Video rows in a dataset plan's runtime (runtime/packed_data.py): the index agrees with the planner's pricing of
+"""Video rows in a dataset plan's runtime (runtime/data/packed_data.py): the index agrees with the planner's pricing of
 the same file, a built clip is what the synthetic video path makes for its size, bad videos are skipped with the
 planner's reasons, and a packed row of clips gets its vision rows and M-RoPE positions."""
 
@@ -10,16 +10,16 @@ import pytest
 import torch
 from PIL import Image
 
-from planner.data_rows import MISSING_VIDEO, MIXED_FRAME_SIZES, NO_FRAMES
+from planner.contract.data_rows import MISSING_VIDEO, MIXED_FRAME_SIZES, NO_FRAMES
 from planner.dataset import sample_tokens, scan_dataset
-from planner.families import model_from_hf_config
-from planner.families.qwen3_vl import TIMESTAMP_TOKENS
-from planner.workload import sampled_frames, video_grid
-from runtime.conversations import conversation_of
-from runtime.data import layout_from_plan, layout_image_processor, pack_rows, patchify_clip, visual_inputs
-from runtime.llm import packed_position_ids
-from runtime.model import build_model, hf_config_from_dict, split_model
-from runtime.packed_data import PackedConversations
+from planner.contract.families import model_from_hf_config
+from planner.contract.families.qwen3_vl import TIMESTAMP_TOKENS
+from planner.contract.workload import sampled_frames, video_grid
+from runtime.data.conversations import conversation_of
+from runtime.data.samples import layout_from_plan, layout_image_processor, pack_rows, patchify_clip, visual_inputs
+from runtime.models.llm import packed_position_ids
+from runtime.models.model import build_model, hf_config_from_dict, split_model
+from runtime.data.packed_data import PackedConversations
 from tests.planner.test_video_rows import write_video_rows
 from tests.runtime.plans import dataset_info, sample_work, tiny_hf_config, tiny_qwen3_vl_config
 from tests.runtime.tokenizer import save_tokenizer
@@ -187,7 +187,7 @@ VIDEO_PACKED_PLANS = {
 def test_packed_parity_on_video_rows(name, tmp_path, tokenizer_dir, worker_pool):
     """Packed micro-batches of the video rows (frame lists, an MPEG-4 file, a row with an image and two clips) give
     the loss, gradients and parameters of the single-process HF model run on the same samples one at a time."""
-    from runtime.trainer import RunOptions
+    from runtime.training.trainer import RunOptions
     from tests.runtime.plans import make_plan
     from tests.runtime.test_parity import LR, SEED, assert_parity
 

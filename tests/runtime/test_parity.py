@@ -8,7 +8,7 @@ same seed, same samples. Checked on every plan:
   FSDP's resharding around each block's forwards as the plan's ZeRO stage implies. Numerics alone cannot show
   this: a TP module that runs replicated computes the same numbers;
 - the loss of 3 steps;
-- the pre-clip global gradient norm every rank reports for each step (the norm runtime.optim.clip_grad_norm
+- the pre-clip global gradient norm every rank reports for each step (the norm runtime.training.optim.clip_grad_norm
   computes before scaling), against the norm torch.nn.utils.clip_grad_norm_ returns in the reference;
 - every gradient of step 1 before clipping. The runtime's gradients can only be read after its step, that is
   clipped: clipping multiplied all of them by one factor, min(1, max_norm / (norm + 1e-6)), so dividing by that
@@ -40,8 +40,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import launcher
-from runtime.trainer import RunOptions
+from runtime.launch import launcher
+from runtime.training.trainer import RunOptions
 from tests.runtime import sharding_checks
 from tests.runtime.plans import (QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen2_audio_config,
                                  tiny_qwen2_vl_config, tiny_qwen3_vl_config, tiny_qwen3_vl_moe_config)
@@ -111,7 +111,7 @@ PIPELINE_PLANS = {
                                                 llm=dict(pp=2, dp=2, zero=3, pp_layers=[2, 2], micro_batch=2,
                                                          grad_accum=2), text_tokens=24),
 }
-"""Pipelined LLM plans (runtime.pipeline)."""
+"""Pipelined LLM plans (runtime.models.pipeline)."""
 
 
 def tied_embeddings_config() -> dict:
@@ -195,7 +195,7 @@ QWEN3_VL_PLANS = {
                                                 llm=dict(pp=2, pp_layers=[2, 2], grad_accum=2),
                                                 videos=((4, 64, 96),), **QWEN3_VL),
 }
-"""Qwen3-VL plans (runtime.families.qwen3_vl)."""
+"""Qwen3-VL plans (runtime.models.families.qwen3_vl)."""
 
 QWEN2_AUDIO = dict(hf_config=tiny_qwen2_audio_config(), audio_seconds=2.0, text_tokens=12)
 """Two 1 s clips per sample (2 x 25 audio tokens) and 12 text tokens."""
@@ -214,7 +214,7 @@ QWEN2_AUDIO_PLANS = {
                                            llm=dict(pp=2, pp_layers=[2, 2], micro_batch=2, grad_accum=2),
                                            **QWEN2_AUDIO),
 }
-"""Qwen2-Audio plans (runtime.families.qwen2_audio); ``vision`` holds the audio encoder's degrees."""
+"""Qwen2-Audio plans (runtime.models.families.qwen2_audio); ``vision`` holds the audio encoder's degrees."""
 
 
 QWEN3_VL_MOE = dict(hf_config=tiny_qwen3_vl_moe_config(), image_size=QWEN3_IMAGE_SIZE)

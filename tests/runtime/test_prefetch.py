@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from runtime.prefetch import Prefetcher
+from runtime.data.prefetch import Prefetcher
 
 PAYLOAD_BYTES = 16 << 20
 """A sample far larger than a pipe's buffer (64 KiB): the worker blocks in the middle of sending it."""

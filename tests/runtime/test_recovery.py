@@ -30,8 +30,8 @@ import time
 
 import pytest
 
-from runtime import launcher
-from runtime.trainer import RunOptions
+from runtime.launch import launcher
+from runtime.training.trainer import RunOptions
 from tests.runtime.plans import make_plan
 
 STEPS, EVERY, KILL_AFTER = 12, 3, 7

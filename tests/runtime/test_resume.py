@@ -24,9 +24,10 @@ import shutil
 import pytest
 import torch
 
-from runtime import checkpoint_dir, export, preflight
+from runtime.run import checkpoint_dir, preflight
+from runtime import export
 from runtime.__main__ import main
-from runtime.dcp_checkpoint import checkpoint_problem, shards_problem
+from runtime.checkpoints.dcp_checkpoint import checkpoint_problem, shards_problem
 from tests.runtime.plans import make_plan, tiny_hf_config
 from tests.runtime.ranks import spawn
 from tests.runtime.test_bad_input import run_light

@@ -16,10 +16,12 @@ import time
 
 import pytest
 
-from runtime import checkpoint, dry_run, loop
+from runtime.checkpoints import hf_folder as checkpoint
+from runtime import dry_run
+from runtime.training import loop
 from runtime.__main__ import DRY_RUN_FAILED, main
-from runtime.checkpoint_dir import CheckpointOptions
-from runtime.metrics import MetricsLog
+from runtime.run.checkpoint_dir import CheckpointOptions
+from runtime.observability.metrics import MetricsLog
 from tests.runtime.plans import make_plan
 from tests.runtime.test_recovery import _assert_no_workers_left
 
@@ -136,7 +138,7 @@ def test_a_stop_signal_ends_a_run_in_one_line_naming_the_checkpoint_to_resume_fr
     once the step-2 checkpoint is written: exit status 128 + the signal, no traceback (no Ray abort), one line
     naming a complete checkpoint, the summary of the steps done; with an async checkpoint in flight, it completes
     (no partial folder is left)."""
-    from runtime.checkpoint_dir import TMP_SUFFIX, is_complete, latest_checkpoint
+    from runtime.run.checkpoint_dir import TMP_SUFFIX, is_complete, latest_checkpoint
 
     (tmp_path / "plan.json").write_text(make_plan({}, {}).to_json())
     metrics = tmp_path / "m.jsonl"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.model import build_model, meta_model
+from runtime.models.model import build_model, meta_model
 from safetensors.torch import load_file, save_file
 
 from tests.runtime.plans import (QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen2_audio_config,
@@ -123,7 +123,7 @@ def scenarios(request, tmp_path_factory):
 def _from_pretrained(path) -> dict:
     from transformers import AutoConfig
 
-    from runtime.model import MODEL_CLASSES
+    from runtime.models.model import MODEL_CLASSES
 
     model = MODEL_CLASSES[AutoConfig.from_pretrained(path).model_type].from_pretrained(path, dtype=torch.float32)
     return {name: p.detach() for name, p in model.named_parameters()}

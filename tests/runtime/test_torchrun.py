@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from runtime.model import build_model
+from runtime.models.model import build_model
 from tests.runtime.plans import make_plan
 from tests.runtime.reference import reference_run
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from planner.trace_format import LANES, makespan_s
+from planner.contract.trace_format import LANES, makespan_s
 from runtime.__main__ import check_flags, parse_args
-from runtime.metrics import MetricsLog
-from runtime.trace import step_trace
+from runtime.observability.metrics import MetricsLog
+from runtime.observability.trace import step_trace
 from tests.runtime.plans import make_plan
 from tests.runtime.test_cli import assert_one_line_error, run_cli
 

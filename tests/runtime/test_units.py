@@ -10,19 +10,19 @@ import pytest
 import torch
 from PIL import Image
 
-from runtime.data import IGNORE_INDEX, CaptionData, SyntheticData, collate, layout_from_plan, token_sequence
-from runtime.handoff import llm_needs
-from runtime.launcher import check_resources, validate_plan
-from runtime.model import build_model
-from runtime.optim import warmup_factor
+from runtime.data.samples import IGNORE_INDEX, CaptionData, SyntheticData, collate, layout_from_plan, token_sequence
+from runtime.models.handoff import llm_needs
+from runtime.launch.launcher import check_resources, validate_plan
+from runtime.models.model import build_model
+from runtime.training.optim import warmup_factor
 from runtime.parallel import attention
 from runtime.parallel.tensor_parallel import qkv_from_tp_layout, qkv_to_tp_layout
-from runtime.llm import image_slots_per_rank, next_token_targets
+from runtime.models.llm import image_slots_per_rank, next_token_targets
 from runtime.parallel.ulysses import kv_repeats, split_sequence, split_windows
-from runtime.parallel_dims import ParallelDims
-from runtime.trainer import RunOptions
-from runtime.families import FAMILIES
-from runtime.vision import shard_vision_batch
+from runtime.parallel.parallel_dims import ParallelDims
+from runtime.training.trainer import RunOptions
+from runtime.models.families import FAMILIES
+from runtime.models.vision import shard_vision_batch
 from tests.runtime.plans import (QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen3_vl_config,
                                  tiny_qwen3_vl_moe_config)
 
@@ -269,7 +269,7 @@ def test_images_are_normalised_as_the_familys_checkpoints_expect(config, size, w
     """A white image's red channel after the processor the runtime builds for the family's layout."""
     from PIL import Image
 
-    from runtime.model import hf_config_from_dict
+    from runtime.models.model import hf_config_from_dict
 
     hf = hf_config_from_dict(config())
     layout = layout_from_plan(make_plan({}, {}, hf_config=config(), image_size=size).workload, hf)
@@ -281,8 +281,8 @@ def test_images_are_normalised_as_the_familys_checkpoints_expect(config, size, w
 def test_a_video_plan_lays_out_what_the_planner_counted_and_refuses_image_data(tmp_path):
     """A clip of 4 frames of 64 x 96 beside the image: 2 temporal groups of 4 x 6 patches (the planner's count), each
     group after its 7 timestamp tokens and between its own markers; caption or conversation data holds no clip."""
-    from runtime.model import hf_config_from_dict
-    from runtime.step_inputs import data_source
+    from runtime.models.model import hf_config_from_dict
+    from runtime.training.step_inputs import data_source
 
     plan = make_plan({}, {}, hf_config=tiny_qwen3_vl_config(), image_size=QWEN3_IMAGE_SIZE, videos=((4, 64, 96),))
     config = hf_config_from_dict(plan.model.hf_config)
@@ -349,7 +349,7 @@ def test_build_model_from_a_save_pretrained_folder(tmp_path):
 
 def test_disjoint_schedule_is_the_one_the_cost_model_prices():
     # planner/cost/pipeline.py derives the disjoint step from this schedule: at most two encoder forwards ahead.
-    from runtime.trainer import MAX_ENCODER_IN_FLIGHT
+    from runtime.training.trainer import MAX_ENCODER_IN_FLIGHT
 
     assert MAX_ENCODER_IN_FLIGHT == 2
 
@@ -357,7 +357,7 @@ def test_disjoint_schedule_is_the_one_the_cost_model_prices():
 def test_under_autocast_the_llm_residual_stream_is_in_the_compute_dtype(tiny_model):
     """bf16 autocast over fp32 weights (a GPU module without FSDP): the decoder layers' inputs, which full
     recomputation saves, are bf16 as under FSDP2's bf16 parameters, not the fp32 of the embedding table."""
-    from runtime.model import split_model
+    from runtime.models.model import split_model
 
     _, llm, _ = split_model(tiny_model)
     ids = torch.randint(0, 100, (1, 12))
@@ -376,7 +376,7 @@ def test_under_autocast_a_norms_output_is_cast_once_for_every_linear_that_reads_
     """bf16 autocast over fp32 weights: q, k and v (and gate and up) save one bf16 copy of their normalised input
     between them, not one each: three copies of the hidden states fewer per decoder layer (runtime.parallel.precision
     ``cast_norm_outputs``; the dry-run measured +1.15 GiB per sample at 3B width without it)."""
-    from runtime.model import split_model
+    from runtime.models.model import split_model
     from runtime.parallel.precision import cast_norm_outputs, module_precision
 
     def saved_hidden_copies(llm) -> int:
@@ -402,7 +402,7 @@ def test_under_autocast_a_norms_output_is_cast_once_for_every_linear_that_reads_
 def test_the_llm_forward_keeps_no_kv_cache(tiny_model):
     """Training builds no KV cache (the config says use_cache=True; a cache would hold every layer's keys and
     values to the end of the forward, recomputed blocks included): every decoder layer is called without one."""
-    from runtime.model import split_model
+    from runtime.models.model import split_model
 
     _, llm, _ = split_model(tiny_model)
     calls = []
@@ -419,7 +419,7 @@ def test_the_llm_forward_keeps_no_kv_cache(tiny_model):
 
 def test_a_step_record_has_each_pipeline_stage_slowest_rank():
     """Per stage, the compute and idle time of its slowest rank (each of a stage's TP / DP ranks reports its own)."""
-    from runtime.metrics import step_record
+    from runtime.observability.metrics import step_record
 
     def result(rank, stage, compute, idle):
         return {"rank": rank, "loss": 1.0, "grad_norm": 1.0, "lr": 1e-3, "step_time_s": 1.0, "llm_tokens": 10,
@@ -445,7 +445,7 @@ def test_plan_schedule_builds_torchs_schedule_and_times_every_compute_pass(sched
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from runtime.pipeline import MicroBatchShapes, build_schedule
+    from runtime.models.pipeline import MicroBatchShapes, build_schedule
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
@@ -523,7 +523,7 @@ def _saved_bytes(fn) -> tuple[torch.Tensor, int]:
 def test_the_chunked_loss_is_the_whole_loss_and_saves_no_logits():
     """The chunked cross-entropy gives the whole-logits loss and gradients, saving for backward only what lm_head
     reads (its input, weight and targets), not the log-softmax of every token."""
-    from runtime.loss import chunked_cross_entropy_sum, cross_entropy_sum
+    from runtime.models.loss import chunked_cross_entropy_sum, cross_entropy_sum
 
     torch.manual_seed(0)
     tokens, width, vocab = 40, 16, 300

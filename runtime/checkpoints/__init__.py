@@ -1,0 +1,1 @@
+"""Checkpoints: Hugging Face folders (hf_folder) and the sharded DCP checkpoints a run resumes from."""

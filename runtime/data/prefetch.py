@@ -1,0 +1,118 @@
+"""Building the next step's samples in a worker process while this step trains.
+
+Which samples a rank needs in a step is known ahead (fixed-shape plans: sample indexes from the data position;
+dataset plans: the seeded packs of runtime.data.packed_data), so while step ``k`` runs, a worker process decodes,
+patchifies and tokenizes step ``k + 1``'s samples; the step loop then only assembles micro-batches from them
+(``data_s`` in the metrics is that wait plus the assembly). The worker is forked from the rank's process, as a
+DataLoader's workers are (the source is already built there, nothing is imported again), and sends the samples
+back through shared memory (torch's multiprocessing reductions). What the worker skipped (bad rows, images that
+did not decode) is added to the rank's own counts with each step.
+
+A worker that dies (killed, out of memory) costs nothing but time: the rank builds that step's samples itself
+and forks a new worker for the next. Each side holds only its own end of each pipe, so a death is seen as the
+pipe's end of file. (``concurrent.futures.ProcessPoolExecutor``, used before, keeps the worker's end of its
+result pipe open in the rank: a worker killed in the middle of sending a result left the rank waiting for the
+rest of that message forever.)
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections import Counter
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from runtime.run.stop_signals import ignore_stop_signals
+
+WORKER_EXIT_WAIT_S = 5.0
+"""How long ``close`` waits for the worker to leave after its request pipe closed, before killing it."""
+
+
+def _serve(source: Any, requests: Connection, results: Connection, rank_ends: tuple[Connection, ...]) -> None:
+    """The worker's loop: build the samples of each requested index list until the rank closes its pipe."""
+    for end in rank_ends:  # the rank's ends, inherited by the fork: held here, a dead rank would not be seen
+        end.close()
+    ignore_stop_signals()  # Ctrl-C, SIGTERM are the rank's to handle; this worker ends with its pipe
+    torch.set_num_threads(1)
+    while True:
+        try:
+            indexes = requests.recv()
+        except EOFError:
+            return
+        before = Counter(getattr(source, "skipped", {}))
+        samples = {i: source.sample(i) for i in indexes}
+        try:
+            results.send((samples, Counter(getattr(source, "skipped", {})) - before))
+        except OSError:  # the rank closed its end (``close`` while this step was being built)
+            return
+
+
+class Prefetcher:
+    """One worker process building the samples of the step after this one (``submit``, then ``take``)."""
+
+    def __init__(self, source: Any):
+        self.source = source
+        self.restarts = 0
+        """Workers that died and were replaced."""
+        self._worker: tuple[multiprocessing.process.BaseProcess, Connection, Connection] | None = None
+        self._pending: int | None = None
+
+    def submit(self, position: int, indexes: list[int]) -> None:
+        """Start building the samples ``indexes`` of the step at data position ``position`` (forking a worker if
+        there is none, or the last one died)."""
+        for _ in range(2):
+            if self._worker is None:
+                self._start()
+            try:
+                self._worker[1].send(list(indexes))
+            except OSError:  # the worker died since the last step
+                self._lost()
+                continue
+            self._pending = position
+            return
+
+    def take(self, position: int, indexes: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+        """The samples of the step at ``position``: the worker's, when it was building them, else built here (also
+        when the worker died; another step's samples it built are dropped)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                samples, skipped = self._worker[2].recv()
+            except (EOFError, OSError):  # the worker died (its end closed), or before its shared memory was read
+                self._lost()
+            else:
+                if pending == position:
+                    if skipped:
+                        self.source.skipped.update(skipped)
+                    return samples
+        return {i: self.source.sample(i) for i in indexes}
+
+    def close(self) -> None:
+        """Stop the worker: it leaves when its request pipe closes."""
+        if self._worker is not None:
+            process, requests, results = self._worker
+            self._worker, self._pending = None, None
+            requests.close()
+            results.close()
+            process.join(WORKER_EXIT_WAIT_S)
+            if process.is_alive():
+                process.kill()  # not SIGTERM: the fork inherited the rank's handler of it (Ray's)
+                process.join()
+
+    def _start(self) -> None:
+        context = multiprocessing.get_context("fork")
+        request_reader, request_writer = context.Pipe(duplex=False)
+        result_reader, result_writer = context.Pipe(duplex=False)
+        process = context.Process(target=_serve, args=(self.source, request_reader, result_writer,
+                                                       (request_writer, result_reader)), daemon=True)
+        process.start()
+        request_reader.close()  # the worker's ends: held here, a dead worker would not be seen
+        result_writer.close()
+        self._worker = (process, request_writer, result_reader)
+
+    def _lost(self) -> None:
+        """The worker died: reap it; the next ``submit`` forks a new one."""
+        self.restarts += 1
+        self.close()

@@ -1,0 +1,1 @@
+"""Launching a plan: Ray actors (launcher), torchrun (torchrun), the per-rank entry (driver)."""

@@ -1,0 +1,201 @@
+"""How one vision rank runs its part of a micro-batch: window split (Ulysses SP) and the block loop.
+
+The forward (each family's ``vision_forward``, runtime.models.families) reuses the tower's own submodules (patch_embed,
+rotary_pos_emb, blocks, merger) and transformers' own index helpers (``get_vision_window_index`` etc.), in the
+same order as the tower's own forward (``Qwen2_5_VisionTransformerPretrainedModel.forward``); it only restricts
+every step to this rank's windows. Qwen2-VL and Qwen3-VL have no windows: their sequence is split on merge units
+and every block is a full-attention block.
+
+Shape legend: N patches of the replica, n this rank's patches, M merged tokens, P flattened patch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+from transformers.vision_utils import get_vision_attention_seqlens, get_vision_position_ids
+
+from planner.contract.rules import attention_rules, width_rule
+from runtime.data.samples import SyntheticData, layout_from_plan, visual_inputs
+from runtime.parallel.tensor_parallel import parallelize_vision_tp, qkv_row_order
+from runtime.parallel.ulysses import UlyssesGroup, split_windows
+from runtime.parallel.windows import merged_positions_per_rank, window_layout
+
+
+class VisionTower(nn.Module):
+    """The vision encoder (patch embed, blocks, merger) of a Qwen-VL model: ``model.model.visual``, run by its
+    family's ``vision_forward``."""
+
+    hf_prefix = "model.visual."
+
+    def __init__(self, visual: nn.Module, forward: Callable[[nn.Module, "VisionShard"], torch.Tensor]):
+        super().__init__()
+        self.visual = visual
+        self._forward = forward
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        """The repeated blocks (FSDP units)."""
+        return list(self.visual.blocks)
+
+    @property
+    def pretrained(self) -> nn.Module:
+        """The transformers model whose layers recomputation wraps."""
+        return self.visual
+
+    def forward(self, shard: VisionShard) -> torch.Tensor:
+        """Hand-off rows of this rank's window shard, in window order: [M_local, W]."""
+        return self._forward(self.visual, shard)
+
+    @staticmethod
+    def hf_name(name: str) -> str:
+        """HF parameter name of a parameter name of this module."""
+        return VisionTower.hf_prefix + name.removeprefix("visual.")
+
+
+class VisionEncoder:
+    """The runtime's encoder interface (runtime.models.families ``ENCODER``) for the Qwen-VL vision towers, from a family's
+    vision hooks."""
+
+    name = "vision"
+
+    def __init__(self, family: Any):
+        self.family = family
+
+    @staticmethod
+    def config(config: Any) -> Any:
+        return config.vision_config
+
+    def split_model(self, model: nn.Module, language_model: Any) -> tuple[VisionTower, nn.Module, Any]:
+        """The vision tower, the language model (its hand-off lands on image and video tokens) and M-RoPE."""
+        llm = language_model(model.model.language_model, model.lm_head,
+                             (model.config.image_token_id, model.config.video_token_id))
+        return VisionTower(model.model.visual, self.family.vision_forward), llm, model.model.get_rope_index
+
+    def parallelize_tp(self, tower: VisionTower, mesh: Any) -> None:
+        parallelize_vision_tp(tower.visual, mesh, self.family.vision_tp_plans(tower.visual))
+
+    @staticmethod
+    def row_order(local_name: str, tp: int, rows: int) -> torch.Tensor | None:
+        """HF row of each stored row of a parameter the TP layout reorders (each block's fused qkv), else None."""
+        return qkv_row_order(rows, tp) if tp > 1 and ".attn.qkv." in local_name else None
+
+    @staticmethod
+    def rules(tp: int, sp: int, config: Any) -> list[str]:
+        """Why the tower cannot run at these degrees (planner.contract.rules, as the planner checks them)."""
+        vc = config.vision_config
+        width = getattr(vc, "embed_dim", None) or vc.hidden_size  # Qwen2-VL names it embed_dim
+        reasons = attention_rules(tp, sp, vc.num_heads, vc.num_heads, "the vision tower")
+        widths = [(getattr(vc, "intermediate_size", None) or int(width * vc.mlp_ratio),
+                   "MLP hidden width of the vision blocks"),
+                  (width * vc.spatial_merge_size**2, "input width of the patch merger")]
+        return reasons + [problem for w, what in widths if (problem := width_rule(tp, w, what))]
+
+    @staticmethod
+    def layout_from_plan(workload: Any, config: Any) -> Any:
+        """runtime.data.samples ``layout_from_plan``."""
+        return layout_from_plan(workload, config)
+
+    @staticmethod
+    def synthetic(layout: Any, seed: int) -> Any:
+        """Random images and clips of the layout (runtime.data.samples ``SyntheticData``)."""
+        return SyntheticData(layout, seed)
+
+    def shard(self, batch: Mapping[str, torch.Tensor], config: Any, *, sp_rank: int, sp_group: Any,
+              sp: int) -> VisionShard:
+        """This SP rank's part of a replica's images and clips (``shard_vision_batch``)."""
+        pixels, grid = visual_inputs(batch)
+        grid, vc = grid.cpu(), config.vision_config
+        return shard_vision_batch(pixels, grid, vc, sp_rank=sp_rank, sp_group=sp_group, sp=sp,
+                                  patch_inputs=self.family.vision_patch_inputs(grid, vc))
+
+
+@dataclass(kw_only=True, frozen=True)
+class VisionShard:
+    """This rank's inputs for one vision micro-batch."""
+
+    pixel_values_nP: torch.Tensor
+    """Its patches, in window order."""
+    position_ids_n2: torch.Tensor
+    """(row, col) rotary positions of those patches."""
+    cu_windows: torch.Tensor
+    """Rank-local window boundaries (int32) for window-attention blocks."""
+    cu_full: torch.Tensor
+    """Boundaries for full-attention blocks: per image when the rank holds the whole sequence, else [0, n]."""
+    ulysses: UlyssesGroup | None
+    """The SP group when the sequence is split, else None."""
+    full_blocks: frozenset[int]
+    """Indexes of the full-attention blocks."""
+    merged_positions: torch.Tensor
+    """Replica-order index of each merged token this rank emits (its output rows, in order)."""
+    patch_inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """The family's other per-patch inputs, this rank's rows (Qwen3-VL: position-table taps and weights)."""
+
+
+def filler_grid(config: Any, sp: int) -> tuple[int, int, int]:
+    """The smallest image grid with ``sp`` attention windows (merge units without windows): what a vision replica
+    runs beside too few windows of its own (none: no image this micro-batch), so that every SP rank has a window and
+    every collective of the replica (FSDP, TP, SP) runs as on its peers; its tokens go nowhere, its gradient is 0."""
+    units = config.window_size // (config.patch_size * config.spatial_merge_size) if getattr(
+        config, "window_size", None) else 1
+    return 1, config.spatial_merge_size, config.spatial_merge_size * units * sp
+
+
+def full_attention_blocks(config: Any) -> frozenset[int]:
+    """Blocks attending over whole images (all of them in Qwen2-VL)."""
+    full = getattr(config, "fullatt_block_indexes", None)
+    return frozenset(range(config.depth)) if full is None else frozenset(full)
+
+
+def shard_vision_batch(
+    pixel_values_NP: torch.Tensor, grid_thw: torch.Tensor, config: Any, *, sp_rank: int, sp_group: Any, sp: int,
+    patch_inputs: Mapping[str, torch.Tensor] | None = None,
+) -> VisionShard:
+    """The part of a replica's packed images that SP rank ``sp_rank`` of ``sp`` processes; ``patch_inputs``: the
+    family's other per-patch inputs of the replica (``vision_patch_inputs``), in patch order."""
+    unit = config.spatial_merge_size**2
+    window_index, cu_windows = window_layout(grid_thw, config)
+    patch_order = (window_index[:, None] * unit + torch.arange(unit)).flatten()
+    bounds = split_windows(cu_windows, sp)
+    start, end = bounds[sp_rank], bounds[sp_rank + 1]
+    local = patch_order[start:end]
+    positions = get_vision_position_ids(grid_thw, config.spatial_merge_size)
+    cu_image, _ = get_vision_attention_seqlens(grid_thw, config)
+    local_windows = [c - start for c in cu_windows if start <= c <= end]
+    segment_lens = tuple((cu_image[1:] - cu_image[:-1]).tolist())
+    ulysses = None
+    if sp > 1:
+        ulysses = UlyssesGroup(
+            group=sp_group, rank=sp_rank, segment_lens=segment_lens,
+            seq_lens=tuple(b - a for a, b in zip(bounds[:-1], bounds[1:])),
+        )
+    return VisionShard(
+        pixel_values_nP=pixel_values_NP[local],
+        position_ids_n2=positions[local],
+        cu_windows=torch.tensor(local_windows, dtype=torch.int32),
+        cu_full=cu_image if sp == 1 else torch.tensor([0, end - start], dtype=torch.int32),
+        ulysses=ulysses,
+        full_blocks=full_attention_blocks(config),
+        merged_positions=window_index[start // unit : end // unit],
+        patch_inputs={name: value[local] for name, value in (patch_inputs or {}).items()},
+    )
+
+
+def blocks_forward(visual: nn.Module, shard: VisionShard, hidden: torch.Tensor,
+                   after_block: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+    """The tower's blocks on this rank's patch embeddings ``hidden`` [n, D_vision], with their 2-D rotary positions;
+    ``after_block(index, output)`` sees each block's output."""
+    position_embeddings = visual.rotary_pos_emb(hidden, shard.position_ids_n2)
+    for index, block in enumerate(visual.blocks):
+        if index in shard.full_blocks:
+            hidden = block(
+                hidden, cu_seqlens=shard.cu_full, position_embeddings=position_embeddings, ulysses_group=shard.ulysses
+            )
+        else:
+            hidden = block(hidden, cu_seqlens=shard.cu_windows, position_embeddings=position_embeddings)
+        if after_block is not None:
+            after_block(index, hidden)
+    return hidden

@@ -1,0 +1,1 @@
+"""Observability: per-step metrics and the step trace."""

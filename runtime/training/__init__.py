@@ -1,0 +1,1 @@
+"""Training: the trainer, its step inputs, a rank's model and optimizer, the step loop."""
