@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from planner.catalog import get_model
 from planner.cost.op_counts import LAYER_OPS, layer_pass_ops, optimizer_pass_ops
@@ -11,6 +10,7 @@ from runtime.training.optim import adamw, grad_sq_norm, scale_gradients
 from runtime.profile.as_run import build_rank, count_layer_ops
 from runtime.profile.device import free_port
 from runtime.profile.ops import OpCounter, host_seconds_per_op
+from tests.runtime.ranks import start_ranks
 
 MODEL = "qwen2.5-vl-tiny"
 POINTS = {"vision": ((256, 1), (1024, 1), (256, 2)), "llm": ((64, 1), (64, 2))}
@@ -91,7 +91,7 @@ def _worker(rank: int, world: int, port: int, tp: int, sp: int, out: str) -> Non
 @pytest.mark.parametrize("tp,sp", [(2, 1), (1, 2)])
 def test_sharded_layers_match_the_table(tmp_path, tp, sp):
     out = tmp_path / "mismatches.txt"
-    mp.spawn(_worker, args=(tp * sp, free_port(), tp, sp, str(out)), nprocs=tp * sp, join=True)
+    start_ranks(_worker, (tp * sp, free_port(), tp, sp, str(out)), tp * sp)
     assert out.read_text() == ""
 
 

@@ -44,26 +44,30 @@ def _rank_main(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) 
 
 FORKSERVER_PRELOAD = ["runtime.training.trainer", "tests.runtime.ranks"]
 """What the fork server imports once per test session (~8 s of torch and transformers here), so that every rank
-after the first spawn starts from a process that already holds them instead of importing them again."""
+after the first start forks from a process that already holds them instead of importing them again."""
 
 
-def spawn(world: int, fn, *args) -> list:
-    """``fn(rank, *args)`` on ``world`` gloo ranks in fresh processes, forked from a server that imported the
-    runtime once; each rank's return value.
+def start_ranks(fn, args: tuple, nprocs: int) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` fresh processes forked from the session's fork server, which imported the
+    runtime once; waits for them all (an exception in a child is raised here).
 
-    The server (and so the children) inherits ``sys.path`` less the ``tests`` folder pytest prepends (there,
-    ``runtime`` would be ``tests/runtime``).
+    The server (started by the first call, so every test's ranks must start here) inherits ``sys.path`` less the
+    ``tests`` folder pytest prepends (there, ``runtime`` would be ``tests/runtime``).
     """
     saved = list(sys.path)
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != TESTS_DIR]
     try:
-        with tempfile.TemporaryDirectory() as out_dir:
-            mp.set_forkserver_preload(FORKSERVER_PRELOAD)
-            mp.start_processes(_rank_main, args=(world, _free_port(), fn, args, out_dir), nprocs=world,
-                               start_method="forkserver")
-            return [torch.load(os.path.join(out_dir, f"{rank}.pt")) for rank in range(world)]
+        mp.set_forkserver_preload(FORKSERVER_PRELOAD)
+        mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
     finally:
         sys.path[:] = saved
+
+
+def spawn(world: int, fn, *args) -> list:
+    """``fn(rank, *args)`` on ``world`` gloo ranks (``start_ranks``); each rank's return value."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        start_ranks(_rank_main, (world, _free_port(), fn, args, out_dir), world)
+        return [torch.load(os.path.join(out_dir, f"{rank}.pt")) for rank in range(world)]
 
 
 def _gathered(trainer: Trainer) -> tuple[dict, dict]:

@@ -14,7 +14,6 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from planner import api as planner_api
@@ -27,6 +26,7 @@ from runtime.models.model import RandomInit
 from runtime.parallel.parallel_dims import forget_earlier_worlds
 from runtime.training.trainer import RunOptions, Trainer
 from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_qwen3_vl_moe_config
+from tests.runtime.ranks import start_ranks
 
 PEAK_TOLERANCE = 0.02
 """Dry-run vs real peak tensor memory: the same code on the same shapes and dtypes; what differs is the data's
@@ -63,8 +63,7 @@ def real_peaks(plans: list[Plan], tmp_path) -> list[dict[int, int]]:
     processes that run them one after another."""
     (world,) = {len({r for m in plan.modules for r in m.ranks}) for plan in plans}
     out = str(tmp_path / "peak")
-    mp.spawn(_real_peaks, args=(world, [p.model_dump_json() for p in plans], str(tmp_path / "store"), out),
-             nprocs=world)
+    start_ranks(_real_peaks, (world, [p.model_dump_json() for p in plans], str(tmp_path / "store"), out), world)
     return [{rank: json.loads(open(f"{out}.{index}.{rank}").read()) for rank in range(world)}
             for index in range(len(plans))]
 
