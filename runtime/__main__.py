@@ -15,8 +15,9 @@ import os
 import sys
 import time
 
+from planner.file_io import refuse_shared_paths
 from planner.schema import Plan, PlanError, load_plan
-from runtime import preflight
+from runtime import preflight, run_lock
 from runtime.checkpoint_dir import CheckpointOptions, latest_checkpoint
 
 USER_ERRORS = (PlanError, ValueError, NotImplementedError, OSError)
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         if env is not None:
             preflight.check_world_size(plan, env)
         preflight.check_inputs(plan, data=args.data, checkpoint=args.checkpoint, tokenizer=args.tokenizer)
+        check_paths_differ(args)
         # the metrics file is written by the driver, or rank 0 under torchrun: only that process probes it (every
         # rank creating and removing the same probe file raced, one rank then failing on a file another removed)
         preflight.check_outputs(metrics=args.metrics if env is None or env.rank == 0 else None, save=args.save)
@@ -143,16 +145,35 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return _dry_run(plan, args)
     report = env is None or env.rank == 0
+    owned = _owned_outputs(args) if report else ({}, {})  # under torchrun, rank 0 holds them for every rank
     try:
-        if args.resume is not None:
-            args.resume = _sound_resume(requested_resume, args, plan, report=report)
-        if env is None:
-            return _run_on_ray(plan, args)
-        return _run_under_torchrun(plan, args, env)
+        with run_lock.hold(*owned):
+            if args.resume is not None:
+                args.resume = _sound_resume(requested_resume, args, plan, report=report)
+            if env is None:
+                return _run_on_ray(plan, args)
+            return _run_under_torchrun(plan, args, env)
     except USER_ERRORS as e:
         return _refuse(e, report=report)
     except KeyboardInterrupt:
         return _interrupted(args, report=report)
+
+
+def check_paths_differ(args: argparse.Namespace) -> None:
+    """No output is the same file or folder as an input or another output (``planner.file_io.refuse_shared_paths``);
+    ``--checkpoint-dir`` may be the folder ``--resume`` takes the latest checkpoint from."""
+    outputs = {"--metrics": args.metrics, "--save": args.save, "--checkpoint-dir": args.checkpoint_dir,
+               "--trace": args.trace}
+    inputs = {"the plan file": args.plan, "--checkpoint": args.checkpoint, "--data": args.data,
+              "--tokenizer": args.tokenizer}
+    refuse_shared_paths(inputs, outputs)
+    resume = None if args.resume in (None, "latest") else args.resume
+    refuse_shared_paths({"--resume": resume}, {k: v for k, v in outputs.items() if k != "--checkpoint-dir"})
+
+
+def _owned_outputs(args: argparse.Namespace) -> tuple[dict[str, str | None], dict[str, str | None]]:
+    """What a run owns and locks for its life (``runtime.run_lock``): its metrics file and checkpoint folder."""
+    return {"--metrics": args.metrics}, {"--checkpoint-dir": args.checkpoint_dir}
 
 
 def _sound_resume(requested: str, args: argparse.Namespace, plan: Plan, *, report: bool) -> str:

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers.utils import CONFIG_NAME
 
-from planner.versioned_json import write_atomically
+from planner.file_io import write_output
 
 INDEX_FILE = "model.safetensors.index.json"
 """Index of a sharded HF checkpoint: tensor name -> file."""
@@ -270,8 +270,8 @@ def save_hf_folder(trainer: Any, path: str, *, dtype: torch.dtype | None = None,
         total = sum(nbytes for entries in sizes.values() for _, nbytes in entries)
         weight_map = {name: f.name for f in files for name in f.tensors}
         failure = _attempt(write_index, path, total, weight_map)
-        failure = failure or _attempt(write_atomically, os.path.join(path, CONFIG_NAME),
-                                      trainer.hf_config().to_json_string(use_diff=True))
+        failure = failure or _attempt(write_output, os.path.join(path, CONFIG_NAME),
+                                      trainer.hf_config().to_json_string(use_diff=True), flag="--save")
     _raise_if_any_rank_failed(failure, trainer.device)
 
 
@@ -287,8 +287,8 @@ def _attempt(write: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None
 
 def write_index(path: str, total: int, weight_map: dict[str, str]) -> None:
     """A saved folder's index (tensor name -> file), written through a temporary file renamed into place."""
-    write_atomically(os.path.join(path, INDEX_FILE),
-                     json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    write_output(os.path.join(path, INDEX_FILE),
+                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2), flag="--save")
 
 
 def _raise_if_any_rank_failed(failure: str | None, device: torch.device) -> None:

@@ -19,7 +19,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from planner.schema import Plan
-from planner.versioned_json import write_atomically
+from planner.file_io import MAX_METRICS_BYTES, is_device, read_text, write_output
 from planner.units import GIB
 from runtime.trace import write_step_trace
 
@@ -203,13 +203,16 @@ class MetricsLog:
     def _append_last(self, record: dict[str, Any]) -> None:
         """The file's last line: the file is closed, and written again with ``record`` through a temporary file
         renamed into place, so that a full disk leaves the step lines as they were (said in one line)."""
+        if is_device(self.path):  # /dev/null, a terminal: nothing to read back, the line goes after the others
+            self._write(record)
+            self.close_file()
+            return
         try:
             self.close_file()
-            with open(self.path) as file:
-                lines = file.read()
+            lines = read_text(self.path, kind="metrics file", max_bytes=MAX_METRICS_BYTES)
             lines = lines[:lines.rfind("\n") + 1]  # a line cut short by a full disk is dropped
-            write_atomically(self.path, lines + json.dumps(record) + "\n")
-        except OSError as e:
+            write_output(self.path, lines + json.dumps(record) + "\n", flag="--metrics")
+        except (OSError, ValueError) as e:  # ValueError: no longer a regular file, or too large
             self.warn(f"the summary line could not be added to {self.path} ({' '.join(str(e).split())}); its step "
                       "lines are kept")
 

@@ -5,8 +5,9 @@ families' config reading with the workload's resize (planner.families, planner.m
 planner.workload: a video plan's clips are laid out as the planner counted them), the trace format the predicted and
 measured steps share (planner.trace_format), the cost model a sample's work per module comes from (planner.balance,
 planner.cost, planner.strategy: a dataset plan's steps are assigned with the costs the plan was priced on; the cost
-model is pure Python), and what the schema uses: the device description (planner.hardware) and the reader of
-versioned JSON files (planner.versioned_json)."""
+model is pure Python), and what the schema uses: the device description (planner.hardware), the reader of
+versioned JSON files (planner.versioned_json) and the reader and writer of every file both halves use
+(planner.file_io)."""
 
 import subprocess
 import sys
@@ -31,6 +32,6 @@ def test_runtime_imports_without_ortools_and_only_the_planner_parts_it_shares():
         "assumptions", "comm", "compute", "estimate", "host", "layer_costs", "layers", "memory", "module", "op_counts",
         "phases", "pipeline", "rank_cost", "results", "times", "validity")]
     assert result.stdout.strip() == str(["planner", "planner.balance", *cost, "planner.data_rows", *families,
-                                         "planner.hardware", "planner.models", "planner.packing", "planner.param_counts",
+                                         "planner.file_io", "planner.hardware", "planner.models", "planner.packing", "planner.param_counts",
                                          "planner.rules", "planner.schema", "planner.strategy", "planner.trace_format",
                                          "planner.units", "planner.versioned_json", "planner.workload"])
