@@ -88,12 +88,11 @@ def check_depth(data: Any, *, where: str, error: type[ValueError] = ValueError) 
     """``error`` in one line when ``data`` nests lists and mappings deeper than ``MAX_DEPTH`` (checked without
     recursion, so any depth is measured)."""
     level = [data]
-    for _ in range(MAX_DEPTH + 1):
+    for _ in range(MAX_DEPTH):
         level = [child for node in level if isinstance(node, (list, dict))
                  for child in (node.values() if isinstance(node, dict) else node)]
-        if not level:
-            return
-    raise error(f"{where} is nested deeper than {MAX_DEPTH} levels: not a file this tool writes")
+    if any(isinstance(node, (list, dict)) for node in level):
+        raise error(f"{where} is nested deeper than {MAX_DEPTH} levels: not a file this tool writes")
 
 
 def read_json(path: str | Path, *, kind: str, max_bytes: int = MAX_DOCUMENT_BYTES,
