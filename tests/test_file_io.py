@@ -77,6 +77,16 @@ def assert_refused(code: int, err: str, *fragments: str) -> None:
 
 
 @pytest.fixture
+def started(monkeypatch) -> list:
+    """The runs the runtime's CLI started, instead of starting them (a check that lets a run through fails fast)."""
+    import runtime.__main__ as cli
+
+    runs = []
+    monkeypatch.setattr(cli, "_run_on_ray", lambda plan, args: runs.append(args) or 0)
+    return runs
+
+
+@pytest.fixture
 def plan_file(tmp_path) -> Path:
     path = tmp_path / "plan.json"
     path.write_text(make_plan({}, {}).to_json())
@@ -137,7 +147,7 @@ def test_the_metrics_summary_on_a_device_is_written_into_it(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["same", "relative", "symlink", "hardlink"])
-def test_runtime_metrics_naming_the_plan_file_is_refused(tmp_path, plan_file, monkeypatch, name):
+def test_runtime_metrics_naming_the_plan_file_is_refused(tmp_path, plan_file, monkeypatch, started, name):
     monkeypatch.chdir(tmp_path)
     metrics = {"same": str(plan_file), "relative": "./plan.json", "symlink": "link.json", "hardlink": "hard.json"}
     os.symlink("plan.json", "link.json")
@@ -148,7 +158,7 @@ def test_runtime_metrics_naming_the_plan_file_is_refused(tmp_path, plan_file, mo
     assert plan_file.read_text() == before
 
 
-def test_runtime_save_into_the_starting_checkpoint_is_refused(tmp_path, plan_file):
+def test_runtime_save_into_the_starting_checkpoint_is_refused(tmp_path, plan_file, started):
     from planner.catalog import get_model
 
     checkpoint = tmp_path / "ck"
@@ -172,11 +182,7 @@ def test_plan_histogram_out_naming_the_dataset_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("flag", ["--metrics", "--checkpoint-dir"])
-def test_a_second_run_on_the_same_metrics_or_checkpoint_dir_is_refused(tmp_path, plan_file, monkeypatch, flag):
-    import runtime.__main__ as cli
-
-    started = []
-    monkeypatch.setattr(cli, "_run_on_ray", lambda plan, args: started.append(args) or 0)
+def test_a_second_run_on_the_same_metrics_or_checkpoint_dir_is_refused(tmp_path, plan_file, started, flag):
     owned = {"--metrics": str(tmp_path / "m.jsonl"), "--checkpoint-dir": str(tmp_path / "ck")}
     os.makedirs(owned["--checkpoint-dir"])
     other = {"--metrics": "--checkpoint-dir", "--checkpoint-dir": "--metrics"}[flag]
@@ -209,7 +215,7 @@ def test_the_run_lock_is_released_when_its_holder_is_killed(tmp_path):
 # ---- readers ---------------------------------------------------------------------------------------------------------
 
 
-def test_a_plan_nested_200000_levels_is_refused_in_one_line(tmp_path):
+def test_a_plan_nested_200000_levels_is_refused_in_one_line(tmp_path, started):
     path = tmp_path / "deep.json"
     path.write_text("[" * 200_000)  # was: RecursionError traceback
     code, err = run(runtime_main, [str(path)])
@@ -223,14 +229,14 @@ def test_a_plan_just_deeper_than_the_bound_is_refused_too(tmp_path):
         load_plan(path)
 
 
-def test_a_named_pipe_as_the_plan_file_is_refused_without_blocking(tmp_path):
+def test_a_named_pipe_as_the_plan_file_is_refused_without_blocking(tmp_path, started):
     path = tmp_path / "fifo"
     os.mkfifo(path)  # was: blocked forever
     code, err = run(runtime_main, [str(path)])
     assert_refused(code, err, f"plan file {path} is a named pipe (FIFO), not a regular file")
 
 
-def test_a_binary_plan_file_is_named(tmp_path):
+def test_a_binary_plan_file_is_named(tmp_path, started):
     path = tmp_path / "plan.json"
     path.write_bytes(b'{"schema_version": \x96\xff}')  # was: 'utf-8' codec can't decode ... without the file
     code, err = run(runtime_main, [str(path)])
