@@ -48,10 +48,11 @@ def read_bytes(path: str | Path, *, kind: str, max_bytes: int = MAX_DOCUMENT_BYT
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as e:
         raise error(f"cannot read {kind} {path}: {e.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise error(f"{kind} {path} is {_what(mode)}, not a regular file")
     with os.fdopen(fd, "rb") as file:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise error(f"{kind} {path} is {_what(mode)}, not a regular file")
         try:
             data = file.read(max_bytes + 1)
         except OSError as e:

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers.utils import CONFIG_NAME
 
-from planner.file_io import write_output
+from planner.file_io import read_json, write_output
 
 INDEX_FILE = "model.safetensors.index.json"
 """Index of a sharded HF checkpoint: tensor name -> file."""
@@ -84,8 +84,7 @@ class HFFolder:
         index = os.path.join(path, INDEX_FILE)
         if os.path.isfile(index):
             try:
-                with open(index) as f:
-                    self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+                self.weight_map: dict[str, str] = read_json(index, kind="weight index")["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"cannot read the weight map of {index}: {type(e).__name__} {e}") from None
         elif os.path.isfile(os.path.join(path, SINGLE_FILE)):

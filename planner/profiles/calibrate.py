@@ -86,6 +86,8 @@ def measured_step_time(path: Path, warmup_steps: int = WARMUP_STEPS) -> float:
         if not isinstance(row, dict) or row.get("summary") or not isinstance(row.get("step_time_s"), (int, float)):
             continue  # the runtime's closing summary line, or a record of something else
         rank = row.get("rank", 0)
+        if not all(type(v) is int for v in (rank, row.get("step", 0))):  # found by tests/test_file_fuzz.py
+            raise ValueError(f"metrics file {path} line {number}: step and rank must be whole numbers")
         step = row.get("step", seen.get(rank, 0))
         seen[rank] = step + 1
         per_step[step] = max(per_step.get(step, 0.0), float(row["step_time_s"]))
