@@ -15,7 +15,7 @@ from typing import Sequence
 from planner.contract.hardware import PLAUSIBLE_RANGES
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
 from planner.contract.schema import ATTENTION_CALLS
-from planner.contract.versioned_json import write_atomically
+from planner.contract.file_io import check_output, is_device, refuse_shared_paths, write_output
 
 EXIT_USER_ERROR = 2
 
@@ -280,7 +280,7 @@ def _write_trace(args: argparse.Namespace, plan) -> None:
     try:
         write_trace(trace, args.trace)
     except OSError as e:
-        raise ValueError(f"cannot write {args.trace}: {e.strerror}") from None
+        raise ValueError(f"cannot write --trace {args.trace}: {e.strerror}") from None
 
 
 def _out_paths(out: str, count: int) -> list[Path]:
@@ -289,20 +289,20 @@ def _out_paths(out: str, count: int) -> list[Path]:
     return [path] + [path.with_name(f"{path.stem}-{i}{path.suffix}") for i in range(2, count + 1)]
 
 
-def check_writable(paths: list[Path]) -> None:
+def check_writable(paths: list[Path], flag: str) -> None:
     """Raise a one-line ValueError unless every path can be written: its folder exists and is writable, and the
-    path is not a folder or a read-only file (checked before planning, so no plan is written when one cannot be)."""
+    path is a regular file, a character device or new (``planner.contract.file_io.check_output``), not a read-only one
+    (checked before planning, so no plan is written when one cannot be)."""
     for path in paths:
         folder = path.parent
+        check_output(path, flag)
         try:
-            if path.is_dir():
-                raise ValueError(f"cannot write {path}: it is a folder")
             if not folder.is_dir():
-                raise ValueError(f"cannot write {path}: no folder {folder}")
+                raise ValueError(f"cannot write {flag} {path}: no folder {folder}")
             if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-                raise ValueError(f"cannot write {path}: permission denied")
+                raise ValueError(f"cannot write {flag} {path}: permission denied")
         except OSError as e:  # e.g. a name too long
-            raise ValueError(f"cannot write {path}: {e.strerror}") from None
+            raise ValueError(f"cannot write {flag} {path}: {e.strerror}") from None
 
 
 def _check_output_args(args: argparse.Namespace, out: str | None) -> None:
@@ -316,12 +316,27 @@ def _check_output_args(args: argparse.Namespace, out: str | None) -> None:
     if args.top_k is not None:
         api.check_bounds("--top-k", args.top_k, 1, api.MAX_TOP_K)  # before naming its output files
     if out:
-        check_writable(_out_paths(out, args.top_k or 1))
+        check_writable(_out_paths(out, args.top_k or 1), "--out")
     if args.trace is not None:
-        if not args.trace.strip() or (out and Path(args.trace).resolve() in [p.resolve() for p in _out_paths(
-                out, args.top_k or 1)]):
-            raise ValueError(f"--trace needs a file path of its own (not empty, not a plan's), got {args.trace!r}")
-        check_writable([Path(args.trace)])
+        if not args.trace.strip():
+            raise ValueError("--trace needs a file path, got an empty one")
+        check_writable([Path(args.trace)], "--trace")
+    if args.histogram_out is not None:
+        check_writable([Path(args.histogram_out)], "--histogram-out")
+    refuse_shared_paths(_input_paths(args), _output_paths(args, out))
+
+
+def _input_paths(args: argparse.Namespace) -> dict[str, str | None]:
+    """The files and folders ``plan`` reads, by flag."""
+    return {"--model": args.model, "--cluster": args.cluster, "--profile": args.profile, "--dataset": args.dataset,
+            "--tokenizer": args.tokenizer}
+
+
+def _output_paths(args: argparse.Namespace, out: str | None) -> dict[str, str | None]:
+    """The files ``plan`` writes, by flag (the ranked plans as ``--out``, ``--out (plan 2)``, ...)."""
+    plans = _out_paths(out, args.top_k or 1) if out else []
+    return {**{"--out" + (f" (plan {i})" if i > 1 else ""): str(p) for i, p in enumerate(plans, 1)},
+            "--trace": args.trace, "--histogram-out": args.histogram_out}
 
 
 def _write(plans: list, out: str, asked: int) -> list[Path]:
@@ -330,11 +345,12 @@ def _write(plans: list, out: str, asked: int) -> list[Path]:
     paths = _out_paths(out, asked)
     for plan, path in zip(plans, paths):
         try:
-            write_atomically(path, plan.to_json())
+            write_output(path, plan.to_json(), flag="--out")
         except OSError as e:
-            raise ValueError(f"cannot write {path}: {e.strerror}") from None
+            raise ValueError(f"cannot write --out {path}: {e.strerror}") from None
     for stale in paths[len(plans):]:
-        stale.unlink(missing_ok=True)
+        if not is_device(stale):
+            stale.unlink(missing_ok=True)
     return paths[:len(plans)]
 
 

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 
 from planner.cost.balance import StepBalance
-from planner.contract.data_rows import (SHORT_CLIP, SkippedSample, VideoShape, cache_folder, file_key, image_header_size, media_files,
+from planner.contract.data_rows import (MAX_DATASET_BYTES, SHORT_CLIP, SkippedSample, VideoShape, cache_folder, file_key, image_header_size, media_files,
                                media_keys, messages_of, read_rows, video_shape)
-from planner.contract.versioned_json import write_atomically
+from planner.contract.file_io import parse_json, read_json, read_text, write_output
 from planner.contract.models import ModelSpec
 from planner.contract.packing import pack_best_fit
 from planner.contract.workload import (DEFAULT_FPS, ModuleTokens, PackedTokens, Workload, image_windows, packed_workload,
@@ -173,21 +173,13 @@ class _TextCounter:
         return math.ceil(len(text.encode()) / BYTES_PER_TOKEN) + specials + frame
 
 
-def _rows(path: Path) -> tuple[list[Any], int]:
-    """``read_rows`` with a one-line error."""
-    try:
-        return read_rows(path)
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read dataset {path}: {e}") from None
-
-
 def scan_dataset(path: Path, tokenizer_dir: str | None = None) -> DatasetHistogram:
     """The histogram of a conversation or caption JSONL / JSON file; bad rows are counted, not raised.
 
     Raises:
         ValueError: the file cannot be read, or nothing in it is usable.
     """
-    return _scan_rows(path, *_rows(path), tokenizer_dir)
+    return _scan_rows(path, *read_rows(path), tokenizer_dir)
 
 
 def _scan_rows(path: Path, rows: list[Any], malformed: int, tokenizer_dir: str | None) -> DatasetHistogram:
@@ -236,32 +228,31 @@ def read_dataset(path: str | Path, tokenizer_dir: str | None = None, *, rescan: 
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--dataset {path} is not a file")
+    text = read_text(path, kind="--dataset", max_bytes=MAX_DATASET_BYTES)
     try:
-        whole = json.loads(path.read_text())
-    except OSError as e:
-        raise ValueError(f"cannot read --dataset {path}: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        whole = parse_json(text, where=f"--dataset {path}")
+    except ValueError:
         whole = None  # JSONL (or not JSON at all: the scan says so)
     if isinstance(whole, dict) and "shapes" in whole:
         return DatasetHistogram.from_json(whole, path)
-    rows, malformed = _rows(path)
+    rows, malformed = read_rows(path)
     cache = _cache_file(path, rows, tokenizer_dir)
     if cache.is_file() and not rescan:
         try:
-            return DatasetHistogram.from_json(json.loads(cache.read_text()), cache)
+            return DatasetHistogram.from_json(read_json(cache, kind="dataset cache"), cache)
         except (ValueError, OSError):
             pass  # a damaged cache entry is rescanned and rewritten
     histogram = _scan_rows(path, rows, malformed, tokenizer_dir)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(cache, json.dumps(histogram.to_json()))
+        write_output(cache, json.dumps(histogram.to_json()), flag="the dataset cache")
     except OSError:
         pass
     return histogram
 
 
 def write_histogram(histogram: DatasetHistogram, path: str | Path) -> None:
-    write_atomically(path, json.dumps(histogram.to_json()))
+    write_output(path, json.dumps(histogram.to_json()), flag="--histogram-out")
 
 
 # ---- tokens and packs ---------------------------------------------------------------------------------------------

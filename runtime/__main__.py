@@ -19,6 +19,8 @@ from planner.contract.schema import Plan, PlanError, load_plan
 from runtime.run import preflight
 from runtime.run.checkpoint_dir import CheckpointOptions, latest_checkpoint
 from runtime.run.stop_signals import name_and_status, stopping_on_signals
+from planner.contract.file_io import refuse_shared_paths
+from runtime.run import run_lock
 
 USER_ERRORS = (PlanError, ValueError, NotImplementedError, OSError)
 
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         if env is not None:
             preflight.check_world_size(plan, env)
         preflight.check_inputs(plan, data=args.data, checkpoint=args.checkpoint, tokenizer=args.tokenizer)
+        check_paths_differ(args)
         # the metrics file is written by the driver, or rank 0 under torchrun: only that process probes it (every
         # rank creating and removing the same probe file raced, one rank then failing on a file another removed)
         preflight.check_outputs(metrics=args.metrics if env is None or env.rank == 0 else None, save=args.save)
@@ -141,17 +144,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return _dry_run(plan, args)
     report = env is None or env.rank == 0
+    owned = _owned_outputs(args) if report else ({}, {})  # under torchrun, rank 0 holds them for every rank
     with stopping_on_signals():
         try:
-            if args.resume is not None:
-                args.resume = _sound_resume(requested_resume, args, plan, report=report)
-            if env is None:
-                return _run_on_ray(plan, args)
-            return _run_under_torchrun(plan, args, env)
+            with run_lock.hold(*owned):
+                if args.resume is not None:
+                    args.resume = _sound_resume(requested_resume, args, plan, report=report)
+                if env is None:
+                    return _run_on_ray(plan, args)
+                return _run_under_torchrun(plan, args, env)
         except USER_ERRORS as e:
             return _refuse(e, report=report)
         except KeyboardInterrupt as e:  # Ctrl-C, or a scheduler's SIGTERM (runtime.run.stop_signals)
             return _interrupted(args, e, report=report)
+
+
+def check_paths_differ(args: argparse.Namespace) -> None:
+    """No output is the same file or folder as an input or another output (``planner.contract.file_io.refuse_shared_paths``);
+    ``--checkpoint-dir`` may be the folder ``--resume`` takes the latest checkpoint from."""
+    outputs = {"--metrics": args.metrics, "--save": args.save, "--checkpoint-dir": args.checkpoint_dir,
+               "--trace": args.trace}
+    inputs = {"the plan file": args.plan, "--checkpoint": args.checkpoint, "--data": args.data,
+              "--tokenizer": args.tokenizer}
+    refuse_shared_paths(inputs, outputs)
+    resume = None if args.resume in (None, "latest") else args.resume
+    refuse_shared_paths({"--resume": resume}, {k: v for k, v in outputs.items() if k != "--checkpoint-dir"})
+
+
+def _owned_outputs(args: argparse.Namespace) -> tuple[dict[str, str | None], dict[str, str | None]]:
+    """What a run owns and locks for its life (``runtime.run.run_lock``): its metrics file and checkpoint folder."""
+    return {"--metrics": args.metrics}, {"--checkpoint-dir": args.checkpoint_dir}
 
 
 def _sound_resume(requested: str, args: argparse.Namespace, plan: Plan, *, report: bool) -> str:

@@ -27,10 +27,10 @@ def export(checkpoint: str, out: str, *, max_file_bytes: int = 1 << 30) -> list[
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
 
-    from planner.contract.versioned_json import write_atomically
     from runtime.checkpoints.hf_folder import plan_files, write_index
     from runtime.checkpoints.dcp_checkpoint import CONFIG_FILE, PARAM, checkpoint_problem
     from runtime.checkpoints.dcp_metadata import SafeFileSystemReader, read_metadata
+    from planner.contract.file_io import read_text, write_output
 
     if not os.path.isdir(checkpoint) or not is_complete(checkpoint):
         raise ValueError(f"{checkpoint} is not a complete training checkpoint (written by --checkpoint-dir)")
@@ -54,8 +54,7 @@ def export(checkpoint: str, out: str, *, max_file_bytes: int = 1 << 30) -> list[
     total = sum(nbytes for _, nbytes in sizes["model"])
     write_index(out, total, {n: f.name for f in files for n in f.tensors})  # after every weight file, atomically
     config = os.path.join(checkpoint, CONFIG_FILE)
-    with open(config) as f:
-        write_atomically(os.path.join(out, CONFIG_FILE), f.read())
+    write_output(os.path.join(out, CONFIG_FILE), read_text(config, kind="checkpoint config"), flag="the export")
     return sorted(shapes)
 
 

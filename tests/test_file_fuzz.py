@@ -32,6 +32,7 @@ from planner.cli import main as plan_main
 from planner.dataset import DatasetHistogram, VideoShape, read_dataset
 from planner.contract.hardware import get_device, load_cluster_file
 from planner.catalog.hf_configs import QWEN2_5_VL_TINY
+from planner.contract.file_io import MAX_DEPTH
 from planner.profiles import PROFILES_DIR
 from planner.profiles.files import load_profile
 from planner.catalog import get_model
@@ -54,7 +55,11 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database
 WRONG_TYPES = ["x", "", [], {}, True, [1, 2], {"a": 1}]
 EXTREMES = [0, -1, -0.0, 1e300, -1e300, 2**63, 2**64 + 1, float("nan"), float("inf"), float("-inf"), "NaN", 1e-300]
 UNIT_FACTORS = [1e3, 1e-3, 1e6, 1e-6, 1e9, 1e-9]
-MUTATIONS = ("wrong_type", "null", "extreme", "unit_factor", "delete_key", "unknown_key", "truncate", "not_utf8")
+DEPTHS = [MAX_DEPTH, MAX_DEPTH + 1, 5000, 200_000]
+DEEP = "<nested lists>"
+"""Stands for the nested lists in the document until it is written."""
+MUTATIONS = ("wrong_type", "null", "extreme", "unit_factor", "delete_key", "unknown_key", "truncate", "not_utf8",
+             "deep_nesting")
 """The mutation classes; each example applies one to one place of a valid document."""
 
 
@@ -95,6 +100,13 @@ def mutated(draw, valid: Any, mutations: tuple[str, ...] = MUTATIONS) -> tuple[s
         text = json.dumps(document).encode()
         at = draw(st.integers(0, len(text)))
         return f"{kind} at byte {at}", text[:at] if kind == "truncate" else text[:at] + b"\xff\xfe\x80" + text[at:]
+    if kind == "deep_nesting":  # a node replaced by lists nested past planner.contract.file_io.MAX_DEPTH, or far past it
+        path = draw(st.sampled_from(paths or [()]))
+        depth = draw(st.sampled_from(DEPTHS))
+        if path:
+            _set(document, path, DEEP)
+        text = json.dumps(document if path else DEEP).replace(json.dumps(DEEP), "[" * depth + "]" * depth)
+        return f"{_where(path)} nested {depth} deep", text.encode()
     if kind == "unit_factor" and numbers:
         path = draw(st.sampled_from(numbers))
         factor = draw(st.sampled_from(UNIT_FACTORS))
@@ -391,6 +403,82 @@ def test_dataset_rows(case, plan):
         read_or_refuse(lambda: read_dataset(path, rescan=True), kind)
         if plan == 0:  # one pack budget (the default tries three, each solved)
             run_plan(TINY + ["--dataset", path, "--rescan", "--pack-tokens=512"], kind)
+
+
+@FUZZ
+@given(case=mutated({"runs": [{"plan": "plan.json", "step_time_s": 1.5, "peak_memory_gib": 0.5}]}),
+       suffix=st.sampled_from([".yaml", ".yml"]))
+def test_calibration_tables(case, suffix):
+    """``runs_from_table`` of a YAML runs table (what ``python -m runtime.profile --calibrate TABLE`` reads) naming a
+    valid plan file."""
+    from planner.profiles.calibrate import runs_from_table
+
+    kind, data = case
+    with tempfile.TemporaryDirectory() as folder:
+        _write(folder, "plan.json", json.dumps(VALID_PLAN).encode())
+        table = _write(folder, "runs" + suffix, data.replace(b'"plan.json"', json.dumps(f"{folder}/plan.json").encode()))
+        read_or_refuse(lambda: runs_from_table(Path(table)), kind)
+
+
+VALID_METRICS_LINE = {"step": 1, "loss": 2.0, "step_time_s": 0.5, "peak_memory_gib": 0.1, "tokens_per_s": 100.0}
+
+
+@FUZZ
+@given(case=mutated(VALID_METRICS_LINE))
+def test_calibration_metrics_files(case):
+    """``measured_step_time`` and ``step_values`` of a metrics file (``--calibrate METRICS --plan PLAN``) with one
+    of its step lines mutated."""
+    from planner.profiles.calibrate import measured_step_time, step_values
+
+    kind, line = case
+    lines = [json.dumps({**VALID_METRICS_LINE, "step": s}).encode() for s in range(3)] + [line]
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(_write(folder, "metrics.jsonl", b"\n".join(lines) + b"\n"))
+        read_or_refuse(lambda: measured_step_time(path), kind)
+        read_or_refuse(lambda: step_values(path, "peak_memory_gib"), kind)
+
+
+@FUZZ
+@given(case=mutated(VALID_CONFIG), index=mutated({"metadata": {"total_size": 8}, "weight_map": {"w": "a.safetensors"}}))
+def test_checkpoint_small_files(case, index):
+    """A ``--checkpoint`` folder's config.json (``preflight.check_checkpoint`` against the plan's model) and
+    weight index (``runtime.checkpoints.hf_folder.HFFolder``)."""
+    from runtime.checkpoints.hf_folder import INDEX_FILE, HFFolder
+
+    (kind, data), (index_kind, index_data) = case, index
+    with tempfile.TemporaryDirectory() as folder:
+        _write(folder, "config.json", data)
+        _write(folder, INDEX_FILE, index_data)
+        read_or_refuse(lambda: preflight.check_checkpoint(folder, VALID_PLAN["model"]["hf_config"]), kind)
+        read_or_refuse(lambda: HFFolder(folder), index_kind)
+
+
+def _special(folder: str, name: str, kind: str) -> str:
+    """``folder/name`` made a named pipe, a folder, an empty file or a symlink to nothing."""
+    path = os.path.join(folder, name)
+    {"fifo": os.mkfifo, "folder": os.mkdir, "empty": lambda p: Path(p).write_bytes(b""),
+     "dangling": lambda p: os.symlink(os.path.join(folder, "nothing"), p)}[kind](path)
+    return path
+
+
+READERS = {
+    "plan": lambda f: load_plan(_special(f.folder, "plan.json", f.kind)),
+    "profile": lambda f: load_profile(_special(f.folder, "profile.json", f.kind)),
+    "cluster": lambda f: load_cluster_file(_special(f.folder, "cluster.yaml", f.kind)),
+    "hf config": lambda f: get_model(_special(f.folder, "config.json", f.kind)),
+    "histogram or rows": lambda f: read_dataset(_special(f.folder, "d.jsonl", f.kind), rescan=True),
+    "run state": lambda f: (_special(f.folder, RUN_STATE, f.kind), read_run_state(f.folder)),
+    "runs table": lambda f: __import__("planner.profiles.calibrate", fromlist=["x"]).runs_from_table(
+        Path(_special(f.folder, "runs.yaml", f.kind))),
+}
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder", "empty", "dangling"])
+@pytest.mark.parametrize("reader", sorted(READERS))
+def test_every_reader_refuses_a_special_or_empty_file_in_one_line(reader, kind):
+    """Not the contents but the file: a named pipe (must not block), a folder, an empty file, a dangling symlink."""
+    with tempfile.TemporaryDirectory() as folder:
+        read_or_refuse(lambda: READERS[reader](type("Case", (), {"folder": folder, "kind": kind})), (reader, kind))
 
 
 # ---- the bugs the fuzzing found, one case each -----------------------------------------------------------------------

@@ -11,7 +11,6 @@ transformers model built on the meta device. This module imports neither torch n
 from __future__ import annotations
 
 import difflib
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -19,6 +18,7 @@ from typing import Any, Mapping
 from planner.catalog import hf_configs
 from planner.contract.families import model_from_hf_config
 from planner.contract.models import ModelSpec
+from planner.contract.file_io import read_json
 
 
 # --- Catalog ----------------------------------------------------------------------------------------------------
@@ -90,13 +90,7 @@ _BY_NAME: dict[str, str] = {
 def _load_config_file(path: str) -> tuple[dict[str, Any], str]:
     """Parse ``path`` (a config.json or a folder holding one); also returns the name the model is given."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    try:
-        with open(file, encoding="utf-8") as f:
-            config = json.load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read model config {file}: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"model config {file} is not valid JSON: {e}") from None
+    config = read_json(file, kind="model config")
     folder = os.path.basename(os.path.dirname(os.path.abspath(file)))
     return config, folder or os.path.splitext(os.path.basename(file))[0]
 

@@ -17,11 +17,12 @@ of frame image files (``["f0.jpg", "f1.jpg", ...]``: frames already sampled, all
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
+
+from planner.contract.file_io import parse_json, read_text
 
 IMAGE_MARKER = "<image>"
 """Where an image goes in a Qwen-VL / LLaVA turn."""
@@ -38,6 +39,8 @@ SHORT_CLIP = "video of fewer sampled frames than one temporal patch"
 CACHE_ENV = "DHPLAN_CACHE_DIR"
 """Environment variable naming the folder where what was read of a dataset is cached (default
 ``~/.cache/dhplan/datasets``): the planner's histograms and the runtime's indexes."""
+MAX_DATASET_BYTES = 16 * 2**30
+"""Largest dataset file read (16 GiB; it is read whole: the largest public conversation sets are about 1 GiB)."""
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 """``from`` / ``role`` values -> chat-template roles."""
 
@@ -47,20 +50,22 @@ class SkippedSample(ValueError):
 
 
 def read_rows(path: Path) -> tuple[list[Any], int]:
-    """The rows of a JSONL or JSON-list file and how many lines were not JSON."""
-    text = path.read_text()
+    """The rows of a JSONL or JSON-list file (``planner.contract.file_io``: a regular file of at most ``MAX_DATASET_BYTES``,
+    rows nested at most ``MAX_DEPTH`` deep) and how many lines were not JSON (or nested deeper).
+
+    Raises:
+        ValueError: the file cannot be read, is not UTF-8, or is a JSON list that does not parse; one line.
+    """
+    text = read_text(path, kind="dataset", max_bytes=MAX_DATASET_BYTES)
     if text.lstrip().startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not a JSON list: {e.msg} at line {e.lineno}") from None
+        rows = parse_json(text, where=f"dataset {path}")
         return list(rows), 0
     rows, malformed = [], 0
     for line in text.splitlines():
         if line.strip():
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
+                rows.append(parse_json(line, where="a row"))
+            except ValueError:
                 malformed += 1
     return rows, malformed
 

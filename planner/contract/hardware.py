@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 from planner.contract.units import GIB
+from planner.contract.file_io import check_depth, read_text
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -343,11 +344,7 @@ def _new_device(values: Mapping[str, Any], origin: str) -> DeviceSpec:
 
 def _read_mapping(path: str) -> dict[str, Any]:
     """A JSON (``.json``) or YAML (anything else) file holding one mapping."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read cluster file {path}: {getattr(e, 'strerror', None) or e}") from None
+    text = read_text(path, kind="cluster file")
     try:
         if path.endswith(".json"):
             data = json.loads(text)
@@ -355,9 +352,10 @@ def _read_mapping(path: str) -> dict[str, Any]:
             import yaml  # pyyaml; only cluster files need it
 
             data = yaml.safe_load(text)
-    except Exception as e:  # json.JSONDecodeError or yaml.YAMLError
+    except Exception as e:  # json.JSONDecodeError, yaml.YAMLError, RecursionError (nested too deep)
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"cluster file {path} does not parse: {first_line}") from None
+    check_depth(data, where=f"cluster file {path}")
     if not isinstance(data, dict):
         raise ValueError(f"cluster file {path} must hold a mapping of fields, got {type(data).__name__}")
     return data

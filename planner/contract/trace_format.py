@@ -10,7 +10,7 @@ import json
 from collections import defaultdict
 from typing import Any, Mapping
 
-from planner.contract.versioned_json import write_atomically
+from planner.contract.file_io import write_output
 
 LANES = {"compute": 0, "communication": 1, "host": 2}
 """Lane name -> ``tid`` of every rank's rows."""
@@ -39,6 +39,6 @@ def makespan_s(trace: Mapping[str, Any]) -> float:
     return (max(e["ts"] + e["dur"] for e in spans) - min(e["ts"] for e in spans)) / US
 
 
-def write_trace(trace: Mapping[str, Any], path: str) -> None:
-    """Write ``trace`` as JSON (whole or not at all)."""
-    write_atomically(path, json.dumps(trace))
+def write_trace(trace: Mapping[str, Any], path: str, *, flag: str = "--trace") -> None:
+    """Write ``trace`` as JSON (whole or not at all; ``planner.contract.file_io.write_output``)."""
+    write_output(path, json.dumps(trace), flag=flag)

@@ -1,12 +1,14 @@
-"""Reading the project's versioned JSON documents (plans, profiles): every way a file can be unusable is one line."""
+"""Reading the project's versioned JSON documents (plans, profiles) through ``planner.contract.file_io``: every way a file
+can be unusable is one line."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
+
+from planner.contract.file_io import read_json
 
 Document = TypeVar("Document", bound=BaseModel)
 
@@ -17,12 +19,7 @@ def read_versioned(path: str | Path, *, kind: str, readable: tuple[int, ...], wr
     (naming the file as a ``kind``, and ``writer``, the command that writes one) when it cannot be read, is not
     JSON, has no whole-number version or one this tool does not read."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise error(f"cannot read {kind} {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise error(f"{kind} {path} is not JSON: {e.msg} at line {e.lineno}") from None
+    data = read_json(path, kind=kind, error=error)
     versions = ", ".join(map(str, readable))
     if not isinstance(data, dict) or "schema_version" not in data:
         raise error(f"{path} is not a {kind}: it has no schema_version (write one with `{writer}`)")
@@ -46,14 +43,3 @@ def validated(model: type[Document], data: dict[str, Any], path: str | Path, *, 
         where = ".".join(str(p) for p in first["loc"])
         raise error(f"{kind} {path} is invalid at {where}: {first['msg']}") from None
 
-
-def write_atomically(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder renamed over it, so that a full disk
-    or an interrupted write never leaves a truncated file in place of a good one (the temporary is removed)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)

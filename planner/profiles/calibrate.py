@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import csv
 import datetime
-import json
 import math
 import shlex
 import statistics
@@ -37,6 +36,7 @@ from planner.cost import estimate
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.results import Estimate
 from planner.contract.hardware import Cluster
+from planner.contract.file_io import MAX_METRICS_BYTES, parse_json, read_text
 from planner.profiles import (
     CALIBRATED_ASSUMPTIONS,
     MEASURED_ASSUMPTIONS,
@@ -78,20 +78,16 @@ def measured_step_time(path: Path, warmup_steps: int = WARMUP_STEPS) -> float:
     """Median over steps of the slowest rank's ``step_time_s`` in a metrics JSONL file."""
     per_step: dict[int, float] = {}
     seen: dict[object, int] = {}
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"cannot read metrics file {path}: {e.strerror}") from None
+    lines = read_text(path, kind="metrics file", max_bytes=MAX_METRICS_BYTES).splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"metrics file {path} line {number} is not JSON: {e.msg}") from None
+        row = parse_json(line, where=f"metrics file {path} line {number}")
         if not isinstance(row, dict) or row.get("summary") or not isinstance(row.get("step_time_s"), (int, float)):
             continue  # the runtime's closing summary line, or a record of something else
         rank = row.get("rank", 0)
+        if not all(type(v) is int for v in (rank, row.get("step", 0))):  # found by tests/test_file_fuzz.py
+            raise ValueError(f"metrics file {path} line {number}: step and rank must be whole numbers")
         step = row.get("step", seen.get(rank, 0))
         seen[rank] = step + 1
         per_step[step] = max(per_step.get(step, 0.0), float(row["step_time_s"]))
@@ -125,10 +121,10 @@ def plan_inputs(plan: Plan):
 def step_values(path: Path, key: str) -> list[float]:
     """``key`` of every step record of a metrics file that has it as a number (the closing summary left out)."""
     values = []
-    for line in path.read_text().splitlines():
+    for line in read_text(path, kind="metrics file", max_bytes=MAX_METRICS_BYTES).splitlines():
         try:
-            row = json.loads(line) if line.strip() else None
-        except json.JSONDecodeError:
+            row = parse_json(line, where="a metrics line") if line.strip() else None
+        except ValueError:
             continue
         if isinstance(row, dict) and not row.get("summary") and isinstance(row.get(key), (int, float)):
             values.append(float(row[key]))
@@ -174,16 +170,13 @@ TABLE_COLUMNS = ("plan", "args", "step_time_s", "peak_memory_gib", "moe_load_imb
 
 
 def _table_rows(path: Path) -> list[dict]:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ValueError(f"cannot read runs table {path}: {e.strerror}") from None
+    text = read_text(path, kind="runs table")
     if path.suffix == ".csv":
         rows = list(csv.DictReader(text.splitlines()))
     else:
         try:
             rows = yaml.safe_load(text)
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, RecursionError) as e:
             raise ValueError(f"runs table {path} is not YAML: {str(e).splitlines()[0]}") from None
         rows = rows.get("runs") if isinstance(rows, dict) else rows
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from planner.profiles.schema import PROFILE_SCHEMA_VERSION, Profile, check_measurements
-from planner.contract.versioned_json import read_versioned, validated, write_atomically
+from planner.contract.versioned_json import read_versioned, validated
+from planner.contract.file_io import write_output
 
 READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
 """Versions ``load_profile`` reads: version 1 lacks ``LayerPoint.includes_comm`` (all its points are single-process
@@ -33,7 +34,7 @@ def save_profile(profile: Profile, path: str | Path) -> None:
     """Write a profile atomically (a partial file never replaces a good one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, profile.to_json())
+    write_output(path, profile.to_json(), flag="the profile")
 
 
 def profile_path(device_name: str, model_name: str, root: Path = PROFILES_DIR) -> Path:

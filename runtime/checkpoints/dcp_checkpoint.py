@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from planner.contract.file_io import read_json, write_output
 from runtime.checkpoints.hf_folder import local_region
 from runtime.checkpoints.dcp_metadata import SafeFileSystemReader, UnsafeCheckpoint, read_metadata
 from runtime.run.checkpoint_dir import (
@@ -123,13 +124,12 @@ def _resharded_rows(full: torch.Tensor, mesh) -> DTensor:
 def _write_run_state(trainer: Any, path: str) -> None:
     """This rank's small files: run state (rank 0), LR schedules (a module's first rank), RNG states."""
     if trainer.rank == 0:
-        with open(os.path.join(path, RUN_STATE), "w") as f:
-            json.dump(trainer.state_dict(), f)
+        write_output(os.path.join(path, RUN_STATE), json.dumps(trainer.state_dict()), flag="--checkpoint-dir")
         trainer.hf_config().to_json_file(os.path.join(path, CONFIG_FILE))
     for name, (_, schedule) in trainer.optimizers.items():
         if trainer.rank == trainer.dims[name].ranks[0]:
-            with open(os.path.join(path, schedule_file(name)), "w") as f:
-                json.dump(schedule.state_dict(), f)
+            write_output(os.path.join(path, schedule_file(name)), json.dumps(schedule.state_dict()),
+                         flag="--checkpoint-dir")
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and trainer.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -312,8 +312,7 @@ def load_checkpoint(trainer: Any, path: str) -> None:
     state.restore()
     trainer.load_state_dict(read_run_state(path))
     for name, (optimizer, schedule) in trainer.optimizers.items():
-        with open(os.path.join(path, schedule_file(name))) as f:
-            schedule.load_state_dict(json.load(f))
+        schedule.load_state_dict(read_json(os.path.join(path, schedule_file(name)), kind="LR schedule state"))
         for group, lr in zip(optimizer.param_groups, schedule.get_last_lr()):
             group["lr"] = lr
     rng = os.path.join(path, rng_file(trainer.rank))

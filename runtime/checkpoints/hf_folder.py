@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers.utils import CONFIG_NAME
 
-from planner.contract.versioned_json import write_atomically
+from planner.contract.file_io import read_json, write_output
 
 INDEX_FILE = "model.safetensors.index.json"
 """Index of a sharded HF checkpoint: tensor name -> file."""
@@ -85,8 +85,7 @@ class HFFolder:
         index = os.path.join(path, INDEX_FILE)
         if os.path.isfile(index):
             try:
-                with open(index) as f:
-                    self.weight_map: dict[str, str] = json.load(f)["weight_map"]
+                self.weight_map: dict[str, str] = read_json(index, kind="weight index")["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"cannot read the weight map of {index}: {type(e).__name__} {e}") from None
         elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
@@ -273,8 +272,8 @@ def save_hf_folder(trainer: Any, path: str, *, dtype: torch.dtype | None = None,
         total = sum(nbytes for entries in sizes.values() for _, nbytes in entries)
         weight_map = {name: f.name for f in files for name in f.tensors}
         failure = _attempt(write_index, staging, total, weight_map)
-        failure = failure or _attempt(write_atomically, os.path.join(staging, CONFIG_NAME),
-                                      trainer.hf_config().to_json_string(use_diff=True))
+        failure = failure or _attempt(write_output, os.path.join(staging, CONFIG_NAME),
+                                      trainer.hf_config().to_json_string(use_diff=True), flag="--save")
         failure = failure or _attempt(replace_model, path, [f.name for f in files])
     _raise_if_any_rank_failed(failure, trainer.device)
 
@@ -314,8 +313,8 @@ def _attempt(write: Callable[..., Any], *args: Any, **kwargs: Any) -> str | None
 
 def write_index(path: str, total: int, weight_map: dict[str, str]) -> None:
     """A saved folder's index (tensor name -> file), written through a temporary file renamed into place."""
-    write_atomically(os.path.join(path, INDEX_FILE),
-                     json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    write_output(os.path.join(path, INDEX_FILE),
+                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2), flag="--save")
 
 
 def _raise_if_any_rank_failed(failure: str | None, device: torch.device) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +46,7 @@ from planner.cost.balance import SampleWork, assign_lpt
 from planner.contract.data_rows import (SHORT_CLIP, SkippedSample, Video, cache_folder, file_key, image_header_size,
                                media_files, media_keys, video_shape)
 from planner.contract.families import model_from_hf_config
+from planner.contract.file_io import read_json, write_output
 from planner.contract.packing import balance_packs, pack_best_fit
 from planner.contract.schema import DatasetInfo
 from planner.contract.workload import DEFAULT_FPS, sampled_frames, video_grid
@@ -155,7 +155,7 @@ class PackedConversations:
         ignored."""
         cache = self._index_file()
         try:
-            cached = json.loads(cache.read_text())
+            cached = read_json(cache, kind="dataset index cache")
             self.skipped.update(cached["skipped"])
             return [IndexedSample(row=r, length=n, image_spans=tuple(map(tuple, spans)),
                                   grids=tuple(map(tuple, grids)), clips=clips)
@@ -171,11 +171,9 @@ class PackedConversations:
         self.skipped.update(skipped)
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            partial = cache.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(json.dumps({"skipped": skipped, "samples": [
-                [s.row, s.length, s.image_spans, s.grids, s.clips] for s in samples]}))
-            os.replace(partial, cache)
-        except OSError:
+            write_output(cache, json.dumps({"skipped": skipped, "samples": [
+                [s.row, s.length, s.image_spans, s.grids, s.clips] for s in samples]}), flag="the dataset index cache")
+        except (OSError, ValueError):
             pass
         return samples
 

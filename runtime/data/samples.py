@@ -30,6 +30,8 @@ from planner.contract.families import model_from_hf_config
 from planner.contract.workload import video_grid
 from runtime.data.normalization import image_normalization
 from runtime.parallel.windows import merged_positions_per_rank
+from planner.contract.data_rows import MAX_DATASET_BYTES
+from planner.contract.file_io import read_text
 
 IGNORE_INDEX = -100
 """Label value the loss skips (transformers' convention)."""
@@ -353,19 +355,19 @@ class CaptionData:
     def _read(path: Path) -> list[tuple[Path, str]]:
         if path.is_dir():
             pairs = [
-                (p, p.with_suffix(".txt").read_text().strip())
+                (p, read_text(p.with_suffix(".txt"), kind="caption").strip())
                 for p in sorted(path.iterdir())
                 if p.suffix.lower() in IMAGE_SUFFIXES and p.with_suffix(".txt").exists()
             ]
         elif path.is_file():
             pairs = []
-            for n, line in enumerate(path.read_text().splitlines(), 1):
+            for n, line in enumerate(read_text(path, kind="data file", max_bytes=MAX_DATASET_BYTES).splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
                     pairs.append(((path.parent / row["image"]).resolve(), str(row["text"])))
-                except (json.JSONDecodeError, KeyError, TypeError):
+                except (json.JSONDecodeError, RecursionError, KeyError, TypeError):
                     raise ValueError(f'{path} line {n} is not {{"image": path, "text": caption}}') from None
         else:
             raise ValueError(f"data path {path} does not exist")

@@ -19,10 +19,10 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from planner.contract.schema import Plan
-from planner.contract.versioned_json import write_atomically
 from planner.contract.units import GIB
 from runtime.run.preflight import is_cpu_plan
 from runtime.observability.trace import write_step_trace
+from planner.contract.file_io import MAX_METRICS_BYTES, is_device, read_text, write_output
 
 TIMED = ("vision_forward_s", "vision_backward_s", "audio_forward_s", "audio_backward_s", "llm_forward_s",
          "llm_backward_s", "llm_pipeline_s", "grad_sync_s", "optimizer_s", "handoff_comm_s", "data_s")
@@ -209,13 +209,16 @@ class MetricsLog:
     def _append_last(self, record: dict[str, Any]) -> None:
         """The file's last line: the file is closed, and written again with ``record`` through a temporary file
         renamed into place, so that a full disk leaves the step lines as they were (said in one line)."""
+        if is_device(self.path):  # /dev/null, a terminal: nothing to read back, the line goes after the others
+            self._write(record)
+            self.close_file()
+            return
         try:
             self.close_file()
-            with open(self.path) as file:
-                lines = file.read()
+            lines = read_text(self.path, kind="metrics file", max_bytes=MAX_METRICS_BYTES)
             lines = lines[:lines.rfind("\n") + 1]  # a line cut short by a full disk is dropped
-            write_atomically(self.path, lines + json.dumps(record) + "\n")
-        except OSError as e:
+            write_output(self.path, lines + json.dumps(record) + "\n", flag="--metrics")
+        except (OSError, ValueError) as e:  # ValueError: no longer a regular file, or too large
             self.warn(f"the summary line could not be added to {self.path} ({' '.join(str(e).split())}); its step "
                       "lines are kept")
 

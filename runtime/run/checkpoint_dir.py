@@ -21,6 +21,8 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable
 
+from planner.contract.file_io import read_json
+
 PREFIX = "step-"
 """Name prefix of a checkpoint folder; the step count follows, six digits."""
 
@@ -139,11 +141,7 @@ def read_run_state(path: str) -> dict[str, int]:
             non-negative integer (a hand-edited file).
     """
     file = os.path.join(path, RUN_STATE)
-    try:
-        with open(file, encoding="utf-8") as f:
-            state = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{file} cannot be read as JSON ({' '.join(str(e).split())})") from None
+    state = read_json(file, kind="run state")
     if not isinstance(state, dict):
         raise ValueError(f"{file} holds a {type(state).__name__}, not a JSON object")
     for field in RUN_STATE_FIELDS:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, TypeVar
 from planner.contract.rules import balancing_loss_rule
 from planner.contract.schema import Plan
 from runtime.run.checkpoint_dir import Problem, read_run_state, resolve_resume, run_state_problem
+from planner.contract.file_io import check_output, read_json
 
 ENCODERS = ("vision", "audio")
 """Encoder modules the runtime places, one per plan, before the ``llm``."""
@@ -183,7 +184,7 @@ def is_conversation_file(path: Path) -> bool:
     first = head.splitlines()[0] if head else ""
     try:
         row = json.loads(first)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return False
     return isinstance(row, dict) and ("conversations" in row or "messages" in row)
 
@@ -238,13 +239,7 @@ def read_checkpoint_config(path: str) -> dict[str, Any]:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"checkpoint {path} has no config.json: not a folder written by save_pretrained")
-    try:
-        with open(config_path, encoding="utf-8") as file:
-            config = json.load(file)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint {path}: config.json is not valid JSON ({e})") from None
-    except OSError as e:
-        raise ValueError(f"checkpoint {path}: cannot read config.json ({e.strerror})") from None
+    config = read_json(config_path, kind="checkpoint config")
     if not isinstance(config, dict):
         raise ValueError(f"checkpoint {path}: config.json holds a {type(config).__name__}, not a JSON object")
     if not any(os.path.isfile(os.path.join(path, name)) for name in WEIGHT_FILES):
@@ -289,11 +284,7 @@ def check_resume(resume: str, checkpoint_dir: str | None, hf_config: dict[str, A
     if done >= steps:
         raise ValueError(f"--resume {path} has done {done} steps already; --steps {steps} counts them: ask for more")
     config_path = os.path.join(path, "config.json")
-    try:
-        with open(config_path, encoding="utf-8") as file:
-            config = json.load(file)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--resume {path}: cannot read its config.json ({e}): not a training checkpoint") from None
+    config = read_json(config_path, kind="--resume checkpoint config")
     if not isinstance(config, dict):
         raise ValueError(f"--resume {path}: its config.json holds a {type(config).__name__}, not a JSON object")
     check_same_model(path, config, hf_config)
@@ -326,8 +317,7 @@ def check_metrics_path(path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ValueError(f"--metrics {path}: {folder} is not an existing folder")
-    if os.path.isdir(path):
-        raise ValueError(f"--metrics {path} is a folder, not a file")
+    check_output(path, "--metrics")  # before opening: opening a named pipe to write blocks
     existed = os.path.exists(path)
     try:
         with open(path, "a"):

@@ -194,7 +194,7 @@ def test_infeasible_message_shows_the_real_shortfall(capsys, tmp_path):
 def test_top_k_checks_every_output_path_before_writing(capsys, tmp_path):
     (tmp_path / "plan-2.json").mkdir()
     err = _fails(M32 + ["--top-k", "3", "--out", str(tmp_path / "plan.json")], capsys)
-    assert f"cannot write {tmp_path / 'plan-2.json'}: it is a folder" in err
+    assert f"cannot write --out {tmp_path / 'plan-2.json'}: it is a folder" in err
     assert not (tmp_path / "plan.json").exists()
 
 

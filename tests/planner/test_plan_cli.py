@@ -140,7 +140,7 @@ def test_help_documents_the_defaults(capsys):
     (["--model", "qwen-vl-32b", "--gpus", "many"], "invalid int value"),
     (["--model", "qwen-vl-32b", "--gpus", "8", "--time-limit", "0"], "--time-limit must be more than 0 and at most 3600 seconds"),
     (["--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--out", "/nonexistent/dir/p.json"],
-     "cannot write /nonexistent/dir/p.json"),
+     "cannot write --out /nonexistent/dir/p.json"),
     (["--model", "qwen-vl-32b", "--gpus", "16", "--fix", "vision.pp=2"], "planned for the LLM only"),
     (["--model", "qwen-vl-3b", "--gpus", "8", "--fix", "llm.pp=2", "--fix", "llm.sp=1"], "ties lm_head to the embedding"),
     (["--model", "qwen-vl-32b", "--gpus", "16", "--no-pp", "--fix", "llm.virtual_stages=2"], "drop --no-pp"),

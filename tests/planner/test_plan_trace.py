@@ -108,10 +108,11 @@ def test_plan_trace_flag_writes_the_best_plans_trace(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("trace,error", [
-    ("", "--trace needs a file path of its own"),
-    ("plan.json", "--trace needs a file path of its own"),
-    ("missing/step.json", "cannot write missing/step.json: no folder missing"),
-    (".", "cannot write .: it is a folder"),
+    ("", "--trace needs a file path, got an empty one"),
+    ("plan.json", "--trace plan.json is the same file as --out plan.json: it would be overwritten"),
+    ("./plan.json", "--trace ./plan.json is the same file as --out plan.json"),
+    ("missing/step.json", "cannot write --trace missing/step.json: no folder missing"),
+    (".", "cannot write --trace .: it is a folder"),
 ])
 def test_plan_trace_bad_path_is_one_line_before_planning(tmp_path, monkeypatch, capsys, trace, error):
     monkeypatch.chdir(tmp_path)

@@ -60,6 +60,11 @@ def not_utf8(tmp: Path) -> str:
     return str(tmp / "data.jsonl")
 
 
+def caption_rows(tmp: Path) -> str:
+    (tmp / "captions.jsonl").write_text('{"image": "a.png", "text": "a"}\n')
+    return str(tmp / "captions.jsonl")
+
+
 def conversations(tmp: Path) -> str:
     (tmp / "chat.jsonl").write_text('{"image": "a.png", "conversations": [{"from": "human", "value": "hi"}]}\n')
     return str(tmp / "chat.jsonl")
@@ -73,7 +78,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("checkpoint_empty_folder", lambda t: ["--checkpoint", str(t)],
      "checkpoint {tmp} has no config.json: not a folder written by save_pretrained"),
     ("checkpoint_corrupt_config", lambda t: ["--checkpoint", write_checkpoint(t / "ck", '{"model_type": ')],
-     "checkpoint {tmp}/ck: config.json is not valid JSON (Expecting value: line 1 column 16 (char 15))"),
+     "checkpoint config {tmp}/ck/config.json is not JSON: Expecting value at line 1"),
     ("checkpoint_config_not_an_object", lambda t: ["--checkpoint", write_checkpoint(t / "ck", "[1, 2]")],
      "checkpoint {tmp}/ck: config.json holds a list, not a JSON object"),
     ("checkpoint_without_weights", lambda t: ["--checkpoint", write_checkpoint(t / "ck", tiny_hf_config(), False)],
@@ -85,7 +90,16 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      "--metrics {tmp}/nope/m.jsonl: {tmp}/nope is not an existing folder"),
     ("metrics_under_a_file", lambda t: ["--metrics", a_file(t) + "/m.jsonl"],
      "--metrics {tmp}/file/m.jsonl: {tmp}/file is not an existing folder"),
-    ("metrics_is_a_folder", lambda t: ["--metrics", str(t)], "--metrics {tmp} is a folder, not a file"),
+    ("metrics_is_a_folder", lambda t: ["--metrics", str(t)],
+     "cannot write --metrics {tmp}: it is a folder, not a regular file: give a file path"),
+    ("metrics_is_a_fifo", lambda t: ["--metrics", a_fifo(t)],  # was: blocked forever opening it to write
+     "cannot write --metrics {tmp}/fifo: it is a named pipe (FIFO), not a regular file: give a file path"),
+    ("metrics_is_the_data", lambda t: ["--data", caption_rows(t), "--metrics", caption_rows(t)],
+     "--metrics {tmp}/captions.jsonl is the same file as --data {tmp}/captions.jsonl: it would be overwritten; "
+     "give --metrics a path of its own"),
+    ("trace_is_the_save_folder", lambda t: ["--save", str(t / "out"), "--trace", str(t / "x" / ".." / "out")],
+     "--trace {tmp}/x/../out is the same file as --save {tmp}/out: it would be overwritten; give --trace a path of "
+     "its own"),
     ("save_is_a_file", lambda t: ["--save", a_file(t)], "--save {tmp}/file is a file, not a folder"),
     ("save_under_a_file", lambda t: ["--save", a_file(t) + "/out/weights"],
      "--save {tmp}/file/out/weights cannot be written: Not a directory"),

@@ -242,7 +242,8 @@ def _checkpoint(folder, *, step: int, complete: bool = True, config: dict | None
     (["--keep-last", "2"], "--keep-last needs --checkpoint-dir"),
     (["--max-failures", "1"], "--max-failures needs --checkpoint-dir"),
     (["--async-checkpoint"], "--async-checkpoint needs --checkpoint-dir"),
-    (["--checkpoint-dir", "{plan}"], "is a file, not a folder"),
+    (["--checkpoint-dir", "{tmp}/not-json/run_state.json"], "is a file, not a folder"),
+    (["--checkpoint-dir", "{plan}"], "is the same file as the plan file"),
     (["--resume"], "--resume without a path needs --checkpoint-dir"),
     (["--resume", "--checkpoint-dir", "{tmp}/empty"], "holds no complete checkpoint"),
     (["--resume", "{tmp}/nope"], "is not a folder"),
@@ -254,7 +255,7 @@ def _checkpoint(folder, *, step: int, complete: bool = True, config: dict | None
                                       "the newest sound checkpoint beside it is {tmp}/step-000002"),
     (["--resume", "{tmp}/text-count"],
      'text-count/run_state.json: samples_seen must be a non-negative integer, got "3"'),
-    (["--resume", "{tmp}/not-json"], "not-json/run_state.json cannot be read as JSON"),
+    (["--resume", "{tmp}/not-json"], "not-json/run_state.json is not JSON"),
     (["--resume", "{tmp}/a-list"], "a-list/run_state.json holds a list, not a JSON object"),
 ])
 def test_bad_checkpoint_flags_are_one_line_errors_before_torch_and_ray(tmp_path, plan_file, args, message):
