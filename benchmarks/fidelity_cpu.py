@@ -211,7 +211,7 @@ def calibrated_errors(results: list[Result], plans: list[Path], profile: Path) -
 
     loaded = load_profile(profile)
     loaded.calibration = None
-    runs = [MeasuredRun(name=r.name, plan=load_plan(p), measured_s=r.measured_s) for r, p in zip(results, plans)]
+    runs = [MeasuredRun(name=r.name, where=r.name, plan=load_plan(p), measured_s=r.measured_s) for r, p in zip(results, plans)]
     loo = calibrate_runs(runs, loaded, sources=[]).runs
     chosen = [run for run in runs if run.name in CALIBRATION_CONFIGS]
     on_three = calibrate_runs(chosen, loaded, sources=[])

@@ -34,6 +34,7 @@ PLANNER_MODULES = [
     "planner.plan_document",
     "planner.trace",
     "planner.trace_format",
+    "planner.arguments",
     "planner.profiles.calibrate",
     "planner.profiles.compare",
 ]
