@@ -62,8 +62,6 @@ UNDECODED_IMAGE = "image did not decode (trained as a black image)"
 """Counted when an image whose header read fails to decode while its sample is built."""
 UNDECODED_VIDEO = "video did not decode (trained as black frames)"
 """Counted when a video whose header read fails to decode while its sample is built."""
-VIDEO_BEFORE_IMAGE = "a video before an image (a sample's images run before its clips)"
-"""Counted for a conversation with a video part before an image part."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -204,10 +202,6 @@ class PackedConversations:
         messages, image_paths, videos = conversation_of(row)
         if not image_paths and not videos:
             raise SkippedSample("no image")
-        kinds = [c.get("type") for m in messages if isinstance(m["content"], list) for c in m["content"]
-                 if isinstance(c, dict)]
-        if "video" in kinds and "image" in kinds[kinds.index("video"):]:
-            raise SkippedSample(VIDEO_BEFORE_IMAGE)
         found = [image_header_size(self.path.parent / p, sizes) for p in image_paths]
         if any(size is None for size in found):
             raise SkippedSample("missing or unreadable image")

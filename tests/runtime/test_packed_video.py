@@ -4,13 +4,15 @@ planner's reasons, and a packed row of clips gets its vision rows and M-RoPE pos
 
 from __future__ import annotations
 
+import json
+
 import av
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from planner.data_rows import MISSING_VIDEO, MIXED_FRAME_SIZES, NO_FRAMES
+from planner.data_rows import MISSING_VIDEO, MIXED_FRAME_SIZES, NO_FRAMES, VIDEO_BEFORE_IMAGE
 from planner.dataset import sample_tokens, scan_dataset
 from planner.families import model_from_hf_config
 from planner.families.qwen3_vl import TIMESTAMP_TOKENS
@@ -20,7 +22,8 @@ from runtime.data import layout_from_plan, layout_image_processor, pack_rows, pa
 from runtime.llm import packed_position_ids
 from runtime.model import build_model, hf_config_from_dict, split_model
 from runtime.packed_data import PackedConversations
-from tests.planner.test_video_rows import write_video_rows
+from tests.planner.test_video_rows import _conversation, write_video_rows
+from tests.planner.video_files import write_frames
 from tests.runtime.plans import dataset_info, sample_work, tiny_hf_config, tiny_qwen3_vl_config
 from tests.runtime.tokenizer import save_tokenizer
 
@@ -67,6 +70,17 @@ def test_the_index_agrees_with_the_planner(tmp_path, tokenizer_dir, family):
     clip = next(e for e in data.samples if e.clips == 1 and len(e.grids) == 1)
     frames = 5 if family == "qwen3-vl" else 4  # the file's 10 frames at 4 fps, 2.5 s at 2 fps (test_video_rows)
     assert clip.grids[0] in {video_grid(frames, 48, 64, spec), video_grid(6, 48, 64, spec)}
+
+
+def test_a_video_before_an_image_is_skipped_alike_by_the_planner_and_the_runtime(tmp_path, tokenizer_dir):
+    frames, image = write_frames(tmp_path, "f", [(64, 48)] * 4), write_frames(tmp_path, "image", [(64, 64)])[0]
+    rows = [_conversation("<video> then <image>?", image=image, video=frames),
+            _conversation("<image> then <video>?", image=image, video=frames)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert scan_dataset(path, str(tokenizer_dir)).skipped == {VIDEO_BEFORE_IMAGE: 1}
+    data = _indexed(path, tokenizer_dir, "qwen2.5-vl")
+    assert dict(data.skipped) == {VIDEO_BEFORE_IMAGE: 1} and len(data.samples) == 1
 
 
 def _seconds(data: PackedConversations, entry) -> list[float]:
