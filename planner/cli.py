@@ -265,16 +265,24 @@ def render_plan(plan) -> str:
 
 def render(plans: list, *, max_seq: bool = False) -> str:
     """All plans (top-k), best first; with --max-seq a headline with the longest sequence."""
-    head = []
-    if max_seq:
-        w = plans[0].workload
-        patch = plans[0].model.hf_config.get("vision_config", {}).get("patch_size", 14)
-        side = round(w.vision_tokens**0.5) * patch
-        head = [f"longest image sequence that fits: {w.vision_tokens:,} vision tokens per sample "
-                f"(one {side}x{side} image, {w.llm_image_tokens:,} LLM image tokens) at global batch "
-                f"{w.global_batch}, keeping {DEFAULT_ASSUMPTIONS.max_seq_memory_margin:.0%} of the usable memory for "
-                "the cost model's error (max_seq_memory_margin)", ""]
+    head = [_max_seq_line(plans[0]), ""] if max_seq else []
     return "\n\n".join(["\n".join(head + [render_plan(plans[0])]), *(render_plan(p) for p in plans[1:])])
+
+
+def _max_seq_line(plan) -> str:
+    """--max-seq's headline: the square image searched, or for a sample with clips its vision-token budget (the
+    search grows vision tokens beside the clips, an image nobody asked about, so none is named)."""
+    w = plan.workload
+    margin = (f"at global batch {w.global_batch}, keeping {DEFAULT_ASSUMPTIONS.max_seq_memory_margin:.0%} of the "
+              "usable memory for the cost model's error (max_seq_memory_margin)")
+    if w.videos:
+        total = w.module_tokens.get("vision", w.vision_tokens)
+        return (f"most vision tokens that fit: {total:,} per sample, {w.vision_tokens:,} beyond its clips' "
+                f"{total - w.vision_tokens:,} ({w.llm_image_tokens:,} LLM vision tokens) {margin}")
+    patch = plan.model.hf_config.get("vision_config", {}).get("patch_size", 14)
+    side = round(w.vision_tokens**0.5) * patch
+    return (f"longest image sequence that fits: {w.vision_tokens:,} vision tokens per sample (one {side}x{side} "
+            f"image, {w.llm_image_tokens:,} LLM image tokens) {margin}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
