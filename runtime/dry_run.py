@@ -87,6 +87,7 @@ from runtime.parallel.precision import module_precision
 from runtime.parallelize import uses_fsdp
 from runtime import vision as vision_module
 from runtime.parallel import experts as experts_module
+from runtime.driver import validate_plan
 from runtime.preflight import module_names
 from runtime.trainer import RunOptions, Trainer, numerics_device_type
 from runtime.vision import window_layout
@@ -647,9 +648,10 @@ def dry_run(plan: Plan, options: RunOptions, *, log=None) -> DryRunReport:
         log: called with one line per role as it finishes (e.g. ``print``), or None.
 
     Raises:
-        ValueError / NotImplementedError: the plan cannot run (as ``python -m runtime`` would say), or has an
-            audio encoder (measured by real runs only, so far).
+        ValueError / NotImplementedError: the plan cannot run (``runtime.driver.validate_plan``, the checks the run
+            makes before any worker starts), or has an audio encoder (measured by real runs only, so far).
     """
+    validate_plan(plan, options)  # every check the run makes, first
     if module_names(plan)[0] != "vision":
         raise NotImplementedError(f"--dry-run measures vision-language plans; {plan.model.name} has an "
                                   f"{module_names(plan)[0]} encoder: run it for real (python -m runtime)")
