@@ -194,9 +194,15 @@ def video_shape(folder: Path, video: Video, sizes: dict[Path, tuple[int, int] | 
     return _video_file_shape(folder / video)
 
 
+HEADER_LENGTH_SLACK = 0.9
+"""Share of a video file's claimed length its stream must reach for the claim to stand (rates and durations are
+rounded in containers); a stream that ends sooner is counted instead (``checked_frames``)."""
+
+
 def _video_file_shape(path: Path) -> VideoShape:
     """``video_shape`` of a video file: its first video stream's frame count (``stream.frames``, what transformers'
-    ``read_video_pyav`` reads; from the duration where the container records none), average rate and size."""
+    ``read_video_pyav`` reads; from the duration where the container records none) as far as the stream bears it
+    out (``checked_frames``), average rate and size."""
     import av
 
     frames = fps = height = width = 0
@@ -207,6 +213,8 @@ def _video_file_shape(path: Path) -> VideoShape:
                 fps, frames = float(stream.average_rate or 0), stream.frames
                 if not frames and fps and container.duration:
                     frames = round(container.duration / av.time_base * fps)
+                if frames and fps:
+                    frames = checked_frames(container, stream, frames, fps)
                 height, width = stream.codec_context.height, stream.codec_context.width
     except (OSError, ValueError, av.FFmpegError):
         raise SkippedSample(MISSING_VIDEO) from None
@@ -215,6 +223,19 @@ def _video_file_shape(path: Path) -> VideoShape:
     if not fps or not height or not width:
         raise SkippedSample(MISSING_VIDEO)
     return VideoShape(frames=frames, height=height, width=width, fps=fps)
+
+
+def checked_frames(container: Any, stream: Any, claimed: int, fps: float) -> int:
+    """``claimed`` frames when the stream reaches the claimed last frame's time (within ``HEADER_LENGTH_SLACK``:
+    one seek to the keyframe before it and the packets after, nothing decoded), else the stream's packets counted
+    from its start (a header that misreports the length: a 3-frame file that says 24 hours is 3 frames)."""
+    start = stream.start_time or 0
+    last = start + HEADER_LENGTH_SLACK * (claimed - 1) / fps / stream.time_base
+    container.seek(int(last), stream=stream, backward=True)
+    if any(packet.pts is not None and packet.pts >= last for packet in container.demux(stream)):
+        return claimed
+    container.seek(int(start), stream=stream, backward=True)
+    return sum(1 for packet in container.demux(stream) if packet.size)
 
 
 def media_files(images: list[str], videos: list[Video]) -> list[str]:

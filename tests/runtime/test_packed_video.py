@@ -23,7 +23,7 @@ from runtime.llm import packed_position_ids
 from runtime.model import build_model, hf_config_from_dict, split_model
 from runtime.packed_data import PackedConversations
 from tests.planner.test_video_rows import _conversation, write_video_rows
-from tests.planner.video_files import write_frames
+from tests.planner.video_files import write_frames, write_mkv_claiming
 from tests.runtime.plans import dataset_info, sample_work, tiny_hf_config, tiny_qwen3_vl_config
 from tests.runtime.tokenizer import save_tokenizer
 
@@ -81,6 +81,19 @@ def test_a_video_before_an_image_is_skipped_alike_by_the_planner_and_the_runtime
     assert scan_dataset(path, str(tokenizer_dir)).skipped == {VIDEO_BEFORE_IMAGE: 1}
     data = _indexed(path, tokenizer_dir, "qwen2.5-vl")
     assert dict(data.skipped) == {VIDEO_BEFORE_IMAGE: 1} and len(data.samples) == 1
+
+
+def test_a_file_whose_header_claims_a_day_is_planned_and_indexed_as_the_frames_it_holds(tmp_path, tokenizer_dir):
+    """A 6-frame Matroska file at 4 fps whose header says 24 hours: both halves take its 6 frames (the planner would
+    price 345,600, the runtime train black frames for them)."""
+    clip = write_mkv_claiming(tmp_path / "long.mkv", frames=6, fps=4, claimed_seconds=86_400)
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(_conversation("<video>\nWhat happens?", video=clip)) + "\n")
+    (_, _, _, (shape,)), = scan_dataset(path, str(tokenizer_dir)).shapes
+    assert shape.frames == 6
+    spec = model_from_hf_config(CONFIGS["qwen2.5-vl"](), "tiny")
+    entry, = _indexed(path, tokenizer_dir, "qwen2.5-vl").samples
+    assert entry.grids == (video_grid(len(sampled_frames(6, 4.0, FPS, spec)), 48, 64, spec),)
 
 
 def _seconds(data: PackedConversations, entry) -> list[float]:
