@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     dataset.add_argument("--rescan", action="store_true", help="scan --dataset again instead of reading its cached "
                          "histogram (the cache is keyed by the path, size and modification time of the file, of every "
                          "image it names and of the tokenizer.json, so a changed one is rescanned anyway)")
+    dataset.add_argument("--data-root-only", action="store_true", help="skip and count rows naming a file outside "
+                         "--dataset's folder (an absolute path, ../, a symlink out), reading nothing there; by "
+                         "default rows may name any file")
     dataset.add_argument("--histogram-out", metavar="FILE", help="also write the dataset's histogram (a smaller "
                          "--dataset for later plans)")
     search = p.add_argument_group("search")
@@ -214,8 +217,10 @@ def plans_for(args: argparse.Namespace) -> list:
     if args.model is None or args.gpus is None:
         raise ValueError("give --model and --gpus (or --list-models / --list-gpus)")
     inputs = problem_inputs(args)
-    if args.dataset is None and (args.histogram_out or args.rescan):
-        raise ValueError(f"{'--histogram-out' if args.histogram_out else '--rescan'} applies to --dataset: give one")
+    given = [flag for flag, value in (("--histogram-out", args.histogram_out), ("--rescan", args.rescan),
+                                      ("--data-root-only", args.data_root_only)) if value]
+    if args.dataset is None and given:
+        raise ValueError(f"{given[0]} applies to --dataset: give one")
     if args.dataset is not None:
         inputs["dataset"] = dataset_of(args, rescan=args.rescan)
     if args.histogram_out:
@@ -239,7 +244,7 @@ def dataset_of(args: argparse.Namespace, *, rescan: bool):
     from planner.dataset import read_dataset
 
     tokenizer = args.tokenizer if args.tokenizer is not None else api.model_folder_tokenizer(args.model)
-    return read_dataset(args.dataset, tokenizer, rescan=rescan)
+    return read_dataset(args.dataset, tokenizer, rescan=rescan, data_root_only=args.data_root_only)
 
 
 

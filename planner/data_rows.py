@@ -39,6 +39,8 @@ VIDEO_BEFORE_IMAGE = "a video before an image (a sample's images run before its 
 """Counted for a row with a video part before an image part: the runtime hands a sample's vision outputs over as its
 images then its clips, so the planner skips such a row too (``check_visual_order``)."""
 """Counted for a clip too short for the vision tower's first temporal patch."""
+OUTSIDE_DATA_ROOT = "a file outside the data folder (--data-root-only)"
+"""Counted, with ``--data-root-only``, for a row naming a file that resolves outside the dataset file's folder."""
 CACHE_ENV = "DHPLAN_CACHE_DIR"
 """Environment variable naming the folder where what was read of a dataset is cached (default
 ``~/.cache/dhplan/datasets``): the planner's histograms and the runtime's indexes."""
@@ -241,6 +243,19 @@ def checked_frames(container: Any, stream: Any, claimed: int, fps: float) -> int
 def media_files(images: list[str], videos: list[Video]) -> list[str]:
     """Every file a row's images and videos name: its images, video files and frames."""
     return [str(p) for p in images] + [f for v in videos for f in (v if isinstance(v, list) else [v])]
+
+
+def check_data_root(folder: Path, names: list[str]) -> None:
+    """``SkippedSample(OUTSIDE_DATA_ROOT)`` when a file a row names (relative to ``folder``, or absolute) resolves,
+    symlinks followed, outside ``folder``: what ``--data-root-only`` keeps reads inside, in both halves."""
+    root = folder.resolve()
+    for name in names:
+        try:
+            inside = (folder / name).resolve().is_relative_to(root)
+        except (OSError, ValueError):  # a symlink loop, a NUL byte
+            inside = False
+        if not inside:
+            raise SkippedSample(OUTSIDE_DATA_ROOT)
 
 
 def file_key(path: Path) -> list[Any]:

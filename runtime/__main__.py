@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "`conversations` or `messages` rows; needs --tokenizer) (default: synthetic data)")
     parser.add_argument("--tokenizer", help="model folder whose tokenizer and chat template conversation data goes "
                         "through (loss on the assistant turns only)")
+    parser.add_argument("--data-root-only", action="store_true", help="read only files inside --data's folder "
+                        "(resolved, symlinks followed): rows naming one outside (an absolute path, ../) are skipped "
+                        "and counted, a caption line naming one refused; by default rows may name any file")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random init and synthetic data")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                         help="build the next step's samples in a worker process per rank during each step "
@@ -208,7 +211,8 @@ def _run_options(args: argparse.Namespace):
     """What the command line adds to the plan (``runtime.trainer.RunOptions``)."""
     from runtime.trainer import RunOptions
 
-    return RunOptions(seed=args.seed, data=args.data, tokenizer=args.tokenizer, prefetch=args.prefetch,
+    return RunOptions(seed=args.seed, data=args.data, tokenizer=args.tokenizer, data_root_only=args.data_root_only,
+                      prefetch=args.prefetch,
                       checkpoint=args.checkpoint, resume=args.resume, trace=args.trace,
                       trace_profiler=args.trace_profiler, balance=args.balance)
 

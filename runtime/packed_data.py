@@ -44,8 +44,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from runtime.families import family_of
 
 from planner.balance import SampleWork, assign_lpt
-from planner.data_rows import (SHORT_CLIP, SkippedSample, Video, cache_folder, file_key, image_header_size,
-                               media_files, media_keys, video_shape)
+from planner.data_rows import (SHORT_CLIP, SkippedSample, Video, cache_folder, check_data_root, file_key,
+                               image_header_size, media_files, media_keys, video_shape)
 from planner.families import model_from_hf_config
 from planner.packing import balance_packs, pack_best_fit
 from planner.schema import DatasetInfo
@@ -111,8 +111,10 @@ class PackedConversations:
     """A conversation file indexed, packed and ordered for a dataset plan (see the module docstring)."""
 
     def __init__(self, path: str | Path, tokenizer_dir: str | Path, *, config: Any, dataset: DatasetInfo, seed: int,
-                 work: SampleWork, balance: str = "modules"):
+                 work: SampleWork, balance: str = "modules", data_root_only: bool = False):
         self.path = Path(path)
+        self.data_root_only = data_root_only
+        """Rows naming a file outside the data folder are skipped and counted (``check_data_root``)."""
         vc = config.vision_config
         self.patch_size, self.merge_size = vc.patch_size, vc.spatial_merge_size
         self.min_pixels, self.max_pixels, self.budget = dataset.min_pixels, dataset.max_pixels, dataset.pack_tokens
@@ -184,7 +186,7 @@ class PackedConversations:
         times."""
         key = [INDEX_VERSION, file_key(self.path), self.min_pixels, self.max_pixels, self.patch_size,
                self.merge_size, self.chat.image_token_id, self.video_token_id, self.fps]
-        key += media_keys(self.path.parent, self.rows, lambda row: media_files(*conversation_of(row)[1:]))
+        key += media_keys(self.path.parent, self.rows, lambda row: media_files(*self._media(row)[1:]))
         for name in TOKENIZER_FILES:
             file = self.tokenizer_dir / name
             key += [name, file.stat().st_mtime_ns if file.exists() else 0]
@@ -198,8 +200,15 @@ class PackedConversations:
             self.skipped["longer than the pack budget"] += len(samples) - len(kept)
         return kept
 
-    def _indexed(self, row_number: int, row: Any, sizes: dict) -> IndexedSample:
+    def _media(self, row: Any) -> tuple[list[dict], list[str], list[Video]]:
+        """``conversation_of`` a row, refused with ``data_root_only`` when it names a file outside the folder."""
         messages, image_paths, videos = conversation_of(row)
+        if self.data_root_only:
+            check_data_root(self.path.parent, media_files(image_paths, videos))
+        return messages, image_paths, videos
+
+    def _indexed(self, row_number: int, row: Any, sizes: dict) -> IndexedSample:
+        messages, image_paths, videos = self._media(row)
         if not image_paths and not videos:
             raise SkippedSample("no image")
         found = [image_header_size(self.path.parent / p, sizes) for p in image_paths]

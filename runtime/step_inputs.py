@@ -39,7 +39,8 @@ def data_source(plan: Plan, options: Any, config: PretrainedConfig) -> Source | 
     ``options.tokenizer``), image-caption pairs, or synthetic samples (``options``: runtime.trainer.RunOptions)."""
     if plan.workload.dataset is not None:
         return PackedConversations(options.data, options.tokenizer, config=config, dataset=plan.workload.dataset,
-                                   seed=options.seed, work=plan_sample_work(plan), balance=options.balance)
+                                   seed=options.seed, work=plan_sample_work(plan), balance=options.balance,
+                                   data_root_only=options.data_root_only)
     encoder = family_of(config).ENCODER
     layout = encoder.layout_from_plan(plan.workload, config)
     if not options.data:
@@ -53,8 +54,8 @@ def data_source(plan: Plan, options: Any, config: PretrainedConfig) -> Source | 
         if not options.tokenizer:
             raise ValueError(f"{options.data} holds conversations: give --tokenizer DIR, the model folder whose "
                              "tokenizer and chat template they go through")
-        return ConversationData(options.data, layout, options.tokenizer)
-    return CaptionData(options.data, layout)
+        return ConversationData(options.data, layout, options.tokenizer, data_root_only=options.data_root_only)
+    return CaptionData(options.data, layout, data_root_only=options.data_root_only)
 
 
 class StepInputs:

@@ -64,6 +64,9 @@ class RunOptions:
     """Image-caption folder or JSONL, or a conversation file; synthetic data when None."""
     tokenizer: str | None = None
     """Model folder whose tokenizer and chat template conversation data goes through."""
+    data_root_only: bool = False
+    """Read only files inside ``data``'s folder (resolved, symlinks followed): a conversation row naming one outside
+    is skipped and counted, a caption line refused (``--data-root-only``)."""
     checkpoint: str | None = None
     """Hugging Face folder (save_pretrained or Hub download) to start from; random init when None."""
     prefetch: bool = False

@@ -96,6 +96,18 @@ def test_a_file_whose_header_claims_a_day_is_planned_and_indexed_as_the_frames_i
     assert entry.grids == (video_grid(len(sampled_frames(6, 4.0, FPS, spec)), 48, 64, spec),)
 
 
+def test_data_root_only_leaves_rows_naming_files_outside_out_of_the_index(tmp_path, tokenizer_dir):
+    from planner.data_rows import OUTSIDE_DATA_ROOT
+    from tests.planner.test_dataset import write_rows_reaching_outside
+
+    path = write_rows_reaching_outside(tmp_path)
+    assert len(_indexed(path, tokenizer_dir, "qwen2.5-vl").samples) == 4  # by default rows may name any file
+    config = hf_config_from_dict(CONFIGS["qwen2.5-vl"]())
+    data = PackedConversations(path, tokenizer_dir, config=config, dataset=dataset_info(4096), seed=0,
+                               work=sample_work(CONFIGS["qwen2.5-vl"]()), data_root_only=True)
+    assert len(data.samples) == 1 and dict(data.skipped) == {OUTSIDE_DATA_ROOT: 3}
+
+
 def _seconds(data: PackedConversations, entry) -> list[float]:
     """Each temporal group's time of a sample's clips."""
     return [t for video in conversation_of(data.rows[entry.row])[2] for t in data._clip(video, {}).seconds]
