@@ -177,10 +177,10 @@ def runs_from_metrics(metrics: list[str], plans: list[str]) -> list[MeasuredRun]
 
 def peak_bytes(peak_gib: float, plan: Plan, where: str) -> int:
     """A measured ``peak_memory_gib`` in bytes; a ValueError naming ``where`` when one GPU of the plan's hardware
-    cannot hold it (or it is no finite number)."""
+    cannot hold it (or it is no positive number)."""
     device = plan.cluster.device
-    if not math.isfinite(peak_gib) or peak_gib * GIB > device.memory_bytes:
-        raise ValueError(f"{where} peak_memory_gib: {peak_gib:g} GiB is more than one {device.name} holds "
+    if not 0 < peak_gib * GIB <= device.memory_bytes:  # NaN too
+        raise ValueError(f"{where} peak_memory_gib: {peak_gib:g} GiB is no peak one {device.name} can hold "
                          f"({device.memory_bytes / GIB:g} GiB): give the largest GPU's peak, in GiB")
     return round(peak_gib * GIB)
 
@@ -355,11 +355,12 @@ def measured_values(runs: list[MeasuredRun]) -> dict[str, float]:
 
 def check_step_time(run: MeasuredRun, before: Estimate, peak_flops: float) -> None:
     """Raise a one-line ValueError naming the run when its step time cannot be a measurement: longer than
-    ``MAX_MEASURED_SECONDS``, or shorter than its step's model FLOPs take on its GPUs at ``PEAK_MARGIN`` times
+    ``MAX_MEASURED_SECONDS`` (or no positive number), or shorter than its step's model FLOPs take on its GPUs at ``PEAK_MARGIN`` times
     ``peak_flops`` each."""
     where = f"{run.where} step_time_s"
-    if run.measured_s > MAX_MEASURED_SECONDS:
-        raise ValueError(f"{where}: {run.measured_s:g} s is longer than a day: give seconds per optimizer step")
+    if not 0 < run.measured_s <= MAX_MEASURED_SECONDS:  # NaN too
+        raise ValueError(f"{where}: {run.measured_s:g} s is no step time (a positive number of seconds, at most a "
+                         "day): give seconds per optimizer step")
     model_flops = before.mfu * before.step_time_s * before.num_gpus * run.plan.cluster.device.peak_bf16_flops
     fastest = model_flops / (before.num_gpus * PEAK_MARGIN * peak_flops)
     if run.measured_s < fastest:

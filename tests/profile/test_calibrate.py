@@ -253,9 +253,9 @@ def _h100_run(tmp_path, capsys, *, step_time_s=None, peak_gib=None):
 
 
 @pytest.mark.parametrize("column, value, says", [
-    ("peak_memory_gib", 61500, "more than one h100-80gb holds"),
-    ("peak_memory_gib", 1e308, "more than one h100-80gb holds"),
-    ("step_time_s", 1e308, "longer than a day"),
+    ("peak_memory_gib", 61500, "no peak one h100-80gb can hold"),
+    ("peak_memory_gib", 1e308, "no peak one h100-80gb can hold"),
+    ("step_time_s", 1e308, "at most a day"),
     ("step_time_s", 1e-9, "faster than 1 GPU(s) do the step"),
     ("peak_memory_gib", 70, "the memory reserve stops at its physical bound"),  # a possible peak the model can't explain
 ])
@@ -283,3 +283,15 @@ def test_a_fit_into_the_profiles_folder_that_out_did_not_name_says_so():
         f"replaced the calibration of the committed profile {committed}: every later plan")
     assert _written(committed, replaced=False, chosen=False).startswith(f"wrote the new profile {committed}")
     assert _written(committed, replaced=True, chosen=True) == f"wrote {committed}"
+
+
+def test_metrics_files_are_checked_as_tables_are(tmp_path, capsys):
+    plan_file = tmp_path / "p.json"
+    plan_file.write_text(make_plan(MODEL, strategy(1), WORKLOAD, get_device("h100")).to_json())
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "step_time_s": 1.0, "peak_memory_gib": 61500}) + "\n"
+                               for s in range(3)))
+    assert main(["--calibrate", str(metrics), "--plan", str(plan_file), "--out", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"metrics file {metrics} peak_memory_gib: 61500 GiB is no peak" in err
+    assert not (tmp_path / "o.json").exists()
