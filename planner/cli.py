@@ -1,6 +1,7 @@
 """``plan``: the per-module parallel layout that trains a VLM fastest on the given GPUs.
 
-A thin layer over ``planner.api``: parse flags (``planner.arguments``), call ``top_plans`` / ``max_seq``, print, write plan.json.
+A thin layer over ``planner.api``: parse flags (``planner.arguments``), call ``top_plans`` / ``max_seq``, print,
+write plan.json.
 Bad input and infeasible requests print one line to stderr and exit with status 2.
 """
 

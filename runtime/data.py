@@ -359,7 +359,8 @@ class CaptionData:
             try:
                 check_data_root(root, [str(image)])
             except SkippedSample:
-                raise ValueError(f"{path}: image {image} is outside the data folder {root} (--data-root-only)") from None
+                raise ValueError(f"{path}: image {image} is outside the data folder {root} "
+                                 "(--data-root-only)") from None
 
     @staticmethod
     def _read(path: Path) -> list[tuple[Path, str]]:

@@ -354,9 +354,9 @@ def measured_values(runs: list[MeasuredRun]) -> dict[str, float]:
 
 
 def check_step_time(run: MeasuredRun, before: Estimate, peak_flops: float) -> None:
-    """Raise a one-line ValueError naming the run when its step time cannot be a measurement: longer than
-    ``MAX_MEASURED_SECONDS`` (or no positive number), or shorter than its step's model FLOPs take on its GPUs at ``PEAK_MARGIN`` times
-    ``peak_flops`` each."""
+    """Raise a one-line ValueError naming the run when its step time cannot be a measurement: no positive number,
+    longer than ``MAX_MEASURED_SECONDS``, or shorter than its step's model FLOPs take on its GPUs at ``PEAK_MARGIN``
+    times ``peak_flops`` each."""
     where = f"{run.where} step_time_s"
     if not 0 < run.measured_s <= MAX_MEASURED_SECONDS:  # NaN too
         raise ValueError(f"{where}: {run.measured_s:g} s is no step time (a positive number of seconds, at most a "
@@ -426,7 +426,8 @@ def calibrate_runs(runs: list[MeasuredRun], profile: Profile, *, sources: list[s
     after = [p(values) for p in predictors]
     measured = [r.measured_s for r in runs]
     cal = Calibration(
-        values=values, at_bound=_at_bound(values, names), not_identifiable=[n for n in STEP_TIME_ASSUMPTIONS if n not in names],
+        values=values, at_bound=_at_bound(values, names),
+        not_identifiable=[n for n in STEP_TIME_ASSUMPTIONS if n not in names],
         runs=[CalibratedRun(name=r.name, measured_s=r.measured_s, before_s=b, after_s=a.step_time_s,
                             leave_one_out_s=loo, measured_peak_bytes=r.measured_peak_bytes,
                             predicted_peak_bytes=a.peak_memory_bytes)
