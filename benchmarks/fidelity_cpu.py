@@ -18,17 +18,17 @@
    ``--resume DIR`` keeps their metrics files in DIR and reuses the finished ones (an interrupted benchmark).
 4. Prints predicted vs measured step time, the error of each (predicted / measured - 1) and the median |error|,
    the tuned and the held-out configurations apart. Two more columns calibrate (``python -m runtime.profile
-   --calibrate``: the named assumptions refitted, ``planner.profiles.calibrate.calibrate_runs``): "LOO-cal" predicts
+   --calibrate``: the named assumptions refitted, ``planner.calibrate.calibrate_runs``): "LOO-cal" predicts
    each configuration from a fit on all the others, "cal-3" from a fit on the three ``CALIBRATION_CONFIGS`` only.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import os
-import datetime
 import statistics
 import subprocess
 import sys
@@ -182,8 +182,8 @@ def finished(metrics: Path) -> bool:
 def run_plan(plan_file: Path, steps: int, metrics: Path) -> float:
     """Train the plan for ``steps`` steps (unless ``metrics`` already holds a finished run of it); the median step
     time after the first."""
+    from planner.calibrate import measured_step_time
     from runtime.launch.launcher import run
-    from planner.profiles.calibrate import measured_step_time
     from runtime.training.trainer import RunOptions
 
     if not finished(metrics):
@@ -207,11 +207,11 @@ def calibrated_errors(results: list[Result], plans: list[Path], profile: Path) -
     """(each configuration's error predicted from a calibration on all the others, and from one on the
     ``CALIBRATION_CONFIGS``; None for those three)."""
     from planner.profiles import load_profile
-    from planner.profiles.calibrate import MeasuredRun, calibrate_runs
+    from planner.calibrate import MeasuredRun, calibrate_runs
 
     loaded = load_profile(profile)
     loaded.calibration = None
-    runs = [MeasuredRun(name=r.name, plan=load_plan(p), measured_s=r.measured_s) for r, p in zip(results, plans)]
+    runs = [MeasuredRun(name=r.name, where=r.name, plan=load_plan(p), measured_s=r.measured_s) for r, p in zip(results, plans)]
     loo = calibrate_runs(runs, loaded, sources=[]).runs
     chosen = [run for run in runs if run.name in CALIBRATION_CONFIGS]
     on_three = calibrate_runs(chosen, loaded, sources=[])
@@ -222,7 +222,7 @@ def calibrated_errors(results: list[Result], plans: list[Path], profile: Path) -
 
 def predict_with(run, profile, values: dict[str, float]) -> float:
     """A run's predicted step time with calibrated ``values``."""
-    from planner.profiles.calibrate import Predictor
+    from planner.calibrate import Predictor
 
     return Predictor(run, profile)(values).step_time_s
 

@@ -13,7 +13,7 @@ row's time is like-for-like (yes), priced through a stated mapping of its activa
 compared (no: torch.compile or Float8, which the cost model does not price; such rows serve memory only).
 
 Calibration: the GPU assumptions the step time depends on (``CALIBRATED``) are refitted by
-``planner.profiles.calibrate.fit_step_time`` (the planner's own ``--calibrate`` fit: bounded least squares of log
+``planner.calibrate.fit_step_time`` (the planner's own ``--calibrate`` fit: bounded least squares of log
 errors with a prior at the defaults) on every other like-for-like row (time_compared yes) in file order and checked
 on the rest; mapped rows are reported but neither fitted nor counted in the targets' medians.
 """
@@ -36,7 +36,7 @@ from planner.cost import estimate  # noqa: E402
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions  # noqa: E402
 from planner.cost.results import Estimate  # noqa: E402
 from planner.problem import Problem  # noqa: E402
-from planner.profiles.calibrate import fit_step_time  # noqa: E402
+from planner.calibrate import fit_step_time  # noqa: E402
 from planner.profiles.calibration import with_values  # noqa: E402
 from planner.contract.strategy import ModuleStrategy, Strategy  # noqa: E402
 from planner.contract.units import GIB  # noqa: E402

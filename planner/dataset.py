@@ -21,14 +21,38 @@ from typing import Any
 
 import numpy as np
 
-from planner.cost.balance import StepBalance
-from planner.contract.data_rows import (MAX_DATASET_BYTES, SHORT_CLIP, SkippedSample, VideoShape, cache_folder, file_key, image_header_size, media_files,
-                               media_keys, messages_of, read_rows, video_shape)
+from planner.contract.data_rows import (
+    MAX_DATASET_BYTES,
+    SHORT_CLIP,
+    SkippedSample,
+    VideoShape,
+    cache_folder,
+    check_data_root,
+    file_key,
+    image_header_size,
+    media_files,
+    media_keys,
+    messages_of,
+    read_rows,
+    video_shape,
+)
 from planner.contract.file_io import parse_json, read_json, read_text, write_output
 from planner.contract.models import ModelSpec
 from planner.contract.packing import pack_best_fit
-from planner.contract.workload import (DEFAULT_FPS, ModuleTokens, PackedTokens, Workload, image_windows, packed_workload,
-                              sampled_frames, smart_resize, video_grid, video_text_tokens, vision_tokens)
+from planner.contract.workload import (
+    DEFAULT_FPS,
+    ModuleTokens,
+    PackedTokens,
+    Workload,
+    image_windows,
+    packed_workload,
+    sampled_frames,
+    smart_resize,
+    video_grid,
+    video_text_tokens,
+    vision_tokens,
+)
+from planner.cost.balance import StepBalance
 
 CHAT_TOKENS_PER_TURN = 5
 """Tokens Qwen2's chat template adds around each turn: ``<|im_start|>``, the role, a newline, ``<|im_end|>``,
@@ -173,23 +197,41 @@ class _TextCounter:
         return math.ceil(len(text.encode()) / BYTES_PER_TOKEN) + specials + frame
 
 
-def scan_dataset(path: Path, tokenizer_dir: str | None = None) -> DatasetHistogram:
-    """The histogram of a conversation or caption JSONL / JSON file; bad rows are counted, not raised.
+def _rows(path: Path) -> tuple[list[Any], int]:
+    """``read_rows`` with a one-line error."""
+    try:
+        return read_rows(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read dataset {path}: {e}") from None
+
+
+def scan_dataset(path: Path, tokenizer_dir: str | None = None, *, data_root_only: bool = False) -> DatasetHistogram:
+    """The histogram of a conversation or caption JSONL / JSON file; bad rows are counted, not raised (with
+    ``data_root_only``, rows naming a file outside the file's folder too: ``check_data_root``).
 
     Raises:
         ValueError: the file cannot be read, or nothing in it is usable.
     """
-    return _scan_rows(path, *read_rows(path), tokenizer_dir)
+    return _scan_rows(path, *_rows(path), tokenizer_dir, data_root_only)
 
 
-def _scan_rows(path: Path, rows: list[Any], malformed: int, tokenizer_dir: str | None) -> DatasetHistogram:
+def _media(path: Path, row: Any, data_root_only: bool) -> tuple[list[tuple[str, str]], list[str], list]:
+    """``_texts`` of a row, refused with ``data_root_only`` when it names a file outside the data folder."""
+    pieces, images, videos = _texts(row)
+    if data_root_only:
+        check_data_root(path.parent, media_files(images, videos))
+    return pieces, images, videos
+
+
+def _scan_rows(path: Path, rows: list[Any], malformed: int, tokenizer_dir: str | None,
+               data_root_only: bool) -> DatasetHistogram:
     counter = _TextCounter(tokenizer_dir)
     skipped: Counter[str] = Counter({"malformed row": malformed} if malformed else {})
     sizes: dict[Path, tuple[int, int] | None] = {}
     samples: list[tuple[list[tuple[str, str]], tuple[tuple[int, int], ...], tuple[VideoShape, ...]]] = []
     for row in rows:
         try:
-            pieces, images, videos = _texts(row)
+            pieces, images, videos = _media(path, row, data_root_only)
             found = tuple(image_header_size(path.parent / p, sizes) for p in images)
             if any(size is None for size in found):
                 raise SkippedSample("missing or unreadable image")
@@ -208,19 +250,23 @@ def _scan_rows(path: Path, rows: list[Any], malformed: int, tokenizer_dir: str |
                             shapes=tuple((c, *shape) for shape, c in sorted(shapes.items())))
 
 
-def _cache_file(path: Path, rows: list[Any], tokenizer_dir: str | None) -> Path:
+def _cache_file(path: Path, rows: list[Any], tokenizer_dir: str | None, data_root_only: bool) -> Path:
     """Where the histogram of ``path`` with these ``rows``, counted with ``tokenizer_dir``, is cached: keyed by
-    ``file_key`` of the file, of each image, video and frame its rows name and of the
-    tokenizer.json, so that replacing any of them (an image by a larger one) misses the cache."""
-    key = [file_key(path)] + media_keys(path.parent, rows, lambda row: media_files(*_texts(row)[1:]))
+    ``file_key`` of the file, of each image, video and frame its rows name (with ``data_root_only``, those of the
+    rows inside its folder: a scan that skips a row keys without its files) and of the tokenizer.json, so that
+    replacing any of them (an image by a larger one) misses the cache."""
+    key = [file_key(path)] + media_keys(
+        path.parent, rows, lambda row: media_files(*_media(path, row, data_root_only)[1:]))
     if tokenizer_dir is not None:
         key.append(file_key(Path(tokenizer_dir) / "tokenizer.json"))
     return cache_folder() / (hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + ".json")
 
 
-def read_dataset(path: str | Path, tokenizer_dir: str | None = None, *, rescan: bool = False) -> DatasetHistogram:
+def read_dataset(path: str | Path, tokenizer_dir: str | None = None, *, rescan: bool = False,
+                 data_root_only: bool = False) -> DatasetHistogram:
     """A dataset histogram: the file itself if it is one, else the cached scan of the data (``_cache_file``; not
-    with ``rescan``), else a new scan (then cached; a cache that cannot be written is skipped).
+    with ``rescan``), else a new scan (then cached; a cache that cannot be written is skipped). ``data_root_only``:
+    rows naming a file outside the data file's folder are skipped and counted, nothing outside is read.
 
     Raises:
         ValueError: a missing or unreadable file, a bad histogram, or data with nothing usable; one line.
@@ -235,14 +281,14 @@ def read_dataset(path: str | Path, tokenizer_dir: str | None = None, *, rescan: 
         whole = None  # JSONL (or not JSON at all: the scan says so)
     if isinstance(whole, dict) and "shapes" in whole:
         return DatasetHistogram.from_json(whole, path)
-    rows, malformed = read_rows(path)
-    cache = _cache_file(path, rows, tokenizer_dir)
+    rows, malformed = _rows(path)
+    cache = _cache_file(path, rows, tokenizer_dir, data_root_only)
     if cache.is_file() and not rescan:
         try:
             return DatasetHistogram.from_json(read_json(cache, kind="dataset cache"), cache)
         except (ValueError, OSError):
             pass  # a damaged cache entry is rescanned and rewritten
-    histogram = _scan_rows(path, rows, malformed, tokenizer_dir)
+    histogram = _scan_rows(path, rows, malformed, tokenizer_dir, data_root_only)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_output(cache, json.dumps(histogram.to_json()), flag="the dataset cache")

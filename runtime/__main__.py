@@ -15,12 +15,11 @@ import os
 import sys
 import time
 
+from planner.contract.file_io import refuse_shared_paths
 from planner.contract.schema import Plan, PlanError, load_plan
-from runtime.run import preflight
+from runtime.run import preflight, run_lock
 from runtime.run.checkpoint_dir import CheckpointOptions, latest_checkpoint
 from runtime.run.stop_signals import name_and_status, stopping_on_signals
-from planner.contract.file_io import refuse_shared_paths
-from runtime.run import run_lock
 
 USER_ERRORS = (PlanError, ValueError, NotImplementedError, OSError)
 
@@ -48,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "`conversations` or `messages` rows; needs --tokenizer) (default: synthetic data)")
     parser.add_argument("--tokenizer", help="model folder whose tokenizer and chat template conversation data goes "
                         "through (loss on the assistant turns only)")
+    parser.add_argument("--data-root-only", action="store_true", help="read only files inside --data's folder "
+                        "(resolved, symlinks followed): rows naming one outside (an absolute path, ../) are skipped "
+                        "and counted, a caption line naming one refused; by default rows may name any file")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random init and synthetic data")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                         help="build the next step's samples in a worker process per rank during each step "
@@ -231,7 +233,8 @@ def _run_options(args: argparse.Namespace):
     """What the command line adds to the plan (``runtime.training.trainer.RunOptions``)."""
     from runtime.training.trainer import RunOptions
 
-    return RunOptions(seed=args.seed, data=args.data, tokenizer=args.tokenizer, prefetch=args.prefetch,
+    return RunOptions(seed=args.seed, data=args.data, tokenizer=args.tokenizer, data_root_only=args.data_root_only,
+                      prefetch=args.prefetch,
                       checkpoint=args.checkpoint, resume=args.resume, trace=args.trace,
                       trace_profiler=args.trace_profiler, balance=args.balance)
 

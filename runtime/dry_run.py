@@ -63,34 +63,35 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_impls import _is_tensor_constructor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState, _UpdateType
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import _PipelineSchedule
-from torch.distributed.tensor import _sharding_prop as sharding_prop
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import _sharding_prop as sharding_prop
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_flatten, tree_map_only
 from transformers.distributed.expert_parallel import AllToAllEP, EPImplementationInterface, _AllToAllState
 from transformers.integrations import moe as moe_integration
 
 from planner.contract.schema import ZERO_BUBBLE_SCHEDULES, Plan
-from runtime.training import trainer as trainer_module
-from runtime.data.samples import Sample, SampleLayout, layout_from_plan, token_sequence
-from runtime.models.model import hf_config_from_dict
-from runtime.parallel.ulysses import split_sequence, split_windows
-from runtime.parallel.parallel_dims import forget_earlier_worlds, plan_dims
-from runtime.models.pipeline import PipelinedLanguageModel
-from runtime.training.step_inputs import StepInputs
-from runtime.parallel.precision import module_precision
-from runtime.models.parallelize import uses_fsdp
-from runtime.models import vision as vision_module
-from runtime.parallel import experts as experts_module
-from runtime.run.preflight import module_names
-from runtime.training.trainer import RunOptions, Trainer, numerics_device_type
-from runtime.models.vision import window_layout
 from planner.contract.units import GIB
+from runtime.data.samples import Sample, SampleLayout, layout_from_plan, token_sequence
+from runtime.launch.driver import validate_plan
+from runtime.models import vision as vision_module
+from runtime.models.model import hf_config_from_dict
+from runtime.models.parallelize import uses_fsdp
+from runtime.models.pipeline import PipelinedLanguageModel
+from runtime.models.vision import window_layout
+from runtime.parallel import experts as experts_module
+from runtime.parallel.parallel_dims import forget_earlier_worlds, plan_dims
+from runtime.parallel.precision import module_precision
+from runtime.parallel.ulysses import split_sequence, split_windows
+from runtime.run.preflight import module_names
+from runtime.training import trainer as trainer_module
+from runtime.training.step_inputs import StepInputs
+from runtime.training.trainer import RunOptions, Trainer, numerics_device_type
 
 REAL_TENSOR_LIMIT_BYTES = 16 * 1024**2
 """Integer and boolean factories at most this large make real tensors (indices, masks); larger ones are fake."""
@@ -647,9 +648,10 @@ def dry_run(plan: Plan, options: RunOptions, *, log=None) -> DryRunReport:
         log: called with one line per role as it finishes (e.g. ``print``), or None.
 
     Raises:
-        ValueError / NotImplementedError: the plan cannot run (as ``python -m runtime`` would say), or has an
-            audio encoder (measured by real runs only, so far).
+        ValueError / NotImplementedError: the plan cannot run (``runtime.launch.driver.validate_plan``, the checks the run
+            makes before any worker starts), or has an audio encoder (measured by real runs only, so far).
     """
+    validate_plan(plan, options)  # every check the run makes, first
     if module_names(plan)[0] != "vision":
         raise NotImplementedError(f"--dry-run measures vision-language plans; {plan.model.name} has an "
                                   f"{module_names(plan)[0]} encoder: run it for real (python -m runtime)")

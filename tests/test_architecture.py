@@ -8,7 +8,8 @@ import grimp
 import pytest
 
 PLANNER_LAYERS = (
-    grimp.Layer("planner.cli", "planner.analysis"),
+    grimp.Layer("planner.cli", "planner.analysis", "planner.calibrate"),
+    "planner.arguments",
     "planner.api",
     grimp.Layer("planner.plan_document", "planner.trace"),
     "planner.search",
@@ -32,10 +33,6 @@ RUNTIME_LAYERS = (
 )
 """The runtime, top to bottom."""
 
-KNOWN_UPWARD = {("planner.profiles.calibrate", "planner.cli"), ("planner.profiles.calibrate", "planner.problem")}
-"""Calibration runs the CLI in-process, and through it the solver (issue 42, "calibration without the CLI", removes
-these); the graph below leaves them out."""
-
 RUNTIME_READS_OF_THE_PLANNER = {
     "planner.contract": ("runtime",),
     "planner.cost": ("runtime.data", "runtime.training", "runtime.dry_run"),
@@ -44,16 +41,13 @@ RUNTIME_READS_OF_THE_PLANNER = {
 }
 """What of the planner the runtime may import, and from where: the contract anywhere; the cost model where it runs
 (the balancer of a dataset plan's packs and step inputs, the dry-run report); the profiles and the catalog in the
-profiler's calibration path."""
+profiler, which writes and compares profiles (calibration, which plans, is the planner's own command)."""
 
 
 @functools.cache
 def _graph() -> grimp.ImportGraph:
-    """The import graph of both halves and what they import, less the known upward imports."""
-    graph = grimp.build_graph("planner", "runtime", include_external_packages=True, cache_dir=None)
-    for importer, imported in KNOWN_UPWARD:
-        graph.remove_import(importer=importer, imported=imported)
-    return graph
+    """The import graph of both halves and what they import."""
+    return grimp.build_graph("planner", "runtime", include_external_packages=True, cache_dir=None)
 
 
 def _upward_imports(layers) -> list[str]:

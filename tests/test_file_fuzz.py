@@ -409,9 +409,9 @@ def test_dataset_rows(case, plan):
 @given(case=mutated({"runs": [{"plan": "plan.json", "step_time_s": 1.5, "peak_memory_gib": 0.5}]}),
        suffix=st.sampled_from([".yaml", ".yml"]))
 def test_calibration_tables(case, suffix):
-    """``runs_from_table`` of a YAML runs table (what ``python -m runtime.profile --calibrate TABLE`` reads) naming a
+    """``runs_from_table`` of a YAML runs table (what ``python -m planner.calibrate TABLE`` reads) naming a
     valid plan file."""
-    from planner.profiles.calibrate import runs_from_table
+    from planner.calibrate import runs_from_table
 
     kind, data = case
     with tempfile.TemporaryDirectory() as folder:
@@ -428,7 +428,7 @@ VALID_METRICS_LINE = {"step": 1, "loss": 2.0, "step_time_s": 0.5, "peak_memory_g
 def test_calibration_metrics_files(case):
     """``measured_step_time`` and ``step_values`` of a metrics file (``--calibrate METRICS --plan PLAN``) with one
     of its step lines mutated."""
-    from planner.profiles.calibrate import measured_step_time, step_values
+    from planner.calibrate import measured_step_time, step_values
 
     kind, line = case
     lines = [json.dumps({**VALID_METRICS_LINE, "step": s}).encode() for s in range(3)] + [line]
@@ -468,7 +468,7 @@ READERS = {
     "hf config": lambda f: get_model(_special(f.folder, "config.json", f.kind)),
     "histogram or rows": lambda f: read_dataset(_special(f.folder, "d.jsonl", f.kind), rescan=True),
     "run state": lambda f: (_special(f.folder, RUN_STATE, f.kind), read_run_state(f.folder)),
-    "runs table": lambda f: __import__("planner.profiles.calibrate", fromlist=["x"]).runs_from_table(
+    "runs table": lambda f: __import__("planner.calibrate", fromlist=["x"]).runs_from_table(
         Path(_special(f.folder, "runs.yaml", f.kind))),
 }
 

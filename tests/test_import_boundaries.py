@@ -25,3 +25,16 @@ def test_every_planner_module_imports_without_torch_ray_transformers():
 def test_the_contract_imports_without_ortools():
     result = _import_with_blocked(["planner.contract." + m for m in CONTRACT_MODULES], ["ortools"])
     assert result.returncode == 0, result.stderr
+
+
+def test_calibration_and_the_profiler_reach_the_planner_through_its_api_not_its_cli():
+    """planner/profiles and runtime/profile plan through ``planner.api`` / ``planner.arguments``, never by running the
+    ``plan`` command (``planner.cli``) with swapped streams."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sources = [*(root / "planner" / "profiles").glob("*.py"), *(root / "runtime" / "profile").glob("*.py")]
+    assert sources
+    offenders = [str(p.relative_to(root)) for p in sources
+                 if "planner.cli" in p.read_text() or "from planner import cli" in p.read_text()]
+    assert not offenders

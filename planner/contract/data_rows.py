@@ -36,6 +36,12 @@ NO_FRAMES = "video without frames"
 """Counted for a video file or frame list with no frame."""
 SHORT_CLIP = "video of fewer sampled frames than one temporal patch"
 """Counted for a clip too short for the vision tower's first temporal patch."""
+VIDEO_BEFORE_IMAGE = "a video before an image (a sample's images run before its clips)"
+"""Counted for a row with a video part before an image part: the runtime hands a sample's vision outputs over as its
+images then its clips, so the planner skips such a row too (``check_visual_order``)."""
+"""Counted for a clip too short for the vision tower's first temporal patch."""
+OUTSIDE_DATA_ROOT = "a file outside the data folder (--data-root-only)"
+"""Counted, with ``--data-root-only``, for a row naming a file that resolves outside the dataset file's folder."""
 CACHE_ENV = "DHPLAN_CACHE_DIR"
 """Environment variable naming the folder where what was read of a dataset is cached (default
 ``~/.cache/dhplan/datasets``): the planner's histograms and the runtime's indexes."""
@@ -100,6 +106,22 @@ def messages_of(row: Any) -> tuple[list[dict], list[str], list[Video]]:
     """(chat-template messages, image paths, videos) of one row in either format."""
     if not isinstance(row, dict):
         raise SkippedSample("malformed row")
+    messages, images, videos = _parts_of(row)
+    check_visual_order(messages)
+    return messages, images, videos
+
+
+def check_visual_order(messages: list[dict]) -> None:
+    """``SkippedSample(VIDEO_BEFORE_IMAGE)`` when a video part comes before an image part: the one rule the planner's
+    scan and the runtime's index both apply to a row."""
+    kinds = [c.get("type") for m in messages if isinstance(m["content"], list) for c in m["content"]
+             if isinstance(c, dict)]
+    if "video" in kinds and "image" in kinds[kinds.index("video"):]:
+        raise SkippedSample(VIDEO_BEFORE_IMAGE)
+
+
+def _parts_of(row: dict) -> tuple[list[dict], list[str], list[Video]]:
+    """``messages_of`` before the order check."""
     if "messages" in row:
         messages, images = row["messages"], _as_list(row.get("images"))
         if not isinstance(messages, list) or not all(_message(m) for m in messages):
@@ -179,9 +201,15 @@ def video_shape(folder: Path, video: Video, sizes: dict[Path, tuple[int, int] | 
     return _video_file_shape(folder / video)
 
 
+HEADER_LENGTH_SLACK = 0.9
+"""Share of a video file's claimed length its stream must reach for the claim to stand (rates and durations are
+rounded in containers); a stream that ends sooner is counted instead (``checked_frames``)."""
+
+
 def _video_file_shape(path: Path) -> VideoShape:
     """``video_shape`` of a video file: its first video stream's frame count (``stream.frames``, what transformers'
-    ``read_video_pyav`` reads; from the duration where the container records none), average rate and size."""
+    ``read_video_pyav`` reads; from the duration where the container records none) as far as the stream bears it
+    out (``checked_frames``), average rate and size."""
     import av
 
     frames = fps = height = width = 0
@@ -192,6 +220,8 @@ def _video_file_shape(path: Path) -> VideoShape:
                 fps, frames = float(stream.average_rate or 0), stream.frames
                 if not frames and fps and container.duration:
                     frames = round(container.duration / av.time_base * fps)
+                if frames and fps:
+                    frames = checked_frames(container, stream, frames, fps)
                 height, width = stream.codec_context.height, stream.codec_context.width
     except (OSError, ValueError, av.FFmpegError):
         raise SkippedSample(MISSING_VIDEO) from None
@@ -202,9 +232,35 @@ def _video_file_shape(path: Path) -> VideoShape:
     return VideoShape(frames=frames, height=height, width=width, fps=fps)
 
 
+def checked_frames(container: Any, stream: Any, claimed: int, fps: float) -> int:
+    """``claimed`` frames when the stream reaches the claimed last frame's time (within ``HEADER_LENGTH_SLACK``:
+    one seek to the keyframe before it and the packets after, nothing decoded), else the stream's packets counted
+    from its start (a header that misreports the length: a 3-frame file that says 24 hours is 3 frames)."""
+    start = stream.start_time or 0
+    last = start + HEADER_LENGTH_SLACK * (claimed - 1) / fps / stream.time_base
+    container.seek(int(last), stream=stream, backward=True)
+    if any(packet.pts is not None and packet.pts >= last for packet in container.demux(stream)):
+        return claimed
+    container.seek(int(start), stream=stream, backward=True)
+    return sum(1 for packet in container.demux(stream) if packet.size)
+
+
 def media_files(images: list[str], videos: list[Video]) -> list[str]:
     """Every file a row's images and videos name: its images, video files and frames."""
     return [str(p) for p in images] + [f for v in videos for f in (v if isinstance(v, list) else [v])]
+
+
+def check_data_root(folder: Path, names: list[str]) -> None:
+    """``SkippedSample(OUTSIDE_DATA_ROOT)`` when a file a row names (relative to ``folder``, or absolute) resolves,
+    symlinks followed, outside ``folder``: what ``--data-root-only`` keeps reads inside, in both halves."""
+    root = folder.resolve()
+    for name in names:
+        try:
+            inside = (folder / name).resolve().is_relative_to(root)
+        except (OSError, ValueError):  # a symlink loop, a NUL byte
+            inside = False
+        if not inside:
+            raise SkippedSample(OUTSIDE_DATA_ROOT)
 
 
 def file_key(path: Path) -> list[Any]:

@@ -85,7 +85,7 @@ class CostAssumptions:
     """Extra host seconds of an operator call on DTensors (sharding propagation, local-tensor unwrap and rewrap):
     measured 12.4 us vs 2.2 us plain (torch 2.13, CPU, cached sharding propagation)."""
 
-    # --- refitted from measured runs (python -m runtime.profile --calibrate) ---
+    # --- refitted from measured runs (python -m planner.calibrate) ---
     step_overhead_s: float = 0.0
     """Seconds per step outside the modules' passes (the training loop's own Python, metrics, synchronisation): 0
     until calibration fits it to measured runs."""

@@ -24,7 +24,7 @@ def load_profile(path: str | Path) -> Profile:
     if version < 4 and data.get("calibration") is not None:
         raise ValueError(f"profile {path} holds a calibration of schema version {version} (a step-time scale and "
                          "offset), which this tool no longer reads: set its \"calibration\" to null and re-run "
-                         "`python -m runtime.profile --calibrate`")
+                         "`python -m planner.calibrate`")
     profile = validated(Profile, {**data, "schema_version": PROFILE_SCHEMA_VERSION}, path, kind="profile")
     check_measurements(profile, f"profile {path}")
     return profile

@@ -243,7 +243,7 @@ HOST_SECONDS_PER_OP = PlausibleRange(low=0.0, high=1e-2, unit="seconds", other_u
 _TIME_HINT = "times are seconds and FLOPs plain counts (a time in another unit, or FLOPs scaled, would give this)"
 
 
-def _reference_peak(profile: Profile) -> tuple[float, str]:
+def reference_peak(profile: Profile) -> tuple[float, str]:
     """The FLOP/s no layer of ``profile`` can beat by ``PEAK_MARGIN``: its device's datasheet peak (catalog GPUs),
     else its own matmul peak where measured (a CPU's catalog peak is a placeholder), else the plausible maximum."""
     if profile.device is not None and profile.hardware == "cpu":
@@ -257,7 +257,7 @@ def _reference_peak(profile: Profile) -> tuple[float, str]:
 def check_measurements(profile: Profile, origin: str) -> None:
     """Raise a one-line ValueError, with a unit hint, when a measured number of ``profile`` is physically
     impossible: device numbers outside ``PLAUSIBLE_RANGES`` (and ``HOST_SECONDS_PER_OP``), a layer with FLOPs but
-    no time or faster than ``PEAK_MARGIN`` times the reference peak (``_reference_peak``), a collective moving
+    no time or faster than ``PEAK_MARGIN`` times the reference peak (``reference_peak``), a collective moving
     bytes faster than the plausible link maximum, memory beyond the plausible device maximum, a concurrency
     slowdown outside ``MIN_CONCURRENCY_SLOWDOWN`` to ``MAX_CONCURRENCY_SLOWDOWN``."""
     if profile.device is not None:
@@ -273,7 +273,7 @@ def check_measurements(profile: Profile, origin: str) -> None:
             if not MIN_CONCURRENCY_SLOWDOWN <= slowdown <= MAX_CONCURRENCY_SLOWDOWN:
                 raise ValueError(f"{origin}: device.concurrency[{devices}] = {slowdown:g} is not a slowdown factor "
                                  f"(1 = none; {MIN_CONCURRENCY_SLOWDOWN:g} to {MAX_CONCURRENCY_SLOWDOWN:g})")
-    peak, what = _reference_peak(profile)
+    peak, what = reference_peak(profile)
     most_bytes = PLAUSIBLE_RANGES["memory_bytes"].high
     for i, layer in enumerate(profile.layers):
         where = f"{origin}: layers.{i} ({layer.module}/{layer.layer} seq_len {layer.seq_len})"

@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
-from planner.contract.data_rows import SkippedSample, Video, messages_of, read_rows
+from planner.contract.data_rows import SkippedSample, Video, check_data_root, media_files, messages_of, read_rows
 from runtime.data.samples import IGNORE_INDEX, Sample, SampleLayout, layout_image_processor, patchify
 
 IMAGE_PAD = "<|image_pad|>"
@@ -120,8 +120,9 @@ def read_conversation_rows(path: Path) -> tuple[list[Any], Counter[str]]:
 class ConversationData:
     """Samples of a conversation file in a fixed-shape plan's layout (see the module docstring)."""
 
-    def __init__(self, path: str | Path, layout: SampleLayout, tokenizer_dir: str | Path):
-        self.path, self.layout = Path(path), layout
+    def __init__(self, path: str | Path, layout: SampleLayout, tokenizer_dir: str | Path, *,
+                 data_root_only: bool = False):
+        self.path, self.layout, self.data_root_only = Path(path), layout, data_root_only
         self.rows, self.skipped = read_conversation_rows(self.path)
         self.chat = ChatTokenizer(tokenizer_dir, layout.image_token_id)
         self.processor = layout_image_processor(layout)
@@ -144,6 +145,8 @@ class ConversationData:
     def build(self, row: Any) -> Sample:
         """One row as a sample of the layout, or ``SkippedSample``."""
         messages, image_paths, videos = conversation_of(row)
+        if self.data_root_only:
+            check_data_root(self.path.parent, media_files(image_paths, videos))
         if len(image_paths) != len(self.layout.image_sizes):
             raise SkippedSample("image count differs from the plan's")
         if videos:

@@ -40,18 +40,34 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
-from runtime.data.normalization import image_normalization
-
-from planner.cost.balance import SampleWork, assign_lpt
-from planner.contract.data_rows import (SHORT_CLIP, SkippedSample, Video, cache_folder, file_key, image_header_size,
-                               media_files, media_keys, video_shape)
+from planner.contract.data_rows import (
+    SHORT_CLIP,
+    SkippedSample,
+    Video,
+    cache_folder,
+    check_data_root,
+    file_key,
+    image_header_size,
+    media_files,
+    media_keys,
+    video_shape,
+)
 from planner.contract.families import model_from_hf_config
 from planner.contract.file_io import read_json, write_output
 from planner.contract.packing import balance_packs, pack_best_fit
 from planner.contract.schema import DatasetInfo
 from planner.contract.workload import DEFAULT_FPS, sampled_frames, video_grid
-from runtime.data.conversations import (VIDEO_PAD, VISION_END, VISION_START, ChatTokenizer, conversation_of, open_images,
-                                   read_conversation_rows)
+from planner.cost.balance import SampleWork, assign_lpt
+from runtime.data.conversations import (
+    VIDEO_PAD,
+    VISION_END,
+    VISION_START,
+    ChatTokenizer,
+    conversation_of,
+    open_images,
+    read_conversation_rows,
+)
+from runtime.data.normalization import image_normalization
 from runtime.data.samples import IGNORE_INDEX, Sample, patchify_clip
 
 INDEX_VERSION = 3
@@ -62,8 +78,6 @@ UNDECODED_IMAGE = "image did not decode (trained as a black image)"
 """Counted when an image whose header read fails to decode while its sample is built."""
 UNDECODED_VIDEO = "video did not decode (trained as black frames)"
 """Counted when a video whose header read fails to decode while its sample is built."""
-VIDEO_BEFORE_IMAGE = "a video before an image (a sample's images run before its clips)"
-"""Counted for a conversation with a video part before an image part."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -113,8 +127,10 @@ class PackedConversations:
     """A conversation file indexed, packed and ordered for a dataset plan (see the module docstring)."""
 
     def __init__(self, path: str | Path, tokenizer_dir: str | Path, *, config: Any, dataset: DatasetInfo, seed: int,
-                 work: SampleWork, balance: str = "modules"):
+                 work: SampleWork, balance: str = "modules", data_root_only: bool = False):
         self.path = Path(path)
+        self.data_root_only = data_root_only
+        """Rows naming a file outside the data folder are skipped and counted (``check_data_root``)."""
         vc = config.vision_config
         self.patch_size, self.merge_size = vc.patch_size, vc.spatial_merge_size
         self.min_pixels, self.max_pixels, self.budget = dataset.min_pixels, dataset.max_pixels, dataset.pack_tokens
@@ -184,7 +200,7 @@ class PackedConversations:
         times."""
         key = [INDEX_VERSION, file_key(self.path), self.min_pixels, self.max_pixels, self.patch_size,
                self.merge_size, self.chat.image_token_id, self.video_token_id, self.fps]
-        key += media_keys(self.path.parent, self.rows, lambda row: media_files(*conversation_of(row)[1:]))
+        key += media_keys(self.path.parent, self.rows, lambda row: media_files(*self._media(row)[1:]))
         for name in TOKENIZER_FILES:
             file = self.tokenizer_dir / name
             key += [name, file.stat().st_mtime_ns if file.exists() else 0]
@@ -198,14 +214,17 @@ class PackedConversations:
             self.skipped["longer than the pack budget"] += len(samples) - len(kept)
         return kept
 
-    def _indexed(self, row_number: int, row: Any, sizes: dict) -> IndexedSample:
+    def _media(self, row: Any) -> tuple[list[dict], list[str], list[Video]]:
+        """``conversation_of`` a row, refused with ``data_root_only`` when it names a file outside the folder."""
         messages, image_paths, videos = conversation_of(row)
+        if self.data_root_only:
+            check_data_root(self.path.parent, media_files(image_paths, videos))
+        return messages, image_paths, videos
+
+    def _indexed(self, row_number: int, row: Any, sizes: dict) -> IndexedSample:
+        messages, image_paths, videos = self._media(row)
         if not image_paths and not videos:
             raise SkippedSample("no image")
-        kinds = [c.get("type") for m in messages if isinstance(m["content"], list) for c in m["content"]
-                 if isinstance(c, dict)]
-        if "video" in kinds and "image" in kinds[kinds.index("video"):]:
-            raise SkippedSample(VIDEO_BEFORE_IMAGE)
         found = [image_header_size(self.path.parent / p, sizes) for p in image_paths]
         if any(size is None for size in found):
             raise SkippedSample("missing or unreadable image")

@@ -26,12 +26,12 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from planner.contract.data_rows import MAX_DATASET_BYTES, SkippedSample, check_data_root
 from planner.contract.families import model_from_hf_config
+from planner.contract.file_io import read_text
 from planner.contract.workload import video_grid
 from runtime.data.normalization import image_normalization
 from runtime.parallel.windows import merged_positions_per_rank
-from planner.contract.data_rows import MAX_DATASET_BYTES
-from planner.contract.file_io import read_text
 
 IGNORE_INDEX = -100
 """Label value the loss skips (transformers' convention)."""
@@ -344,12 +344,24 @@ class CaptionData:
     ships no tokenizer; samples repeat when the run needs more than the files hold.
     """
 
-    def __init__(self, path: str | Path, layout: SampleLayout):
+    def __init__(self, path: str | Path, layout: SampleLayout, *, data_root_only: bool = False):
         if len(layout.image_sizes) != 1:
             raise ValueError(f"caption data has one image per sample, the plan has {len(layout.image_sizes)}")
         self.layout = layout
         self.processor = layout_image_processor(layout)
         self.pairs = self._read(Path(path))
+        if data_root_only:
+            self._check_inside(Path(path))
+
+    def _check_inside(self, path: Path) -> None:
+        """Refuse, in one line, an image that resolves outside the data folder (``--data-root-only``)."""
+        root = path if path.is_dir() else path.parent
+        for image, _ in self.pairs:
+            try:
+                check_data_root(root, [str(image)])
+            except SkippedSample:
+                raise ValueError(f"{path}: image {image} is outside the data folder {root} "
+                                 "(--data-root-only)") from None
 
     @staticmethod
     def _read(path: Path) -> list[tuple[Path, str]]:

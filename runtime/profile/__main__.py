@@ -1,4 +1,5 @@
-"""``python -m runtime.profile``: measure a model's layer shards, the device and its collectives; compare; calibrate.
+"""``python -m runtime.profile``: measure a model's layer shards, the device and its collectives; compare.
+(Calibration from measured runs is the planner's: ``python -m planner.calibrate``.)
 
 Examples:
   python -m runtime.profile --model qwen2.5-vl-tiny                       # layers + device -> profiles/cpu/<model>.json
@@ -6,8 +7,6 @@ Examples:
   python -m runtime.profile --model qwen2.5-vl-tiny --as-run              # + TP/SP layers timed in tp*sp processes
   python -m runtime.profile --model qwen2.5-vl-32b --memory               # FakeTensor memory -> profiles/fake/<model>.json
   python -m runtime.profile --model qwen2.5-vl-32b --compare              # memory profile vs the analytical model
-  python -m runtime.profile --calibrate metrics.jsonl --plan plan.json    # refit assumptions into the plan's profile
-  python -m runtime.profile --calibrate runs.csv                          # ... from runs measured with any framework
 """
 
 from __future__ import annotations
@@ -59,10 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-sizes", type=_ints, default=None, help="collective group sizes (default: 2..devices)")
     p.add_argument("--memory", action="store_true", help="FakeTensor memory breakdowns only (nothing allocated)")
     p.add_argument("--compare", action="store_true", help="print the memory profile against the analytical model")
-    p.add_argument("--calibrate", metavar="RUNS", nargs="+",
-                   help="measured runs to refit the cost model's assumptions from: runtime metrics files (with --plan) "
-                   "or CSV/YAML tables with columns plan or args, step_time_s, peak_memory_gib (optional)")
-    p.add_argument("--plan", nargs="+", help="plan file(s) the metrics files were run from (one per metrics file)")
+    p.add_argument("--calibrate", nargs="*", help="moved: python -m planner.calibrate RUNS (refused in one line)")
+    p.add_argument("--plan", nargs="+", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

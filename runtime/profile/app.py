@@ -133,9 +133,8 @@ def as_run_points(args: argparse.Namespace, model: ModelSpec, profile: Profile, 
 def run(args: argparse.Namespace) -> int:
     """Dispatch on the mode flags; returns the exit status."""
     if args.calibrate:
-        from planner.profiles.calibrate import calibrate_main
-
-        return calibrate_main(args.calibrate, args.plan or [], out=args.out)
+        raise ValueError("calibration is the planner's: python -m planner.calibrate RUNS [--plan PLAN ...] "
+                         "[--out FILE] (it fits the cost model, and plans `args` rows, without torch)")
     if not args.model:
         raise ValueError("--model is required (a catalog name such as qwen2.5-vl-tiny, or a config.json)")
     model = get_model(args.model)

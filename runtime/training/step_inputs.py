@@ -18,20 +18,20 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
-from planner.cost.balance import plan_sample_work
 from planner.contract.schema import Plan
+from planner.cost.balance import plan_sample_work
 from runtime.data.conversations import ConversationData
+from runtime.data.packed_data import IndexedSample, PackedConversations
+from runtime.data.prefetch import Prefetcher
 from runtime.data.samples import IGNORE_INDEX, CaptionData, Sample, Source, collate, pack_rows
 from runtime.models.families import family_of
 from runtime.models.handoff import Routes
 from runtime.models.llm import LLMShard, image_slots_per_rank, packed_position_ids, pad_packed_row, shard_llm_batch
-from runtime.data.packed_data import IndexedSample, PackedConversations
-from runtime.parallel.ulysses import split_sequence
-from runtime.parallel.parallel_dims import BATCH_AXIS, ParallelDims
 from runtime.models.pipeline import MicroBatchShapes
-from runtime.data.prefetch import Prefetcher
-from runtime.run.preflight import DATA_ENCODERS, is_conversation_file, module_names, no_data_reader
 from runtime.models.vision import filler_grid, merged_positions_per_rank, window_layout
+from runtime.parallel.parallel_dims import BATCH_AXIS, ParallelDims
+from runtime.parallel.ulysses import split_sequence
+from runtime.run.preflight import DATA_ENCODERS, is_conversation_file, module_names, no_data_reader
 
 
 def data_source(plan: Plan, options: Any, config: PretrainedConfig) -> Source | PackedConversations:
@@ -39,7 +39,8 @@ def data_source(plan: Plan, options: Any, config: PretrainedConfig) -> Source | 
     ``options.tokenizer``), image-caption pairs, or synthetic samples (``options``: runtime.training.trainer.RunOptions)."""
     if plan.workload.dataset is not None:
         return PackedConversations(options.data, options.tokenizer, config=config, dataset=plan.workload.dataset,
-                                   seed=options.seed, work=plan_sample_work(plan), balance=options.balance)
+                                   seed=options.seed, work=plan_sample_work(plan), balance=options.balance,
+                                   data_root_only=options.data_root_only)
     encoder = family_of(config).ENCODER
     layout = encoder.layout_from_plan(plan.workload, config)
     if not options.data:
@@ -53,8 +54,8 @@ def data_source(plan: Plan, options: Any, config: PretrainedConfig) -> Source | 
         if not options.tokenizer:
             raise ValueError(f"{options.data} holds conversations: give --tokenizer DIR, the model folder whose "
                              "tokenizer and chat template they go through")
-        return ConversationData(options.data, layout, options.tokenizer)
-    return CaptionData(options.data, layout)
+        return ConversationData(options.data, layout, options.tokenizer, data_root_only=options.data_root_only)
+    return CaptionData(options.data, layout, data_root_only=options.data_root_only)
 
 
 class StepInputs:

@@ -29,26 +29,25 @@ from torch.distributed.tensor.parallel import loss_parallel
 from transformers import PretrainedConfig
 
 from planner.contract.schema import Plan
-from runtime.training import full_model
+from runtime.checkpoints.dcp_checkpoint import load_checkpoint
 from runtime.checkpoints.hf_folder import TensorSource, save_hf_folder
 from runtime.data.samples import IGNORE_INDEX
-from runtime.checkpoints.dcp_checkpoint import load_checkpoint
+from runtime.models.families import family_of
 from runtime.models.handoff import Handoff, Posted
 from runtime.models.loss import cross_entropy_sum
 from runtime.models.model import hf_config_from_dict
-from runtime.training.optim import clip_grad_norm
-from runtime.parallel.experts import RouterStats, busiest_rank_load, moe_layers
-from runtime.parallel.fsdp import all_reduce_gradients, set_gradient_sync
-from runtime.parallel.precision import module_precision
-from runtime.parallel.parallel_dims import BATCH_AXIS, plan_dims
 from runtime.models.parallelize import uses_fsdp
 from runtime.models.pipeline import build_schedule
+from runtime.observability.trace import HANDOFF_WAIT, STEP, profiled
+from runtime.parallel.experts import RouterStats, busiest_rank_load, moe_layers
+from runtime.parallel.fsdp import all_reduce_gradients, set_gradient_sync
+from runtime.parallel.parallel_dims import BATCH_AXIS, plan_dims
+from runtime.parallel.precision import module_precision
 from runtime.run.preflight import module_names
+from runtime.training import full_model
+from runtime.training.optim import clip_grad_norm
 from runtime.training.rank_model import RankModel
 from runtime.training.step_inputs import StepInputs, to_device
-from runtime.observability.trace import HANDOFF_WAIT, STEP, profiled
-from runtime.models.families import family_of
-
 
 MAX_ENCODER_IN_FLIGHT = 2
 """Disjoint placement: micro-batches the encoder group runs ahead of its backward (activation memory bound)."""
@@ -64,6 +63,9 @@ class RunOptions:
     """Image-caption folder or JSONL, or a conversation file; synthetic data when None."""
     tokenizer: str | None = None
     """Model folder whose tokenizer and chat template conversation data goes through."""
+    data_root_only: bool = False
+    """Read only files inside ``data``'s folder (resolved, symlinks followed): a conversation row naming one outside
+    is skipped and counted, a caption line refused (``--data-root-only``)."""
     checkpoint: str | None = None
     """Hugging Face folder (save_pretrained or Hub download) to start from; random init when None."""
     prefetch: bool = False

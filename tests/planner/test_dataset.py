@@ -13,9 +13,12 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from planner import api, dataset
-from planner.contract.data_rows import CACHE_ENV
 from planner.catalog import get_model
 from planner.cli import main
+from planner.contract.data_rows import CACHE_ENV
+from planner.contract.packing import balance_packs, pack_best_fit
+from planner.contract.strategy import ModuleStrategy
+from planner.contract.workload import MAX_ASPECT_RATIO, PackedTokens, packed_workload, pipeline_padded, smart_resize
 from planner.cost import module_cost
 from planner.dataset import (
     DatasetHistogram,
@@ -24,9 +27,6 @@ from planner.dataset import (
     sample_tokens,
     scan_dataset,
 )
-from planner.contract.packing import balance_packs, pack_best_fit
-from planner.contract.strategy import ModuleStrategy
-from planner.contract.workload import MAX_ASPECT_RATIO, PackedTokens, packed_workload, pipeline_padded, smart_resize
 
 MODEL = get_model("qwen-vl-32b")
 
@@ -360,3 +360,27 @@ def test_a_histogram_with_huge_numbers_is_refused_in_one_line(tmp_path, shapes, 
                                 "source": "x", "text_tokens": "estimated", "skipped": skipped, "shapes": shapes}))
     with pytest.raises(ValueError, match=message):
         api.make_problem("qwen-vl-7b", 8, dataset=str(path), profile=None)
+
+
+def write_rows_reaching_outside(tmp_path):
+    """data/rows.jsonl whose rows name data/in.png, then out/out.png as ``../out/out.png``, by its absolute path and
+    through the symlink data/link.png; returns the file."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "out").mkdir()
+    inside, outside = tmp_path / "data" / "in.png", tmp_path / "out" / "out.png"
+    _image(inside, 64, 64), _image(outside, 64, 64)
+    (tmp_path / "data" / "link.png").symlink_to(outside)
+    return _write(tmp_path / "data" / "rows.jsonl",
+                  [_row("in.png"), _row("../out/out.png"), _row(str(outside)), _row("link.png")])
+
+
+def test_data_root_only_skips_and_counts_rows_naming_files_outside_the_data_folder(tmp_path, capsys):
+    from planner.contract.data_rows import OUTSIDE_DATA_ROOT
+
+    path = write_rows_reaching_outside(tmp_path)
+    assert dataset.read_dataset(path).samples == 4  # by default rows may name any file
+    kept = dataset.read_dataset(path, data_root_only=True)  # not the cached scan of the first read
+    assert kept.samples == 1 and kept.skipped == {OUTSIDE_DATA_ROOT: 3}
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "qwen2.5-vl-tiny", "--gpus", "2", "--data-root-only"])
+    assert exit_.value.code == 2 and "--data-root-only applies to --dataset" in capsys.readouterr().err

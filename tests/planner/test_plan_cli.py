@@ -105,6 +105,13 @@ def test_max_seq_headline(capsys, tmp_path):
     assert code == 0 and text.startswith("longest image sequence that fits:")
 
 
+def test_max_seq_of_a_video_workload_names_no_image(capsys, tmp_path):
+    code, text, _ = _run(["--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--global-batch", "2",
+                          "--video", "8x112x112", "--max-seq", "--out", str(tmp_path / "m.json")], capsys)
+    head = text.splitlines()[0]
+    assert code == 0 and head.startswith("most vision tokens that fit:") and " image" not in head, head
+
+
 def test_list_models_and_gpus(capsys):
     code, out, _ = _run(["--list-models"], capsys)
     assert code == 0 and "qwen2.5-vl-32b" in out and "qwen2.5-vl-tiny" in out

@@ -44,3 +44,26 @@ def write_empty_video(path: Path) -> str:
         stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
         container.start_encoding()
     return path.name
+
+
+def write_mkv_claiming(path: Path, frames: int, fps: int, claimed_seconds: float) -> str:
+    """A Matroska file of ``frames`` random 64 x 48 frames at ``fps`` whose header says it lasts ``claimed_seconds``
+    (its Segment Duration, in the default millisecond timecode, rewritten in place); returns its name."""
+    import struct
+
+    import av
+
+    rng = np.random.default_rng(0)
+    with av.open(str(path), "w", format="matroska") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for _ in range(frames):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    data = bytearray(path.read_bytes())
+    at = data.index(b"\x44\x89") + 2  # the Duration element's ID, then its size byte: 0x88 (double) or 0x84 (float)
+    width, kind = (8, ">d") if data[at] == 0x88 else (4, ">f")
+    data[at + 1:at + 1 + width] = struct.pack(kind, claimed_seconds * 1000)
+    path.write_bytes(bytes(data))
+    return path.name

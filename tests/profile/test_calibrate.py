@@ -2,18 +2,20 @@
 
 import json
 import statistics
+import sys
 
 import pytest
 
-from planner.contract import schema
 from planner.catalog import get_model
-from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
+from planner.contract import schema
 from planner.contract.hardware import get_device
-from planner.profiles import PROFILE_SCHEMA_VERSION, Profile, Provenance, load_profile, save_profile
 from planner.contract.strategy import ModuleStrategy, Strategy
 from planner.contract.workload import Workload
+from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
+from planner.profiles import PROFILE_SCHEMA_VERSION, Profile, Provenance, load_profile, save_profile
+from planner.calibrate import MeasuredRun, Predictor, load_runs, measured_step_time, plan_inputs
+from planner.calibrate import main as calibrate_main_cli
 from runtime.profile.__main__ import main
-from planner.profiles.calibrate import MeasuredRun, Predictor, load_runs, measured_step_time, plan_inputs
 
 PROV = Provenance(device_name="cpu", device_detail="test", torch_version="x", cuda_version=None, date="2026-01-01",
                   command="test", num_threads=1, dtype="float32")
@@ -106,7 +108,7 @@ def _runs_table(tmp_path, truth, *, peak_gib=None):
         plan = make_plan(MODEL, strat, WORKLOAD, get_device("cpu"))
         path = tmp_path / f"plan{i}.json"
         path.write_text(plan.to_json())
-        run = MeasuredRun(name=str(path), plan=plan, measured_s=1.0)
+        run = MeasuredRun(name=str(path), where=str(path), plan=plan, measured_s=1.0)
         rows.append(f"{path},{Predictor(run, EMPTY)(truth).step_time_s},{'' if peak_gib is None else peak_gib}")
     table = tmp_path / "runs.csv"
     table.write_text("plan,step_time_s,peak_memory_gib\n" + "\n".join(rows) + "\n")
@@ -117,7 +119,7 @@ def test_calibration_recovers_the_assumptions_the_runs_were_made_with(tmp_path, 
     profile_file = tmp_path / "cpu.json"
     save_profile(EMPTY, profile_file)
     table = _runs_table(tmp_path, TRUTH, peak_gib=2.0)
-    assert main(["--calibrate", str(table), "--out", str(profile_file)]) == 0
+    assert calibrate_main_cli([str(table), "--out", str(profile_file)]) == 0
     cal = load_profile(profile_file).calibration
     # Five runs of one small model do not pin every assumption apart (matmul efficiency trades against the others),
     # but each moves most of the way from its default to the truth, and the predictions are recovered.
@@ -132,17 +134,27 @@ def test_calibration_recovers_the_assumptions_the_runs_were_made_with(tmp_path, 
     assert "left out" in out and "max_matmul_efficiency = " in out and "wrote" in out
 
 
-def test_an_unphysical_fit_stops_at_the_bounds_and_says_so(tmp_path, capsys):
+def test_a_fit_on_its_bound_close_to_the_runs_is_kept_and_says_so(tmp_path, capsys):
+    profile_file = tmp_path / "cpu.json"
+    save_profile(EMPTY, profile_file)
+    table = _runs_table(tmp_path, {"step_overhead_s": 72.0})  # above its 60 s bound, within the runs' noise of it
+    assert calibrate_main_cli([str(table), "--out", str(profile_file)]) == 0
+    cal = load_profile(profile_file).calibration
+    assert "step_overhead_s" in cal.at_bound
+    assert "at its bound" in capsys.readouterr().out
+
+
+def test_a_fit_on_its_bound_far_from_the_runs_is_refused_naming_the_row(tmp_path, capsys):
     profile_file = tmp_path / "cpu.json"
     save_profile(EMPTY, profile_file)
     table = _runs_table(tmp_path, {"step_overhead_s": 59.0, "max_matmul_efficiency": 0.21})
     rows = table.read_text().splitlines()
     scaled = [rows[0]] + [",".join([p, str(100 * float(t)), m]) for p, t, m in (r.split(",") for r in rows[1:])]
     table.write_text("\n".join(scaled) + "\n")
-    assert main(["--calibrate", str(table), "--out", str(profile_file)]) == 0
-    cal = load_profile(profile_file).calibration
-    assert "step_overhead_s" in cal.at_bound
-    assert "at its bound" in capsys.readouterr().out
+    assert calibrate_main_cli([str(table), "--out", str(profile_file)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"{table} row " in err and "step_time_s: the fit stops" in err
+    assert load_profile(profile_file).calibration is None  # nothing written
 
 
 def test_bad_runs_tables_are_one_line_errors(tmp_path):
@@ -198,7 +210,7 @@ def test_calibration_goes_into_the_profile_the_plans_were_costed_with(tmp_path):
     plan = plan.model_copy(update={"predicted": plan.predicted.model_copy(update={"profile": str(profile_file)})})
     (tmp_path / "p.json").write_text(plan.to_json())
     (tmp_path / "runs.csv").write_text(f"plan,step_time_s\n{tmp_path / 'p.json'},1.0\n")
-    assert main(["--calibrate", str(tmp_path / "runs.csv")]) == 0
+    assert calibrate_main_cli([str(tmp_path / "runs.csv")]) == 0
     assert load_profile(profile_file).calibration is not None
 
 
@@ -218,7 +230,76 @@ def test_calibration_sets_the_expert_load_imbalance_the_runs_measured(tmp_path):
     profile_file = tmp_path / "cpu.json"
     save_profile(Profile(schema_version=PROFILE_SCHEMA_VERSION, hardware="cpu", model=moe.name, provenance=PROV),
                  profile_file)
-    assert main(["--calibrate", str(metrics), "--plan", str(plan_file), "--out", str(profile_file)]) == 0
+    assert calibrate_main_cli([str(metrics), "--plan", str(plan_file), "--out", str(profile_file)]) == 0
     calibrated = load_profile(profile_file)
     assert calibrated.calibration.values["moe_load_imbalance"] == pytest.approx(1.65)
     assert apply_calibration(DEFAULT_ASSUMPTIONS, calibrated.calibration).moe_load_imbalance == pytest.approx(1.65)
+
+
+H100_EMPTY = Profile(schema_version=PROFILE_SCHEMA_VERSION, hardware="h100-80gb", model=MODEL.name, provenance=PROV)
+
+
+def _h100_run(tmp_path, capsys, *, step_time_s=None, peak_gib=None):
+    """`--calibrate` of one row of a plan file on an H100 (the step time, unless given, is the one predicted);
+    returns (exit status, stderr, whether the profile holds a calibration afterwards)."""
+    plan = make_plan(MODEL, strategy(1), WORKLOAD, get_device("h100"))
+    plan_file, profile_file, table = tmp_path / "p.json", tmp_path / "h100.json", tmp_path / "runs.csv"
+    plan_file.write_text(plan.to_json())
+    save_profile(H100_EMPTY, profile_file)
+    if step_time_s is None:
+        step_time_s = Predictor(MeasuredRun(name="r", where="r", plan=plan, measured_s=1.0), H100_EMPTY)({}).step_time_s
+    table.write_text(f"plan,step_time_s,peak_memory_gib\n{plan_file},{step_time_s},{peak_gib or ''}\n")
+    status = calibrate_main_cli([str(table), "--out", str(profile_file)])
+    return status, capsys.readouterr().err, load_profile(profile_file).calibration is not None
+
+
+@pytest.mark.parametrize("column, value, says", [
+    ("peak_memory_gib", 61500, "no peak one h100-80gb can hold"),
+    ("peak_memory_gib", 1e308, "no peak one h100-80gb can hold"),
+    ("step_time_s", 1e308, "at most a day"),
+    ("step_time_s", 1e-9, "faster than 1 GPU(s) do the step"),
+    # a peak an H100 can hold, but not the tiny model's states and activations plus at most 32 GiB of reserve
+    ("peak_memory_gib", 70, "the memory reserve stops at its physical bound"),
+])
+def test_impossible_measurements_are_refused_in_one_line_naming_file_row_column(tmp_path, capsys, column, value, says):
+    keyword = "peak_gib" if column == "peak_memory_gib" else column
+    status, err, written = _h100_run(tmp_path, capsys, **{keyword: value})
+    assert status == 2 and not written
+    assert len(err.strip().splitlines()) == 1 and f"runs.csv row 1 {column}: " in err and says in err, err
+
+
+def test_an_args_row_is_planned_through_the_api_not_the_cli(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "planner.cli", None)  # importing it now fails
+    table = tmp_path / "runs.csv"
+    table.write_text('args,step_time_s\n"--model qwen2.5-vl-tiny --gpu cpu --gpus 2 --fix llm.tp=2",10\n')
+    run, = load_runs([str(table)], [])
+    assert run.plan.module("llm").tp == 2 and run.where == f"{table} row 1"
+
+
+def test_a_fit_into_the_profiles_folder_that_out_did_not_name_says_so():
+    from planner.profiles import PROFILES_DIR
+    from planner.calibrate import _written
+
+    committed = PROFILES_DIR / "h100-80gb" / "m.json"
+    assert _written(committed, replaced=True, chosen=False).startswith(
+        f"replaced the calibration of the committed profile {committed}: every later plan")
+    assert _written(committed, replaced=False, chosen=False).startswith(f"wrote the new profile {committed}")
+    assert _written(committed, replaced=True, chosen=True) == f"wrote {committed}"
+
+
+def test_metrics_files_are_checked_as_tables_are(tmp_path, capsys):
+    plan_file = tmp_path / "p.json"
+    plan_file.write_text(make_plan(MODEL, strategy(1), WORKLOAD, get_device("h100")).to_json())
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "step_time_s": 1.0, "peak_memory_gib": 61500}) + "\n"
+                               for s in range(3)))
+    assert calibrate_main_cli([str(metrics), "--plan", str(plan_file), "--out", str(tmp_path / "o.json")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"metrics file {metrics} peak_memory_gib: 61500 GiB is no peak" in err
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_the_profilers_calibrate_flag_points_at_the_planners_command(capsys):
+    assert main(["--calibrate", "runs.csv"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "python -m planner.calibrate RUNS" in err and len(err.splitlines()) == 1

@@ -11,9 +11,9 @@ import torch
 from PIL import Image
 
 from runtime.data.conversations import ConversationData, messages_of
-from runtime.run.preflight import is_conversation_file
 from runtime.data.samples import IGNORE_INDEX, layout_from_plan
 from runtime.models.model import hf_config_from_dict
+from runtime.run.preflight import is_conversation_file
 from tests.runtime.plans import make_plan
 from tests.runtime.tokenizer import save_tokenizer
 
@@ -136,3 +136,19 @@ def test_conversations_need_a_tokenizer_and_no_llm_sequence_parallelism(tmp_path
     with pytest.raises(ValueError, match="--tokenizer applies to conversation data"):
         check_conversations(PLAN, captions, "tok")
     check_conversations(PLAN, data, "tok")
+
+
+def test_data_root_only_skips_rows_naming_files_outside_as_the_planner_does(tmp_path, layout, tokenizer_dir):
+    from planner.contract.data_rows import OUTSIDE_DATA_ROOT
+    from runtime.data.samples import CaptionData
+    from tests.planner.test_dataset import write_rows_reaching_outside
+
+    path = write_rows_reaching_outside(tmp_path)
+    assert ConversationData(path, layout, tokenizer_dir).sample(1) is not None  # by default rows may name any file
+    data = ConversationData(path, layout, tokenizer_dir, data_root_only=True)
+    assert all(data.sample(i) is not None for i in range(4)) and data.skipped == {OUTSIDE_DATA_ROOT: 3}
+    captions = _write(tmp_path / "data" / "captions.jsonl", [{"image": "in.png", "text": "a"},
+                                                             {"image": "../out/out.png", "text": "b"}])
+    assert len(CaptionData(captions, layout).pairs) == 2
+    with pytest.raises(ValueError, match=r"image .*out\.png is outside the data folder .*--data-root-only"):
+        CaptionData(captions, layout, data_root_only=True)

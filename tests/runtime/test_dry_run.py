@@ -20,8 +20,7 @@ from planner import api as planner_api
 from planner.catalog import get_model
 from planner.contract.schema import Plan
 from planner.contract.units import GIB
-from runtime.dry_run import (StepMemTracker, _device_snapshot, dry_run, format_report, measure_role, roles,
-                             usable_bytes)
+from runtime.dry_run import StepMemTracker, _device_snapshot, dry_run, format_report, measure_role, roles, usable_bytes
 from runtime.models.model import RandomInit
 from runtime.parallel.parallel_dims import forget_earlier_worlds
 from runtime.training.trainer import RunOptions, Trainer
@@ -327,3 +326,17 @@ def test_each_pipeline_stage_is_set_beside_its_own_prediction(placement, schedul
     text = format_report(report)
     assert "largest stage" not in text and " -  " not in text
     assert all(f"at the {phase}" in text for phase in planned.predicted.stage_peak_phases)
+
+
+@pytest.mark.parametrize("ep, says", [(3, "does not divide the 8 experts"), (4, "ep=4 does not divide dp*sp")])
+def test_a_plan_the_run_refuses_is_refused_by_the_dry_run_in_one_line(ep, says, tmp_path, capsys):
+    """A hand-edited MoE plan: the dry-run makes the run's checks (``validate_plan``) before building anything."""
+    from runtime.__main__ import main
+
+    plan = make_plan({"dp": 2}, {"dp": 2, "ep": 2}, hf_config=tiny_qwen3_vl_moe_config(), image_size=QWEN3_IMAGE_SIZE)
+    edited = plan.model_copy(update={"modules": [m.model_copy(update={"ep": ep}) if m.name == "llm" else m
+                                                 for m in plan.modules]})
+    (tmp_path / "plan.json").write_text(edited.to_json())
+    assert main([str(tmp_path / "plan.json"), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and says in err, err

@@ -4,23 +4,26 @@ planner's reasons, and a packed row of clips gets its vision rows and M-RoPE pos
 
 from __future__ import annotations
 
+import json
+
 import av
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from planner.contract.data_rows import MISSING_VIDEO, MIXED_FRAME_SIZES, NO_FRAMES
-from planner.dataset import sample_tokens, scan_dataset
+from planner.contract.data_rows import MISSING_VIDEO, MIXED_FRAME_SIZES, NO_FRAMES, VIDEO_BEFORE_IMAGE
 from planner.contract.families import model_from_hf_config
 from planner.contract.families.qwen3_vl import TIMESTAMP_TOKENS
 from planner.contract.workload import sampled_frames, video_grid
+from planner.dataset import sample_tokens, scan_dataset
 from runtime.data.conversations import conversation_of
+from runtime.data.packed_data import PackedConversations
 from runtime.data.samples import layout_from_plan, layout_image_processor, pack_rows, patchify_clip, visual_inputs
 from runtime.models.llm import packed_position_ids
 from runtime.models.model import build_model, hf_config_from_dict, split_model
-from runtime.data.packed_data import PackedConversations
-from tests.planner.test_video_rows import write_video_rows
+from tests.planner.test_video_rows import _conversation, write_video_rows
+from tests.planner.video_files import write_frames, write_mkv_claiming
 from tests.runtime.plans import dataset_info, sample_work, tiny_hf_config, tiny_qwen3_vl_config
 from tests.runtime.tokenizer import save_tokenizer
 
@@ -67,6 +70,42 @@ def test_the_index_agrees_with_the_planner(tmp_path, tokenizer_dir, family):
     clip = next(e for e in data.samples if e.clips == 1 and len(e.grids) == 1)
     frames = 5 if family == "qwen3-vl" else 4  # the file's 10 frames at 4 fps, 2.5 s at 2 fps (test_video_rows)
     assert clip.grids[0] in {video_grid(frames, 48, 64, spec), video_grid(6, 48, 64, spec)}
+
+
+def test_a_video_before_an_image_is_skipped_alike_by_the_planner_and_the_runtime(tmp_path, tokenizer_dir):
+    frames, image = write_frames(tmp_path, "f", [(64, 48)] * 4), write_frames(tmp_path, "image", [(64, 64)])[0]
+    rows = [_conversation("<video> then <image>?", image=image, video=frames),
+            _conversation("<image> then <video>?", image=image, video=frames)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert scan_dataset(path, str(tokenizer_dir)).skipped == {VIDEO_BEFORE_IMAGE: 1}
+    data = _indexed(path, tokenizer_dir, "qwen2.5-vl")
+    assert dict(data.skipped) == {VIDEO_BEFORE_IMAGE: 1} and len(data.samples) == 1
+
+
+def test_a_file_whose_header_claims_a_day_is_planned_and_indexed_as_the_frames_it_holds(tmp_path, tokenizer_dir):
+    """A 6-frame Matroska file at 4 fps whose header says 24 hours: both halves take its 6 frames (the planner would
+    price 345,600, the runtime train black frames for them)."""
+    clip = write_mkv_claiming(tmp_path / "long.mkv", frames=6, fps=4, claimed_seconds=86_400)
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(_conversation("<video>\nWhat happens?", video=clip)) + "\n")
+    (_, _, _, (shape,)), = scan_dataset(path, str(tokenizer_dir)).shapes
+    assert shape.frames == 6
+    spec = model_from_hf_config(CONFIGS["qwen2.5-vl"](), "tiny")
+    entry, = _indexed(path, tokenizer_dir, "qwen2.5-vl").samples
+    assert entry.grids == (video_grid(len(sampled_frames(6, 4.0, FPS, spec)), 48, 64, spec),)
+
+
+def test_data_root_only_leaves_rows_naming_files_outside_out_of_the_index(tmp_path, tokenizer_dir):
+    from planner.contract.data_rows import OUTSIDE_DATA_ROOT
+    from tests.planner.test_dataset import write_rows_reaching_outside
+
+    path = write_rows_reaching_outside(tmp_path)
+    assert len(_indexed(path, tokenizer_dir, "qwen2.5-vl").samples) == 4  # by default rows may name any file
+    config = hf_config_from_dict(CONFIGS["qwen2.5-vl"]())
+    data = PackedConversations(path, tokenizer_dir, config=config, dataset=dataset_info(4096), seed=0,
+                               work=sample_work(CONFIGS["qwen2.5-vl"]()), data_root_only=True)
+    assert len(data.samples) == 1 and dict(data.skipped) == {OUTSIDE_DATA_ROOT: 3}
 
 
 def _seconds(data: PackedConversations, entry) -> list[float]:

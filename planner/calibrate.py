@@ -1,4 +1,4 @@
-"""Refit the cost model's named assumptions from measured runs: ``python -m runtime.profile --calibrate RUNS``.
+"""Refit the cost model's named assumptions from measured runs: ``python -m planner.calibrate RUNS``.
 
 RUNS are the runtime's metrics files (with ``--plan``, the plan each ran) or tables (CSV or YAML) of runs measured
 with any framework: one row per run with ``plan`` (a plan file) or ``args`` (``plan`` arguments that pin the
@@ -18,30 +18,37 @@ says so.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import datetime
 import math
 import shlex
 import statistics
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import yaml
 
+from planner.arguments import plans_from_arguments
 from planner.catalog import model_from_hf_config
+from planner.contract.file_io import MAX_METRICS_BYTES, parse_json, read_text
+from planner.contract.hardware import Cluster
+from planner.contract.schema import Plan, load_plan
+from planner.contract.strategy import ModuleStrategy, Strategy
+from planner.contract.units import GIB
+from planner.contract.workload import Workload
 from planner.cost import estimate
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions
 from planner.cost.results import Estimate
-from planner.contract.hardware import Cluster
-from planner.contract.file_io import MAX_METRICS_BYTES, parse_json, read_text
+from planner.problem import profile_assumptions
 from planner.profiles import (
     CALIBRATED_ASSUMPTIONS,
     MEASURED_ASSUMPTIONS,
     MEMORY_ASSUMPTIONS,
     PROFILE_SCHEMA_VERSION,
+    PROFILES_DIR,
     STEP_TIME_ASSUMPTIONS,
     CalibratedRun,
     Calibration,
@@ -55,11 +62,7 @@ from planner.profiles import (
     save_profile,
 )
 from planner.profiles.calibration import with_values
-from planner.problem import profile_assumptions
-from planner.contract.schema import Plan, load_plan
-from planner.contract.strategy import ModuleStrategy, Strategy
-from planner.contract.workload import Workload
-from planner.contract.units import GIB
+from planner.profiles.schema import MAX_MEASURED_SECONDS, PEAK_MARGIN, reference_peak
 
 WARMUP_STEPS = 1
 """Steps dropped from the start of every run (allocator warm-up, first-touch, lazy initialisation)."""
@@ -71,6 +74,9 @@ constrain keeps its default."""
 STEP_SHARE_PRIOR = 0.3
 """Prior width of an assumption that is a time only meaningful relative to the step (``prior_width`` None): this
 share of the runs' median measured step."""
+BOUND_RESIDUAL = 5 * MEASUREMENT_NOISE
+"""Largest relative error a fit that ends on a bound of its physical range may leave on a run: beyond it the runs
+want an assumption outside physics by more than their noise explains, and the fit is refused, not saved."""
 SENSITIVITY = 1e-4
 """Smallest relative change of some run's prediction, when an assumption moves by a tenth of its range, for the
 runs to constrain it; below it the assumption is not identifiable from these runs and keeps its default."""
@@ -131,12 +137,6 @@ def step_values(path: Path, key: str) -> list[float]:
     return values
 
 
-def measured_peak_bytes(path: Path) -> int | None:
-    """Largest ``peak_memory_gib`` over the steps of a metrics file (None when it records none)."""
-    peaks = step_values(path, "peak_memory_gib")
-    return round(max(peaks) * GIB) if peaks else None
-
-
 def measured_load_imbalance(path: Path) -> float | None:
     """Median over the steps of a metrics file of the busiest EP rank's routed tokens over the mean
     (``moe_load_imbalance``, a mixture-of-experts run's; None when it records none)."""
@@ -149,6 +149,8 @@ class MeasuredRun:
     """One run: the plan it ran and what it measured."""
 
     name: str
+    where: str
+    """Where the measurements were read, for messages: ``runs.csv row 2`` or ``metrics file m.jsonl``."""
     plan: Plan
     measured_s: float
     measured_peak_bytes: int | None = None
@@ -161,9 +163,24 @@ def runs_from_metrics(metrics: list[str], plans: list[str]) -> list[MeasuredRun]
     if len(plans) not in (1, len(metrics)):
         raise ValueError(f"give one --plan for all metrics files or one per file ({len(metrics)}), got {len(plans)}")
     plan_files = plans * len(metrics) if len(plans) == 1 else plans
-    return [MeasuredRun(name=p, plan=load_plan(p), measured_s=measured_step_time(Path(m)),
-                        measured_peak_bytes=measured_peak_bytes(Path(m)),
-                        measured_load_imbalance=measured_load_imbalance(Path(m))) for m, p in zip(metrics, plan_files)]
+    runs = []
+    for m, p in zip(metrics, plan_files):
+        plan, where = load_plan(p), f"metrics file {m}"
+        peaks = step_values(Path(m), "peak_memory_gib")
+        runs.append(MeasuredRun(name=p, where=where, plan=plan, measured_s=measured_step_time(Path(m)),
+                                measured_peak_bytes=peak_bytes(max(peaks), plan, where) if peaks else None,
+                                measured_load_imbalance=measured_load_imbalance(Path(m))))
+    return runs
+
+
+def peak_bytes(peak_gib: float, plan: Plan, where: str) -> int:
+    """A measured ``peak_memory_gib`` in bytes; a ValueError naming ``where`` when one GPU of the plan's hardware
+    cannot hold it (or it is no positive number)."""
+    device = plan.cluster.device
+    if not 0 < peak_gib * GIB <= device.memory_bytes:  # NaN too
+        raise ValueError(f"{where} peak_memory_gib: {peak_gib:g} GiB is no peak one {device.name} can hold "
+                         f"({device.memory_bytes / GIB:g} GiB): give the largest GPU's peak, in GiB")
+    return round(peak_gib * GIB)
 
 
 TABLE_COLUMNS = ("plan", "args", "step_time_s", "peak_memory_gib", "moe_load_imbalance")
@@ -186,37 +203,24 @@ def _table_rows(path: Path) -> list[dict]:
 
 def _plan_from_args(args: str, where: str) -> Plan:
     """The plan ``plan ARGS`` makes (the arguments should pin the strategy that was run with ``--fix``)."""
-    from planner.cli import main as plan_main
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "plan.json"
-        streams = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = open(Path(tmp) / "stdout", "w"), open(Path(tmp) / "stderr", "w")
-        try:
-            status = plan_main([*shlex.split(args), "--out", str(out), "--json"])
-        except SystemExit as e:
-            status = e.code
-        finally:
-            sys.stdout.close(), sys.stderr.close()
-            sys.stdout, sys.stderr = streams
-        if status != 0 or not out.exists():
-            said = (Path(tmp) / "stderr").read_text().strip().splitlines()
-            raise ValueError(f"{where}: `plan {args}` failed: {said[-1] if said else f'exit {status}'}")
-        return load_plan(out)
+    try:
+        return plans_from_arguments(shlex.split(args))[0]
+    except (ValueError, NotImplementedError) as e:
+        raise ValueError(f"{where}: `plan {args}` failed: {e}") from None
 
 
 def _positive(row: dict, key: str, where: str, *, required: bool) -> float | None:
     value = row.get(key)
     if value in (None, ""):
         if required:
-            raise ValueError(f"{where}: {key} is missing")
+            raise ValueError(f"{where} {key}: missing")
         return None
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{where}: {key} must be a number, got {value!r}") from None
+        raise ValueError(f"{where} {key}: must be a number, got {value!r}") from None
     if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"{where}: {key} must be a positive number, got {value!r}")
+        raise ValueError(f"{where} {key}: must be a positive number, got {value!r}")
     return number
 
 
@@ -234,9 +238,9 @@ def runs_from_table(path: Path) -> list[MeasuredRun]:
             raise ValueError(f"{where}: give either plan (a plan file) or args (plan arguments), not both or neither")
         plan = load_plan(row["plan"]) if row.get("plan") else _plan_from_args(str(row["args"]), where)
         peak = _positive(row, "peak_memory_gib", where, required=False)
-        runs.append(MeasuredRun(name=str(row.get("plan") or row["args"]), plan=plan,
+        runs.append(MeasuredRun(name=str(row.get("plan") or row["args"]), where=where, plan=plan,
                                 measured_s=_positive(row, "step_time_s", where, required=True),
-                                measured_peak_bytes=None if peak is None else round(peak * GIB),
+                                measured_peak_bytes=None if peak is None else peak_bytes(peak, plan, where),
                                 measured_load_imbalance=_positive(row, "moe_load_imbalance", where, required=False)))
     return runs
 
@@ -344,11 +348,65 @@ def measured_values(runs: list[MeasuredRun]) -> dict[str, float]:
     return {"moe_load_imbalance": min(max(statistics.median(imbalances), r.low), r.high)}
 
 
+def check_step_time(run: MeasuredRun, before: Estimate, peak_flops: float) -> None:
+    """Raise a one-line ValueError naming the run when its step time cannot be a measurement: no positive number,
+    longer than ``MAX_MEASURED_SECONDS``, or shorter than its step's model FLOPs take on its GPUs at ``PEAK_MARGIN``
+    times ``peak_flops`` each."""
+    where = f"{run.where} step_time_s"
+    if not 0 < run.measured_s <= MAX_MEASURED_SECONDS:  # NaN too
+        raise ValueError(f"{where}: {run.measured_s:g} s is no step time (a positive number of seconds, at most a "
+                         "day): give seconds per optimizer step")
+    model_flops = before.mfu * before.step_time_s * before.num_gpus * run.plan.cluster.device.peak_bf16_flops
+    fastest = model_flops / (before.num_gpus * PEAK_MARGIN * peak_flops)
+    if run.measured_s < fastest:
+        raise ValueError(f"{where}: {run.measured_s:g} s is faster than {before.num_gpus} GPU(s) do the step's "
+                         f"{model_flops:.3g} model FLOPs at {PEAK_MARGIN:g} x {peak_flops:.3g} FLOP/s each "
+                         f"({fastest:.3g} s): give seconds per optimizer step of the run's plan")
+
+
+def _worst(errors: list[float | None]) -> int:
+    """Index of the largest relative error (None: not measured)."""
+    return max(range(len(errors)), key=lambda i: -1 if errors[i] is None else abs(errors[i]))
+
+
+def refuse_fit_at_bounds(runs: list[MeasuredRun], cal: Calibration) -> None:
+    """Raise a one-line ValueError naming the worst run when the fit ends on a bound and still misses a run by more
+    than ``BOUND_RESIDUAL``: the runs are not a machine the cost model's physical ranges describe."""
+    step_bound = [n for n in cal.at_bound if n in STEP_TIME_ASSUMPTIONS]
+    errors = [r.after_s / r.measured_s - 1 for r in cal.runs]
+    i = _worst(errors)
+    if step_bound and abs(errors[i]) > BOUND_RESIDUAL:
+        raise ValueError(f"{runs[i].where} step_time_s: the fit stops at the physical bound of {', '.join(step_bound)}"
+                         f" and still predicts {cal.runs[i].after_s:.3g} s for the measured {runs[i].measured_s:g} s "
+                         f"({errors[i]:+.0%}): check the run's unit, plan and hardware; nothing written")
+    errors = [None if r.measured_peak_bytes is None else r.predicted_peak_bytes / r.measured_peak_bytes - 1
+              for r in cal.runs]
+    i = _worst(errors)
+    if "framework_overhead_bytes" in cal.at_bound and abs(errors[i]) > BOUND_RESIDUAL:
+        raise ValueError(f"{runs[i].where} peak_memory_gib: the memory reserve stops at its physical bound "
+                         f"({cal.values['framework_overhead_bytes'] / GIB:.3g} GiB) and still predicts "
+                         f"{cal.runs[i].predicted_peak_bytes / GIB:.3g} GiB for the measured "
+                         f"{runs[i].measured_peak_bytes / GIB:.3g} GiB ({errors[i]:+.0%}): check the unit (GiB of "
+                         "the largest GPU), the run's plan and hardware; nothing written")
+
+
+def _at_bound(values: dict[str, float], names: list[str]) -> list[str]:
+    """The fitted step-time ``names`` and the memory reserve that ended on a bound of their range."""
+    step = [n for n in names if min(abs(_normalised(n, values[n])), abs(1 - _normalised(n, values[n]))) < 1e-6]
+    r = MEMORY_ASSUMPTIONS["framework_overhead_bytes"]
+    reserve = values.get("framework_overhead_bytes")
+    return step + (["framework_overhead_bytes"] if reserve in (r.low, r.high) else [])
+
+
 def calibrate_runs(runs: list[MeasuredRun], profile: Profile, *, sources: list[str]) -> Calibration:
-    """Set what the runs measure, then fit on all runs; each run also predicted from a fit on the others when there
-    are three or more."""
+    """Check the runs against physics, set what they measure, then fit on all runs (refused when it ends on a bound
+    far from them); each run also predicted from a fit on the others when there are three or more."""
     predictors = [Predictor(run, profile) for run in runs]
-    before = [p({}).step_time_s for p in predictors]
+    estimates = [p({}) for p in predictors]
+    peak_flops = reference_peak(profile)[0]
+    for run, e in zip(runs, estimates):
+        check_step_time(run, e, peak_flops)
+    before = [e.step_time_s for e in estimates]
     measured_directly = measured_values(runs)
     for p in predictors:
         p.base = with_values(p.base, measured_directly)
@@ -362,9 +420,9 @@ def calibrate_runs(runs: list[MeasuredRun], profile: Profile, *, sources: list[s
             left_out[i] = predictors[i](fitted).step_time_s
     after = [p(values) for p in predictors]
     measured = [r.measured_s for r in runs]
-    at_bound = [n for n in names if min(abs(_normalised(n, values[n])), abs(1 - _normalised(n, values[n]))) < 1e-6]
-    return Calibration(
-        values=values, at_bound=at_bound, not_identifiable=[n for n in STEP_TIME_ASSUMPTIONS if n not in names],
+    cal = Calibration(
+        values=values, at_bound=_at_bound(values, names),
+        not_identifiable=[n for n in STEP_TIME_ASSUMPTIONS if n not in names],
         runs=[CalibratedRun(name=r.name, measured_s=r.measured_s, before_s=b, after_s=a.step_time_s,
                             leave_one_out_s=loo, measured_peak_bytes=r.measured_peak_bytes,
                             predicted_peak_bytes=a.peak_memory_bytes)
@@ -375,6 +433,8 @@ def calibrate_runs(runs: list[MeasuredRun], profile: Profile, *, sources: list[s
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         sources=sources,
     )
+    refuse_fit_at_bounds(runs, cal)
+    return cal
 
 
 def _profile_for(runs: list[MeasuredRun], out: str | None) -> tuple[Path, Profile]:
@@ -401,6 +461,7 @@ def calibrate_main(sources: list[str], plans: list[str], *, out: str | None) -> 
     """Fit, write into the profile, print every run's error before, after and left out, and the fitted values."""
     runs = load_runs(sources, plans)
     path, profile = _profile_for(runs, out)
+    replaced = path.exists()
     profile.calibration = None  # predictions before the fit are the uncalibrated ones
     cal = calibrate_runs(runs, profile, sources=sources)
     profile.calibration = cal
@@ -418,5 +479,40 @@ def calibrate_main(sources: list[str], plans: list[str], *, out: str | None) -> 
         print(f"  {name} = {value:.4g}  (range {r.low:g}..{r.high:g}){flag}")
     if cal.not_identifiable:
         print(f"  not constrained by these runs (defaults kept): {', '.join(cal.not_identifiable)}")
-    print(f"wrote {path}")
+    print(_written(path, replaced=replaced, chosen=out is not None))
     return 0
+
+
+def _written(path: Path, *, replaced: bool, chosen: bool) -> str:
+    """The line saying where the fit went: a profile under ``PROFILES_DIR`` that ``--out`` did not name is one every
+    later ``plan`` for this hardware and model picks up, which the line says."""
+    if chosen or not path.resolve().is_relative_to(PROFILES_DIR):
+        return f"wrote {path}"
+    what = "replaced the calibration of the committed profile" if replaced else "wrote the new profile"
+    return f"{what} {path}: every later plan for this hardware and model costs with it (--out FILE writes elsewhere)"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m planner.calibrate", description=__doc__.split("\n")[0])
+    p.add_argument("runs", metavar="RUNS", nargs="+",
+                   help="measured runs to refit the cost model's assumptions from: runtime metrics files (with --plan) "
+                   "or CSV/YAML tables with columns plan or args, step_time_s, peak_memory_gib (optional)")
+    p.add_argument("--plan", nargs="+", default=[], help="plan file(s) the metrics files were run from (one per "
+                   "metrics file)")
+    p.add_argument("--out", help="the profile to write the fit into (default: the plans' profile, or the committed "
+                   "profile of the runs' hardware and model)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m planner.calibrate``: a mistake in the runs is one line on stderr and exit status 2."""
+    args = parse_args(argv)
+    try:
+        return calibrate_main(args.runs, args.plan, out=args.out)
+    except (ValueError, NotImplementedError, OSError) as e:
+        print(f"calibrate: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
