@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from planner.api import plan as make_plan
-from runtime.dry_run import dry_run, format_report
+from runtime.dry_run import dry_run
+from runtime.dry_run.report import format_report
 from runtime.training.trainer import RunOptions
 
 OUT = Path(__file__).parent / "results" / "dry_run.txt"

@@ -240,7 +240,8 @@ def _run_options(args: argparse.Namespace):
 
 
 def _dry_run(plan: Plan, args: argparse.Namespace) -> int:
-    from runtime.dry_run import dry_run, format_report
+    from runtime.dry_run import dry_run
+    from runtime.dry_run.report import format_report
     from runtime.training.trainer import RunOptions
 
     try:

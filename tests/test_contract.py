@@ -174,7 +174,7 @@ def test_a_sample_of_emitted_plans_builds_under_the_dry_run():
     """Role builds of emitted plans at their full widths (one layer per pipeline chunk): the plan a new user found
     refused (LLM TP8 over Qwen2.5-VL-3B's 2 KV heads) and a seeded draw of short-sequence plans (a draw found
     vision TP8 over Qwen2.5-VL-7B's 3,420-wide vision MLP, now refused by both halves)."""
-    from runtime.dry_run import measure_role
+    from runtime.dry_run.measure import measure_role
 
     short = WORKLOADS["short"]
     tp8 = next(emitted for _, emitted in emitted_plans("qwen2.5-vl-3b", 8, 8, short)

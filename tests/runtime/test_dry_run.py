@@ -20,7 +20,10 @@ from planner import api as planner_api
 from planner.catalog import get_model
 from planner.contract.schema import Plan
 from planner.contract.units import GIB
-from runtime.dry_run import StepMemTracker, _device_snapshot, dry_run, format_report, measure_role, roles, usable_bytes
+from runtime.dry_run import dry_run
+from runtime.dry_run.measure import StepMemTracker, _device_snapshot, measure_role
+from runtime.dry_run.report import format_report, usable_bytes
+from runtime.dry_run.roles import roles
 from runtime.models.model import RandomInit
 from runtime.parallel.parallel_dims import forget_earlier_worlds
 from runtime.training.trainer import RunOptions, Trainer
