@@ -77,7 +77,8 @@ from transformers.integrations import moe as moe_integration
 
 from planner.contract.schema import ZERO_BUBBLE_SCHEDULES, Plan
 from runtime.training import trainer as trainer_module
-from runtime.data.samples import Sample, SampleLayout, layout_from_plan, token_sequence
+from runtime.data.samples import Sample, SampleLayout, token_sequence
+from runtime.models.families import family_of
 from runtime.models.model import hf_config_from_dict
 from runtime.parallel.ulysses import split_sequence, split_windows
 from runtime.parallel.parallel_dims import forget_earlier_worlds, plan_dims
@@ -350,7 +351,7 @@ def _slice_lengths(plan: Plan, name: str, layout: SampleLayout, config: Any) -> 
 def role_keys(plan: Plan) -> dict[int, tuple]:
     """Each rank's role: per module it holds, (module, the length of its sequence slice, its pipeline stage)."""
     config = hf_config_from_dict(plan.model.hf_config)
-    layout = layout_from_plan(plan.workload, config)
+    layout = family_of(config).encoder.layout_from_plan(plan.workload, config)
     lengths = {name: _slice_lengths(plan, name, layout, config) for name in module_names(plan)}
     dims = {name: plan_dims(plan, name) for name in module_names(plan)}
     keys = {}

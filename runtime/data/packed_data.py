@@ -41,7 +41,6 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
-from runtime.data.normalization import image_normalization
 
 from planner.cost.balance import SampleWork, assign_lpt
 from planner.contract.data_rows import (SHORT_CLIP, SkippedSample, Video, cache_folder, file_key, image_header_size,
@@ -113,7 +112,8 @@ class PackedConversations:
     """A conversation file indexed, packed and ordered for a dataset plan (see the module docstring)."""
 
     def __init__(self, path: str | Path, tokenizer_dir: str | Path, *, config: Any, dataset: DatasetInfo, seed: int,
-                 work: SampleWork, balance: str = "modules"):
+                 work: SampleWork, normalization: tuple[tuple[float, ...], tuple[float, ...]],
+                 balance: str = "modules"):
         self.path = Path(path)
         vc = config.vision_config
         self.patch_size, self.merge_size = vc.patch_size, vc.spatial_merge_size
@@ -130,7 +130,7 @@ class PackedConversations:
         self.fps = dataset.fps or DEFAULT_FPS
         self.timestamped = self.spec.vision_input.video.group_text_tokens > 2
         """Whether each temporal group has its timestamp (``runtime.data.samples.clip_sizes``' rule)."""
-        mean, std = image_normalization(config)
+        mean, std = normalization  # the family's processor's (runtime.models.vision ``VisionHooks``)
         self.processor = Qwen2VLImageProcessorPil(
             patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
             size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}, image_mean=list(mean),

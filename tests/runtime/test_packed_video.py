@@ -16,12 +16,13 @@ from planner.contract.families import model_from_hf_config
 from planner.contract.families.qwen3_vl import TIMESTAMP_TOKENS
 from planner.contract.workload import sampled_frames, video_grid
 from runtime.data.conversations import conversation_of
-from runtime.data.samples import layout_from_plan, layout_image_processor, pack_rows, patchify_clip, visual_inputs
+from runtime.data.samples import layout_image_processor, pack_rows, patchify_clip, visual_inputs
 from runtime.models.llm import packed_position_ids
 from runtime.models.model import build_model, hf_config_from_dict, split_model
 from runtime.data.packed_data import PackedConversations
 from tests.planner.test_video_rows import write_video_rows
-from tests.runtime.plans import dataset_info, sample_work, tiny_hf_config, tiny_qwen3_vl_config
+from runtime.models.families import family_of
+from tests.runtime.plans import dataset_info, sample_layout, sample_work, tiny_hf_config, tiny_qwen3_vl_config
 from tests.runtime.tokenizer import save_tokenizer
 
 FPS = 2.0
@@ -42,7 +43,8 @@ def _indexed(path, tokenizer_dir, family: str) -> PackedConversations:
     config = hf_config_from_dict(CONFIGS[family]())
     dataset = dataset_info(4096).model_copy(update={"fps": FPS})
     return PackedConversations(path, tokenizer_dir, config=config, dataset=dataset, seed=0,
-                               work=sample_work(CONFIGS[family]()))
+                               work=sample_work(CONFIGS[family]()),
+                               normalization=family_of(config).encoder.image_normalization)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
@@ -80,7 +82,7 @@ def _synthetic_layout(frames: int, config):
 
     workload = SimpleNamespace(image_sizes=(), vision_tokens=None, videos=((frames, 48, 64),), text_tokens=8,
                                module_tokens={})
-    return layout_from_plan(workload, config)
+    return sample_layout(workload, config)
 
 
 def _contains(ids: list[int], block: list[int]) -> bool:
