@@ -101,6 +101,7 @@ def loader_lines(data: Path, folder: Path, samples: int) -> list[str]:
     from planner.cost.balance import plan_sample_work
     from runtime.models.model import hf_config_from_dict
     from runtime.data.packed_data import PackedConversations
+    from runtime.models.families import family_of
     from tests.runtime.plans import tiny_hf_config
     from tests.runtime.tokenizer import save_tokenizer
 
@@ -110,9 +111,10 @@ def loader_lines(data: Path, folder: Path, samples: int) -> list[str]:
     info = made.workload.dataset
     need = made.predicted.samples_per_s / made.module("vision").dp
     start = time.perf_counter()
-    loader = PackedConversations(subset, save_tokenizer(folder / "tokenizer"), config=hf_config_from_dict(
-        tiny_hf_config()), dataset=info.model_copy(update={"max_pixels": LOADER_MAX_PIXELS}), seed=0,
-        work=plan_sample_work(made))
+    config = hf_config_from_dict(tiny_hf_config())
+    loader = PackedConversations(subset, save_tokenizer(folder / "tokenizer"), config=config,
+                                 dataset=info.model_copy(update={"max_pixels": LOADER_MAX_PIXELS}), seed=0,
+                                 work=plan_sample_work(made), normalization=family_of(config).encoder.image_normalization)
     index_s = time.perf_counter() - start
     built = min(len(loader.samples), 200)
     start = time.perf_counter()

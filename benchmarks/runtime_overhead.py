@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.launch import launcher  # noqa: E402
-from runtime.data.samples import SyntheticData, collate, layout_from_plan  # noqa: E402
+from runtime.data.samples import SyntheticData, collate  # noqa: E402
+from runtime.models.families import family_of  # noqa: E402
 from runtime.models.model import build_model  # noqa: E402
 from runtime.training.optim import warmup_factor  # noqa: E402
 from runtime.training.trainer import RunOptions  # noqa: E402
@@ -52,7 +53,8 @@ class PlainStep:
 
     def __init__(self, plan):
         self.model = build_model(plan.model.hf_config, seed=0)
-        self.data = SyntheticData(layout_from_plan(plan.workload, self.model.config), seed=0)
+        config = self.model.config
+        self.data = SyntheticData(family_of(config).encoder.layout_from_plan(plan.workload, config), seed=0)
         self.training = plan.training
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.training.learning_rate,
                                            weight_decay=self.training.weight_decay)

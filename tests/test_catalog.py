@@ -398,7 +398,7 @@ def test_unsupported_model_type_names_the_supported_ones():
 def test_bad_config_files(tmp_path):
     assert_one_line_error("cannot read model config", get_model, str(tmp_path / "missing.json"))
     (tmp_path / "broken.json").write_text("{not json")
-    assert_one_line_error("not valid JSON", get_model, str(tmp_path / "broken.json"))
+    assert_one_line_error("broken.json is not JSON", get_model, str(tmp_path / "broken.json"))
     (tmp_path / "gpt2.json").write_text(json.dumps({"model_type": "gpt2"}))
     assert_one_line_error(f"{tmp_path / 'gpt2.json'}: unsupported model_type 'gpt2'", get_model,
                           str(tmp_path / "gpt2.json"))

@@ -31,7 +31,7 @@ from PIL import Image
 from planner.cli import main as plan_main
 from planner.dataset import DatasetHistogram, VideoShape, read_dataset
 from planner.contract.hardware import get_device, load_cluster_file
-from planner.catalog.hf_configs import QWEN2_5_VL_TINY
+from planner.contract.families.qwen2_5_vl_configs import QWEN2_5_VL_TINY
 from planner.contract.file_io import MAX_DEPTH
 from planner.profiles import PROFILES_DIR
 from planner.profiles.files import load_profile

@@ -1,7 +1,8 @@
 """Model catalog: Hugging Face ``config.json`` dicts of supported architectures become ``ModelSpec``s.
 
-Catalog entries and a user's ``config.json`` go through the same ``model_from_hf_config``, which hands the config to
-its family's adapter (``planner.contract.families``). Keys a config omits take the transformers 5.x class defaults (each
+Each family keeps the config.json of its checkpoints beside its adapter (``planner.contract.families``, its
+``FAMILY.configs``); the catalog gathers them and gives each a description and aliases. Catalog entries and a user's
+``config.json`` go through the same ``model_from_hf_config``, which hands the config to its family's adapter. Keys a config omits take the transformers 5.x class defaults (each
 adapter's ``*_DEFAULTS``), as ``from_pretrained`` would. Both layouts are
 read: the flat hub layout (decoder keys at the top level) and the nested ``text_config`` layout of transformers 5.
 Each parameter formula mirrors one Hugging Face module; ``tests/test_catalog.py`` checks every entry against the
@@ -15,8 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from planner.catalog import hf_configs
-from planner.contract.families import model_from_hf_config
+from planner.contract.families import FAMILIES, model_from_hf_config
 from planner.contract.models import ModelSpec
 from planner.contract.file_io import read_json
 
@@ -36,48 +36,41 @@ class CatalogEntry:
     """One line for ``plan --list-models``."""
 
 
-def _entry(name: str, config: Mapping[str, Any], description: str, *aliases: str) -> tuple[str, CatalogEntry]:
-    """A catalog item; each hub id ``Qwen/X`` among ``aliases`` also adds its bare lower-cased ``x``."""
+CONFIGS: dict[str, Mapping[str, Any]] = {name: config for family in FAMILIES.values()
+                                         for name, config in family.configs.items()}
+"""Catalog name -> config.json, gathered from the families."""
+
+
+def _entry(name: str, description: str, *aliases: str) -> tuple[str, CatalogEntry]:
+    """A catalog item (its config is the family's ``CONFIGS[name]``); each hub id ``Qwen/X`` among ``aliases`` also
+    adds its bare lower-cased ``x``."""
     expanded = [a for alias in aliases for a in ((alias.split("/")[1].lower(), alias) if "/" in alias else (alias,))]
     unique = tuple(dict.fromkeys(a for a in expanded if a.lower() != name))
-    return name, CatalogEntry(config=config, aliases=unique, description=description)
+    return name, CatalogEntry(config=CONFIGS[name], aliases=unique, description=description)
 
 
 CATALOG: dict[str, CatalogEntry] = dict([
-    _entry("qwen2.5-vl-3b", hf_configs.QWEN2_5_VL_3B, "Qwen2.5-VL 3B Instruct (tied embeddings)",
-           "Qwen/Qwen2.5-VL-3B-Instruct", "qwen-vl-3b"),
-    _entry("qwen2.5-vl-7b", hf_configs.QWEN2_5_VL_7B, "Qwen2.5-VL 7B Instruct",
-           "Qwen/Qwen2.5-VL-7B-Instruct", "qwen-vl-7b"),
-    _entry("qwen2.5-vl-32b", hf_configs.QWEN2_5_VL_32B, "Qwen2.5-VL 32B Instruct",
-           "Qwen/Qwen2.5-VL-32B-Instruct", "qwen-vl-32b"),
-    _entry("qwen2.5-vl-72b", hf_configs.QWEN2_5_VL_72B, "Qwen2.5-VL 72B Instruct",
-           "Qwen/Qwen2.5-VL-72B-Instruct", "qwen-vl-72b"),
-    _entry("qwen2-vl-2b", hf_configs.QWEN2_VL_2B, "Qwen2-VL 2B Instruct (tied embeddings, no window attention)",
-           "Qwen/Qwen2-VL-2B-Instruct"),
-    _entry("qwen2-vl-7b", hf_configs.QWEN2_VL_7B, "Qwen2-VL 7B Instruct (no window attention)",
-           "Qwen/Qwen2-VL-7B-Instruct"),
-    _entry("qwen2-vl-72b", hf_configs.QWEN2_VL_72B, "Qwen2-VL 72B Instruct (no window attention)",
-           "Qwen/Qwen2-VL-72B-Instruct"),
-    _entry("qwen2-audio-7b", hf_configs.QWEN2_AUDIO_7B, "Qwen2-Audio 7B: Whisper-style audio encoder + Qwen 7B decoder",
+    _entry("qwen2.5-vl-3b", "Qwen2.5-VL 3B Instruct (tied embeddings)", "Qwen/Qwen2.5-VL-3B-Instruct", "qwen-vl-3b"),
+    _entry("qwen2.5-vl-7b", "Qwen2.5-VL 7B Instruct", "Qwen/Qwen2.5-VL-7B-Instruct", "qwen-vl-7b"),
+    _entry("qwen2.5-vl-32b", "Qwen2.5-VL 32B Instruct", "Qwen/Qwen2.5-VL-32B-Instruct", "qwen-vl-32b"),
+    _entry("qwen2.5-vl-72b", "Qwen2.5-VL 72B Instruct", "Qwen/Qwen2.5-VL-72B-Instruct", "qwen-vl-72b"),
+    _entry("qwen2-vl-2b", "Qwen2-VL 2B Instruct (tied embeddings, no window attention)", "Qwen/Qwen2-VL-2B-Instruct"),
+    _entry("qwen2-vl-7b", "Qwen2-VL 7B Instruct (no window attention)", "Qwen/Qwen2-VL-7B-Instruct"),
+    _entry("qwen2-vl-72b", "Qwen2-VL 72B Instruct (no window attention)", "Qwen/Qwen2-VL-72B-Instruct"),
+    _entry("qwen2-audio-7b", "Qwen2-Audio 7B: Whisper-style audio encoder + Qwen 7B decoder",
            "Qwen/Qwen2-Audio-7B", "Qwen/Qwen2-Audio-7B-Instruct", "qwen-audio-7b"),
-    _entry("qwen3-vl-2b", hf_configs.QWEN3_VL_2B, "Qwen3-VL 2B Instruct (DeepStack, tied embeddings)",
-           "Qwen/Qwen3-VL-2B-Instruct"),
-    _entry("qwen3-vl-4b", hf_configs.QWEN3_VL_4B, "Qwen3-VL 4B Instruct (DeepStack, tied embeddings)",
-           "Qwen/Qwen3-VL-4B-Instruct"),
-    _entry("qwen3-vl-8b", hf_configs.QWEN3_VL_8B, "Qwen3-VL 8B Instruct (DeepStack)", "Qwen/Qwen3-VL-8B-Instruct"),
-    _entry("qwen3-vl-32b", hf_configs.QWEN3_VL_32B, "Qwen3-VL 32B Instruct (DeepStack)",
-           "Qwen/Qwen3-VL-32B-Instruct"),
-    _entry("qwen3-vl-30b-a3b", hf_configs.QWEN3_VL_30B_A3B,
-           "Qwen3-VL 30B-A3B Instruct (DeepStack, 128 experts, top-8: 3B active)", "Qwen/Qwen3-VL-30B-A3B-Instruct"),
-    _entry("qwen3-vl-235b-a22b", hf_configs.QWEN3_VL_235B_A22B,
-           "Qwen3-VL 235B-A22B Instruct (DeepStack, 128 experts, top-8: 22B active)",
+    _entry("qwen3-vl-2b", "Qwen3-VL 2B Instruct (DeepStack, tied embeddings)", "Qwen/Qwen3-VL-2B-Instruct"),
+    _entry("qwen3-vl-4b", "Qwen3-VL 4B Instruct (DeepStack, tied embeddings)", "Qwen/Qwen3-VL-4B-Instruct"),
+    _entry("qwen3-vl-8b", "Qwen3-VL 8B Instruct (DeepStack)", "Qwen/Qwen3-VL-8B-Instruct"),
+    _entry("qwen3-vl-32b", "Qwen3-VL 32B Instruct (DeepStack)", "Qwen/Qwen3-VL-32B-Instruct"),
+    _entry("qwen3-vl-30b-a3b", "Qwen3-VL 30B-A3B Instruct (DeepStack, 128 experts, top-8: 3B active)",
+           "Qwen/Qwen3-VL-30B-A3B-Instruct"),
+    _entry("qwen3-vl-235b-a22b", "Qwen3-VL 235B-A22B Instruct (DeepStack, 128 experts, top-8: 22B active)",
            "Qwen/Qwen3-VL-235B-A22B-Instruct"),
-    _entry("qwen3-vl-tiny", hf_configs.QWEN3_VL_TINY, "Toy Qwen3-VL for CPU tests and demos (DeepStack into 2 layers)"),
-    _entry("qwen3-vl-moe-tiny", hf_configs.QWEN3_VL_MOE_TINY,
-           "Toy Qwen3-VL-MoE for CPU tests and demos (8 experts, top-2, in every decoder layer)"),
-    _entry("qwen2-audio-tiny", hf_configs.QWEN2_AUDIO_TINY, "Toy Qwen2-Audio for CPU tests and demos (1 s clips)"),
-    _entry("qwen2.5-vl-tiny", hf_configs.QWEN2_5_VL_TINY, "Toy Qwen2.5-VL for CPU tests and demos (~1.2M params)",
-           "qwen-vl-tiny", "tiny"),
+    _entry("qwen3-vl-tiny", "Toy Qwen3-VL for CPU tests and demos (DeepStack into 2 layers)"),
+    _entry("qwen3-vl-moe-tiny", "Toy Qwen3-VL-MoE for CPU tests and demos (8 experts, top-2, in every decoder layer)"),
+    _entry("qwen2-audio-tiny", "Toy Qwen2-Audio for CPU tests and demos (1 s clips)"),
+    _entry("qwen2.5-vl-tiny", "Toy Qwen2.5-VL for CPU tests and demos (~1.2M params)", "qwen-vl-tiny", "tiny"),
 ])
 """Catalog name -> entry."""
 

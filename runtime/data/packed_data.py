@@ -67,7 +67,6 @@ from runtime.data.conversations import (
     open_images,
     read_conversation_rows,
 )
-from runtime.data.normalization import image_normalization
 from runtime.data.samples import IGNORE_INDEX, Sample, patchify_clip
 
 INDEX_VERSION = 3
@@ -127,7 +126,8 @@ class PackedConversations:
     """A conversation file indexed, packed and ordered for a dataset plan (see the module docstring)."""
 
     def __init__(self, path: str | Path, tokenizer_dir: str | Path, *, config: Any, dataset: DatasetInfo, seed: int,
-                 work: SampleWork, balance: str = "modules", data_root_only: bool = False):
+                 work: SampleWork, normalization: tuple[tuple[float, ...], tuple[float, ...]],
+                 balance: str = "modules", data_root_only: bool = False):
         self.path = Path(path)
         self.data_root_only = data_root_only
         """Rows naming a file outside the data folder are skipped and counted (``check_data_root``)."""
@@ -146,7 +146,7 @@ class PackedConversations:
         self.fps = dataset.fps or DEFAULT_FPS
         self.timestamped = self.spec.vision_input.video.group_text_tokens > 2
         """Whether each temporal group has its timestamp (``runtime.data.samples.clip_sizes``' rule)."""
-        mean, std = image_normalization(config)
+        mean, std = normalization  # the family's processor's (runtime.models.vision ``VisionHooks``)
         self.processor = Qwen2VLImageProcessorPil(
             patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size, merge_size=vc.spatial_merge_size,
             size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels}, image_mean=list(mean),

@@ -30,7 +30,6 @@ from planner.contract.data_rows import MAX_DATASET_BYTES, SkippedSample, check_d
 from planner.contract.families import model_from_hf_config
 from planner.contract.file_io import read_text
 from planner.contract.workload import video_grid
-from runtime.data.normalization import image_normalization
 from runtime.parallel.windows import merged_positions_per_rank
 
 IGNORE_INDEX = -100
@@ -78,8 +77,8 @@ class SampleLayout:
     """Text tokens before each temporal group's start marker (Qwen3-VL's ``<t seconds>``), 0 where a clip has one
     marker pair around all its groups (Qwen2-VL, Qwen2.5-VL)."""
     normalization: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
-    """(image_mean, image_std) the family's checkpoints normalise pixels with (runtime.models.families
-    ``IMAGE_NORMALIZATION``); empty: the processor's defaults."""
+    """(image_mean, image_std) the family's checkpoints normalise pixels with (runtime.models.vision
+    ``VisionHooks.image_normalization``); empty: the processor's defaults."""
 
     def __post_init__(self) -> None:
         if self.text_tokens < 2 * len(self.image_sizes) + 1:
@@ -156,8 +155,10 @@ def ordinary_ids(vocab_size: int, special: list[int]) -> tuple[int, int]:
     return first, end
 
 
-def layout_from_plan(workload: Any, config: Any) -> SampleLayout:
-    """The sample layout of a plan's workload (``plan.workload``) for an HF model config.
+def layout_from_plan(workload: Any, config: Any, *,
+                     normalization: tuple[tuple[float, ...], tuple[float, ...]]) -> SampleLayout:
+    """The sample layout of a plan's workload (``plan.workload``) for an HF model config; ``normalization``: its
+    family's (runtime.models.families: ``encoder.layout_from_plan`` passes it).
 
     Raises:
         ValueError: the workload has no image or has video clips, or its token counts disagree with the plan's.
@@ -191,7 +192,7 @@ def layout_from_plan(workload: Any, config: Any) -> SampleLayout:
         videos=videos,
         video_token_id=config.video_token_id,
         timestamp_tokens=timestamps,
-        normalization=image_normalization(config),
+        normalization=normalization,
     )
     planned = workload.module_tokens.get("vision")
     if planned is not None and planned != layout.num_patches:

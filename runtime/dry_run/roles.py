@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from planner.contract.schema import Plan
-from runtime.data.samples import SampleLayout, layout_from_plan
+from runtime.data.samples import SampleLayout
+from runtime.models.families import family_of
 from runtime.models.model import hf_config_from_dict
 from runtime.models.vision import window_layout
 from runtime.parallel.parallel_dims import plan_dims
@@ -29,7 +30,7 @@ def _slice_lengths(plan: Plan, name: str, layout: SampleLayout, config: Any) -> 
 def role_keys(plan: Plan) -> dict[int, tuple]:
     """Each rank's role: per module it holds, (module, the length of its sequence slice, its pipeline stage)."""
     config = hf_config_from_dict(plan.model.hf_config)
-    layout = layout_from_plan(plan.workload, config)
+    layout = family_of(config).encoder.layout_from_plan(plan.workload, config)
     lengths = {name: _slice_lengths(plan, name, layout, config) for name in module_names(plan)}
     dims = {name: plan_dims(plan, name) for name in module_names(plan)}
     keys = {}

@@ -25,7 +25,7 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
     config = hf_config_from_dict(plan.model.hf_config)
     family = family_of(config)
     tc = config.get_text_config()
-    reasons = family.ENCODER.rules(encoder.tp, encoder.sp, config)
+    reasons = family.encoder.rules(encoder.tp, encoder.sp, config)
     reasons += attention_rules(llm.tp, llm.sp, tc.num_attention_heads, tc.num_key_value_heads, "the LLM")
     widths = [(tc.intermediate_size, "MLP hidden width of the LLM's decoder layers"),
               (tc.vocab_size, "vocabulary entries")]
@@ -39,6 +39,6 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
         raise ValueError(reasons[0])
     if plan.workload.dataset is not None:
         return  # each packed micro-batch's shapes are known once the data is indexed
-    layout = family.ENCODER.layout_from_plan(plan.workload, config)
+    layout = family.encoder.layout_from_plan(plan.workload, config)
     split_sequence(layout.seq_len, llm.sp)  # a token per SP rank at least
     layout.output_positions_per_rank(encoder.micro_batch, config, encoder.sp)  # enough units for the encoder's SP

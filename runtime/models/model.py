@@ -30,7 +30,7 @@ from runtime.models.loss import chunked_cross_entropy_sum, cross_entropy_sum
 from runtime.parallel.attention import VARLEN_ATTENTION, packed_segments
 from runtime.parallel.ulysses import UlyssesGroup
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {model_type: f.MODEL_CLASS for model_type, f in FAMILIES.items()}
+MODEL_CLASSES: dict[str, type[nn.Module]] = {model_type: f.model_class for model_type, f in FAMILIES.items()}
 """HF ``model_type`` -> the conditional-generation class the runtime builds (runtime.models.families)."""
 
 ATTENTION = "sdpa"
@@ -255,6 +255,6 @@ deltas)."""
 
 
 def split_model(model: nn.Module) -> tuple[nn.Module, LanguageModel, RopeIndex]:
-    """The encoder tower (runtime.models.families: the family's ``ENCODER``), the language model, and the model's own
+    """The encoder tower (runtime.models.families: the family's ``encoder``), the language model, and the model's own
     position function (M-RoPE ``get_rope_index``, or plain positions)."""
-    return FAMILIES[model.config.model_type].ENCODER.split_model(model, LanguageModel)
+    return FAMILIES[model.config.model_type].encoder.split_model(model, LanguageModel)

@@ -11,10 +11,9 @@ argument.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from torch import nn
 
+from runtime.models.families.family import RuntimeFamily
 from runtime.models.model import LanguageModel
 from runtime.models.pipeline import PipelinedLanguageModel, split_language_model
 from runtime.parallel.experts import apply_expert_parallel, shard_experts
@@ -30,19 +29,19 @@ def uses_fsdp(dims: ParallelDims) -> bool:
     return dims.zero >= 1 and dims.batch_enabled
 
 
-def parallelize_encoder(tower: nn.Module, dims: ParallelDims, precision: Precision, family: ModuleType) -> None:
-    """Encoder tower (vision or audio): TP over ``tp`` (the family's ``ENCODER.parallelize_tp``, runtime.models.families),
+def parallelize_encoder(tower: nn.Module, dims: ParallelDims, precision: Precision, family: RuntimeFamily) -> None:
+    """Encoder tower (vision or audio): TP over ``tp`` (the family's ``encoder.parallelize_tp``, runtime.models.families),
     recomputation, ZeRO over ``dp x sp``."""
     assert dims.mesh is not None, "build_mesh first"
     if dims.tp_enabled:
-        family.ENCODER.parallelize_tp(tower, dims.mesh["tp"])
+        family.encoder.parallelize_tp(tower, dims.mesh["tp"])
     cast_norm_outputs(tower, precision)
     apply_recompute(tower.pretrained, dims.recompute)
     if uses_fsdp(dims):
         apply_fsdp(tower, tower.blocks, dims.mesh[BATCH_AXIS], zero=dims.zero, mp_policy=precision.fsdp_policy)
 
 
-def parallelize_llm(llm: LanguageModel, dims: ParallelDims, precision: Precision, family: ModuleType) -> None:
+def parallelize_llm(llm: LanguageModel, dims: ParallelDims, precision: Precision, family: RuntimeFamily) -> None:
     """Language model: TP (vocab-parallel embedding and loss), EP of its experts (runtime.parallel.experts),
     recomputation, ZeRO over ``dp x sp`` (the experts' over ``efsdp``)."""
     assert dims.mesh is not None, "build_mesh first"
@@ -60,7 +59,7 @@ def parallelize_llm(llm: LanguageModel, dims: ParallelDims, precision: Precision
 
 
 def parallelize_pipelined_llm(llm: LanguageModel, dims: ParallelDims, precision: Precision, rank: int,
-                              family: ModuleType) -> PipelinedLanguageModel:
+                              family: RuntimeFamily) -> PipelinedLanguageModel:
     """A pipelined language model: recomputation on every layer first (transformers sets it per layer), then this
     rank's chunks (runtime.models.pipeline), each with TP and ZeRO over its stage's ``dp x sp`` as one FSDP root."""
     assert dims.mesh is not None, "build_mesh first"

@@ -1,10 +1,10 @@
 """How one vision rank runs its part of a micro-batch: window split (Ulysses SP) and the block loop.
 
-The forward (each family's ``vision_forward``, runtime.models.families) reuses the tower's own submodules (patch_embed,
-rotary_pos_emb, blocks, merger) and transformers' own index helpers (``get_vision_window_index`` etc.), in the
-same order as the tower's own forward (``Qwen2_5_VisionTransformerPretrainedModel.forward``); it only restricts
-every step to this rank's windows. Qwen2-VL and Qwen3-VL have no windows: their sequence is split on merge units
-and every block is a full-attention block.
+The forward (each family's ``VisionHooks.forward``, runtime.models.families) reuses the tower's own submodules
+(patch_embed, rotary_pos_emb, blocks, merger) and transformers' own index helpers (``get_vision_window_index``
+etc.), in the same order as the tower's own forward (``Qwen2_5_VisionTransformerPretrainedModel.forward``); it only
+restricts every step to this rank's windows. Qwen2-VL and Qwen3-VL have no windows: their sequence is split on merge
+units and every block is a full-attention block.
 
 Shape legend: N patches of the replica, n this rank's patches, M merged tokens, P flattened patch size.
 """
@@ -25,9 +25,13 @@ from runtime.parallel.ulysses import UlyssesGroup, split_windows
 from runtime.parallel.windows import merged_positions_per_rank, window_layout
 
 
+Normalization = tuple[tuple[float, ...], tuple[float, ...]]
+"""(image_mean, image_std) per channel."""
+
+
 class VisionTower(nn.Module):
     """The vision encoder (patch embed, blocks, merger) of a Qwen-VL model: ``model.model.visual``, run by its
-    family's ``vision_forward``."""
+    family's ``VisionHooks.forward``."""
 
     hf_prefix = "model.visual."
 
@@ -56,14 +60,47 @@ class VisionTower(nn.Module):
         return VisionTower.hf_prefix + name.removeprefix("visual.")
 
 
+@dataclass(kw_only=True, frozen=True)
+class VisionHooks:
+    """What a vision family says of its tower; ``VisionEncoder`` does the rest."""
+
+    tp_plans: Callable[[nn.Module], list[tuple[nn.Module, dict]]]
+    """``tp_plans(visual)``: the DTensor ``parallelize_module`` plans of the tower's submodules (each block's fused
+    ``attn.qkv`` rows are put in TP layout first, by runtime.parallel.tensor_parallel)."""
+    patch_inputs: Callable[[torch.Tensor, Any], dict[str, torch.Tensor]]
+    """``patch_inputs(grid_thw, vision_config)``: per-patch inputs besides pixels and positions, ``{name: [N,
+    ...]}`` in patch order (the shard takes its patches' rows); may return none."""
+    forward: Callable[[nn.Module, "VisionShard"], torch.Tensor]
+    """``forward(visual, shard)``: this rank's hand-off rows ``[m, handoff_tensors * D]``, in window order."""
+    image_normalization: Normalization
+    """(image_mean, image_std) of the checkpoints' preprocessor_config.json: how the data readers normalise pixels."""
+
+    def missing(self) -> list[str]:
+        """The hooks that are not callable, and a normalization that is not a mean and a deviation per channel."""
+        missing = [name for name in ("tp_plans", "patch_inputs", "forward") if not callable(getattr(self, name))]
+        norm = self.image_normalization
+        if not (isinstance(norm, tuple) and len(norm) == 2 and all(isinstance(v, tuple) and v for v in norm)
+                and len(norm[0]) == len(norm[1])):
+            missing.append("image_normalization")
+        return missing
+
+
 class VisionEncoder:
-    """The runtime's encoder interface (runtime.models.families ``ENCODER``) for the Qwen-VL vision towers, from a family's
-    vision hooks."""
+    """The runtime's encoder interface (runtime.models.families ``Encoder``) for the Qwen-VL vision towers, from a
+    family's vision hooks."""
 
     name = "vision"
 
-    def __init__(self, family: Any):
-        self.family = family
+    def __init__(self, hooks: VisionHooks):
+        self.hooks = hooks
+
+    @property
+    def image_normalization(self) -> Normalization:
+        """(image_mean, image_std) the family's processor normalises pixels with."""
+        return self.hooks.image_normalization
+
+    def missing_hooks(self) -> list[str]:
+        return [f"vision hooks.{name}" for name in self.hooks.missing()]
 
     @staticmethod
     def config(config: Any) -> Any:
@@ -73,10 +110,10 @@ class VisionEncoder:
         """The vision tower, the language model (its hand-off lands on image and video tokens) and M-RoPE."""
         llm = language_model(model.model.language_model, model.lm_head,
                              (model.config.image_token_id, model.config.video_token_id))
-        return VisionTower(model.model.visual, self.family.vision_forward), llm, model.model.get_rope_index
+        return VisionTower(model.model.visual, self.hooks.forward), llm, model.model.get_rope_index
 
     def parallelize_tp(self, tower: VisionTower, mesh: Any) -> None:
-        parallelize_vision_tp(tower.visual, mesh, self.family.vision_tp_plans(tower.visual))
+        parallelize_vision_tp(tower.visual, mesh, self.hooks.tp_plans(tower.visual))
 
     @staticmethod
     def row_order(local_name: str, tp: int, rows: int) -> torch.Tensor | None:
@@ -94,10 +131,9 @@ class VisionEncoder:
                   (width * vc.spatial_merge_size**2, "input width of the patch merger")]
         return reasons + [problem for w, what in widths if (problem := width_rule(tp, w, what))]
 
-    @staticmethod
-    def layout_from_plan(workload: Any, config: Any) -> Any:
-        """runtime.data.samples ``layout_from_plan``."""
-        return layout_from_plan(workload, config)
+    def layout_from_plan(self, workload: Any, config: Any) -> Any:
+        """runtime.data.samples ``layout_from_plan``, with the family's image normalization."""
+        return layout_from_plan(workload, config, normalization=self.hooks.image_normalization)
 
     @staticmethod
     def synthetic(layout: Any, seed: int) -> Any:
@@ -110,7 +146,7 @@ class VisionEncoder:
         pixels, grid = visual_inputs(batch)
         grid, vc = grid.cpu(), config.vision_config
         return shard_vision_batch(pixels, grid, vc, sp_rank=sp_rank, sp_group=sp_group, sp=sp,
-                                  patch_inputs=self.family.vision_patch_inputs(grid, vc))
+                                  patch_inputs=self.hooks.patch_inputs(grid, vc))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -155,7 +191,7 @@ def shard_vision_batch(
     patch_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> VisionShard:
     """The part of a replica's packed images that SP rank ``sp_rank`` of ``sp`` processes; ``patch_inputs``: the
-    family's other per-patch inputs of the replica (``vision_patch_inputs``), in patch order."""
+    family's other per-patch inputs of the replica (``VisionHooks.patch_inputs``), in patch order."""
     unit = config.spatial_merge_size**2
     window_index, cu_windows = window_layout(grid_thw, config)
     patch_order = (window_index[:, None] * unit + torch.arange(unit)).flatten()

@@ -183,7 +183,7 @@ def _local_rows_lookup(embedding: nn.Embedding, ids: DTensor) -> DTensor:
 
 
 def parallelize_llm_tp(llm: nn.Module, mesh: DeviceMesh, family: Any) -> None:
-    """Shard the decoder blocks (the common plan and the family's ``LLM_LAYER_TP_PLAN``), the embedding
+    """Shard the decoder blocks (the common plan and the family's ``llm_layer_tp_plan``), the embedding
     (vocab-parallel) and lm_head (logits sharded on vocab); a pipeline chunk (runtime.models.pipeline) has the embedding
     only on the first stage and lm_head only on the last."""
     tp = mesh.size()
@@ -203,7 +203,7 @@ def parallelize_llm_tp(llm: nn.Module, mesh: DeviceMesh, family: Any) -> None:
     if tied:  # both are sharded on the vocabulary dim, so the shards can stay shared
         llm.lm_head.weight = llm.language_model.embed_tokens.weight
     layers = llm.language_model.layers
-    block_plan = {**LLM_BLOCK_PLAN, **family.LLM_LAYER_TP_PLAN}
+    block_plan = {**LLM_BLOCK_PLAN, **family.llm_layer_tp_plan}
     kv_heads = config.num_key_value_heads
     if kv_heads % tp:
         replicated = ReplicatedHeadsColwise(kv_heads)

@@ -256,7 +256,7 @@ def build_rank(model_arg: str, *, tp: int, sp: int, rank: int, dtype: torch.dtyp
     if tp > 1:
         mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
         parallelize_vision_tp(vision, mesh["tp"], qwen2_5_vl.vision_tp_plans(vision))
-        parallelize_llm_tp(llm, mesh["tp"], qwen2_5_vl)
+        parallelize_llm_tp(llm, mesh["tp"], qwen2_5_vl.FAMILY)
     return _Rank(tp=tp, sp=sp, rank=rank, vision=vision, llm=llm, dtype=dtype, device=device)
 
 

@@ -45,7 +45,7 @@ class RankModel:
         """Split and shard ``model`` on ``meta``, then give this rank's shards (only) storage and their values from
         ``params``."""
         family = family_of(model.config)
-        encoder = family.ENCODER.name
+        encoder = family.encoder.name
         tower, llm, rope_index = split_model(model)
         modules = {}
         for name, module in ((encoder, tower), ("llm", llm)):
@@ -81,7 +81,7 @@ class RankModel:
         """HF row of each stored row of a parameter, where a parallelism reordered them (vision qkv under TP)."""
         if module_name == "llm":
             return None
-        return family_of(self.init.meta.config).ENCODER.row_order(local_name, self.dims[module_name].tp, rows)
+        return family_of(self.init.meta.config).encoder.row_order(local_name, self.dims[module_name].tp, rows)
 
     def autocast(self, module_name: str):
         """The module's autocast context (a no-op where its recipe computes in the parameters' dtype)."""

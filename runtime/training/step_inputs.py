@@ -37,11 +37,11 @@ from runtime.run.preflight import DATA_ENCODERS, is_conversation_file, module_na
 def data_source(plan: Plan, options: Any, config: PretrainedConfig) -> Source | PackedConversations:
     """A dataset plan's packed conversations; else, in the plan's fixed layout, conversations (through
     ``options.tokenizer``), image-caption pairs, or synthetic samples (``options``: runtime.training.trainer.RunOptions)."""
+    encoder = family_of(config).encoder
     if plan.workload.dataset is not None:
         return PackedConversations(options.data, options.tokenizer, config=config, dataset=plan.workload.dataset,
                                    seed=options.seed, work=plan_sample_work(plan), balance=options.balance,
-                                   data_root_only=options.data_root_only)
-    encoder = family_of(config).ENCODER
+                                   normalization=encoder.image_normalization, data_root_only=options.data_root_only)
     layout = encoder.layout_from_plan(plan.workload, config)
     if not options.data:
         return encoder.synthetic(layout, options.seed)
@@ -69,7 +69,7 @@ class StepInputs:
         self.encoder = module_names(plan)[0]
         self.packed = plan.workload.dataset is not None
         """A dataset plan: packed micro-batches of native-resolution samples (runtime.data.packed_data)."""
-        self.layout = None if self.packed else family_of(config).ENCODER.layout_from_plan(plan.workload, config)
+        self.layout = None if self.packed else family_of(config).encoder.layout_from_plan(plan.workload, config)
         self.source = data_source(plan, options, config)
         self.prefetcher = Prefetcher(self.source) if options.prefetch else None
         self.pipeline_shapes: MicroBatchShapes | None = None

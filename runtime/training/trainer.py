@@ -1,5 +1,5 @@
 """The step loop on one rank: data -> encoder forward -> hand-off -> LLM forward/backward -> hand-back ->
-encoder backward -> optimizer. The encoder is the vision tower or the audio encoder (runtime.models.families ``ENCODER``).
+encoder backward -> optimizer. The encoder is the vision tower or the audio encoder (its family's ``encoder``, runtime.models.families).
 Colocated and disjoint placements differ only in ``train_step``'s one branch.
 
 The parts live in their own modules: this rank's shards of the model (built on ``meta``, sharded there, then
@@ -179,7 +179,7 @@ class Trainer:
         dims = self.dims[self.encoder]
         batch = self.inputs.samples(micro, self.encoder)
         sp_group = dims.grid_mesh["sp"].get_group() if dims.sp_enabled else None
-        shard = self.family.ENCODER.shard(batch, self.inputs.config, sp_rank=dims.coordinate(self.rank)["sp"],
+        shard = self.family.encoder.shard(batch, self.inputs.config, sp_rank=dims.coordinate(self.rank)["sp"],
                                           sp_group=sp_group, sp=dims.sp)
         shard = to_device(shard, self.device)
         with self._timed(f"{self.encoder}_forward_s"), self.model.autocast(self.encoder), \

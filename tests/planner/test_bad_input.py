@@ -12,7 +12,7 @@ import pytest
 
 from planner import api
 from planner.cli import main
-from planner.catalog.hf_configs import QWEN2_5_VL_TINY
+from planner.contract.families.qwen2_5_vl_configs import QWEN2_5_VL_TINY
 from planner.profiles import PROFILES_DIR
 from planner.contract.schema import PlanError, load_plan
 from planner.search.solver import cp_sat, explain

@@ -112,9 +112,8 @@ def test_text_tokens_are_what_the_runtime_renders(tmp_path):
     """With the model folder's tokenizer, a conversation's text tokens are exactly the runtime's rendering of it
     less its image pads (the byte-level test tokenizer: one token per byte of text)."""
     from runtime.data.conversations import ConversationData
-    from runtime.data.samples import layout_from_plan
     from runtime.models.model import hf_config_from_dict
-    from tests.runtime.plans import make_plan
+    from tests.runtime.plans import make_plan, sample_layout
     from tests.runtime.tokenizer import save_tokenizer
 
     tokenizer = save_tokenizer(tmp_path / "tokenizer")
@@ -125,7 +124,7 @@ def test_text_tokens_are_what_the_runtime_renders(tmp_path):
         {"from": "gpt", "value": "Yes."}]}]
     path = _write(tmp_path / "d.jsonl", rows)
     plan = make_plan({}, {}, text_tokens=400)
-    layout = layout_from_plan(plan.workload, hf_config_from_dict(plan.model.hf_config))
+    layout = sample_layout(plan.workload, hf_config_from_dict(plan.model.hf_config))
     runtime = ConversationData(path, layout, tokenizer)
     histogram = scan_dataset(path, str(tokenizer))
     counted = sorted(t for _, t, *_ in histogram.shapes)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from planner.cli import main
 from planner.contract.hardware import PLAUSIBLE_RANGES, get_device
-from planner.catalog.hf_configs import QWEN2_5_VL_TINY
+from planner.contract.families.qwen2_5_vl_configs import QWEN2_5_VL_TINY
 from planner.profiles import PROFILES_DIR
 
 DEFAULT_EXAMPLES = 300

@@ -44,6 +44,14 @@ def tiny_qwen2_vl_config() -> dict[str, Any]:
     return config
 
 
+def sample_layout(workload: Any, config: Any) -> Any:
+    """The runtime's sample layout of ``workload`` for a transformers config, as its family's encoder builds it (with
+    the family's image normalization)."""
+    from runtime.models.families import family_of  # the runtime's half: imported only by the tests that run it
+
+    return family_of(config).encoder.layout_from_plan(workload, config)
+
+
 def sample_work(hf_config: dict[str, Any]) -> SampleWork:
     """What the runtime balances a dataset plan's replicas on (``planner.cost.balance``), for a model on a CPU."""
     return SampleWork(model_from_hf_config(hf_config, "tiny"), get_device("cpu"))

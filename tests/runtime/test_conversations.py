@@ -11,10 +11,10 @@ import torch
 from PIL import Image
 
 from runtime.data.conversations import ConversationData, messages_of
-from runtime.data.samples import IGNORE_INDEX, layout_from_plan
+from runtime.data.samples import IGNORE_INDEX
 from runtime.models.model import hf_config_from_dict
 from runtime.run.preflight import is_conversation_file
-from tests.runtime.plans import make_plan
+from tests.runtime.plans import make_plan, sample_layout
 from tests.runtime.tokenizer import save_tokenizer
 
 PLAN = make_plan({}, {}, text_tokens=200)
@@ -22,7 +22,7 @@ PLAN = make_plan({}, {}, text_tokens=200)
 
 @pytest.fixture(scope="module")
 def layout():
-    return layout_from_plan(PLAN.workload, hf_config_from_dict(PLAN.model.hf_config))
+    return sample_layout(PLAN.workload, hf_config_from_dict(PLAN.model.hf_config))
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from runtime.data.samples import IGNORE_INDEX, pack_rows
 from runtime.models.llm import packed_position_ids
 from runtime.models.model import build_model, hf_config_from_dict, split_model
 from runtime.data.packed_data import UNDECODED_IMAGE, PackedConversations
+from runtime.models.families import family_of
 from runtime.parallel import attention
 from tests.runtime.plans import dataset_info, make_plan, sample_work, tiny_hf_config, tiny_qwen3_vl_config
 from tests.runtime.tokenizer import save_tokenizer
@@ -57,7 +58,8 @@ def write_dataset(folder, rows: int = 12, extra: list | None = None):
 
 def packed(path, tokenizer_dir, pack_tokens=PACK_TOKENS, seed=0, balance="modules") -> PackedConversations:
     return PackedConversations(path, tokenizer_dir, config=CONFIG, dataset=dataset_info(pack_tokens), seed=seed,
-                               work=sample_work(tiny_hf_config()), balance=balance)
+                               work=sample_work(tiny_hf_config()), balance=balance,
+                               normalization=family_of(CONFIG).encoder.image_normalization)
 
 
 def test_the_index_counts_what_the_built_samples_hold(tmp_path, tokenizer_dir):

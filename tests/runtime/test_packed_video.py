@@ -19,12 +19,13 @@ from planner.contract.workload import sampled_frames, video_grid
 from planner.dataset import sample_tokens, scan_dataset
 from runtime.data.conversations import conversation_of
 from runtime.data.packed_data import PackedConversations
-from runtime.data.samples import layout_from_plan, layout_image_processor, pack_rows, patchify_clip, visual_inputs
+from runtime.data.samples import layout_image_processor, pack_rows, patchify_clip, visual_inputs
+from runtime.models.families import family_of
 from runtime.models.llm import packed_position_ids
 from runtime.models.model import build_model, hf_config_from_dict, split_model
 from tests.planner.test_video_rows import _conversation, write_video_rows
 from tests.planner.video_files import write_frames, write_mkv_claiming
-from tests.runtime.plans import dataset_info, sample_work, tiny_hf_config, tiny_qwen3_vl_config
+from tests.runtime.plans import dataset_info, sample_layout, sample_work, tiny_hf_config, tiny_qwen3_vl_config
 from tests.runtime.tokenizer import save_tokenizer
 
 FPS = 2.0
@@ -45,7 +46,8 @@ def _indexed(path, tokenizer_dir, family: str) -> PackedConversations:
     config = hf_config_from_dict(CONFIGS[family]())
     dataset = dataset_info(4096).model_copy(update={"fps": FPS})
     return PackedConversations(path, tokenizer_dir, config=config, dataset=dataset, seed=0,
-                               work=sample_work(CONFIGS[family]()))
+                               work=sample_work(CONFIGS[family]()),
+                               normalization=family_of(config).encoder.image_normalization)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
@@ -104,7 +106,8 @@ def test_data_root_only_leaves_rows_naming_files_outside_out_of_the_index(tmp_pa
     assert len(_indexed(path, tokenizer_dir, "qwen2.5-vl").samples) == 4  # by default rows may name any file
     config = hf_config_from_dict(CONFIGS["qwen2.5-vl"]())
     data = PackedConversations(path, tokenizer_dir, config=config, dataset=dataset_info(4096), seed=0,
-                               work=sample_work(CONFIGS["qwen2.5-vl"]()), data_root_only=True)
+                               work=sample_work(CONFIGS["qwen2.5-vl"]()), data_root_only=True,
+                               normalization=family_of(config).encoder.image_normalization)
     assert len(data.samples) == 1 and dict(data.skipped) == {OUTSIDE_DATA_ROOT: 3}
 
 
@@ -119,7 +122,7 @@ def _synthetic_layout(frames: int, config):
 
     workload = SimpleNamespace(image_sizes=(), vision_tokens=None, videos=((frames, 48, 64),), text_tokens=8,
                                module_tokens={})
-    return layout_from_plan(workload, config)
+    return sample_layout(workload, config)
 
 
 def _contains(ids: list[int], block: list[int]) -> bool:

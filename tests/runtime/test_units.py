@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from runtime.data.samples import IGNORE_INDEX, CaptionData, SyntheticData, collate, layout_from_plan, token_sequence
+from runtime.data.samples import IGNORE_INDEX, CaptionData, SyntheticData, collate, token_sequence
 from runtime.models.handoff import llm_needs
 from runtime.launch.launcher import check_resources, validate_plan
 from runtime.models.model import build_model
@@ -23,8 +23,8 @@ from runtime.parallel.parallel_dims import ParallelDims
 from runtime.training.trainer import RunOptions
 from runtime.models.families import FAMILIES
 from runtime.models.vision import shard_vision_batch
-from tests.runtime.plans import (QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen3_vl_config,
-                                 tiny_qwen3_vl_moe_config)
+from tests.runtime.plans import (QWEN3_IMAGE_SIZE, make_plan, sample_layout, tiny_hf_config,
+                                 tiny_qwen3_vl_config, tiny_qwen3_vl_moe_config)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def tiny_model():
 
 @pytest.fixture(scope="module")
 def layout(tiny_model):
-    return layout_from_plan(make_plan({}, {}).workload, tiny_model.config)
+    return sample_layout(make_plan({}, {}).workload, tiny_model.config)
 
 
 def test_split_windows_cuts_on_window_boundaries_near_equal():
@@ -196,16 +196,17 @@ def test_vision_forward_on_whole_sequence_equals_hf_tower(model_type, layout):
     reference = build_model(config, seed=0)
     model = build_model(config, seed=0, attention=attention.register())
     if model_type == "qwen3_vl":
-        layout = layout_from_plan(make_plan({}, {}, hf_config=config, image_size=QWEN3_IMAGE_SIZE).workload,
+        layout = sample_layout(make_plan({}, {}, hf_config=config, image_size=QWEN3_IMAGE_SIZE).workload,
                                   model.config)
     batch = collate([SyntheticData(layout, seed=0).sample(i) for i in range(2)])
     out = reference.model.visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
     expected = torch.cat([out.pooler_output, *(getattr(out, "deepstack_features", None) or [])], dim=-1)
     family, vision_config = FAMILIES[model_type], model.config.vision_config
+    hooks = family.encoder.hooks
     shard = shard_vision_batch(batch["pixel_values"], batch["image_grid_thw"], vision_config, sp_rank=0,
                                sp_group=None, sp=1,
-                               patch_inputs=family.vision_patch_inputs(batch["image_grid_thw"], vision_config))
-    rows = family.vision_forward(model.model.visual, shard)
+                               patch_inputs=hooks.patch_inputs(batch["image_grid_thw"], vision_config))
+    rows = hooks.forward(model.model.visual, shard)
     assert rows.shape[-1] == 128 * family.handoff_tensors(model.config)
     got = torch.empty_like(rows)
     got[shard.merged_positions] = rows
@@ -272,7 +273,7 @@ def test_images_are_normalised_as_the_familys_checkpoints_expect(config, size, w
     from runtime.models.model import hf_config_from_dict
 
     hf = hf_config_from_dict(config())
-    layout = layout_from_plan(make_plan({}, {}, hf_config=config(), image_size=size).workload, hf)
+    layout = sample_layout(make_plan({}, {}, hf_config=config(), image_size=size).workload, hf)
     pixels = SyntheticData(layout, seed=0).processor(images=[Image.new("RGB", size[::-1], "white")],
                                                       return_tensors="pt")["pixel_values"]
     torch.testing.assert_close(pixels[:, 0], torch.full_like(pixels[:, 0], white))
@@ -286,7 +287,7 @@ def test_a_video_plan_lays_out_what_the_planner_counted_and_refuses_image_data(t
 
     plan = make_plan({}, {}, hf_config=tiny_qwen3_vl_config(), image_size=QWEN3_IMAGE_SIZE, videos=((4, 64, 96),))
     config = hf_config_from_dict(plan.model.hf_config)
-    layout = layout_from_plan(plan.workload, config)
+    layout = sample_layout(plan.workload, config)
     assert layout.grids() == [(1, 8, 12), (2, 4, 6)] and layout.num_patches == plan.workload.module_tokens["vision"]
     assert layout.seq_len == plan.workload.module_tokens["llm"] == 40 + 24 + 2 * (7 + 1 + 6 + 1)
     ids = token_sequence([], layout)["input_ids"]

@@ -6,13 +6,14 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
+from planner.contract.families import qwen2_audio_configs
+from planner.contract.families.family import PlannerFamily
 from planner.contract.families.fields import encoder_section, heads_divide, ints, positive_int, sub_config
 from planner.contract.families.qwen_parts import llm_module
 from planner.contract.models import AttentionSpec, AudioInputSpec, LayerSpec, MlpSpec, ModelSpec, ModuleSpec
 from planner.contract.param_counts import qwen2_audio_layer_params, qwen2_audio_projector_params, whisper_conv_params
 
 MODEL_TYPE = "qwen2_audio"
-MODEL_TYPES = (MODEL_TYPE,)
 TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
     "num_attention_heads": 32, "num_key_value_heads": 32,
@@ -63,3 +64,8 @@ def model_spec(config: Mapping[str, Any], name: str) -> ModelSpec:
         name=name, family=MODEL_TYPE, hf_config=copy.deepcopy(dict(config)), audio_input=audio_input,
         modules=(audio_module(audio, llm.layer("embedding").hidden_size), llm),
     )
+
+
+FAMILY = PlannerFamily(model_type=MODEL_TYPE, model_spec=model_spec, encoder="audio", image_pixels=None, video=None,
+                       configs=qwen2_audio_configs.CONFIGS)
+"""The planner's half of the family (planner.contract.families.family)."""

@@ -5,13 +5,20 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from planner.contract.families import qwen2_vl_configs
+from planner.contract.families.family import PlannerFamily
 from planner.contract.families.fields import heads_divide, ints
-from planner.contract.families.qwen_parts import merger_layer, patch_embed_layer, qwen2_vl_style_spec
+from planner.contract.families.qwen_parts import (
+    QWEN2_VL_IMAGE_PIXELS,
+    QWEN2_VL_VIDEO,
+    merger_layer,
+    patch_embed_layer,
+    qwen2_vl_style_spec,
+)
 from planner.contract.models import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, ModuleSpec
 from planner.contract.param_counts import layer_norm_params, qwen2_vl_vision_block_params
 
 MODEL_TYPE = "qwen2_vl"
-MODEL_TYPES = (MODEL_TYPE,)
 VISION_DEFAULTS: dict[str, Any] = {
     "depth": 32, "embed_dim": 1280, "hidden_size": 3584, "mlp_ratio": 4, "num_heads": 16, "in_channels": 3,
     "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
@@ -41,3 +48,8 @@ def model_spec(config: Mapping[str, Any], name: str) -> ModelSpec:
     """The ModelSpec of a Qwen2-VL config.json."""
     return qwen2_vl_style_spec(config, name, model_type=MODEL_TYPE, vision_defaults=VISION_DEFAULTS,
                                vision_module=vision_module, window=False)
+
+
+FAMILY = PlannerFamily(model_type=MODEL_TYPE, model_spec=model_spec, encoder="vision", image_pixels=QWEN2_VL_IMAGE_PIXELS,
+                       video=QWEN2_VL_VIDEO, configs=qwen2_vl_configs.CONFIGS)
+"""The planner's half of the family (planner.contract.families.family)."""

@@ -13,13 +13,14 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
+from planner.contract.families import qwen3_vl_configs
+from planner.contract.families.family import PlannerFamily
 from planner.contract.families.fields import encoder_section, heads_divide, ints, positive_int, text_section
 from planner.contract.families.qwen_parts import check_vision_language, llm_module, merger_layer, patch_embed_layer, vision_input
 from planner.contract.models import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, ModuleSpec, VideoInputSpec
 from planner.contract.param_counts import layer_norm_params, linear_params, qwen2_vl_vision_block_params, rms_norm_params
 
 MODEL_TYPE = "qwen3_vl"
-MODEL_TYPES = (MODEL_TYPE,)
 VISION_DEFAULTS: dict[str, Any] = {
     "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "in_channels": 3,
     "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 3584,
@@ -111,3 +112,8 @@ def model_spec(config: Mapping[str, Any], name: str) -> ModelSpec:
                          f"{decoder_layers}")
     return ModelSpec(name=name, family=MODEL_TYPE, hf_config=copy.deepcopy(dict(config)), vision_input=inputs,
                      modules=(vision, llm), tie_word_embeddings=tied, injection_layers=tuple(range(levels)))
+
+
+FAMILY = PlannerFamily(model_type=MODEL_TYPE, model_spec=model_spec, encoder="vision", image_pixels=IMAGE_PIXELS,
+                       video=VIDEO, configs=qwen3_vl_configs.CONFIGS)
+"""The planner's half of the family (planner.contract.families.family)."""

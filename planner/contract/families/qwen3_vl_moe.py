@@ -14,14 +14,14 @@ import copy
 from dataclasses import replace
 from typing import Any, Mapping
 
-from planner.contract.families import qwen3_vl
+from planner.contract.families import qwen3_vl, qwen3_vl_moe_configs
+from planner.contract.families.family import PlannerFamily
 from planner.contract.families.fields import encoder_section, ints, positive_int, text_section
 from planner.contract.families.qwen_parts import check_vision_language, llm_module, vision_input
 from planner.contract.models import ModelSpec, ModuleSpec, MoeSpec
 from planner.contract.param_counts import routed_experts_params, top_k_router_params
 
 MODEL_TYPE = "qwen3_vl_moe"
-MODEL_TYPES = (MODEL_TYPE,)
 TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
     "num_attention_heads": 16, "num_key_value_heads": 16, "attention_bias": False, "decoder_sparse_step": 1,
@@ -90,3 +90,8 @@ def model_spec(config: Mapping[str, Any], name: str) -> ModelSpec:
                          f"{decoder_layers}")
     return ModelSpec(name=name, family=MODEL_TYPE, hf_config=copy.deepcopy(dict(config)), vision_input=inputs,
                      modules=(vision, llm), tie_word_embeddings=tied, injection_layers=tuple(range(levels)))
+
+
+FAMILY = PlannerFamily(model_type=MODEL_TYPE, model_spec=model_spec, encoder="vision",
+                       image_pixels=qwen3_vl.IMAGE_PIXELS, video=qwen3_vl.VIDEO, configs=qwen3_vl_moe_configs.CONFIGS)
+"""The planner's half of the family: Qwen3-VL's tower and processors (planner.contract.families.family)."""

@@ -7,12 +7,12 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
+from planner.contract.families.family import PlannerFamily
 from planner.contract.families.fields import with_defaults
 from planner.contract.families.qwen_parts import llm_module
 from planner.contract.models import ModelSpec
 from planner.contract.param_counts import linear_params, qwen2_decoder_layer_params, rms_norm_params
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3")
 DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
               "num_attention_heads": 32, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False},
@@ -54,3 +54,8 @@ def model_spec(config: Mapping[str, Any], name: str) -> ModelSpec:
             qk_norm=model_type == "qwen3"))
     return ModelSpec(name=name, family=model_type, hf_config=copy.deepcopy(dict(config)), modules=(llm,),
                      tie_word_embeddings=tied)
+
+
+FAMILIES = tuple(PlannerFamily(model_type=model_type, model_spec=model_spec, encoder=None, image_pixels=None,
+                               video=None, configs={}) for model_type in DEFAULTS)
+"""The planner's half of each decoder-only family (the runtime has none: it runs vision-language models)."""

@@ -3,21 +3,17 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import Qwen2_5_VLForConditionalGeneration
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
-from runtime.data.normalization import IMAGE_NORMALIZATIONS
-from runtime.models.vision import VisionEncoder, VisionShard, blocks_forward
+from runtime.models.families.family import RuntimeFamily
+from runtime.models.vision import VisionEncoder, VisionHooks, VisionShard, blocks_forward
 
-MODEL_TYPE = "qwen2_5_vl"
-MODEL_CLASS = Qwen2_5_VLForConditionalGeneration
-ENCODER = VisionEncoder(sys.modules[__name__])
-"""The runtime's encoder interface (runtime.models.vision) over this module's vision hooks."""
 BLOCK_TP_PLAN = {
     "attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
     "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
@@ -25,10 +21,8 @@ BLOCK_TP_PLAN = {
 """A vision block: attention heads and the gated MLP's width split (Megatron-LM, Shoeybi et al. 2019)."""
 MERGER_TP_PLAN = {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
 """The merger's two-layer MLP."""
-IMAGE_NORMALIZATION = IMAGE_NORMALIZATIONS[MODEL_TYPE]
+IMAGE_NORMALIZATION = (tuple(OPENAI_CLIP_MEAN), tuple(OPENAI_CLIP_STD))
 """(image_mean, image_std) of the checkpoints' preprocessor_config.json: CLIP's."""
-LLM_LAYER_TP_PLAN: dict = {}
-"""Nothing beyond the common decoder-layer plan."""
 
 
 def handoff_tensors(config: Any) -> int:
@@ -50,3 +44,12 @@ def vision_forward(visual: nn.Module, shard: VisionShard) -> torch.Tensor:
     """Merged tokens [m, D_llm] of this rank's windows, in window order."""
     hidden = blocks_forward(visual, shard, visual.patch_embed(shard.pixel_values_nP))
     return visual.merger(hidden)
+
+
+FAMILY = RuntimeFamily(
+    model_type="qwen2_5_vl", model_class=Qwen2_5_VLForConditionalGeneration, handoff_tensors=handoff_tensors,
+    llm_layer_tp_plan={},
+    encoder=VisionEncoder(VisionHooks(tp_plans=vision_tp_plans, patch_inputs=vision_patch_inputs,
+                                      forward=vision_forward, image_normalization=IMAGE_NORMALIZATION)),
+)
+"""The runtime's half of the family (runtime.models.families.family); its decoder layers take the common TP plan."""

@@ -25,10 +25,9 @@ from transformers import Qwen2AudioForConditionalGeneration
 from planner.contract.families.qwen2_audio import POOL_STRIDE, WHISPER_MEL_FRAMES_PER_SECOND
 from planner.contract.rules import attention_rules, width_rule
 from runtime.data.samples import ordinary_ids
+from runtime.models.families.family import RuntimeFamily
 from runtime.parallel.ulysses import UlyssesGroup, split_windows
 
-MODEL_TYPE = "qwen2_audio"
-MODEL_CLASS = Qwen2AudioForConditionalGeneration
 BLOCK_TP_PLAN = {
     "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
     "self_attn.v_proj": ColwiseParallel(), "self_attn.out_proj": RowwiseParallel(),
@@ -36,8 +35,6 @@ BLOCK_TP_PLAN = {
 }
 """An encoder block: attention heads and the MLP's width split (Megatron-LM, Shoeybi et al. 2019); the
 convolutions, norms and projector stay replicated (the planner's TP_SPLIT_KINDS)."""
-LLM_LAYER_TP_PLAN: dict = {}
-"""Nothing beyond the common decoder-layer plan."""
 MARKER_OFFSETS = (1, 2)
 """``<|audio_bos|>`` and ``<|audio_eos|>`` follow ``<|AUDIO|>`` in Qwen2-Audio's vocabulary (151646, 151647,
 151648): their ids are the audio token's plus these."""
@@ -248,7 +245,7 @@ class SyntheticAudio:
 
 
 class AudioEncoder:
-    """The runtime's encoder interface (runtime.models.families ``ENCODER``) for the audio tower."""
+    """The runtime's encoder interface (runtime.models.families ``Encoder``) for the audio tower."""
 
     name = "audio"
     split_model = staticmethod(split_model)
@@ -267,5 +264,12 @@ class AudioEncoder:
         """No parameter is stored in another row order than transformers'."""
         return None
 
+    @staticmethod
+    def missing_hooks() -> list[str]:
+        """None: the encoder is written out here, not built from hooks."""
+        return []
 
-ENCODER = AudioEncoder()
+
+FAMILY = RuntimeFamily(model_type="qwen2_audio", model_class=Qwen2AudioForConditionalGeneration,
+                       encoder=AudioEncoder(), handoff_tensors=handoff_tensors, llm_layer_tp_plan={})
+"""The runtime's half of the family (runtime.models.families.family); its decoder layers take the common TP plan."""

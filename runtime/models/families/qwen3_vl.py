@@ -7,7 +7,6 @@ the image positions (runtime.models.model ``decoder_forward``). The Qwen3 decode
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any
 
 import torch
@@ -16,14 +15,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import Qwen3VLForConditionalGeneration
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
-from runtime.data.normalization import IMAGE_NORMALIZATIONS
 from runtime.parallel.tensor_parallel import ReplicatedWeightSummedGradients
-from runtime.models.vision import VisionEncoder, VisionShard, blocks_forward
+from runtime.models.families.family import RuntimeFamily
+from runtime.models.vision import VisionEncoder, VisionHooks, VisionShard, blocks_forward
 
-MODEL_TYPE = "qwen3_vl"
-MODEL_CLASS = Qwen3VLForConditionalGeneration
-ENCODER = VisionEncoder(sys.modules[__name__])
-"""The runtime's encoder interface (runtime.models.vision) over this module's vision hooks."""
 BLOCK_TP_PLAN = {
     "attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
     "mlp.linear_fc1": ColwiseParallel(), "mlp.linear_fc2": RowwiseParallel(),
@@ -31,7 +26,7 @@ BLOCK_TP_PLAN = {
 """A vision block: attention heads and the MLP's width split (torchtitan's Qwen3-VL vision plan)."""
 MERGER_TP_PLAN = {"linear_fc1": ColwiseParallel(), "linear_fc2": RowwiseParallel()}
 """The merger's and each DeepStack merger's two-layer MLP (their norms stay replicated)."""
-IMAGE_NORMALIZATION = IMAGE_NORMALIZATIONS[MODEL_TYPE]
+IMAGE_NORMALIZATION = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
 """(image_mean, image_std) of the checkpoints' preprocessor_config.json (docs/research/qwen3-vl.md), not the image
 processor class's CLIP defaults."""
 LLM_LAYER_TP_PLAN = {
@@ -79,3 +74,12 @@ def vision_forward(visual: nn.Module, shard: VisionShard) -> torch.Tensor:
 
     hidden = blocks_forward(visual, shard, hidden, after_block=take_feature)
     return torch.cat([visual.merger(hidden), *features], dim=-1)
+
+
+VISION_HOOKS = VisionHooks(tp_plans=vision_tp_plans, patch_inputs=vision_patch_inputs, forward=vision_forward,
+                           image_normalization=IMAGE_NORMALIZATION)
+"""The tower's hooks (Qwen3-VL-MoE has the same tower)."""
+FAMILY = RuntimeFamily(model_type="qwen3_vl", model_class=Qwen3VLForConditionalGeneration,
+                       encoder=VisionEncoder(VISION_HOOKS), handoff_tensors=handoff_tensors,
+                       llm_layer_tp_plan=LLM_LAYER_TP_PLAN)
+"""The runtime's half of the family (runtime.models.families.family)."""

@@ -5,20 +5,13 @@ whose MLPs are routed mixtures of experts (``Qwen3VLMoeTextSparseMoeBlock``: a t
 
 from __future__ import annotations
 
-import sys
-
 from transformers import Qwen3VLMoeForConditionalGeneration
 
 from runtime.models.families import qwen3_vl
+from runtime.models.families.family import RuntimeFamily
 from runtime.models.vision import VisionEncoder
 
-MODEL_TYPE = "qwen3_vl_moe"
-MODEL_CLASS = Qwen3VLMoeForConditionalGeneration
-ENCODER = VisionEncoder(sys.modules[__name__])
-"""The runtime's encoder interface (runtime.models.vision) over Qwen3-VL's vision hooks (the same tower)."""
-IMAGE_NORMALIZATION = qwen3_vl.IMAGE_NORMALIZATION
-LLM_LAYER_TP_PLAN = qwen3_vl.LLM_LAYER_TP_PLAN
-handoff_tensors = qwen3_vl.handoff_tensors
-vision_tp_plans = qwen3_vl.vision_tp_plans
-vision_patch_inputs = qwen3_vl.vision_patch_inputs
-vision_forward = qwen3_vl.vision_forward
+FAMILY = RuntimeFamily(model_type="qwen3_vl_moe", model_class=Qwen3VLMoeForConditionalGeneration,
+                       encoder=VisionEncoder(qwen3_vl.VISION_HOOKS), handoff_tensors=qwen3_vl.handoff_tensors,
+                       llm_layer_tp_plan=qwen3_vl.LLM_LAYER_TP_PLAN)
+"""The runtime's half of the family: Qwen3-VL's tower, hooks, hand-off and decoder-layer plan."""
