@@ -38,7 +38,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' tokenizer and tiny config
 
 from planner.analysis import mixed_resolution_histogram  # noqa: E402
-from planner.api import plan  # noqa: E402
+from planner.api import DatasetInputs, plan  # noqa: E402
 from planner.catalog import get_model  # noqa: E402
 from planner.contract.data_rows import CACHE_ENV  # noqa: E402
 from planner.dataset import pack_budgets, pack_dataset, read_dataset, sample_tokens  # noqa: E402
@@ -107,7 +107,7 @@ def loader_lines(data: Path, folder: Path, samples: int) -> list[str]:
 
     subset = data.parent / "loader.jsonl"  # beside the rows, whose image paths are relative
     subset.write_text("".join(data.read_text().splitlines(keepends=True)[:samples]))
-    made = plan(MODEL, 16, dataset=str(subset), max_pixels=LOADER_MAX_PIXELS)
+    made = plan(MODEL, 16, dataset=DatasetInputs(source=str(subset), max_pixels=LOADER_MAX_PIXELS))
     info = made.workload.dataset
     need = made.predicted.samples_per_s / made.module("vision").dp
     start = time.perf_counter()

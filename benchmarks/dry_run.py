@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from planner.api import ClusterInputs, WorkloadInputs
 from planner.api import plan as make_plan
 from runtime.dry_run import dry_run
 from runtime.dry_run.report import format_report
@@ -75,8 +76,8 @@ CONFIGS = (
 def run(config: Config) -> str:
     """Plan, dry-run, and the report's text."""
     start = time.perf_counter()
-    plan = make_plan(config.model, config.gpus, gpu=config.gpu, vision_tokens=config.vision_tokens,
-                     fix=list(config.fix), videos=config.videos)
+    plan = make_plan(config.model, ClusterInputs(gpus=config.gpus, gpu=config.gpu), fix=list(config.fix),
+                     workload=WorkloadInputs(vision_tokens=config.vision_tokens, videos=config.videos))
     planned = time.perf_counter() - start
     report = dry_run(plan, RunOptions(), log=print)
     return (f"== {config.name}: {config.command()}  (planned in {planned:.0f} s, dry-run {report.seconds:.0f} s)\n"

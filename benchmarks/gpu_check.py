@@ -282,21 +282,34 @@ def step_profile(report: Report, setup: Setup, out: Path) -> Path | None:
     return path if usable else None
 
 
+def dataset_inputs(setup: Setup, histogram: Any) -> dict[str, Any]:
+    """The workload and dataset sections (``planner.inputs``) of a setup's plan over ``histogram``."""
+    from planner.inputs import DatasetInputs, WorkloadInputs
+
+    return dict(workload=WorkloadInputs(global_batch=setup.global_batch, precision=setup.precision),
+                dataset=DatasetInputs(source=histogram, pack_tokens=setup.pack_tokens))
+
+
+def one_gpu(setup: Setup, profile: Path | None) -> Any:
+    """One GPU of the setup's hardware, costed with ``profile`` (None: analytically)."""
+    from planner.inputs import ClusterInputs
+
+    return ClusterInputs(gpus=1, gpu=setup.hardware, profile=str(profile) if profile else None)
+
+
 def choose_plan(setup: Setup, inputs: dict[str, Any], profile: Path | None, prepared: Path) -> tuple[Any, str]:
-    """(plan, how it was made): the solver's over ``inputs`` costed with ``profile`` (None: analytically) where
-    OR-Tools imports, else the prepared plan's strategy costed so."""
+    """(plan, how it was made): the solver's over ``inputs`` (``dataset_inputs``) costed with ``profile`` (None:
+    analytically) where OR-Tools imports, else the prepared plan's strategy costed so."""
     from planner import api
     from planner.analysis import strategy_of
     from planner.contract.schema import load_plan
 
     source = "the measured profile" if profile else "the analytical model"
     if solver_available():
-        plan = api.plan(setup.model, 1, profile=str(profile) if profile else None, time_limit_s=SOLVER_TIME_LIMIT_S,
-                        **inputs)
+        plan = api.plan(setup.model, one_gpu(setup, profile), time_limit_s=SOLVER_TIME_LIMIT_S, **inputs)
         return plan, f"solver on {source}"
     file = prepared / f"{setup.hardware}-{setup.model}.json"
-    plan = api.evaluate(setup.model, strategy_of(load_plan(file)), 1, profile=str(profile) if profile else None,
-                        **inputs)
+    plan = api.evaluate(setup.model, strategy_of(load_plan(file)), one_gpu(setup, profile), **inputs)
     return plan, f"the prepared {file.name}'s strategy (no solver here) costed with {source}"
 
 
@@ -308,8 +321,7 @@ def step_plan(report: Report, setup: Setup, data: Path, tokenizer: Path, profile
     from planner.analysis import strategy_of
     from planner.dataset import read_dataset
 
-    inputs = dict(gpu=setup.hardware, dataset=read_dataset(str(data), str(tokenizer)), pack_tokens=setup.pack_tokens,
-                  global_batch=setup.global_batch, precision=setup.precision)
+    inputs = dataset_inputs(setup, read_dataset(str(data), str(tokenizer)))
     try:
         try:
             plan, how = choose_plan(setup, inputs, profile, prepared)
@@ -318,7 +330,7 @@ def step_plan(report: Report, setup: Setup, data: Path, tokenizer: Path, profile
                 raise
             report.say("plan", f"with the measured profile: {e}; falling back to the analytical model")
             plan, how = choose_plan(setup, inputs, None, prepared)
-        analytical = api.evaluate(setup.model, strategy_of(plan), 1, profile=None, **inputs)
+        analytical = api.evaluate(setup.model, strategy_of(plan), one_gpu(setup, None), **inputs)
     except (ValueError, OSError) as e:
         report.results["plan"] = {"error": str(e)}
         report.say("plan", f"no plan: {e}")
@@ -556,9 +568,8 @@ def prepare(setups: list[Setup], work: Path, prepared: Path) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         data, tokenizer = write_dataset(setup, folder)
         try:
-            plan = api.plan(setup.model, 1, gpu=setup.hardware, dataset=read_dataset(str(data), str(tokenizer)),
-                            pack_tokens=setup.pack_tokens, global_batch=setup.global_batch,
-                            precision=setup.precision, profile=None, time_limit_s=SOLVER_TIME_LIMIT_S)
+            plan = api.plan(setup.model, one_gpu(setup, None), time_limit_s=SOLVER_TIME_LIMIT_S,
+                            **dataset_inputs(setup, read_dataset(str(data), str(tokenizer))))
         except ValueError as e:
             print(f"no plan for {setup.model} on {setup.hardware}: {e}", file=sys.stderr)
             status = 1

@@ -64,10 +64,11 @@ def whole_process_s(num_gpus: int, repeats: int, extra: list[str], model: str = 
 
 def solver_row(num_gpus: int, placement: str, allow_pp: bool, workers: int) -> dict:
     """Search timing of one placement at ``num_gpus`` GPUs."""
-    from planner.api import Infeasible, make_problem
+    from planner.api import ClusterInputs, Infeasible, SearchOptions, make_problem
     from planner.search import solve_strategies
 
-    problem = make_problem(MODEL, num_gpus, profile=None, allow_pp=allow_pp, workers=workers)
+    problem = make_problem(MODEL, ClusterInputs(gpus=num_gpus, profile=None),
+                           search=SearchOptions(allow_pp=allow_pp, workers=workers))
     start = time.perf_counter()
     try:
         best = solve_strategies(problem, placement, None, {}, 1, None)[0][0]

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from planner.api import make_problem, plan  # noqa: E402
+from planner.api import ClusterInputs, SearchOptions, WorkloadInputs, make_problem, plan  # noqa: E402
 from planner.cost import estimate  # noqa: E402
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS, CostAssumptions  # noqa: E402
 from planner.cost.results import Estimate  # noqa: E402
@@ -175,10 +175,11 @@ def row_assumptions(run: PublishedRun, base: CostAssumptions = DEFAULT_ASSUMPTIO
 def row_problem(run: PublishedRun, assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS) -> Problem:
     """The planner's inputs for a row: its model, hardware, sequence, batch and precision, no vision input."""
     cluster_file = str(PUBLISHED / run.cluster_file) if run.cluster_file else None
-    return make_problem(str(PUBLISHED / "models" / f"{run.model}.json"), run.gpus, gpu=run.device,
-                        gpus_per_node=run.gpus_per_node, cluster_file=cluster_file, text_tokens=run.seq,
-                        global_batch=run.global_batch, precision=run.precision, profile=None,
-                        assumptions=row_assumptions(run, assumptions), allow_ring_cp=run.cp > 1)
+    cluster = ClusterInputs(gpus=run.gpus, gpu=run.device, gpus_per_node=run.gpus_per_node, cluster_file=cluster_file,
+                            profile=None)
+    workload = WorkloadInputs(text_tokens=run.seq, global_batch=run.global_batch, precision=run.precision)
+    return make_problem(str(PUBLISHED / "models" / f"{run.model}.json"), cluster, workload=workload,
+                        search=SearchOptions(allow_ring_cp=run.cp > 1), assumptions=row_assumptions(run, assumptions))
 
 
 def row_strategy(run: PublishedRun, problem: Problem) -> Strategy:

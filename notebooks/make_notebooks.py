@@ -144,15 +144,16 @@ moe.round(2)"""),
 30B-A3B on 16 H100s as the image grows (the sides of the sweep above), and for one 64-frame 448 px video clip per
 sample: the vision tower's layout follows the image while the LLM keeps its experts split."""),
     new_code_cell("""\
-def moe_row(workload, **inputs):
-    p = planner.plan("qwen3-vl-30b-a3b", 16, **inputs)
+def moe_row(label, workload):
+    p = planner.plan("qwen3-vl-30b-a3b", 16, workload=workload)
     vision, llm = p.module("vision"), p.module("llm")
-    return {"workload": workload, "vision": f"DP{vision.dp} SP{vision.sp} TP{vision.tp} ZeRO{vision.zero}",
+    return {"workload": label, "vision": f"DP{vision.dp} SP{vision.sp} TP{vision.tp} ZeRO{vision.zero}",
             "LLM": f"DP{llm.dp} SP{llm.sp} TP{llm.tp} EP{llm.ep} ZeRO{llm.zero}", "step s": p.predicted.step_time_s,
             **{f"vs {name}": b.speedup for name, b in p.baselines.items()}}
 
-moe_sweep = pd.DataFrame([moe_row(f"{side} px image", image_sizes=[(side, side)]) for side in SIDES]
-                         + [moe_row("64 x 448 px clip", image_sizes=[], videos=[(64, 448, 448)])])
+moe_sweep = pd.DataFrame([moe_row(f"{side} px image", planner.WorkloadInputs(image_sizes=[(side, side)]))
+                          for side in SIDES]
+                         + [moe_row("64 x 448 px clip", planner.WorkloadInputs(image_sizes=[], videos=[(64, 448, 448)]))])
 moe_sweep.round(2)"""),
     new_markdown_cell("## Conclusion"),
     new_code_cell("""\

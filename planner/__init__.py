@@ -1,8 +1,9 @@
 """dhplan planner: per-module parallelism plans for multimodal training.
 
 ``plan``, ``top_plans``, ``evaluate``, ``max_seq`` (``planner.api``), ``compare`` and ``sweep``
-(``planner.analysis``, which imports pandas) and ``load_plan`` (``planner.contract.schema``) are imported lazily, so
-``import planner`` pulls in neither OR-Tools, pandas nor pydantic until one is used.
+(``planner.analysis``, which imports pandas), ``load_plan`` (``planner.contract.schema``) and the input sections
+``ClusterInputs``, ``WorkloadInputs``, ``DatasetInputs``, ``SearchOptions`` (``planner.inputs``) are imported
+lazily, so ``import planner`` pulls in neither OR-Tools, pandas nor pydantic until one is used.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ _EXPORTS = {
     "compare": "planner.analysis",
     "sweep": "planner.analysis",
     "load_plan": "planner.contract.schema",
+    "ClusterInputs": "planner.inputs",
+    "WorkloadInputs": "planner.inputs",
+    "DatasetInputs": "planner.inputs",
+    "SearchOptions": "planner.inputs",
 }
 
 __all__ = sorted(_EXPORTS)

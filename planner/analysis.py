@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from planner.api import DEFAULT_GPU, Infeasible, evaluate, make_problem, max_seq, plan, with_max_seq_margin
+from planner.inputs import ClusterInputs, DatasetInputs, SearchOptions, WorkloadInputs
 from planner.dataset import DatasetHistogram
 from planner.search.baselines import best_of, megatron_family, uniform_tp_family, zero3_family
 from planner.catalog import get_model
@@ -148,10 +149,11 @@ def _baseline_strategy(problem: Problem, name: str) -> Strategy | str:
     return Strategy(placement="colocated", modules=modules, precision=problem.precision)
 
 
-def baseline_plans(model: str | ModelSpec | Problem, gpus: int | None = None, **inputs: Any) -> dict[str, Plan | str]:
+def baseline_plans(model: str | ModelSpec | Problem, cluster: ClusterInputs | int | None = None,
+                   **inputs: Any) -> dict[str, Plan | str]:
     """Each baseline's best strategy as an evaluated Plan (so it has a memory breakdown, like the planner's plan),
     or the one-line reason it does not fit. Inputs as for ``planner.api.make_problem``."""
-    problem = model if isinstance(model, Problem) else make_problem(model, gpus, **inputs)
+    problem = model if isinstance(model, Problem) else make_problem(model, cluster, **inputs)
     result: dict[str, Plan | str] = {}
     for name in BASELINES:
         strategy = _baseline_strategy(problem, name)
@@ -212,7 +214,9 @@ def sweep(
     placements: Sequence[str] = ("auto",),
     baselines: bool = False,
     time_limit_s: float | None = None,
-    **workload: Any,
+    workload: WorkloadInputs = WorkloadInputs(),
+    search: SearchOptions = SearchOptions(),
+    **cluster: Any,
 ) -> pd.DataFrame:
     """Run the planner over the grid model x GPU type x GPU count x image size x global batch x placement.
 
@@ -230,7 +234,10 @@ def sweep(
         placements: auto, colocated and/or disjoint.
         baselines: Also add the uniform-TP and ZeRO-3 baselines' best strategies (evaluated Plans) as rows.
         time_limit_s: CP-SAT time limit per solve (default: the solver's).
-        **workload: Other ``make_problem`` inputs, the same at every point (text_tokens=..., profile=None, ...).
+        workload: The rest of the workload, the same at every point (its image sizes and global batch are the
+            grid's).
+        search: The search's options at every point.
+        **cluster: The other ``ClusterInputs`` fields at every point (``profile=None``, ``cluster_file=...``).
 
     Raises:
         ValueError: a bad input (unknown model or GPU, unaligned vision tokens), in one line.
@@ -240,7 +247,8 @@ def sweep(
     for spec, gpu, n, size, batch in itertools.product(*grid):
         image = _image(size)
         sizes = None if image is None else [image]
-        problem = make_problem(spec, n, gpu=gpu, image_sizes=sizes, global_batch=batch, **workload)
+        problem = make_problem(spec, ClusterInputs(gpus=n, gpu=gpu, **cluster), search=search,
+                               workload=replace(workload, image_sizes=sizes, global_batch=batch))
         for requested in _as_list(placements):
             point = _point_row(problem, image, requested)
             rows.append(_outcome_row(point, "auto", _planned(problem, requested, time_limit_s)))
@@ -273,7 +281,8 @@ def _with_square_image(problem: Problem, side_patches: int) -> Problem:
     return replace(problem, workload=workload)
 
 
-def longest_sequence(model: str | ModelSpec, gpus: int, *, strategy: str = "auto", **inputs: Any) -> int | None:
+def longest_sequence(model: str | ModelSpec, cluster: ClusterInputs | int, *, strategy: str = "auto",
+                     **inputs: Any) -> int | None:
     """Vision tokens per sample of the longest square (merge-aligned) image ``strategy`` fits at the given batch,
     or None when even the smallest image does not fit.
 
@@ -282,12 +291,12 @@ def longest_sequence(model: str | ModelSpec, gpus: int, *, strategy: str = "auto
     """
     if strategy == "auto":
         try:
-            return max_seq(model, gpus, **inputs).workload.vision_tokens
+            return max_seq(model, cluster, **inputs).workload.vision_tokens
         except Infeasible:
             return None
     if strategy not in BASELINES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    problem = with_max_seq_margin(make_problem(model, gpus, **inputs))
+    problem = with_max_seq_margin(make_problem(model, cluster, **inputs))
     if problem.model.vision_input is None:
         raise ValueError(f"{problem.model.name} has no vision encoder: there is no image sequence to lengthen")
     merge = problem.model.vision_input.spatial_merge_size
@@ -382,20 +391,21 @@ def dataset_comparison(
     spec = get_model(model)
     pixels = dict(min_pixels=spec.vision_input.min_pixels if min_pixels is None else min_pixels,
                   max_pixels=spec.vision_input.max_pixels if max_pixels is None else max_pixels)
-    unpacked = make_problem(spec, gpus, dataset=histogram, pack=False, profile=profile, global_batch=global_batch,
-                            **pixels)
+    cluster = ClusterInputs(gpus=gpus, profile=profile)
+    unpacked = make_problem(spec, cluster, workload=WorkloadInputs(global_batch=global_batch),
+                            dataset=DatasetInputs(source=histogram, pack=False, **pixels))
     sizes, texts = _resized_images(histogram, spec, pixels["min_pixels"], pixels["max_pixels"])
     mean_image = tuple(int(v) for v in sizes.mean(axis=0).round())
     largest_image = tuple(int(v) for v in sizes[np.argmax(sizes.prod(axis=1))])
-    fixed = dict(profile=profile, text_tokens=int(round(texts.mean())), global_batch=unpacked.workload.global_batch)
+    fixed = WorkloadInputs(text_tokens=int(round(texts.mean())), global_batch=unpacked.workload.global_batch)
     plans = {
-        "the dataset (packed)": plan(spec, gpus, dataset=histogram, profile=profile, global_batch=global_batch,
-                                     time_limit_s=time_limit_s, **pixels),
+        "the dataset (packed)": plan(spec, cluster, workload=WorkloadInputs(global_batch=global_batch),
+                                     dataset=DatasetInputs(source=histogram, **pixels), time_limit_s=time_limit_s),
         "the dataset (unpacked)": plan(unpacked, time_limit_s=time_limit_s),
-        f"the mean image {mean_image[1]}x{mean_image[0]}": plan(spec, gpus, image_sizes=[mean_image],
-                                                                 time_limit_s=time_limit_s, **fixed),
-        f"the largest image {largest_image[1]}x{largest_image[0]}": plan(spec, gpus, image_sizes=[largest_image],
-                                                                          time_limit_s=time_limit_s, **fixed),
+        f"the mean image {mean_image[1]}x{mean_image[0]}": plan(
+            spec, cluster, workload=replace(fixed, image_sizes=[mean_image]), time_limit_s=time_limit_s),
+        f"the largest image {largest_image[1]}x{largest_image[0]}": plan(
+            spec, cluster, workload=replace(fixed, image_sizes=[largest_image]), time_limit_s=time_limit_s),
     }
     rows = []
     for label, p in plans.items():

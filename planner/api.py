@@ -1,9 +1,11 @@
 """The planner as functions: ``plan``, ``top_plans``, ``evaluate``, ``max_seq`` -> ``schema.Plan``.
 
 The ``plan`` command is a thin layer over these. Every function takes the model (a catalog name, a config.json
-path, a ``ModelSpec``) or a ready ``Problem`` (``planner.problem``: inputs, defaults and bounds), plus the inputs
-of ``make_problem`` as keywords. User mistakes raise ``ValueError`` with one line; ``Infeasible`` (a ValueError)
-explains a request no plan fits. The search is ``planner.search``, the Plan document ``planner.plan_document``.
+path, a ``ModelSpec``) and its cluster (``ClusterInputs`` or a GPU count) plus the other sections of
+``make_problem`` as keywords (``workload=``, ``dataset=``, ``search=``, ``assumptions=``; ``planner.inputs``), or a
+ready ``Problem`` (``planner.problem``: inputs, defaults and bounds). User mistakes raise ``ValueError`` with one
+line; ``Infeasible`` (a ValueError) explains a request no plan fits. The search is ``planner.search``, the Plan
+document ``planner.plan_document``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from planner.search.baselines import BaselineOutcome, baselines
 from planner.cost import estimate
 from planner.contract.units import GIB
 from planner.dataset import DatasetHistogram, read_dataset
+from planner.inputs import ClusterInputs, DatasetInputs, SearchOptions, WorkloadInputs
 from planner.contract.models import ModelSpec
 from planner.plan_document import build_plan
 from planner.problem import (
@@ -51,9 +54,10 @@ from planner.search.solver.fixes import fixed_text, parse_fixes, pinned_strategy
 from planner.contract.strategy import Strategy
 
 __all__ = [
-    "DEFAULT_FPS", "DEFAULT_GPU", "Infeasible", "MAX_AUDIO_SECONDS", "MAX_GLOBAL_BATCH", "MAX_GPUS", "MAX_IMAGE_SIDE",
-    "MAX_IMAGES_PER_SAMPLE", "MAX_TEXT_TOKENS", "MAX_TIME_LIMIT_S", "MAX_TOP_K", "MAX_VIDEO_FRAMES",
-    "MAX_VISION_TOKENS", "MIN_VIDEO_FRAMES", "Problem", "check_bounds", "evaluate", "load_plan", "make_problem", "make_workload", "max_seq",
+    "ClusterInputs", "DEFAULT_FPS", "DEFAULT_GPU", "DatasetInputs", "Infeasible", "MAX_AUDIO_SECONDS",
+    "MAX_GLOBAL_BATCH", "MAX_GPUS", "MAX_IMAGE_SIDE", "MAX_IMAGES_PER_SAMPLE", "MAX_TEXT_TOKENS", "MAX_TIME_LIMIT_S",
+    "MAX_TOP_K", "MAX_VIDEO_FRAMES", "MAX_VISION_TOKENS", "MIN_VIDEO_FRAMES", "Problem", "SearchOptions",
+    "WorkloadInputs", "check_bounds", "evaluate", "load_plan", "make_problem", "make_workload", "max_seq",
     "model_folder_tokenizer", "parse_fixes", "plan", "top_plans", "video_frames",
 ]
 
@@ -61,17 +65,18 @@ MAX_TOP_K = 20
 """Largest --top-k."""
 
 
-def _as_problem(model: str | ModelSpec | Problem, gpus: int | None, inputs: Mapping[str, Any]) -> Problem:
+def _as_problem(model: str | ModelSpec | Problem, cluster: ClusterInputs | int | None,
+                inputs: Mapping[str, Any]) -> Problem:
     if isinstance(model, Problem):
-        if inputs or gpus is not None:
+        if inputs or cluster is not None:
             raise TypeError("pass either a Problem or model inputs, not both")
         return model
-    return make_problem(model, gpus, **inputs)
+    return make_problem(model, cluster, **inputs)
 
 
 def top_plans(
     model: str | ModelSpec | Problem,
-    gpus: int | None = None,
+    cluster: ClusterInputs | int | None = None,
     *,
     k: int = 1,
     placement: str = "auto",
@@ -87,10 +92,10 @@ def top_plans(
     """
     check_bounds("--top-k", k, 1, MAX_TOP_K)
     check_time_limit(time_limit_s)
-    budgets = _pack_budget_problems(model, gpus, inputs)
+    budgets = _pack_budget_problems(model, cluster, inputs)
     if budgets:
         return _best_over(budgets, k=k, placement=placement, fix=fix, time_limit_s=time_limit_s)
-    problem = _as_problem(model, gpus, inputs)
+    problem = _as_problem(model, cluster, inputs)
     pinned_placement, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus, allow_pp=problem.allow_pp)
     fixed = fixed_text(pinned_placement, fixes)
     pinned = pinned_strategy(problem, placement, pinned_placement, fixes)
@@ -110,18 +115,17 @@ PACK_BUDGET_MULTIPLES = (1, 2, 4)
 """Pack budgets ``top_plans`` tries for a dataset without ``pack_tokens``: these multiples of the longest sample."""
 
 
-def _pack_budget_problems(model: Any, gpus: int | None, inputs: dict[str, Any]) -> list[Problem]:
+def _pack_budget_problems(model: Any, cluster: ClusterInputs | int | None, inputs: dict[str, Any]) -> list[Problem]:
     """One problem per candidate pack budget for a dataset whose budget is left to the planner, else []."""
-    if isinstance(model, Problem) or inputs.get("dataset") is None or inputs.get("pack_tokens") is not None \
-            or not inputs.get("pack", True):
+    dataset: DatasetInputs | None = inputs.get("dataset")
+    if isinstance(model, Problem) or dataset is None or dataset.pack_tokens is not None or not dataset.pack:
         return []
-    dataset = inputs["dataset"]
-    if not isinstance(dataset, DatasetHistogram):
-        tokenizer = inputs.get("tokenizer")
-        dataset = read_dataset(dataset, tokenizer if tokenizer is not None else model_folder_tokenizer(model))
-    first = make_problem(model, gpus, **{**inputs, "dataset": dataset})
+    if not isinstance(dataset.source, DatasetHistogram):
+        tokenizer = dataset.tokenizer if dataset.tokenizer is not None else model_folder_tokenizer(model)
+        dataset = replace(dataset, source=read_dataset(dataset.source, tokenizer))
+    first = make_problem(model, cluster, **{**inputs, "dataset": dataset})
     base = first.dataset.pack_tokens
-    return [first] + [make_problem(model, gpus, **{**inputs, "dataset": dataset, "pack_tokens": base * m})
+    return [first] + [make_problem(model, cluster, **{**inputs, "dataset": replace(dataset, pack_tokens=base * m)})
                       for m in PACK_BUDGET_MULTIPLES[1:]]
 
 
@@ -143,7 +147,7 @@ def _best_over(problems: list[Problem], *, k: int, **solve: Any) -> list[Plan]:
 
 def plan(
     model: str | ModelSpec | Problem,
-    gpus: int | None = None,
+    cluster: ClusterInputs | int | None = None,
     *,
     placement: str = "auto",
     fix: Iterable[str] | Mapping[str, Any] | None = None,
@@ -152,12 +156,12 @@ def plan(
 ) -> Plan:
     """The fastest plan that fits (proven optimal within the strategy space unless the time limit stops CP-SAT).
 
-    Example: ``plan("qwen-vl-32b", 16, fix=["llm.tp=8"])``.
+    Example: ``plan("qwen-vl-32b", 16, fix=["llm.tp=8"], workload=WorkloadInputs(image_sizes=[(1792, 1792)]))``.
 
     Raises:
         ValueError: bad input; Infeasible (a ValueError) when no plan fits, with the explanation.
     """
-    return top_plans(model, gpus, k=1, placement=placement, fix=fix, time_limit_s=time_limit_s, **inputs)[0]
+    return top_plans(model, cluster, k=1, placement=placement, fix=fix, time_limit_s=time_limit_s, **inputs)[0]
 
 
 def _evaluated(problem: Problem, strategy: Strategy, fixed: Mapping[str, str],
@@ -179,13 +183,17 @@ def _check_fits(problem: Problem, strategy: Strategy) -> None:
         )
 
 
-def evaluate(model: str | ModelSpec | Problem, strategy: Strategy, gpus: int | None = None, **inputs: Any) -> Plan:
-    """The Plan of one exact strategy (status EVALUATED), e.g. a hand-made layout.
+def evaluate(model: str | ModelSpec | Problem, strategy: Strategy, cluster: ClusterInputs | int | None = None,
+             **inputs: Any) -> Plan:
+    """The Plan of one exact strategy (status EVALUATED), e.g. a hand-made layout; ``cluster`` defaults to the
+    strategy's GPUs of the default hardware.
 
     Raises:
         ValueError: the strategy breaks a validity rule; Infeasible when it does not fit in memory.
     """
-    problem = _as_problem(model, gpus if gpus is not None else (None if isinstance(model, Problem) else strategy.num_gpus), inputs)
+    if cluster is None and not isinstance(model, Problem):
+        cluster = strategy.num_gpus
+    problem = _as_problem(model, cluster, inputs)
     return _evaluated(problem, strategy, {}, baselines(problem))
 
 
@@ -199,7 +207,7 @@ def with_max_seq_margin(problem: Problem) -> Problem:
 
 def max_seq(
     model: str | ModelSpec | Problem,
-    gpus: int | None = None,
+    cluster: ClusterInputs | int | None = None,
     *,
     placement: str = "auto",
     fix: Iterable[str] | Mapping[str, Any] | None = None,
@@ -214,7 +222,7 @@ def max_seq(
         ValueError: not a vision model, or bad input; Infeasible when even the smallest image does not fit.
     """
     check_time_limit(time_limit_s)
-    problem = with_max_seq_margin(_as_problem(model, gpus, inputs))
+    problem = with_max_seq_margin(_as_problem(model, cluster, inputs))
     if problem.dataset is not None:
         raise ValueError("--max-seq searches one image size per sample; a dataset gives its own: drop one of them")
     if problem.model.vision_input is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -46,12 +47,13 @@ def _write_trace(args: argparse.Namespace, plan) -> None:
     from planner.contract.trace_format import write_trace
     from planner.trace import plan_trace
 
-    inputs = problem_inputs(args)
-    if args.dataset is not None:
-        inputs.update(dataset=dataset_of(args, rescan=False), pack_tokens=plan.workload.dataset.pack_tokens)
+    cluster, inputs = problem_inputs(args)
+    if args.source is not None:
+        inputs["dataset"] = replace(inputs["dataset"], source=dataset_of(args, rescan=False),
+                                    pack_tokens=plan.workload.dataset.pack_tokens)
     if args.max_seq:
-        inputs.update(image_sizes=None, vision_tokens=plan.workload.vision_tokens)
-    trace = plan_trace(api.make_problem(args.model, args.gpus, **inputs), plan)
+        inputs["workload"] = replace(inputs["workload"], image_sizes=None, vision_tokens=plan.workload.vision_tokens)
+    trace = plan_trace(api.make_problem(args.model, cluster, **inputs), plan)
     try:
         write_trace(trace, args.trace)
     except OSError as e:
@@ -103,7 +105,8 @@ def _check_output_args(args: argparse.Namespace, out: str | None) -> None:
 
 def _input_paths(args: argparse.Namespace) -> dict[str, str | None]:
     """The files and folders ``plan`` reads, by flag."""
-    return {"--model": args.model, "--cluster": args.cluster, "--profile": args.profile, "--dataset": args.dataset,
+    profile = None if args.profile in (None, "auto") else args.profile
+    return {"--model": args.model, "--cluster": args.cluster_file, "--profile": profile, "--dataset": args.source,
             "--tokenizer": args.tokenizer}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, CostAssumptions, LayerCostSource
@@ -29,9 +29,7 @@ from planner.contract.models import ModelSpec
 from planner.contract.schema import ATTENTION_CALLS, AttentionCalls, DatasetInfo
 from planner.contract.strategy import PRECISIONS, Precision
 from planner.contract.workload import DEFAULT_FPS, Workload, module_tokens
-
-DEFAULT_GPU = "h100-80gb"
-"""Hardware when none is named."""
+from planner.inputs import DEFAULT_GPU, ClusterInputs, DatasetInputs, SearchOptions, WorkloadInputs  # noqa: F401 (api re-exports DEFAULT_GPU)
 DEFAULT_IMAGE_SIZE = (1344, 1344)
 """(height, width) of the default image: 96 x 96 patches of 14 px = 9,216 vision tokens, 2,304 after merging."""
 DEFAULT_TEXT_TOKENS = 512
@@ -128,16 +126,9 @@ def check_bounds(flag: str, value: float, low: float, high: float) -> None:
                          if isinstance(value, float) else f"{flag} must be between {low:,} and {high:,}, got {value}")
 
 
-def _check_sample_inputs(
-    image_sizes: Sequence[tuple[int, int]] | None,
-    vision_tokens: int | None,
-    text_tokens: int | None,
-    images_per_sample: int | None,
-    audio_seconds: float | None,
-    global_batch: int | None,
-    videos: Sequence[tuple[int, int, int]] = (),
-) -> None:
+def _check_sample_inputs(inputs: WorkloadInputs) -> None:
     """Every per-sample input within its bound (``MAX_*``), in one line."""
+    videos, image_sizes, images_per_sample = inputs.videos, inputs.image_sizes, inputs.images_per_sample
     for frames, h, w in videos:
         check_bounds("--video frames", frames, MIN_VIDEO_FRAMES, MAX_VIDEO_FRAMES)
         check_bounds("--video sides", min(h, w), 1, MAX_IMAGE_SIDE)
@@ -153,27 +144,16 @@ def _check_sample_inputs(
     if images > MAX_IMAGES_PER_SAMPLE:
         raise ValueError(f"a sample may hold at most {MAX_IMAGES_PER_SAMPLE} images, got {images} "
                          f"(--image-size x --images-per-sample)")
-    for flag, value, high in (("--vision-tokens", vision_tokens, MAX_VISION_TOKENS),
-                              ("--text-tokens", text_tokens, MAX_TEXT_TOKENS),
-                              ("--global-batch", global_batch, MAX_GLOBAL_BATCH)):
+    for flag, value, high in (("--vision-tokens", inputs.vision_tokens, MAX_VISION_TOKENS),
+                              ("--text-tokens", inputs.text_tokens, MAX_TEXT_TOKENS),
+                              ("--global-batch", inputs.global_batch, MAX_GLOBAL_BATCH)):
         if value is not None:
             check_bounds(flag, value, 0 if flag == "--text-tokens" else 1, high)
-    if audio_seconds is not None:
-        check_bounds("--audio-seconds", float(audio_seconds), 0.0, MAX_AUDIO_SECONDS)
+    if inputs.audio_seconds is not None:
+        check_bounds("--audio-seconds", float(inputs.audio_seconds), 0.0, MAX_AUDIO_SECONDS)
 
 
-def make_workload(
-    model: ModelSpec,
-    num_gpus: int,
-    *,
-    image_sizes: Sequence[tuple[int, int]] | None = None,
-    vision_tokens: int | None = None,
-    text_tokens: int | None = None,
-    images_per_sample: int | None = None,
-    audio_seconds: float | None = None,
-    global_batch: int | None = None,
-    videos: Sequence[tuple[int, int, int]] = (),
-) -> Workload:
+def make_workload(model: ModelSpec, num_gpus: int, inputs: WorkloadInputs = WorkloadInputs()) -> Workload:
     """A workload from user inputs, with the documented defaults for what is not given (one image only when the
     sample has neither images nor videos).
 
@@ -181,26 +161,26 @@ def make_workload(
         ValueError: inputs the model cannot take (images for an audio model, ...), in one line.
     """
     has_vision, has_audio = model.vision_input is not None, model.audio_input is not None
-    _check_sample_inputs(image_sizes, vision_tokens, text_tokens, images_per_sample, audio_seconds, global_batch,
-                         videos)
-    if not has_vision and (image_sizes or vision_tokens or images_per_sample or videos):
+    _check_sample_inputs(inputs)
+    image_sizes, vision_tokens, images_per_sample = inputs.image_sizes, inputs.vision_tokens, inputs.images_per_sample
+    if not has_vision and (image_sizes or vision_tokens or images_per_sample or inputs.videos):
         raise ValueError(f"{model.name} has no vision encoder: drop --image-size/--vision-tokens/--images-per-sample/"
                          f"--video")
-    if not has_audio and audio_seconds:
+    if not has_audio and inputs.audio_seconds:
         raise ValueError(f"{model.name} has no audio encoder: drop --audio-seconds")
     if vision_tokens is not None and images_per_sample not in (None, 1):
         raise ValueError("--vision-tokens sets a whole sample's vision tokens: drop --images-per-sample")
     sizes: tuple[tuple[int, int], ...] = ()
-    if has_vision and vision_tokens is None and (image_sizes or not videos):
+    if has_vision and vision_tokens is None and (image_sizes or not inputs.videos):
         sizes = tuple(image_sizes or (DEFAULT_IMAGE_SIZE,)) * (images_per_sample or 1)
     default_audio = DEFAULT_AUDIO_SECONDS if has_audio else 0.0
     return Workload(
         image_sizes=sizes,
         vision_tokens=vision_tokens,
-        text_tokens=DEFAULT_TEXT_TOKENS if text_tokens is None else text_tokens,
-        audio_seconds=default_audio if audio_seconds is None else audio_seconds,
-        global_batch=DEFAULT_SAMPLES_PER_GPU * num_gpus if global_batch is None else global_batch,
-        videos=tuple(videos),
+        text_tokens=DEFAULT_TEXT_TOKENS if inputs.text_tokens is None else inputs.text_tokens,
+        audio_seconds=default_audio if inputs.audio_seconds is None else inputs.audio_seconds,
+        global_batch=DEFAULT_SAMPLES_PER_GPU * num_gpus if inputs.global_batch is None else inputs.global_batch,
+        videos=tuple(inputs.videos),
     )
 
 
@@ -212,24 +192,20 @@ def video_frames(seconds: float, fps: float) -> int:
     return min(max(int(seconds * fps), MIN_VIDEO_FRAMES), MAX_VIDEO_FRAMES)
 
 
-def make_cluster_for(
-    num_gpus: int | None, gpu: str = DEFAULT_GPU, gpus_per_node: int | None = None, cluster_file: str | None = None
-) -> Cluster:
-    """The cluster of ``num_gpus`` devices of type ``gpu`` (a cluster file may redefine the device and node size).
+def make_cluster_for(inputs: ClusterInputs) -> Cluster:
+    """The cluster of ``inputs.gpus`` devices of type ``inputs.gpu`` (a cluster file may redefine the device and
+    node size).
 
     Raises:
         ValueError: bad GPU count, unknown device, unreadable cluster file, in one line.
     """
-    if num_gpus is None:
+    if inputs.gpus is None:
         raise ValueError("give the number of GPUs (--gpus)")
-    check_bounds("--gpus", num_gpus, 1, MAX_GPUS)
-    if gpus_per_node is not None:
-        check_bounds("--gpus-per-node", gpus_per_node, 1, int(PLAUSIBLE_RANGES["devices_per_node"].high))
-    if cluster_file is not None:
-        device, _ = load_cluster_file(cluster_file)
-    else:
-        device = get_device(gpu)
-    return make_cluster(device, num_gpus, gpus_per_node)
+    check_bounds("--gpus", inputs.gpus, 1, MAX_GPUS)
+    if inputs.gpus_per_node is not None:
+        check_bounds("--gpus-per-node", inputs.gpus_per_node, 1, int(PLAUSIBLE_RANGES["devices_per_node"].high))
+    device = get_device(inputs.gpu) if inputs.cluster_file is None else load_cluster_file(inputs.cluster_file)[0]
+    return make_cluster(device, inputs.gpus, inputs.gpus_per_node)
 
 
 ACTIVATION_BYTES_BY_DTYPE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -303,114 +279,62 @@ def profile_assumptions(profile: Any, assumptions: CostAssumptions) -> CostAssum
 
 def make_problem(
     model: str | ModelSpec,
-    gpus: int | None = None,
+    cluster: ClusterInputs | int,
     *,
-    gpu: str = DEFAULT_GPU,
-    gpus_per_node: int | None = None,
-    cluster_file: str | None = None,
-    cluster: Cluster | None = None,
-    workload: Workload | None = None,
-    image_sizes: Sequence[tuple[int, int]] | None = None,
-    vision_tokens: int | None = None,
-    text_tokens: int | None = None,
-    images_per_sample: int | None = None,
-    audio_seconds: float | None = None,
-    global_batch: int | None = None,
-    videos: Sequence[tuple[int, int, int]] = (),
-    precision: str = "bf16_mixed",
-    frozen: Iterable[str] = (),
-    profile: str | None = "auto",
+    workload: WorkloadInputs = WorkloadInputs(),
+    dataset: DatasetInputs | None = None,
+    search: SearchOptions = SearchOptions(),
     assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
-    allow_ring_cp: bool = False,
-    allow_pp: bool = True,
-    dataset: str | DatasetHistogram | None = None,
-    tokenizer: str | None = None,
-    min_pixels: int | None = None,
-    max_pixels: int | None = None,
-    pack_tokens: int | None = None,
-    pack: bool = True,
-    fps: float | None = None,
-    workers: int = 1,
-    attention: str | None = None,
 ) -> Problem:
-    """Everything a plan depends on, from user-level inputs.
+    """Everything a plan depends on, from user-level inputs (``planner.inputs``).
 
     Args:
         model: Catalog name or alias, config.json path, or a ModelSpec.
-        gpus: Number of GPUs (ignored when ``cluster`` is given).
-        gpu: Catalog device name.
-        gpus_per_node: GPUs per node (default: the device's).
-        cluster_file: JSON/YAML file redefining the device (see ``hardware.load_cluster_file``).
-        cluster: A ready cluster instead of gpus/gpu/gpus_per_node/cluster_file.
-        workload: A ready workload instead of the per-field inputs below.
-        image_sizes: (height, width) of each image of a sample (default one 1344x1344).
-        vision_tokens: Vision tokens per sample (a square merge-aligned grid) instead of image sizes.
-        text_tokens: Text tokens per sample (default 512).
-        images_per_sample: Repeat ``image_sizes`` this many times per sample.
-        audio_seconds: Seconds of audio per sample (audio models; default 30).
-        global_batch: Samples per step (default 4 per GPU).
-        videos: (sampled frames, height, width) of each video clip of a sample (``video_frames`` turns seconds
-            and fps into frames).
-        precision: bf16_mixed or bf16_pure.
-        frozen: Modules to freeze.
-        profile: Profile file, "auto" (the committed profile of this device/model if any) or None.
+        cluster: The GPUs, or only their number (of the default hardware, ``DEFAULT_GPU``).
+        workload: The sample shape, batch, precision and frozen modules.
+        dataset: A dataset whose packed samples replace the workload's sample shape (its ``global_batch``,
+            ``precision`` and ``frozen`` still apply).
+        search: Which strategies the search considers and how it costs them.
         assumptions: Cost-model knobs.
-        allow_ring_cp: Also search ring context parallelism, which the runtime cannot execute yet.
-        allow_pp: Search pipeline parallelism of the LLM (False: plans without it only).
-        dataset: A conversation / caption JSONL or JSON file, or a dataset histogram (``planner.dataset``): plan for
-            its samples, packed; replaces the per-sample inputs (``global_batch`` still counts samples).
-        tokenizer: Folder with the tokenizer.json that counts the dataset's text (default: the model's folder when
-            ``model`` is a config.json beside one, else an estimate, stated).
-        min_pixels: Fewest pixels the processor resizes a dataset image to (default the model's processor's).
-        max_pixels: Most pixels the processor resizes a dataset image to (default the model's processor's).
-        pack_tokens: LLM-token budget of a pack (default: the longest sample, rounded up to 256; ``top_plans``
-            also tries twice and four times that and keeps the fastest).
-        pack: False: every dataset sample is a micro-batch unit of its own (how a plan made for one image size
-            meets the dataset); ``pack_tokens`` then does not apply.
-        fps: Frames sampled per second of the dataset's video files (default ``DEFAULT_FPS``).
-        workers: Processes that cost candidates (``Problem.workers``): the same plan, sooner on several cores.
-        attention: How the runtime calls attention (``varlen`` or ``sdpa``, ``planner.contract.schema.AttentionCalls``);
-            default: what it runs on the hardware (``attention_calls_for``).
 
     Raises:
         ValueError: any bad input, in one line.
     """
     spec = get_model(model) if isinstance(model, str) else model
-    if workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {workers}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    frozen = list(frozen)
-    for name in frozen:
-        if name not in spec.module_names:
-            raise ValueError(f"--frozen {name}: {spec.name} has modules {', '.join(spec.module_names)}")
-    if set(frozen) >= set(spec.module_names):
-        raise ValueError("every module of the plan is frozen: nothing to train")
-    spec = spec.with_frozen(frozen) if frozen else spec
-    cluster = cluster or make_cluster_for(gpus, gpu, gpus_per_node, cluster_file)
+    cluster = ClusterInputs(gpus=cluster) if isinstance(cluster, int) else cluster
+    if search.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {search.workers}")
+    if workload.precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {workload.precision!r}")
+    spec = _with_frozen(spec, list(workload.frozen))
+    made_cluster = make_cluster_for(cluster)
     dataset_info = None
     if dataset is not None:
-        tokenizer = tokenizer if tokenizer is not None else model_folder_tokenizer(model)
-        sample_inputs = dict(image_sizes=image_sizes, vision_tokens=vision_tokens, text_tokens=text_tokens,
-                             images_per_sample=images_per_sample, audio_seconds=audio_seconds, video=videos or None)
-        _check_no_sample_inputs(workload, sample_inputs)
-        workload, dataset_info = dataset_workload_for(
-            spec, cluster.num_devices, dataset, tokenizer=tokenizer, min_pixels=min_pixels, max_pixels=max_pixels,
-            pack_tokens=pack_tokens, pack=pack, global_batch=global_batch, fps=fps)
-    elif any(v is not None for v in (tokenizer, min_pixels, max_pixels, pack_tokens, fps)):
-        raise ValueError("--tokenizer, --min-pixels, --max-pixels, --pack-tokens and fps apply to --dataset")
-    workload = workload or make_workload(
-        spec, cluster.num_devices, image_sizes=image_sizes, vision_tokens=vision_tokens, text_tokens=text_tokens,
-        images_per_sample=images_per_sample, audio_seconds=audio_seconds, global_batch=global_batch, videos=videos,
-    )
-    _check_sample(workload, spec)
-    if attention is not None and attention not in ATTENTION_CALLS:
-        raise ValueError(f"--attention must be one of {', '.join(ATTENTION_CALLS)}, got {attention!r}")
-    cluster, layer_costs, assumptions = _profile_source(spec, cluster, profile, assumptions)
-    assumptions = replace(assumptions, attention_calls=attention or attention_calls_for(cluster.device))
-    return Problem(model=spec, cluster=cluster, workload=workload, precision=precision, assumptions=assumptions,
-                   layer_costs=layer_costs, allow_ring_cp=allow_ring_cp, allow_pp=allow_pp,
-                   dataset=dataset_info, workers=workers)
+        _check_no_sample_inputs(workload)
+        if dataset.tokenizer is None:
+            dataset = replace(dataset, tokenizer=model_folder_tokenizer(model))
+        sample_workload, dataset_info = dataset_workload_for(spec, made_cluster.num_devices, dataset,
+                                                             global_batch=workload.global_batch)
+    else:
+        sample_workload = make_workload(spec, made_cluster.num_devices, workload)
+    _check_sample(sample_workload, spec)
+    if search.attention is not None and search.attention not in ATTENTION_CALLS:
+        raise ValueError(f"--attention must be one of {', '.join(ATTENTION_CALLS)}, got {search.attention!r}")
+    made_cluster, layer_costs, assumptions = _profile_source(spec, made_cluster, cluster.profile, assumptions)
+    assumptions = replace(assumptions, attention_calls=search.attention or attention_calls_for(made_cluster.device))
+    return Problem(model=spec, cluster=made_cluster, workload=sample_workload, precision=workload.precision,
+                   assumptions=assumptions, layer_costs=layer_costs, allow_ring_cp=search.allow_ring_cp,
+                   allow_pp=search.allow_pp, dataset=dataset_info, workers=search.workers)
+
+
+def _with_frozen(model: ModelSpec, frozen: list[str]) -> ModelSpec:
+    """``model`` with ``frozen`` modules marked, each a module of it and not all of them."""
+    for name in frozen:
+        if name not in model.module_names:
+            raise ValueError(f"--frozen {name}: {model.name} has modules {', '.join(model.module_names)}")
+    if set(frozen) >= set(model.module_names):
+        raise ValueError("every module of the plan is frozen: nothing to train")
+    return model.with_frozen(frozen) if frozen else model
 
 
 def attention_calls_for(device: DeviceSpec) -> AttentionCalls:
@@ -427,38 +351,42 @@ def model_folder_tokenizer(model: str | ModelSpec) -> str | None:
     return folder if os.path.isfile(os.path.join(folder, "tokenizer.json")) else None
 
 
-def _check_no_sample_inputs(workload: Workload | None, inputs: Mapping[str, Any]) -> None:
-    given = [name for name, value in inputs.items() if value is not None]
-    if workload is not None or given:
-        flags = ", ".join("--image-size" if name == "image_sizes" else "--" + name.replace("_", "-")
-                          for name in given) or "workload"
-        raise ValueError(f"--dataset gives every sample's shape: drop {flags}")
+SAMPLE_FLAGS = (("image_sizes", "--image-size"), ("vision_tokens", "--vision-tokens"),
+                ("text_tokens", "--text-tokens"), ("images_per_sample", "--images-per-sample"),
+                ("audio_seconds", "--audio-seconds"), ("videos", "--video"))
+"""The fields of ``WorkloadInputs`` a dataset gives instead, with their flags."""
+
+
+def _check_no_sample_inputs(workload: WorkloadInputs) -> None:
+    given = [flag for name, flag in SAMPLE_FLAGS if getattr(workload, name) not in (None, ())]
+    if given:
+        raise ValueError(f"--dataset gives every sample's shape: drop {', '.join(given)}")
 
 
 def dataset_workload_for(
-    model: ModelSpec, num_gpus: int, dataset: str | DatasetHistogram, *, tokenizer: str | None = None,
-    min_pixels: int | None = None, max_pixels: int | None = None, pack_tokens: int | None = None,
-    pack: bool = True, global_batch: int | None = None, fps: float | None = None,
+    model: ModelSpec, num_gpus: int, dataset: DatasetInputs, *, global_batch: int | None = None,
 ) -> tuple[Workload, DatasetInfo]:
     """The packed workload of a dataset and what the plan records about it (see ``make_problem``)."""
     if model.audio_input is not None:
         raise ValueError(f"--dataset reads image-text data; {model.name} has an audio encoder")
-    min_pixels = model.vision_input.min_pixels if min_pixels is None else min_pixels
-    max_pixels = model.vision_input.max_pixels if max_pixels is None else max_pixels
+    min_pixels = model.vision_input.min_pixels if dataset.min_pixels is None else dataset.min_pixels
+    max_pixels = model.vision_input.max_pixels if dataset.max_pixels is None else dataset.max_pixels
     check_bounds("--min-pixels", min_pixels, 1, MAX_IMAGE_SIDE**2)
     check_bounds("--max-pixels", max_pixels, min_pixels, MAX_IMAGE_SIDE**2)
+    pack_tokens = dataset.pack_tokens
     if pack_tokens is not None:
         check_bounds("--pack-tokens", pack_tokens, 1, MAX_TEXT_TOKENS)
     if global_batch is not None:
         check_bounds("--global-batch", global_batch, 1, MAX_GLOBAL_BATCH)
-    fps = DEFAULT_FPS if fps is None else fps
+    fps = DEFAULT_FPS if dataset.fps is None else dataset.fps
     check_bounds("--fps", float(fps), 0.01, 240.0)
-    histogram = dataset if isinstance(dataset, DatasetHistogram) else read_dataset(dataset, tokenizer)
+    source = dataset.source
+    histogram = source if isinstance(source, DatasetHistogram) else read_dataset(source, dataset.tokenizer)
     check_histogram_bounds(histogram)
     tokens = sample_tokens(histogram, model, fps=fps, min_pixels=min_pixels, max_pixels=max_pixels)
-    if not pack and pack_tokens is not None:
+    if not dataset.pack and pack_tokens is not None:
         raise ValueError("--pack-tokens sets the budget of packs: it does not apply without packing")
-    budget = None if not pack else pack_budgets(tokens, (1,))[0] if pack_tokens is None else pack_tokens
+    budget = None if not dataset.pack else pack_budgets(tokens, (1,))[0] if pack_tokens is None else pack_tokens
     packing = pack_dataset(tokens, model, budget)
     samples = DEFAULT_SAMPLES_PER_GPU * num_gpus if global_batch is None else global_batch
     workload = dataset_workload(packing, samples, num_gpus)

@@ -22,7 +22,7 @@ from planner.analysis import (
     longest_sequence,
     sweep,
 )
-from planner.api import evaluate, make_problem, max_seq, plan, with_max_seq_margin
+from planner.api import WorkloadInputs, evaluate, make_problem, max_seq, plan, with_max_seq_margin
 from planner.search.baselines import best_of, zero3_family
 from planner.profiles import PROFILES_DIR, load_profile
 from planner.contract.schema import load_plan
@@ -32,8 +32,8 @@ from planner.contract.schema import load_plan
 def plans():
     """Two fast plans: one colocated, one pinned disjoint."""
     return {
-        "colocated": plan("qwen-vl-7b", 8, image_sizes=[(896, 896)]),
-        "disjoint": plan("qwen-vl-7b", 8, image_sizes=[(896, 896)], placement="disjoint"),
+        "colocated": plan("qwen-vl-7b", 8, workload=WorkloadInputs(image_sizes=[(896, 896)])),
+        "disjoint": plan("qwen-vl-7b", 8, workload=WorkloadInputs(image_sizes=[(896, 896)]), placement="disjoint"),
     }
 
 
@@ -82,7 +82,7 @@ def test_binding_module_matches_the_cost_models_binding_sentence(plans):
 
 
 def test_binding_module_of_a_colocated_plan_is_the_longest_module():
-    p = plan("qwen-vl-7b", 8, image_sizes=[(3584, 3584)], placement="colocated")
+    p = plan("qwen-vl-7b", 8, workload=WorkloadInputs(image_sizes=[(3584, 3584)]), placement="colocated")
     row = compare([p]).iloc[0]
     longest = max(("vision", "llm"), key=lambda m: row[f"{m}_time_s"])
     assert row.binding_module == longest
@@ -92,7 +92,7 @@ def test_sweep_rows_match_direct_plans_and_infeasible_points_are_rows():
     table = sweep(["qwen-vl-7b", "qwen-vl-72b"], gpus=[8], image_sizes=[448])
     assert list(table.model) == ["qwen2.5-vl-7b", "qwen2.5-vl-72b"]
     ok, bad = table.iloc[0], table.iloc[1]
-    direct = plan("qwen-vl-7b", 8, image_sizes=[(448, 448)])
+    direct = plan("qwen-vl-7b", 8, workload=WorkloadInputs(image_sizes=[(448, 448)]))
     assert ok.feasible and pd.isna(ok.reason)
     assert ok.step_time_s == pytest.approx(direct.predicted.step_time_s)
     assert ok.vision_tokens == 32 * 32 and ok.image == "448x448" and ok.global_batch == 32
@@ -112,9 +112,11 @@ def test_sweep_covers_the_grid_in_order():
     assert (fitting.placement == fitting.requested_placement).all()
 
 
-def test_sweep_gpu_types_change_the_device():
-    table = sweep("qwen-vl-7b", gpus=[8], gpu_types=["h100", "h200"])
+def test_sweep_gpu_types_change_the_device_and_its_sections_hold_at_every_point():
+    table = sweep("qwen-vl-7b", gpus=[8], gpu_types=["h100", "h200"], workload=WorkloadInputs(text_tokens=100),
+                  profile=None)
     assert list(table.gpu) == ["h100-80gb", "h200-141gb"]
+    assert list(table.llm_tokens) == [2304 + 100] * 2
 
 
 def test_sweep_baseline_rows_are_consistent_with_the_plans_speedups():
@@ -131,7 +133,7 @@ def test_sweep_baseline_rows_are_consistent_with_the_plans_speedups():
 
 
 def test_baseline_plans_give_a_reason_when_a_baseline_does_not_fit():
-    outcomes = baseline_plans("qwen-vl-32b", 8, image_sizes=[(1344, 1344)])
+    outcomes = baseline_plans("qwen-vl-32b", 8, workload=WorkloadInputs(image_sizes=[(1344, 1344)]))
     assert isinstance(outcomes["zero3"], str) and "does not fit" in outcomes["zero3"]
     assert outcomes["uniform_tp"].solver.status == "EVALUATED"
     assert outcomes["uniform_tp"].placement == "colocated"

@@ -14,6 +14,7 @@ PLANNER_LAYERS = (
     grimp.Layer("planner.plan_document", "planner.trace"),
     "planner.search",
     "planner.problem",
+    "planner.inputs",
     "planner.profiles",
     grimp.Layer("planner.dataset", "planner.catalog"),
     "planner.cost",

@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from planner.api import make_problem, plan
+from planner.api import ClusterInputs, WorkloadInputs, make_problem, plan
 from planner.search.enumeration import group_sizes, module_strategies
 from planner.plan_document import build_plan
 from planner.catalog import get_model, list_models
@@ -25,6 +25,8 @@ from runtime.launch.driver import validate_plan
 from runtime.models.model import MODEL_CLASSES, hf_config_from_dict
 from runtime.training.trainer import RunOptions
 
+NO_PROFILE_8 = ClusterInputs(gpus=8, profile=None)
+"""Eight GPUs of the default hardware, costed analytically."""
 CLUSTERS = ((8, 8), (16, 8), (6, 2))
 """(GPUs, GPUs per node): one node, two nodes, and a count whose divisors are not powers of two."""
 WORKLOADS = {
@@ -54,7 +56,8 @@ def runtime_key(s) -> tuple:
 def emitted_plans(model: str, gpus: int, per_node: int, workload: dict):
     """(description, Plan) for every strategy of every module the candidate generator emits, each paired with a
     partner of the other module; with pipeline parallelism searched."""
-    problem = make_problem(model, gpus, gpus_per_node=per_node, profile=None, **workload)
+    problem = make_problem(model, ClusterInputs(gpus=gpus, gpus_per_node=per_node, profile=None),
+                           workload=WorkloadInputs(**workload))
     names = problem.model.module_names
     for placement in ("colocated", "disjoint"):
         by_module = {}
@@ -117,7 +120,7 @@ def test_audio_beyond_whole_clips_is_refused_in_one_line():
     per sample is refused before any work, saying what to plan instead."""
     with pytest.raises(ValueError, match=r"^the runtime trains on whole 30 s clips \(one encoder pass each\); the "
                                          r"plan has 45 s of audio per sample: plan with a multiple of 30 s$"):
-        validate_plan(plan("qwen2-audio-7b", 8, profile=None, audio_seconds=45), RunOptions())
+        validate_plan(plan("qwen2-audio-7b", NO_PROFILE_8, workload=WorkloadInputs(audio_seconds=45)), RunOptions())
 
 
 def test_audio_data_and_dry_run_are_refused_in_one_line(tmp_path):
@@ -125,7 +128,7 @@ def test_audio_data_and_dry_run_are_refused_in_one_line(tmp_path):
     before any work."""
     from runtime.dry_run import dry_run
 
-    audio = plan("qwen2-audio-7b", 8, profile=None)
+    audio = plan("qwen2-audio-7b", NO_PROFILE_8)
     (tmp_path / "d.jsonl").write_text("{}\n")
     with pytest.raises(ValueError, match=r"^--data .*d\.jsonl: the runtime reads no audio data yet; an audio plan "
                                          r"trains on synthetic samples \(leave out --data\)$"):
@@ -144,7 +147,7 @@ def test_decoder_only_model_is_refused_in_one_line():
                                       num_hidden_layers=2, num_attention_heads=4), "tiny-llama")
     with pytest.raises(NotImplementedError, match=r"^the runtime runs plans with one encoder \(vision or audio\) and "
                                                   r"an llm, this one has \['llm'\]$"):
-        validate_plan(plan(llama, 2, gpu="cpu", profile=None), RunOptions())
+        validate_plan(plan(llama, ClusterInputs(gpus=2, gpu="cpu", profile=None)), RunOptions())
 
 
 DRY_RUN_SAMPLE = 2

@@ -219,7 +219,7 @@ def _write(folder: str, name: str, data: bytes) -> str:
 def _valid_plan() -> dict:
     from planner import api
 
-    return json.loads(api.plan("qwen2.5-vl-tiny", 2, gpu="cpu", time_limit_s=2, workers=1).to_json())
+    return json.loads(api.plan("qwen2.5-vl-tiny", api.ClusterInputs(gpus=2, gpu="cpu"), time_limit_s=2).to_json())
 
 
 VALID_PLAN = _valid_plan()

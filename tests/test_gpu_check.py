@@ -114,9 +114,8 @@ def test_the_prepared_gpu_plans_fit_their_gpu_as_the_gpu_run_recosts_them(hardwa
     setup = gpu_check.gpu_setup(hardware, "qwen2.5-vl-3b")
     prepared = load_plan(gpu_check.PREPARED / f"{hardware}-qwen2.5-vl-3b.json")
     data, tokenizer = gpu_check.write_dataset(setup, tmp_path)
-    plan = api.evaluate(setup.model, strategy_of(prepared), 1, gpu=hardware, profile=None,
-                        dataset=read_dataset(str(data), str(tokenizer)), pack_tokens=setup.pack_tokens,
-                        global_batch=setup.global_batch, precision=setup.precision)
+    plan = api.evaluate(setup.model, strategy_of(prepared), api.ClusterInputs(gpus=1, gpu=hardware, profile=None),
+                        **gpu_check.dataset_inputs(setup, read_dataset(str(data), str(tokenizer))))
     assert plan.cluster.device.name == prepared.cluster.device.name and plan.cluster.num_devices == 1
     assert plan.workload.dataset.packs_per_epoch == prepared.workload.dataset.packs_per_epoch
     assert plan.predicted.step_time_s * gpu_check.gpu_setup(hardware, setup.model).steps < gpu_check.TOTAL_BUDGET_S / 2

@@ -212,8 +212,8 @@ def test_extreme_but_valid_input_scales_the_solver_units(tmp_path, capsys):
     cluster = tmp_path / "slow.json"
     cluster.write_text(json.dumps({"device": "cpu", "peak_bf16_flops": 1e9, "memory_bytes": 2**44,
                                    "memory_bandwidth": 1e9}))
-    problem = api.make_problem("qwen2.5-vl-72b", 1, cluster_file=str(cluster), global_batch=api.MAX_GLOBAL_BATCH,
-                               profile=None)
+    problem = api.make_problem("qwen2.5-vl-72b", api.ClusterInputs(gpus=1, cluster_file=str(cluster), profile=None),
+                               workload=api.WorkloadInputs(global_batch=api.MAX_GLOBAL_BATCH))
     cands = explain.build_candidates(problem, "colocated")
     units = cp_sat.model_units(cands, problem.usable_bytes - problem.overhead_bytes)
     assert max(c.step_ns for cs in cands.by_module.values() for c in cs) > 2**63 and units.ns > 1
@@ -223,7 +223,7 @@ def test_extreme_but_valid_input_scales_the_solver_units(tmp_path, capsys):
 
 
 def test_model_units_are_nanoseconds_and_bytes_for_real_plans():
-    problem = api.make_problem("qwen-vl-32b", 16, profile=None)
+    problem = api.make_problem("qwen-vl-32b", api.ClusterInputs(gpus=16, profile=None))
     for placement in ("colocated", "disjoint"):
         cands = explain.build_candidates(problem, placement)
         assert cp_sat.model_units(cands, problem.usable_bytes) == cp_sat.Units(ns=1, bytes=1)
@@ -243,10 +243,12 @@ def test_gpu_count_searches_are_logarithmic(monkeypatch):
     monkeypatch.setattr(explain, "_usable", counting("usable", usable))
     monkeypatch.setattr(explain, "_fits", counting("fits", fits))
     with pytest.raises(ValueError, match="usable GPU counts nearby: 32"):
-        api.plan("qwen-vl-32b", 65536, global_batch=4, profile=None)
+        api.plan("qwen-vl-32b", api.ClusterInputs(gpus=65536, profile=None),
+                 workload=api.WorkloadInputs(global_batch=4))
     assert calls["usable"] <= 4
     with pytest.raises(api.Infeasible, match=r"the smallest GPU count that fits is (\d+)") as info:
-        api.plan("qwen2.5-vl-72b", 1, global_batch=4096, placement="colocated", profile=None)
+        api.plan("qwen2.5-vl-72b", api.ClusterInputs(gpus=1, profile=None),
+                 workload=api.WorkloadInputs(global_batch=4096), placement="colocated")
     smallest = int(str(info.value).split("--gpus ")[1].split(")")[0])
     assert smallest > 8 and calls["fits"] <= 2 * math.log2(explain.MAX_GPU_SEARCH) + 2
 
@@ -262,7 +264,7 @@ def test_tie_break_cut_short_keeps_the_first_solve(monkeypatch):
         return solver, "UNKNOWN" if len(calls) == 2 else status
 
     monkeypatch.setattr(cp_sat, "_run", second_solve_times_out)
-    problem = api.make_problem("qwen2.5-vl-tiny", 2, gpu="cpu")
+    problem = api.make_problem("qwen2.5-vl-tiny", api.ClusterInputs(gpus=2, gpu="cpu"))
     cands = explain.build_candidates(problem, "colocated")
     (solution,) = cp_sat.solve(cands, 2, problem.usable_bytes - problem.overhead_bytes)
     assert len(calls) == 2 and solution.status == "OPTIMAL"
@@ -280,7 +282,7 @@ def test_tie_break_cut_short_keeps_the_first_solve(monkeypatch):
 def test_a_plans_training_section_that_would_train_wrongly_is_refused(field, value, message, tmp_path):
     """A zero clip norm trains with every update zeroed (the clip factor is min(1, 0 / norm)), a negative one or a
     negative learning rate flips the updates: refused when the plan is read, by both halves."""
-    data = json.loads(api.plan("qwen2.5-vl-tiny", 2, gpu="cpu", profile=None).to_json())
+    data = json.loads(api.plan("qwen2.5-vl-tiny", api.ClusterInputs(gpus=2, gpu="cpu", profile=None)).to_json())
     data["training"][field] = value
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
@@ -310,7 +312,7 @@ def test_top_k_leaves_no_earlier_runs_ranked_plan_beside_its_own(tmp_path, capsy
 def test_a_plans_device_numbers_off_by_a_unit_are_refused(field, value, message, tmp_path):
     """The runtime and calibration read the plan's ``cluster.device``: a unit mistake there is refused as in a cluster
     file, with the hint."""
-    data = json.loads(api.plan("qwen2.5-vl-tiny", 2, gpu="cpu").to_json())
+    data = json.loads(api.plan("qwen2.5-vl-tiny", api.ClusterInputs(gpus=2, gpu="cpu")).to_json())
     data["cluster"]["device"][field] = value
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))

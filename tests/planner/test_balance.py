@@ -95,7 +95,7 @@ def test_the_expected_imbalance_is_simulated_on_the_datasets_packs():
 def test_a_dataset_plan_is_timed_on_the_busiest_replica_and_prints_its_imbalance(capsys):
     packed = _packed([(48, 300, ((448, 448),)), (16, 300, ((1792, 1792),))], budget=None)
     workload, unbalanced = packed_workload(packed, 8), packed_workload(replace(packed, balance=None), 8)
-    problem = api.make_problem(MODEL, 8, profile=None)
+    problem = api.make_problem(MODEL, api.ClusterInputs(gpus=8, profile=None))
     s = ModuleStrategy(dp=8, zero=3)
 
     def cost(w):
@@ -141,7 +141,7 @@ def test_memory_holds_the_heaviest_replicas_micro_batch_not_the_mean_nor_the_hea
 
     packs = PackedTokens(mean=tokens(7 / 4, [105]), heaviest=tokens(3, [100, 50]), samples_per_pack=1.75,
                          pack_tokens=160, balance=balance)
-    problem = api.make_problem(MODEL, 2, profile=None)
+    problem = api.make_problem(MODEL, api.ClusterInputs(gpus=2, profile=None))
 
     def activations(packs, module):
         s = ModuleStrategy(dp=2, micro_batch=2, zero=3)

@@ -27,8 +27,13 @@ from planner.dataset import (
     sample_tokens,
     scan_dataset,
 )
+from planner.inputs import ClusterInputs, DatasetInputs, WorkloadInputs
 
 MODEL = get_model("qwen-vl-32b")
+NO_PROFILE_8 = ClusterInputs(gpus=8, profile=None)
+"""Eight GPUs of the default hardware, costed analytically."""
+NO_PROFILE_16 = ClusterInputs(gpus=16, profile=None)
+"""Sixteen of them."""
 
 
 @pytest.fixture(autouse=True)
@@ -166,7 +171,7 @@ def test_a_dataset_without_images_is_refused_in_one_line(tmp_path):
     path = _write(tmp_path / "d.jsonl", [text_only, _row("missing.png")])
     with pytest.raises(ValueError, match=r"has no sample with an image or a video \(skipped: \{'missing or unreadable image': 1"
                                          r"\}\), so qwen2.5-vl-tiny's vision encoder would have nothing to train on"):
-        api.make_problem("qwen2.5-vl-tiny", 2, gpu="cpu", dataset=str(path))
+        api.make_problem("qwen2.5-vl-tiny", ClusterInputs(gpus=2, gpu="cpu"), dataset=DatasetInputs(source=str(path)))
 
 
 def test_a_histogram_file_is_a_dataset(tmp_path):
@@ -214,7 +219,7 @@ def test_a_packed_plan_is_timed_on_the_mean_pack_and_sized_on_the_heaviest():
                                              pack_tokens=4096), 8)
     heavy_only = packed_workload(PackedTokens(mean=packed.heaviest, heaviest=packed.heaviest, samples_per_pack=1.0,
                                               pack_tokens=4096), 8)
-    problem = api.make_problem(MODEL, 8, profile=None)
+    problem = api.make_problem(MODEL, NO_PROFILE_8)
     s = ModuleStrategy(dp=8, zero=3)
     costs = [module_cost(MODEL, "llm", problem.cluster, w, s, placement="colocated", precision="bf16_mixed",
                          first_rank=0) for w in (workload, mean_only, heavy_only)]
@@ -237,7 +242,7 @@ def test_a_pipelined_llm_is_costed_on_packs_padded_to_the_budget():
     by_hand = packed_workload(PackedTokens(mean=(("vision", dict(packed.mean)["vision"]), ("llm", mean)),
                                            heaviest=(("vision", dict(packed.heaviest)["vision"]), ("llm", heavy)),
                                            samples_per_pack=packed.samples_per_pack, pack_tokens=456), 8)
-    cluster = api.make_problem(MODEL, 8, profile=None).cluster
+    cluster = api.make_problem(MODEL, NO_PROFILE_8).cluster
 
     def cost(w, s):
         return module_cost(MODEL, "llm", cluster, w, s, placement="colocated", precision="bf16_mixed", first_rank=0)
@@ -254,9 +259,10 @@ def test_a_dataset_plan_pipelines_its_llm_on_padded_packs_or_says_why_not(tmp_pa
     rows = [_row(_image(tmp_path / f"{i}.png", w, h), "word " * (10 + 7 * i))
             for i, (w, h) in enumerate([(300, 200), (640, 480), (1024, 768), (1920, 1080)] * 2)]
     path = _write(tmp_path / "d.jsonl", rows)
-    assert api.make_problem("qwen-vl-32b", 16, dataset=str(path), profile=None).searches_pp
-    assert not api.make_problem("qwen-vl-32b", 16, dataset=str(path), profile=None, pack=False).searches_pp
-    plan = api.plan("qwen-vl-32b", 16, dataset=str(path), profile=None, fix=["llm.pp=2"])
+    assert api.make_problem("qwen-vl-32b", NO_PROFILE_16, dataset=DatasetInputs(source=str(path))).searches_pp
+    unpacked = DatasetInputs(source=str(path), pack=False)
+    assert not api.make_problem("qwen-vl-32b", NO_PROFILE_16, dataset=unpacked).searches_pp
+    plan = api.plan("qwen-vl-32b", NO_PROFILE_16, dataset=DatasetInputs(source=str(path)), fix=["llm.pp=2"])
     assert plan.module("llm").pp == 2 and plan.workload.dataset.pack_tokens is not None
     assert main(["--model", "qwen-vl-32b", "--gpus", "16", "--profile", "none", "--dataset", str(path),
                  "--fix", "llm.pp=2", "--out", str(tmp_path / "p.json")]) == 0
@@ -264,11 +270,11 @@ def test_a_dataset_plan_pipelines_its_llm_on_padded_packs_or_says_why_not(tmp_pa
     assert f"the pipelined LLM pads every pack to {d.pack_tokens:,} tokens (one shape for its schedule): " \
            f"{1 - d.packing_efficiency:.1%} of its tokens are padding" in out
     with pytest.raises(ValueError, match=r"^llm.pp=2 on a dataset needs packing: a pipelined LLM's micro-batches"):
-        api.plan("qwen-vl-32b", 16, dataset=str(path), profile=None, pack=False, fix=["llm.pp=2"])
-    sp_pinned = api.plan("qwen-vl-32b", 16, dataset=str(path), profile=None, fix=["llm.sp=2"])
+        api.plan("qwen-vl-32b", NO_PROFILE_16, dataset=unpacked, fix=["llm.pp=2"])
+    sp_pinned = api.plan("qwen-vl-32b", NO_PROFILE_16, dataset=DatasetInputs(source=str(path)), fix=["llm.sp=2"])
     assert sp_pinned.module("llm").sp == 2 and sp_pinned.baselines["with_pp"].infeasible  # none with SP inside
     with pytest.raises(ValueError, match=r"^llm.pp=2 with llm.sp=2 on a dataset is not run"):
-        api.plan("qwen-vl-32b", 16, dataset=str(path), profile=None, fix=["llm.pp=2", "llm.sp=2"])
+        api.plan("qwen-vl-32b", NO_PROFILE_16, dataset=DatasetInputs(source=str(path)), fix=["llm.pp=2", "llm.sp=2"])
 
 
 def test_plan_for_a_dataset(tmp_path):
@@ -277,7 +283,8 @@ def test_plan_for_a_dataset(tmp_path):
     for i, (w, h) in enumerate([(300, 200), (640, 480), (1024, 768), (1920, 1080)] * 4):
         rows.append(_row(_image(tmp_path / f"{i}.png", w, h), "word " * int(rng.integers(5, 60))))
     path = _write(tmp_path / "d.jsonl", rows)
-    plan = api.plan("qwen-vl-32b", 16, dataset=str(path), profile=None, global_batch=64)
+    plan = api.plan("qwen-vl-32b", NO_PROFILE_16, dataset=DatasetInputs(source=str(path)),
+                    workload=WorkloadInputs(global_batch=64))
     d = plan.workload.dataset
     assert d.samples == 16 and d.pack_tokens is not None and d.pack_tokens % 256 == 0
     assert d.pack_tokens >= d.tokens_per_sample["llm"].max
@@ -285,19 +292,22 @@ def test_plan_for_a_dataset(tmp_path):
     assert plan.predicted.samples_per_s == pytest.approx(
         plan.predicted.step_time_s ** -1 * plan.workload.global_batch * d.samples_per_pack)
     assert d.heaviest_pack_tokens["llm"] <= d.pack_tokens
-    pinned = api.plan("qwen-vl-32b", 16, dataset=str(path), profile=None, pack_tokens=d.pack_tokens * 4)
+    pinned = api.plan("qwen-vl-32b", NO_PROFILE_16,
+                      dataset=DatasetInputs(source=str(path), pack_tokens=d.pack_tokens * 4))
     assert pinned.workload.dataset.pack_tokens == d.pack_tokens * 4
 
 
-@pytest.mark.parametrize("inputs, message", [
-    ({"image_sizes": [(448, 448)]}, "--dataset gives every sample's shape: drop --image-size"),
-    ({"pack_tokens": 10}, "every sample is longer than the pack budget of 10 LLM tokens"),
-    ({"max_pixels": 100, "min_pixels": 3136}, "--max-pixels must be between 3,136"),
+@pytest.mark.parametrize("workload, inputs, message", [
+    ({"image_sizes": [(448, 448)]}, {}, "--dataset gives every sample's shape: drop --image-size"),
+    ({"videos": [(16, 448, 448)], "text_tokens": 9}, {}, "drop --text-tokens, --video$"),
+    ({}, {"pack_tokens": 10}, "every sample is longer than the pack budget of 10 LLM tokens"),
+    ({}, {"max_pixels": 100, "min_pixels": 3136}, "--max-pixels must be between 3,136"),
 ])
-def test_bad_dataset_inputs_are_one_line(tmp_path, inputs, message):
+def test_bad_dataset_inputs_are_one_line(tmp_path, workload, inputs, message):
     path = _write(tmp_path / "d.jsonl", [_row(_image(tmp_path / "a.png", 640, 480))])
     with pytest.raises(ValueError, match=message):
-        api.make_problem("qwen-vl-32b", 8, dataset=str(path), profile=None, **inputs)
+        api.make_problem("qwen-vl-32b", NO_PROFILE_8, workload=WorkloadInputs(**workload),
+                         dataset=DatasetInputs(source=str(path), **inputs))
 
 
 def test_nothing_usable_is_refused(tmp_path):
@@ -320,9 +330,10 @@ def test_a_model_folder_with_a_tokenizer_counts_the_text(tmp_path):
     (folder / "config.json").write_text(json.dumps(tiny_hf_config()))
     path = _write(tmp_path / "d.jsonl", [_row(_image(tmp_path / "a.png", 56, 56))])
     for model in (str(folder), str(folder / "config.json")):
-        problem = api.make_problem(model, 1, gpu="cpu", dataset=str(path), profile=None)
+        problem = api.make_problem(model, ClusterInputs(gpus=1, gpu="cpu", profile=None),
+                                   dataset=DatasetInputs(source=str(path)))
         assert problem.dataset.text_tokens.startswith(f"counted by {folder}")
-    problem = api.make_problem("qwen-vl-32b", 8, dataset=str(path), profile=None)
+    problem = api.make_problem("qwen-vl-32b", NO_PROFILE_8, dataset=DatasetInputs(source=str(path)))
     assert problem.dataset.text_tokens.startswith("estimated")
 
 
@@ -358,7 +369,7 @@ def test_a_histogram_with_huge_numbers_is_refused_in_one_line(tmp_path, shapes, 
     path.write_text(json.dumps({"format": dataset.HISTOGRAM_FORMAT, "version": dataset.HISTOGRAM_VERSION,
                                 "source": "x", "text_tokens": "estimated", "skipped": skipped, "shapes": shapes}))
     with pytest.raises(ValueError, match=message):
-        api.make_problem("qwen-vl-7b", 8, dataset=str(path), profile=None)
+        api.make_problem("qwen-vl-7b", NO_PROFILE_8, dataset=DatasetInputs(source=str(path)))
 
 
 def write_rows_reaching_outside(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 from planner import api
 from planner.analysis import strategy_of
 from planner.api import Infeasible, evaluate, make_problem, max_seq, parse_fixes, plan, top_plans
+from planner.inputs import ClusterInputs, SearchOptions, WorkloadInputs
 from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, check_strategy, estimate
 from planner.contract.schema import load_plan
@@ -16,6 +17,7 @@ from planner.contract.strategy import ModuleStrategy, Strategy
 from planner.contract.units import GIB
 
 M32 = "qwen-vl-32b"
+TINY_CPU = ClusterInputs(gpus=2, gpu="cpu")
 FULL_PIN = [
     "vision.dp=2", "vision.tp=1", "vision.sp=8", "vision.cp=1", "vision.zero=1", "vision.recompute=none",
     "vision.micro_batch=1", "llm.dp=2", "llm.tp=4", "llm.sp=1", "llm.cp=2", "llm.zero=2", "llm.recompute=full",
@@ -43,7 +45,7 @@ def test_default_plan_tokens(best32):
 
 
 def test_images_per_sample_repeats_sizes():
-    w = api.make_workload(get_model(M32), 8, image_sizes=[(448, 672)], images_per_sample=3)
+    w = api.make_workload(get_model(M32), 8, WorkloadInputs(image_sizes=[(448, 672)], images_per_sample=3))
     assert w.image_sizes == ((448, 672),) * 3
 
 
@@ -54,7 +56,7 @@ def test_images_per_sample_repeats_sizes():
 ])
 def test_workload_input_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        api.make_workload(get_model(M32), 8, **kwargs)
+        api.make_workload(get_model(M32), 8, WorkloadInputs(**kwargs))
 
 
 def test_best_plan_matches_cost_model(best32):
@@ -109,7 +111,7 @@ def test_infeasibility_hints_count_plans_that_fit_only_pipelined():
     hints = {}
     for allow_pp in (True, False):
         with pytest.raises(Infeasible) as error:
-            plan("qwen-vl-72b", 16, allow_pp=allow_pp)
+            plan("qwen-vl-72b", 16, search=SearchOptions(allow_pp=allow_pp))
         hints[allow_pp] = "images up to" in str(error.value)
     assert hints == {True: True, False: False}
 
@@ -133,7 +135,7 @@ def test_same_inputs_same_bytes(best32):
 
 
 def test_tiny_cpu_plan_for_the_runtime(tmp_path):
-    p = plan("qwen2.5-vl-tiny", 2, gpu="cpu")
+    p = plan("qwen2.5-vl-tiny", ClusterInputs(gpus=2, gpu="cpu"))
     path = tmp_path / "tiny.json"
     path.write_text(p.to_json())
     loaded = load_plan(path)
@@ -152,7 +154,8 @@ def test_fixes_are_honoured():
 
 
 def test_fix_placement_and_group_size():
-    p = plan(M32, 16, fix=["placement=disjoint", "vision.gpus=4"], allow_ring_cp=True)  # 12 LLM GPUs need cp=3
+    # 12 LLM GPUs need cp=3
+    p = plan(M32, 16, fix=["placement=disjoint", "vision.gpus=4"], search=SearchOptions(allow_ring_cp=True))
     assert p.placement == "disjoint"
     assert p.module("vision").ranks == [12, 13, 14, 15] and p.module("llm").ranks == list(range(12))
 
@@ -215,21 +218,21 @@ def test_infeasible_names_module_need_and_smallest_gpu_count():
     assert "llm does not fit: its smallest need is" in message and "GiB over" in message
     assert "\n" not in message
     gpus = int(message.split("--gpus ")[1].split(")")[0])
-    plan(M32, gpus, placement="colocated", global_batch=16)  # fits at that count (same batch)
+    plan(M32, gpus, placement="colocated", workload=WorkloadInputs(global_batch=16))  # fits at that count (same batch)
     with pytest.raises(ValueError):  # Infeasible, or a count the model cannot use
-        plan(M32, gpus - 1, placement="colocated", global_batch=16)
+        plan(M32, gpus - 1, placement="colocated", workload=WorkloadInputs(global_batch=16))
 
 
 def test_unusable_gpu_count_suggests_usable_ones():
     with pytest.raises(ValueError, match=r"no valid vision strategy on 7 GPUs .*usable GPU counts nearby: 4 or 8"):
-        plan(M32, 7, global_batch=64, placement="colocated")
+        plan(M32, 7, workload=WorkloadInputs(global_batch=64), placement="colocated")
 
 
 def test_infeasible_suggests_a_sequence_that_fits():
     with pytest.raises(Infeasible) as info:
-        plan(M32, 16, image_sizes=[(8000, 8000)], images_per_sample=4)
+        plan(M32, 16, workload=WorkloadInputs(image_sizes=[(8000, 8000)], images_per_sample=4))
     tokens = int(str(info.value).split("--vision-tokens ")[1].split(")")[0])
-    assert plan(M32, 16, vision_tokens=tokens).workload.vision_tokens == tokens
+    assert plan(M32, 16, workload=WorkloadInputs(vision_tokens=tokens)).workload.vision_tokens == tokens
 
 
 @pytest.mark.slow
@@ -245,15 +248,15 @@ def test_max_seq_is_the_longest_square_image_that_fits_inside_the_margin():
     usable = p.cluster.device.memory_bytes * inside.usable_memory_fraction
     assert p.predicted.peak_memory_gib * GIB <= usable + 1
     with pytest.raises(Infeasible):
-        plan(M32, 16, vision_tokens=(side + 2) ** 2, assumptions=inside)
+        plan(M32, 16, workload=WorkloadInputs(vision_tokens=(side + 2) ** 2), assumptions=inside)
 
 
 def test_max_seq_small_model_cpu():
-    p = max_seq("qwen2.5-vl-tiny", 2, gpu="cpu", global_batch=2)
+    p = max_seq("qwen2.5-vl-tiny", TINY_CPU, workload=WorkloadInputs(global_batch=2))
     side = round(p.workload.vision_tokens**0.5)
     if side * 2 < MAX_SEQ_SIDE_PATCHES:
         with pytest.raises(Infeasible):
-            plan("qwen2.5-vl-tiny", 2, gpu="cpu", global_batch=2, vision_tokens=(side + 2) ** 2)
+            plan("qwen2.5-vl-tiny", TINY_CPU, workload=WorkloadInputs(global_batch=2, vision_tokens=(side + 2) ** 2))
 
 
 def test_max_seq_needs_a_vision_model():
@@ -277,7 +280,7 @@ def test_disjoint_placement_of_three_modules_is_refused():
                       audio_input=audio.audio_input,
                       modules=(vl.module("vision"), audio.module("audio"), vl.module("llm")))
     with pytest.raises(NotImplementedError, match="exactly one encoder"):
-        plan(three, 4, gpu="cpu", placement="disjoint", profile=None)
+        plan(three, ClusterInputs(gpus=4, gpu="cpu", profile=None), placement="disjoint")
 
 
 def test_evaluating_an_invalid_strategy_names_the_rule():
@@ -287,22 +290,22 @@ def test_evaluating_an_invalid_strategy_names_the_rule():
         evaluate(M32, Strategy(placement="colocated", modules={"vision": vision, "llm": llm}))
 
 
-PP4 = dict(gpu="h200", gpus_per_node=1, precision="bf16_pure", image_sizes=[(448, 448)], text_tokens=128,
-           global_batch=4)
+PP4_CLUSTER = ClusterInputs(gpus=4, gpu="h200", gpus_per_node=1)
+PP4 = WorkloadInputs(precision="bf16_pure", image_sizes=[(448, 448)], text_tokens=128, global_batch=4)
 """32B on 4 H200, one per node: pipelining the LLM is the fastest plan (PP moves activations where ZeRO moves
 weights over the NIC)."""
 
 
 @pytest.fixture(scope="module")
 def pipelined32():
-    return plan(M32, 4, **PP4)
+    return plan(M32, PP4_CLUSTER, workload=PP4)
 
 
 def test_a_pinned_zero_bubble_schedule_is_planned_and_costed_as_one():
     layout = ["llm.pp=2", "llm.dp=2", "llm.tp=1", "llm.sp=1", "llm.cp=1", "llm.zero=2", "llm.recompute=none",
               "llm.micro_batch=1"]
-    zero_bubble = plan(M32, 4, fix=[*layout, "llm.pp_schedule=interleaved_zb"], **PP4).module("llm")
-    interleaved = plan(M32, 4, fix=[*layout, "llm.pp_schedule=interleaved_1f1b"], **PP4).module("llm")
+    zero_bubble = plan(M32, PP4_CLUSTER, fix=[*layout, "llm.pp_schedule=interleaved_zb"], workload=PP4).module("llm")
+    interleaved = plan(M32, PP4_CLUSTER, fix=[*layout, "llm.pp_schedule=interleaved_1f1b"], workload=PP4).module("llm")
     assert (zero_bubble.pp_schedule, zero_bubble.virtual_stages) == ("interleaved_zb", 2)
     # the same layout loses less to its bubble when the weight gradients fill it
     assert 0 < zero_bubble.predicted.time_s.pp_bubble < interleaved.predicted.time_s.pp_bubble
@@ -318,7 +321,7 @@ def test_pipelined_plan_records_its_stages(pipelined32, tmp_path):
     path.write_text(pipelined32.to_json())
     assert load_plan(path) == pipelined32
     # the plan file re-costs to the same prediction
-    assert evaluate(M32, strategy_of(pipelined32), 4, **PP4).predicted.step_time_s == pytest.approx(
+    assert evaluate(M32, strategy_of(pipelined32), PP4_CLUSTER, workload=PP4).predicted.step_time_s == pytest.approx(
         pipelined32.predicted.step_time_s)
 
 
@@ -326,7 +329,7 @@ def test_pipelined_plan_says_what_pipelining_gains(pipelined32):
     without = pipelined32.baselines["without_pp"]
     assert without.speedup > 1 and "PP" not in " ".join(without.modules.values())
     assert "megatron" in pipelined32.baselines
-    flat = plan(M32, 4, allow_pp=False, **PP4)
+    flat = plan(M32, PP4_CLUSTER, search=SearchOptions(allow_pp=False), workload=PP4)
     assert flat.module("llm").pp == 1 and "without_pp" not in flat.baselines and "with_pp" not in flat.baselines
     assert flat.predicted.step_time_s == pytest.approx(without.step_time_s)
 
@@ -345,7 +348,7 @@ def test_pipelined_plan_file_is_checked(pipelined32, tmp_path):
 def test_pipelined_plan_records_each_stages_gpu_peak(placement):
     """Each stage's GPUs at their own heaviest moment (colocated: with the vision tower), overhead included; the
     largest is the plan's peak (disjoint: the LLM group's), and the stages differ as their own shares do."""
-    pipelined = plan(M32, 4, placement=placement, **PP4)
+    pipelined = plan(M32, PP4_CLUSTER, placement=placement, workload=PP4)
     llm, predicted = pipelined.module("llm"), pipelined.predicted
     stages, own = predicted.stage_memory_breakdown_gib, llm.predicted.stage_memory_gib
     assert llm.pp > 1 and len(stages) == len(own) == len(predicted.stage_peak_phases) == llm.pp

@@ -238,3 +238,43 @@ def test_pipelined_plan_shows_its_stages_and_the_best_plan_without(capsys, tmp_p
     assert re.search(r"llm: 4 GPUs .*\n    PP 4 x DP 1 x TP 1", out)
     assert re.search(r"    pipeline: .+ over 4 stages, decoder layers [\d/]+ \(\+embedding first", out)
     assert re.search(r"without PP +\d+\.\d+s", out) and "Megatron" in out
+
+
+COMMAND_ONLY_FLAGS = {"model", "video_seconds", "video_size", "rescan", "data_root_only", "histogram_out", "placement", "fix", "top_k",
+                      "max_seq", "time_limit", "json", "out", "trace", "list_models", "list_gpus"}
+"""Flags that set no section field: the model, what turns into a video, the dataset's histogram file and its root switch, the arguments
+of each search, and the output."""
+
+
+def test_every_field_of_every_section_is_one_flag():
+    from dataclasses import fields
+
+    from planner import arguments
+
+    dests = [arguments._dest(name, options) for _, _, flags in arguments.FLAG_GROUPS for name, options in flags]
+    assert len(dests) == len(set(dests))
+    section_fields = {f.name for _, section, _ in arguments.FLAG_GROUPS if section for f in fields(section)}
+    assert section_fields - set(dests) == {"pack"}  # the command always packs a dataset
+    assert set(dests) - section_fields == COMMAND_ONLY_FLAGS
+
+
+def test_flags_fill_the_sections():
+    from planner import arguments
+    from planner.inputs import ClusterInputs, DatasetInputs, SearchOptions, WorkloadInputs
+
+    args = arguments.build_parser().parse_args([
+        "--model", "m", "--gpus", "4", "--gpu", "cpu", "--gpus-per-node", "2", "--cluster", "c.yaml", "--profile",
+        "NONE", "--image-size", "448x224", "--images-per-sample", "2", "--video", "16x64x32", "--video-seconds", "8",
+        "--fps", "1", "--text-tokens", "40", "--global-batch", "8", "--precision", "bf16_pure", "--frozen", "vision",
+        "--dataset", "d.jsonl", "--tokenizer", "t", "--min-pixels", "10", "--max-pixels", "20", "--pack-tokens", "64",
+        "--allow-cp", "--no-pp", "--workers", "3", "--attention", "sdpa"])
+    cluster, sections = arguments.problem_inputs(args)
+    assert cluster == ClusterInputs(gpus=4, gpu="cpu", gpus_per_node=2, cluster_file="c.yaml", profile=None)
+    assert sections == dict(
+        workload=WorkloadInputs(image_sizes=[(224, 448)], images_per_sample=2, videos=((16, 64, 32), (8, 720, 1280)),
+                                text_tokens=40, global_batch=8, precision="bf16_pure", frozen=["vision"]),
+        dataset=DatasetInputs(source="d.jsonl", tokenizer="t", min_pixels=10, max_pixels=20, pack_tokens=64, fps=1.0),
+        search=SearchOptions(allow_ring_cp=True, allow_pp=False, workers=3, attention="sdpa"))
+    defaults, sections = arguments.problem_inputs(arguments.build_parser().parse_args(["--gpus", "4", "--workers", "1"]))
+    assert (defaults, sections) == (ClusterInputs(gpus=4), dict(workload=WorkloadInputs(frozen=[]), dataset=None,
+                                                                 search=SearchOptions()))

@@ -7,7 +7,7 @@ from plan_helpers import problem
 
 import planner.search as search
 import planner.search.candidates as candidates
-from planner.api import make_problem, top_plans
+from planner.api import ClusterInputs, make_problem, top_plans
 from planner.search.candidates import placed_cost
 from planner.cost.pipeline import pipelined_step_floor_s
 from planner.search.enumeration import group_sizes, module_strategies
@@ -43,7 +43,7 @@ def test_costing_pipelined_strategies_on_demand_gives_the_full_searchs_plans(mod
         cluster_file.write_text(SLOW_NETWORK)
     if limit_step is not None:
         monkeypatch.setattr(search, "PIPELINE_LIMIT_STEP", limit_step)
-    p = make_problem(model, 64, profile=None, cluster_file=cluster_file and str(cluster_file))
+    p = make_problem(model, ClusterInputs(gpus=64, profile=None, cluster_file=cluster_file and str(cluster_file)))
     bounded = top_plans(p, k=2)
     monkeypatch.setattr(candidates, "pipeline_floor", lambda *args: lambda strategy: 0.0)  # nothing deferred
     full = top_plans(p, k=2)

@@ -3,7 +3,7 @@
 import pytest
 
 from planner import profiles
-from planner.api import plan
+from planner.api import ClusterInputs, WorkloadInputs, plan
 from planner.profiles import CalibratedRun, Calibration, LayerPoint, Profile, Provenance, Spread, save_profile
 
 TINY = "qwen2.5-vl-tiny"
@@ -27,11 +27,12 @@ def _profile(seconds, calibration=None):
                    provenance=provenance, layers=points, calibration=calibration)
 
 
-def _fixed(**kw):
+def _fixed(profile: str | None = "auto"):
     fix = ["llm.dp=2", "llm.tp=1", "llm.sp=1", "llm.cp=1", "llm.zero=0", "llm.recompute=none",
            "llm.micro_batch=1", "vision.dp=2", "vision.tp=1", "vision.sp=1", "vision.cp=1", "vision.zero=0",
            "vision.recompute=none", "vision.micro_batch=1"]
-    return plan(TINY, 2, gpu="cpu", global_batch=4, fix=fix, **kw)
+    return plan(TINY, ClusterInputs(gpus=2, gpu="cpu", profile=profile), workload=WorkloadInputs(global_batch=4),
+                fix=fix)
 
 
 def test_profile_file_supplies_measured_layer_times(tmp_path):
@@ -96,4 +97,4 @@ def test_unreadable_profile_is_a_one_line_error(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text("{not json")
     with pytest.raises(ValueError, match="is not JSON"):
-        plan(TINY, 2, gpu="cpu", profile=str(path))
+        plan(TINY, ClusterInputs(gpus=2, gpu="cpu", profile=str(path)))

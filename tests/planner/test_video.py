@@ -67,4 +67,4 @@ def test_bad_video_inputs_are_one_line(args, message, capsys):
 
 def test_an_audio_model_has_no_video():
     with pytest.raises(ValueError, match="no vision encoder: drop .*--video"):
-        api.make_problem("qwen2-audio-7b", 8, videos=[(16, 448, 448)])
+        api.make_problem("qwen2-audio-7b", 8, workload=api.WorkloadInputs(videos=[(16, 448, 448)]))

@@ -171,8 +171,8 @@ def test_a_long_sequence_plan_dry_runs_within_ten_percent_of_the_planner(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(_few_layer_32b()))
     fixed = {f"{m}.{field}": value for m in ("vision", "llm") for field, value in
              (("dp", 1), ("sp", 8), ("zero", 3), ("recompute", "full"), ("micro_batch", 1))}
-    plan = planner_api.plan(str(tmp_path / "config.json"), 8, fix=fixed, precision="bf16_pure",
-                            image_sizes=[(11956, 11956)], global_batch=8)
+    plan = planner_api.plan(str(tmp_path / "config.json"), 8, fix=fixed, workload=planner_api.WorkloadInputs(
+        precision="bf16_pure", image_sizes=[(11956, 11956)], global_batch=8))
     assert plan.module("llm").attention == "varlen" and plan.module("llm").loss_chunk_tokens == 1024
     report = dry_run(plan, RunOptions())
     predicted = plan.predicted.memory_breakdown_gib
@@ -311,11 +311,12 @@ def test_each_pipeline_stage_is_set_beside_its_own_prediction(placement, schedul
     """A planner-made PP2 plan records every stage's breakdown: each stage's role is compared with its own (module
     rows, GPU peak, moment), none left blank as a stage other than the largest was. Zero-bubble too, whose
     input-gradient pass (``autograd.grad`` over the received activations) MemTracker's module hooks must survive."""
-    from planner.api import plan as make
+    from planner.api import ClusterInputs, WorkloadInputs, plan as make
 
     gpus = 2 if placement == "colocated" else 3
-    planned = make("qwen2.5-vl-tiny", gpus, gpu="cpu", placement=placement, image_sizes=[(168, 112)],
-                   text_tokens=40, global_batch=4, fix=["llm.pp=2", f"llm.pp_schedule={schedule}"])
+    planned = make("qwen2.5-vl-tiny", ClusterInputs(gpus=gpus, gpu="cpu"), placement=placement,
+                   workload=WorkloadInputs(image_sizes=[(168, 112)], text_tokens=40, global_batch=4),
+                   fix=["llm.pp=2", f"llm.pp_schedule={schedule}"])
     report = dry_run(planned, RunOptions())
     stages = planned.predicted.stage_memory_breakdown_gib
     llm = planned.module("llm")

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from planner.api import plan
+from planner.api import ClusterInputs, WorkloadInputs, plan
 from planner.catalog import model_from_hf_config
 from runtime.parallel.parallel_dims import forget_earlier_worlds
 from runtime.training.trainer import RunOptions, Trainer
@@ -98,7 +98,8 @@ def test_a_config_the_planner_accepts_trains_in_the_runtime(family):
 def _plans_and_trains(config: dict, changes: list) -> None:
     try:
         model = model_from_hf_config(config, "fuzzed")
-        emitted = plan(model, 1, gpu="cpu", image_sizes=[(112, 112)], text_tokens=40, global_batch=1, profile=None)
+        emitted = plan(model, ClusterInputs(gpus=1, gpu="cpu", profile=None),
+                       workload=WorkloadInputs(image_sizes=[(112, 112)], text_tokens=40, global_batch=1))
     except ValueError as e:
         assert "\n" not in str(e), str(e)
         return
