@@ -14,7 +14,8 @@ import torch
 import transformers
 
 from planner.contract import param_counts
-from planner.contract.families import qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl, qwen3_vl_moe, qwen_parts
+from planner.contract.families import (qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe,
+                                      qwen_parts)
 from planner.catalog import CATALOG, get_model, list_models, model_from_hf_config
 
 HF_CLASSES = {
@@ -23,6 +24,8 @@ HF_CLASSES = {
     "qwen2_audio": (transformers.Qwen2AudioConfig, transformers.Qwen2AudioForConditionalGeneration),
     "qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration),
     "qwen3_vl_moe": (transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration),
+    "qwen3_5": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration),
+    "qwen3_5_moe": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration),
 }
 
 
@@ -80,7 +83,10 @@ def test_module_counts_match_transformers(name):
 def hf_layer_counts(model: torch.nn.Module) -> dict[str, int]:
     """One instance of each planner layer type, counted on the transformers model."""
     lm = model.model.language_model
-    counts = {"embedding": count(lm.embed_tokens), "decoder_layer": count(lm.layers[0]), "final_norm": count(lm.norm)}
+    counts = {"embedding": count(lm.embed_tokens), "final_norm": count(lm.norm)}
+    for layer in lm.layers:  # Qwen3.5's hybrid decoder: the first layer of each block type
+        linear = getattr(layer, "block_type", None) == "linear_attention"
+        counts.setdefault("linear_decoder_layer" if linear else "decoder_layer", count(layer))
     if hasattr(model.model, "visual"):
         visual = model.model.visual
         full = set(getattr(visual, "fullatt_block_indexes", range(len(visual.blocks))))
@@ -126,6 +132,65 @@ def test_qwen3_vl_published_counts():
     vision = get_model("qwen3-vl-32b").module("vision")
     assert vision.layer("deepstack_merger").count == 3
     assert vision.layer("deepstack_merger").params * 3 == 134_536_704
+
+
+def test_qwen3_5_27b_published_count():
+    """Qwen/Qwen3.6-27B's safetensors hold 27,781,427,952 parameters (1,199 tensors; the config file's sources in
+    planner/contract/families/qwen3_5_configs.py): the built model plus its one MTP layer (``mtp.*``), which
+    transformers skips on load and the planner counts apart."""
+    for name in ("qwen3.5-27b", "Qwen/Qwen3.6-27B"):
+        spec = get_model(name)
+        assert spec.num_params + spec.unbuilt_params == 27_781_427_952
+    assert spec.unbuilt_params == 424_699_392
+    llm = spec.module("llm")
+    assert (llm.layer("linear_decoder_layer").count, llm.layer("decoder_layer").count) == (48, 16)
+    assert llm.layer_order[:4] == ("linear_decoder_layer",) * 3 + ("decoder_layer",)
+
+
+def test_qwen3_5_layers_by_hand():
+    """One Qwen3.6-27B linear-attention layer, from the checkpoint's tensor shapes: in_proj_qkv [10240, 5120],
+    in_proj_z [6144, 5120], in_proj_a / in_proj_b [48, 5120], conv1d [10240, 1, 4], dt_bias / A_log [48], norm [128],
+    out_proj [5120, 6144]; one full-attention layer: q_proj [12288, 5120], k/v [1024, 5120], o [5120, 6144], q/k norm
+    [256]; each with the MLP (3 x 17408 x 5120) and two RMSNorms [5120]."""
+    mlp_and_norms = 3 * 17408 * 5120 + 2 * 5120
+    linear = 10240 * 5120 + 6144 * 5120 + 2 * 48 * 5120 + 10240 * 4 + 2 * 48 + 128 + 5120 * 6144
+    full = 12288 * 5120 + 2 * 1024 * 5120 + 5120 * 6144 + 2 * 256
+    llm = get_model("qwen3.5-27b").module("llm")
+    assert llm.layer("linear_decoder_layer").params == linear + mlp_and_norms
+    assert llm.layer("decoder_layer").params == full + mlp_and_norms
+
+
+def test_qwen3_5_refuses_what_it_cannot_build():
+    config = copy.deepcopy(CATALOG["qwen3.5-tiny"].config)
+    config["text_config"]["linear_num_value_heads"] = 3
+    assert_one_line_error(r"3 linear-attention value heads are not a multiple of 2 key heads", get_model_of, config)
+    config = copy.deepcopy(CATALOG["qwen3.5-tiny"].config)
+    config["text_config"]["layer_types"] = ["linear_attention"] * 3
+    assert_one_line_error(r"layer_types must give one of .* for each of the 4 layers", get_model_of, config)
+    config["text_config"]["layer_types"] = ["linear_attention"] * 4
+    assert_one_line_error(r"layer_types has no full_attention layer", get_model_of, config)
+    config = copy.deepcopy(CATALOG["qwen3.5-tiny"].config)
+    config["text_config"]["rope_parameters"]["mrope_section"] = [8, 4, 4]
+    assert_one_line_error(r"mrope_section .* half the decoder's rotary width \(4\)", get_model_of, config)
+
+
+def get_model_of(config: dict):
+    """The spec of a config.json dict."""
+    return model_from_hf_config(config, "x")
+
+
+@pytest.mark.parametrize(("ours", "config_class"), [(qwen3_5.TEXT_DEFAULTS, transformers.Qwen3_5TextConfig),
+                                                    (qwen3_5_moe.TEXT_DEFAULTS, transformers.Qwen3_5MoeTextConfig)])
+def test_qwen3_5_defaults_are_the_transformers_defaults(ours, config_class):
+    """Field defaults as the class's; the keys its ``__post_init__`` consumes by their effect: layer_types every 4th
+    full attention, rotary on a quarter of the head; ``mtp_num_hidden_layers`` transformers does not read."""
+    theirs = config_class(num_hidden_layers=8)
+    derived = {"full_attention_interval", "partial_rotary_factor", "mtp_num_hidden_layers"}
+    assert {key: getattr(config_class(), key) for key in ours if key not in derived} == {
+        key: value for key, value in ours.items() if key not in derived}
+    assert theirs.layer_types == qwen3_5.layer_types({**ours, "num_hidden_layers": 8, "layer_types": None})
+    assert theirs.rope_parameters["partial_rotary_factor"] == ours["partial_rotary_factor"]
+    assert not hasattr(theirs, "mtp_num_hidden_layers") and ours["mtp_num_hidden_layers"] == 0
 
 
 def test_qwen3_vl_formulas_by_hand():
@@ -346,7 +411,8 @@ def test_defaults_are_the_transformers_defaults(ours, config_class):
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-vl-7b", "qwen2-vl-2b", "qwen2-audio-7b", "qwen2.5-vl-32b", "qwen3-vl-2b",
-                                  "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3-vl-moe-tiny"])
+                                  "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3-vl-moe-tiny", "qwen3.5-27b",
+                                  "qwen3.5-moe-tiny"])
 def test_transformers_saved_layout_gives_the_same_spec(name):
     """transformers 5 writes text_config/vision_config nested and every default spelled out."""
     saved = hf_config(CATALOG[name].config).to_dict()

@@ -18,7 +18,7 @@ LayerKind = Literal[
     "audio_block",  # Whisper encoder layer
     "audio_projector",  # final norm + pooling + linear into the LLM width
     "embedding",  # token embedding
-    "decoder_layer",  # GQA + SwiGLU (or routed-experts, ``LayerSpec.moe``) decoder layer
+    "decoder_layer",  # GQA + SwiGLU (or routed-experts, ``LayerSpec.moe``; or linear attention, ``LayerSpec.linear_attention``) decoder layer
     "final_norm",  # last RMSNorm of the decoder
     "lm_head",  # vocabulary projection (+ loss)
 ]
@@ -40,6 +40,27 @@ class AttentionSpec:
     """Causal (decoder) or bidirectional (encoder) attention."""
     window_patches: int | None = None
     """Patches per attention window for window-attention blocks; None attends each whole segment."""
+    output_gate: bool = False
+    """Gated attention (Qwen3.5's ``Qwen3_5Attention``): q_proj also produces a per-head gate of the query's width,
+    and the attention output is multiplied by its sigmoid before o_proj."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class LinearAttentionSpec:
+    """Gated DeltaNet token mixer of one decoder layer, in place of softmax attention (transformers
+    ``Qwen3_5GatedDeltaNet``: in_proj_qkv, in_proj_z, in_proj_a / in_proj_b, a depthwise causal conv over q, k, v,
+    the chunked gated delta rule, a gated RMSNorm, out_proj)."""
+
+    num_key_heads: int
+    """Query / key heads (``linear_num_key_heads``)."""
+    num_value_heads: int
+    """Value heads (``linear_num_value_heads``), a multiple of the key heads; each carries its own state."""
+    key_head_dim: int
+    """Width of one query / key head (``linear_key_head_dim``)."""
+    value_head_dim: int
+    """Width of one value head (``linear_value_head_dim``)."""
+    conv_kernel: int
+    """Taps of the causal depthwise conv over q, k, v (``linear_conv_kernel_dim``)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -100,6 +121,8 @@ class LayerSpec:
     """Dense feed-forward of block layers (None on a mixture-of-experts layer)."""
     moe: MoeSpec | None = None
     """Routed experts of a mixture-of-experts decoder layer (None on a dense layer)."""
+    linear_attention: LinearAttentionSpec | None = None
+    """Linear-attention token mixer of a hybrid decoder layer (then ``attention`` is None)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -112,6 +135,10 @@ class ModuleSpec:
     """Layer types in forward order."""
     frozen: bool = False
     """Frozen: no gradients, no optimizer state, no weight-gradient FLOPs."""
+    layer_order: tuple[str, ...] = ()
+    """Names of the decoder layer types in forward order, one per instance, where a module interleaves several
+    (Qwen3.5: three ``linear_decoder_layer`` per ``decoder_layer``); pipeline chunks cut this order. Empty: one
+    decoder layer type, its instances alike."""
 
     @property
     def num_params(self) -> int:
@@ -214,6 +241,9 @@ class ModelSpec:
     """Present for audio-language models."""
     tie_word_embeddings: bool = False
     """Whether lm_head shares the embedding matrix (its params are then counted once, in the embedding)."""
+    unbuilt_params: int = 0
+    """Parameters the checkpoint holds beyond the built model, neither loaded, trained nor priced (Qwen3.5's
+    multi-token-prediction layers ``mtp.*``, which transformers skips on load); ``num_params`` excludes them."""
     injection_layers: tuple[int, ...] = ()
     """Decoder layers whose output receives one more encoder tensor at the image positions (Qwen3-VL's DeepStack:
     layers 0, 1, 2 receive features taken inside the vision tower); each crosses the hand-off like the encoder's

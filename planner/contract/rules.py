@@ -30,6 +30,27 @@ def attention_rules(tp: int, sp: int, num_heads: int, num_kv_heads: int, layer: 
     return reasons
 
 
+def linear_attention_rules(tp: int, sp: int, cp: int, num_key_heads: int, num_value_heads: int,
+                           layer: str) -> list[str]:
+    """Why ``tp`` x Ulysses ``sp`` x ring ``cp`` cannot run a linear-attention (Gated DeltaNet) ``layer``: TP splits
+    its key heads and its value heads alike (each rank keeps whole key heads with the value heads that read them), so
+    it divides both; Ulysses gives each rank whole sequences of ``1 / sp`` of a TP rank's heads (the recurrence and
+    the short conv then run unchanged), so ``tp * sp`` divides both; ring CP would split a recurrence that carries
+    its state along the sequence over ranks, which nobody here runs. The planner and the runtime both apply it."""
+    reasons = []
+    for degree, axis in ((tp, "tp"), (tp * sp, "tp*sp")):
+        for heads, kind in ((num_key_heads, "key"), (num_value_heads, "value")):
+            if degree > 1 and heads % degree:
+                reasons.append(f"{axis}={degree} does not divide the {heads} linear-attention {kind} heads of {layer}")
+                break
+        if reasons:
+            break
+    if cp > 1:
+        reasons.append(f"cp={cp}: ring context parallelism of {layer}'s linear attention (a recurrence along the "
+                       "sequence) is not run; plan with --fix llm.cp=1 (Ulysses SP splits it by heads)")
+    return reasons
+
+
 def split_rule(sp: int, parts: int, unit: str, where: str) -> str | None:
     """Ulysses SP splits a sequence into ``sp`` contiguous slices of at least one indivisible part each: the LLM's
     tokens of a sample (the runtime's ``split_sequence``), a vision micro-batch's attention windows or, without

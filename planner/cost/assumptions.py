@@ -119,6 +119,9 @@ class CostAssumptions:
     """Fraction of the full s x s attention FLOPs a causal kernel executes (it skips masked blocks)."""
     softmax_stat_bytes: int = 4
     """Bytes per head and token of the fp32 logsumexp flash-style kernels save for backward."""
+    linear_attention_chunk: int = 64
+    """Tokens per chunk of the chunked gated delta rule (flash-linear-attention's ``chunk_gated_delta_rule`` and
+    transformers' ``torch_chunk_gated_delta_rule`` both use 64)."""
     mlp_backward_transient_tensors: float = 2.2
     """``[tokens, intermediate / tp]`` activation-dtype tensors a gated MLP's backward holds beside what the layer
     saved (the gradients of its gate and up projections' outputs and of their product, less the saved inputs it

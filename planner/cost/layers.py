@@ -20,6 +20,15 @@ from planner.cost.compute import (
     grouped_gemm_time,
 )
 from planner.cost.host import pass_time
+from planner.cost.linear_attention import (
+    LinearWidths,
+    gated_delta_rule_core_flops,
+    gated_delta_rule_saved_bytes_per_token,
+    linear_mixer_elementwise_elements,
+    linear_widths,
+    recurrent_state_bytes,
+    short_conv_flops_per_token,
+)
 from planner.cost.op_counts import LAYER_OPS, NO_OPS, PassOps, layer_pass_ops
 from planner.cost.times import PassTimes
 from planner.cost.memory import (
@@ -306,16 +315,43 @@ def replicated_kv_backward_time(layer: LayerSpec, shard: Shard) -> float:
 
 def _block_gemm_shapes(layer: LayerSpec, shard: Shard) -> tuple[tuple[float, float, float], ...]:
     """(m, n, k) of every GEMM of a block on one rank: QKV (fused in encoders, separate q/k/v in the decoder,
-    K/V heads replicated when tp exceeds them), output projection, MLP (SwiGLU: gate, up, down)."""
+    K/V heads replicated when tp exceeds them; a gated attention's q_proj also writes the output gate, twice the
+    query width), output projection, and the TP-split feed-forward (``feed_forward_gemm_shapes``)."""
     a, m, h, tp = layer.attention, shard.tokens, layer.hidden_size, shard.tp
     q = a.num_heads * a.head_dim / tp
     kv = max(a.num_kv_heads, tp) / tp * a.head_dim
-    qkv = ((m, q, h), (m, kv, h), (m, kv, h)) if layer.kind == "decoder_layer" else ((m, q + 2 * kv, h),)
-    if layer.mlp is None:  # a mixture-of-experts layer: its router and experts are ``expert_terms``
-        return qkv + ((m, h, q),)
-    f = layer.mlp.intermediate_size / tp
-    mlp = ((m, f, h), (m, f, h), (m, h, f)) if layer.mlp.gated else ((m, f, h), (m, h, f))
-    return qkv + ((m, h, q),) + mlp
+    q_out = 2 * q if a.output_gate else q
+    qkv = ((m, q_out, h), (m, kv, h), (m, kv, h)) if layer.kind == "decoder_layer" else ((m, q + 2 * kv, h),)
+    return qkv + ((m, h, q),) + feed_forward_gemm_shapes(layer, shard)
+
+
+def dense_feed_forward_width(layer: LayerSpec) -> int:
+    """Hidden width of a layer's TP-split SwiGLU (or plain) MLP: its ``mlp``, or a mixture-of-experts layer's shared
+    expert (0: none)."""
+    if layer.mlp is not None:
+        return layer.mlp.intermediate_size
+    return layer.moe.shared_expert_intermediate_size if layer.moe is not None else 0
+
+
+def feed_forward_gemm_shapes(layer: LayerSpec, shard: Shard) -> tuple[tuple[float, float, float], ...]:
+    """(m, n, k) of the TP-split feed-forward GEMMs: the MLP (SwiGLU: gate, up, down), or a mixture-of-experts
+    layer's shared expert (SwiGLU, column- then row-parallel as transformers' ``base_model_tp_plan`` of Qwen3.5-MoE
+    splits it) and its sigmoid gate (h -> 1, replicated); the routed experts are ``expert_terms``."""
+    m, h, tp = shard.tokens, layer.hidden_size, shard.tp
+    width = dense_feed_forward_width(layer)
+    if width == 0:
+        return ()
+    f = width / tp
+    if layer.mlp is not None and not layer.mlp.gated:
+        return ((m, f, h), (m, h, f))
+    gate = ((m, 1, h),) if layer.mlp is None else ()
+    return ((m, f, h), (m, f, h), (m, h, f)) + gate
+
+
+def tp_all_reduces(layer: LayerSpec) -> int:
+    """All-reduces of a block's output per pass under TP (Shoeybi et al. 2019, Sec. 3): one after the token mixer,
+    one after a TP-split feed-forward (a dense MLP or a shared expert; routed experts meet in the expert exchange)."""
+    return 1 + (dense_feed_forward_width(layer) > 0)
 
 
 def attention_calls(layer: LayerSpec, shard: Shard) -> float:
@@ -371,13 +407,15 @@ def _block_saved(layer: LayerSpec, shard: Shard, scores: float, recompute: str) 
         hidden=layer.hidden_size,
         q_width=a.num_heads * a.head_dim / s.tp,
         kv_width=max(a.num_kv_heads, s.tp * s.sp) / s.tp * a.head_dim,
-        mlp_width=0.0 if layer.mlp is None else layer.mlp.intermediate_size / s.tp,
+        mlp_width=dense_feed_forward_width(layer) / s.tp,
         gated=layer.mlp is None or layer.mlp.gated,
         heads=a.num_heads / s.tp,
         tp=s.tp,
         recompute=recompute,
         assumptions=s.assumptions,
     )
+    if a.output_gate and recompute != "full":  # the gate and the attention output it scales
+        per_token += 2 * q_width * s.assumptions.activation_bytes
     experts = expert_terms(layer, s)[2] if layer.moe is not None and recompute != "full" else 0.0
     return s.tokens * per_token + score_matrix_bytes(scores, recompute, s.assumptions) + experts
 
@@ -388,10 +426,12 @@ def block_elementwise_elements(layer: LayerSpec, shard: Shard) -> float:
     a, tp = layer.attention, shard.tp
     h = layer.hidden_size / tp if shard.assumptions.megatron_sequence_parallel else layer.hidden_size
     rotary = 2 * (a.num_heads + max(a.num_kv_heads, tp)) * a.head_dim / tp
+    gate = 3 * a.num_heads * a.head_dim / tp if a.output_gate else 0.0
     if layer.mlp is None:
-        return shard.tokens * (10 * h + rotary) + expert_elementwise_elements(layer, shard)
+        shared = 3 * dense_feed_forward_width(layer) / tp
+        return shard.tokens * (10 * h + rotary + gate + shared) + expert_elementwise_elements(layer, shard)
     activation = (3 if layer.mlp.gated else 2) * layer.mlp.intermediate_size / tp
-    return shard.tokens * (10 * h + rotary + activation)
+    return shard.tokens * (10 * h + rotary + gate + activation)
 
 
 def expert_elementwise_elements(layer: LayerSpec, shard: Shard) -> float:
@@ -457,7 +497,7 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     s, e, a = shard, shard.assumptions.activation_bytes, layer.attention
     gemm_s, gemm_fl = _gemms(_block_gemm_shapes(layer, s), s)
     attn_s, attn_fl, scores, windowed = _block_attention(layer, s)
-    tp_ar = (2 if layer.moe is None else 1) * all_reduce_time(s.tokens * layer.hidden_size * e, s.tp, s.tp_link)
+    tp_ar = tp_all_reduces(layer) * all_reduce_time(s.tokens * layer.hidden_size * e, s.tp, s.tp_link)
     sp_fwd = buffers = cp_fwd = 0.0
     if layer.moe is not None:
         experts_s, experts_fl, _, buffers = expert_terms(layer, s)
@@ -472,10 +512,7 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         buffers += 2 * kv_block
     if dense_packed_mask(layer, s):
         buffers += packed_mask_bytes(s.segment_tokens * s.segments, s.micro_batch)
-    mlp_backward = 0.0
-    if layer.mlp is not None:
-        mlp_backward = mlp_backward_transient_bytes(s.tokens, layer.mlp.intermediate_size / s.tp, s.assumptions,
-                                                    gated=layer.mlp.gated)
+    mlp_backward = _mlp_backward_bytes(layer, s)
     calls = attention_calls(layer, s)
     return _terms(
         s,
@@ -500,6 +537,93 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         ep_bwd=expert_all_to_all_time(s.tokens, layer, s),
         recomputable=True,
     )
+
+
+def _mlp_backward_bytes(layer: LayerSpec, shard: Shard) -> float:
+    """``mlp_backward_transient_bytes`` of a layer's TP-split MLP or shared expert (0 without one)."""
+    width = dense_feed_forward_width(layer)
+    if width == 0:
+        return 0.0
+    gated = layer.mlp is None or layer.mlp.gated
+    return mlp_backward_transient_bytes(shard.tokens, width / shard.tp, shard.assumptions, gated=gated)
+
+
+def linear_attention_block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
+    """A hybrid model's Gated DeltaNet decoder layer (``planner.cost.linear_attention``): the projections
+    in_proj_qkv / in_proj_z / in_proj_a / in_proj_b and out_proj, column- then row-parallel over both head kinds;
+    the short conv, gates, l2 norms and gated RMSNorm as memory-bound traffic; the chunked gated delta rule at the
+    attention kernel's efficiency for chunk-long blocks (``attention_core_time`` with ``C`` keys), its backward
+    ``attention_backward_ratio`` times the forward, as selective recomputation re-runs it; the feed-forward as in
+    ``block_terms``. TP: 2 all-reduces per pass (out_proj, the MLP's down). Ulysses: all-to-alls of the conv's input
+    and the a / b gates to head-sharded whole sequences (the conv and the recurrence then run unchanged on each
+    sequence) and of the rule's output back, in forward, and again in backward. Ring CP is refused by
+    ``planner.contract.rules.linear_attention_rules`` (nothing priced). The state is a transient of one sequence per
+    sample per rank (``recurrent_state_bytes``, fp32)."""
+    s, asm = shard, shard.assumptions
+    e, h, m = asm.activation_bytes, layer.hidden_size, shard.tokens
+    w = linear_widths(layer, s.tp)
+    value = w.value_heads * w.value_head_dim
+    chunk = asm.linear_attention_chunk
+    projections = ((m, w.conv_channels, h), (m, value, h), (m, w.value_heads, h), (m, w.value_heads, h),
+                   (m, h, value))
+    gemm_s, gemm_fl = _gemms(projections + feed_forward_gemm_shapes(layer, s), s)
+    buffers = s.micro_batch * recurrent_state_bytes(w.value_heads / s.sp, w.key_head_dim, w.value_head_dim, 4)
+    saved_experts = 0.0
+    if layer.moe is not None:
+        experts_s, experts_fl, saved_experts, dispatch = expert_terms(layer, s)
+        gemm_s, gemm_fl, buffers = gemm_s + experts_s, gemm_fl + experts_fl, buffers + dispatch
+    core_fl = gated_delta_rule_core_flops(m, w, chunk)
+    conv_fl = m * short_conv_flops_per_token(w.conv_channels, layer.linear_attention.conv_kernel)
+    core_s = attention_core_time(core_fl, chunk, 0.0, s.device, asm)
+    sp_fwd = 0.0
+    if s.sp > 1:
+        exchanged = m * (w.conv_channels + 2 * w.value_heads)
+        sp_fwd = (all_to_all_time(exchanged * e, s.sp, s.sp_link) + all_to_all_time(m * value * e, s.sp, s.sp_link))
+        buffers += 2 * m * (w.conv_channels + value) * e
+    return _terms(
+        s,
+        ops=layer_pass_ops(layer.kind, tp=s.tp, segments=s.micro_batch, ulysses=s.sp > 1),
+        attention_ops=NO_OPS.plus(LAYER_OPS[layer.kind].per_segment_forward, s.micro_batch),
+        gemm_s=gemm_s,
+        gemm_flops_=gemm_fl,
+        attention_s=core_s,
+        attention_flops_=core_fl + conv_fl,
+        elementwise_s=elementwise_time(_linear_block_elementwise_elements(layer, s, w), s.device, asm),
+        saved=_linear_block_saved(layer, s, w, s.recompute) + (saved_experts if s.recompute != "full" else 0.0),
+        working=_linear_block_saved(layer, s, w, "none") + saved_experts,
+        buffers=buffers,
+        backward_buffers=max(buffers, _mlp_backward_bytes(layer, s)),
+        tp_fwd=tp_all_reduces(layer) * all_reduce_time(m * h * e, s.tp, s.tp_link),
+        tp_bwd=tp_all_reduces(layer) * all_reduce_time(m * h * e, s.tp, s.tp_link),
+        sp_fwd=sp_fwd,
+        sp_bwd=sp_fwd,
+        ep_fwd=expert_all_to_all_time(m, layer, s),
+        ep_bwd=expert_all_to_all_time(m, layer, s),
+        recomputable=True,
+    )
+
+
+def _linear_block_saved(layer: LayerSpec, shard: Shard, w: LinearWidths, recompute: str) -> float:
+    """Bytes a linear-attention block keeps for backward on one rank: the block's norm, mixer and MLP inputs and the
+    MLP's activations (``block_saved_bytes_per_token`` with no softmax attention) and the token mixer's
+    (``gated_delta_rule_saved_bytes_per_token``), per token."""
+    s = shard
+    block = block_saved_bytes_per_token(
+        hidden=layer.hidden_size, q_width=0.0, kv_width=0.0, mlp_width=dense_feed_forward_width(layer) / s.tp,
+        gated=layer.mlp is None or layer.mlp.gated, heads=0.0, tp=s.tp, recompute=recompute, assumptions=s.assumptions)
+    mixer = gated_delta_rule_saved_bytes_per_token(w, s.assumptions.linear_attention_chunk, recompute, s.assumptions)
+    return s.tokens * (block + mixer)
+
+
+def _linear_block_elementwise_elements(layer: LayerSpec, shard: Shard, w: LinearWidths) -> float:
+    """A linear-attention block's memory-bound traffic: the block's norms and residual adds (``10 h``), the MLP's
+    activation or the experts' (as ``block_elementwise_elements``), and the token mixer's
+    (``linear_mixer_elementwise_elements``)."""
+    s = shard
+    h = layer.hidden_size / s.tp if s.assumptions.megatron_sequence_parallel else layer.hidden_size
+    ffn = 3 * dense_feed_forward_width(layer) / s.tp * s.tokens
+    experts = expert_elementwise_elements(layer, s) if layer.moe is not None else 0.0
+    return s.tokens * 10 * h + ffn + experts + linear_mixer_elementwise_elements(s.tokens, w)
 
 
 def patch_embed_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
@@ -657,5 +781,8 @@ LAYER_TERMS = {
 
 
 def layer_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
-    """Analytical cost of one instance of ``layer`` on ``shard``."""
+    """Analytical cost of one instance of ``layer`` on ``shard`` (a linear-attention decoder layer:
+    ``linear_attention_block_terms``)."""
+    if layer.linear_attention is not None:
+        return linear_attention_block_terms(layer, shard)
     return LAYER_TERMS[layer.kind](layer, shard)

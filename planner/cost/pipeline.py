@@ -166,45 +166,103 @@ def in_flight_chunks(stage: int, num_stages: int, grad_accum: int, virtual_stage
 
 def pipeline_chunks(static: ModuleStatic, s: ModuleStrategy, layer_costs: LayerCostSource | None,
                     within: tuple[bool, ...], extra_first_s: float, p2p_s: float) -> tuple[int, ...]:
-    """Decoder layers of each of the ``pp * virtual_stages`` model chunks, balanced on time per micro-batch
-    (``balanced_chunk_layers``): the first chunk also runs the layers before the decoder (embedding) and receives
-    the hand-off (``extra_first_s``), the last the layers after it (final norm, lm_head and the loss), and every
-    chunk but the last sends its output and receives its gradient (``p2p_s``)."""
+    """Decoder layers of each of the ``pp * virtual_stages`` model chunks, balanced on time per micro-batch: the first
+    chunk also runs the layers before the decoder (embedding) and receives the hand-off (``extra_first_s``), the last
+    the layers after it (final norm, lm_head and the loss), and every chunk but the last sends its output and
+    receives its gradient (``p2p_s``). Alike decoder layers split by ``balanced_chunk_layers``; a hybrid decoder
+    (``ModuleSpec.layer_order``: Qwen3.5's linear- and full-attention layers, of different costs) by
+    ``balanced_ordered_chunks`` over each instance's own cost, so that stages hold equal cost, not equal counts."""
     key = (s.tp, s.sp, s.cp, s.ep, s.micro_batch, s.recompute, s.pp, s.virtual_stages, within, extra_first_s, p2p_s)
     if layer_costs is None and key in static.chunks:
         return static.chunks[key]
-    layers = static.spec.layers
-    blocks = [i for i, layer in enumerate(layers) if layer.kind in PIPELINED_KINDS]
-    assert len(blocks) == 1, f"{static.spec.name}: pipeline parallelism needs one repeated block type"
-    index = blocks[0]
-    before, block, after = layers[:index], layers[index], layers[index + 1:]
-    layer_s = layer_sums(static, s, within, layer_costs, (replace(block, count=1),)).total_s
+    before, blocks, after = split_decoder(static.spec.layers)
+    block_s = {block.name: layer_sums(static, s, within, layer_costs, (replace(block, count=1),)).total_s
+               for block in blocks}
     head_s = layer_sums(static, s, within, layer_costs, before).total_s if before else 0.0
     tail_s = layer_sums(static, s, within, layer_costs, after).total_s if after else 0.0
     chunks = s.pp * s.virtual_stages
     extra = [p2p_s] * (chunks - 1) + [tail_s]
     extra[0] += head_s + extra_first_s
-    chunks = balanced_chunk_layers(block.count, extra, layer_s, first_at_least=len(static.model.injection_layers))
+    first = len(static.model.injection_layers)
+    if static.spec.layer_order:
+        costs = [block_s[name] for name in static.spec.layer_order]
+        chunks = balanced_ordered_chunks(costs, extra, first_at_least=first)
+    else:
+        chunks = balanced_chunk_layers(blocks[0].count, extra, block_s[blocks[0].name], first_at_least=first)
     if layer_costs is None:
         static.chunks[key] = chunks
     return chunks
+
+
+def balanced_ordered_chunks(layer_s: Sequence[float], chunk_extra_s: Sequence[float],
+                            first_at_least: int = 1) -> tuple[int, ...]:
+    """Layers per chunk of a sequence of layers of different costs ``layer_s`` (in forward order), cut into
+    contiguous chunks so that the slowest chunk's ``extra_c + sum of its layers`` is least, each chunk holding at
+    least one layer, the first at least ``first_at_least``.
+
+    The linear partition problem, solved exactly by dynamic programming over prefix sums (Skiena, "The Algorithm
+    Design Manual", 2nd ed., Sec. 8.5; O(chunks x layers^2)): ``best[c][i]``, the least slowest-chunk time of the
+    first i layers in c chunks, is ``min_j max(best[c-1][j], extra_c + sum(layer_s[j:i]))``. Among optimal splits
+    the one whose earlier chunks hold the most layers is taken.
+
+    Raises:
+        ValueError: fewer layers than chunks need.
+    """
+    n, chunks = len(layer_s), len(chunk_extra_s)
+    first = max(1, first_at_least)
+    if n < chunks - 1 + first:
+        raise ValueError(f"{n} layers cannot fill {chunks} pipeline chunks, the first with {first}")
+    prefix = [0.0]
+    for cost in layer_s:
+        prefix.append(prefix[-1] + cost)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(chunks + 1)]
+    cut = [[0] * (n + 1) for _ in range(chunks + 1)]
+    best[0][0] = 0.0
+    for c in range(1, chunks + 1):
+        least = first if c == 1 else 1
+        for i in range(c - 1 + first, n - (chunks - c) + 1):
+            for j in range(i - least, -1, -1):
+                if best[c - 1][j] == inf:
+                    continue
+                slowest = max(best[c - 1][j], chunk_extra_s[c - 1] + prefix[i] - prefix[j])
+                if slowest < best[c][i] - 1e-15:
+                    best[c][i], cut[c][i] = slowest, j
+    counts, i = [], n
+    for c in range(chunks, 0, -1):
+        counts.append(i - cut[c][i])
+        i = cut[c][i]
+    return tuple(reversed(counts))
 
 
 PIPELINED_KINDS = ("decoder_layer",)
 """The repeated block whose instances pipeline stages divide (the LLM's decoder layers)."""
 
 
-def rank_layers(layers: tuple[LayerSpec, ...], chunk_layers: tuple[int, ...], rank: int, pp: int
-                ) -> tuple[LayerSpec, ...]:
-    """The layers pipeline rank ``rank`` holds: the decoder layers of its chunks (``rank``, ``rank + pp``, ...), the
-    layers before the decoder on rank 0 (chunk 0), the ones after it on the rank of the last chunk."""
-    index = next(i for i, layer in enumerate(layers) if layer.kind in PIPELINED_KINDS)
+def split_decoder(layers: tuple[LayerSpec, ...]
+                  ) -> tuple[tuple[LayerSpec, ...], tuple[LayerSpec, ...], tuple[LayerSpec, ...]]:
+    """(layers before the decoder layers, the decoder layer types, layers after them)."""
+    blocks = [i for i, layer in enumerate(layers) if layer.kind in PIPELINED_KINDS]
+    first, last = blocks[0], blocks[-1]
+    assert blocks == list(range(first, last + 1)), "the decoder layer types must be consecutive"
+    return layers[:first], layers[first:last + 1], layers[last + 1:]
+
+
+def rank_layers(layers: tuple[LayerSpec, ...], chunk_layers: tuple[int, ...], rank: int, pp: int,
+                order: tuple[str, ...] = ()) -> tuple[LayerSpec, ...]:
+    """The layers pipeline rank ``rank`` holds: the decoder layers of its chunks (``rank``, ``rank + pp``, ...), by
+    type as ``order`` (``ModuleSpec.layer_order``) places them, the layers before the decoder on rank 0 (chunk 0),
+    the ones after it on the rank of the last chunk."""
+    before, blocks, after = split_decoder(layers)
+    order = order or (blocks[0].name,) * sum(block.count for block in blocks)
+    starts = [sum(chunk_layers[:c]) for c in range(len(chunk_layers))]
     mine = range(rank, len(chunk_layers), pp)
-    held = [replace(layers[index], count=sum(chunk_layers[c] for c in mine))]
+    names = [name for c in mine for name in order[starts[c]:starts[c] + chunk_layers[c]]]
+    held = [replace(block, count=names.count(block.name)) for block in blocks if block.name in names]
     if 0 in mine:
-        held = list(layers[:index]) + held
+        held = list(before) + held
     if len(chunk_layers) - 1 in mine:
-        held += list(layers[index + 1:])
+        held += list(after)
     return tuple(held)
 
 
@@ -213,18 +271,19 @@ def _rank_layers(static: ModuleStatic, chunk_layers: tuple[int, ...], rank: int,
     key = ("rank_layers", chunk_layers, rank, pp)
     held = static.chunks.get(key)
     if held is None:
-        held = static.chunks[key] = rank_layers(static.spec.layers, chunk_layers, rank, pp)
+        held = static.chunks[key] = rank_layers(static.spec.layers, chunk_layers, rank, pp, static.spec.layer_order)
     return held
 
 
-def pipeline_parts(s: ModuleStrategy, first_rank: int, devices_per_node: int, chunk_layers: tuple[int, ...]
+def pipeline_parts(s: ModuleStrategy, first_rank: int, devices_per_node: int, chunk_layers: tuple[int, ...],
+                   order: tuple[str, ...] = ()
                    ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
     """(the distinct pipeline ranks as (first rank of its kind, chunks it sends onward), each rank's (index of its
     kind, chunks it holds in flight)). Ranks are alike when they hold the same chunks' worth of layers (and whether
     the first or the last), send as many chunks onward and have the same links; the first of a kind holds the most
     in flight (in-flight falls with the rank), so its cost stands for the kind. Memoised."""
     key = (s.pp, s.pp_schedule, s.virtual_stages, s.grad_accum, s.tp, s.sp, s.cp, s.dp, s.ep,
-           first_rank % devices_per_node, devices_per_node, chunk_layers)
+           first_rank % devices_per_node, devices_per_node, chunk_layers, order)
     found = _PARTS.get(key)
     if found is not None:
         return found
@@ -235,7 +294,7 @@ def pipeline_parts(s: ModuleStrategy, first_rank: int, devices_per_node: int, ch
     for rank in range(s.pp):
         mine = range(rank, num_chunks, s.pp)
         sends = sum(c < num_chunks - 1 for c in mine)
-        kind = (0 in mine, num_chunks - 1 in mine, sum(chunk_layers[c] for c in mine), sends,
+        kind = (0 in mine, num_chunks - 1 in mine, _held_mix(chunk_layers, mine, order), sends,
                 axes_within_node(s, first_rank + rank * s.stage_gpus, devices_per_node))
         if kind not in kinds:
             kinds[kind] = len(parts)
@@ -246,6 +305,15 @@ def pipeline_parts(s: ModuleStrategy, first_rank: int, devices_per_node: int, ch
 
 
 _PARTS: dict[tuple, tuple] = {}
+
+
+def _held_mix(chunk_layers: tuple[int, ...], chunks: range, order: tuple[str, ...]) -> tuple:
+    """How many decoder layers of each type the ``chunks`` hold (of one type without an ``order``)."""
+    if not order:
+        return (sum(chunk_layers[c] for c in chunks),)
+    starts = [sum(chunk_layers[:c]) for c in range(len(chunk_layers))]
+    names = [name for c in chunks for name in order[starts[c]:starts[c] + chunk_layers[c]]]
+    return tuple(sorted((name, names.count(name)) for name in set(names)))
 
 
 def _stages_within_node(s: ModuleStrategy, first_rank: int, devices_per_node: int) -> bool:
@@ -326,7 +394,7 @@ def pipelined_cost(
     per_sample = min(per_sample, slice_bytes)
     handoff = (1 + backward) * p2p_time(s.micro_batch * per_sample, static.links[s.gpus > dpn])
     chunks = chunk_layers or pipeline_chunks(static, s, layer_costs, within, handoff, p2p)
-    parts, rank_stages = pipeline_parts(s, first_rank, dpn, chunks)
+    parts, rank_stages = pipeline_parts(s, first_rank, dpn, chunks, static.spec.layer_order)
     ranks = [
         rank_cost(static, s, _rank_layers(static, chunks, rank, s.pp), precision=precision,
                    first_rank=first_rank + rank * s.stage_gpus, layer_costs=layer_costs,

@@ -6,7 +6,14 @@ import math
 
 from planner.contract.hardware import Cluster
 from planner.contract.models import ENCODER_MODULES, LayerSpec, ModelSpec, ModuleSpec
-from planner.contract.rules import attention_rules, balancing_loss_rule, expert_parallel_rule, split_rule, width_rule
+from planner.contract.rules import (
+    attention_rules,
+    balancing_loss_rule,
+    expert_parallel_rule,
+    linear_attention_rules,
+    split_rule,
+    width_rule,
+)
 from planner.contract.schema import ZERO_BUBBLE_SCHEDULES, zero_bubble_reasons
 from planner.contract.strategy import ModuleStrategy
 from planner.contract.workload import ModuleTokens, Workload, module_tokens
@@ -46,6 +53,8 @@ def check_strategy(
     for layer in spec.layers:
         if layer.attention is not None:
             reasons += attention_rules(s.tp, s.sp, layer.attention.num_heads, layer.attention.num_kv_heads, layer.name)
+        if (la := layer.linear_attention) is not None:
+            reasons += linear_attention_rules(s.tp, s.sp, s.cp, la.num_key_heads, la.num_value_heads, layer.name)
         reasons += [problem for width, what in _tp_widths(layer) if (problem := width_rule(s.tp, width, what))]
     if problem := expert_parallel_rule(s.ep, s.tp, s.dp, s.sp, s.cp, _num_experts(spec), spec.name):
         reasons.append(problem)
@@ -70,6 +79,8 @@ def _tp_widths(layer: LayerSpec) -> list[tuple[int, str]]:
     widths = []
     if layer.mlp is not None:
         widths.append((layer.mlp.intermediate_size, f"MLP hidden width of {layer.name}"))
+    if layer.moe is not None and layer.moe.shared_expert_intermediate_size:
+        widths.append((layer.moe.shared_expert_intermediate_size, f"shared expert's hidden width of {layer.name}"))
     if layer.kind == "patch_merger":
         widths.append((layer.in_features, f"input width of {layer.name}"))
     if layer.kind == "lm_head":
@@ -106,7 +117,7 @@ def pipeline_reasons(model: ModelSpec, spec: ModuleSpec, s: ModuleStrategy) -> l
                                                 for layer in spec.layers)):
         reasons.append(problem)
     blocks = [layer for layer in spec.layers if layer.kind == "decoder_layer"]
-    if len(blocks) > 1:
+    if len(blocks) > 1 and not spec.layer_order:
         reasons.append(f"pp={s.pp}: {model.name} mixes dense and mixture-of-experts decoder layers, which pipeline "
                        "stages do not split yet")
     layers = sum(layer.count for layer in blocks)

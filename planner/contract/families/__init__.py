@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from planner.contract.families import qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_vl, qwen3_vl_moe, text_decoders
+from planner.contract.families import (qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe,
+                                      text_decoders)
 from planner.contract.families.family import PlannerFamily, registry
 from planner.contract.families.fields import check_field_types
 from planner.contract.models import ModelSpec
 
 FAMILIES: dict[str, PlannerFamily] = registry((qwen2_5_vl.FAMILY, qwen2_vl.FAMILY, qwen3_vl.FAMILY,
-                                                qwen2_audio.FAMILY, *text_decoders.FAMILIES, qwen3_vl_moe.FAMILY))
+                                                qwen2_audio.FAMILY, *text_decoders.FAMILIES, qwen3_vl_moe.FAMILY,
+                                                qwen3_5.FAMILY, qwen3_5_moe.FAMILY))
 """``model_type`` -> the planner's half of its family."""
 
 

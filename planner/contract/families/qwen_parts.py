@@ -94,11 +94,11 @@ def vision_input(v: Mapping[str, Any], *, window: bool, image_pixels: tuple[int,
 
 
 def check_vision_language(config: Mapping[str, Any], text: Mapping[str, Any], vision: ModuleSpec, llm: ModuleSpec,
-                          vision_input: VisionInputSpec) -> None:
+                          vision_input: VisionInputSpec, *, rotary_fraction: float = 1.0) -> None:
     """What transformers' Qwen-VL modules need beyond each field being valid alone (the runtime builds them):
     the merger's output width is the decoder's, rotary head widths are even (the vision tower's a multiple of 4: its
-    2-D rotary splits half the head between rows and columns) and M-RoPE's sections cover half the decoder's head
-    width, a window holds at least one merge unit, and the special token ids index the vocabulary."""
+    2-D rotary splits half the head between rows and columns) and M-RoPE's sections cover half the decoder's rotary
+    width (``rotary_fraction`` of its head: Qwen3.5 turns a quarter), a window holds at least one merge unit, and the special token ids index the vocabulary."""
     merger, embedding = vision.layer("patch_merger"), llm.layer("embedding")
     if merger.out_features != embedding.hidden_size:
         raise ValueError(f"vision_config's merger outputs {merger.out_features} features but the decoder's "
@@ -110,12 +110,12 @@ def check_vision_language(config: Mapping[str, Any], text: Mapping[str, Any], vi
                              f"embedding needs")
     rope = text.get("rope_parameters") or text.get("rope_scaling") or config.get("rope_scaling") or {}
     sections = rope.get("mrope_section") if isinstance(rope, Mapping) else None
-    head_dim = llm.layer("decoder_layer").attention.head_dim
+    rotary_dim = int(llm.layer("decoder_layer").attention.head_dim * rotary_fraction)
     if sections is not None and (not isinstance(sections, list) or len(sections) != 3
                                  or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in sections)
-                                 or sum(sections) != head_dim // 2):
-        raise ValueError(f"mrope_section must be three positive integers summing to half the decoder's head width "
-                         f"({head_dim // 2}), got {sections!r}")
+                                 or sum(sections) != rotary_dim // 2):
+        raise ValueError(f"mrope_section must be three positive integers summing to half the decoder's rotary width "
+                         f"({rotary_dim // 2}), got {sections!r}")
     unit = vision_input.patch_size * vision_input.spatial_merge_size
     if vision_input.window_size is not None and vision_input.window_size < unit:
         raise ValueError(f"vision_config.window_size {vision_input.window_size} is smaller than one merge unit "
