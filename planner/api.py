@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
 from planner.search.baselines import BaselineOutcome, baselines
+from planner.search.candidates import Fixes
 from planner.cost import estimate
 from planner.contract.units import GIB
 from planner.dataset import DatasetHistogram, read_dataset
@@ -45,7 +46,10 @@ from planner.search import MAX_TIME_LIMIT_S, check_time_limit, pipeline_alternat
 from planner.search.solver.explain import (
     Infeasible,
     candidates_or_error,
+    clip_frame_bounds,
+    clip_workload,
     explain_infeasible,
+    longest_clip,
     longest_side,
     variant,
     vision_workload,
@@ -57,8 +61,8 @@ __all__ = [
     "ClusterInputs", "DEFAULT_FPS", "DEFAULT_GPU", "DatasetInputs", "Infeasible", "MAX_AUDIO_SECONDS",
     "MAX_GLOBAL_BATCH", "MAX_GPUS", "MAX_IMAGE_SIDE", "MAX_IMAGES_PER_SAMPLE", "MAX_TEXT_TOKENS", "MAX_TIME_LIMIT_S",
     "MAX_TOP_K", "MAX_VIDEO_FRAMES", "MAX_VISION_TOKENS", "MIN_VIDEO_FRAMES", "Problem", "SearchOptions",
-    "WorkloadInputs", "check_bounds", "evaluate", "load_plan", "make_problem", "make_workload", "max_seq",
-    "model_folder_tokenizer", "parse_fixes", "plan", "top_plans", "video_frames",
+    "WorkloadInputs", "check_bounds", "clip_frame_bounds", "evaluate", "load_plan", "make_problem", "make_workload",
+    "max_seq", "model_folder_tokenizer", "parse_fixes", "plan", "top_plans", "video_frames",
 ]
 
 MAX_TOP_K = 20
@@ -214,24 +218,42 @@ def max_seq(
     time_limit_s: float | None = None,
     **inputs: Any,
 ) -> Plan:
-    """The plan at the longest image sequence (vision tokens per sample, one square merge-aligned image) that any
-    plan fits at the given batch in all but ``max_seq_memory_margin`` of the usable memory (the cost model's error
-    at the edge); ``plan.workload.vision_tokens`` holds it.
+    """The plan at the longest sequence any plan fits at the given batch in all but ``max_seq_memory_margin`` of
+    the usable memory (the cost model's error at the edge). A workload with clips: its last clip lengthened to the
+    most frames that fit (``longest_clip``: whole temporal groups, at its frame size; ``plan.workload.videos``
+    holds it); otherwise one square merge-aligned image (``plan.workload.vision_tokens``).
 
     Raises:
-        ValueError: not a vision model, or bad input; Infeasible when even the smallest image does not fit.
+        ValueError: not a vision model, a dataset, or bad input; Infeasible when even the smallest image or the
+        shortest clip does not fit.
     """
     check_time_limit(time_limit_s)
     problem = with_max_seq_margin(_as_problem(model, cluster, inputs))
     if problem.dataset is not None:
-        raise ValueError("--max-seq searches one image size per sample; a dataset gives its own: drop one of them")
+        raise ValueError("--max-seq lengthens one sample shape (an image or a clip); a --dataset gives its samples' "
+                         "own (the plan already picks its pack budget): drop one of them")
     if problem.model.vision_input is None:
         raise ValueError(f"--max-seq searches image sequence lengths; {problem.model.name} has no vision encoder")
     pinned, fixes = parse_fixes(fix or (), problem.model, problem.num_gpus, allow_pp=problem.allow_pp)
     placements = placements_to_solve(problem, placement, pinned, fixes)
+    longest = _longest_clip_problem(problem, placements, fixes) if problem.workload.videos else \
+        _longest_image_problem(problem, placements, fixes)
+    return plan(longest, placement=placement, fix=fix, time_limit_s=time_limit_s)
+
+
+def _longest_image_problem(problem: Problem, placements: list[str], fixes: Fixes) -> Problem:
+    """``problem`` with one square image of the longest side that fits; Infeasible when the smallest does not."""
     side = longest_side(problem, placements, fixes)
     if side is None:
         smallest = variant(problem, workload=vision_workload(problem, problem.model.vision_input.spatial_merge_size))
         raise Infeasible(explain_infeasible(smallest, candidates_or_error(smallest, placements, fixes), fixes))
-    longest = variant(problem, workload=vision_workload(problem, side))
-    return plan(longest, placement=placement, fix=fix, time_limit_s=time_limit_s)
+    return variant(problem, workload=vision_workload(problem, side))
+
+
+def _longest_clip_problem(problem: Problem, placements: list[str], fixes: Fixes) -> Problem:
+    """``problem`` with its last clip at the most frames that fit; Infeasible when the shortest clip does not."""
+    frames = longest_clip(problem, placements, fixes)
+    if frames is None:
+        shortest = variant(problem, workload=clip_workload(problem, clip_frame_bounds(problem.model)[0]))
+        raise Infeasible(explain_infeasible(shortest, candidates_or_error(shortest, placements, fixes), fixes))
+    return variant(problem, workload=clip_workload(problem, frames))

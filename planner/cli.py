@@ -16,6 +16,7 @@ from typing import Sequence
 
 from planner.arguments import dataset_of, parse_arguments, plans_for, problem_inputs
 from planner.contract.file_io import check_output, is_device, refuse_shared_paths, write_output
+from planner.contract.workload import DEFAULT_FPS, video_grid
 from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
 
 EXIT_USER_ERROR = 2
@@ -52,12 +53,20 @@ def _write_trace(args: argparse.Namespace, plan) -> None:
         inputs["dataset"] = replace(inputs["dataset"], source=dataset_of(args, rescan=False),
                                     pack_tokens=plan.workload.dataset.pack_tokens)
     if args.max_seq:
-        inputs["workload"] = replace(inputs["workload"], image_sizes=None, vision_tokens=plan.workload.vision_tokens)
+        inputs["workload"] = _max_seq_workload(inputs["workload"], plan.workload)
     trace = plan_trace(api.make_problem(args.model, cluster, **inputs), plan)
     try:
         write_trace(trace, args.trace)
     except OSError as e:
         raise ValueError(f"cannot write --trace {args.trace}: {e.strerror}") from None
+
+
+def _max_seq_workload(asked, found):
+    """The plan's ``WorkloadInputs``: what ``--max-seq`` found (its clips, or its one square image) in place of
+    what was asked."""
+    if found.videos:
+        return replace(asked, videos=tuple(tuple(v) for v in found.videos))
+    return replace(asked, image_sizes=None, vision_tokens=found.vision_tokens)
 
 
 def _out_paths(out: str, count: int) -> list[Path]:
@@ -182,7 +191,7 @@ def _workload_line(plan) -> str:
         parts.append(f"{w.audio_seconds:g} s audio ({w.module_tokens.get('audio', 0):,} encoder tokens -> "
                      f"{audio_llm:,} LLM audio tokens)")
     if w.llm_image_tokens:
-        parts.append(f"-> {w.llm_image_tokens:,} LLM image tokens")
+        parts.append(f"-> {w.llm_image_tokens:,} LLM {'vision' if w.videos else 'image'} tokens")
     video_text = w.module_tokens["llm"] - w.text_tokens - w.llm_image_tokens if w.videos else 0
     if video_text:
         parts.append(f"+ {video_text:,} video markers and timestamps")
@@ -283,26 +292,51 @@ def render_plan(plan) -> str:
     return "\n".join(lines)
 
 
-def render(plans: list, *, max_seq: bool = False) -> str:
-    """All plans (top-k), best first; with --max-seq a headline with the longest sequence."""
-    head = [_max_seq_line(plans[0]), ""] if max_seq else []
+def render(plans: list, *, max_seq: bool = False, fps: float = DEFAULT_FPS) -> str:
+    """All plans (top-k), best first; with --max-seq a headline with the longest sequence (a clip's length at
+    ``fps``)."""
+    head = [_max_seq_line(plans[0], fps), ""] if max_seq else []
     return "\n\n".join(["\n".join(head + [render_plan(plans[0])]), *(render_plan(p) for p in plans[1:])])
 
 
-def _max_seq_line(plan) -> str:
-    """--max-seq's headline: the square image searched, or for a sample with clips its vision-token budget (the
-    search grows vision tokens beside the clips, an image nobody asked about, so none is named)."""
+def _max_seq_line(plan, fps: float) -> str:
+    """--max-seq's headline: the longest clip (a sample with clips), else the square image searched."""
     w = plan.workload
     margin = (f"at global batch {w.global_batch}, keeping {DEFAULT_ASSUMPTIONS.max_seq_memory_margin:.0%} of the "
               "usable memory for the cost model's error (max_seq_memory_margin)")
     if w.videos:
-        total = w.module_tokens.get("vision", w.vision_tokens)
-        return (f"most vision tokens that fit: {total:,} per sample, {w.vision_tokens:,} beyond its clips' "
-                f"{total - w.vision_tokens:,} ({w.llm_image_tokens:,} LLM vision tokens) {margin}")
+        return f"{_clip_line(plan, fps)}; {margin}"
     patch = plan.model.hf_config.get("vision_config", {}).get("patch_size", 14)
     side = round(w.vision_tokens**0.5) * patch
     return (f"longest image sequence that fits: {w.vision_tokens:,} vision tokens per sample (one {side}x{side} "
             f"image, {w.llm_image_tokens:,} LLM image tokens) {margin}")
+
+
+def _clip_line(plan, fps: float) -> str:
+    """The longest clip (the sample's last): frames, its length at ``fps``, the size the video processor resizes
+    its frames to, and the sample's tokens as the workload line counts them."""
+    from planner.api import clip_frame_bounds
+    from planner.contract.families import model_from_hf_config
+
+    w = plan.workload
+    frames, height, width = w.videos[-1]
+    spec = model_from_hf_config(plan.model.hf_config, plan.model.name)
+    groups, rows, cols = video_grid(frames, height, width, spec)
+    patch = spec.vision_input.patch_size
+    most = clip_frame_bounds(spec)[1]
+    bound = f" (the most a clip samples, {most}: memory is not what stops it)" if frames >= most else ""
+    return (f"longest clip that fits: {frames} frames of {width}x{height} video = {_duration(frames / fps)} at "
+            f"{fps:g} fps{bound}; the video processor resizes its frames to {cols * patch}x{rows * patch} "
+            f"({groups} temporal groups of {rows * cols:,} patches); per sample {w.module_tokens['vision']:,} "
+            f"vision tokens -> {w.llm_image_tokens:,} LLM vision tokens, {w.module_tokens['llm']:,} LLM tokens")
+
+
+def _duration(seconds: float) -> str:
+    """``6 min 24 s``, ``45 s``, ``1 h 2 min 5 s``."""
+    minutes, rest = divmod(round(seconds, 1), 60)
+    hours, minutes = divmod(int(minutes), 60)
+    parts = [f"{hours} h"] * (hours > 0) + [f"{minutes} min"] * (minutes > 0) + [f"{rest:g} s"] * (rest > 0)
+    return " ".join(parts) or "0 s"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -327,7 +361,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         text = plans[0].to_json() if len(plans) == 1 else "[\n" + ",\n".join(p.to_json().rstrip() for p in plans) + "\n]\n"
     else:
-        text = f"{render(plans, max_seq=args.max_seq)}\nwrote {', '.join(map(str, paths))}\n"
+        report = render(plans, max_seq=args.max_seq, fps=args.fps or DEFAULT_FPS)
+        text = f"{report}\nwrote {', '.join(map(str, paths))}\n"
     try:
         sys.stdout.write(text)
         sys.stdout.flush()

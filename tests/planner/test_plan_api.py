@@ -259,6 +259,22 @@ def test_max_seq_small_model_cpu():
             plan("qwen2.5-vl-tiny", TINY_CPU, workload=WorkloadInputs(global_batch=2, vision_tokens=(side + 2) ** 2))
 
 
+def test_max_seq_of_a_clip_is_the_most_frames_that_fit_inside_the_margin():
+    """A clip is lengthened, not an image: its answer fits in all but ``max_seq_memory_margin`` of the usable
+    memory, and one temporal group (two frames) more does not, below the processor's 768 frames."""
+    workload = WorkloadInputs(videos=[(8, 720, 1280)], global_batch=1)
+    p = max_seq("qwen2.5-vl-3b", 1, workload=workload)
+    (frames, height, width), = p.workload.videos
+    assert (height, width) == (720, 1280) and frames % 2 == 0 and 8 < frames < 768
+    assert p.workload.vision_tokens is None and not p.workload.image_sizes
+    a = DEFAULT_ASSUMPTIONS
+    inside = replace(a, usable_memory_fraction=a.usable_memory_fraction * (1 - a.max_seq_memory_margin))
+    assert p.predicted.peak_memory_gib * GIB <= p.cluster.device.memory_bytes * inside.usable_memory_fraction + 1
+    longer = replace(workload, videos=[(frames + 2, height, width)])
+    with pytest.raises(Infeasible):
+        plan("qwen2.5-vl-3b", 1, workload=longer, assumptions=inside)
+
+
 def test_max_seq_needs_a_vision_model():
     with pytest.raises(ValueError, match="no vision encoder"):
         max_seq("qwen2-audio-7b", 8)

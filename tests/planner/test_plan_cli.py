@@ -105,11 +105,45 @@ def test_max_seq_headline(capsys, tmp_path):
     assert code == 0 and text.startswith("longest image sequence that fits:")
 
 
-def test_max_seq_of_a_video_workload_names_no_image(capsys, tmp_path):
-    code, text, _ = _run(["--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--global-batch", "2",
-                          "--video", "8x112x112", "--max-seq", "--out", str(tmp_path / "m.json")], capsys)
+CLIP_ARGS = ["--model", "qwen2.5-vl-3b", "--gpus", "1", "--global-batch", "1", "--video", "8x720x1280", "--max-seq"]
+"""A clip that memory stops before the video processor's 768 frames (Qwen2.5-VL keeps ~560p per frame)."""
+
+
+def _numbers(text: str) -> list[int]:
+    return [int(n.replace(",", "")) for n in re.findall(r"\d[\d,]*", text)]
+
+
+def test_max_seq_of_a_video_workload_names_a_clip_whose_tokens_agree(capsys, tmp_path):
+    """The headline names the longest clip (frames, its length at 2 fps), never an image; its vision, LLM vision
+    and LLM tokens are the workload line's, the plan JSON's and the trace's."""
+    out, trace = tmp_path / "m.json", tmp_path / "t.json"
+    code, text, _ = _run(CLIP_ARGS + ["--out", str(out), "--trace", str(trace)], capsys)
+    head, workload = text.splitlines()[0], next(line for line in text.splitlines() if line.startswith("workload"))
+    plan = load_plan(out)
+    frames, height, width = plan.workload.videos[-1]
+    tokens = plan.workload.module_tokens
+    assert code == 0 and head.startswith(f"longest clip that fits: {frames} frames of 1280x720 video = ")
+    assert "image" not in head and plan.workload.vision_tokens is None and not plan.workload.image_sizes, head
+    seconds = frames / 2
+    assert f" = {int(seconds // 60)} min " in head if seconds >= 60 else f" = {seconds:g} s at 2 fps" in head
+    per_sample = _numbers(head.split("per sample ")[1].split(";")[0])
+    assert per_sample == [tokens["vision"], plan.workload.llm_image_tokens, tokens["llm"]], head
+    assert _numbers(workload)[:4] == [frames, 1280, 720, tokens["vision"]], workload
+    assert f"-> {plan.workload.llm_image_tokens:,} LLM vision tokens" in workload
+    assert f"= {tokens['llm']:,} LLM tokens/sample" in workload
+    step = json.loads(trace.read_text())["otherData"]["step_time_s"]
+    assert step == pytest.approx(plan.predicted.step_time_s, rel=1e-6)
+
+
+def test_max_seq_of_a_clip_the_processor_stops_says_so(capsys, tmp_path):
+    """Qwen3-VL's processor keeps a whole clip within one pixel budget: a tiny model fits its 768 frames, and the
+    headline says the processor's bound, not memory, stopped it."""
+    code, text, _ = _run(["--model", "qwen3-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--global-batch", "2",
+                          "--video-seconds", "1800", "--fps", "4", "--max-seq", "--out", str(tmp_path / "m.json")],
+                         capsys)
     head = text.splitlines()[0]
-    assert code == 0 and head.startswith("most vision tokens that fit:") and " image" not in head, head
+    assert code == 0 and head.startswith("longest clip that fits: 768 frames of 1280x720 video = 3 min 12 s at 4 fps "
+                                         "(the most a clip samples, 768: memory is not what stops it)"), head
 
 
 def test_list_models_and_gpus(capsys):
@@ -218,7 +252,8 @@ def test_dataset_plan_and_its_histogram(tmp_path, capsys, monkeypatch):
     assert _fails(argv + ["--image-size", "448x448"], capsys) == (
         "plan: error: --dataset gives every sample's shape: drop --image-size\n")
     assert "apply to --dataset" in _fails(argv[:-2] + ["--pack-tokens", "512"], capsys)
-    assert "--max-seq searches one image size per sample" in _fails(argv + ["--max-seq"], capsys)
+    refusal = "--max-seq lengthens one sample shape (an image or a clip); a --dataset gives"
+    assert refusal in _fails(argv + ["--max-seq"], capsys)
 
 
 def test_sp_inside_pipeline_stages_is_planned_when_pinned(capsys, tmp_path):

@@ -11,8 +11,8 @@ from typing import Mapping
 
 from planner.search.candidates import Candidates, Fixes, build_candidates, extend_pipelined, feasible, least_colocated_need
 from planner.search.enumeration import divisors, module_strategies, sp_degrees
-from planner.contract.models import ENCODER_MODULES
-from planner.problem import DEFAULT_SAMPLES_PER_GPU, Problem
+from planner.contract.models import ENCODER_MODULES, ModelSpec
+from planner.problem import DEFAULT_SAMPLES_PER_GPU, MAX_VIDEO_FRAMES, MIN_VIDEO_FRAMES, Problem
 from planner.contract.units import GIB
 from planner.contract.strategy import Placement
 from planner.contract.workload import Workload
@@ -250,6 +250,44 @@ def longest_side(problem: Problem, placements: list[str], fixes: Fixes) -> int |
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
     return low * merge
+
+
+def clip_frame_bounds(model: ModelSpec) -> tuple[int, int]:
+    """Fewest and most frames of a clip the clip search tries, in whole temporal patches: the planner's and the
+    video processor's bounds (``MIN_VIDEO_FRAMES``.. ``MAX_VIDEO_FRAMES``, ``VideoInputSpec.min_frames/max_frames``)."""
+    vi = model.vision_input
+    patch = vi.temporal_patch_size
+    low = max(MIN_VIDEO_FRAMES, vi.video.min_frames)
+    return math.ceil(low / patch) * patch, min(MAX_VIDEO_FRAMES, vi.video.max_frames) // patch * patch
+
+
+def clip_workload(problem: Problem, frames: int) -> Workload:
+    """The problem's workload with its last clip resampled to ``frames`` frames (same frame size; the images and
+    other clips as they are)."""
+    *others, (_, height, width) = problem.workload.videos
+    return replace(problem.workload, videos=(*others, (frames, height, width)))
+
+
+def longest_clip(problem: Problem, placements: list[str], fixes: Fixes) -> int | None:
+    """Most frames (whole temporal patches, within ``clip_frame_bounds``) of the workload's last clip at which a
+    plan fits: bisection over temporal groups, then up one group at a time while the next still fits (the resize
+    makes memory not quite monotone in frames), so one group more never fits below the bound; None if even the
+    shortest clip does not fit."""
+    patch = problem.model.vision_input.temporal_patch_size
+    low, high = (f // patch for f in clip_frame_bounds(problem.model))
+
+    def fits(groups: int) -> bool:
+        return _fits(variant(problem, workload=clip_workload(problem, groups * patch)), placements, fixes)
+
+    if not fits(low):
+        return None
+    top = high
+    while high - low > 0:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    while low < top and fits(low + 1):
+        low += 1
+    return low * patch
 
 
 def _longest_fitting_tokens(problem: Problem, placements: list[str], fixes: Fixes) -> int | None:
