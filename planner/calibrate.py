@@ -29,11 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from planner.arguments import plans_from_arguments
 from planner.catalog import model_from_hf_config
-from planner.contract.file_io import MAX_METRICS_BYTES, parse_json, read_text
+from planner.contract.file_io import MAX_METRICS_BYTES, parse_json, parse_yaml, read_text
 from planner.contract.hardware import Cluster
 from planner.contract.schema import Plan, load_plan
 from planner.contract.strategy import ModuleStrategy, Strategy
@@ -191,10 +190,7 @@ def _table_rows(path: Path) -> list[dict]:
     if path.suffix == ".csv":
         rows = list(csv.DictReader(text.splitlines()))
     else:
-        try:
-            rows = yaml.safe_load(text)
-        except (yaml.YAMLError, RecursionError) as e:
-            raise ValueError(f"runs table {path} is not YAML: {str(e).splitlines()[0]}") from None
+        rows = parse_yaml(text, where=f"runs table {path}")
         rows = rows.get("runs") if isinstance(rows, dict) else rows
     if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
         raise ValueError(f"runs table {path} holds no runs: give a list of rows with {', '.join(TABLE_COLUMNS)}")

@@ -229,6 +229,26 @@ def test_a_plan_just_deeper_than_the_bound_is_refused_too(tmp_path):
         load_plan(path)
 
 
+@pytest.mark.parametrize("text, says", [
+    ("runs: " + "[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), f"is nested deeper than {MAX_DEPTH} levels"),
+    ("runs: " + "[" * 200_000, f"is nested deeper than {MAX_DEPTH} levels"),  # past the composer's recursion
+    # aliases sharing one list 10**12 times, then a list holding itself: each container is measured once
+    ("a: &a [1, 2]\n" + "".join(f"l{i}: &l{i} [{', '.join([f'*{p}'] * 10)}]\n"
+                                for i, p in enumerate(["a"] + [f"l{i}" for i in range(11)])) + "runs: &r [*r]\n",
+     f"is nested deeper than {MAX_DEPTH} levels"),
+    ("runs: [a, b", "is not YAML: while parsing a flow sequence"),
+])
+def test_a_yaml_runs_table_is_nested_at_most_as_deep_as_json(tmp_path, text, says):
+    """Calibration's YAML tables obey the JSON readers' depth bound (``parse_yaml``), in one line naming the file."""
+    from planner.calibrate import load_runs
+
+    table = tmp_path / "runs.yaml"
+    table.write_text(text)
+    with within(30), pytest.raises(ValueError, match=f"^runs table {table} {says}") as refused:
+        load_runs([str(table)], [])
+    assert "\n" not in str(refused.value)
+
+
 def test_a_named_pipe_as_the_plan_file_is_refused_without_blocking(tmp_path, started):
     path = tmp_path / "fifo"
     os.mkfifo(path)  # was: blocked forever

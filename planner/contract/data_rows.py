@@ -36,10 +36,6 @@ NO_FRAMES = "video without frames"
 """Counted for a video file or frame list with no frame."""
 SHORT_CLIP = "video of fewer sampled frames than one temporal patch"
 """Counted for a clip too short for the vision tower's first temporal patch."""
-VIDEO_BEFORE_IMAGE = "a video before an image (a sample's images run before its clips)"
-"""Counted for a row with a video part before an image part: the runtime hands a sample's vision outputs over as its
-images then its clips, so the planner skips such a row too (``check_visual_order``)."""
-"""Counted for a clip too short for the vision tower's first temporal patch."""
 OUTSIDE_DATA_ROOT = "a file outside the data folder (--data-root-only)"
 """Counted, with ``--data-root-only``, for a row naming a file that resolves outside the dataset file's folder."""
 CACHE_ENV = "DHPLAN_CACHE_DIR"
@@ -106,22 +102,11 @@ def messages_of(row: Any) -> tuple[list[dict], list[str], list[Video]]:
     """(chat-template messages, image paths, videos) of one row in either format."""
     if not isinstance(row, dict):
         raise SkippedSample("malformed row")
-    messages, images, videos = _parts_of(row)
-    check_visual_order(messages)
-    return messages, images, videos
-
-
-def check_visual_order(messages: list[dict]) -> None:
-    """``SkippedSample(VIDEO_BEFORE_IMAGE)`` when a video part comes before an image part: the one rule the planner's
-    scan and the runtime's index both apply to a row."""
-    kinds = [c.get("type") for m in messages if isinstance(m["content"], list) for c in m["content"]
-             if isinstance(c, dict)]
-    if "video" in kinds and "image" in kinds[kinds.index("video"):]:
-        raise SkippedSample(VIDEO_BEFORE_IMAGE)
+    return _parts_of(row)
 
 
 def _parts_of(row: dict) -> tuple[list[dict], list[str], list[Video]]:
-    """``messages_of`` before the order check."""
+    """``messages_of`` of a row known to be a dict (images and videos in any order)."""
     if "messages" in row:
         messages, images = row["messages"], _as_list(row.get("images"))
         if not isinstance(messages, list) or not all(_message(m) for m in messages):

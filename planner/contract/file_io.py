@@ -85,14 +85,30 @@ def parse_json(text: str, *, where: str, error: type[ValueError] = ValueError) -
     return data
 
 
+def parse_yaml(text: str, *, where: str, error: type[ValueError] = ValueError) -> Any:
+    """The YAML document ``text`` (``yaml.safe_load``: no tags that build objects), nested at most ``MAX_DEPTH``
+    deep as ``parse_json``'s documents; ``error`` in one line when it is not YAML or nested deeper."""
+    import yaml  # pyyaml; only YAML files need it
+
+    try:
+        data = yaml.safe_load(text)
+    except RecursionError:  # deeper than the composer's recursion allows
+        raise error(f"{where} is nested deeper than {MAX_DEPTH} levels: not a file this tool writes") from None
+    except yaml.YAMLError as e:
+        raise error(f"{where} is not YAML: {' '.join(str(e).split())}") from None
+    check_depth(data, where=where, error=error)
+    return data
+
+
 def check_depth(data: Any, *, where: str, error: type[ValueError] = ValueError) -> None:
     """``error`` in one line when ``data`` nests lists and mappings deeper than ``MAX_DEPTH`` (checked without
-    recursion, so any depth is measured)."""
-    level = [data]
+    recursion, so any depth is measured; each container once per level, so YAML aliases that share one many times
+    or hold themselves cost no more than the containers there are)."""
+    level = [data] if isinstance(data, (list, dict)) else []
     for _ in range(MAX_DEPTH):
-        level = [child for node in level if isinstance(node, (list, dict))
-                 for child in (node.values() if isinstance(node, dict) else node)]
-    if any(isinstance(node, (list, dict)) for node in level):
+        children = (child for node in level for child in (node.values() if isinstance(node, dict) else node))
+        level = list({id(child): child for child in children if isinstance(child, (list, dict))}.values())
+    if level:
         raise error(f"{where} is nested deeper than {MAX_DEPTH} levels: not a file this tool writes")
 
 

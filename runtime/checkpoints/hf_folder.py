@@ -76,6 +76,20 @@ def legacy_names(hf_name: str) -> list[str]:
     return [old + hf_name.removeprefix(new) for new, old in LEGACY_PREFIXES if hf_name.startswith(new)]
 
 
+def weight_map(index: str) -> dict[str, str]:
+    """The ``weight_map`` of the index file ``index`` (tensor name -> shard file name).
+
+    Raises:
+        ValueError: the file does not read, is not JSON (``read_json`` names it) or holds no such mapping; one line.
+    """
+    document = read_json(index, kind="weight index")
+    found = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(found, dict) or not all(isinstance(v, str) for v in found.values()):
+        raise ValueError(f"weight index {index} holds no \"weight_map\" of tensor names to file names: "
+                         "not a Hugging Face index (fetch the folder again)")
+    return found
+
+
 class HFFolder:
     """A Hugging Face checkpoint folder, read lazily slice by slice."""
 
@@ -84,10 +98,7 @@ class HFFolder:
         self.path = path
         index = os.path.join(path, INDEX_FILE)
         if os.path.isfile(index):
-            try:
-                self.weight_map: dict[str, str] = read_json(index, kind="weight index")["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"cannot read the weight map of {index}: {type(e).__name__} {e}") from None
+            self.weight_map: dict[str, str] = weight_map(index)
         elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
             try:
                 with safe_open(os.path.join(path, SINGLE_FILE), framework="pt") as f:

@@ -55,6 +55,12 @@ class ChatTokenizer:
                              f"is {image_token_id}: give the model's own tokenizer")
         self.image_token_id = image_token_id
 
+    def media_order(self, messages: list[dict]) -> list[str]:
+        """``"image"`` or ``"video"`` for each image and video of ``messages``, in the order the chat template writes
+        their markers (the order of their tokens in the sequence, whatever the order of the row's parts)."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+        return ["image" if marker == IMAGE_PAD else "video" for marker in MEDIA.findall(text)]
+
     def render(self, messages: list[dict], image_tokens: list[int], *, generation_prompt: bool = False,
                clip_prompts: tuple[str, ...] = ()) -> list[int]:
         """Token ids of ``messages`` through the chat template, image ``i``'s pad expanded to ``image_tokens[i]``

@@ -18,9 +18,10 @@ histograms, ``planner.contract.data_rows.cache_folder``), so a restart or a reco
 conversation again. Only the ranks that run a sample build it (decode, patchify, tokenize with labels).
 
 Bad data is skipped and counted (``skipped``): malformed rows, no assistant turn, no image or video, a missing or
-unreadable image or video, frames of mixed sizes, a clip shorter than a temporal patch, a video before an image in
-the conversation (a sample's images run through the vision tower before its clips), an aspect ratio the processor
-refuses, a sample longer than the budget. An image whose header reads but
+unreadable image or video, frames of mixed sizes, a clip shorter than a temporal patch, an aspect ratio the
+processor refuses, a sample longer than the budget. Images and videos may come in any order in a conversation: a
+sample's vision outputs are handed over in the order of their tokens (``IndexedSample.order``), as transformers'
+models place them by their pad tokens' positions. An image whose header reads but
 whose pixels do not decode when the sample is built is trained on as a black image of its size and counted (the
 packs are fixed by then on every rank); so are a video's frames. Only data with nothing usable stops the run.
 """
@@ -69,8 +70,8 @@ from runtime.data.conversations import (
 )
 from runtime.data.samples import IGNORE_INDEX, Sample, patchify_clip
 
-INDEX_VERSION = 3
-"""Format of the cached index and its key; a change makes new cache keys (3: clips)."""
+INDEX_VERSION = 4
+"""Format of the cached index and its key; a change makes new cache keys (3: clips; 4: the order of images and clips)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "vocab.json", "merges.txt")
 """Files of a model folder that decide how a conversation tokenizes (their modification times key the cache)."""
 UNDECODED_IMAGE = "image did not decode (trained as a black image)"
@@ -88,12 +89,14 @@ class IndexedSample:
     length: int
     """LLM tokens."""
     image_spans: tuple[tuple[int, int], ...]
-    """(first position, tokens) of each run of visual tokens in its sequence: each image's, then each clip's (one
-    run per temporal group where timestamps part them): what the hand-off fills, in order."""
+    """(first position, tokens) of each run of visual tokens in its sequence, in sequence order (a clip has one run
+    per temporal group where timestamps part them): what the hand-off fills, in order."""
     grids: tuple[tuple[int, int, int], ...]
     """(temporal patches, height, width) in patches of each image, then of each clip, after the resize."""
     clips: int = 0
     """How many of ``grids`` (the last ones) are clips."""
+    order: tuple[int, ...]
+    """Indexes of ``grids`` in the order their tokens run in the sequence (a video may come before an image)."""
 
     @property
     def image_positions(self) -> torch.Tensor:
@@ -114,6 +117,13 @@ class Clip:
     seconds: tuple[float, ...]
     """Each temporal group's time: the mean of its first and last frame's (``Qwen3VLProcessor._calculate_timestamps``;
     a frame list's frames are taken as sampled at the plan's fps)."""
+
+
+def sequence_order(kinds: list[str], images: int) -> tuple[int, ...]:
+    """Indexes into a sample's grids (its ``images`` images, then its clips) of its images and clips in the order of
+    ``kinds`` (``ChatTokenizer.media_order``: ``"image"`` or ``"video"`` each, in sequence order)."""
+    next_image, next_clip = itertools.count(), itertools.count(images)
+    return tuple(next(next_image if kind == "image" else next_clip) for kind in kinds)
 
 
 def epochs_spanned(step_packs: int, epoch_packs: int) -> int:
@@ -174,8 +184,8 @@ class PackedConversations:
             cached = read_json(cache, kind="dataset index cache")
             self.skipped.update(cached["skipped"])
             return [IndexedSample(row=r, length=n, image_spans=tuple(map(tuple, spans)),
-                                  grids=tuple(map(tuple, grids)), clips=clips)
-                    for r, n, spans, grids, clips in cached["samples"]]
+                                  grids=tuple(map(tuple, grids)), clips=clips, order=tuple(order))
+                    for r, n, spans, grids, clips, order in cached["samples"]]
         except (OSError, ValueError, KeyError, TypeError):
             pass
         samples, sizes, skipped = [], {}, Counter()
@@ -188,7 +198,8 @@ class PackedConversations:
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
             write_output(cache, json.dumps({"skipped": skipped, "samples": [
-                [s.row, s.length, s.image_spans, s.grids, s.clips] for s in samples]}), flag="the dataset index cache")
+                [s.row, s.length, s.image_spans, s.grids, s.clips, s.order] for s in samples]}),
+                         flag="the dataset index cache")
         except (OSError, ValueError):
             pass
         return samples
@@ -239,7 +250,8 @@ class PackedConversations:
         runs = np.split(positions, np.flatnonzero(np.diff(positions) > 1) + 1)
         spans = tuple((int(run[0]), len(run)) for run in runs if len(run))
         return IndexedSample(row=row_number, length=len(ids), image_spans=spans,
-                             grids=grids + tuple(c.grid for c in clips), clips=len(clips))
+                             grids=grids + tuple(c.grid for c in clips), clips=len(clips),
+                             order=sequence_order(self.chat.media_order(messages), len(grids)))
 
     def _clip(self, video: Video, sizes: dict) -> Clip:
         """How a row's video enters its sample: the planner's frame sampling (``sampled_frames``; a frame list
@@ -320,8 +332,9 @@ class PackedConversations:
 
     def vision_items(self, packs: list[list[int]]) -> list[tuple[int, int]]:
         """(sample index, entry of its ``grids``) of every image and clip of ``packs``, in the order the LLM's rows
-        place their tokens: pack by pack, sample by sample, each sample's images then its clips."""
-        return [(i, k) for pack in packs for i in pack for k in range(len(self.samples[i].grids))]
+        place their tokens: pack by pack, sample by sample, each sample's images and clips in the order of their
+        tokens (``IndexedSample.order``)."""
+        return [(i, k) for pack in packs for i in pack for k in self.samples[i].order]
 
     def assign_vision(self, packs: list[list[int]], replicas: int) -> list[list[int]]:
         """Which of the images and clips of a micro-batch's ``packs`` (``vision_items``) each vision replica runs:

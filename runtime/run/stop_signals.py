@@ -1,6 +1,6 @@
 """Every signal a scheduler or a terminal sends to stop a run ends it the same way (runtime.__main__): one line
 naming the complete checkpoint to resume from, the exit status ``128 + signal number`` (130 for Ctrl-C, 143 for
-SIGTERM, 129 for SIGHUP), no traceback.
+SIGTERM, 129 for SIGHUP, 138 for SIGUSR1, 140 for SIGUSR2), no traceback.
 
 One handler turns each of ``STOP_SIGNALS`` into ``Stopped``, a ``KeyboardInterrupt``, so that the code which
 already unwinds a run on Ctrl-C (shutting the workers down, closing the metrics file) unwinds it on a preemption too.
@@ -14,9 +14,12 @@ import threading
 from types import FrameType
 from typing import Iterator
 
-STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP",
+                signal.SIGUSR1: "SIGUSR1", signal.SIGUSR2: "SIGUSR2"}
 """The signals that stop a run, and how its last line names each: SIGTERM is what schedulers (Slurm, Kubernetes,
-torchrun's agent) send on preemption or cancellation, SIGHUP a closed terminal."""
+torchrun's agent) send on preemption or cancellation, SIGHUP a closed terminal, SIGUSR1 / SIGUSR2 the warning a
+scheduler can be asked to send before a time limit (Slurm's ``--signal=USR1@120``; their default action would end
+the run abruptly)."""
 
 
 class Stopped(KeyboardInterrupt):

@@ -64,8 +64,15 @@ def test_hf_folder_refuses_what_is_not_this_model(tmp_path):
 def test_hf_folder_says_which_file_is_corrupt_in_one_line(tmp_path):
     save_file({"lm_head.weight": torch.zeros(8, 2)}, tmp_path / "model-00001-of-00001.safetensors")
     (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"lm_head.weight": ')
-    with pytest.raises(ValueError, match="cannot read the weight map of .*index.json: .*index.json is not JSON"):
+    index = tmp_path / "model.safetensors.index.json"
+    with pytest.raises(ValueError) as refused:
         HFFolder(str(tmp_path))
+    assert str(refused.value) == f"weight index {index} is not JSON: Expecting value at line 1"  # named once
+    index.write_text('{"weight_map": ["lm_head.weight"]}')
+    with pytest.raises(ValueError) as refused:
+        HFFolder(str(tmp_path))
+    assert str(refused.value).startswith(f"weight index {index} holds no \"weight_map\"")
+    assert str(refused.value).count(str(index)) == 1 and "\n" not in str(refused.value)
     (tmp_path / "model.safetensors.index.json").write_text(
         '{"weight_map": {"lm_head.weight": "model-00001-of-00001.safetensors"}}')
     data = (tmp_path / "model-00001-of-00001.safetensors").read_bytes()

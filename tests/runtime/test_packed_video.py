@@ -5,6 +5,7 @@ planner's reasons, and a packed row of clips gets its vision rows and M-RoPE pos
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import av
 import numpy as np
@@ -12,16 +13,17 @@ import pytest
 import torch
 from PIL import Image
 
-from planner.contract.data_rows import MISSING_VIDEO, MIXED_FRAME_SIZES, NO_FRAMES, VIDEO_BEFORE_IMAGE
+from planner.contract.data_rows import MISSING_VIDEO, MIXED_FRAME_SIZES, NO_FRAMES
 from planner.contract.families import model_from_hf_config
 from planner.contract.families.qwen3_vl import TIMESTAMP_TOKENS
 from planner.contract.workload import sampled_frames, video_grid
 from planner.dataset import sample_tokens, scan_dataset
 from runtime.data.conversations import conversation_of
 from runtime.data.packed_data import PackedConversations
-from runtime.data.samples import layout_image_processor, pack_rows, patchify_clip, visual_inputs
+from runtime.data.samples import IGNORE_INDEX, layout_image_processor, pack_rows, patchify_clip, visual_inputs
 from runtime.models.families import family_of
 from runtime.models.llm import packed_position_ids
+from runtime.training.step_inputs import vision_items_batch
 from runtime.models.model import build_model, hf_config_from_dict, split_model
 from tests.planner.test_video_rows import _conversation, write_video_rows
 from tests.planner.video_files import write_frames, write_mkv_claiming
@@ -74,15 +76,49 @@ def test_the_index_agrees_with_the_planner(tmp_path, tokenizer_dir, family):
     assert clip.grids[0] in {video_grid(frames, 48, 64, spec), video_grid(6, 48, 64, spec)}
 
 
-def test_a_video_before_an_image_is_skipped_alike_by_the_planner_and_the_runtime(tmp_path, tokenizer_dir):
-    frames, image = write_frames(tmp_path, "f", [(64, 48)] * 4), write_frames(tmp_path, "image", [(64, 64)])[0]
-    rows = [_conversation("<video> then <image>?", image=image, video=frames),
-            _conversation("<image> then <video>?", image=image, video=frames)]
-    path = tmp_path / "rows.jsonl"
+def _video_then_image_rows(folder) -> Path:
+    """Row 0: a clip, then an image, then a clip in the text; row 1: the same image and first clip, image first."""
+    first, second = write_frames(folder, "f", [(64, 48)] * 4), write_frames(folder, "g", [(48, 64)] * 2, seed=1)
+    image = write_frames(folder, "image", [(64, 64)], seed=2)[0]
+    rows = [_conversation("<video> then <image> then <video>?", image=image, videos=[first, second]),
+            _conversation("<image> then <video>?", image=image, video=first)]
+    path = folder / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert scan_dataset(path, str(tokenizer_dir)).skipped == {VIDEO_BEFORE_IMAGE: 1}
+    return path
+
+
+def test_a_video_before_an_image_is_counted_by_the_planner_and_trains_as_transformers_places_it(
+    tmp_path, tokenizer_dir
+):
+    """A row with a clip, an image, a clip: planned like any row, indexed with its grids in token order, and the
+    LLM's loss and every gradient on its vision rows (in ``vision_items`` order, the hand-off's) are the
+    single-process transformers model's, which places image and video outputs by their pad tokens."""
+    path = _video_then_image_rows(tmp_path)
+    assert scan_dataset(path, str(tokenizer_dir)).skipped == {}
     data = _indexed(path, tokenizer_dir, "qwen2.5-vl")
-    assert dict(data.skipped) == {VIDEO_BEFORE_IMAGE: 1} and len(data.samples) == 1
+    assert dict(data.skipped) == {} and len(data.samples) == 2
+    entry = next(e for e in data.samples if e.row == 0)
+    assert entry.order == (1, 0, 2)  # grids are (image, clip, clip); the text runs clip, image, clip
+    index = data.samples.index(entry)
+    model = build_model(tiny_hf_config(), seed=0)
+    _, llm, rope_index = split_model(model)
+    sample = data.sample(index)
+    items = data.vision_items([[index]])
+    vision = vision_items_batch([sample] * len(items), [k for _, k in items], model.config.vision_config, sp=1)
+    rows = torch.cat(model.model.get_image_features(vision["pixel_values"], vision["image_grid_thw"]).pooler_output)
+    batch = pack_rows([sample])
+    logits = llm(batch["input_ids"], rows, packed_position_ids(batch, rope_index))
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], sample["labels"][1:], ignore_index=IGNORE_INDEX)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    reference = model(**{k: v[None] if k in ("input_ids", "mm_token_type_ids", "labels") else v
+                         for k, v in sample.items()}).loss
+    reference.backward()
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=0)
+    assert set(grads) == {n for n, p in model.named_parameters() if p.grad is not None}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_a_file_whose_header_claims_a_day_is_planned_and_indexed_as_the_frames_it_holds(tmp_path, tokenizer_dir):

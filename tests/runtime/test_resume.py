@@ -28,7 +28,7 @@ from runtime.run import checkpoint_dir, preflight
 from runtime import export
 from runtime.__main__ import main
 from runtime.checkpoints.dcp_checkpoint import checkpoint_problem, shards_problem
-from tests.runtime.plans import make_plan, tiny_hf_config
+from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen3_vl_moe_config
 from tests.runtime.ranks import spawn
 from tests.runtime.test_bad_input import run_light
 from tests.runtime.test_cli import assert_one_line_error
@@ -45,6 +45,9 @@ SAME_PLAN = {
                                                                         grad_accum=2)),
     "colocated_llm_pp2_interleaved": dict(vision=dict(dp=2, grad_accum=2), llm=dict(
         pp=2, pp_schedule="interleaved_1f1b", virtual_stages=2, pp_layers=[1, 1, 1, 1], micro_batch=2, grad_accum=2)),
+    # expert parallelism: each rank saves and loads its 4 of the 8 experts (DCP metadata through the allow-list)
+    "moe_ep2": dict(vision=dict(dp=2), llm=dict(dp=2, ep=2), hf_config=tiny_qwen3_vl_moe_config(),
+                    image_size=QWEN3_IMAGE_SIZE),
 }
 
 OVERLAPPED = {"colocated_zero3_dp2", "disjoint_1_1__2_micro_batches"}
@@ -78,14 +81,15 @@ def _curve(outs: list[dict], key: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     """Per rank, the outputs of both scenarios, from one pair of processes (a spawn costs ~15 s of imports here);
-    the same-plan plans; and the across-plans checkpoint folder."""
+    the same-plan plans; the across-plans and same-plan checkpoint folders."""
     same = {name: make_plan(**{k: dict(v) if isinstance(v, dict) else v for k, v in p.items()})
             for name, p in SAME_PLAN.items()}
     across = [make_plan(**{k: dict(v) for k, v in p.items()}) for p in ACROSS_PLANS]
     same_dir, across_dir = tmp_path_factory.mktemp("same"), tmp_path_factory.mktemp("across")
     by_rank = spawn(2, same_and_across_plans, same, str(same_dir), OVERLAPPED, across[0], [(p, 2) for p in across],
                     str(across_dir), str(tmp_path_factory.mktemp("failing")))
-    return same, [out[0] for out in by_rank], [out[1] for out in by_rank], across_dir, by_rank[0][2], across[0]
+    return (same, [out[0] for out in by_rank], [out[1] for out in by_rank], across_dir, same_dir, by_rank[0][2],
+            across[0])
 
 
 @pytest.mark.slow
@@ -98,6 +102,22 @@ def test_resume_is_bitwise_the_uninterrupted_run(resumed):
         assert straight.keys() == resumed_params.keys() and straight, name
         for hf_name, tensor in straight.items():
             assert torch.equal(tensor, resumed_params[hf_name]), (name, hf_name)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_reads_through_the_restricted_unpickler(resumed):
+    """The EP2 plan's checkpoint (resumed bitwise above, each rank's DCP load through ``SafeFileSystemReader``):
+    its metadata, expert shards included, reads through the allow-list as DCP's own reader reads it, and the
+    driver's soundness check passes it."""
+    import torch.distributed.checkpoint as dcp
+
+    from runtime.checkpoints.dcp_metadata import read_metadata
+
+    folder = checkpoint_dir.latest_checkpoint(os.path.join(resumed[4], "moe_ep2"))
+    metadata = read_metadata(folder).state_dict_metadata
+    assert metadata == dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    assert any(".experts." in key for key in metadata), sorted(metadata)[:20]
+    assert checkpoint_problem(folder) is None
 
 
 @pytest.mark.slow

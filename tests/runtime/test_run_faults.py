@@ -188,3 +188,20 @@ def test_a_plan_with_a_frozen_module_dry_runs_and_a_dry_run_fault_is_not_read_as
     assert "DOES NOT FIT" not in captured.out and captured.err.count("\n") == 1
     assert captured.err.startswith("runtime: error: the dry-run failed, so no memory verdict (RuntimeError: cannot "
                                    "register a hook"), captured.err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2])
+def test_every_signal_a_scheduler_sends_takes_the_one_stop_path(signum):
+    """SIGUSR1 / SIGUSR2 (a scheduler's pre-timeout warning) stop a run as SIGTERM does: ``Stopped``, named in the
+    last line, exit status 128 + the signal (the path the SIGTERM tests above follow end to end)."""
+    from runtime.run.stop_signals import Stopped, name_and_status, stopping_on_signals
+
+    seen = []
+    previous = signal.signal(signum, lambda *_: seen.append(signum))  # what runs if the run did not handle it
+    try:
+        with pytest.raises(Stopped) as stopped, stopping_on_signals():
+            os.kill(os.getpid(), signum)
+            time.sleep(5)  # the handler interrupts this
+    finally:
+        signal.signal(signum, previous)
+    assert not seen and name_and_status(stopped.value) == (signal.Signals(signum).name, 128 + signum)
