@@ -71,8 +71,8 @@ def real_peaks(plans: list[Plan], tmp_path) -> list[dict[int, int]]:
 
 
 PLANS = {
-    "vision-sp2-llm-tp2": lambda: make_plan({"sp": 2}, {"tp": 2, "grad_accum": 4}),
-    "zero3-dp2": lambda: make_plan({"dp": 2, "zero": 3}, {"dp": 2, "zero": 3, "grad_accum": 2}),
+    "vision-sp2-llm-tp2": lambda: make_plan({"sp": 2, "grad_accum": 4}, {"tp": 2, "grad_accum": 4}),
+    "zero3-dp2": lambda: make_plan({"dp": 2, "zero": 3, "grad_accum": 2}, {"dp": 2, "zero": 3, "grad_accum": 2}),
     # two model chunks per stage, TP inside each (the last chunk's logits a DTensor), 4 micro-batches in flight
     "llm-pp2xtp2-interleaved": lambda: make_plan({"dp": 2, "tp": 2, "grad_accum": 4}, {
         "pp": 2, "tp": 2, "pp_schedule": "interleaved_1f1b", "virtual_stages": 2, "pp_layers": [1, 1, 1, 1],
