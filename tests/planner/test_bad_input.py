@@ -133,7 +133,7 @@ CASES = [
     (TINY_CONFIG, _config(lambda c: c["vision_config"].update(out_hidden_size=96)),
      "vision_config's merger outputs 96 features but the decoder's hidden_size is 128: they must be equal"),
     (TINY_CONFIG, _config(lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[4, 6, 7])),
-     "mrope_section must be three positive integers summing to half the decoder's head width (16), got [4, 6, 7]"),
+     "mrope_section must be three positive integers summing to half the decoder's rotary width (16), got [4, 6, 7]"),
     (TINY_CONFIG, _config(lambda c: c["vision_config"].update(hidden_size=60, num_heads=4)),
      "vision_config: head width 15 is not a multiple of 4, which its rotary embedding needs"),
     (TINY_CONFIG, _config(lambda c: c["vision_config"].update(hidden_size=24, num_heads=4)),
