@@ -16,6 +16,7 @@ from runtime.checkpoints import dcp_checkpoint
 from runtime.run.checkpoint_dir import latest_checkpoint
 from runtime.checkpoints.dcp_checkpoint import Checkpointer
 from runtime.training.trainer import RunOptions, Trainer
+from tests.runtime.ranks import fresh_groups
 
 SEED = 0
 
@@ -31,12 +32,14 @@ def straight_and_legs(rank: int, straight: Plan, legs: list[tuple[Plan, int]], d
     step runs, and is thrown away, while the checkpoint is written: it must not change what is saved. Returns
     this rank's per-step records and the full parameters it gathered (on a module's first rank) at the end of
     both runs."""
+    fresh_groups()
     trainer = Trainer(straight, rank=rank, options=RunOptions(seed=SEED))
     out = {"straight": _steps(trainer, sum(steps for _, steps in legs))}
     out["straight_params"] = trainer.full_tensors("param")
     del trainer
     records, resume = [], None
     for plan, steps in legs:
+        fresh_groups()
         trainer = Trainer(plan, rank=rank, options=RunOptions(seed=SEED, resume=resume))
         checkpointer = Checkpointer(trainer, directory, keep_last=1, overlap=overlap)
         records += _steps(trainer, steps)
