@@ -18,12 +18,11 @@ from planner.search.candidates import Fixes
 from planner.cost import estimate
 from planner.contract.units import GIB
 from planner.dataset import DatasetHistogram, read_dataset
-from planner.inputs import ClusterInputs, DatasetInputs, SearchOptions, WorkloadInputs
+from planner.inputs import DEFAULT_GPU, ClusterInputs, DatasetInputs, SearchOptions, WorkloadInputs
 from planner.contract.models import ModelSpec
 from planner.plan_document import build_plan
 from planner.problem import (
     DEFAULT_FPS,
-    DEFAULT_GPU,
     MAX_AUDIO_SECONDS,
     MAX_GLOBAL_BATCH,
     MAX_GPUS,

@@ -29,7 +29,7 @@ from planner.contract.models import ModelSpec
 from planner.contract.schema import ATTENTION_CALLS, AttentionCalls, DatasetInfo
 from planner.contract.strategy import PRECISIONS, Precision
 from planner.contract.workload import DEFAULT_FPS, Workload, module_tokens
-from planner.inputs import DEFAULT_GPU, ClusterInputs, DatasetInputs, SearchOptions, WorkloadInputs  # noqa: F401 (api re-exports DEFAULT_GPU)
+from planner.inputs import ClusterInputs, DatasetInputs, SearchOptions, WorkloadInputs
 DEFAULT_IMAGE_SIZE = (1344, 1344)
 """(height, width) of the default image: 96 x 96 patches of 14 px = 9,216 vision tokens, 2,304 after merging."""
 DEFAULT_TEXT_TOKENS = 512

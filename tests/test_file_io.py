@@ -11,7 +11,6 @@ import contextlib
 import io
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from planner.contract.schema import PlanError, load_plan
 from runtime.run import run_lock
 from runtime.__main__ import main as runtime_main
 from tests.runtime.plans import make_plan
+from tests.test_file_fuzz import bounded
 
 TINY = ["--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--time-limit", "2", "--workers", "1"]
 NULL, FULL = (1, 3), (1, 7)
@@ -44,25 +44,10 @@ def is_char_device(path: Path) -> bool:
     return stat.S_ISCHR(os.lstat(path).st_mode)
 
 
-@contextlib.contextmanager
-def within(seconds: float = 10):
-    """Fail instead of hanging (a read that blocks on a named pipe)."""
-    def _raise(signum, frame):
-        raise AssertionError(f"blocked for {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, _raise)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def run(main, argv: list[str]) -> tuple[int, str]:
     """(exit status, stderr) of a CLI's ``main`` called in-process."""
     err = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), within(60):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), bounded(60):
         try:
             code = main(argv)
         except SystemExit as e:
@@ -244,7 +229,7 @@ def test_a_yaml_runs_table_is_nested_at_most_as_deep_as_json(tmp_path, text, say
 
     table = tmp_path / "runs.yaml"
     table.write_text(text)
-    with within(30), pytest.raises(ValueError, match=f"^runs table {table} {says}") as refused:
+    with bounded(30), pytest.raises(ValueError, match=f"^runs table {table} {says}") as refused:
         load_runs([str(table)], [])
     assert "\n" not in str(refused.value)
 
@@ -280,7 +265,7 @@ def test_a_checkpoint_run_state_that_is_a_named_pipe_is_refused_without_blocking
     from runtime.run.checkpoint_dir import RUN_STATE, read_run_state
 
     os.mkfifo(tmp_path / RUN_STATE)
-    with within(), pytest.raises(ValueError, match=f"run state {tmp_path / RUN_STATE} is a named pipe"):
+    with bounded(), pytest.raises(ValueError, match=f"run state {tmp_path / RUN_STATE} is a named pipe"):
         read_run_state(str(tmp_path))
 
 

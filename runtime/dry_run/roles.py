@@ -10,7 +10,7 @@ from planner.contract.schema import Plan
 from runtime.data.samples import SampleLayout
 from runtime.models.families import family_of
 from runtime.models.model import hf_config_from_dict
-from runtime.models.vision import window_layout
+from runtime.parallel.windows import window_layout
 from runtime.parallel.parallel_dims import plan_dims
 from runtime.parallel.ulysses import split_sequence, split_windows
 from runtime.run.preflight import module_names

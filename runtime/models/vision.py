@@ -22,7 +22,7 @@ from planner.contract.rules import attention_rules, width_rule
 from runtime.data.samples import SyntheticData, layout_from_plan, visual_inputs
 from runtime.parallel.tensor_parallel import parallelize_vision_tp, qkv_row_order
 from runtime.parallel.ulysses import UlyssesGroup, split_windows
-from runtime.parallel.windows import merged_positions_per_rank, window_layout
+from runtime.parallel.windows import window_layout
 
 
 Normalization = tuple[tuple[float, ...], tuple[float, ...]]

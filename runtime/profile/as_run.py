@@ -60,7 +60,8 @@ from runtime.profile.shards import ShardInputs, build_shard, hf_config
 from runtime.profile.ops import OpCount, OpCounter
 from runtime.models.llm import shard_llm_batch
 from runtime.parallel.ulysses import split_windows
-from runtime.models.vision import shard_vision_batch, window_layout
+from runtime.models.vision import shard_vision_batch
+from runtime.parallel.windows import window_layout
 
 VISION_KINDS = frozenset({"patch_embed", "vision_block", "patch_merger"})
 LLM_KINDS = frozenset({"embedding", "decoder_layer", "final_norm", "lm_head"})

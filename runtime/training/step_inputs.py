@@ -28,7 +28,8 @@ from runtime.models.families import family_of
 from runtime.models.handoff import Routes
 from runtime.models.llm import LLMShard, image_slots_per_rank, packed_position_ids, pad_packed_row, shard_llm_batch
 from runtime.models.pipeline import MicroBatchShapes
-from runtime.models.vision import filler_grid, merged_positions_per_rank, window_layout
+from runtime.models.vision import filler_grid
+from runtime.parallel.windows import merged_positions_per_rank, window_layout
 from runtime.parallel.parallel_dims import BATCH_AXIS, ParallelDims
 from runtime.parallel.ulysses import split_sequence
 from runtime.run.preflight import DATA_ENCODERS, is_conversation_file, module_names, no_data_reader

@@ -177,7 +177,7 @@ def test_a_vision_replica_with_fewer_windows_than_its_sp_ranks_sends_its_tokens_
     rows = [_row("i1.png", "What is this?", "A larger picture."), _row("small.png", "And this?", "A small one.")]
     (tmp_path / "two.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = packed(tmp_path / "two.jsonl", tokenizer_dir, pack_tokens=256)
-    from runtime.models.vision import window_layout
+    from runtime.parallel.windows import window_layout
 
     vc, vision, llm = CONFIG.vision_config, _vision_dims(2, sp=2), _llm_dims(1, micro_batch=1)
     slots = data.step_slots(0, 1, 1, 1)
@@ -195,7 +195,7 @@ def _assert_routes_follow_each_token(data, slots, vision, llm):
     independently of the routes' own bookkeeping."""
     from runtime.models.llm import image_slots_per_rank
     from runtime.training.step_inputs import VisionMicroBatch, packed_routes
-    from runtime.models.vision import merged_positions_per_rank
+    from runtime.parallel.windows import merged_positions_per_rank
 
     vc, merge = CONFIG.vision_config, CONFIG.vision_config.spatial_merge_size**2
     llm_dp, llm_sp, vision_sp = llm.dp, llm.sp, vision.sp
@@ -252,7 +252,8 @@ def test_a_vision_replica_with_too_few_windows_runs_a_filler_that_goes_nowhere()
     """A replica with no image, or fewer attention windows than its SP ranks, runs a filler image of zeros with
     exactly enough windows, so that each of its ranks still runs every block and its collectives."""
     from runtime.training.step_inputs import needs_filler, vision_items_batch
-    from runtime.models.vision import filler_grid, window_layout
+    from runtime.models.vision import filler_grid
+    from runtime.parallel.windows import window_layout
 
     vc = CONFIG.vision_config
     for sp in (1, 2, 4):
