@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import os
 import signal
 import socket
@@ -123,6 +124,7 @@ class Worker(loop.RankCheckpoints):
         if dist.is_initialized():
             dist.destroy_process_group()
         forget_earlier_worlds()
+        gc.collect()  # the job's meshes sit in reference cycles: until collected, they hold its gloo groups' threads
 
 
 class PooledWorker(Worker):

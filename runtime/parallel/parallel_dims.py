@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, _redistribute
+from torch.distributed.tensor._collective_utils import MeshTopoInfo
 
 from planner.contract.schema import ModulePlan, Plan
 from runtime.run.preflight import context_parallel_refusal
@@ -199,11 +200,17 @@ def plan_dims(plan: Plan, name: str) -> ParallelDims:
 
 
 def forget_earlier_worlds() -> None:
-    """Empty DTensor's sharding-propagation caches (C++ and Python), before a process builds the meshes of another
-    world (a dry-run role, a reused worker's next job). They key on a DeviceMesh's description (rank map, layout,
-    names), not its process groups, so an earlier world's output specs would hand this world's tensors that
-    world's meshes: their groups are gone (role 2 then role 0 of a PP2 x TP2 plan fails to resolve one)."""
+    """Empty DTensor's caches that hold an earlier world's meshes, before a process builds the meshes of another
+    world (a dry-run role, a reused worker's next job):
+    - sharding propagation (C++ and Python) keys on a DeviceMesh's description (rank map, layout, names), not its
+      process groups, so an earlier world's output specs would hand this world's tensors that world's meshes:
+      their groups are gone (role 2 then role 0 of a PP2 x TP2 plan fails to resolve one);
+    - redistribution plans and mesh topologies hold the meshes themselves, and through them every gloo process
+      group of every earlier job with its threads (a pooled worker held 111 gloo loop threads after ~40 jobs)."""
     torch._C._clear_DTensor_sharding_propagator_cache()
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    MeshTopoInfo.build_from_mesh.cache_clear()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 import torch.multiprocessing as mp
 
+from runtime.parallel.parallel_dims import forget_earlier_worlds
 from runtime.training.trainer import RunOptions, Trainer
 
 SEED = 3
@@ -73,12 +74,14 @@ def spawn(world: int, fn, *args) -> list:
 
 def fresh_groups() -> None:
     """Destroy every process group but the world's, before a rank builds its next Trainer: each Trainer's device
-    meshes make gloo groups of their own (threads that stay), and a rank building dozens of Trainers in turn held
-    over a thousand threads (the resume ranks: its fixture 91 s -> 68 s alone). Used by the resume ranks only: tried
-    in the sharded start-up scenarios, their 4-rank setup failed (not investigated)."""
+    meshes make gloo groups of their own, whose threads stay while anything holds the meshes (DTensor's caches
+    do, until ``forget_earlier_worlds``; reference cycles do, until collected). A rank building dozens of Trainers
+    in turn held over a thousand threads (the resume ranks: their fixture 91 s -> 68 s alone)."""
     for group in list(c10d._world.pg_map):
         if group is not c10d.GroupMember.WORLD:
             dist.destroy_process_group(group)
+    forget_earlier_worlds()
+    gc.collect()
 
 
 def _gathered(trainer: Trainer) -> tuple[dict, dict]:

@@ -366,3 +366,24 @@ def test_parity_on_conversations(tmp_path, worker_pool):
     options = RunOptions(seed=SEED, data=str(tmp_path / "chat.jsonl"), tokenizer=str(save_tokenizer(tmp_path / "tok")))
     assert_parity(make_plan(dict(dp=2, tp=2), dict(dp=2, tp=2), learning_rate=LR, text_tokens=120), options,
                   worker_pool)
+
+
+def _live_meshes(worker) -> int:
+    """On one pooled actor: DeviceMesh objects still alive (no collection forced here: the job's close must have
+    freed them)."""
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return sum(isinstance(o, DeviceMesh) for o in gc.get_objects())
+
+
+@pytest.mark.slow
+def test_a_pooled_worker_keeps_no_mesh_of_its_finished_job(worker_pool):
+    """A worker that serves job after job keeps none of a finished job's device meshes: DTensor's redistribution and
+    topology caches hold meshes, and through them every gloo group of the job with its threads (a pooled worker
+    held 111 gloo loop threads after a suite's jobs, which woke up for nothing)."""
+    import ray
+
+    run_runtime(make_plan(dict(tp=2, micro_batch=2), dict(dp=2, zero=3), learning_rate=LR), pool=worker_pool)
+    assert ray.get([w.__ray_call__.remote(_live_meshes) for w in worker_pool.workers[:2]]) == [0, 0]
