@@ -395,19 +395,18 @@ def pipelined_cost(
     handoff = (1 + backward) * p2p_time(s.micro_batch * per_sample, static.links[s.gpus > dpn])
     chunks = chunk_layers or pipeline_chunks(static, s, layer_costs, within, handoff, p2p)
     parts, rank_stages = pipeline_parts(s, first_rank, dpn, chunks, static.spec.layer_order)
+    held = stage0_handoff_bytes(per_sample, backward, s.micro_batch, s.grad_accum)
+    last = (len(chunks) - 1) % s.pp
     ranks = [
         rank_cost(static, s, _rank_layers(static, chunks, rank, s.pp), precision=precision,
                    first_rank=first_rank + rank * s.stage_gpus, layer_costs=layer_costs,
                    in_flight_chunks=rank_stages[rank][1],
-                   handoff_s=handoff if rank == 0 else 0.0, pp_comm_s=p2p * sends)
+                   handoff_s=handoff if rank == 0 else 0.0, pp_comm_s=p2p * sends,
+                   held_handoff_bytes=held if rank == 0 else 0.0,
+                   receive_buffers_bytes=pipeline_receive_buffer_bytes(boundary_bytes, s.virtual_stages, rank == 0,
+                                                                       rank == last, s.grad_accum))
         for rank, sends in parts
     ]
-    held = stage0_handoff_bytes(per_sample, backward, s.micro_batch, s.grad_accum)
-    ranks[0] = replace(ranks[0], forward_buffers_bytes=ranks[0].forward_buffers_bytes + held,
-                       backward_buffers_bytes=ranks[0].backward_buffers_bytes + held)
-    last = (len(chunks) - 1) % s.pp
-    ranks = [replace(c, receive_buffers_bytes=pipeline_receive_buffer_bytes(
-        boundary_bytes, s.virtual_stages, rank == 0, rank == last, s.grad_accum)) for c, (rank, _) in zip(ranks, parts)]
     slowest = max(ranks, key=lambda c: c.per_micro_batch_s)
     tail = max(ranks, key=lambda c: c.step_tail_s)
     memory = max(ranks, key=own_peak_bytes)

@@ -438,10 +438,12 @@ def with_measured_collectives(static: ModuleStatic, s: ModuleStrategy, layer_cos
 def rank_cost(
     static: ModuleStatic, s: ModuleStrategy, layers: tuple[LayerSpec, ...], *, precision: Precision, first_rank: int,
     layer_costs: LayerCostSource | None, in_flight_chunks: int, handoff_s: float, pp_comm_s: float,
+    held_handoff_bytes: float = 0.0, receive_buffers_bytes: int = 0,
 ) -> ModuleCost:
     """The cost on one GPU that runs ``layers`` (all of the module's, or one pipeline rank's chunks) for every
     micro-batch, with ``handoff_s`` and ``pp_comm_s`` of transfers per micro-batch and ``in_flight_chunks``
-    micro-batches' (with PP: model chunks') activations alive at its peak."""
+    micro-batches' (with PP: model chunks') activations alive at its peak; a pipeline rank's encoder outputs held
+    over its schedule (``held_handoff_bytes``, in both passes' buffers) and its receive buffers."""
     assumptions, cluster = static.assumptions, static.cluster
     within_all = axes_within_node(s, first_rank, cluster.devices_per_node)
     sums = layer_sums(static, s, layer_axes_within_node(within_all), layer_costs, layers)
@@ -469,7 +471,8 @@ def rank_cost(
         bucket = bucket_bytes(params * recipe.gradients, assumptions) if trainable and reduce_group > 1 else 0.0
         backward_buffers += bucket
         bucket = min(bucket, assumptions.communication_bucket_bytes)
-    forward_buffers = max(forward_buffers, sums.loss_buffer_bytes[0])
+    forward_buffers = max(forward_buffers, sums.loss_buffer_bytes[0]) + held_handoff_bytes
+    backward_buffers += held_handoff_bytes
     loss_backward_buffers, loss_saved = sums.loss_buffer_bytes[1:]
 
     # with ep = 1 the ranks holding the same experts (split over TP or not) are the dense reduce group: one reduction
@@ -523,6 +526,7 @@ def rank_cost(
         loss_backward_buffers_bytes=math.ceil(loss_backward_buffers),
         loss_saved_bytes=math.ceil(loss_saved),
         activations_per_micro_batch_bytes=math.ceil(activations),
+        receive_buffers_bytes=receive_buffers_bytes,
         in_flight_micro_batches=in_flight_chunks,
         flops_per_step=flops_per_sample(static) * s.samples_per_step,
         sources=sums.sources,
