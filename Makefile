@@ -21,7 +21,7 @@ plan: $(STAMP)
 	$(VENV)/bin/plan $(PLAN_ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=25 tests
+	$(VENV)/bin/python -m pytest -q -n 2 --durations=25 tests
 
 # the inner loop: planner, cost model, catalog and hardware, no torch (seconds)
 test-fast: $(STAMP)

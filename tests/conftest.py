@@ -17,19 +17,25 @@ IN_PROCESS_TESTS = ("tests/runtime/test_dry_run.py", "tests/runtime/test_units.p
 """...but for these, which run in the test process alone (fake process groups, no ranks)."""
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n 2 --dist loadgroup`` (``make test``): the many-process tests form one group, run in turn on
-    one test worker and first, since they are the longest share, while the other worker takes the single-process
-    tests (planner, cost model, dry-runs, notebooks), which use one core each. The many-process tests keep to one
-    worker because they use both cores between them, and because one session must own the Ray cluster whose
-    ``ray::Worker`` processes the recovery tests count."""
-    def many(item) -> bool:
-        return item.nodeid.startswith(MANY_PROCESS_TESTS) and not item.nodeid.startswith(IN_PROCESS_TESTS)
+def _many_processes(nodeid: str) -> bool:
+    return nodeid.startswith(MANY_PROCESS_TESTS) and not nodeid.startswith(IN_PROCESS_TESTS)
 
-    for item in items:
-        if many(item):
-            item.add_marker(pytest.mark.xdist_group("many_processes"))
-    items.sort(key=lambda item: not many(item))  # stable: each share keeps its order
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``pytest -n 2`` (``make test``): the many-process tests are one unit of work, which runs in turn on one
+    test worker (first: xdist hands out the largest unit first) while the other takes the single-process tests
+    (planner, cost model, dry-runs, notebooks), which use one core each. The many-process tests keep to one worker
+    because they use both cores between them, and because one session must own the Ray cluster whose
+    ``ray::Worker`` processes the recovery tests count. (A scheduler of our own, not ``xdist_group`` marks:
+    ``--dist loadgroup`` stopped grouping under pytest 9.2, pytest-dev/pytest-xdist#1386.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ManyProcessesAsOne(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "many-process tests" if _many_processes(nodeid) else nodeid
+
+    return ManyProcessesAsOne(config, log)
 
 
 @pytest.fixture(scope="session")
