@@ -14,7 +14,9 @@ MANY_PROCESS_TESTS = ("tests/runtime/", "tests/profile/", "tests/test_gpu_check.
 """Tests that train on several processes (gloo ranks, Ray workers, torchrun, the runtime's command line)..."""
 IN_PROCESS_TESTS = ("tests/runtime/test_dry_run.py", "tests/runtime/test_units.py",
                     "tests/runtime/test_hf_config_contract.py", "tests/runtime/test_checkpoint_io.py")
-"""...but for these, which run in the test process alone (fake process groups, no ranks)."""
+"""...but for these, which run in the test process (fake process groups; no Ray: the dry-run's comparison with
+real peaks alone spawns 2-4 gloo ranks, a small share left beside the many-process tests; tests/test_test_groups.py
+checks that every file starting Ray is in the many-process share)."""
 
 
 def _many_processes(nodeid: str) -> bool:

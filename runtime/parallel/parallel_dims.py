@@ -206,7 +206,7 @@ def forget_earlier_worlds() -> None:
       process groups, so an earlier world's output specs would hand this world's tensors that world's meshes:
       their groups are gone (role 2 then role 0 of a PP2 x TP2 plan fails to resolve one);
     - redistribution plans and mesh topologies hold the meshes themselves, and through them every gloo process
-      group of every earlier job with its threads (a pooled worker held 111 gloo loop threads after ~40 jobs)."""
+      group of every earlier job with its threads (a pooled worker held 111 gloo loop threads by the end of the test suite)."""
     torch._C._clear_DTensor_sharding_propagator_cache()
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
