@@ -52,7 +52,8 @@ def _module_plan(problem: Problem, strategy: Strategy, name: str, prediction: Mo
     return ModulePlan(
         name=name, ranks=strategy.module_ranks()[name], dp=s.dp, tp=s.tp, sp=s.sp, cp=s.cp, pp=s.pp, ep=s.ep,
         pp_schedule=s.pp_schedule, virtual_stages=s.virtual_stages, pp_layers=pp_layers,
-        attention=problem.assumptions.attention_calls,
+        # a ring-CP module runs the ring's SDPA kernels (runtime.parallel.ring), whatever the others call
+        attention="sdpa" if s.cp > 1 else problem.assumptions.attention_calls,
         loss_chunk_tokens=loss_chunk_tokens(s.pp, problem.assumptions) if has_loss else 0,
         zero=s.zero, recompute=s.recompute, micro_batch=s.micro_batch, grad_accum=s.grad_accum, frozen=spec.frozen,
         num_params=spec.num_params, predicted=prediction,

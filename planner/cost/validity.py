@@ -65,6 +65,12 @@ def check_strategy(
         reasons.append(problem)
     if s.cp > 1 and tokens.tokens < 2 * s.cp:
         reasons.append(f"cp={s.cp} needs at least {2 * s.cp} tokens per sample, got {tokens.tokens}")
+    if s.cp > 1 and s.pp > 1:
+        reasons.append(f"cp={s.cp} with pp={s.pp}: the runtime does not run ring context parallelism inside a "
+                       "pipeline yet")
+    if s.cp > 1 and workload.packs is not None:
+        reasons.append(f"cp={s.cp}: the runtime runs ring context parallelism on one sequence per row, not on a "
+                       "dataset's packed rows yet")
     return reasons
 
 

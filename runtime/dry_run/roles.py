@@ -12,16 +12,17 @@ from runtime.models.families import family_of
 from runtime.models.model import hf_config_from_dict
 from runtime.parallel.windows import window_layout
 from runtime.parallel.parallel_dims import plan_dims
-from runtime.parallel.ulysses import split_sequence, split_windows
+from runtime.models.llm import sequence_positions
+from runtime.parallel.ulysses import split_windows
 from runtime.run.preflight import module_names
 
 
 def _slice_lengths(plan: Plan, name: str, layout: SampleLayout, config: Any) -> list[int]:
-    """Sequence positions each SP rank of module ``name`` holds per micro-batch."""
+    """Sequence positions each sequence rank (CP rank ``c``'s SP rank ``j``: ``c * sp + j``) of module ``name`` holds
+    per micro-batch."""
     dims = plan_dims(plan, name)
     if name == "llm":
-        bounds = split_sequence(layout.seq_len, dims.sp)
-        return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        return [len(held) for held in sequence_positions(layout.seq_len, dims.sp, dims.cp)]
     _, cu_windows = window_layout(torch.tensor(layout.grids() * dims.micro_batch), config.vision_config)
     bounds = split_windows(cu_windows, dims.sp)
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
@@ -39,7 +40,7 @@ def role_keys(plan: Plan) -> dict[int, tuple]:
         for name in module_names(plan):
             if rank in dims[name].ranks:
                 coord = dims[name].coordinate(rank)
-                key.append((name, lengths[name][coord["sp"]], coord["pp"]))
+                key.append((name, lengths[name][coord["cp"] * dims[name].sp + coord["sp"]], coord["pp"]))
         keys[rank] = tuple(key)
     return keys
 

@@ -3,12 +3,12 @@
 One global micro-batch of ``B`` samples (or packs) is split two ways: vision DP replica ``d`` (with its SP ranks
 ``k``) produced the image tokens of samples ``[d*mb_v, (d+1)*mb_v)`` (a dataset plan: of the images the per-step
 assignment gave it, from any LLM replica's packs, and a filler's that go nowhere), window-ordered; LLM rank (dp
-``e``, sp ``j``) needs, of samples ``[e*mb_l, (e+1)*mb_l)``, the image tokens its sequence slice holds (all of
-them without LLM SP), in sequence order (``llm_needs``). Samples may differ in images and lengths: the routes
+``e``, cp ``c``, sp ``j``) needs, of samples ``[e*mb_l, (e+1)*mb_l)``, the image tokens its sequence slice holds (all
+of them without LLM SP or CP), in its local order (``llm_needs``). Samples may differ in images and lengths: the routes
 (``Routes``) are built per micro-batch from its image grids and image-token positions, which every rank knows
 before any data is read.
 Each piece (d, k) is sent by the piece's first TP rank to every LLM rank that needs some of its rows, and only
-those rows. Gradients go back from the first TP rank of every LLM (dp, sp) coordinate (its TP ranks hold the same
+those rows. Gradients go back from the first TP rank of every LLM (dp, cp, sp) coordinate (its TP ranks hold the same
 values) to every TP rank of each piece it used, which places the rows it receives (every row comes from exactly
 one sender). Works the same for colocated placement (messages to oneself are copies) and disjoint placement
 (vision and LLM on different ranks).
@@ -70,14 +70,14 @@ def llm_needs(llm: ParallelDims, slots: list[list[torch.Tensor]], offsets: list[
 
     Args:
         llm: the LLM's degrees.
-        slots: ``slots[e][j]``, which of replica ``e``'s image tokens (in its own order) SP rank ``j``'s slice holds
-            (runtime.models.llm.image_slots_per_rank).
+        slots: ``slots[e][j]``, which of replica ``e``'s image tokens (in its own order) sequence rank ``j`` (CP rank
+            ``j // sp``'s SP rank ``j % sp``) holds (runtime.models.llm.image_slots_per_rank).
         offsets: where replica ``e``'s image tokens start in the micro-batch.
     """
     needs = {}
     for rank in llm.ranks:
         coord = llm.coordinate(rank)
-        needs[rank] = slots[coord["dp"]][coord["sp"]] + offsets[coord["dp"]]
+        needs[rank] = slots[coord["dp"]][coord["cp"] * llm.sp + coord["sp"]] + offsets[coord["dp"]]
     return needs
 
 
@@ -156,8 +156,7 @@ class Handoff:
         """(start, end) perf_counter seconds of each wait of the step (runtime.observability.trace)."""
 
     def _is_gradient_sender(self, llm_rank: int) -> bool:
-        coord = self.llm.coordinate(llm_rank)
-        return coord["cp"] == 0 and coord["tp"] == 0
+        return self.llm.coordinate(llm_rank)["tp"] == 0
 
     def _my_piece(self, routes: Routes) -> int:
         return next(i for i, p in enumerate(routes.pieces) if self.rank in p.owners)

@@ -1,8 +1,10 @@
-"""How one LLM rank runs its part of a micro-batch: the sequence slice it holds under Ulysses SP.
+"""How one LLM rank runs its part of a micro-batch: the sequence slice it holds under Ulysses SP and ring CP.
 
 With ``sp = k`` each SP rank holds a contiguous, near-equal 1/k slice of every sample's token sequence (uneven
-lengths are fine: the all-to-all takes per-rank sizes, so nothing is padded). What is computed on the whole
-sequence first and then sliced, so that the slices sum to the single-device model exactly:
+lengths are fine: the all-to-all takes per-rank sizes, so nothing is padded). With ``cp = c`` the sequence is
+first padded to a multiple of ``2 c`` and each CP rank takes its two head-tail chunks (runtime.parallel.ring), which
+its SP ranks then split so (``sequence_positions``). What is computed on the whole sequence first and then
+sliced, so that the slices sum to the single-device model exactly:
 
 - the 3-D M-RoPE positions (``get_rope_index`` needs the whole sequence to place image and text positions);
 - the next-token targets (the label of a slice's last position is the next slice's first token).
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.data.samples import IGNORE_INDEX
+from runtime.parallel.ring import RingGroup, padded_length, zigzag_positions
 from runtime.parallel.ulysses import UlyssesGroup, split_sequence
 
 
@@ -54,37 +57,59 @@ def next_token_targets(labels_BL: torch.Tensor) -> torch.Tensor:
     return F.pad(labels_BL, (0, 1), value=IGNORE_INDEX)[:, 1:]
 
 
+def sequence_positions(length: int, sp: int, cp: int = 1) -> list[torch.Tensor]:
+    """The positions of a sequence of ``length`` tokens each sequence rank holds (rank ``c * sp + j`` of CP rank
+    ``c`` and SP rank ``j``), in its local order: without CP, ``sp`` contiguous near-equal slices
+    (``split_sequence``); with CP, each CP rank's two head-tail chunks (``zigzag_positions``, padded at the end)
+    split so over its SP ranks."""
+    per_cp = zigzag_positions(length, cp) if cp > 1 else [torch.arange(length)]
+    out = []
+    for positions in per_cp:
+        bounds = split_sequence(len(positions), sp)
+        out += [positions[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    return out
+
+
 def shard_llm_batch(
     input_ids_BL: torch.Tensor, position_ids_3BL: torch.Tensor, labels_BL: torch.Tensor, *, sp_rank: int,
-    sp_group: Any, sp: int, segment_lens: tuple[int, ...] | None = None,
+    sp_group: Any, sp: int, segment_lens: tuple[int, ...] | None = None, ring: RingGroup | None = None,
+    cp_rank: int = 0,
 ) -> LLMShard:
-    """The slice of a micro-batch that SP rank ``sp_rank`` of ``sp`` processes; ``segment_lens``: the packed samples'
-    lengths (default: each row is one sequence)."""
+    """The slice of a micro-batch that SP rank ``sp_rank`` of ``sp`` (of CP rank ``cp_rank`` of ``ring``'s, under
+    context parallelism) processes; ``segment_lens``: the packed samples' lengths (default: each row is one
+    sequence). Under CP the rows are first padded to ``padded_length`` (``pad_packed_row``'s pad tokens)."""
+    cp = ring.degree if ring is not None else 1
     length = input_ids_BL.shape[1]
-    bounds = split_sequence(length, sp)
-    start, end = bounds[sp_rank], bounds[sp_rank + 1]
+    targets_BL = next_token_targets(labels_BL)
+    if cp > 1:
+        input_ids_BL, position_ids_3BL, targets_BL = pad_packed_row(input_ids_BL, position_ids_3BL, targets_BL,
+                                                                    padded_length(length, cp))
+    per_rank = sequence_positions(length, sp, cp)
+    mine = per_rank[cp_rank * sp + sp_rank]
     ulysses = None
-    if sp > 1:
-        ulysses = UlyssesGroup(group=sp_group, rank=sp_rank, segment_lens=segment_lens or (length,),
-                               seq_lens=tuple(b - a for a, b in zip(bounds[:-1], bounds[1:])))
+    if sp > 1 or cp > 1:
+        whole = len(per_rank[0]) * sp if cp > 1 else length
+        ulysses = UlyssesGroup(group=sp_group, rank=sp_rank, segment_lens=(whole,) if cp > 1 else segment_lens or (
+            length,), seq_lens=tuple(len(p) for p in per_rank[cp_rank * sp:(cp_rank + 1) * sp]), ring=ring)
     return LLMShard(
-        input_ids_Bs=input_ids_BL[:, start:end],
-        position_ids_3Bs=position_ids_3BL[..., start:end],
-        targets_Bs=next_token_targets(labels_BL)[:, start:end],
+        input_ids_Bs=input_ids_BL[:, mine],
+        position_ids_3Bs=position_ids_3BL[..., mine],
+        targets_Bs=targets_BL[:, mine],
         ulysses=ulysses,
     )
 
 
-def image_slots_per_rank(rows: list[tuple[int, torch.Tensor]], sp: int) -> list[torch.Tensor]:
-    """For each of ``sp`` SP ranks, which of a micro-batch's image tokens (rows in order, each row's in sequence order)
-    its slice holds, given each row's (length, image-token positions); every row is split alike (``split_sequence``)."""
-    slots: list[list[torch.Tensor]] = [[] for _ in range(sp)]
+def image_slots_per_rank(rows: list[tuple[int, torch.Tensor]], sp: int, cp: int = 1) -> list[torch.Tensor]:
+    """For each of the ``cp * sp`` sequence ranks, which of a micro-batch's image tokens (rows in order, each row's in
+    sequence order) its slice holds, in its local order, given each row's (length, image-token positions); every
+    row is split alike (``sequence_positions``)."""
+    slots: list[list[torch.Tensor]] = [[] for _ in range(cp * sp)]
     first = 0
     for length, positions in rows:
-        bounds = split_sequence(length, sp)
         slot = first + torch.arange(len(positions))
-        for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-            slots[j].append(slot[(positions >= a) & (positions < b)])
+        for j, held in enumerate(sequence_positions(length, sp, cp)):
+            where = torch.isin(held, positions)
+            slots[j].append(slot[torch.searchsorted(positions, held[where])])
         first += len(positions)
     return [torch.cat(parts) for parts in slots]
 

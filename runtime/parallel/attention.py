@@ -8,7 +8,9 @@ the parallel plans switch on per module:
 - ``ulysses_group=UlyssesGroup`` passed as a call kwarg (vision full-attention blocks and every LLM decoder layer
   under sequence parallelism): heads are exchanged by all-to-all around the SDPA call
   (runtime.parallel.ulysses). The mask transformers built for the local slice is not used: the SDPA runs per
-  segment of the whole sequence, causal exactly when the module is (the runtime passes no padding masks);
+  segment of the whole sequence, causal exactly when the module is (the runtime passes no padding masks); with
+  the group's ``ring`` (an LLM under context parallelism, runtime.parallel.ring) the SDPA is the causal ring over
+  the CP group instead;
 - ``module.recompute_attention_core = True`` (selective recomputation): the SDPA call runs under
   ``torch.utils.checkpoint``, so only the attention core is recomputed in backward.
 
@@ -34,6 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
 
 from runtime.parallel import ulysses
+from runtime.parallel.ring import ring_attention_forward
 
 ATTENTION = "dhplan_sdpa"
 """Name the runtime's attention function is registered under."""
@@ -137,8 +140,10 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """SDPA with optional Ulysses head exchange and optional core recomputation; same contract as
     transformers' ``sdpa_attention_forward``: q/k/v [B, H, S, Dh] in, output [B, S, H, Dh]."""
-    sequence_parallel = ulysses_group is not None and ulysses_group.degree > 1
+    sequence_parallel = ulysses_group is not None and (ulysses_group.degree > 1 or ulysses_group.ring is not None)
     core = attention_core(query, None if sequence_parallel else attention_mask)  # SP runs unmasked segments
+    if sequence_parallel and ulysses_group.ring is not None:
+        core = functools.partial(ring_attention_forward, ring=ulysses_group.ring)
     return _run(core, module, query, key, value, attention_mask, ulysses_group if sequence_parallel else None,
                 **kwargs)
 

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, _redistribute
 from torch.distributed.tensor._collective_utils import MeshTopoInfo
 
 from planner.contract.schema import ModulePlan, Plan
+from runtime.parallel.ring import RingGroup
 from runtime.run.preflight import context_parallel_refusal
 
 AXES = ("pp", "dp", "cp", "sp", "tp")
@@ -83,8 +84,8 @@ class ParallelDims:
             raise ValueError(f"{self.name}: {len(self.ranks)} ranks for pp*dp*cp*sp*tp = {self.num_devices}")
         if len(set(self.ranks)) != len(self.ranks):
             raise ValueError(f"{self.name}: a rank appears twice in {self.ranks}")
-        if self.cp > 1:
-            raise NotImplementedError(context_parallel_refusal(self.name, self.cp))
+        if self.cp > 1 and (problem := context_parallel_refusal(self.name, self.cp, pp=self.pp, ep=self.ep)):
+            raise NotImplementedError(problem)
 
     @classmethod
     def from_plan(cls, module: ModulePlan, experts: int = 0) -> "ParallelDims":
@@ -143,6 +144,13 @@ class ParallelDims:
     @property
     def sp_enabled(self) -> bool:
         return self.sp > 1
+
+    def ring_group(self) -> RingGroup | None:
+        """The CP group this module's ring attention runs over (runtime.parallel.ring); None without CP."""
+        if self.cp == 1:
+            return None
+        cp_mesh = self.grid_mesh["cp"]
+        return RingGroup(group=cp_mesh.get_group(), mesh=cp_mesh, degree=self.cp)
 
     @property
     def batch_enabled(self) -> bool:

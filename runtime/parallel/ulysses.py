@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from planner.contract.rules import split_rule
+from runtime.parallel.ring import RingGroup
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -45,6 +46,8 @@ class UlyssesGroup:
     """This rank's index in the group."""
     segment_lens: tuple[int, ...]
     """Lengths of the attention segments of the whole sequence (vision: one per image; LLM: the sequence)."""
+    ring: RingGroup | None = None
+    """The CP group whose ring runs the attention on the exchanged sequence (runtime.parallel.ring), if any."""
 
     @property
     def degree(self) -> int:

@@ -73,13 +73,22 @@ def num_devices(plan: Plan) -> int:
     return len({r for m in plan.modules for r in m.ranks})
 
 
-def context_parallel_refusal(module: str, cp: int) -> str:
-    """Why the runtime refuses a context-parallel module."""
-    return (
-        f"{module}: context parallelism (cp={cp}) is not implemented: torch's context_parallel has no sharding rule "
-        "for the CPU SDPA kernel (aten._scaled_dot_product_flash_attention_for_cpu), and on GPU it needs is_causal "
-        "SDPA without explicit masks, while the HF Qwen-VL blocks pass explicit masks and packed per-image segments"
-    )
+def context_parallel_refusal(module: str, cp: int, *, pp: int = 1, ep: int = 1, attention: str = "sdpa",
+                             packed: bool = False) -> str | None:
+    """Why the runtime does not run a module with ring context parallelism (runtime.parallel.ring), if it does not."""
+    name = f"{module}: context parallelism (cp={cp})"
+    if module != "llm":
+        return f"{name} is run for the LLM only (the vision tower's segments are bidirectional): plan it with cp=1"
+    if pp > 1:
+        return f"{name} with pipeline parallelism (pp={pp}) is not run yet: plan one of them"
+    if ep > 1:
+        return f"{name} with expert parallelism (ep={ep}) is not run (nor priced): plan one of them"
+    if attention == "varlen":
+        return f"{name} runs the SDPA ring kernels, not variable-length attention: plan it with --attention sdpa"
+    if packed:
+        return (f"{name} runs one sequence per row: a dataset plan's packed rows are not split over CP ranks yet "
+                "(plan without --allow-cp)")
+    return None
 
 
 def check_pipeline(plan: Plan, module: Any) -> None:
@@ -132,8 +141,10 @@ def check_plan(plan: Plan) -> None:
     encoder, _ = module_names(plan)
     tower, llm = plan.module(encoder), plan.module("llm")
     for module in (tower, llm):
-        if module.cp > 1:
-            raise NotImplementedError(context_parallel_refusal(module.name, module.cp))
+        if module.cp > 1 and (problem := context_parallel_refusal(
+                module.name, module.cp, pp=module.pp, ep=module.ep, attention=module.attention,
+                packed=plan.workload.dataset is not None)):
+            raise NotImplementedError(problem)
         if module.pp > 1:
             check_pipeline(plan, module)
         if module.attention == "varlen" and is_cpu_plan(plan):

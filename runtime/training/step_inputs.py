@@ -203,9 +203,10 @@ class StepInputs:
                                                   image_grid_thw=batch.get("image_grid_thw"),
                                                   video_grid_thw=batch.get("video_grid_thw"))
             sp_group = dims.grid_mesh["sp"].get_group() if dims.sp_enabled else None
+            coord = dims.coordinate(self.rank)
             self._llm_shards[micro] = to_device(shard_llm_batch(
-                ids, position_ids, labels, sp_rank=dims.coordinate(self.rank)["sp"],
-                sp_group=sp_group, sp=dims.sp, segment_lens=segments,
+                ids, position_ids, labels, sp_rank=coord["sp"], sp_group=sp_group, sp=dims.sp, segment_lens=segments,
+                ring=dims.ring_group(), cp_rank=coord["cp"],
             ), self.device)
         return self._llm_shards[micro]
 
@@ -295,7 +296,7 @@ class StepInputs:
         positions = self.layout.output_positions_per_rank(encoder.micro_batch, self.config, encoder.sp)
         template = self.layout.template_ids()
         row = (len(template), self.layout.handoff_mask(template).nonzero().flatten())
-        slots = image_slots_per_rank([row] * llm.micro_batch, llm.sp)
+        slots = image_slots_per_rank([row] * llm.micro_batch, llm.sp, llm.cp)
         return Routes.build(encoder, llm, [positions] * encoder.dp, [slots] * llm.dp, self.device)
 
     def _packed_routes(self, micro: int) -> Routes:
@@ -328,7 +329,7 @@ def packed_routes(index: list[IndexedSample], micro_batch: VisionMicroBatch, llm
         samples = [index[i] for i in row]
         offsets = itertools.accumulate((s.length for s in samples), initial=0)
         image_positions = torch.cat([s.image_positions + a for s, a in zip(samples, offsets)])
-        slots.append(image_slots_per_rank([(sum(s.length for s in samples), image_positions)], llm.sp))
+        slots.append(image_slots_per_rank([(sum(s.length for s in samples), image_positions)], llm.sp, llm.cp))
     return Routes.build(vision, llm, positions, slots, device, vision_orders=orders)
 
 

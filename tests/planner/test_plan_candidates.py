@@ -224,3 +224,20 @@ def test_costing_in_worker_processes_gives_the_serial_candidates(placement, monk
     ran = {int(f.name.split("-")[0]) for f in tmp_path.iterdir()}
     assert ran and os.getpid() not in ran
     assert any(c.pipelined for cs in serial.by_module.values() for c in cs)
+
+
+def test_ring_cp_is_not_planned_where_the_runtime_does_not_run_it():
+    p = replace(problem("qwen-vl-32b", 16, device="h100-80gb", batch=64), allow_ring_cp=True)
+    cands = build_candidates(p, "colocated", {"llm": {"cp": 2, "pp": 2}})
+    assert "cp=2 with pp=2: the runtime does not run ring context parallelism inside a pipeline yet" in (
+        cands.invalid["llm"])
+    assert all(c.strategy.pp == 1 for c in build_candidates(p, "colocated", {"llm": {"cp": 2}}).by_module["llm"])
+
+
+def test_a_ring_cp_module_is_planned_with_the_rings_sdpa_kernels():
+    from planner.api import plan
+    from planner.inputs import SearchOptions
+
+    made = plan("qwen2.5-vl-7b", 8, fix=["llm.cp=2", "llm.tp=2"], search=SearchOptions(allow_ring_cp=True))
+    assert made.module("llm").cp == 2 and made.module("llm").attention == "sdpa"
+    assert made.module("vision").attention == "varlen"  # a GPU plan's other modules: the variable-length kernel

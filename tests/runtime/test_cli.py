@@ -40,9 +40,12 @@ def test_plan_of_another_schema_version(tmp_path):
     assert_one_line_error(run_cli(str(tmp_path / "plan.json")), "schema version 999")
 
 
-def test_context_parallel_plan_is_refused_before_ray(tmp_path):
+def test_context_parallel_plan_the_runtime_cannot_run_is_refused_before_ray(tmp_path):
     (tmp_path / "plan.json").write_text(make_plan(dict(cp=2), dict(cp=2)).to_json())
-    assert_one_line_error(run_cli(str(tmp_path / "plan.json")), "context parallelism (cp=2) is not implemented")
+    assert_one_line_error(run_cli(str(tmp_path / "plan.json")), "vision: context parallelism (cp=2) is run for the "
+                                                                "LLM only")
+    (tmp_path / "plan.json").write_text(make_plan(dict(dp=4), dict(cp=2, pp=2, pp_layers=[2, 2])).to_json())
+    assert_one_line_error(run_cli(str(tmp_path / "plan.json")), "with pipeline parallelism (pp=2) is not run yet")
 
 
 def test_expert_parallelism_the_runtime_cannot_run_is_refused_before_ray(tmp_path):

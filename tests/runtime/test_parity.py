@@ -178,6 +178,9 @@ QWEN3_VL_PLANS = {
     "qwen3_vl_uniform_tp2": dict(vision=dict(tp=2), llm=dict(tp=2), **QWEN3_VL),
     # each LLM slice takes the DeepStack rows of its own image tokens: a 33-token sequence, slices of 17 and 16
     "qwen3_vl_vision_sp2__llm_sp2": dict(vision=dict(sp=2), llm=dict(sp=2), text_tokens=9, **QWEN3_VL),
+    # ring CP2 over images and a clip: each CP rank's head and tail chunks take the DeepStack rows of their tokens
+    "qwen3_vl_image_and_a_clip__llm_cp2": dict(vision=dict(dp=2), llm=dict(cp=2, micro_batch=2),
+                                               videos=((4, 64, 96),), **QWEN3_VL),
     # the merged output and both features cross to another rank as one row per image token
     "qwen3_vl_disjoint__2_micro_batches": dict(vision=dict(grad_accum=2), llm=dict(grad_accum=2),
                                                placement="disjoint", **QWEN3_VL),
@@ -235,6 +238,20 @@ QWEN3_VL_MOE_PLANS = {
 }
 """Qwen3-VL-MoE plans (runtime.parallel.experts), one micro-batch per rank where the balancing loss is on (the
 reference computes it over the whole batch at once)."""
+
+
+CONTEXT_PARALLEL_PLANS = {
+    # ring CP2 (runtime.parallel.ring): a 33-token sequence padded to 36, head-tail chunks of 9 (rank 0: tokens 0-8
+    # and 27-35, rank 1: 9-26), the 24 image tokens split 8 / 16
+    "llm_cp2__vision_dp2": dict(vision=dict(dp=2), llm=dict(cp=2, micro_batch=2), text_tokens=9),
+    # 2-D: Ulysses SP2 inside each CP rank's two chunks (64 tokens: chunks of 16, slices of 16)
+    "llm_cp2xsp2_selective__vision_sp2xdp2": dict(vision=dict(sp=2, dp=2, micro_batch=2),
+                                                  llm=dict(cp=2, sp=2, micro_batch=4, recompute="selective")),
+    # ZeRO-3 over dp x cp; TP inside each CP rank
+    "llm_cp2_zero3__vision_dp2_zero3": dict(vision=dict(dp=2, zero=3), llm=dict(cp=2, zero=3, micro_batch=2)),
+    "llm_cp2xtp2__vision_dp2xtp2": dict(vision=dict(dp=2, tp=2), llm=dict(cp=2, tp=2, micro_batch=2)),
+}
+"""LLM ring context-parallel plans."""
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
@@ -317,6 +334,13 @@ def test_parity_replicated_kv_heads(name, worker_pool):
 @pytest.mark.parametrize("name", list(PIPELINE_PLANS))
 def test_parity_pipelined(name, worker_pool):
     spec = dict(PIPELINE_PLANS[name])
+    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CONTEXT_PARALLEL_PLANS))
+def test_parity_context_parallel(name, worker_pool):
+    spec = dict(CONTEXT_PARALLEL_PLANS[name])
     assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
 
 

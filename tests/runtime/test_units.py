@@ -17,7 +17,8 @@ from runtime.models.model import build_model
 from runtime.training.optim import warmup_factor
 from runtime.parallel import attention
 from runtime.parallel.tensor_parallel import qkv_from_tp_layout, qkv_to_tp_layout
-from runtime.models.llm import image_slots_per_rank, next_token_targets
+from runtime.models.llm import image_slots_per_rank, next_token_targets, sequence_positions
+from runtime.parallel.ring import zigzag_positions
 from runtime.parallel.ulysses import kv_repeats, split_sequence, split_windows
 from runtime.parallel.parallel_dims import ParallelDims
 from runtime.training.trainer import RunOptions
@@ -81,6 +82,22 @@ def test_llm_slices_hold_their_image_tokens_and_next_token_targets(layout):
     assert next_token_targets(labels).tolist() == [[6, IGNORE_INDEX, 7, IGNORE_INDEX]]
 
 
+def test_ring_layout_gives_each_cp_rank_a_head_and_a_tail_chunk_then_splits_it_over_sp():
+    assert [p.tolist() for p in zigzag_positions(10, 2)] == [[0, 1, 2, 9, 10, 11], [3, 4, 5, 6, 7, 8]]  # padded: 12
+    per_rank = sequence_positions(10, sp=2, cp=2)  # rank c * sp + j
+    assert [p.tolist() for p in per_rank] == [[0, 1, 2], [9, 10, 11], [3, 4, 5], [6, 7, 8]]
+    assert [p.tolist() for p in sequence_positions(5, sp=2)] == [[0, 1, 2], [3, 4]]  # no CP: split_sequence's
+
+
+def test_ring_slices_hold_their_image_tokens_in_local_order(layout):
+    ids = token_sequence([], layout)["input_ids"]  # <start> 24 x <image> <end> then text: 64 tokens
+    row = (len(ids), (ids == layout.image_token_id).nonzero().flatten())
+    slots = image_slots_per_rank([row], sp=1, cp=2)  # CP rank 0: chunks 0 and 3 (16 + 16 tokens), rank 1: 1 and 2
+    assert [s.tolist() for s in slots] == [list(range(15)), list(range(15, 24))]
+    slots = image_slots_per_rank([row], sp=1, cp=4)  # chunks of 8: rank 0 takes 0 and 7, rank 1 takes 1 and 6, ...
+    assert [s.tolist() for s in slots] == [list(range(7)), list(range(7, 15)), list(range(15, 23)), [23]]
+
+
 def test_llm_needs_are_each_ranks_slots_after_its_replicas_offset():
     llm = ParallelDims(name="llm", ranks=(0, 1, 2, 3), dp=2, cp=1, sp=2, tp=1, zero=0, recompute="none",
                        micro_batch=2, grad_accum=1)
@@ -131,9 +148,10 @@ def test_pipeline_stages_are_the_outermost_blocks_of_ranks():
 def test_parallel_dims_validation():
     with pytest.raises(ValueError, match="4 ranks"):
         _dims(ranks=(0, 1, 2, 3))
-    with pytest.raises(NotImplementedError, match="context parallelism"):
+    with pytest.raises(NotImplementedError, match="context parallelism .* LLM only"):
         _dims(sp=1, cp=2)
     _dims(name="llm")  # LLM sequence parallelism runs
+    _dims(name="llm", sp=1, cp=2)  # and ring context parallelism
 
 
 def test_synthetic_sample_matches_the_planned_layout(layout):

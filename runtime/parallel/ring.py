@@ -1,0 +1,118 @@
+"""Ring context parallelism (Liu et al. 2023, "Ring Attention with Blockwise Transformers") for the LLM decoder.
+
+Each of ``cp`` ranks holds two of ``2 cp`` equal chunks of every sequence, chunk ``c`` and chunk ``2 cp - 1 - c``
+(the head-tail, or zig-zag, split: every rank then has an equal share of the causal work, Brandon et al. 2023),
+padded at the end to a multiple of ``2 cp`` tokens (``zigzag_positions``). Attention passes the key/value blocks
+around the ring, runs the attention kernel on each (query, key/value block) pair that the causal mask leaves any
+work in, and merges the partial outputs by their log-sum-exp.
+
+What torch ships is used as is: the ring loops of ``torch.distributed.tensor.experimental``'s context parallelism
+(``_templated_ring_attention`` and its backward, which rotate the blocks with functional collectives, skip or
+mask each block for the head-tail layout and merge by log-sum-exp), over an SDPA kernel that returns the
+log-sum-exp: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu``, on CUDA the flash kernel, through
+torch's own ring functions. What is hand-written here: the autograd Function joining forward and backward (torch
+reaches them only by dispatching DTensor SDPA, which has no rule for the CPU kernel), the repeat of grouped-query
+KV heads (the kernels take equal heads), and the sequence layout.
+
+Composed with Ulysses SP (2-D): the sequence is split over CP first, each CP rank's two chunks then over its SP
+ranks; attention exchanges heads within the SP group (runtime.parallel.ulysses), which gives each rank the CP
+rank's two chunks for its heads, and runs the ring over the CP group on them.
+
+Shape legend: B batch, H heads, S the CP rank's sequence (two chunks), Dh head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
+
+from planner.contract.rules import split_rule
+
+aten = torch.ops.aten
+
+SEQ_DIM = 2
+"""The sequence dimension of [B, H, S, Dh] q/k/v."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class RingGroup:
+    """The CP group a module's attention runs its ring over."""
+
+    group: Any
+    """Process group of the CP ranks."""
+    mesh: Any
+    """The same ranks as a 1-D DeviceMesh (torch's CUDA ring functions take one)."""
+    degree: int
+
+
+def zigzag_positions(length: int, cp: int) -> list[torch.Tensor]:
+    """Each CP rank's sequence positions, in its local order: chunks ``c`` and ``2 cp - 1 - c`` of the sequence
+    padded to ``padded_length`` (positions past ``length`` are padding).
+
+    Raises:
+        ValueError: fewer tokens than chunks.
+    """
+    if problem := split_rule(2 * cp, length, "tokens", "a sequence split for ring context parallelism"):
+        raise ValueError(problem)
+    chunk = padded_length(length, cp) // (2 * cp)
+    return [torch.cat([torch.arange(c * chunk, (c + 1) * chunk),
+                       torch.arange((2 * cp - 1 - c) * chunk, (2 * cp - c) * chunk)]) for c in range(cp)]
+
+
+def padded_length(length: int, cp: int) -> int:
+    """``length`` rounded up to a multiple of ``2 cp`` (each rank's two chunks are then equal, as the ring's causal
+    block skipping assumes). The pad tokens come last: under the causal mask no real token attends to them."""
+    return -(-length // (2 * cp)) * (2 * cp)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal ring attention of this rank's [B, H, S, Dh] q/k/v over ``ring``; returns [B, H, S, Dh]."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingGroup, scale: float | None
+                ) -> torch.Tensor:
+        if q.is_cuda:
+            out, lse, *rest = torch_cp._scaled_dot_product_ring_flash_attention(ring.mesh, q, k, v, is_causal=True,
+                                                                                  scale=scale)
+        else:
+            out, lse = torch_cp._templated_ring_attention(
+                ring.group, SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu, q, k, v, is_causal=True,
+                dropout_p=0.0, scale=scale)[:2]
+            rest = []
+        ctx.ring, ctx.scale, ctx.rest = ring, scale, rest
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        if q.is_cuda:
+            cum_q, cum_k, max_q, max_k, seed, offset, _ = ctx.rest
+            grads = torch_cp._scaled_dot_product_ring_flash_attention_backward(
+                ctx.ring.mesh, grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset,
+                scale=ctx.scale)
+        else:
+            grads = torch_cp._templated_ring_attention_backward(
+                ctx.ring.group, SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu_backward, grad_out,
+                "grad_out", q, k, v, out, lse, True, dropout_p=0.0, scale=ctx.scale)
+        return grads[0], grads[1], grads[2], None, None
+
+
+def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: None, *, ring: RingGroup, scaling: float | None = None, **kwargs
+                           ) -> tuple[torch.Tensor, None]:
+    """Causal ring attention under SDPA's contract (q/k/v [B, H, S, Dh] in, [B, S, H, Dh] out); grouped-query KV
+    heads are repeated to the query heads first."""
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError("ring context parallelism runs causal attention (the LLM) only")
+    repeats = query.shape[1] // key.shape[1]
+    if repeats > 1:
+        key, value = (t.repeat_interleave(repeats, dim=1) for t in (key, value))
+    if not torch_cp._cp_options.enable_load_balance:
+        raise RuntimeError("torch's context-parallel load balancing is off: the head-tail layout needs it on")
+    out = _RingAttention.apply(query.contiguous(), key.contiguous(), value.contiguous(), ring, scaling)
+    return out.transpose(1, 2), None
