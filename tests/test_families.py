@@ -48,13 +48,14 @@ def test_every_registered_spec_is_complete_under_its_model_type(family):
 
 
 def test_planner_only_families_are_planned_and_not_built():
-    assert set(PLANNER_ONLY_FAMILIES) == {"qwen3_5", "qwen3_5_moe"}
+    assert set(PLANNER_ONLY_FAMILIES) == {"qwen3_5_moe"}
     assert all(t in PLANNER_FAMILIES and t not in RUNTIME_FAMILIES for t in PLANNER_ONLY_FAMILIES)
 
 
 def test_both_halves_cover_the_same_model_types_with_the_same_encoder():
     """Every family with an encoder runs on the runtime as the planner prices it, but those the runtime names
-    planner-only (Qwen3.5, whose refusal is one line: tests/test_contract.py); decoder-only ones are planned only."""
+    planner-only (Qwen3.5-MoE, whose refusal is one line: tests/test_contract.py); decoder-only ones are planned
+    only."""
     planned = {t: f.encoder for t, f in PLANNER_FAMILIES.items()
                if f.encoder is not None and t not in PLANNER_ONLY_FAMILIES}
     assert planned == {t: f.encoder.name for t, f in RUNTIME_FAMILIES.items()}

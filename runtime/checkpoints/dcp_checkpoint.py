@@ -44,7 +44,6 @@ from runtime.checkpoints.dcp_metadata import SafeFileSystemReader, UnsafeCheckpo
 from runtime.run.checkpoint_dir import (
     RUN_STATE, TMP_SUFFIX, checkpoint_name, mark_complete, prune, read_run_state, run_state_problem,
 )
-from runtime.parallel.tensor_parallel import qkv_from_tp_layout, qkv_to_tp_layout
 
 CONFIG_FILE = "config.json"
 """Rank 0's copy of the model's transformers config (preflight checks a resume against it; export copies it)."""
@@ -90,17 +89,17 @@ class TrainingState:
                 self._add(f"{OPTIM}/{module.hf_name(fqn)}/{state_name}", tensor, name, fqn)
 
     def _add(self, key: str, tensor: Any, module_name: str, fqn: str) -> None:
-        tp = self.trainer.dims[module_name].tp
-        if isinstance(tensor, DTensor) and self.trainer.model.row_order(module_name, fqn, tensor.shape[0]) is not None:
-            self._reordered.append((tensor, key, tp))
-            tensor = _resharded_rows(qkv_from_tp_layout(tensor.full_tensor(), tp), tensor.device_mesh)
+        order = self.trainer.model.row_order(module_name, fqn, tensor.shape[0]) if isinstance(tensor, DTensor) else None
+        if order is not None:  # stored row i is HF row order[i]
+            self._reordered.append((tensor, key, order))
+            tensor = _resharded_rows(tensor.full_tensor()[torch.argsort(order)], tensor.device_mesh)
         self.flat[key] = tensor
 
     def restore(self) -> None:
-        """After ``dcp.load`` into ``flat``: the HF-order qkv tensors back into their TP layout, then every module's
+        """After ``dcp.load`` into ``flat``: the HF-order tensors back into their TP row order, then every module's
         model and optimizer state set (``set_state_dict``)."""
-        for live, key, tp in self._reordered:
-            stored = qkv_to_tp_layout(self.flat[key].full_tensor(), tp)
+        for live, key, order in self._reordered:
+            stored = self.flat[key].full_tensor()[order]
             local = live.to_local()
             if local.numel():
                 local.copy_(stored[local_region(live)])

@@ -4,7 +4,8 @@ folder."""
 
 from __future__ import annotations
 
-from planner.contract.rules import attention_rules, expert_parallel_rule, injection_rule, width_rule
+from planner.contract.rules import (attention_rules, expert_parallel_rule, injection_rule, linear_attention_rules,
+                                    width_rule)
 from planner.contract.schema import Plan
 from runtime.run import preflight
 from runtime.models.model import hf_config_from_dict
@@ -33,6 +34,9 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
     reasons += [problem for dims, what in ((encoder, f"the {encoder.name} encoder"), (llm, "the LLM"))
                 if (problem := expert_parallel_rule(dims.ep, dims.tp, dims.dp, dims.sp, dims.cp, dims.experts or None,
                                                     what))]
+    if "linear_attention" in (getattr(tc, "layer_types", None) or ()):
+        reasons += linear_attention_rules(llm.tp, llm.sp, llm.cp, tc.linear_num_key_heads, tc.linear_num_value_heads,
+                                          "the LLM's linear-attention layers")
     injection = injection_rule(llm.pp_layers, family.handoff_tensors(config) - 1)
     reasons += [injection] if injection else []
     if reasons:

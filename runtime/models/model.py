@@ -218,7 +218,9 @@ def decoder_forward(decoder: nn.Module, hidden_BLD: torch.Tensor, position_ids: 
                     injection: Injection | None) -> torch.Tensor:
     """``layers`` (index, layer) of the text model ``decoder`` on ``hidden_BLD``, as its own forward runs them
     (``Qwen2_5_VLTextModel``, ``Qwen3VLTextModel``, ``Qwen2Model``): 4 position rows are packed samples (row 0 the
-    text positions the mask is made from), 3 rows (M-RoPE) or 1 row (1-D RoPE) plain causal; layer ``k``'s output receives ``injection``'s feature ``k`` at the
+    text positions the mask is made from), 3 rows (M-RoPE) or 1 row (1-D RoPE) plain causal; linear-attention layers
+    (Qwen3.5) take the packed samples' bounds instead (runtime.models.linear_attention); layer ``k``'s output receives
+    ``injection``'s feature ``k`` at the
     image positions (``Qwen3VLTextModel._deepstack_process``; added as a scatter of the features onto zeros, the
     same sums, without a data-dependent shape). No KV cache: transformers would otherwise fill one in training."""
     text_positions = None
@@ -232,6 +234,11 @@ def decoder_forward(decoder: nn.Module, hidden_BLD: torch.Tensor, position_ids: 
     masks = {"full_attention": create_causal_mask(**mask_kwargs)}
     if "sliding_attention" in (layer_types or ()):
         masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+    linear = {}  # linear-attention layers take no mask (no padding), a packed row's segments to restart at
+    if "linear_attention" in (layer_types or ()):
+        masks["linear_attention"] = None
+        if text_positions is not None:
+            linear["cu_seq_lens_q"], _ = packed_segments(text_positions)
     position_embeddings = decoder.rotary_emb(hidden_BLD, position_ids)
     extra = {} if ulysses_group is None else {"ulysses_group": ulysses_group}
     if decoder.config._attn_implementation == VARLEN_ATTENTION and ulysses_group is None:  # one bound for all layers
@@ -239,9 +246,10 @@ def decoder_forward(decoder: nn.Module, hidden_BLD: torch.Tensor, position_ids: 
             hidden_BLD.shape[1], device=hidden_BLD.device).expand(hidden_BLD.shape[:2])
         extra["cu_seq_lens_q"], extra["max_length_q"] = packed_segments(rows)
     for index, layer in layers:
-        hidden_BLD = layer(hidden_BLD, attention_mask=masks[layer_types[index] if layer_types else "full_attention"],
-                           position_embeddings=position_embeddings, position_ids=text_positions, use_cache=False,
-                           **extra)
+        kind = layer_types[index] if layer_types else "full_attention"
+        hidden_BLD = layer(hidden_BLD, attention_mask=masks[kind], position_embeddings=position_embeddings,
+                           position_ids=text_positions, use_cache=False,
+                           **(linear if kind == "linear_attention" else extra))
         if injection is not None and index < len(injection[1]):
             mask_BL1, features = injection
             hidden_BLD = hidden_BLD + torch.zeros_like(hidden_BLD).masked_scatter(

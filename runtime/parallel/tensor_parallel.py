@@ -9,7 +9,7 @@ on the vocabulary, for ``loss_parallel``. Norms stay replicated.
 
 The vision ``qkv`` projection is fused as [3, heads, head_dim] rows; before sharding its rows are reordered to
 [tp, 3, heads/tp, head_dim] so that each rank's column slice holds its own q, k and v heads
-(``qkv_to_tp_layout``; ``qkv_from_tp_layout`` undoes it when parameters are gathered to HF layout).
+(``qkv_to_tp_layout``; its row order, ``qkv_row_order``, is undone when parameters are gathered to HF layout).
 """
 
 from __future__ import annotations
@@ -122,11 +122,6 @@ def qkv_to_tp_layout(t: torch.Tensor, tp: int) -> torch.Tensor:
     return t.reshape(3, tp, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
-def qkv_from_tp_layout(t: torch.Tensor, tp: int) -> torch.Tensor:
-    """Inverse of qkv_to_tp_layout."""
-    return t.reshape(tp, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-
-
 def qkv_row_order(rows: int, tp: int) -> torch.Tensor:
     """HF row of each row of a qkv weight or bias stored in TP layout (``qkv_to_tp_layout`` of the row indexes)."""
     return qkv_to_tp_layout(torch.arange(rows), tp)
@@ -211,6 +206,8 @@ def parallelize_llm_tp(llm: nn.Module, mesh: DeviceMesh, family: Any) -> None:
     dense_mlp = {k: v for k, v in block_plan.items() if not k.startswith("mlp.")}
     for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         # a mixture-of-experts MLP is not TP-split: its router stays whole, its experts go to runtime.parallel.experts
-        parallelize_module(block, mesh, block_plan if hasattr(block.mlp, "gate_proj") else dense_mlp)
+        plan = block_plan if hasattr(block.mlp, "gate_proj") else dense_mlp
+        # a hybrid decoder's layer has one kind of token mixer (Qwen3.5: self_attn or linear_attn)
+        parallelize_module(block, mesh, {k: v for k, v in plan.items() if hasattr(block, k.split(".")[0])})
         if kv_heads % tp:  # one KV head for the rank's config.num_attention_heads / tp query heads
             block.self_attn.num_key_value_groups = config.num_attention_heads // tp

@@ -13,7 +13,6 @@ from transformers import PretrainedConfig
 
 from runtime.models.model import hf_config_from_dict, split_model
 from runtime.run.preflight import module_names
-from runtime.parallel.tensor_parallel import qkv_from_tp_layout
 from runtime.models.pipeline import stage_of_parameter
 from runtime.training.rank_model import RankModel
 
@@ -25,15 +24,16 @@ def iter_full_tensors(model: RankModel, module_name: str, kind: str) -> Iterator
     """(HF name, unsharded tensor in HF layout on CPU) of each parameter (``kind="param"``) or gradient (``"grad"``)
     of a module this rank holds, one at a time: collective over the module's ranks, and no rank holds more than one
     unsharded tensor at once."""
-    module, dims = model.modules[module_name], model.dims[module_name]
+    module = model.modules[module_name]
     for local_name, param in module.named_parameters():
         tensor = param if kind == "param" else param.grad
         if tensor is None:
             continue
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
-        if model.row_order(module_name, local_name, tensor.shape[0]) is not None:
-            tensor = qkv_from_tp_layout(tensor, dims.tp)
+        order = model.row_order(module_name, local_name, tensor.shape[0])
+        if order is not None:  # stored row i is HF row order[i]
+            tensor = tensor[torch.argsort(order)]
         yield module.hf_name(local_name), tensor.detach().cpu()
 
 

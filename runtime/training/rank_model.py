@@ -47,6 +47,8 @@ class RankModel:
         family = family_of(model.config)
         encoder = family.encoder.name
         tower, llm, rope_index = split_model(model)
+        if family.prepare_llm is not None:
+            family.prepare_llm(llm)
         modules = {}
         for name, module in ((encoder, tower), ("llm", llm)):
             module.to(self.precision[name].param_dtype)
@@ -78,10 +80,13 @@ class RankModel:
         return self.init if checkpoint is None else HFFolder(checkpoint)
 
     def row_order(self, module_name: str, local_name: str, rows: int) -> torch.Tensor | None:
-        """HF row of each stored row of a parameter, where a parallelism reordered them (vision qkv under TP)."""
+        """HF row of each stored row of a parameter, where a parallelism reordered them (vision qkv, Qwen3.5's
+        linear-attention q/k/v under TP)."""
+        config = self.init.meta.config
+        family, tp = family_of(config), self.dims[module_name].tp
         if module_name == "llm":
-            return None
-        return family_of(self.init.meta.config).encoder.row_order(local_name, self.dims[module_name].tp, rows)
+            return family.llm_row_order(local_name, config, tp) if family.llm_row_order is not None else None
+        return family.encoder.row_order(local_name, tp, rows)
 
     def autocast(self, module_name: str):
         """The module's autocast context (a no-op where its recipe computes in the parameters' dtype)."""

@@ -99,6 +99,14 @@ def tiny_qwen3_vl_config() -> dict[str, Any]:
     return copy.deepcopy(dict(get_model("qwen3-vl-tiny").hf_config))
 
 
+def tiny_qwen3_5_config() -> dict[str, Any]:
+    """The catalog's tiny Qwen3.5 (2 vision blocks without DeepStack; 3 Gated DeltaNet layers with 2 key and 4 value
+    heads, then 1 gated full-attention layer)."""
+    from planner.catalog import get_model
+
+    return copy.deepcopy(dict(get_model("qwen3.5-tiny").hf_config))
+
+
 def tiny_qwen3_vl_moe_config(*, balancing: bool = True) -> dict[str, Any]:
     """The catalog's tiny Qwen3-VL-MoE (the tiny Qwen3-VL with 8 experts, top-2, in every decoder layer);
     ``balancing``: with transformers' load-balancing loss (``output_router_logits``; off in the catalog) or without."""

@@ -46,10 +46,14 @@ Layout = dict[tuple[int, ...], str]
 
 COLWISE = re.compile(
     r"(^|\.)(attn\.qkv|self_attn\.[qkv]_proj|mlp\.(gate_proj|up_proj|fc1|linear_fc1)|merger\.mlp\.0"
-    r"|(merger|deepstack_merger_list\.\d+)\.linear_fc1|layers\.\d+\.fc1)\.(weight|bias)$"
+    r"|(merger|deepstack_merger_list\.\d+)\.linear_fc1|layers\.\d+\.fc1"
+    r"|linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|conv1d))\.(weight|bias)$"
+    r"|(^|\.)linear_attn\.(A_log|dt_bias)$"
 )
-"""Column-parallel linears: output features (dim 0 of weight and bias) split over TP."""
-ROWWISE_WEIGHT = re.compile(r"(^|\.)(attn\.proj|self_attn\.(o_proj|out_proj)|mlp\.(down_proj|fc2|linear_fc2)"
+"""Column-parallel linears: output features (dim 0 of weight and bias) split over TP; a Gated DeltaNet's per-head
+vectors and depthwise conv channels too."""
+ROWWISE_WEIGHT = re.compile(r"(^|\.)(attn\.proj|self_attn\.(o_proj|out_proj)|linear_attn\.out_proj"
+                            r"|mlp\.(down_proj|fc2|linear_fc2)"
                             r"|merger\.mlp\.2|(merger|deepstack_merger_list\.\d+)\.linear_fc2|layers\.\d+\.fc2)"
                             r"\.weight$")
 """Row-parallel linears: input features (dim 1 of the weight) split over TP; their bias is replicated."""

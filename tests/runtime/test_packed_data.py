@@ -20,7 +20,8 @@ from runtime.models.model import build_model, hf_config_from_dict, split_model
 from runtime.data.packed_data import UNDECODED_IMAGE, PackedConversations
 from runtime.models.families import family_of
 from runtime.parallel import attention
-from tests.runtime.plans import dataset_info, make_plan, sample_work, tiny_hf_config, tiny_qwen3_vl_config
+from tests.runtime.plans import (dataset_info, make_plan, sample_work, tiny_hf_config, tiny_qwen3_5_config,
+                                 tiny_qwen3_vl_config)
 from tests.runtime.tokenizer import save_tokenizer
 from tests.runtime.varlen_cpu import register_cpu_reference
 
@@ -364,6 +365,9 @@ PACKED_PLANS = {
     "qwen3_vl_vision_dp2__llm_pp2": dict(vision=dict(dp=2, grad_accum=2),
                                          llm=dict(pp=2, pp_layers=[2, 2], micro_batch=2, grad_accum=2),
                                          hf_config=tiny_qwen3_vl_config()),
+    # Qwen3.5: its linear-attention layers restart the conv and the recurrence at every sample of a packed row
+    "qwen3_5_vision_dp2__llm_dp2_zero3": dict(vision=dict(dp=2, grad_accum=2), llm=dict(dp=2, zero=3, grad_accum=2),
+                                              hf_config=tiny_qwen3_5_config()),
     # one pack of mostly one sample per micro-batch for two vision replicas (a dataset plan's vision replicas take
     # each micro-batch's images, whatever their count): one often gets no image (a filler, FSDP and SP or TP
     # collectives as its peers), or one with fewer windows than its SP ranks

@@ -16,8 +16,9 @@ from runtime.launch.launcher import check_resources, validate_plan
 from runtime.models.model import build_model
 from runtime.training.optim import warmup_factor
 from runtime.parallel import attention
-from runtime.parallel.tensor_parallel import qkv_from_tp_layout, qkv_to_tp_layout
+from runtime.parallel.tensor_parallel import qkv_row_order, qkv_to_tp_layout
 from runtime.models.llm import image_slots_per_rank, next_token_targets, sequence_positions
+from runtime.models.linear_attention import linear_qkv_row_order
 from runtime.parallel.ring import zigzag_positions
 from runtime.parallel.ulysses import kv_repeats, split_sequence, split_windows
 from runtime.parallel.parallel_dims import ParallelDims
@@ -118,7 +119,14 @@ def test_qkv_tp_layout_gives_each_rank_its_own_q_k_v_heads():
         which, head = shard // (heads * head_dim), shard % (heads * head_dim) // head_dim
         assert which.tolist() == [0] * 4 + [1] * 4 + [2] * 4
         assert set(head.tolist()) == {2 * rank, 2 * rank + 1}
-    assert torch.equal(qkv_from_tp_layout(qkv_to_tp_layout(rows, tp), tp), rows)
+    assert torch.equal(qkv_to_tp_layout(rows, tp), rows[qkv_row_order(len(rows), tp)])  # stored row i: HF row order[i]
+
+
+def test_linear_attention_tp_layout_gives_each_rank_its_own_query_key_and_value_heads():
+    key_dim, value_dim, tp = 4, 8, 2  # 2 key heads of width 2, 4 value heads of width 2
+    order = linear_qkv_row_order(key_dim, value_dim, tp)
+    assert order.tolist() == [0, 1, 4, 5, 8, 9, 10, 11,  # rank 0: query head 0, key head 0, value heads 0-1
+                              2, 3, 6, 7, 12, 13, 14, 15]  # rank 1: query head 1, key head 1, value heads 2-3
 
 
 def _dims(**kw) -> ParallelDims:

@@ -69,6 +69,12 @@ class RuntimeFamily:
     layers' outputs)."""
     llm_layer_tp_plan: Mapping[str, ParallelStyle]
     """What a decoder layer adds to the common LLM TP plan (Qwen3's per-head q/k norms); may be empty."""
+    prepare_llm: Callable[[nn.Module], None] | None = None
+    """``prepare_llm(llm)``: what the runtime changes in the split LLM before sharding it (Qwen3.5: its
+    linear-attention layers run by segments); None: nothing. The reference model is left as transformers builds it."""
+    llm_row_order: Callable[[str, Any, int], Any] | None = None
+    """``llm_row_order(local_name, config, tp)``: transformers' row of each stored row of an LLM parameter TP stores
+    in another order (Qwen3.5's fused linear-attention q/k/v), else None; None: the family stores none so."""
 
     def missing_hooks(self) -> list[str]:
         """The required fields and encoder methods that are absent or not callable, and the encoder's own."""

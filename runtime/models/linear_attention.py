@@ -1,0 +1,119 @@
+"""Gated DeltaNet linear attention (Yang et al. 2025, "Gated Delta Networks"; Qwen3.5's ``Qwen3_5GatedDeltaNet``)
+as the runtime runs it: transformers' own submodules and kernels, with two things its forward does not do.
+
+- **Packed rows restart at every sample**: a linear-attention layer carries state along the sequence (the short
+  causal conv over q/k/v, the delta rule's recurrent state). transformers passes ``cu_seq_lens_q`` to its torch
+  fallbacks (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``), which ignore it, so one sample's state would
+  flow into the next. Here both run once per segment of the row, each from a zero state.
+- **Tensor parallelism of both head kinds** (``GatedDeltaNetParallel``): each TP rank keeps whole key heads with the
+  value heads that read them. The fused ``in_proj_qkv`` rows (and the depthwise conv's channels, the same ones) are
+  put in TP layout, [tp, (q_r, k_r, v_r)], so that a column-parallel split gives each rank its own q, k and v heads
+  (``linear_qkv_row_order``, which checkpoints undo); ``in_proj_z``/``in_proj_b``/``in_proj_a`` are column-parallel,
+  ``out_proj`` row-parallel, the per-head ``A_log``/``dt_bias`` and the conv weight ``Shard(0)`` DTensors read
+  through their local shard, the gated norm (over one head's width) replicated with its gradient summed.
+
+Shape legend: B rows, L sequence, H value heads (local), Dk/Dv head widths, C conv channels.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+from runtime.parallel.tensor_parallel import ReplicatedWeightSummedGradients
+
+PROJECTIONS_TP_PLAN = {"in_proj_qkv": ColwiseParallel(), "in_proj_z": ColwiseParallel(),
+                       "in_proj_b": ColwiseParallel(), "in_proj_a": ColwiseParallel(), "out_proj": RowwiseParallel(),
+                       "norm": ReplicatedWeightSummedGradients()}
+"""A Gated DeltaNet layer's projections: every head-indexed output split, the output projection row-parallel."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _segments(length: int, cu_seq_lens_q: torch.Tensor | None) -> list[int]:
+    """Lengths of a row's samples (``cu_seq_lens_q``'s, a packed row) or the whole row."""
+    if cu_seq_lens_q is None:
+        return [length]
+    return (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
+
+
+def gated_delta_net_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
+                            attention_mask: torch.Tensor | None = None, cu_seq_lens_q: torch.Tensor | None = None,
+                            **kwargs) -> torch.Tensor:
+    """``Qwen3_5GatedDeltaNet.forward`` in training (no cache), its conv and delta rule run per segment of the row
+    (``cu_seq_lens_q``: a packed row of one row's samples), on this rank's heads."""
+    if cache is not None:
+        raise NotImplementedError("the runtime's Gated DeltaNet runs in training, without a cache")
+    hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
+    batch, length, _ = hidden_states.shape
+    segments = _segments(length, cu_seq_lens_q)
+    if len(segments) > 1 and batch != 1:
+        raise ValueError(f"a packed row is one row of samples, got {batch} rows")
+    mixed_qkv_BCL = self.in_proj_qkv(hidden_states).transpose(1, 2)
+    z_BLHD = self.in_proj_z(hidden_states).reshape(batch, length, -1, self.head_v_dim)
+    b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+    conv_weight = _local(self.conv1d.weight).squeeze(1)
+    mixed_qkv_BCL = torch.cat([hf.causal_conv1d_fn(part, conv_weight, None, activation=self.activation)
+                               for part in mixed_qkv_BCL.split(segments, dim=2)], dim=2)
+    key_dim = (mixed_qkv_BCL.shape[1] - self.value_dim_local) // 2
+    query, key, value = torch.split(mixed_qkv_BCL.transpose(1, 2), [key_dim, key_dim, self.value_dim_local], dim=-1)
+    query, key = (t.reshape(batch, length, -1, self.head_k_dim) for t in (query, key))
+    value = value.reshape(batch, length, -1, self.head_v_dim)
+    beta = b.sigmoid()
+    g = -_local(self.A_log).float().exp() * F.softplus(a.float() + _local(self.dt_bias))
+    parts = zip(*(t.split(segments, dim=1) for t in (query, key, value, g, beta)))
+    core_BLHD = torch.cat([hf.torch_chunk_gated_delta_rule(q, k, v, g=gs, beta=bs, initial_state=None,
+                                                           output_final_state=False, use_qk_l2norm_in_kernel=True)[0]
+                           for q, k, v, gs, bs in parts], dim=1)
+    core = self.norm(core_BLHD.reshape(-1, self.head_v_dim), z_BLHD.reshape(-1, self.head_v_dim))
+    return self.out_proj(core.reshape(batch, length, -1))
+
+
+def run_by_segments(layer: nn.Module) -> None:
+    """Point a ``Qwen3_5GatedDeltaNet`` at ``gated_delta_net_forward``."""
+    layer.value_dim_local = layer.value_dim
+    layer.forward = types.MethodType(gated_delta_net_forward, layer)
+
+
+def linear_qkv_row_order(key_dim: int, value_dim: int, tp: int) -> torch.Tensor:
+    """HF row of each row of a fused ``in_proj_qkv`` (or conv channel) stored in TP layout: rank r's block holds its
+    query rows, then its key rows, then its value rows."""
+    q, k, v = torch.arange(key_dim), torch.arange(key_dim, 2 * key_dim), torch.arange(2 * key_dim,
+                                                                                       2 * key_dim + value_dim)
+    return torch.cat([torch.cat([part.chunk(tp)[r] for part in (q, k, v)]) for r in range(tp)])
+
+
+class GatedDeltaNetParallel(ParallelStyle):
+    """Tensor parallelism of a ``Qwen3_5GatedDeltaNet`` over both its head kinds (see the module docstring), on the
+    meta model: its shards are filled in TP row order (``linear_attention_row_order``) when materialised. Its forward
+    must already be ``gated_delta_net_forward`` (``run_by_segments``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        parallelize_module(module, device_mesh, PROJECTIONS_TP_PLAN)
+        for owner, name in ((module.conv1d, "weight"), (module, "A_log"), (module, "dt_bias")):
+            param = getattr(owner, name)
+            sharded = distribute_tensor(param.data, device_mesh, [Shard(0)])
+            owner.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.value_dim_local = module.value_dim // tp
+        return module
+
+
+def linear_attention_row_order(local_name: str, config: Any, tp: int) -> torch.Tensor | None:
+    """HF row of each stored row of an LLM parameter TP stores in another order (a linear-attention layer's fused
+    ``in_proj_qkv`` and its conv), else None."""
+    if tp == 1 or not local_name.endswith((".linear_attn.in_proj_qkv.weight", ".linear_attn.conv1d.weight")):
+        return None
+    text = config.get_text_config()
+    return linear_qkv_row_order(text.linear_num_key_heads * text.linear_key_head_dim,
+                                text.linear_num_value_heads * text.linear_value_head_dim, tp)
