@@ -34,21 +34,20 @@ def linear_attention_rules(tp: int, sp: int, cp: int, num_key_heads: int, num_va
                            layer: str) -> list[str]:
     """Why ``tp`` x Ulysses ``sp`` x ring ``cp`` cannot run a linear-attention (Gated DeltaNet) ``layer``: TP splits
     its key heads and its value heads alike (each rank keeps whole key heads with the value heads that read them), so
-    it divides both. Ulysses would give each rank whole sequences of ``1 / sp`` of a TP rank's heads (the recurrence
-    and the short conv then run unchanged; ``tp * sp`` would divide both kinds), but the runtime does not run it yet;
-    ring CP would split a recurrence that carries its state along the sequence over ranks, which nobody here runs.
-    The planner and the runtime both apply it."""
+    it divides both; Ulysses gives each rank whole sequences of ``1 / sp`` of a TP rank's heads (the recurrence and
+    the short conv then run unchanged), so ``tp * sp`` divides both; ring CP would split a recurrence that carries
+    its state along the sequence over ranks, which nobody here runs. The planner and the runtime both apply it."""
     reasons = []
-    for heads, kind in ((num_key_heads, "key"), (num_value_heads, "value")):
-        if tp > 1 and heads % tp:
-            reasons.append(f"tp={tp} does not divide the {heads} linear-attention {kind} heads of {layer}")
+    for degree, axis in ((tp, "tp"), (tp * sp, "tp*sp")):
+        for heads, kind in ((num_key_heads, "key"), (num_value_heads, "value")):
+            if degree > 1 and heads % degree:
+                reasons.append(f"{axis}={degree} does not divide the {heads} linear-attention {kind} heads of {layer}")
+                break
+        if reasons:
             break
-    if sp > 1:
-        reasons.append(f"sp={sp}: Ulysses SP of {layer}'s linear attention is not run yet (the runtime's Gated "
-                       "DeltaNet takes whole sequences); plan with --fix llm.sp=1")
     if cp > 1:
         reasons.append(f"cp={cp}: ring context parallelism of {layer}'s linear attention (a recurrence along the "
-                       "sequence) is not run; plan with --fix llm.cp=1")
+                       "sequence) is not run; plan with --fix llm.cp=1 (Ulysses SP splits it by heads)")
     return reasons
 
 

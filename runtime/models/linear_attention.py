@@ -5,6 +5,8 @@ as the runtime runs it: transformers' own submodules and kernels, with two thing
   causal conv over q/k/v, the delta rule's recurrent state). transformers passes ``cu_seq_lens_q`` to its torch
   fallbacks (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``), which ignore it, so one sample's state would
   flow into the next. Here both run once per segment of the row, each from a zero state.
+- **Ulysses SP**: the projections run on the rank's tokens; their outputs are exchanged (all-to-all) so that each
+  SP rank runs ``1 / sp`` of the heads over whole sequences, and the gated norm's output goes back the same way.
 - **Tensor parallelism of both head kinds** (``GatedDeltaNetParallel``): each TP rank keeps whole key heads with the
   value heads that read them. The fused ``in_proj_qkv`` rows (and the depthwise conv's channels, the same ones) are
   put in TP layout, [tp, (q_r, k_r, v_r)], so that a column-parallel split gives each rank its own q, k and v heads
@@ -29,6 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from runtime.parallel.tensor_parallel import ReplicatedWeightSummedGradients
+from runtime.parallel.ulysses import HeadsToSeq, SeqToHeads, UlyssesGroup
 
 PROJECTIONS_TP_PLAN = {"in_proj_qkv": ColwiseParallel(), "in_proj_z": ColwiseParallel(),
                        "in_proj_b": ColwiseParallel(), "in_proj_a": ColwiseParallel(), "out_proj": RowwiseParallel(),
@@ -47,36 +50,63 @@ def _segments(length: int, cu_seq_lens_q: torch.Tensor | None) -> list[int]:
     return (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
 
 
+def _to_heads(x_BsW: torch.Tensor, ug: UlyssesGroup) -> torch.Tensor:
+    """[B, s, W] sequence-sharded, W = sp groups of heads -> [B, S, W / sp]: this rank's group over the whole
+    sequence (Ulysses' exchange, runtime.parallel.ulysses)."""
+    batch, length, width = x_BsW.shape
+    x = x_BsW.reshape(batch, length, ug.degree, width // ug.degree).transpose(1, 2)
+    return SeqToHeads.apply(x.contiguous(), ug).squeeze(1)
+
+
+def _to_sequence(y_BSw: torch.Tensor, ug: UlyssesGroup) -> torch.Tensor:
+    """Inverse of ``_to_heads``: [B, S, w] of this rank's heads -> [B, s, sp * w]."""
+    y = HeadsToSeq.apply(y_BSw.unsqueeze(1).contiguous(), ug)
+    return y.transpose(1, 2).reshape(y.shape[0], y.shape[2], -1)
+
+
 def gated_delta_net_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
                             attention_mask: torch.Tensor | None = None, cu_seq_lens_q: torch.Tensor | None = None,
-                            **kwargs) -> torch.Tensor:
+                            ulysses_group: UlyssesGroup | None = None, **kwargs) -> torch.Tensor:
     """``Qwen3_5GatedDeltaNet.forward`` in training (no cache), its conv and delta rule run per segment of the row
-    (``cu_seq_lens_q``: a packed row of one row's samples), on this rank's heads."""
+    (``cu_seq_lens_q``: a packed row of one row's samples), on this rank's heads. Under Ulysses SP
+    (``ulysses_group``) the projections' outputs are exchanged so that each rank runs ``1 / sp`` of the heads over
+    the whole sequence (its segments: the group's), and the gated norm's output is exchanged back."""
     if cache is not None:
         raise NotImplementedError("the runtime's Gated DeltaNet runs in training, without a cache")
     hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
-    batch, length, _ = hidden_states.shape
+    batch, _, _ = hidden_states.shape
+    mixed_qkv = self.in_proj_qkv(hidden_states)
+    z, b, a = self.in_proj_z(hidden_states), self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+    A_log, dt_bias = _local(self.A_log), _local(self.dt_bias)
+    conv_weight = _local(self.conv1d.weight).squeeze(1)
+    value_dim, length = self.value_dim_local, mixed_qkv.shape[1]
     segments = _segments(length, cu_seq_lens_q)
+    sp = ulysses_group.degree if ulysses_group is not None else 1
+    if sp > 1:  # each SP rank its own (q, k, v) head group: the TP layout's order, over sp groups
+        order = linear_qkv_row_order((mixed_qkv.shape[-1] - value_dim) // 2, value_dim, sp).to(mixed_qkv.device)
+        mixed_qkv, z, b, a = (_to_heads(t, ulysses_group) for t in (mixed_qkv[..., order], z, b, a))
+        conv_weight = conv_weight[order].chunk(sp)[ulysses_group.rank]
+        A_log, dt_bias = (t.chunk(sp)[ulysses_group.rank] for t in (A_log, dt_bias))
+        value_dim, length, segments = value_dim // sp, mixed_qkv.shape[1], list(ulysses_group.segment_lens)
     if len(segments) > 1 and batch != 1:
         raise ValueError(f"a packed row is one row of samples, got {batch} rows")
-    mixed_qkv_BCL = self.in_proj_qkv(hidden_states).transpose(1, 2)
-    z_BLHD = self.in_proj_z(hidden_states).reshape(batch, length, -1, self.head_v_dim)
-    b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
-    conv_weight = _local(self.conv1d.weight).squeeze(1)
+    mixed_qkv_BCL = mixed_qkv.transpose(1, 2)
     mixed_qkv_BCL = torch.cat([hf.causal_conv1d_fn(part, conv_weight, None, activation=self.activation)
                                for part in mixed_qkv_BCL.split(segments, dim=2)], dim=2)
-    key_dim = (mixed_qkv_BCL.shape[1] - self.value_dim_local) // 2
-    query, key, value = torch.split(mixed_qkv_BCL.transpose(1, 2), [key_dim, key_dim, self.value_dim_local], dim=-1)
+    key_dim = (mixed_qkv_BCL.shape[1] - value_dim) // 2
+    query, key, value = torch.split(mixed_qkv_BCL.transpose(1, 2), [key_dim, key_dim, value_dim], dim=-1)
     query, key = (t.reshape(batch, length, -1, self.head_k_dim) for t in (query, key))
     value = value.reshape(batch, length, -1, self.head_v_dim)
     beta = b.sigmoid()
-    g = -_local(self.A_log).float().exp() * F.softplus(a.float() + _local(self.dt_bias))
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     parts = zip(*(t.split(segments, dim=1) for t in (query, key, value, g, beta)))
     core_BLHD = torch.cat([hf.torch_chunk_gated_delta_rule(q, k, v, g=gs, beta=bs, initial_state=None,
                                                            output_final_state=False, use_qk_l2norm_in_kernel=True)[0]
                            for q, k, v, gs, bs in parts], dim=1)
-    core = self.norm(core_BLHD.reshape(-1, self.head_v_dim), z_BLHD.reshape(-1, self.head_v_dim))
-    return self.out_proj(core.reshape(batch, length, -1))
+    core = self.norm(core_BLHD.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim)).reshape(batch, length, -1)
+    if sp > 1:
+        core = _to_sequence(core, ulysses_group)
+    return self.out_proj(core)
 
 
 def run_by_segments(layer: nn.Module) -> None:

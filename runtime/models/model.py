@@ -234,10 +234,12 @@ def decoder_forward(decoder: nn.Module, hidden_BLD: torch.Tensor, position_ids: 
     masks = {"full_attention": create_causal_mask(**mask_kwargs)}
     if "sliding_attention" in (layer_types or ()):
         masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
-    linear = {}  # linear-attention layers take no mask (no padding), a packed row's segments to restart at
+    # linear-attention layers take no mask (no padding) but where a packed row's samples start (under SP: the
+    # group's segments of the whole sequence)
+    linear = {} if ulysses_group is None else {"ulysses_group": ulysses_group}
     if "linear_attention" in (layer_types or ()):
         masks["linear_attention"] = None
-        if text_positions is not None:
+        if text_positions is not None and ulysses_group is None:
             linear["cu_seq_lens_q"], _ = packed_segments(text_positions)
     position_embeddings = decoder.rotary_emb(hidden_BLD, position_ids)
     extra = {} if ulysses_group is None else {"ulysses_group": ulysses_group}

@@ -81,13 +81,14 @@ def test_tp_splits_both_head_kinds_and_ulysses_exchanges():
     assert layer_terms(LINEAR, shard(seq=4096, sp=2)).sp_comm_s > 0
 
 
-def test_tp_divides_both_head_kinds_and_sequence_splits_are_refused():
+def test_both_head_kinds_must_divide_and_ring_cp_is_refused():
     assert linear_attention_rules(2, 1, 1, 16, 48, "l") == []
-    assert linear_attention_rules(16, 1, 1, 16, 24, "l") == ["tp=16 does not divide the 24 linear-attention value heads of l"]
+    assert linear_attention_rules(4, 4, 1, 16, 24, "l") == [
+        "tp*sp=16 does not divide the 24 linear-attention value heads of l"]
+    assert linear_attention_rules(2, 3, 1, 16, 48, "l") == ["tp*sp=6 does not divide the 16 linear-attention key heads of l"]
     assert linear_attention_rules(3, 1, 1, 16, 48, "l") == ["tp=3 does not divide the 16 linear-attention key heads of l"]
-    for sp, cp, says in ((2, 1, "sp=2: Ulysses SP"), (1, 2, "cp=2: ring context parallelism")):
-        refused = linear_attention_rules(1, sp, cp, 16, 48, "l")
-        assert len(refused) == 1 and refused[0].startswith(says) and "\n" not in refused[0]
+    refused = linear_attention_rules(1, 1, 2, 16, 48, "l")
+    assert len(refused) == 1 and "cp=2: ring context parallelism" in refused[0] and "\n" not in refused[0]
 
 
 def test_ordered_chunks_balance_cost_not_count():

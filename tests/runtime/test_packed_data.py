@@ -368,6 +368,8 @@ PACKED_PLANS = {
     # Qwen3.5: its linear-attention layers restart the conv and the recurrence at every sample of a packed row
     "qwen3_5_vision_dp2__llm_dp2_zero3": dict(vision=dict(dp=2, grad_accum=2), llm=dict(dp=2, zero=3, grad_accum=2),
                                               hf_config=tiny_qwen3_5_config()),
+    "qwen3_5_vision_sp2__llm_sp2": dict(vision=dict(sp=2, micro_batch=2), llm=dict(sp=2, micro_batch=2),
+                                        hf_config=tiny_qwen3_5_config()),
     # one pack of mostly one sample per micro-batch for two vision replicas (a dataset plan's vision replicas take
     # each micro-batch's images, whatever their count): one often gets no image (a filler, FSDP and SP or TP
     # collectives as its peers), or one with fewer windows than its SP ranks

@@ -370,6 +370,8 @@ QWEN3_5_PLANS = {
     "qwen3_5_zero3_dp2": dict(vision=dict(dp=2, zero=3), llm=dict(dp=2, zero=3), **QWEN3_5),
     # both head kinds split: 1 key head with its 2 value heads per rank; gated attention's 2 query heads, 1 KV head
     "qwen3_5_uniform_tp2": dict(vision=dict(tp=2), llm=dict(tp=2), **QWEN3_5),
+    # Ulysses SP2: each rank runs 1 key head with its 2 value heads over the whole 33-token sequence
+    "qwen3_5_vision_sp2__llm_sp2": dict(vision=dict(sp=2), llm=dict(sp=2), text_tokens=9, **QWEN3_5),
     "qwen3_5_disjoint__2_micro_batches": dict(vision=dict(grad_accum=2), llm=dict(grad_accum=2),
                                               placement="disjoint", **QWEN3_5),
     # a stage boundary between layer kinds: stage 0 the 3 linear-attention layers, stage 1 the full-attention one
