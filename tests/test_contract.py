@@ -22,7 +22,6 @@ from planner.plan_document import build_plan
 from planner.catalog import get_model, list_models
 from planner.contract.strategy import Strategy
 from runtime.launch.driver import validate_plan
-from runtime.run.preflight import PLANNER_ONLY_FAMILIES
 from runtime.models.model import MODEL_CLASSES, hf_config_from_dict
 from runtime.training.trainer import RunOptions
 
@@ -80,19 +79,8 @@ def emitted_plans(model: str, gpus: int, per_node: int, workload: dict):
 
 
 def test_runtime_builds_every_catalog_family():
-    """... but those it names planner-only (``PLANNER_ONLY_FAMILIES``), whose plans it refuses in one line."""
-    planner_only = {name for name, *_ in list_models() if get_model(name).family in PLANNER_ONLY_FAMILIES}
-    assert planner_only and set(RUNTIME_MODELS) == {name for name, *_ in list_models()} - planner_only
-
-
-@pytest.mark.parametrize("model", ["qwen3.5-moe-tiny"])
-def test_a_qwen3_5_moe_plan_is_refused_in_one_line(model):
-    """The planner prices Qwen3.5-MoE; the runtime does not run its MoE blocks yet and says so before any work."""
-    refused = plan(model, ClusterInputs(gpus=2, gpu="cpu", profile=None))
-    family = get_model(model).family
-    with pytest.raises(NotImplementedError, match=rf"^{family} plans are priced but not yet run by this runtime: "
-                                                  r"[^\n]*\(issue 45\)$"):
-        validate_plan(refused, RunOptions())
+    """... every one of them: the planner prices no family the runtime cannot run."""
+    assert set(RUNTIME_MODELS) == {name for name, *_ in list_models()}
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from planner.catalog import CATALOG, CONFIGS
 from planner.contract.families import FAMILIES as PLANNER_FAMILIES
 from planner.contract.families.family import registry
 from runtime.models.families import FAMILIES as RUNTIME_FAMILIES
-from runtime.run.preflight import PLANNER_ONLY_FAMILIES
 from runtime.models.vision import VisionEncoder
 
 
@@ -47,17 +46,10 @@ def test_every_registered_spec_is_complete_under_its_model_type(family):
     assert family.model_type in (PLANNER_FAMILIES if hasattr(family, "model_spec") else RUNTIME_FAMILIES)
 
 
-def test_planner_only_families_are_planned_and_not_built():
-    assert set(PLANNER_ONLY_FAMILIES) == {"qwen3_5_moe"}
-    assert all(t in PLANNER_FAMILIES and t not in RUNTIME_FAMILIES for t in PLANNER_ONLY_FAMILIES)
-
-
 def test_both_halves_cover_the_same_model_types_with_the_same_encoder():
-    """Every family with an encoder runs on the runtime as the planner prices it, but those the runtime names
-    planner-only (Qwen3.5-MoE, whose refusal is one line: tests/test_contract.py); decoder-only ones are planned
+    """Every family with an encoder runs on the runtime as the planner prices it; decoder-only ones are planned
     only."""
-    planned = {t: f.encoder for t, f in PLANNER_FAMILIES.items()
-               if f.encoder is not None and t not in PLANNER_ONLY_FAMILIES}
+    planned = {t: f.encoder for t, f in PLANNER_FAMILIES.items() if f.encoder is not None}
     assert planned == {t: f.encoder.name for t, f in RUNTIME_FAMILIES.items()}
     assert all(RUNTIME_FAMILIES[t].model_class.__name__ == CONFIGS_OF[t]["architectures"][0] for t in planned)
 

@@ -28,9 +28,10 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
     tc = config.get_text_config()
     reasons = family.encoder.rules(encoder.tp, encoder.sp, config)
     reasons += attention_rules(llm.tp, llm.sp, tc.num_attention_heads, tc.num_key_value_heads, "the LLM")
-    widths = [(tc.intermediate_size, "MLP hidden width of the LLM's decoder layers"),
-              (tc.vocab_size, "vocabulary entries")]
-    reasons += [problem for width, what in widths if (problem := width_rule(llm.tp, width, what))]
+    widths = [(getattr(tc, "intermediate_size", None), "MLP hidden width of the LLM's decoder layers"),
+              (getattr(tc, "shared_expert_intermediate_size", None), "shared expert's hidden width of the LLM"),
+              (tc.vocab_size, "vocabulary entries")]  # a MoE decoder (Qwen3.5-MoE) may have no dense MLP
+    reasons += [problem for width, what in widths if width and (problem := width_rule(llm.tp, width, what))]
     reasons += [problem for dims, what in ((encoder, f"the {encoder.name} encoder"), (llm, "the LLM"))
                 if (problem := expert_parallel_rule(dims.ep, dims.tp, dims.dp, dims.sp, dims.cp, dims.experts or None,
                                                     what))]

@@ -15,6 +15,7 @@ Shape legend: B batch (samples), L LLM sequence, N vision patches, M merged visi
 from __future__ import annotations
 
 import copy
+import math
 import hashlib
 from typing import Any, Callable, Iterable
 
@@ -75,7 +76,9 @@ def module_seed(seed: int, hf_module_name: str) -> int:
 class RandomInit:
     """The model's own Hugging Face init (``_init_weights``), one module at a time, each module from its own seed
     (``module_seed``): a module's full weights are the same whichever rank draws them and however they are
-    sharded, and drawing one costs one module's full fp32 tensors on CPU, not the model's.
+    sharded, and drawing one costs one module's full fp32 tensors on CPU, not the model's. A parameter its
+    module's ``_init_weights`` leaves unset is drawn by its parent's, as HF's whole-model init would (Qwen3.5-MoE's
+    router weight: its sparse MoE block initialises it).
 
     Also the source of non-persistent buffers (rotary ``inv_freq``), which no checkpoint holds.
     """
@@ -100,13 +103,28 @@ class RandomInit:
     def _initialized(self, module_name: str) -> nn.Module:
         if self._cached is None or self._cached[0] != module_name:
             self._cached = None  # free the previous module first
-            template = self.meta.get_submodule(module_name)
-            module = copy.deepcopy(template).to_empty(device="cpu", recurse=False)
-            with torch.random.fork_rng(devices=[]), torch.no_grad():
-                torch.manual_seed(module_seed(self.seed, module_name))
-                self._owner(module_name)._init_weights(module)
+            module = self._drawn(module_name, module_name)
+            if any(p.isnan().any() for p in module.parameters(recurse=False)):
+                # HF initialises some parameters from their parent's _init_weights (Qwen3.5-MoE's router weight,
+                # from its sparse MoE block's)
+                parent_name, _, child = module_name.rpartition(".")
+                module = self._drawn(parent_name, module_name, child=child).get_submodule(child)
             self._cached = (module_name, module)
         return self._cached[1]
+
+    def _drawn(self, module_name: str, seed_name: str, child: str = "") -> nn.Module:
+        """A copy of module ``module_name`` (and of its submodule ``child``) with storage for its own parameters
+        and buffers, filled by HF's ``_init_weights`` drawing from ``seed_name``'s seed; a parameter it leaves
+        unset is NaN."""
+        module = copy.deepcopy(self.meta.get_submodule(module_name)).to_empty(device="cpu", recurse=False)
+        if child:
+            module.get_submodule(child).to_empty(device="cpu", recurse=False)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            for p in (module.get_submodule(child) if child else module).parameters(recurse=False):
+                p.fill_(math.nan)
+            torch.manual_seed(module_seed(self.seed, seed_name))
+            self._owner(module_name)._init_weights(module)
+        return module
 
     def _owner(self, module_name: str) -> PreTrainedModel:
         """The innermost HF (sub-)model holding the module: its ``_init_weights`` and config apply, as in HF's

@@ -155,7 +155,8 @@ class RouterStats:
 def moe_layers(text_config) -> list[int]:
     """Indices of the decoder layers with routed experts (transformers' ``Qwen3VLMoeTextDecoderLayer`` rule: not in
     ``mlp_only_layers``, and every ``decoder_sparse_step``-th)."""
-    step, dense = text_config.decoder_sparse_step, set(text_config.mlp_only_layers)
+    step = getattr(text_config, "decoder_sparse_step", 1)  # Qwen3.5-MoE has neither: every layer is sparse
+    dense = set(getattr(text_config, "mlp_only_layers", ()))
     return [i for i in range(text_config.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
 
 

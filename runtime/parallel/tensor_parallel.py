@@ -203,9 +203,10 @@ def parallelize_llm_tp(llm: nn.Module, mesh: DeviceMesh, family: Any) -> None:
     if kv_heads % tp:
         replicated = ReplicatedHeadsColwise(kv_heads)
         block_plan = {**block_plan, "self_attn.k_proj": replicated, "self_attn.v_proj": replicated}
-    dense_mlp = {k: v for k, v in block_plan.items() if not k.startswith("mlp.")}
+    dense_mlp = {k: v for k, v in block_plan.items() if k not in LLM_BLOCK_PLAN or not k.startswith("mlp.")}
     for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
-        # a mixture-of-experts MLP is not TP-split: its router stays whole, its experts go to runtime.parallel.experts
+        # a mixture-of-experts MLP is not TP-split as a dense one: its router stays whole, its experts go to
+        # runtime.parallel.experts (a shared expert beside them takes the family's plan)
         plan = block_plan if hasattr(block.mlp, "gate_proj") else dense_mlp
         # a hybrid decoder's layer has one kind of token mixer (Qwen3.5: self_attn or linear_attn)
         parallelize_module(block, mesh, {k: v for k, v in plan.items() if hasattr(block, k.split(".")[0])})

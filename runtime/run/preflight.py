@@ -20,12 +20,6 @@ from planner.contract.schema import Plan
 from runtime.run.checkpoint_dir import Problem, read_run_state, resolve_resume, run_state_problem
 from planner.contract.file_io import check_output, read_json
 
-PLANNER_ONLY_FAMILIES: dict[str, str] = {
-    "qwen3_5_moe": "its MoE blocks (routed experts beside a shared expert) are not wired to expert parallelism "
-                   "nor checked against transformers yet; the dense qwen3_5 runs (issue 45)",
-}
-"""Families (``model_type``) the planner prices but the runtime does not run yet, and what is missing; the decoder-only
-text families are refused by ``module_names`` (they have no encoder)."""
 ENCODERS = ("vision", "audio")
 """Encoder modules the runtime places, one per plan, before the ``llm``."""
 DATA_ENCODERS = ("vision",)
@@ -132,10 +126,6 @@ def check_plan(plan: Plan) -> None:
     Raises:
         ValueError, NotImplementedError: in one line.
     """
-    model_type = plan.model.hf_config.get("model_type")
-    if model_type in PLANNER_ONLY_FAMILIES:
-        raise NotImplementedError(f"{model_type} plans are priced but not yet run by this runtime: "
-                                  f"{PLANNER_ONLY_FAMILIES[model_type]}")
     encoder, _ = module_names(plan)
     tower, llm = plan.module(encoder), plan.module("llm")
     for module in (tower, llm):

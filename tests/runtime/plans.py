@@ -107,6 +107,14 @@ def tiny_qwen3_5_config() -> dict[str, Any]:
     return copy.deepcopy(dict(get_model("qwen3.5-tiny").hf_config))
 
 
+def tiny_qwen3_5_moe_config() -> dict[str, Any]:
+    """The catalog's tiny Qwen3.5-MoE (the tiny Qwen3.5 with 8 routed experts, top-2, and a shared expert in every
+    decoder layer)."""
+    from planner.catalog import get_model
+
+    return copy.deepcopy(dict(get_model("qwen3.5-moe-tiny").hf_config))
+
+
 def tiny_qwen3_vl_moe_config(*, balancing: bool = True) -> dict[str, Any]:
     """The catalog's tiny Qwen3-VL-MoE (the tiny Qwen3-VL with 8 experts, top-2, in every decoder layer);
     ``balancing``: with transformers' load-balancing loss (``output_router_logits``; off in the catalog) or without."""

@@ -45,7 +45,7 @@ Layout = dict[tuple[int, ...], str]
 """Ranks of a mesh axis -> how the tensor is split over them ("S(0)", "S(1)"; anything else is unexpected)."""
 
 COLWISE = re.compile(
-    r"(^|\.)(attn\.qkv|self_attn\.[qkv]_proj|mlp\.(gate_proj|up_proj|fc1|linear_fc1)|merger\.mlp\.0"
+    r"(^|\.)(attn\.qkv|self_attn\.[qkv]_proj|mlp\.(shared_expert\.)?(gate_proj|up_proj|fc1|linear_fc1)|merger\.mlp\.0"
     r"|(merger|deepstack_merger_list\.\d+)\.linear_fc1|layers\.\d+\.fc1"
     r"|linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|conv1d))\.(weight|bias)$"
     r"|(^|\.)linear_attn\.(A_log|dt_bias)$"
@@ -53,7 +53,7 @@ COLWISE = re.compile(
 """Column-parallel linears: output features (dim 0 of weight and bias) split over TP; a Gated DeltaNet's per-head
 vectors and depthwise conv channels too."""
 ROWWISE_WEIGHT = re.compile(r"(^|\.)(attn\.proj|self_attn\.(o_proj|out_proj)|linear_attn\.out_proj"
-                            r"|mlp\.(down_proj|fc2|linear_fc2)"
+                            r"|mlp\.(shared_expert\.)?(down_proj|fc2|linear_fc2)"
                             r"|merger\.mlp\.2|(merger|deepstack_merger_list\.\d+)\.linear_fc2|layers\.\d+\.fc2)"
                             r"\.weight$")
 """Row-parallel linears: input features (dim 1 of the weight) split over TP; their bias is replicated."""
@@ -228,13 +228,14 @@ def expected_layout(module: ModulePlan, rank: int, name: str, *, kv_heads: int, 
     return layout
 
 
-def local_shape(shape: tuple[int, ...], layout: Layout) -> tuple[int, ...]:
-    """Shape of one rank's shard of a ``shape`` tensor split as ``layout`` (the tiny models divide evenly)."""
+def local_shape(shape: tuple[int, ...], layout: Layout, rank: int) -> tuple[int, ...]:
+    """Shape of ``rank``'s shard of a ``shape`` tensor split as ``layout``: ``torch.chunk``'s pieces, as DTensor and
+    FSDP2 cut a dim that does not divide evenly (Qwen3.5-MoE's one-row shared-expert gate over 2 ranks: 1 and 0)."""
     local = list(shape)
     for ranks, split in layout.items():
         dim = int(split[2:-1])
-        assert local[dim] % len(ranks) == 0, f"{shape} does not split evenly over {ranks}"
-        local[dim] //= len(ranks)
+        size = -(-local[dim] // len(ranks))
+        local[dim] = max(0, min(size, local[dim] - ranks.index(rank) * size))
     return tuple(local)
 
 
@@ -251,9 +252,9 @@ def assert_parameters_sharded_as_planned(plan: Plan, summaries: list[dict[str, A
                 where = f"rank {rank} {module_name} {name}"
                 expected = expected_layout(module, rank, name, kv_heads=kv_heads(plan), experts=num_experts(plan))
                 assert p["layout"] == expected, f"{where}: layout {p['layout']}, plan implies {expected}"
-                assert p["local_shape"] == local_shape(p["shape"], expected), (
+                assert p["local_shape"] == local_shape(p["shape"], expected, rank), (
                     f"{where}: local shard {p['local_shape']} of {p['shape']}, plan implies "
-                    f"{local_shape(p['shape'], expected)}"
+                    f"{local_shape(p['shape'], expected, rank)}"
                 )
                 assert p["requires_grad"] == (not module.frozen), f"{where}: requires_grad {p['requires_grad']}"
             if module.pp > 1:

@@ -46,8 +46,8 @@ from runtime.launch import launcher
 from runtime.training.trainer import RunOptions
 from tests.runtime import sharding_checks
 from tests.runtime.plans import (QWEN3_IMAGE_SIZE, make_plan, tiny_hf_config, tiny_qwen2_audio_config,
-                                 tiny_qwen2_vl_config, tiny_qwen3_5_config, tiny_qwen3_vl_config,
-                                 tiny_qwen3_vl_moe_config)
+                                 tiny_qwen2_vl_config, tiny_qwen3_5_config, tiny_qwen3_5_moe_config,
+                                 tiny_qwen3_vl_config, tiny_qwen3_vl_moe_config)
 from tests.runtime.reference import reference_run
 
 STEPS = 3
@@ -379,12 +379,28 @@ QWEN3_5_PLANS = {
                                             llm=dict(pp=2, pp_layers=[3, 1], micro_batch=2, grad_accum=2), **QWEN3_5),
 }
 """Qwen3.5 (runtime.models.families.qwen3_5, runtime.models.linear_attention)."""
+QWEN3_5_MOE = dict(hf_config=tiny_qwen3_5_moe_config(), image_size=QWEN3_IMAGE_SIZE)
+"""The tiny Qwen3.5-MoE: Qwen3.5's hybrid layers, each with 8 routed experts (top-2) and a shared expert."""
+QWEN3_5_MOE_PLANS = {
+    "qwen3_5_moe_ep2": dict(vision=dict(dp=2), llm=dict(dp=2, ep=2), **QWEN3_5_MOE),
+    # experts over EP2 x TP2, the shared expert and both head kinds split by TP, ZeRO-1
+    "qwen3_5_moe_ep2_tp2_zero1": dict(vision=dict(dp=2, tp=2, zero=1), llm=dict(dp=2, tp=2, ep=2, zero=1),
+                                      **QWEN3_5_MOE),
+}
+"""Qwen3.5-MoE (runtime.models.families.qwen3_5_moe)."""
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(QWEN3_5_PLANS))
 def test_parity_qwen3_5(name, worker_pool):
     spec = dict(QWEN3_5_PLANS[name])
+    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(QWEN3_5_MOE_PLANS))
+def test_parity_qwen3_5_moe(name, worker_pool):
+    spec = dict(QWEN3_5_MOE_PLANS[name])
     assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
 
 

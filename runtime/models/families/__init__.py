@@ -15,11 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 from planner.contract.families.family import registry
-from runtime.models.families import qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_5, qwen3_vl, qwen3_vl_moe
+from runtime.models.families import qwen2_5_vl, qwen2_audio, qwen2_vl, qwen3_5, qwen3_5_moe, qwen3_vl, qwen3_vl_moe
 from runtime.models.families.family import RuntimeFamily
 
 FAMILIES: dict[str, RuntimeFamily] = registry((qwen2_5_vl.FAMILY, qwen2_vl.FAMILY, qwen3_vl.FAMILY,
-                                                qwen3_vl_moe.FAMILY, qwen3_5.FAMILY, qwen2_audio.FAMILY))
+                                                qwen3_vl_moe.FAMILY, qwen3_5.FAMILY, qwen3_5_moe.FAMILY,
+                                                qwen2_audio.FAMILY))
 """``model_type`` -> the runtime's half of its family."""
 
 
