@@ -68,9 +68,7 @@ def check_strategy(
     if s.cp > 1 and s.pp > 1:
         reasons.append(f"cp={s.cp} with pp={s.pp}: the runtime does not run ring context parallelism inside a "
                        "pipeline yet")
-    if s.cp > 1 and workload.packs is not None:
-        reasons.append(f"cp={s.cp}: the runtime runs ring context parallelism on one sequence per row, not on a "
-                       "dataset's packed rows yet")
+
     return reasons
 
 

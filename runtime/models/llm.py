@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.data.samples import IGNORE_INDEX
-from runtime.parallel.ring import RingGroup, padded_length, zigzag_positions
+from runtime.parallel.ring import RingGroup, padded_length, segment_causal_mask, zigzag_positions
 from runtime.parallel.ulysses import UlyssesGroup, split_sequence
 
 
@@ -81,16 +81,22 @@ def shard_llm_batch(
     cp = ring.degree if ring is not None else 1
     length = input_ids_BL.shape[1]
     targets_BL = next_token_targets(labels_BL)
+    mask = None
     if cp > 1:
-        input_ids_BL, position_ids_3BL, targets_BL = pad_packed_row(input_ids_BL, position_ids_3BL, targets_BL,
-                                                                    padded_length(length, cp))
+        padded = padded_length(length, cp)
+        input_ids_BL, position_ids_3BL, targets_BL = pad_packed_row(input_ids_BL, position_ids_3BL, targets_BL, padded)
+        if segment_lens is not None and len(segment_lens) > 1:  # each pad a sample of its own, as pad_packed_row's
+            lengths = torch.tensor(list(segment_lens) + [1] * (padded - length))
+            mask = segment_causal_mask(zigzag_positions(length, cp), torch.arange(len(lengths)).repeat_interleave(
+                lengths), cp_rank)
     per_rank = sequence_positions(length, sp, cp)
     mine = per_rank[cp_rank * sp + sp_rank]
     ulysses = None
     if sp > 1 or cp > 1:
         whole = len(per_rank[0]) * sp if cp > 1 else length
         ulysses = UlyssesGroup(group=sp_group, rank=sp_rank, segment_lens=(whole,) if cp > 1 else segment_lens or (
-            length,), seq_lens=tuple(len(p) for p in per_rank[cp_rank * sp:(cp_rank + 1) * sp]), ring=ring)
+            length,), seq_lens=tuple(len(p) for p in per_rank[cp_rank * sp:(cp_rank + 1) * sp]), ring=ring,
+            segment_mask=mask)
     return LLMShard(
         input_ids_Bs=input_ids_BL[:, mine],
         position_ids_3Bs=position_ids_3BL[..., mine],

@@ -143,7 +143,8 @@ def attention_forward(
     sequence_parallel = ulysses_group is not None and (ulysses_group.degree > 1 or ulysses_group.ring is not None)
     core = attention_core(query, None if sequence_parallel else attention_mask)  # SP runs unmasked segments
     if sequence_parallel and ulysses_group.ring is not None:
-        core = functools.partial(ring_attention_forward, ring=ulysses_group.ring)
+        core = functools.partial(ring_attention_forward, ring=ulysses_group.ring,
+                                 segment_mask=ulysses_group.segment_mask)
     return _run(core, module, query, key, value, attention_mask, ulysses_group if sequence_parallel else None,
                 **kwargs)
 

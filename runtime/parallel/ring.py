@@ -14,6 +14,11 @@ torch's own ring functions. What is hand-written here: the autograd Function joi
 reaches them only by dispatching DTensor SDPA, which has no rule for the CPU kernel), the repeat of grouped-query
 KV heads (the kernels take equal heads), and the sequence layout.
 
+A packed row (a dataset plan: several samples back to back) is laid out the same way, but its attention gathers the
+CP group's keys and values and attends them under each position's sample-and-causal mask in one SDPA call (the
+all-gather form of context parallelism, Llama 3's): torch's ring passes one mask to every block, and a sample
+boundary can fall in any of them. Its gathered keys and values are ``cp`` times a rank's own.
+
 Composed with Ulysses SP (2-D): the sequence is split over CP first, each CP rank's two chunks then over its SP
 ranks; attention exchanges heads within the SP group (runtime.parallel.ulysses), which gives each rank the CP
 rank's two chunks for its heads, and runs the ring over the CP group on them.
@@ -27,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 
 from planner.contract.rules import split_rule
@@ -102,16 +109,50 @@ class _RingAttention(torch.autograd.Function):
         return grads[0], grads[1], grads[2], None, None
 
 
+class _GatherSequence(torch.autograd.Function):
+    """[B, H, S, Dh] of each CP rank -> [B, H, cp * S, Dh] in rank order; backward sums the gradient over the group
+    (an all-reduce: gloo has no reduce-scatter) and keeps this rank's part."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ring: RingGroup) -> torch.Tensor:
+        ctx.ring = ring
+        parts = [torch.empty_like(x) for _ in range(ring.degree)]
+        dist.all_gather(parts, x.contiguous(), group=ring.group)
+        return torch.cat(parts, dim=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.ring.group)
+        return grad.chunk(ctx.ring.degree, dim=SEQ_DIM)[dist.get_rank(ctx.ring.group)], None
+
+
+def segment_causal_mask(positions: list[torch.Tensor], segment_of: torch.Tensor, rank: int) -> torch.Tensor:
+    """[S, cp * S] booleans: which positions of the gathered sequence (every CP rank's, in rank order) each of CP rank
+    ``rank``'s positions attends to: those of its own sample (``segment_of``: the sample of every position of the
+    row), at or before it."""
+    mine, every = positions[rank], torch.cat(positions)
+    same = segment_of[mine][:, None] == segment_of[every][None, :]
+    return same & (every[None, :] <= mine[:, None])
+
+
 def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: None, *, ring: RingGroup, scaling: float | None = None, **kwargs
-                           ) -> tuple[torch.Tensor, None]:
+                           attention_mask: None, *, ring: RingGroup, scaling: float | None = None,
+                           segment_mask: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Causal ring attention under SDPA's contract (q/k/v [B, H, S, Dh] in, [B, S, H, Dh] out); grouped-query KV
-    heads are repeated to the query heads first."""
+    heads are repeated to the query heads first. A packed row (``segment_mask``, ``segment_causal_mask``) gathers
+    the group's keys and values instead and attends them under the mask in one SDPA call: torch's ring loops pass one
+    mask to every block, and a sample's boundary falls anywhere in them."""
     if not getattr(module, "is_causal", True):
         raise NotImplementedError("ring context parallelism runs causal attention (the LLM) only")
     repeats = query.shape[1] // key.shape[1]
     if repeats > 1:
         key, value = (t.repeat_interleave(repeats, dim=1) for t in (key, value))
+    if segment_mask is not None:
+        key, value = (_GatherSequence.apply(t, ring) for t in (key, value))
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=segment_mask.to(query.device),
+                                             scale=scaling)
+        return out.transpose(1, 2), None
     if not torch_cp._cp_options.enable_load_balance:
         raise RuntimeError("torch's context-parallel load balancing is off: the head-tail layout needs it on")
     out = _RingAttention.apply(query.contiguous(), key.contiguous(), value.contiguous(), ring, scaling)

@@ -48,6 +48,8 @@ class UlyssesGroup:
     """Lengths of the attention segments of the whole sequence (vision: one per image; LLM: the sequence)."""
     ring: RingGroup | None = None
     """The CP group whose ring runs the attention on the exchanged sequence (runtime.parallel.ring), if any."""
+    segment_mask: Any = None
+    """Under CP, a packed row's sample-and-causal mask over the CP group's positions (``segment_causal_mask``)."""
 
     @property
     def degree(self) -> int:

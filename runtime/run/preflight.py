@@ -65,8 +65,8 @@ def num_devices(plan: Plan) -> int:
     return len({r for m in plan.modules for r in m.ranks})
 
 
-def context_parallel_refusal(module: str, cp: int, *, pp: int = 1, ep: int = 1, attention: str = "sdpa",
-                             packed: bool = False) -> str | None:
+def context_parallel_refusal(module: str, cp: int, *, pp: int = 1, ep: int = 1, attention: str = "sdpa"
+                             ) -> str | None:
     """Why the runtime does not run a module with ring context parallelism (runtime.parallel.ring), if it does not."""
     name = f"{module}: context parallelism (cp={cp})"
     if module != "llm":
@@ -77,9 +77,6 @@ def context_parallel_refusal(module: str, cp: int, *, pp: int = 1, ep: int = 1, 
         return f"{name} with expert parallelism (ep={ep}) is not run (nor priced): plan one of them"
     if attention == "varlen":
         return f"{name} runs the SDPA ring kernels, not variable-length attention: plan it with --attention sdpa"
-    if packed:
-        return (f"{name} runs one sequence per row: a dataset plan's packed rows are not split over CP ranks yet "
-                "(plan without --allow-cp)")
     return None
 
 
@@ -130,8 +127,7 @@ def check_plan(plan: Plan) -> None:
     tower, llm = plan.module(encoder), plan.module("llm")
     for module in (tower, llm):
         if module.cp > 1 and (problem := context_parallel_refusal(
-                module.name, module.cp, pp=module.pp, ep=module.ep, attention=module.attention,
-                packed=plan.workload.dataset is not None)):
+                module.name, module.cp, pp=module.pp, ep=module.ep, attention=module.attention)):
             raise NotImplementedError(problem)
         if module.pp > 1:
             check_pipeline(plan, module)

@@ -370,6 +370,10 @@ PACKED_PLANS = {
                                               hf_config=tiny_qwen3_5_config()),
     "qwen3_5_vision_sp2__llm_sp2": dict(vision=dict(sp=2, micro_batch=2), llm=dict(sp=2, micro_batch=2),
                                         hf_config=tiny_qwen3_5_config()),
+    # ring CP2 over packed rows: each CP rank's head and tail chunks attend the group's gathered keys, their samples'
+    # own; x Ulysses SP2 (2-D)
+    "vision_dp2__llm_cp2": dict(vision=dict(dp=2, micro_batch=2), llm=dict(cp=2, micro_batch=2)),
+    "vision_sp2xdp2__llm_cp2xsp2": dict(vision=dict(sp=2, dp=2, micro_batch=2), llm=dict(cp=2, sp=2, micro_batch=4)),
     # one pack of mostly one sample per micro-batch for two vision replicas (a dataset plan's vision replicas take
     # each micro-batch's images, whatever their count): one often gets no image (a filler, FSDP and SP or TP
     # collectives as its peers), or one with fewer windows than its SP ranks

@@ -19,7 +19,7 @@ from runtime.parallel import attention
 from runtime.parallel.tensor_parallel import qkv_row_order, qkv_to_tp_layout
 from runtime.models.llm import image_slots_per_rank, next_token_targets, sequence_positions
 from runtime.models.linear_attention import linear_qkv_row_order
-from runtime.parallel.ring import zigzag_positions
+from runtime.parallel.ring import segment_causal_mask, zigzag_positions
 from runtime.parallel.ulysses import kv_repeats, split_sequence, split_windows
 from runtime.parallel.parallel_dims import ParallelDims
 from runtime.training.trainer import RunOptions
@@ -88,6 +88,16 @@ def test_ring_layout_gives_each_cp_rank_a_head_and_a_tail_chunk_then_splits_it_o
     per_rank = sequence_positions(10, sp=2, cp=2)  # rank c * sp + j
     assert [p.tolist() for p in per_rank] == [[0, 1, 2], [9, 10, 11], [3, 4, 5], [6, 7, 8]]
     assert [p.tolist() for p in sequence_positions(5, sp=2)] == [[0, 1, 2], [3, 4]]  # no CP: split_sequence's
+
+
+def test_a_packed_rows_ring_mask_keeps_each_position_to_its_own_sample_and_its_past():
+    positions = zigzag_positions(6, 2)  # chunks of 2 (8 padded): rank 0 holds 0, 1, 6, 7; rank 1 holds 2-5
+    segment_of = torch.tensor([0, 0, 0, 1, 1, 1, 2, 3])  # samples of 3 and 3 tokens, then the 2 pads
+    mask = segment_causal_mask(positions, segment_of, rank=1)  # rank 1's 2, 3, 4, 5 over 0, 1, 6, 7, 2, 3, 4, 5
+    assert mask.int().tolist() == [[1, 1, 0, 0, 1, 0, 0, 0],  # 2 sees 0, 1, 2
+                                   [0, 0, 0, 0, 0, 1, 0, 0],  # 3 starts sample 1: itself only
+                                   [0, 0, 0, 0, 0, 1, 1, 0],
+                                   [0, 0, 0, 0, 0, 1, 1, 1]]
 
 
 def test_ring_slices_hold_their_image_tokens_in_local_order(layout):
