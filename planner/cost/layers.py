@@ -286,7 +286,8 @@ def expert_all_to_all_time(tokens: float, layer: LayerSpec, shard: Shard) -> flo
 
 
 def ring_kv_pass_time(kv_block_bytes: float, shard: Shard) -> float:
-    """Forward ring-attention communication of one layer: cp - 1 point-to-point passes of a KV block.
+    """Forward ring-attention communication of one layer: cp - 1 point-to-point passes of a KV block (of as many
+    heads as the queries: runtime.parallel.ring repeats grouped KV heads before the ring).
 
     Source: Liu et al. 2023, "Ring Attention with Blockwise Transformers", Sec. 3 (each host sends its KV
     block to the next while computing on the current one); the backward passes KV and dKV, twice this.
@@ -506,8 +507,8 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         q, kv = a.num_heads * a.head_dim, max(a.num_kv_heads, s.sp) * a.head_dim
         sp_fwd = ulysses_all_to_all_time(s.tokens, q, kv, s)
         buffers = max(buffers, s.tokens * 2 * (q + kv) * e)
-    if s.cp > 1:
-        kv_block = s.tokens * 2 * max(a.num_kv_heads, s.tp) / s.tp * a.head_dim * e
+    if s.cp > 1:  # the runtime repeats grouped KV heads to the query heads first: the ring's kernels take equal heads
+        kv_block = s.tokens * 2 * a.num_heads / s.tp * a.head_dim * e
         cp_fwd = ring_kv_pass_time(kv_block, s)
         buffers += 2 * kv_block
     if dense_packed_mask(layer, s):
