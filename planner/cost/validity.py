@@ -68,7 +68,6 @@ def check_strategy(
     if s.cp > 1 and s.pp > 1:
         reasons.append(f"cp={s.cp} with pp={s.pp}: the runtime does not run ring context parallelism inside a "
                        "pipeline yet")
-
     return reasons
 
 

@@ -74,7 +74,7 @@ def gated_delta_net_forward(self: nn.Module, hidden_states: torch.Tensor, cache:
     if cache is not None:
         raise NotImplementedError("the runtime's Gated DeltaNet runs in training, without a cache")
     hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
-    batch, _, _ = hidden_states.shape
+    batch = hidden_states.shape[0]
     mixed_qkv = self.in_proj_qkv(hidden_states)
     z, b, a = self.in_proj_z(hidden_states), self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
     A_log, dt_bias = _local(self.A_log), _local(self.dt_bias)

@@ -149,8 +149,7 @@ class ParallelDims:
         """The CP group this module's ring attention runs over (runtime.parallel.ring); None without CP."""
         if self.cp == 1:
             return None
-        cp_mesh = self.grid_mesh["cp"]
-        return RingGroup(group=cp_mesh.get_group(), mesh=cp_mesh, degree=self.cp)
+        return RingGroup(self.grid_mesh["cp"])
 
     @property
     def batch_enabled(self) -> bool:

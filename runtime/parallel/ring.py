@@ -44,15 +44,20 @@ SEQ_DIM = 2
 """The sequence dimension of [B, H, S, Dh] q/k/v."""
 
 
-@dataclass(kw_only=True, frozen=True)
+@dataclass(frozen=True)
 class RingGroup:
     """The CP group a module's attention runs its ring over."""
 
-    group: Any
-    """Process group of the CP ranks."""
     mesh: Any
-    """The same ranks as a 1-D DeviceMesh (torch's CUDA ring functions take one)."""
-    degree: int
+    """The CP ranks' 1-D DeviceMesh (torch's CUDA ring functions take it; the CPU loops its process group)."""
+
+    @property
+    def group(self) -> Any:
+        return self.mesh.get_group()
+
+    @property
+    def degree(self) -> int:
+        return self.mesh.size()
 
 
 def zigzag_positions(length: int, cp: int) -> list[torch.Tensor]:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from planner.contract.schema import Plan
 from runtime.launch import launcher
 from runtime.training.trainer import RunOptions
 from tests.runtime import sharding_checks
@@ -275,6 +276,13 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (norm + 1e-6))
 
 
+def plan_of(spec: dict) -> Plan:
+    """The tiny-model plan a table entry describes (``vision`` and ``llm`` module arguments, the rest
+    ``make_plan``'s), at the parity tests' learning rate."""
+    spec = dict(spec)
+    return make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec)
+
+
 def run_runtime(plan, options: RunOptions | None = None, pool: launcher.WorkerPool | None = None) -> dict:
     """Train STEPS steps on Ray; check the parameters' layouts before the first step and FSDP's resharding during
     it. Returns each step's loss and every rank's reported pre-clip gradient norm, the first step's gradients
@@ -332,36 +340,31 @@ def assert_parity(plan, options: RunOptions | None = None, pool: launcher.Worker
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PLANS))
 def test_parity(name, worker_pool):
-    spec = dict(PLANS[name])
-    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
+    assert_parity(plan_of(PLANS[name]), pool=worker_pool)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SLOW_PLANS))
 def test_parity_more_plans(name, worker_pool):
-    spec = dict(SLOW_PLANS[name])
-    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
+    assert_parity(plan_of(SLOW_PLANS[name]), pool=worker_pool)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(REPLICATED_KV_PLANS))
 def test_parity_replicated_kv_heads(name, worker_pool):
-    spec = dict(REPLICATED_KV_PLANS[name])
-    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
+    assert_parity(plan_of(REPLICATED_KV_PLANS[name]), pool=worker_pool)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PIPELINE_PLANS))
 def test_parity_pipelined(name, worker_pool):
-    spec = dict(PIPELINE_PLANS[name])
-    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
+    assert_parity(plan_of(PIPELINE_PLANS[name]), pool=worker_pool)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONTEXT_PARALLEL_PLANS))
 def test_parity_context_parallel(name, worker_pool):
-    spec = dict(CONTEXT_PARALLEL_PLANS[name])
-    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
+    assert_parity(plan_of(CONTEXT_PARALLEL_PLANS[name]), pool=worker_pool)
 
 
 QWEN3_5 = dict(hf_config=tiny_qwen3_5_config(), image_size=QWEN3_IMAGE_SIZE)
@@ -393,30 +396,26 @@ QWEN3_5_MOE_PLANS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(QWEN3_5_PLANS))
 def test_parity_qwen3_5(name, worker_pool):
-    spec = dict(QWEN3_5_PLANS[name])
-    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
+    assert_parity(plan_of(QWEN3_5_PLANS[name]), pool=worker_pool)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(QWEN3_5_MOE_PLANS))
 def test_parity_qwen3_5_moe(name, worker_pool):
-    spec = dict(QWEN3_5_MOE_PLANS[name])
-    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
+    assert_parity(plan_of(QWEN3_5_MOE_PLANS[name]), pool=worker_pool)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(QWEN3_VL_PLANS))
 def test_parity_qwen3_vl(name, worker_pool):
-    spec = dict(QWEN3_VL_PLANS[name])
-    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
+    assert_parity(plan_of(QWEN3_VL_PLANS[name]), pool=worker_pool)
 
 
 @pytest.mark.parametrize("name", list(QWEN3_VL_MOE_PLANS))
 def test_parity_qwen3_vl_moe(name, worker_pool):
     """Parity, and every LLM rank reports the step's routed tokens per expert: each token of the global batch
     routed to ``k`` experts in each of the 4 MoE layers."""
-    spec = dict(QWEN3_VL_MOE_PLANS[name])
-    plan = make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec)
+    plan = plan_of(QWEN3_VL_MOE_PLANS[name])
     text = plan.model.hf_config["text_config"]
     for step in assert_parity(plan, pool=worker_pool)["results"]:
         for result in (r for r in step if "llm" in r["modules"]):
@@ -427,8 +426,7 @@ def test_parity_qwen3_vl_moe(name, worker_pool):
 
 @pytest.mark.parametrize("name", list(QWEN2_AUDIO_PLANS))
 def test_parity_qwen2_audio(name, worker_pool):
-    spec = dict(QWEN2_AUDIO_PLANS[name])
-    assert_parity(make_plan(spec.pop("vision"), spec.pop("llm"), learning_rate=LR, **spec), pool=worker_pool)
+    assert_parity(plan_of(QWEN2_AUDIO_PLANS[name]), pool=worker_pool)
 
 
 @pytest.mark.slow
