@@ -1,5 +1,6 @@
 """``python -m runtime plan.json [--steps N] [--metrics FILE] [--checkpoint DIR] [--save DIR] [--data PATH] [--seed S]
-[--tokenizer DIR] [--no-prefetch] [--checkpoint-dir DIR [--checkpoint-every K] [--keep-last N] [--max-failures N]]
+[--tokenizer DIR] [--no-prefetch] [--checkpoint-dir DIR [--checkpoint-every K] [--keep-last N] [--max-failures N
+[--elastic [SECONDS]]]]
 [--resume [PATH]] [--trace DIR [--trace-profiler]] [--balance modules|tokens] [--dry-run]``
 
 Runs locally (starts Ray) or on the Ray cluster at RAY_ADDRESS / under ``ray job submit``; under
@@ -32,6 +33,11 @@ torchrun stops the remaining ranks as soon as one exits, which could otherwise s
 
 MAX_SEED = 2**63 - 1
 """Largest ``--seed``: torch's generators take a signed 64-bit seed, numpy's no negative one."""
+
+ELASTIC_WAIT_S = 120.0
+"""``--elastic`` without a value: how long a recovery waits for a lost device before re-planning without it."""
+MAX_ELASTIC_WAIT_S = 86_400.0
+"""Longest ``--elastic`` wait (a day)."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -78,6 +84,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "replica d's images)")
     parser.add_argument("--max-failures", type=int, default=0, help="on Ray: restart from the latest checkpoint "
                         "at most this many times when a worker dies (default 0)")
+    parser.add_argument("--elastic", type=float, nargs="?", const=ELASTIC_WAIT_S, metavar="SECONDS",
+                        help="on Ray, with --max-failures: when a lost worker's device is not back within SECONDS "
+                        f"(default {ELASTIC_WAIT_S:g}), re-plan for the devices left (same global batch) and resume "
+                        "there from the latest checkpoint; back to the first plan when they return")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
@@ -92,6 +102,11 @@ def check_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     if args.max_failures < 0:
         raise ValueError(f"--max-failures must be >= 0, got {args.max_failures}")
+    if args.elastic is not None:
+        if not 0 <= args.elastic <= MAX_ELASTIC_WAIT_S:
+            raise ValueError(f"--elastic waits 0 to {MAX_ELASTIC_WAIT_S:g} s for lost devices, got {args.elastic:g}")
+        if not args.max_failures:
+            raise ValueError("--elastic re-plans when a worker is lost: give --max-failures N too (how many times)")
     if not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"--seed must be 0 to {MAX_SEED:,} (what torch and numpy seed with), got {args.seed}")
     needs_dir = [f for f in ("checkpoint_every", "keep_last") if getattr(args, f) is not None]
@@ -138,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             preflight.prepare_folder(args.trace, "--trace")
         if env is not None and args.dry_run:
             raise ValueError("--dry-run runs every rank role in this one process: run it without torchrun")
+        if env is not None and args.elastic is not None:
+            raise ValueError("torchrun runs are not elastic (--elastic re-plans on Ray's view of the cluster): run "
+                             "without torchrun, on Ray")
         if env is not None and args.max_failures:
             raise ValueError("--max-failures is for the Ray launcher; under torchrun use torchrun's --max-restarts "
                              "with --resume")
@@ -265,7 +283,8 @@ def _worker_failure(error: BaseException, max_failures: int) -> str:
 
 def _checkpoint_options(args: argparse.Namespace) -> CheckpointOptions:
     return CheckpointOptions(directory=args.checkpoint_dir, every=args.checkpoint_every, keep_last=args.keep_last,
-                             max_failures=args.max_failures, overlap=args.async_checkpoint)
+                             max_failures=args.max_failures, overlap=args.async_checkpoint,
+                             elastic_wait_s=args.elastic)
 
 
 def _run_under_torchrun(plan: Plan, args: argparse.Namespace, env: preflight.TorchrunEnv) -> int:

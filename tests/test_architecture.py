@@ -8,7 +8,7 @@ import grimp
 import pytest
 
 PLANNER_LAYERS = (
-    grimp.Layer("planner.cli", "planner.analysis", "planner.calibrate"),
+    grimp.Layer("planner.cli", "planner.analysis", "planner.calibrate", "planner.replan"),
     "planner.arguments",
     "planner.api",
     grimp.Layer("planner.plan_document", "planner.trace"),

@@ -22,6 +22,8 @@ import gc
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +34,8 @@ import torch.distributed as dist
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from planner.contract.schema import Plan
+from planner.contract.file_io import write_output
+from planner.contract.schema import Plan, load_plan
 from runtime.run.checkpoint_dir import CheckpointOptions, newest_sound
 from runtime.checkpoints.dcp_checkpoint import Checkpointer, checkpoint_problem
 from runtime.training import loop
@@ -375,8 +378,10 @@ def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: i
                       ) -> Job:
     """Start the job and train it until ``steps`` are done, restarting it from the latest complete checkpoint
     when a worker is lost (at most ``checkpoints.max_failures`` times); the job, still up."""
-    failures, failed_at, saved_at = 0, None, {}
+    failures, failed_at, saved_at, first_plan = 0, None, {}, plan
     while True:
+        if failures and checkpoints.elastic_wait_s is not None:
+            plan = _plan_for_the_cluster(plan, first_plan, log, checkpoints, step=failed_at[0])
         job = start(plan, options, resource_wait_s=PLACEMENT_TIMEOUT_S if failures else 0.0)
         try:
             if failed_at is not None:
@@ -392,6 +397,66 @@ def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: i
             failed_at = (job.steps_done, time.perf_counter(), _first_line(e))
             resume = newest_sound(checkpoints.directory, checkpoint_problem)[0] if checkpoints.directory else None
             options = dataclasses.replace(options, resume=resume or options.resume)
+
+
+def _devices_of(plan: Plan) -> int:
+    """The devices of ``plan``'s kind (CPU slots or GPUs) the Ray cluster has now."""
+    return int(ray.cluster_resources().get("CPU" if is_cpu_plan(plan) else "GPU", 0))
+
+
+def _plan_for_the_cluster(plan: Plan, first_plan: Plan, log: MetricsLog, checkpoints: CheckpointOptions, *,
+                          step: int) -> Plan:
+    """Elastic recovery: wait up to ``checkpoints.elastic_wait_s`` for ``first_plan``'s devices; the plan for the
+    devices the cluster then has: ``first_plan`` when all are there, ``plan`` when it still fits them exactly, else
+    ``plan`` re-planned for them (``replan``), the same global batch. One line and one metrics event say so."""
+    want = num_devices(first_plan)
+    deadline = time.monotonic() + checkpoints.elastic_wait_s
+    while _devices_of(plan) < want and time.monotonic() < deadline:
+        time.sleep(1.0)
+    have = _devices_of(plan)
+    if have >= want:
+        new = first_plan
+    elif have == num_devices(plan):
+        return plan
+    elif have < 1:
+        raise ValueError(f"the Ray cluster has no {'CPU slot' if is_cpu_plan(plan) else 'GPU'} left to re-plan for")
+    else:
+        new = replan(plan, have, checkpoints.directory, step)
+    if new is plan:
+        return plan
+    line = (f"elastic: {num_devices(plan)} -> {num_devices(new)} devices after step {step}: {layout(new)}; "
+            f"global batch {new.workload.global_batch}; {new.predicted.step_time_s:.3g} s per step predicted")
+    log.event("replan", step=step, devices_before=num_devices(plan), devices_after=num_devices(new),
+              global_batch=new.workload.global_batch, layout=layout(new),
+              predicted_step_time_s=new.predicted.step_time_s)
+    log.say(line)
+    log.plan = new
+    return new
+
+
+def layout(plan: Plan) -> str:
+    """Each module's degrees in one phrase."""
+    return "; ".join(f"{m.name} DP{m.dp} TP{m.tp} SP{m.sp} CP{m.cp} PP{m.pp} EP{m.ep} ZeRO{m.zero} "
+                     f"x{m.grad_accum} micro-batches of {m.micro_batch}" for m in plan.modules)
+
+
+REPLAN_TIMEOUT_S = 300
+"""Longest wait for the planner's re-plan (it plans in seconds)."""
+
+
+def replan(plan: Plan, devices: int, folder: str, step: int) -> Plan:
+    """``plan`` re-planned for ``devices`` by ``python -m planner.replan`` (a subprocess: the runtime never imports
+    the solver), written to ``folder``/plan-<step>-<devices>.json beside the checkpoints, where the run's plans
+    stay. Raises ValueError with the planner's one line when it cannot."""
+    base = os.path.join(folder, f"plan-{step:06d}-{num_devices(plan)}")
+    old, new = f"{base}.json", os.path.join(folder, f"plan-{step:06d}-{devices}.json")
+    write_output(old, plan.to_json(), flag="--checkpoint-dir")
+    result = subprocess.run([sys.executable, "-m", "planner.replan", old, "--gpus", str(devices), "--out", new],
+                            capture_output=True, text=True, timeout=REPLAN_TIMEOUT_S)
+    if result.returncode != 0:
+        reason = (result.stderr.strip().splitlines() or ["no output"])[-1].removeprefix("replan: error: ")
+        raise ValueError(f"cannot re-plan for the {devices} devices left: {reason}")
+    return load_plan(new)
 
 
 def _train(job: Job, log: MetricsLog, steps: int, checkpoints: CheckpointOptions, saved_at: dict[int, float]

@@ -143,6 +143,10 @@ class MetricsLog:
         self._write(record)
         return record
 
+    def say(self, message: str) -> None:
+        """``runtime: message`` on stdout, one line, above the progress bar (a decision the run took)."""
+        tqdm.write(f"runtime: {message}", file=sys.stdout)
+
     def warn(self, message: str) -> None:
         """``runtime: warning: message`` on stderr, one line, above the progress bar."""
         tqdm.write(f"runtime: warning: {message}", file=sys.stderr)

@@ -53,6 +53,9 @@ class CheckpointOptions:
     """Keep this many newest complete checkpoints; all when None."""
     max_failures: int = 0
     """Restarts from the latest complete checkpoint after a worker failed (Ray launcher only)."""
+    elastic_wait_s: float | None = None
+    """Elastic (``--elastic``): after a worker failed, wait this long for the plan's devices, then re-plan for the
+    devices the cluster has (fewer, or the first plan's again when they came back); None: wait for the same ones."""
     overlap: bool = False
     """Write each checkpoint from a thread while training goes on (DCP async_save); training then stalls only
     while the state is copied to memory."""

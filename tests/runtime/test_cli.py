@@ -239,6 +239,9 @@ def test_dry_run_is_refused_under_torchrun(tmp_path):
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "29500"}
     assert_one_line_error(run_cli(str(tmp_path / "plan.json"), "--dry-run", env=env), "run it without torchrun")
+    elastic = run_cli(str(tmp_path / "plan.json"), "--checkpoint-dir", str(tmp_path / "c"), "--max-failures", "1",
+                      "--elastic", env=env)
+    assert_one_line_error(elastic, "torchrun runs are not elastic")
 
 
 @pytest.mark.parametrize("cause", [

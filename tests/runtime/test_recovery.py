@@ -30,6 +30,7 @@ import time
 
 import pytest
 
+from planner.contract.schema import load_plan
 from runtime.launch import launcher
 from runtime.training.trainer import RunOptions
 from tests.runtime.plans import make_plan
@@ -75,14 +76,14 @@ def _records(path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip().endswith("}")]
 
 
-def _run_and_kill(tmp_path, name: str, max_failures: int, address: str, kill=None
+def _run_and_kill(tmp_path, name: str, max_failures: int, address: str, kill=None, extra: tuple[str, ...] = ()
                   ) -> tuple[subprocess.CompletedProcess, float]:
     """The CLI run, one worker SIGKILLed (or ``kill()`` called) once step KILL_AFTER's line is written; (result,
     seconds from the kill to the exit)."""
     metrics = tmp_path / f"{name}.jsonl"
     command = [sys.executable, "-m", "runtime", str(tmp_path / "plan.json"), "--steps", str(STEPS), "--metrics",
                str(metrics), "--checkpoint-dir", str(tmp_path / name), "--checkpoint-every", str(EVERY),
-               "--max-failures", str(max_failures)]
+               "--max-failures", str(max_failures), *extra]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "RAY_ADDRESS": address})
     deadline = time.monotonic() + 240
@@ -189,6 +190,39 @@ def test_a_lost_node_is_replaced_and_the_run_recovers_on_it(tmp_path, uninterrup
         _assert_recovered(tmp_path, "two_nodes", expected, resumed=(6, 9))
     finally:
         cluster.shutdown()
+    _assert_no_workers_left()
+
+
+@pytest.mark.slow
+def test_a_node_lost_for_good_shrinks_the_run_onto_the_devices_left(tmp_path, uninterrupted):
+    """``--elastic 2``: the second of two one-slot "nodes" is removed and never comes back. After waiting 2 s the
+    run re-plans the DP2 plan for the one device left (``planner.replan``: the same global batch, as one micro-batch
+    of both samples), resumes from the last checkpoint under it and finishes every step on the uninterrupted loss
+    curve; the decision is one line on stdout and one metrics event, both plans stay beside the checkpoints."""
+    from ray.cluster_utils import Cluster
+
+    plan_path, expected = uninterrupted
+    shutil.copy(plan_path, tmp_path / "plan.json")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        second = cluster.add_node(num_cpus=1)
+        result, _ = _run_and_kill(tmp_path, "elastic", 1, cluster.address, kill=lambda: cluster.remove_node(second),
+                                  extra=("--elastic", "2"))
+    finally:
+        cluster.shutdown()
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _records(tmp_path / "elastic.jsonl")
+    losses = {r["step"]: r["loss"] for r in records if "step" in r and "loss" in r}
+    assert losses.keys() == expected.keys()
+    for step, loss in expected.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+    (replanned,) = [r for r in records if r.get("event") == "replan"]
+    assert (replanned["devices_before"], replanned["devices_after"], replanned["global_batch"]) == (2, 1, 2)
+    assert [line for line in result.stdout.splitlines() if line.startswith("runtime: elastic: 2 -> 1 devices")]
+    (recovery,) = [r for r in records if r.get("event") == "recovery"]
+    new = load_plan(tmp_path / "elastic" / f"plan-{replanned['step']:06d}-1.json")
+    assert new.cluster.num_devices == 1 and new.workload.global_batch == 2
+    assert records[-1]["steps"] == STEPS and recovery["resumed_step"] in (6,)
     _assert_no_workers_left()
 
 

@@ -1,0 +1,89 @@
+"""Re-plan a running plan for another number of devices (an elastic run that lost some, or got them back): the same
+model, device, sample shape, global batch, precision, training settings, profile and pins, searched again.
+
+``python -m planner.replan PLAN --gpus N --out NEW``: the runtime calls it (it never imports the solver), and so
+can a user. Bad input and infeasible requests print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from typing import Sequence
+
+from planner import api
+from planner.contract.families import model_from_hf_config
+from planner.contract.file_io import check_output, refuse_shared_paths, write_output
+from planner.contract.schema import Plan, PlanError, load_plan
+from planner.problem import Problem
+
+EXIT_USER_ERROR = 2
+
+
+def replan_problem(plan: Plan, gpus: int) -> Problem:
+    """The problem ``plan`` was made for, on ``gpus`` devices of its recorded type (the device's numbers as the plan
+    records them, its profile when it named one). A dataset plan is re-planned from its dataset, which the plan only
+    summarises: refused in one line."""
+    if plan.workload.dataset is not None:
+        raise ValueError(f"a dataset plan is re-planned from its dataset ({plan.workload.dataset.source}): run "
+                         f"`plan --dataset ... --gpus {gpus}`")
+    spec = model_from_hf_config(plan.model.hf_config, plan.model.name)
+    w = plan.workload
+    workload = api.WorkloadInputs(
+        image_sizes=[tuple(s) for s in w.image_sizes] or None, vision_tokens=w.vision_tokens,
+        videos=[tuple(v) for v in w.videos], text_tokens=w.text_tokens, audio_seconds=w.audio_seconds or None,
+        global_batch=w.global_batch, precision=plan.training.precision,
+        frozen=[m.name for m in plan.modules if m.frozen])
+    search = api.SearchOptions(allow_ring_cp=any(m.cp > 1 for m in plan.modules))
+    cluster = api.ClusterInputs(gpus=gpus, gpu=plan.cluster.device.name, gpus_per_node=plan.cluster.devices_per_node,
+                                profile=plan.predicted.profile)
+    problem = api.make_problem(spec, cluster, workload=workload, search=search)
+    return replace(problem, cluster=replace(problem.cluster, device=plan.cluster.device))
+
+
+def replan(plan: Plan, gpus: int) -> tuple[Plan, str | None]:
+    """The fastest plan of ``plan``'s problem on ``gpus`` devices, with ``plan``'s training settings, and a note
+    when its pins (``--fix``) had to be dropped because no plan on ``gpus`` devices keeps them."""
+    problem = replan_problem(plan, gpus)
+    pins, note = dict(plan.solver.fixed), None
+    try:
+        new = api.plan(problem, fix=pins)
+    except ValueError as e:
+        if not pins:
+            raise
+        new = api.plan(problem)
+        note = f"pins {', '.join(f'{k}={v}' for k, v in pins.items())} dropped: {e}"
+    return new.model_copy(update={"training": plan.training}), note
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m planner.replan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("plan", help="the plan file to re-plan")
+    parser.add_argument("--gpus", type=int, required=True, help="devices of the new plan")
+    parser.add_argument("--out", required=True, help="write the new plan here")
+    args = parser.parse_args(argv)
+    try:
+        refuse_shared_paths({"plan": args.plan}, {"--out": args.out})
+        check_output(args.out, "--out")
+        if not 1 <= args.gpus <= api.MAX_GPUS:
+            raise ValueError(f"--gpus must be between 1 and {api.MAX_GPUS}, got {args.gpus}")
+        new, note = replan(load_plan(args.plan), args.gpus)
+        try:
+            write_output(args.out, new.to_json(), flag="--out")
+        except OSError as e:
+            raise ValueError(f"cannot write --out {args.out}: {e.strerror}") from None
+    except (ValueError, OSError, PlanError) as e:
+        print(f"replan: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if note:
+        print(f"replan: {note}")
+    llm = new.module("llm")
+    print(f"replan: {args.gpus} devices: " + "; ".join(
+        f"{m.name} DP{m.dp} TP{m.tp} SP{m.sp} PP{m.pp} ZeRO{m.zero} x{m.grad_accum}" for m in new.modules)
+        + f"; {new.predicted.step_time_s:.3g} s per step predicted (LLM micro-batch {llm.micro_batch})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

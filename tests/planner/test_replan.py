@@ -1,0 +1,64 @@
+"""``planner.replan``: a plan re-planned for another device count keeps its problem (model, device, sample,
+global batch, precision, training settings, pins); the command's errors are one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner import api
+from planner.contract.schema import load_plan
+from planner.replan import main, replan
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    plan = api.plan("qwen2.5-vl-tiny", api.ClusterInputs(gpus=4, gpu="cpu"), fix={"vision.zero": 1},
+                    workload=api.WorkloadInputs(image_sizes=[(168, 112)], text_tokens=40, global_batch=8))
+    return plan.model_copy(update={"training": plan.training.model_copy(update={"learning_rate": 3e-4})})
+
+
+def test_the_same_device_count_gives_the_same_plan(tiny_plan):
+    again, note = replan(tiny_plan, 4)
+    assert note is None
+    assert again.modules == tiny_plan.modules and again.predicted == tiny_plan.predicted
+
+
+def test_fewer_devices_keep_the_problem_and_the_global_batch(tiny_plan):
+    new, note = replan(tiny_plan, 2)
+    assert note is None and new.cluster.num_devices == 2
+    assert new.cluster.device == tiny_plan.cluster.device and new.model == tiny_plan.model
+    assert new.workload == tiny_plan.workload.model_copy(update={"module_tokens": new.workload.module_tokens})
+    assert new.training == tiny_plan.training  # the learning rate set by hand, not the planner's default
+    assert new.module("vision").zero == 1 and new.solver.fixed == {"vision.zero": "1"}
+    for m in new.modules:
+        assert m.dp * m.micro_batch * m.grad_accum == 8
+
+
+def test_pins_no_plan_on_the_new_count_keeps_are_dropped_with_a_note():
+    plan = api.plan("qwen2.5-vl-tiny", api.ClusterInputs(gpus=4, gpu="cpu"), fix={"llm.tp": 4},
+                    workload=api.WorkloadInputs(global_batch=8))
+    new, note = replan(plan, 2)
+    assert new.cluster.num_devices == 2 and note.startswith("pins llm.tp=4 dropped: ")
+
+
+def test_a_dataset_plan_is_refused_in_one_line():
+    from planner.analysis import mixed_resolution_histogram
+
+    plan = api.plan("qwen2.5-vl-tiny", api.ClusterInputs(gpus=2, gpu="cpu"),
+                    dataset=api.DatasetInputs(source=mixed_resolution_histogram(samples=50), pack_tokens=16384))
+    with pytest.raises(ValueError, match=r"^a dataset plan is re-planned from its dataset .*--gpus 1`$"):
+        replan(plan, 1)
+
+
+def test_the_command_writes_the_plan_and_refuses_bad_input_in_one_line(tiny_plan, tmp_path, capsys):
+    old, new = tmp_path / "plan.json", tmp_path / "new.json"
+    old.write_text(tiny_plan.to_json())
+    assert main([str(old), "--gpus", "1", "--out", str(new)]) == 0
+    assert load_plan(new).cluster.num_devices == 1
+    assert capsys.readouterr().out.startswith("replan: 1 devices: vision DP1")
+    for args, message in ((["--gpus", "0", "--out", str(new)], "--gpus must be between 1 and"),
+                          (["--gpus", "2", "--out", str(old)], "is the same file as plan"),
+                          (["--gpus", "2", "--out", str(tmp_path / "missing" / "p.json")], "cannot write --out")):
+        assert main([str(old), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("replan: error: ") and message in err, err
