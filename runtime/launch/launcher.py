@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import ray
 import torch
@@ -377,10 +377,12 @@ def run(
 def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: int, checkpoints: CheckpointOptions
                       ) -> Job:
     """Start the job and train it until ``steps`` are done, restarting it from the latest complete checkpoint
-    when a worker is lost (at most ``checkpoints.max_failures`` times); the job, still up."""
+    when a worker is lost (at most ``checkpoints.max_failures`` times); the job, still up. Elastic
+    (``checkpoints.elastic_wait_s``): a restart runs on the devices left (``_plan_for_the_cluster``), and at a
+    checkpoint the run moves back up when devices came back (``_SwitchPlan``)."""
     failures, failed_at, saved_at, first_plan = 0, None, {}, plan
     while True:
-        if failures and checkpoints.elastic_wait_s is not None:
+        if failed_at is not None and checkpoints.elastic_wait_s is not None:
             plan = _plan_for_the_cluster(plan, first_plan, log, checkpoints, step=failed_at[0])
         job = start(plan, options, resource_wait_s=PLACEMENT_TIMEOUT_S if failures else 0.0)
         try:
@@ -388,8 +390,14 @@ def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: i
                 _log_recovery(log, job, failed_at, failures, saved_at)
             elif options.resume is not None:
                 log.event("resume", path=options.resume, step=job.steps_done)
-            _train(job, log, steps, checkpoints, saved_at)
+            grow = None if checkpoints.elastic_wait_s is None else (
+                lambda step: _grown_plan(job.plan, first_plan, log, checkpoints.directory, step))
+            _train(job, log, steps, checkpoints, saved_at, grow)
             return job
+        except _SwitchPlan as switch:  # the job is shut down; go on under the new plan from the checkpoint just made
+            plan, failed_at = switch.plan, None
+            log.rewind(switch.step)  # steps an overlapped checkpoint's run went past it are done again
+            options = dataclasses.replace(options, resume=newest_sound(checkpoints.directory, checkpoint_problem)[0])
         except ray.exceptions.RayError as e:
             if not _worker_lost(e) or failures >= checkpoints.max_failures:
                 raise
@@ -399,6 +407,14 @@ def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: i
             options = dataclasses.replace(options, resume=resume or options.resume)
 
 
+class _SwitchPlan(Exception):
+    """Raised after the checkpoint of ``step`` to go on from it under ``plan`` (elastic: devices came back)."""
+
+    def __init__(self, plan: Plan, step: int) -> None:
+        super().__init__(f"switch to a plan on {num_devices(plan)} devices after step {step}")
+        self.plan, self.step = plan, step
+
+
 def _devices_of(plan: Plan) -> int:
     """The devices of ``plan``'s kind (CPU slots or GPUs) the Ray cluster has now."""
     return int(ray.cluster_resources().get("CPU" if is_cpu_plan(plan) else "GPU", 0))
@@ -406,30 +422,42 @@ def _devices_of(plan: Plan) -> int:
 
 def _plan_for_the_cluster(plan: Plan, first_plan: Plan, log: MetricsLog, checkpoints: CheckpointOptions, *,
                           step: int) -> Plan:
-    """Elastic recovery: wait up to ``checkpoints.elastic_wait_s`` for ``first_plan``'s devices; the plan for the
-    devices the cluster then has: ``first_plan`` when all are there, ``plan`` when it still fits them exactly, else
-    ``plan`` re-planned for them (``replan``), the same global batch. One line and one metrics event say so."""
-    want = num_devices(first_plan)
+    """Elastic recovery: wait up to ``checkpoints.elastic_wait_s`` for ``first_plan``'s devices, then the plan for
+    the devices the cluster has (``_plan_for``)."""
     deadline = time.monotonic() + checkpoints.elastic_wait_s
-    while _devices_of(plan) < want and time.monotonic() < deadline:
+    while _devices_of(plan) < num_devices(first_plan) and time.monotonic() < deadline:
         time.sleep(1.0)
     have = _devices_of(plan)
-    if have >= want:
+    if have < 1:
+        raise ValueError(f"the Ray cluster has no {'CPU slot' if is_cpu_plan(plan) else 'GPU'} left to re-plan for")
+    return _plan_for(plan, first_plan, have, log, checkpoints.directory, step)
+
+
+def _grown_plan(plan: Plan, first_plan: Plan, log: MetricsLog, folder: str, step: int) -> Plan | None:
+    """At a checkpoint of an elastic run: the plan for more devices when the cluster has more than ``plan`` uses
+    (and ``plan`` uses fewer than the first plan), else None."""
+    have = min(_devices_of(plan), num_devices(first_plan))
+    return _plan_for(plan, first_plan, have, log, folder, step) if have > num_devices(plan) else None
+
+
+def _plan_for(plan: Plan, first_plan: Plan, have: int, log: MetricsLog, folder: str, step: int) -> Plan:
+    """The plan for ``have`` devices: ``first_plan`` when it has them all, ``plan`` when it uses exactly them, else
+    ``plan`` re-planned for them (``replan``: the same global batch). One line and one metrics event say so."""
+    path = note = None
+    if have >= num_devices(first_plan):
         new = first_plan
     elif have == num_devices(plan):
         return plan
-    elif have < 1:
-        raise ValueError(f"the Ray cluster has no {'CPU slot' if is_cpu_plan(plan) else 'GPU'} left to re-plan for")
     else:
-        new = replan(plan, have, checkpoints.directory, step)
+        new, path, note = replan(plan, have, folder, step)
     if new is plan:
         return plan
-    line = (f"elastic: {num_devices(plan)} -> {num_devices(new)} devices after step {step}: {layout(new)}; "
-            f"global batch {new.workload.global_batch}; {new.predicted.step_time_s:.3g} s per step predicted")
     log.event("replan", step=step, devices_before=num_devices(plan), devices_after=num_devices(new),
               global_batch=new.workload.global_batch, layout=layout(new),
-              predicted_step_time_s=new.predicted.step_time_s)
-    log.say(line)
+              predicted_step_time_s=new.predicted.step_time_s, plan=path, note=note)
+    log.say(f"elastic: {num_devices(plan)} -> {num_devices(new)} devices after step {step}: {layout(new)}; "
+            f"global batch {new.workload.global_batch}; {new.predicted.step_time_s:.3g} s per step predicted"
+            + (f" ({note})" if note else ""))
     log.plan = new
     return new
 
@@ -444,10 +472,11 @@ REPLAN_TIMEOUT_S = 300
 """Longest wait for the planner's re-plan (it plans in seconds)."""
 
 
-def replan(plan: Plan, devices: int, folder: str, step: int) -> Plan:
+def replan(plan: Plan, devices: int, folder: str, step: int) -> tuple[Plan, str, str | None]:
     """``plan`` re-planned for ``devices`` by ``python -m planner.replan`` (a subprocess: the runtime never imports
     the solver), written to ``folder``/plan-<step>-<devices>.json beside the checkpoints, where the run's plans
-    stay. Raises ValueError with the planner's one line when it cannot."""
+    stay: (the new plan, its file, the planner's note when it dropped pins). Raises ValueError with the planner's
+    one line when it cannot."""
     base = os.path.join(folder, f"plan-{step:06d}-{num_devices(plan)}")
     old, new = f"{base}.json", os.path.join(folder, f"plan-{step:06d}-{devices}.json")
     write_output(old, plan.to_json(), flag="--checkpoint-dir")
@@ -456,18 +485,26 @@ def replan(plan: Plan, devices: int, folder: str, step: int) -> Plan:
     if result.returncode != 0:
         reason = (result.stderr.strip().splitlines() or ["no output"])[-1].removeprefix("replan: error: ")
         raise ValueError(f"cannot re-plan for the {devices} devices left: {reason}")
-    return load_plan(new)
+    note = next((line.removeprefix("replan: ") for line in result.stdout.splitlines() if " dropped: " in line), None)
+    return load_plan(new), new, note
 
 
-def _train(job: Job, log: MetricsLog, steps: int, checkpoints: CheckpointOptions, saved_at: dict[int, float]
-           ) -> None:
+def _train(job: Job, log: MetricsLog, steps: int, checkpoints: CheckpointOptions, saved_at: dict[int, float],
+           grow: Callable[[int], Plan | None] | None = None) -> None:
     """``loop.train`` from where the job stands, noting when each checkpoint was done in ``saved_at``; a failing
-    step shuts the job down and raises."""
+    step shuts the job down and raises. ``grow``: after each checkpoint before the last, the plan to go on under
+    instead (then the job is shut down and ``_SwitchPlan`` raised), or None."""
     def on_saved(saved: dict[str, Any]) -> None:
         saved_at[saved["step"]] = time.perf_counter()
 
+    def on_saved_growing(saved: dict[str, Any]) -> None:
+        on_saved(saved)
+        new = grow(saved["step"]) if grow is not None and saved["step"] < steps else None
+        if new is not None:
+            raise _SwitchPlan(new, saved["step"])
+
     try:
-        loop.train(job, log, steps, checkpoints, on_saved=on_saved)
+        loop.train(job, log, steps, checkpoints, on_saved=on_saved_growing)
     except KeyboardInterrupt:  # a stop signal reached the driver only: the workers let a checkpoint being written
         try:                   # complete (one step at most), so that the run resumes from it; a second one stops this
             loop.finish_checkpoints(job, log, checkpoints, on_saved)
