@@ -435,9 +435,15 @@ def _plan_for_the_cluster(plan: Plan, first_plan: Plan, log: MetricsLog, checkpo
 
 def _grown_plan(plan: Plan, first_plan: Plan, log: MetricsLog, folder: str, step: int) -> Plan | None:
     """At a checkpoint of an elastic run: the plan for more devices when the cluster has more than ``plan`` uses
-    (and ``plan`` uses fewer than the first plan), else None."""
+    (and ``plan`` uses fewer than the first plan), else None; a re-plan that fails is a warning, the run goes on."""
     have = min(_devices_of(plan), num_devices(first_plan))
-    return _plan_for(plan, first_plan, have, log, folder, step) if have > num_devices(plan) else None
+    if have <= num_devices(plan):
+        return None
+    try:
+        return _plan_for(plan, first_plan, have, log, folder, step)
+    except ValueError as e:
+        log.warn(f"staying on {num_devices(plan)} devices: {e}")
+        return None
 
 
 def _plan_for(plan: Plan, first_plan: Plan, have: int, log: MetricsLog, folder: str, step: int) -> Plan:
