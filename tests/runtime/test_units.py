@@ -576,29 +576,3 @@ def test_the_chunked_loss_is_the_whole_loss_and_saves_no_logits():
         torch.testing.assert_close(got, want)
     assert whole_saved >= tokens * vocab * 4
     assert chunked_saved <= (tokens * width + width * vocab) * 4 + tokens * 8
-
-
-def test_an_elastic_run_grows_to_what_came_back_and_stays_put_when_that_cannot_be_planned(monkeypatch, capsys):
-    """``launcher._grown_plan`` at a checkpoint of a run planned on 4 devices, now on 1, with 2 in the cluster: the
-    plan re-planned for 2 (one event, one line); when the re-plan fails, a warning and the run stays on 1."""
-    from runtime.launch import launcher
-    from runtime.observability.metrics import MetricsLog
-
-    first, now, two = make_plan(dict(dp=4), dict(dp=4)), make_plan({}, {}), make_plan(dict(dp=2), dict(dp=2))
-    monkeypatch.setattr(launcher, "_devices_of", lambda plan: 2)
-    monkeypatch.setattr(launcher, "replan", lambda plan, devices, folder, step: (two, f"{folder}/p.json", None))
-    log = MetricsLog(now, steps=8, path=None)
-    assert launcher._grown_plan(now, first, log, "ckpt", 5) is two
-    (event,) = log.events
-    assert (event["event"], event["devices_before"], event["devices_after"], event["plan"]) == ("replan", 1, 2,
-                                                                                                "ckpt/p.json")
-    assert capsys.readouterr().out.startswith("runtime: elastic: 1 -> 2 devices after step 5: vision DP2")
-
-    def cannot(plan, devices, folder, step):
-        raise ValueError("cannot re-plan for the 2 devices left: no plan fits")
-
-    monkeypatch.setattr(launcher, "replan", cannot)
-    assert launcher._grown_plan(now, first, log, "ckpt", 6) is None and len(log.events) == 1
-    assert ("runtime: warning: staying on 1 devices: cannot re-plan for the 2 devices left: no plan fits"
-            in capsys.readouterr().err.splitlines())
-    assert launcher._grown_plan(two, first, log, "ckpt", 7) is None  # uses what the cluster has: nothing to do
