@@ -16,6 +16,7 @@ from planner import api
 from planner.contract.families import model_from_hf_config
 from planner.contract.file_io import check_output, refuse_shared_paths, write_output
 from planner.contract.schema import Plan, PlanError, load_plan
+from planner.contract.strategy import layout_of
 from planner.problem import Problem
 
 EXIT_USER_ERROR = 2
@@ -78,10 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USER_ERROR
     if note:
         print(f"replan: {note}")
-    llm = new.module("llm")
-    print(f"replan: {args.gpus} devices: " + "; ".join(
-        f"{m.name} DP{m.dp} TP{m.tp} SP{m.sp} PP{m.pp} ZeRO{m.zero} x{m.grad_accum}" for m in new.modules)
-        + f"; {new.predicted.step_time_s:.3g} s per step predicted (LLM micro-batch {llm.micro_batch})")
+    print(f"replan: {args.gpus} devices: {layout_of(new)}; {new.predicted.step_time_s:.3g} s per step predicted")
     return 0
 
 

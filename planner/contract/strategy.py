@@ -177,3 +177,9 @@ def strategy_of(plan: Any) -> Strategy:
     """The strategy a plan file records (``planner.contract.schema.Plan``)."""
     modules = {m.name: ModuleStrategy.of_plan_module(m) for m in plan.modules}
     return Strategy(placement=plan.placement, modules=modules, precision=plan.training.precision)
+
+
+def layout_of(plan: Any) -> str:
+    """Each module's degrees a plan file records, in one line: ``vision DP2-TP1-SP1-CP1 ZeRO0 rc=none mb=1 ga=1;
+    llm ...`` (``ModuleStrategy.describe``)."""
+    return "; ".join(f"{m.name} {ModuleStrategy.of_plan_module(m).describe()}" for m in plan.modules)

@@ -36,6 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from planner.contract.file_io import write_output
 from planner.contract.schema import Plan, load_plan
+from planner.contract.strategy import layout_of
 from runtime.run.checkpoint_dir import CheckpointOptions, newest_sound
 from runtime.checkpoints.dcp_checkpoint import Checkpointer, checkpoint_problem
 from runtime.training import loop
@@ -459,19 +460,13 @@ def _plan_for(plan: Plan, first_plan: Plan, have: int, log: MetricsLog, folder: 
     if new is plan:
         return plan
     log.event("replan", step=step, devices_before=num_devices(plan), devices_after=num_devices(new),
-              global_batch=new.workload.global_batch, layout=layout(new),
+              global_batch=new.workload.global_batch, layout=layout_of(new),
               predicted_step_time_s=new.predicted.step_time_s, plan=path, note=note)
-    log.say(f"elastic: {num_devices(plan)} -> {num_devices(new)} devices after step {step}: {layout(new)}; "
+    log.say(f"elastic: {num_devices(plan)} -> {num_devices(new)} devices after step {step}: {layout_of(new)}; "
             f"global batch {new.workload.global_batch}; {new.predicted.step_time_s:.3g} s per step predicted"
             + (f" ({note})" if note else ""))
     log.plan = new
     return new
-
-
-def layout(plan: Plan) -> str:
-    """Each module's degrees in one phrase."""
-    return "; ".join(f"{m.name} DP{m.dp} TP{m.tp} SP{m.sp} CP{m.cp} PP{m.pp} EP{m.ep} ZeRO{m.zero} "
-                     f"x{m.grad_accum} micro-batches of {m.micro_batch}" for m in plan.modules)
 
 
 REPLAN_TIMEOUT_S = 300

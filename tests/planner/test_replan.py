@@ -62,3 +62,12 @@ def test_the_command_writes_the_plan_and_refuses_bad_input_in_one_line(tiny_plan
         assert main([str(old), *args]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("replan: error: ") and message in err, err
+
+
+def test_the_device_keeps_the_numbers_the_plan_recorded(tmp_path):
+    """A plan made on a cluster file (a 50 Gb/s network) re-plans on that network, not the catalog device's."""
+    slow = tmp_path / "slow.yaml"
+    slow.write_text("device: h100-80gb\ninter_node_bandwidth: 6.25e9\n")
+    plan = api.plan("qwen2.5-vl-tiny", api.ClusterInputs(gpus=16, cluster_file=str(slow), profile=None))
+    new, _ = replan(plan, 8)
+    assert new.cluster.device == plan.cluster.device and new.cluster.device.inter_node_bandwidth == 6.25e9
