@@ -10,7 +10,7 @@ import itertools
 from planner.catalog import get_model
 from planner.cost import DEFAULT_ASSUMPTIONS, check_strategy
 from planner.cost import module_cost
-from planner.cost.estimate import combine
+from planner.cost.estimate import combine, step_time_s
 from planner.dataset import DatasetHistogram, pack_dataset, sample_tokens
 from planner.search.enumeration import divisors
 from planner.contract.hardware import get_device, make_cluster
@@ -134,6 +134,8 @@ def brute_force(p: Problem, placement: str, llm_sp: int | None = None, pipelined
                 firsts = strategy.first_ranks()
                 costs = {encoder: cost(encoder, s_enc, firsts[encoder], s_llm.pp > 1),
                          llm: cost(llm, s_llm, firsts[llm], False)}
+                if best is not None and step_time_s(placement, costs, p.assumptions) >= best[0]:
+                    continue  # combine's step time: this plan cannot be the fastest, fitting or not
                 e = combine(p.model, p.cluster, p.workload, placement, costs, p.assumptions)
                 if e.fits and (best is None or e.step_time_s < best[0]):
                     best = (e.step_time_s, strategy)
