@@ -176,6 +176,7 @@ def _terms(
     sp_bwd: float = 0.0,
     cp_fwd: float = 0.0,
     cp_bwd: float = 0.0,
+    cp_overlap: float | None = None,
     ep_fwd: float = 0.0,
     ep_bwd: float = 0.0,
     recomputable: bool = False,
@@ -183,7 +184,8 @@ def _terms(
 ) -> LayerTerms:
     """Assemble LayerTerms from forward pieces; backward, recompute and exposure follow the module's modes.
 
-    ``backward_buffers`` defaults to ``buffers`` (the same exchange buffers run both ways).
+    ``backward_buffers`` defaults to ``buffers`` (the same exchange buffers run both ways). ``cp_overlap``: the
+    fraction of the CP collectives the attention compute hides (default ``cp_comm_overlap``, the ring's).
     ``input_grad=False`` marks a first layer whose input (pixels, mel frames) needs no gradient: its backward
     is the weight-gradient GEMM only. ``ops`` are the (forward, backward) operator calls: each pass takes the
     longer of its device work and its host dispatch (``host.pass_time``); ``attention_ops`` are the calls of the
@@ -213,11 +215,11 @@ def _terms(
         saved = working = 0.0
     if rc == "full":
         tp_fwd, sp_fwd, ep_fwd = 2 * tp_fwd, 2 * sp_fwd, 2 * ep_fwd
-    cp_exposed = exposed_time(cp_fwd, attention_s, a.cp_comm_overlap) + exposed_time(
-        cp_bwd, attention_s * attn_bwd, a.cp_comm_overlap
-    )
+    cp_overlap = a.cp_comm_overlap if cp_overlap is None else cp_overlap
+    cp_exposed = (exposed_time(cp_fwd, attention_s, cp_overlap)
+                  + exposed_time(cp_bwd, attention_s * attn_bwd, cp_overlap))
     if rc != "none":
-        cp_exposed += exposed_time(cp_fwd, attention_s, a.cp_comm_overlap)
+        cp_exposed += exposed_time(cp_fwd, attention_s, cp_overlap)
     return LayerTerms(
         forward_s=forward,
         backward_s=backward,
@@ -369,11 +371,43 @@ def attention_calls(layer: LayerSpec, shard: Shard) -> float:
 def dense_packed_mask(layer: LayerSpec, shard: Shard) -> bool:
     """Whether a decoder's packed row (several samples, ``segments > 1``) runs one masked SDPA call: transformers'
     packed-sequence mask ([B, 1, L, L] booleans, built from the position ids) with per-segment calls (``sdpa``)
-    and the whole row on the rank; Ulysses and ring CP attend segment by segment, ``varlen`` takes ``cu_seqlens``.
-    The masked kernel computes every block of the row (no causal or segment skipping)."""
+    and the whole row on the rank; Ulysses attends segment by segment, ``varlen`` takes ``cu_seqlens``, ring CP
+    gathers its own mask (``packed_context_parallel``). The masked kernel computes every block of the row (no
+    causal or segment skipping)."""
     s = shard
     return (layer.attention.causal and s.segments > 1 and s.assumptions.attention_calls == "sdpa"
             and s.sp == 1 and s.cp == 1)
+
+
+def packed_context_parallel(layer: LayerSpec, shard: Shard) -> bool:
+    """Whether a decoder's packed row (several samples, ``segments > 1``) runs over ring CP, which then takes the
+    all-gather form (runtime.parallel.ring; Llama Team 2024, "The Llama 3 Herd of Models", Sec. 3.3.2): each CP
+    rank gathers the group's keys and values and attends its queries to the whole row in one SDPA call under a
+    ``[row / cp, row]`` sample-and-causal boolean mask, every block computed (torch's ring passes one mask to every
+    block, and a sample boundary can fall in any of them)."""
+    return layer.attention.causal and shard.segments > 1 and shard.cp > 1
+
+
+def packed_context_parallel_terms(kv_block: float, shard: Shard) -> tuple[float, float, float, float, float]:
+    """(forward and backward collective seconds, forward and backward transient bytes, saved bytes beyond the
+    rank's own keys and values) of one layer's all-gather CP (``packed_context_parallel``), from its own key/value
+    block of ``kv_block`` bytes (as many heads as the queries).
+
+    The forward all-gathers ``cp`` blocks, the backward all-reduces their gradient and each rank keeps its part
+    (``_GatherSequence``: gloo has no reduce-scatter); neither overlaps the attention, which waits for the whole
+    gather. Without recomputation SDPA keeps the gathered blocks for its backward, the ``cp - 1`` other ranks'
+    beyond the rank's own; otherwise they are transient in the forward and gathered again in the backward, beside
+    their gradient. The mask (one boolean per (query, key) pair of the rank's ``row / cp`` positions against the
+    row) lives through both passes (``packed_mask_bytes`` of a row, ``1 / cp`` of its queries)."""
+    s = shard
+    gathered = s.cp * kv_block
+    mask = packed_mask_bytes(s.segment_tokens * s.segments, s.micro_batch) / s.cp
+    kept = s.recompute == "none" and s.backward != "none"
+    forward_buffers = mask + (0.0 if kept else gathered)
+    backward_buffers = mask + gathered * (1 if kept else 2)
+    saved = (s.cp - 1) * kv_block if kept else 0.0
+    return (all_gather_time(gathered, s.cp, s.cp_link), all_reduce_time(gathered, s.cp, s.cp_link), forward_buffers,
+            backward_buffers, saved)
 
 
 def _block_attention(layer: LayerSpec, shard: Shard) -> tuple[float, float, float, bool]:
@@ -381,14 +415,15 @@ def _block_attention(layer: LayerSpec, shard: Shard) -> tuple[float, float, floa
 
     Heads are split by tp and sp (Ulysses attends full segments on a head shard), queries by cp; window blocks
     attend per window, full blocks per segment, causal kernels skip masked blocks (eager computes them all); a
-    packed row under a dense mask (``dense_packed_mask``) is one segment of the whole row, every block computed.
+    packed row under a dense mask (``dense_packed_mask``, ``packed_context_parallel``) is one segment of the whole
+    row, every block computed.
     """
     a, s, asm = layer.attention, shard, shard.assumptions
     heads = a.num_heads / (s.tp * s.sp)
     windowed = bool(a.window_patches) and s.windows > 0
     seg, num_seg = (s.window_tokens, s.windows) if windowed else (s.segment_tokens, s.segments)
     causal = asm.causal_attention_flops_fraction if a.causal and asm.attention_implementation != "eager" else 1.0
-    if dense_packed_mask(layer, s):
+    if dense_packed_mask(layer, s) or packed_context_parallel(layer, s):
         seg, num_seg, causal = s.segment_tokens * s.segments, 1.0, 1.0
     flops = attention_flops(seg, num_seg * s.micro_batch, heads * a.head_dim, causal) / s.cp
     scores = seg * seg * num_seg * s.micro_batch * heads / s.cp
@@ -493,13 +528,15 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     KV heads; a mixture-of-experts layer's router and whole experts are not TP-split (transformers'
     ``base_model_tp_plan`` of Qwen3-VL-MoE splits attention only), so only attention's 1 + 1 remain, and its TP
     ranks meet in the expert exchange instead (``expert_all_to_all_time``). Ulysses exchanges only around full
-    attention; window blocks keep whole windows on a rank. Ring CP passes KV blocks (KV + dKV in backward).
+    attention; window blocks keep whole windows on a rank. Ring CP passes KV blocks (KV + dKV in backward); a
+    packed row gathers them instead (``packed_context_parallel_terms``).
     """
     s, e, a = shard, shard.assumptions.activation_bytes, layer.attention
     gemm_s, gemm_fl = _gemms(_block_gemm_shapes(layer, s), s)
     attn_s, attn_fl, scores, windowed = _block_attention(layer, s)
     tp_ar = tp_all_reduces(layer) * all_reduce_time(s.tokens * layer.hidden_size * e, s.tp, s.tp_link)
-    sp_fwd = buffers = cp_fwd = 0.0
+    sp_fwd = buffers = cp_fwd = cp_bwd = cp_buffers = cp_backward_buffers = cp_saved = cp_working = 0.0
+    cp_overlap = None
     if layer.moe is not None:
         experts_s, experts_fl, _, buffers = expert_terms(layer, s)
         gemm_s, gemm_fl = gemm_s + experts_s, gemm_fl + experts_fl
@@ -509,8 +546,13 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         buffers = max(buffers, s.tokens * 2 * (q + kv) * e)
     if s.cp > 1:  # the runtime repeats grouped KV heads to the query heads first: the ring's kernels take equal heads
         kv_block = s.tokens * 2 * a.num_heads / s.tp * a.head_dim * e
-        cp_fwd = ring_kv_pass_time(kv_block, s)
-        buffers += 2 * kv_block
+        if packed_context_parallel(layer, s):
+            cp_fwd, cp_bwd, cp_buffers, cp_backward_buffers, cp_saved = packed_context_parallel_terms(kv_block, s)
+            cp_working, cp_overlap = (s.cp - 1) * kv_block, 0.0
+        else:
+            cp_fwd, cp_buffers = ring_kv_pass_time(kv_block, s), 2 * kv_block
+            cp_bwd, cp_backward_buffers = 2 * cp_fwd, cp_buffers
+        buffers += cp_buffers
     if dense_packed_mask(layer, s):
         buffers += packed_mask_bytes(s.segment_tokens * s.segments, s.micro_batch)
     mlp_backward = _mlp_backward_bytes(layer, s)
@@ -524,16 +566,17 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         attention_s=attn_s,
         attention_flops_=attn_fl,
         elementwise_s=elementwise_time(block_elementwise_elements(layer, s), s.device, s.assumptions),
-        saved=_block_saved(layer, s, scores, s.recompute),
-        working=_block_saved(layer, s, scores, "none"),
+        saved=_block_saved(layer, s, scores, s.recompute) + cp_saved,
+        working=_block_saved(layer, s, scores, "none") + cp_working,
         buffers=buffers,
-        backward_buffers=max(buffers, mlp_backward),
+        backward_buffers=max(buffers - cp_buffers + cp_backward_buffers, mlp_backward),
         tp_fwd=tp_ar,
         tp_bwd=tp_ar + replicated_kv_backward_time(layer, s),
         sp_fwd=sp_fwd,
         sp_bwd=sp_fwd,
         cp_fwd=cp_fwd,
-        cp_bwd=2 * cp_fwd,
+        cp_bwd=cp_bwd,
+        cp_overlap=cp_overlap,
         ep_fwd=expert_all_to_all_time(s.tokens, layer, s),
         ep_bwd=expert_all_to_all_time(s.tokens, layer, s),
         recomputable=True,

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 from cost_toys import COMPUTE_ONLY, TOY_DEVICE, toy_model
 
-from planner.cost.comm import Link, all_reduce_time, all_to_all_time, p2p_time
+from planner.cost.comm import Link, all_gather_time, all_reduce_time, all_to_all_time, p2p_time
 from planner.cost.compute import attention_core_time, gemm_time
 from planner.cost.layers import (
     Shard,
@@ -254,6 +254,31 @@ def test_a_packed_row_under_sdpa_attends_its_whole_row_through_a_dense_mask():
     assert sdpa.buffer_bytes - varlen.buffer_bytes == 64 * 64
     alone = layer_terms(DECODER, shard(assumptions=replace(A, attention_calls="sdpa")))
     assert alone.flops == pytest.approx(DECODER_GEMM_FLOPS + DECODER_ATTN_FLOPS) and alone.buffer_bytes == 0
+
+
+def test_a_packed_row_over_context_parallelism_gathers_keys_and_values_under_its_own_mask():
+    """A decoder row of 4 packed samples of 16 tokens over CP2 runs the all-gather form: each rank's 32 queries
+    attend all 64 keys (every pair computed, 4 x 32 x 64 x 128 FLOPs), its 32 x 64 boolean mask lives through the
+    step, the KV blocks (32 tokens x 2 x 4 heads x 32 x 2 B = 16 KiB a rank, the 1 KV head repeated) are
+    all-gathered forward and their gradient all-reduced backward, unhidden. Without recomputation SDPA keeps the
+    other rank's block; selective recomputation keeps none, and holds the gathered blocks transiently instead."""
+    e = A.activation_bytes
+    kv_block = 32 * 2 * 4 * 32 * e
+
+    def row(recompute="none", segments=4):
+        return layer_terms(DECODER, replace(shard(cp=2, recompute=recompute), segment_tokens=64 / segments,
+                                            segments=segments))
+
+    packed, ring = row(), row(segments=1)
+    assert packed.flops == pytest.approx(DECODER_GEMM_FLOPS / 2 + 4 * 32 * 64 * 128)
+    assert packed.cp_comm_s == pytest.approx(all_gather_time(2 * kv_block, 2, LINK) + all_reduce_time(2 * kv_block, 2,
+                                                                                                        LINK))
+    assert packed.buffer_bytes == 32 * 64
+    assert packed.saved_bytes - ring.saved_bytes == pytest.approx(kv_block)
+    selective, ring_selective = row("selective"), row("selective", segments=1)
+    assert selective.buffer_bytes == pytest.approx(32 * 64 + 2 * kv_block)
+    assert selective.backward_buffer_bytes == pytest.approx(32 * 64 + 4 * kv_block)
+    assert selective.saved_bytes == pytest.approx(ring_selective.saved_bytes)
 
 
 def test_an_mlps_backward_holds_its_hidden_gradients_beside_the_saved_activations():
