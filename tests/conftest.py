@@ -1,5 +1,6 @@
 """Shared fixtures. Keep additions additive: several areas of the project put fixtures here."""
 
+import gc
 import os
 import tempfile
 
@@ -21,6 +22,15 @@ checks that every file starting Ray is in the many-process share)."""
 
 def _many_processes(nodeid: str) -> bool:
     return nodeid.startswith(MANY_PROCESS_TESTS) and not nodeid.startswith(IN_PROCESS_TESTS)
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers, Ray, the planner: ~1 M objects in a test worker) is taken out
+    of the cyclic garbage collector's reach: every full collection of a test worker otherwise traverses it all
+    (0.3 s each; planner-heavy files ran 12 % faster without), as the runtime's training processes do
+    (``runtime.training.trainer.freeze_startup_heap``)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -45,7 +45,7 @@ from runtime.observability.metrics import MetricsLog, print_summary
 from runtime.parallel.parallel_dims import forget_earlier_worlds
 from runtime.run.preflight import check_outputs, is_cpu_plan, num_devices, save_with_fallback
 from runtime.run.stop_signals import keep_handler
-from runtime.training.trainer import RunOptions, Trainer
+from runtime.training.trainer import RunOptions, Trainer, freeze_startup_heap
 
 PLACEMENT_TIMEOUT_S = 120
 """How long to wait for the placement group's bundles once resources were found sufficient, and, when
@@ -86,6 +86,7 @@ class Worker(loop.RankCheckpoints):
     def __init__(self, rank: int, threads: int):
         self.rank = rank
         torch.set_num_threads(threads)
+        freeze_startup_heap()
         self.trainer: Trainer | None = None
         self.checkpointer: Checkpointer | None = None
         self.store: dist.TCPStore | None = None

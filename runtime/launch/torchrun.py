@@ -21,7 +21,7 @@ from runtime.checkpoints.dcp_checkpoint import Checkpointer
 from runtime.launch.driver import validate_plan
 from runtime.observability.metrics import MetricsLog, print_summary
 from runtime.run.preflight import TorchrunEnv, check_outputs, check_world_size, is_cpu_plan, save_with_fallback
-from runtime.training.trainer import RunOptions, Trainer
+from runtime.training.trainer import RunOptions, Trainer, freeze_startup_heap
 
 
 def pin_gpu(local_rank: int) -> None:
@@ -83,6 +83,7 @@ def run(plan: Plan, options: RunOptions, env: TorchrunEnv, *, steps: int, metric
         pin_gpu(env.local_rank)
         torch.cuda.set_device(0)
     dist.init_process_group("gloo" if cpu else "nccl")
+    freeze_startup_heap()
     trainer = None
     try:
         trainer = Trainer(plan, rank=env.rank, options=options)

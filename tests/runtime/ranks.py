@@ -20,7 +20,7 @@ from torch.distributed import distributed_c10d as c10d
 import torch.multiprocessing as mp
 
 from runtime.parallel.parallel_dims import forget_earlier_worlds
-from runtime.training.trainer import RunOptions, Trainer
+from runtime.training.trainer import RunOptions, Trainer, freeze_startup_heap
 
 SEED = 3
 """Random-init seed of the scenarios."""
@@ -37,6 +37,7 @@ def _free_port() -> int:
 def _rank_main(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    freeze_startup_heap()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.save(fn(rank, *args), os.path.join(out_dir, f"{rank}.pt"))

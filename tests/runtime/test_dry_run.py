@@ -26,7 +26,7 @@ from runtime.dry_run.report import format_report, usable_bytes
 from runtime.dry_run.roles import roles
 from runtime.models.model import RandomInit
 from runtime.parallel.parallel_dims import forget_earlier_worlds
-from runtime.training.trainer import RunOptions, Trainer
+from runtime.training.trainer import RunOptions, Trainer, freeze_startup_heap
 from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_qwen3_vl_moe_config
 from tests.runtime.ranks import start_ranks
 
@@ -39,6 +39,7 @@ def _real_peaks(rank: int, world: int, plans_json: list[str], store: str, out: s
     """One gloo rank of each plan in turn (one process per world size: starting one costs seconds): two real
     steps each; the second's peak tensor memory (MemTracker) to ``out.<plan index>.<rank>``."""
     torch.set_num_threads(1)
+    freeze_startup_heap()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         for index, plan_json in enumerate(plans_json):
