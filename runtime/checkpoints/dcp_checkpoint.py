@@ -311,7 +311,8 @@ def load_checkpoint(trainer: Any, path: str) -> None:
     state.restore()
     trainer.load_state_dict(read_run_state(path))
     for name, (optimizer, schedule) in trainer.optimizers.items():
-        schedule.load_state_dict(read_json(os.path.join(path, schedule_file(name)), kind="LR schedule state"))
+        saved = read_json(os.path.join(path, schedule_file(name)), kind="LR schedule state")
+        schedule.load_state_dict(schedule_state_for(saved, len(optimizer.param_groups)))
         for group, lr in zip(optimizer.param_groups, schedule.get_last_lr()):
             group["lr"] = lr
     rng = os.path.join(path, rng_file(trainer.rank))
@@ -320,6 +321,18 @@ def load_checkpoint(trainer: Any, path: str) -> None:
         torch.set_rng_state(states["cpu"])
         if "cuda" in states and trainer.device.type == "cuda":
             torch.cuda.set_rng_state(states["cuda"])
+
+
+PER_GROUP_SCHEDULE_STATE = ("base_lrs", "_last_lr", "lr_lambdas")
+"""What an LR schedule's state holds once per parameter group (torch's ``LambdaLR``)."""
+
+
+def schedule_state_for(state: dict, groups: int) -> dict:
+    """A module's saved LR-schedule state for an optimizer of ``groups`` parameter groups: its groups share one
+    learning rate and warm-up, and a plan that splits its parameters otherwise has another count of groups
+    (``runtime.training.optim.same_kind_groups``), so each group takes the first saved group's values."""
+    return {k: [v[0]] * groups if k in PER_GROUP_SCHEDULE_STATE and isinstance(v, list) and v else v
+            for k, v in state.items()}
 
 
 class Unfilled:

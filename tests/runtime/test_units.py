@@ -510,6 +510,32 @@ def test_plan_schedule_builds_torchs_schedule_and_times_every_compute_pass(sched
         dist.destroy_process_group()
 
 
+def test_every_optimizer_group_holds_one_kind_of_tensor_for_the_multi_tensor_step():
+    """torch's AdamW steps multi-tensor by default on CUDA, and those calls refuse a list mixing plain tensors and
+    DTensors: a TP module's norms stay plain beside its sharded weights. On a fake process group, a TP2 linear and
+    a plain norm: the runtime's AdamW takes the multi-tensor step (forced here, as CUDA would choose it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from runtime.training.optim import adamw
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        parallelize_module(model[0], init_device_mesh("cpu", (2,)), ColwiseParallel())
+        optimizer = adamw(model.parameters(), lr=1e-3, weight_decay=0.0)
+        for group in optimizer.param_groups:
+            group["foreach"] = True
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        assert len(optimizer.param_groups) == 2
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_balancing_loss_is_transformers_load_balancing_loss():
     """One rank holding the whole batch: the routers' recorded choices give transformers' own ``aux_loss`` (Switch
     Transformer's, over every MoE layer and token) of the same forward."""
