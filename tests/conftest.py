@@ -27,7 +27,7 @@ def _many_processes(nodeid: str) -> bool:
 def pytest_collection_finish(session):
     """What collection imported (torch, transformers, Ray, the planner: ~1 M objects in a test worker) is taken out
     of the cyclic garbage collector's reach: every full collection of a test worker otherwise traverses it all
-    (0.3 s each; planner-heavy files ran 12 % faster without), as the runtime's training processes do
+    (0.3 s each; planner-heavy files ran 12 % faster once it was frozen), as the runtime's training processes do
     (``runtime.training.trainer.freeze_startup_heap``)."""
     gc.collect()
     gc.freeze()
