@@ -22,10 +22,10 @@ from planner.problem import Problem
 EXIT_USER_ERROR = 2
 
 
-def replan_problem(plan: Plan, gpus: int) -> Problem:
+def replan_problem(plan: Plan, gpus: int, profile: str | None = None) -> Problem:
     """The problem ``plan`` was made for, on ``gpus`` devices of its recorded type (the device's numbers as the plan
-    records them, its profile when it named one). A dataset plan is re-planned from its dataset, which the plan only
-    summarises: refused in one line."""
+    records them; ``profile``, else its own profile when it named one). A dataset plan is re-planned from its
+    dataset, which the plan only summarises: refused in one line."""
     if plan.workload.dataset is not None:
         raise ValueError(f"a dataset plan is re-planned from its dataset ({plan.workload.dataset.source}): run "
                          f"`plan --dataset ... --gpus {gpus}`")
@@ -38,15 +38,16 @@ def replan_problem(plan: Plan, gpus: int) -> Problem:
         frozen=[m.name for m in plan.modules if m.frozen])
     search = api.SearchOptions(allow_ring_cp=any(m.cp > 1 for m in plan.modules))
     cluster = api.ClusterInputs(gpus=gpus, gpu=plan.cluster.device.name, gpus_per_node=plan.cluster.devices_per_node,
-                                profile=plan.predicted.profile)
+                                profile=profile or plan.predicted.profile)
     problem = api.make_problem(spec, cluster, workload=workload, search=search)
     return replace(problem, cluster=replace(problem.cluster, device=plan.cluster.device))
 
 
-def replan(plan: Plan, gpus: int) -> tuple[Plan, str | None]:
-    """The fastest plan of ``plan``'s problem on ``gpus`` devices, with ``plan``'s training settings, and a note
-    when its pins (``--fix``) had to be dropped because no plan on ``gpus`` devices keeps them."""
-    problem = replan_problem(plan, gpus)
+def replan(plan: Plan, gpus: int, problem: Problem | None = None) -> tuple[Plan, str | None]:
+    """The fastest plan of ``plan``'s problem on ``gpus`` devices (``problem``: that problem as given), with
+    ``plan``'s training settings, and a note when its pins (``--fix``) had to be dropped because no plan on ``gpus``
+    devices keeps them."""
+    problem = problem or replan_problem(plan, gpus)
     pins, note = dict(plan.solver.fixed), None
     try:
         new = api.plan(problem, fix=pins)

@@ -1,6 +1,6 @@
 """``python -m runtime plan.json [--steps N] [--metrics FILE] [--checkpoint DIR] [--save DIR] [--data PATH] [--seed S]
 [--tokenizer DIR] [--no-prefetch] [--checkpoint-dir DIR [--checkpoint-every K] [--keep-last N] [--max-failures N
-[--elastic [SECONDS]]]]
+[--elastic [SECONDS]]] [--adapt [STEPS] [--adapt-min-gain F] [--switch-cost SECONDS]]]
 [--resume [PATH]] [--trace DIR [--trace-profiler]] [--balance modules|tokens] [--dry-run]``
 
 Runs locally (starts Ray) or on the Ray cluster at RAY_ADDRESS / under ``ray job submit``; under
@@ -88,6 +88,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="on Ray, with --max-failures: when a lost worker's device is not back within SECONDS "
                         f"(default {ELASTIC_WAIT_S:g}), re-plan for the devices left (same global batch) and resume "
                         "there from the latest checkpoint; back to the first plan when they return")
+    parser.add_argument("--adapt", type=int, nargs="?", const=3, metavar="STEPS",
+                        help="on Ray, with --checkpoint-every: after STEPS measured steps (default 3), fit the cost "
+                        "model to them and to collectives timed on the run's devices, re-plan, and switch plans at a "
+                        "checkpoint when the new one is predicted faster and its gain over the steps left covers the "
+                        "switch's cost; after STEPS more, switch back if it measures slower")
+    parser.add_argument("--adapt-min-gain", type=float, default=0.05, metavar="F",
+                        help="with --adapt: the smallest predicted gain, as a share of the step, worth a switch "
+                        "(default 0.05)")
+    parser.add_argument("--switch-cost", type=float, metavar="SECONDS",
+                        help="with --adapt: seconds a switch costs (default: measured: the job's start-up, its first "
+                        "step's extra time and a checkpoint's stall)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
@@ -107,6 +118,7 @@ def check_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--elastic waits 0 to {MAX_ELASTIC_WAIT_S:g} s for lost devices, got {args.elastic:g}")
         if not args.max_failures:
             raise ValueError("--elastic re-plans when a worker is lost: give --max-failures N too (how many times)")
+    check_adapt_flags(args)
     if not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"--seed must be 0 to {MAX_SEED:,} (what torch and numpy seed with), got {args.seed}")
     needs_dir = [f for f in ("checkpoint_every", "keep_last") if getattr(args, f) is not None]
@@ -120,6 +132,24 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError("--trace-profiler needs --trace DIR (where the traces go)")
     if args.trace is not None and args.dry_run:
         raise ValueError("--trace records the steps of a run; --dry-run runs none (drop one of them)")
+
+
+def check_adapt_flags(args: argparse.Namespace) -> None:
+    """``--adapt`` and its settings make sense; raises ValueError (one line)."""
+    if args.adapt is None:
+        given = [f for f, v in (("--adapt-min-gain", args.adapt_min_gain != 0.05), ("--switch-cost",
+                                                                                 args.switch_cost is not None)) if v]
+        if given:
+            raise ValueError(f"{given[0]} sets how --adapt decides: give --adapt too")
+        return
+    if args.adapt < 1:
+        raise ValueError(f"--adapt measures at least 1 step before re-planning, got {args.adapt}")
+    if not 0 <= args.adapt_min_gain < 1:
+        raise ValueError(f"--adapt-min-gain is a share of the step in [0, 1), got {args.adapt_min_gain:g}")
+    if args.switch_cost is not None and not 0 <= args.switch_cost < 86_400:
+        raise ValueError(f"--switch-cost is seconds in [0, 86400), got {args.switch_cost:g}")
+    if args.checkpoint_every is None:
+        raise ValueError("--adapt switches plans at checkpoints: give --checkpoint-dir and --checkpoint-every K")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--dry-run runs every rank role in this one process: run it without torchrun")
         if env is not None and args.elastic is not None:
             raise ValueError("torchrun runs are not elastic (--elastic re-plans on Ray's view of the cluster): run "
+                             "without torchrun, on Ray")
+        if env is not None and args.adapt is not None:
+            raise ValueError("torchrun runs do not adapt (--adapt restarts the job under another plan on Ray): run "
                              "without torchrun, on Ray")
         if env is not None and args.max_failures:
             raise ValueError("--max-failures is for the Ray launcher; under torchrun use torchrun's --max-restarts "
@@ -231,7 +264,7 @@ def _run_on_ray(plan: Plan, args: argparse.Namespace) -> int:
     options = _run_options(args)
     try:
         run(plan, options, steps=args.steps, metrics_path=args.metrics, save=args.save,
-            checkpoints=_checkpoint_options(args))
+            checkpoints=_checkpoint_options(args), adapt=_adapt_options(args))
     except preflight.SavedElsewhere as e:
         return _refuse(e, status=1)
     except RayTaskError as e:  # a worker's error, wrapped by Ray (also an instance of the error's own class)
@@ -279,6 +312,15 @@ def _worker_failure(error: BaseException, max_failures: int) -> str:
     detail = f"{type(error).__name__}: {_first_line(error)}"[:200]
     return (f"{what} and the run stopped after {max_failures} recoveries (--max-failures {max_failures}); resume "
             f"with --resume from the latest checkpoint in --checkpoint-dir ({detail})")
+
+
+def _adapt_options(args: argparse.Namespace):
+    """``--adapt``'s settings (``runtime.launch.adapt.AdaptOptions``), None without it."""
+    if args.adapt is None:
+        return None
+    from runtime.launch.adapt import AdaptOptions
+
+    return AdaptOptions(warmup_steps=args.adapt, min_gain=args.adapt_min_gain, switch_cost_s=args.switch_cost)
 
 
 def _checkpoint_options(args: argparse.Namespace) -> CheckpointOptions:

@@ -8,6 +8,7 @@ import grimp
 import pytest
 
 PLANNER_LAYERS = (
+    "planner.adapt",
     grimp.Layer("planner.cli", "planner.analysis", "planner.calibrate", "planner.replan"),
     "planner.arguments",
     "planner.api",

@@ -93,6 +93,21 @@ class CostAssumptions:
     """Factor on a profile's measured layer times: a layer timed alone (warm caches, nothing else running) may run
     slower inside a training step. 1 until calibration fits it."""
 
+    vision_compute_scale: float = 1.0
+    """Factor on the vision tower's compute as modelled (its layers' forward, backward and recomputation, host dispatch
+    included; not their collectives): 1 until an adaptive run (``planner.adapt``) fits it to the tower's own measured
+    passes."""
+    audio_compute_scale: float = 1.0
+    """The same for the audio encoder."""
+    llm_compute_scale: float = 1.0
+    """The same for the LLM."""
+    optimizer_time_scale: float = 1.0
+    """Factor on the optimizer step as modelled: 1 until an adaptive run fits it to the measured step."""
+
+    def compute_scale(self, module: str) -> float:
+        """``<module>_compute_scale``."""
+        return getattr(self, f"{module}_compute_scale")
+
     optimizer_foreach: bool = True
     """Whether the optimizer step is torch's multi-tensor AdamW (its default on CUDA: a fixed number of calls per
     step) or its per-parameter loop (the default on CPU: 11 calls per parameter tensor, ``OPTIMIZER_OPS``)."""
@@ -246,6 +261,9 @@ class CostAssumptions:
         if not 0 <= self.step_overhead_s < 3600 or not 0 < self.measured_time_scale <= 100:
             raise ValueError(f"step_overhead_s must be in [0, 3600) s and measured_time_scale in (0, 100], got "
                              f"{self.step_overhead_s} and {self.measured_time_scale}")
+        for name in ("vision_compute_scale", "audio_compute_scale", "llm_compute_scale", "optimizer_time_scale"):
+            if not 0 < getattr(self, name) <= 100:
+                raise ValueError(f"{name} must be in (0, 100], got {getattr(self, name)}")
         if not 0 <= self.max_seq_memory_margin < 1:
             raise ValueError(f"max_seq_memory_margin must be in [0, 1), got {self.max_seq_memory_margin}")
         for name in ("host_seconds_per_op", "dtensor_seconds_per_op"):

@@ -282,6 +282,11 @@ def _sum_layers(
     if optimizer_measured:
         sources["optimizer"] = MEASURED
     final_sources = static.analytical_sources if layer_costs is None else MappingProxyType(sources)
+    scale = static.assumptions.compute_scale(static.spec.name)
+    if scale != 1.0:
+        times = replace(times, forward_s=scale * times.forward_s, backward_s=scale * times.backward_s,
+                        recompute_s=scale * times.recompute_s)
+        weight_grad *= scale
     return LayerSums(**times.terms(), saved_bytes=saved, forward_buffer_bytes=forward_buffers,
                  backward_buffer_bytes=backward_buffers, loss_buffer_bytes=loss_buffers,
                  optimizer_measured_s=optimizer_s, optimizer_call_s=optimizer_call,
@@ -496,9 +501,10 @@ def rank_cost(
     formula_experts = sums.optimizer_formula_expert_params if s.ep > 1 else 0.0
     optimizer_params = ((sums.optimizer_formula_params - formula_experts) / optimizer_shards
                         + formula_experts / expert_shards)
-    optimizer_time = sums.optimizer_call_s + sums.optimizer_measured_s / optimizer_shards + optimizer_pass_time(
-        optimizer_params, sums.optimizer_formula_tensors, recipe,
-        dtensor=s.tp > 1 or s.zero >= 1, device=cluster.device, assumptions=assumptions)
+    optimizer_time = assumptions.optimizer_time_scale * (
+        sums.optimizer_call_s + sums.optimizer_measured_s / optimizer_shards + optimizer_pass_time(
+            optimizer_params, sums.optimizer_formula_tensors, recipe,
+            dtensor=s.tp > 1 or s.zero >= 1, device=cluster.device, assumptions=assumptions))
     activations = sums.saved_bytes / s.virtual_stages
     if static.spec.name == "llm" and s.pp == 1:
         activations += injected_feature_bytes(static.model, static.workload, s.micro_batch, s.sp * s.cp,

@@ -11,6 +11,7 @@ The file conventions (units, ``seq_len``, ``includes_comm``) are in ``planner.pr
 """
 
 from planner.profiles.calibration import (
+    ADAPTED_ASSUMPTIONS,
     CALIBRATED_ASSUMPTIONS,
     MEASURED_ASSUMPTIONS,
     MEMORY_ASSUMPTIONS,
@@ -52,7 +53,7 @@ from planner.profiles.schema import (
 )
 
 __all__ = [
-    "CALIBRATED_ASSUMPTIONS", "COLLECTIVE_OPS", "EXTRAPOLATION_SLOPES", "LINK_FIT_OP", "MAX_MEASURED_AMOUNT",
+    "ADAPTED_ASSUMPTIONS", "CALIBRATED_ASSUMPTIONS", "COLLECTIVE_OPS", "EXTRAPOLATION_SLOPES", "LINK_FIT_OP", "MAX_MEASURED_AMOUNT",
     "MAX_MEASURED_SECONDS", "MEASURED_ASSUMPTIONS", "MEMORY_ASSUMPTIONS", "PROFILES_DIR", "PROFILE_SCHEMA_VERSION",
     "READABLE_SCHEMA_VERSIONS",
     "RECOMPUTED_KINDS", "STEP_TIME_ASSUMPTIONS", "CalibratedRun", "Calibration", "CollectiveOp", "CollectivePoint",

@@ -56,7 +56,17 @@ MEASURED_ASSUMPTIONS: dict[str, PhysicalRange] = {
 }
 """Assumptions the runs measure directly (their metrics' median), set before the step-time fit."""
 
-CALIBRATED_ASSUMPTIONS = {**STEP_TIME_ASSUMPTIONS, **MEMORY_ASSUMPTIONS, **MEASURED_ASSUMPTIONS}
+_COMPUTE_SCALE = PhysicalRange(low=0.05, high=20.0, prior_width=None, why="a module's measured passes within 20x "
+                               "of its modelled compute either way; beyond that the model is of another machine")
+ADAPTED_ASSUMPTIONS: dict[str, PhysicalRange] = {
+    "vision_compute_scale": _COMPUTE_SCALE,
+    "audio_compute_scale": _COMPUTE_SCALE,
+    "llm_compute_scale": _COMPUTE_SCALE,
+    "optimizer_time_scale": PhysicalRange(low=0.05, high=20.0, prior_width=None, why="as a module's compute"),
+}
+"""Assumptions an adaptive run fits per module and per term from its own measured spans (``planner.adapt``)."""
+
+CALIBRATED_ASSUMPTIONS = {**STEP_TIME_ASSUMPTIONS, **MEMORY_ASSUMPTIONS, **MEASURED_ASSUMPTIONS, **ADAPTED_ASSUMPTIONS}
 
 
 def apply_calibration(assumptions: CostAssumptions, calibration: Calibration | None) -> CostAssumptions:

@@ -41,6 +41,8 @@ from runtime.run.checkpoint_dir import CheckpointOptions, newest_sound
 from runtime.checkpoints.dcp_checkpoint import Checkpointer, checkpoint_problem
 from runtime.training import loop
 from runtime.launch.driver import validate_plan
+from runtime.launch.adapt import Adapter, AdaptOptions
+from runtime.observability.collectives import time_in_world
 from runtime.observability.metrics import MetricsLog, print_summary
 from runtime.parallel.parallel_dims import forget_earlier_worlds
 from runtime.run.preflight import check_outputs, is_cpu_plan, num_devices, save_with_fallback
@@ -122,6 +124,12 @@ class Worker(loop.RankCheckpoints):
     def save_hf_folder(self, path: str) -> None:
         self.trainer.save_hf_folder(path)
 
+    def time_collectives(self, group_sizes: tuple[int, ...]) -> list[dict[str, Any]] | None:
+        """The cost model's collectives timed on this job's world (``runtime.observability.collectives``); rank 0's
+        timings."""
+        device = torch.device("cuda", 0) if dist.get_backend() == "nccl" else torch.device("cpu")
+        return time_in_world(self.rank, group_sizes, device)
+
     def close(self) -> None:
         if self.trainer is not None:
             self.trainer.close()
@@ -198,6 +206,9 @@ class Job:
     """Their placement group; None for a pool's workers (the pool keeps them)."""
     steps_done: int = 0
     """Optimizer steps done when the job started (resumed from a checkpoint), then after each step."""
+    setup_s: float = 0.0
+    """Seconds its ranks took to join their world and build their Trainers (a resumed job: to load the
+    checkpoint too)."""
 
     def step(self) -> list[dict[str, Any]]:
         """One optimizer step on every rank; each rank's measurements."""
@@ -214,12 +225,21 @@ class Job:
         """Wait for a checkpoint still being written; rank 0's measurements of it."""
         return get_all([w.finish_checkpoints.remote() for w in self.workers], self.workers)[0]
 
+    def time_collectives(self, group_sizes: tuple[int, ...]) -> list[dict[str, Any]]:
+        """Collectives timed on the job's own devices over groups of each size (``Worker.time_collectives``)."""
+        return get_all([w.time_collectives.remote(group_sizes) for w in self.workers], self.workers)[0]
+
     def gather(self, kind: str) -> dict[str, torch.Tensor]:
         """Full parameters (``"param"``) or gradients (``"grad"``) under their HF names."""
         merged: dict[str, torch.Tensor] = {}
         for part in get_all([w.full_tensors.remote(kind) for w in self.workers], self.workers):
             merged.update(part)
         return merged
+
+    def leave(self) -> None:
+        """Every rank leaves the process group and drops its Trainer; the actors stay up for the next plan's job
+        (``start(kept=...)``)."""
+        get_all([w.close.remote() for w in self.workers], self.workers)
 
     def shutdown(self) -> None:
         """Leave the process group where possible (a rank stuck after a peer failed cannot), then stop the actors;
@@ -278,11 +298,20 @@ def ensure_ray() -> None:
         keep_handler(previous)  # ray.init's SIGTERM handler would exit mid-step, aborting in Ray's C++ teardown
 
 
-def start(plan: Plan, options: RunOptions, *, resource_wait_s: float = 0.0, pool: WorkerPool | None = None) -> Job:
+def start(plan: Plan, options: RunOptions, *, resource_wait_s: float = 0.0, pool: WorkerPool | None = None,
+          kept: Job | None = None) -> Job:
     """Validate, check resources (waiting up to ``resource_wait_s`` for them: a lost node being replaced),
-    place one actor per device (or take the pool's, CPU plans only) and build every rank's Trainer."""
+    place one actor per device (or take the pool's, CPU plans only; or ``kept``'s, a job that left its world to
+    switch plans, when they are enough: the rest are stopped) and build every rank's Trainer."""
     validate_plan(plan, options)
     ensure_ray()
+    if kept is not None:
+        n = num_devices(plan)
+        if n <= len(kept.workers):
+            for w in kept.workers[n:]:
+                ray.kill(w)
+            return _set_up(plan, options, kept.workers[:n], kept.group)
+        kept.shutdown()
     if pool is not None:
         assert is_cpu_plan(plan), "a WorkerPool serves CPU plans (its workers hold no GPU)"
         return _set_up(plan, options, pool.take(num_devices(plan)), group=None)
@@ -311,8 +340,11 @@ def start(plan: Plan, options: RunOptions, *, resource_wait_s: float = 0.0, pool
 
 
 def _set_up(plan: Plan, options: RunOptions, workers: list[Any], group: Any) -> Job:
-    """Rendezvous on the first worker's address and build every rank's Trainer."""
+    """Rendezvous on the first worker's address and build every rank's Trainer (timed from when every actor is up:
+    ``Job.setup_s``)."""
     try:
+        get_all([w.ping.remote() for w in workers], workers)
+        started = time.perf_counter()
         address = ray.get(workers[0].rendezvous_address.remote())
         plan_json = plan.model_dump_json()
         calls = [w.setup.remote(plan_json, address, options, len(workers)) for w in workers]
@@ -323,7 +355,7 @@ def _set_up(plan: Plan, options: RunOptions, workers: list[Any], group: Any) -> 
         if group is not None:
             remove_placement_group(group)
         raise
-    return Job(plan=plan, workers=workers, group=group, steps_done=steps_done)
+    return Job(plan=plan, workers=workers, group=group, steps_done=steps_done, setup_s=time.perf_counter() - started)
 
 
 def save_checkpoint(job: Job, path: str) -> None:
@@ -347,7 +379,7 @@ def save_checkpoint(job: Job, path: str) -> None:
 
 def run(
     plan: Plan, options: RunOptions, *, steps: int, metrics_path: str | None = None, save: str | None = None,
-    checkpoints: CheckpointOptions = CheckpointOptions(),
+    checkpoints: CheckpointOptions = CheckpointOptions(), adapt: AdaptOptions | None = None,
 ) -> dict[str, Any]:
     """Train until ``steps`` optimizer steps are done (counting those of a resumed checkpoint), with one JSON line
     per step and per checkpoint / resume / recovery, then save the weights to ``save`` (a folder ``--checkpoint``
@@ -355,13 +387,15 @@ def run(
 
     Every output path is checked before Ray starts. If saving fails at the end, the weights go to a fallback
     folder and ``preflight.SavedElsewhere`` says where. When a worker fails, the job restarts from the latest
-    complete checkpoint at most ``checkpoints.max_failures`` times, then the failure is raised.
+    complete checkpoint at most ``checkpoints.max_failures`` times, then the failure is raised. ``adapt``: the run
+    re-plans from its own measurements and switches plans at a checkpoint when it pays (``runtime.launch.adapt``).
     """
     check_outputs(metrics=metrics_path, save=save)
     log = MetricsLog(plan, steps=steps, path=metrics_path, trace_dir=options.trace)
     try:
         try:
-            job = _train_recovering(plan, options, log, steps, checkpoints)
+            adapter = None if adapt is None else Adapter(adapt, steps=steps, folder=checkpoints.directory, log=log)
+            job = _train_recovering(plan, options, log, steps, checkpoints, adapter)
         except KeyboardInterrupt as stop:  # Ctrl-C or a stop signal (runtime.run.stop_signals): the steps done so far
             print_summary(log, plan, stopped=str(stop))
             raise
@@ -376,28 +410,36 @@ def run(
     return summary
 
 
-def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: int, checkpoints: CheckpointOptions
-                      ) -> Job:
+def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: int, checkpoints: CheckpointOptions,
+                      adapter: Adapter | None = None) -> Job:
     """Start the job and train it until ``steps`` are done, restarting it from the latest complete checkpoint
     when a worker is lost (at most ``checkpoints.max_failures`` times); the job, still up. Elastic
     (``checkpoints.elastic_wait_s``): a restart runs on the devices left (``_plan_for_the_cluster``), and at a
-    checkpoint the run moves back up when devices came back (``_SwitchPlan``)."""
-    failures, failed_at, saved_at, first_plan = 0, None, {}, plan
+    checkpoint the run moves back up when devices came back (``_SwitchPlan``); adaptive (``adapter``): at a
+    checkpoint the run moves to the plan its measurements prefer, or back (``_SwitchPlan``)."""
+    failures, failed_at, saved_at, first_plan, kept = 0, None, {}, plan, None
     while True:
         if failed_at is not None and checkpoints.elastic_wait_s is not None:
             plan = _plan_for_the_cluster(plan, first_plan, log, checkpoints, step=failed_at[0])
-        job = start(plan, options, resource_wait_s=PLACEMENT_TIMEOUT_S if failures else 0.0)
+        job = start(plan, options, resource_wait_s=PLACEMENT_TIMEOUT_S if failures else 0.0, kept=kept)
+        kept = None
+        if adapter is not None:
+            adapter.job_started(job)
         try:
             if failed_at is not None:
                 _log_recovery(log, job, failed_at, failures, saved_at)
             elif options.resume is not None:
                 log.event("resume", path=options.resume, step=job.steps_done)
-            grow = None if checkpoints.elastic_wait_s is None else (
-                lambda step: _grown_plan(job.plan, first_plan, log, checkpoints.directory, step))
-            _train(job, log, steps, checkpoints, saved_at, grow)
+
+            def next_plan(saved: dict[str, Any], job: Job = job) -> Plan | None:
+                grown = None if checkpoints.elastic_wait_s is None else _grown_plan(
+                    job.plan, first_plan, log, checkpoints.directory, saved["step"])
+                return grown or (None if adapter is None else adapter.at_checkpoint(job, saved))
+
+            _train(job, log, steps, checkpoints, saved_at, next_plan)
             return job
-        except _SwitchPlan as switch:  # the job is shut down; go on under the new plan from the checkpoint just made
-            plan, failed_at = switch.plan, None
+        except _SwitchPlan as switch:  # the job left its world; go on under the new plan from the checkpoint just made
+            plan, failed_at, kept = switch.plan, None, job
             log.rewind(switch.step)  # steps an overlapped checkpoint's run went past it are done again
             options = dataclasses.replace(options, resume=newest_sound(checkpoints.directory, checkpoint_problem)[0])
         except ray.exceptions.RayError as e:
@@ -410,7 +452,8 @@ def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: i
 
 
 class _SwitchPlan(Exception):
-    """Raised after the checkpoint of ``step`` to go on from it under ``plan`` (elastic: devices came back)."""
+    """Raised after the checkpoint of ``step`` to go on from it under ``plan`` (elastic: devices came back;
+    adaptive: a plan measured or predicted faster)."""
 
     def __init__(self, plan: Plan, step: int) -> None:
         super().__init__(f"switch to a plan on {num_devices(plan)} devices after step {step}")
@@ -492,21 +535,24 @@ def replan(plan: Plan, devices: int, folder: str, step: int) -> tuple[Plan, str,
 
 
 def _train(job: Job, log: MetricsLog, steps: int, checkpoints: CheckpointOptions, saved_at: dict[int, float],
-           grow: Callable[[int], Plan | None] | None = None) -> None:
+           next_plan: Callable[[dict[str, Any]], Plan | None] | None = None) -> None:
     """``loop.train`` from where the job stands, noting when each checkpoint was done in ``saved_at``; a failing
-    step shuts the job down and raises. ``grow``: after each checkpoint before the last, the plan to go on under
-    instead (then the job is shut down and ``_SwitchPlan`` raised), or None."""
+    step shuts the job down and raises. ``next_plan``: after each checkpoint before the last (its measurements),
+    the plan to go on under instead (then the job is shut down and ``_SwitchPlan`` raised), or None."""
     def on_saved(saved: dict[str, Any]) -> None:
         saved_at[saved["step"]] = time.perf_counter()
 
-    def on_saved_growing(saved: dict[str, Any]) -> None:
+    def on_saved_switching(saved: dict[str, Any]) -> None:
         on_saved(saved)
-        new = grow(saved["step"]) if grow is not None and saved["step"] < steps else None
+        new = next_plan(saved) if next_plan is not None and saved["step"] < steps else None
         if new is not None:
             raise _SwitchPlan(new, saved["step"])
 
     try:
-        loop.train(job, log, steps, checkpoints, on_saved=on_saved_growing)
+        loop.train(job, log, steps, checkpoints, on_saved=on_saved_switching)
+    except _SwitchPlan:  # the actors stay for the next plan's job (``start(kept=...)``)
+        job.leave()
+        raise
     except KeyboardInterrupt:  # a stop signal reached the driver only: the workers let a checkpoint being written
         try:                   # complete (one step at most), so that the run resumes from it; a second one stops this
             loop.finish_checkpoints(job, log, checkpoints, on_saved)

@@ -1,5 +1,5 @@
-"""Per-step measurements: one JSON line per step to a file, a progress bar, and a final summary beside the
-plan's predictions. A dataset plan's step also gives, per balanced module, the busiest rank's compute and assigned
+"""Per-step measurements: one JSON line per step to a file (``elapsed_s``: seconds since the run's start when the
+step ended), a progress bar, and a final summary beside the plan's predictions. A dataset plan's step also gives, per balanced module, the busiest rank's compute and assigned
 work over the mean rank's (``imbalance``), and the summary the median step's beside the plan's expectation.
 
 Each rank measures itself; a step's line takes, per quantity, the slowest rank holding the module (the step
@@ -14,6 +14,7 @@ import contextlib
 import json
 import statistics
 import sys
+import time
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -110,9 +111,11 @@ class MetricsLog:
         self.path = path
         self.file: TextIO | None = open(path, "a" if append else "w") if path else None
         self.bar = tqdm(total=steps, desc="train", unit="step", dynamic_ncols=True)
+        self.started = time.perf_counter()
 
     def log(self, step: int, results: list[dict[str, Any]]) -> dict[str, Any]:
         record = step_record(step, results)
+        record["elapsed_s"] = time.perf_counter() - self.started
         self.records.append(record)
         self._write(record)
         if self.trace_dir is not None:

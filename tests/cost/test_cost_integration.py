@@ -2,11 +2,13 @@
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from planner.catalog import get_model
 from planner.cost import estimate
+from planner.cost.assumptions import DEFAULT_ASSUMPTIONS
 from planner.contract.hardware import Cluster, get_device
 from planner.contract.strategy import ModuleStrategy, Strategy
 from planner.contract.workload import Workload
@@ -90,3 +92,21 @@ def test_cost_package_imports_without_heavy_dependencies():
     code += "import planner.cost\nimport planner.cost.report\n"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_modules_compute_scale_multiplies_its_compute_only_and_the_optimizer_scale_its_step():
+    """``<module>_compute_scale`` (an adaptive run's per-module fit) doubles that module's forward, backward and
+    recomputation and nothing else: its TP collectives, the other module, memory stay; ``optimizer_time_scale``
+    doubles every module's optimizer step."""
+    s = strategy(ModuleStrategy(dp=2, tp=8, zero=2, recompute="full", micro_batch=8, grad_accum=4))
+    base = estimate(MODEL, CLUSTER, WORKLOAD, s)
+    scaled = estimate(MODEL, CLUSTER, WORKLOAD, s, replace(DEFAULT_ASSUMPTIONS, llm_compute_scale=2.0,
+                                                           optimizer_time_scale=2.0))
+    llm, llm2 = base.modules["llm"], scaled.modules["llm"]
+    for term in ("forward_s", "backward_s", "recompute_s"):
+        assert getattr(llm2, term) == pytest.approx(2 * getattr(llm, term)) and getattr(llm, term) > 0
+    assert llm2.tp_comm_s == llm.tp_comm_s > 0 and llm2.dp_comm_s == llm.dp_comm_s
+    assert scaled.modules["vision"].forward_s == base.modules["vision"].forward_s
+    for name in ("vision", "llm"):
+        assert scaled.modules[name].optimizer_s == pytest.approx(2 * base.modules[name].optimizer_s)
+    assert scaled.peak_memory_bytes == base.peak_memory_bytes

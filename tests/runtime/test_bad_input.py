@@ -118,6 +118,13 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("balance_unknown", lambda t: ["--balance", "lpt"], "--balance must be modules or tokens, got 'lpt'"),
     ("balance_of_fixed_shapes", lambda t: ["--balance", "tokens"], "--balance tokens splits a dataset plan's packs; "
      "this plan's samples are of one fixed shape (plan with --dataset, or drop --balance)"),
+    ("adapt_without_checkpoints", lambda t: ["--adapt"],
+     "--adapt switches plans at checkpoints: give --checkpoint-dir and --checkpoint-every K"),
+    ("adapt_zero_steps", lambda t: ["--adapt", "0"], "--adapt measures at least 1 step before re-planning, got 0"),
+    ("adapt_gain_of_a_whole_step", lambda t: ["--adapt", "--adapt-min-gain", "1"],
+     "--adapt-min-gain is a share of the step in [0, 1), got 1"),
+    ("switch_cost_without_adapt", lambda t: ["--switch-cost", "3"],
+     "--switch-cost sets how --adapt decides: give --adapt too"),
     ("tokenizer_without_tokenizer_files", lambda t: ["--data", conversations(t), "--tokenizer", str(t)],
      "--tokenizer {tmp} is not a folder with a tokenizer (no tokenizer_config.json)"),
 ]

@@ -242,6 +242,9 @@ def test_dry_run_is_refused_under_torchrun(tmp_path):
     elastic = run_cli(str(tmp_path / "plan.json"), "--checkpoint-dir", str(tmp_path / "c"), "--max-failures", "1",
                       "--elastic", env=env)
     assert_one_line_error(elastic, "torchrun runs are not elastic")
+    adaptive = run_cli(str(tmp_path / "plan.json"), "--checkpoint-dir", str(tmp_path / "c"), "--checkpoint-every", "1",
+                       "--adapt", env=env)
+    assert_one_line_error(adaptive, "torchrun runs do not adapt")
 
 
 @pytest.mark.parametrize("cause", [

@@ -31,6 +31,7 @@ import time
 import pytest
 
 from planner.contract.schema import load_plan
+from planner.profiles import load_profile
 from runtime.launch import launcher
 from runtime.training.trainer import RunOptions
 from tests.runtime.plans import make_plan
@@ -235,6 +236,47 @@ def test_an_elastic_run_shrinks_onto_the_devices_left_and_moves_back_up_when_the
     assert shrink["plan"] == str(tmp_path / "elastic" / f"plan-{shrink['step']:06d}-1.json") and grow["plan"] is None
     assert load_plan(shrink["plan"]).cluster.num_devices == 1
     assert records[-1]["steps"] == STEPS and recovery["resumed_step"] in (6, 7)
+    _assert_no_workers_left()
+
+
+@pytest.mark.slow
+def test_an_adaptive_run_switches_to_the_plan_its_measurements_prefer_on_the_same_loss_curve(
+        tmp_path, ray_cluster, uninterrupted):
+    """``--adapt 2 --switch-cost 0`` on a TP2 plan (both modules; micro-batches of 2: the uninterrupted DP2 run's
+    global batch and samples). After step 3 (its first step left out, 2 measured) the run times the collectives on
+    its two workers, the planner fits each module's compute, the optimizer and the overhead to the measurements and
+    re-plans; the fitted model prefers a plan without TP and the run switches to it at the checkpoint of step 3 on
+    the same actors, then checks it after 2 measured steps (kept, or switched back if slower). Every step is on the
+    uninterrupted loss curve (TP and DP sum in other orders: relative 1e-5); each decision is one stdout line and
+    one metrics event; the fitted profile (the run's collectives and the fit) is beside the checkpoints."""
+    _, expected = uninterrupted
+    (tmp_path / "plan.json").write_text(make_plan(dict(tp=2, micro_batch=2), dict(tp=2, micro_batch=2)).to_json())
+    metrics = tmp_path / "adapt.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "runtime", str(tmp_path / "plan.json"), "--steps", str(STEPS), "--metrics",
+         str(metrics), "--checkpoint-dir", str(tmp_path / "adapt"), "--checkpoint-every", "1", "--adapt", "2",
+         "--switch-cost", "0"], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address})
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _records(metrics)
+    losses = {r["step"]: r["loss"] for r in records if "step" in r and "loss" in r}
+    assert losses.keys() == expected.keys()
+    for step, loss in expected.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+    (resumed,) = [r for r in records if r.get("event") == "resume"]  # from the switch's checkpoint, no step redone
+    assert resumed["step"] == 3 and len([r for r in records if "loss" in r and "step" in r]) == STEPS
+    fit, check = [r for r in records if r.get("event") == "adapt"]
+    assert (fit["step"], fit["decision"], check["step"]) == (3, "switch", 6) and check["decision"] in ("kept",
+                                                                                                     "switch back")
+    assert "TP2" in fit["current_layout"] and "TP2" not in fit["new_layout"]
+    assert fit["new_fitted_s"] < fit["current_fitted_s"] == pytest.approx(fit["measured"]["step_time_s"], rel=1e-6)
+    assert {"vision_compute_scale", "llm_compute_scale", "optimizer_time_scale"} <= fit["fitted"].keys()
+    profile = load_profile(fit["profile"])
+    assert profile.calibration.values == fit["fitted"] and {p.group_size for p in profile.collectives} == {2}
+    assert load_plan(fit["plan"]).predicted.profile == fit["profile"]
+    said = [line for line in result.stdout.splitlines() if line.startswith("runtime: adapt: ")]
+    assert len(said) == 2 and "switching (predicted gain" in said[0] and f"{check['why']}" in said[1]
+    assert records[-1]["steps"] == STEPS
     _assert_no_workers_left()
 
 

@@ -602,3 +602,29 @@ def test_the_chunked_loss_is_the_whole_loss_and_saves_no_logits():
         torch.testing.assert_close(got, want)
     assert whole_saved >= tokens * vocab * 4
     assert chunked_saved <= (tokens * width + width * vocab) * 4 + tokens * 8
+
+
+@pytest.mark.parametrize("kwargs, switch, said", [
+    (dict(current_s=1.0, new_s=0.5, same_layout=True), False, "prefers the running plan"),
+    (dict(current_s=1.0, new_s=0.96), False, "4.0% per step is below the 5% threshold"),
+    (dict(current_s=1.0, new_s=0.9, steps_left=10, switch_cost_s=1.0), False, "= 1 s does not cover the switch's 1 s"),
+    (dict(current_s=1.0, new_s=0.9, steps_left=11, switch_cost_s=1.0), True, "= 1.1 s covers the switch's 1 s"),
+])
+def test_an_adaptive_run_switches_only_for_a_gain_that_pays_for_the_switch(kwargs, switch, said):
+    from runtime.launch.adapt import decide
+
+    args = dict(same_layout=False, steps_left=100, switch_cost_s=0.0, min_gain=0.05) | kwargs
+    decided, why = decide(**args)
+    assert decided is switch and said in why
+
+
+def test_an_adaptive_run_fits_medians_of_the_timers_it_ran_and_times_collectives_its_devices_can_form():
+    from runtime.launch.adapt import collective_group_sizes, measured_medians
+    from runtime.observability.collectives import IN_RUN_OPS
+    from planner.profiles import COLLECTIVE_OPS
+
+    records = [{"step_time_s": t, "llm_forward_s": t / 2, "vision_forward_s": 0.0} for t in (3.0, 1.0, 2.0)]
+    assert measured_medians(records) == {"step_time_s": 2.0, "llm_forward_s": 1.0}
+    assert collective_group_sizes(make_plan(dict(dp=2, tp=2), dict(tp=4))) == (2, 4)
+    assert collective_group_sizes(make_plan(dict(dp=1), dict(dp=1))) == ()
+    assert IN_RUN_OPS == COLLECTIVE_OPS  # every collective the cost model prices is timed
