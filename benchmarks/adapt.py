@@ -9,16 +9,17 @@ all count):
   fit prefers: no switch, nothing but the fit's cost);
 - ``hand-made TP2``: a TP2 layout of both modules, 2 samples per step on 2 devices (as a hand sweep would start).
 
-    .venv/bin/python benchmarks/adapt.py [--steps 120] [--cases wrong,right,tp2]
+    .venv/bin/python benchmarks/adapt.py [--steps 120] [--cases wrong,right,tp2] [--save benchmarks/results/adapt]
 
-Prints one row per run and the decision lines; tests never assert on these times.
+Prints one row per run and the decision lines (``--save``: each run's plan and metrics file too, which the fidelity
+notebook draws); tests never assert on these times.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,11 +57,12 @@ def fast_links(tmp: Path) -> str:
 
 def run(plan_path: Path, folder: Path, steps: int, adapt: bool) -> tuple[list[dict], list[str]]:
     """One CLI run: its metrics records and its ``runtime: adapt:`` lines."""
+    folder.mkdir()
     metrics = folder / "metrics.jsonl"
     command = [sys.executable, "-m", "runtime", str(plan_path), "--steps", str(steps), "--metrics", str(metrics),
                "--checkpoint-dir", str(folder / "checkpoints"), "--checkpoint-every", str(CHECKPOINT_EVERY)]
     command += ["--adapt", str(ADAPT_AFTER)] if adapt else []
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ})
+    result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -78,6 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--cases", default="wrong,right,tp2")
+    parser.add_argument("--save", help="copy each case's plan and both runs' metrics files into this folder")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -100,6 +103,13 @@ def main() -> None:
                 print(f"  {line}")
             print(f"  without --adapt {before:8.1f} tokens/s   with --adapt {after:8.1f} tokens/s   "
                   f"ratio {after / before:.2f}")
+            if args.save:
+                save = Path(args.save)
+                save.mkdir(parents=True, exist_ok=True)
+                shutil.copy(plan_path, save / f"{key}-plan.json")
+                for run_name, records in (("fixed", fixed), ("adaptive", adaptive)):  # each rank's numbers left out
+                    (save / f"{key}-{run_name}.jsonl").write_text(
+                        "".join(json.dumps({k: v for k, v in r.items() if k != "ranks"}) + "\n" for r in records))
 
 
 if __name__ == "__main__":

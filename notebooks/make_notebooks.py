@@ -423,6 +423,50 @@ def span_seconds(trace, key):
 
 spans = span_seconds(predicted, "predicted_s").join(span_seconds(measured, "measured_s"), how="outer")
 spans"""),
+    new_markdown_cell("""\
+## A run that corrects its plan (`--adapt`)
+`benchmarks/adapt.py --save benchmarks/results/adapt` ran each case's plan on 2 CPU workers twice, without and with
+`--adapt 3`: after 3 measured steps the adaptive run timed its collectives, fitted the cost model to its own spans,
+re-planned, and decided (runtime.md, "Adaptive runs"). Per step below: measured step time of both runs; the plan's
+own prediction and, under the fit, the running plan's and the new plan's; the decision's step marked."""),
+    new_code_cell("""\
+ADAPT = ROOT / "benchmarks" / "results" / "adapt"
+CASES = {"wrong": "interconnect called 100x faster", "right": "the cpu entry's numbers", "tp2": "hand-made TP2"}
+
+
+def run_metrics(path):
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_step = pd.DataFrame([r for r in records if "loss" in r]).drop_duplicates("step", keep="last").set_index("step")
+    return by_step, [r for r in records if r.get("event") == "adapt"]
+
+
+runs = {case: (run_metrics(ADAPT / f"{case}-fixed.jsonl")[0], *run_metrics(ADAPT / f"{case}-adaptive.jsonl"))
+        for case in CASES if (ADAPT / f"{case}-adaptive.jsonl").is_file()}
+adapted = []
+if runs:
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 3.5), squeeze=False)
+    for ax, (case, (fixed, adaptive, events)) in zip(axes[0], runs.items()):
+        fit, end = events[0], adaptive.index.max()
+        ax.plot(fixed.index, fixed.step_time_s, color="grey", alpha=0.6, label="measured, fixed plan")
+        ax.plot(adaptive.index, adaptive.step_time_s, color="C0", label="measured, --adapt")
+        ax.hlines(fit["planned_step_s"], 0, end, color="black", linestyles=":", label="planned")
+        ax.hlines(fit["current_fitted_s"], 0, end, color="C1", linestyles="--", label="running plan, fitted")
+        ax.hlines(fit["new_fitted_s"], fit["step"], end, color="C2", linestyles="--", label="new plan, fitted")
+        ax.axvline(fit["step"], color="C3", linewidth=0.8)
+        ax.set(yscale="log", xlabel="step", ylabel="step time (s)", title=f"{CASES[case]}: {fit['decision']}")
+        after = adaptive[adaptive.index >= fit["step"] + 1].step_time_s.median()
+        adapted.append({"case": CASES[case], "decision": fit["decision"], "planned_s": fit["planned_step_s"],
+                        "measured_before_s": fit["measured"]["step_time_s"], "running_fitted_s": fit["current_fitted_s"],
+                        "new_fitted_s": fit["new_fitted_s"], "measured_after_s": after,
+                        "fixed_after_s": fixed[fixed.index >= fit["step"] + 1].step_time_s.median(),
+                        "check": events[1]["decision"] if len(events) > 1 else None})
+    axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1, 1))
+    plt.tight_layout()
+    plt.show()
+    adapted = pd.DataFrame(adapted).set_index("case")
+    display(adapted.round(3))
+else:
+    display(Markdown("Run `benchmarks/adapt.py --save benchmarks/results/adapt` to add this part."))"""),
     new_markdown_cell("## Conclusion"),
     new_code_cell("""\
 def summary(rows):
@@ -445,6 +489,12 @@ parts.append(f"Over one step of the disjoint plan the predicted timeline ends at
              f"and the measured one at {makespan_s(measured) * 1e3:.0f} ms; of the spans both draw, {worst} differs "
              f"most ({both.predicted_s[worst] * 1e3:.0f} ms predicted vs {both.measured_s[worst] * 1e3:.0f} ms "
              "measured over the step).")
+if len(adapted):
+    switched = adapted[adapted.decision == "switch"]
+    parts.append(f"Adaptive runs: {len(switched)} of {len(adapted)} switched"
+                 + "".join(f"; {case}: {r.measured_before_s * 1e3:.0f} ms per step before, {r.measured_after_s * 1e3:.0f} "
+                           f"ms after (the fit predicted {r.new_fitted_s * 1e3:.0f} ms)" for case, r in switched.iterrows())
+                 + ".")
 display(Markdown(" ".join(parts)))"""),
 ]
 

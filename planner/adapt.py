@@ -20,7 +20,8 @@ run's own devices and process groups. The fit, one term at a time:
   leaves over the predicted one, at least 0.
 
 Every factor lies in its ``ADAPTED_ASSUMPTIONS`` range; one that ends on a bound is named in ``at_bound``, and then
-its module's predicted passes differ from the measured ones (``residuals``). The fit is saved as a profile
+its module's predicted passes differ from the measured ones (``residuals``); so is ``step_overhead_s`` when the
+measured spans add up to more than the measured step (one overlapping another). The fit is saved as a profile
 (``--profile-out``: the collectives and a ``Calibration``; ``plan --profile FITTED`` reads it) on top of the plan's own
 profile, if it had one. One JSON line answers; bad input is one line and exit status 2.
 """
@@ -226,6 +227,8 @@ def adapt(request: AdaptRequest, request_name: str, out: str, profile_out: str) 
     at_bound = [n for n, v in values.items() if n in ADAPTED_ASSUMPTIONS
                 and v in (ADAPTED_ASSUMPTIONS[n].low, ADAPTED_ASSUMPTIONS[n].high)]
     left = residuals(predictor, values, request.measured)
+    if values["step_overhead_s"] == 0 and left["step"] > 1e-6:  # the spans sum to more than the step
+        at_bound.append("step_overhead_s")
     measured_s = request.measured["step_time_s"]
     after = predictor(values).step_time_s
     calibration = Calibration(

@@ -12,7 +12,7 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-FIGURES = {"compare_plans.ipynb": 5, "scaling.ipynb": 2, "fidelity.ipynb": 3}
+FIGURES = {"compare_plans.ipynb": 5, "scaling.ipynb": 2, "fidelity.ipynb": 4}
 """Notebook -> figures (image/png outputs) it draws at least."""
 
 
