@@ -538,7 +538,8 @@ def _train(job: Job, log: MetricsLog, steps: int, checkpoints: CheckpointOptions
            next_plan: Callable[[dict[str, Any]], Plan | None] | None = None) -> None:
     """``loop.train`` from where the job stands, noting when each checkpoint was done in ``saved_at``; a failing
     step shuts the job down and raises. ``next_plan``: after each checkpoint before the last (its measurements),
-    the plan to go on under instead (then the job is shut down and ``_SwitchPlan`` raised), or None."""
+    the plan to go on under instead (then the job leaves its world, its actors kept, and ``_SwitchPlan`` is
+    raised), or None."""
     def on_saved(saved: dict[str, Any]) -> None:
         saved_at[saved["step"]] = time.perf_counter()
 
