@@ -34,6 +34,7 @@ from planner.cost.comm import (
     p2p_time,
 )
 from planner.cost.layer_costs import LayerCostSource
+from planner.cost.memory import model_state_bytes
 from planner.cost.phases import own_peak_bytes
 from planner.cost.rank_cost import (
     ModuleStatic,
@@ -42,6 +43,7 @@ from planner.cost.rank_cost import (
     flops_per_sample,
     layer_sums,
     module_static,
+    params_per_rank,
     rank_cost,
     with_measured_collectives,
 )
@@ -460,6 +462,25 @@ def pipelined_step_floor_s(
     v = s.virtual_stages
     filled = max(0.0, work - 2 * weight_grad) if s.pp_schedule in ZERO_BUBBLE_SCHEDULES else work
     return (s.grad_accum - 1 / v) * work / s.pp + filled / v
+
+
+def pipelined_state_floor_bytes(
+    model: ModelSpec, module: str, cluster: Cluster, workload: Workload, strategy: ModuleStrategy, *,
+    precision: Precision, assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
+) -> float:
+    """A lower bound on the per-GPU memory of a pipelined strategy (pp > 1) from its model states alone, without
+    splitting it into ranks: the ranks partition the module's layers, so the heaviest holds at least ``1 / pp`` of
+    the parameters a TP (and EP) rank holds, and each costs at least its ZeRO-sharded weights, gradients and optimizer
+    states (``model_state_bytes`` over the module's ZeRO shards: routed experts shard over fewer ranks, and a
+    pipelined FSDP stage keeps whole weights and gradients, both more). Activations, buffers and the reserve come on
+    top. The planner skips costing a pipelined strategy whose bound already exceeds a GPU (exact pruning)."""
+    s = strategy
+    static = module_static(model, module, pipeline_padded(workload), cluster, assumptions)
+    params = params_per_rank(static, s.tp, s.ep, static.spec.layers)[0]
+    shards = s.dp * s.cp * s.sp if assumptions.zero_shards_over_sequence_ranks else s.dp
+    states = model_state_bytes(params / s.pp, assumptions.bytes_per_param(precision), zero=s.zero, shards=shards,
+                               frozen=static.spec.frozen)
+    return sum(states)
 
 
 def _pipeline_work(static: ModuleStatic, s: ModuleStrategy, layer_costs: LayerCostSource | None) -> tuple[float, float]:

@@ -358,7 +358,7 @@ def fsdp_gradient_bytes(
     return params * assumptions.accumulated_gradient_bytes(precision) / shards
 
 
-def _params_per_rank(static: ModuleStatic, tp: int, ep: int, layers: tuple[LayerSpec, ...]
+def params_per_rank(static: ModuleStatic, tp: int, ep: int, layers: tuple[LayerSpec, ...]
                      ) -> tuple[float, float, float, float, float]:
     """On one TP (and EP) rank, of ``layers`` (the module's, or one pipeline stage's): (parameters, largest single
     layer instance, the FSDP root unit's parameters (every layer but the blocks, ``FSDP_BLOCK_KINDS``), largest block
@@ -455,7 +455,7 @@ def rank_cost(
     forward_buffers, backward_buffers = sums.forward_buffer_bytes, sums.backward_buffer_bytes
 
     recipe = assumptions.bytes_per_param(precision)
-    params, largest, root, block, experts = _params_per_rank(static, s.tp, s.ep, layers)
+    params, largest, root, block, experts = params_per_rank(static, s.tp, s.ep, layers)
     reduce_group = s.dp * s.cp * s.sp
     shards = reduce_group if assumptions.zero_shards_over_sequence_ranks else s.dp
     trainable = not static.spec.frozen

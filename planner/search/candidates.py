@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Mapping, NamedTuple
 
 from planner.cost import ModuleCost, module_cost
 from planner.cost.module import feeding_pipeline
-from planner.cost.pipeline import pipelined_step_floor_s
+from planner.cost.pipeline import pipelined_state_floor_bytes, pipelined_step_floor_s
 from planner.cost.estimate import module_path_terms
 from planner.cost.phases import alive_bytes, data_flow_order, own_peak_bytes, step_phases
 from planner.search.enumeration import Verdicts, encoder_names, group_sizes, module_strategies, valid_accums
@@ -507,9 +507,11 @@ def extend_pipelined(problem: Problem, cands: Candidates, limit_s: float) -> int
     non-dominated candidates (pruning is per group, so the result is what costing them at first would give);
     returns how many were costed."""
     due = [s for f, s in cands.deferred if f <= limit_s + FLOOR_SLACK_S]
+    cands.deferred = [(f, s) for f, s in cands.deferred if f > limit_s + FLOOR_SLACK_S]
+    if math.isfinite(limit_s):  # a plan exists: those that cannot fit are never part of a better one
+        due = [s for s in due if _may_fit_alone(problem, s)]
     if not due:
         return 0
-    cands.deferred = [(f, s) for f, s in cands.deferred if f > limit_s + FLOOR_SLACK_S]
     kept, smallest, costed = _cost_in_processes(problem, "llm", _as_series(due), cands.placement, (False,))
     cands.by_module["llm"] = prune(cands.by_module["llm"] + kept, cands.placement)
     known = cands.smallest.get("llm")
@@ -517,6 +519,16 @@ def extend_pipelined(problem: Problem, cands: Candidates, limit_s: float) -> int
         cands.smallest["llm"] = smallest if known is None else min(known, smallest, key=_memory_order)
     cands.num_costed += costed
     return costed
+
+
+def _may_fit_alone(problem: Problem, s: ModuleStrategy) -> bool:
+    """Whether a pipelined LLM strategy's model states (``pipelined_state_floor_bytes``) leave it a chance to fit a GPU
+    by itself; one that cannot is skipped uncosted (~99 % of the pipelined strategies under a large MoE's floors).
+    Left uncosted, it is not offered as the least-memory candidate (``Candidates.smallest``) either: only done when a
+    plan exists, so no explanation of infeasibility needs it."""
+    floor = pipelined_state_floor_bytes(problem.model, "llm", problem.cluster, problem.workload, s,
+                                        precision=problem.precision, assumptions=problem.assumptions)
+    return floor + problem.overhead_bytes <= problem.usable_bytes
 
 
 def memory_front(cands: Iterable[Candidate]) -> list[Candidate]:
