@@ -181,5 +181,6 @@ def strategy_of(plan: Any) -> Strategy:
 
 def layout_of(plan: Any) -> str:
     """Each module's degrees a plan file records, in one line: ``vision DP2-TP1-SP1-CP1 ZeRO0 rc=none mb=1 ga=1;
-    llm ...`` (``ModuleStrategy.describe``)."""
-    return "; ".join(f"{m.name} {ModuleStrategy.of_plan_module(m).describe()}" for m in plan.modules)
+    llm ...`` (``ModuleStrategy.describe``), after ``disjoint:`` when the modules have GPUs of their own."""
+    layout = "; ".join(f"{m.name} {ModuleStrategy.of_plan_module(m).describe()}" for m in plan.modules)
+    return f"disjoint: {layout}" if plan.placement == "disjoint" else layout

@@ -100,3 +100,11 @@ def test_a_bad_request_is_one_line_and_exit_2(tmp_path, capsys, change, said):
     assert adapt.main([str(path), "--out", str(tmp_path / "n.json"), "--profile-out", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("adapt: error: ") and said in err and err.count("\n") == 1
+
+
+def test_a_layout_line_says_when_the_modules_have_gpus_of_their_own():
+    """``vision DP1; llm DP1`` on one GPU, or each on its own: the line (and the adaptive fit's "same layout") tells
+    them apart."""
+    colocated = make_plan(dict(dp=1), dict(dp=1))
+    disjoint = make_plan(dict(dp=1), dict(dp=1), placement="disjoint")
+    assert layout_of(disjoint) == f"disjoint: {layout_of(colocated)}" and not layout_of(colocated).startswith("disj")
