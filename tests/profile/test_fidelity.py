@@ -22,9 +22,14 @@ def test_reduced_fidelity_loop(ray_cluster, tmp_path):
     # processes does not decide (one suite run measured the disjoint plan's 2 steps at 3.8 s mean, 1.08 s alone)
     results, _, _ = bench.fidelity(configs, steps=4, workdir=tmp_path, profile=profile)
     assert [r.name for r in results] == [c.name for c in configs]
-    for r in results:
+    for i, (r, config) in enumerate(zip(results, configs)):
         # Loose: this machine is shared, so only a broken loop (wrong units, a module not costed, a plan not run
-        # as planned) lands outside 4x.
+        # as planned) lands outside 4x. Contention only adds time: a configuration outside is measured once more
+        # and the faster measurement kept (one suite run measured the disjoint plan's median step at 3.4 s, 1.0 s
+        # alone, while the other test worker's processes held the cores); a broken loop is outside both times.
+        if not 0.25 < r.predicted_s / r.measured_s < 4:
+            (again,), _, _ = bench.fidelity((config,), steps=4, workdir=tmp_path / f"again{i}", profile=profile)
+            r = min(r, again, key=lambda result: result.measured_s)
         assert 0.25 < r.predicted_s / r.measured_s < 4, r
     assert "median |error|" in bench.format_table(results, None)
 
