@@ -86,7 +86,7 @@ class TimedCollective(BaseModel):
 
 
 class AdaptRequest(BaseModel):
-    """What a running plan measured (``runtime.run.adapt`` writes it)."""
+    """What a running plan measured (``runtime.launch.adapt`` writes it)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -48,7 +48,7 @@ class AdaptOptions:
     """Smallest predicted gain, as a share of the running plan's fitted step, worth a switch (the fitted model's own
     error on the running plan is of this order)."""
     switch_cost_s: float | None = None
-    """Seconds a switch costs; None: measured (``Adapter.measured_switch_cost_s``)."""
+    """Seconds a switch costs; None: measured (``Adapter.switch_cost_s``)."""
 
 
 def decide(*, current_s: float, new_s: float, same_layout: bool, steps_left: int, switch_cost_s: float,
@@ -86,8 +86,8 @@ class Adapter:
     def __init__(self, options: AdaptOptions, *, steps: int, folder: str, log: MetricsLog) -> None:
         self.options, self.steps, self.folder, self.log = options, steps, folder, log
         self.state = "measuring"
-        self.before: tuple[Plan, float] | None = None
-        """The plan switched from and its measured step."""
+        self.before: tuple[Plan, float, float] | None = None
+        """The plan switched from, its measured step and the new plan's step predicted under the fit."""
         self.job_first_step = 0
         self.job_setup_s = self.switch_stall_s = 0.0
 

@@ -132,6 +132,15 @@ def _assert_recovered(tmp_path, name: str, expected: dict[int, float], resumed: 
     return recovery
 
 
+def _assert_on_the_curve(records: list[dict], expected: dict[int, float]) -> None:
+    """Every step's loss (its last record: a redone step's) is the uninterrupted run's, up to the summation order of
+    another plan (relative 1e-5)."""
+    losses = {r["step"]: r["loss"] for r in records if "step" in r and "loss" in r}
+    assert losses.keys() == expected.keys()
+    for step, loss in expected.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+
+
 @pytest.mark.slow
 def test_a_killed_worker_is_recovered_from_the_last_checkpoint_or_ends_the_run_in_one_line(
     tmp_path, ray_cluster, uninterrupted
@@ -223,10 +232,7 @@ def test_an_elastic_run_shrinks_onto_the_devices_left_and_moves_back_up_when_the
         cluster.shutdown()
     assert result.returncode == 0, result.stderr[-3000:]
     records = _records(metrics)
-    losses = {r["step"]: r["loss"] for r in records if "step" in r and "loss" in r}
-    assert losses.keys() == expected.keys()
-    for step, loss in expected.items():
-        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+    _assert_on_the_curve(records, expected)
     shrink, grow = [r for r in records if r.get("event") == "replan"]
     (recovery,) = [r for r in records if r.get("event") == "recovery"]
     assert (shrink["devices_before"], shrink["devices_after"], shrink["global_batch"]) == (2, 1, 2)
@@ -259,10 +265,7 @@ def test_an_adaptive_run_switches_to_the_plan_its_measurements_prefer_on_the_sam
         env={**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address})
     assert result.returncode == 0, result.stderr[-3000:]
     records = _records(metrics)
-    losses = {r["step"]: r["loss"] for r in records if "step" in r and "loss" in r}
-    assert losses.keys() == expected.keys()
-    for step, loss in expected.items():
-        assert losses[step] == pytest.approx(loss, rel=1e-5), step
+    _assert_on_the_curve(records, expected)
     (resumed,) = [r for r in records if r.get("event") == "resume"]  # from the switch's checkpoint, no step redone
     assert resumed["step"] == 3 and len([r for r in records if "loss" in r and "step" in r]) == STEPS
     fit, check = [r for r in records if r.get("event") == "adapt"]
