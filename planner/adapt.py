@@ -4,7 +4,8 @@ running plan and the new one under the same fitted model: ``python -m planner.ad
 its answer whether a switch pays; so can a user.
 
 MEASURED (JSON, ``AdaptRequest``; the runtime writes it beside its checkpoints): the plan file the run trains, the
-medians of its measured steps (``step_time_s``; per module its passes' spans, ``<module>_forward_s`` and
+tensor memory its ranks measured (GPU runs, and CPU runs under ``--memory-cap-gib``), the medians of its measured
+steps (none after a step ran out of memory before any was measured: then only memory is fitted) (``step_time_s``; per module its passes' spans, ``<module>_forward_s`` and
 ``<module>_backward_s``, or a pipelined LLM's ``llm_pipeline_s``; ``optimizer_s``) and the collectives timed on the
 run's own devices and process groups. The fit, one term at a time:
 
@@ -17,7 +18,13 @@ run's own devices and process groups. The fit, one term at a time:
 - **the optimizer**: ``optimizer_time_scale``, its measured step over its predicted one (the modules' sum where they
   share the devices, the slowest group's where they do not);
 - **the rest of the step** (the loop's own work, data, hand-off waits): ``step_overhead_s``, what the measured step
-  leaves over the predicted one, at least 0.
+  leaves over the predicted one, at least 0;
+- **memory, per group of ranks** (``memory``: the most tensor bytes each rank's steps held, or held when a step ran
+  out of memory, and what a device holds): ``<module>_activation_memory_scale`` of the modules on those ranks, the
+  factor on their step memory (saved activations, pass and loss buffers; states are sizes, not estimates) that
+  makes the group's predicted tensors equal its measured ones, by bisection; only ever raised. The re-plan is made
+  for the device as the run found it (its memory, or the memory whose usable share less the framework overhead is a
+  CPU run's tensor cap), and the answer says whether the running plan still fits under the fit.
 
 Every factor lies in its ``ADAPTED_ASSUMPTIONS`` range; one that ends on a bound is named in ``at_bound``, and then
 its module's predicted passes differ from the measured ones (``residuals``); so is ``step_overhead_s`` when the
@@ -43,6 +50,7 @@ from planner.contract.file_io import check_output, parse_json, read_text, write_
 from planner.contract.schema import Plan, PlanError, load_plan
 from planner.contract.strategy import Strategy, layout_of, strategy_of
 from planner.cost import estimate
+from planner.cost.assumptions import CostAssumptions
 from planner.cost.results import Estimate, ModuleCost
 from planner.problem import Problem
 from planner.profiles import (
@@ -85,6 +93,19 @@ class TimedCollective(BaseModel):
                                                                  repeats=len(self.times)))
 
 
+class MeasuredMemory(BaseModel):
+    """The tensor memory a running plan's ranks measured, and what their devices hold."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    peak_tensor_bytes: dict[int, int] = Field(min_length=1, description="rank -> the most tensor bytes a step of it "
+                                              "held (a step that ran out of memory: when its allocation failed)")
+    capacity_bytes: int = Field(ge=1, description="what one device holds: its memory, or a CPU run's tensor cap")
+    tensor_cap: bool = Field(description="capacity_bytes caps tensors alone (a CPU run's --memory-cap-gib), not a "
+                             "device's memory with its framework overhead")
+    out_of_memory: bool = Field(default=False, description="a step ran out of memory")
+
+
 class AdaptRequest(BaseModel):
     """What a running plan measured (``runtime.launch.adapt`` writes it)."""
 
@@ -92,7 +113,10 @@ class AdaptRequest(BaseModel):
 
     plan: str = Field(description="the plan file the run trains")
     measured: dict[str, float] = Field(description="medians over the measured steps of the metrics' step_time_s, "
-                                       "<module>_forward_s / _backward_s (or llm_pipeline_s) and optimizer_s")
+                                       "<module>_forward_s / _backward_s (or llm_pipeline_s) and optimizer_s; empty "
+                                       "when no step was measured yet (then only memory is fitted)")
+    memory: MeasuredMemory | None = Field(default=None, description="measured tensor memory (GPU runs, and CPU "
+                                          "runs under a memory cap)")
     collectives: list[TimedCollective] = Field(default_factory=list, description="timed on the run's own devices")
     device_detail: str = Field(default="", description="what the run's devices report (the fitted profile's "
                                "provenance)")
@@ -110,7 +134,7 @@ def load_request(path: str) -> AdaptRequest:
     for key, value in request.measured.items():
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{path}: measured {key} = {value} is not a time in seconds")
-    if request.measured.get("step_time_s", 0) <= 0:
+    if request.measured.get("step_time_s", 0) <= 0 and (request.measured or request.memory is None):
         raise ValueError(f"{path}: measured step_time_s is missing or not positive")
     return request
 
@@ -201,6 +225,58 @@ def fit(predictor: _Predictor, measured: dict[str, float]) -> dict[str, float]:
     return values
 
 
+def memory_groups(plan: Plan, placement: str) -> dict[str, tuple[list[str], list[int]]]:
+    """The estimate's memory groups (``Estimate.memory_per_group``): each one's modules and ranks."""
+    if placement == "colocated":
+        return {"all": ([m.name for m in plan.modules], sorted({r for m in plan.modules for r in m.ranks}))}
+    return {m.name: ([m.name], list(m.ranks)) for m in plan.modules}
+
+
+def predicted_tensor_bytes(e: Estimate) -> dict[str, int]:
+    """Each memory group's predicted peak without the framework overhead: the tensors a rank of it holds."""
+    return {g: b.total - b.overhead for g, b in e.memory_per_group.items()}
+
+
+def fit_memory(predictor: _Predictor, values: dict[str, float], plan: Plan, memory: MeasuredMemory
+               ) -> dict[str, dict[str, int]]:
+    """Set in ``values`` each memory group's ``<module>_activation_memory_scale`` (one factor for the modules that
+    share its ranks) that makes its predicted tensors equal the most its ranks measured, by bisection (the peak grows
+    monotonically with the factor); a group measured at or under its prediction keeps 1. Per group: measured,
+    predicted before and after the fit (bytes)."""
+    before = predicted_tensor_bytes(predictor(values))
+    report = {}
+    for group, (modules, ranks) in memory_groups(plan, predictor(values).placement).items():
+        measured = max((memory.peak_tensor_bytes[r] for r in ranks if r in memory.peak_tensor_bytes), default=None)
+        if measured is None:
+            continue
+        if measured > before[group]:
+            bounds = ADAPTED_ASSUMPTIONS[f"{modules[0]}_activation_memory_scale"]
+
+            def tensors(scale: float) -> int:
+                scales = {f"{m}_activation_memory_scale": scale for m in modules}
+                return predicted_tensor_bytes(predictor({**values, **scales}))[group]
+
+            low, high = bounds.low, bounds.high
+            if tensors(high) <= measured:
+                low = high
+            for _ in range(BISECTION_STEPS):
+                middle = (low + high) / 2
+                low, high = (middle, high) if tensors(middle) < measured else (low, middle)
+            values.update({f"{m}_activation_memory_scale": high for m in modules})
+        report[group] = {"measured": measured, "predicted": before[group],
+                         "fitted": predicted_tensor_bytes(predictor(values))[group]}
+    return report
+
+
+def device_memory_bytes(memory: MeasuredMemory, assumptions: CostAssumptions) -> int:
+    """The device memory to plan with: a device's own, or for a tensor cap the memory whose usable share less the
+    framework overhead is the cap (so that the planner's rule, peak + overhead <= usable share, is the cap's)."""
+    if not memory.tensor_cap:
+        return memory.capacity_bytes
+    return math.ceil((memory.capacity_bytes + assumptions.framework_overhead_bytes)
+                     / assumptions.usable_memory_fraction)
+
+
 def residuals(predictor: _Predictor, values: dict[str, float], measured: dict[str, float]) -> dict[str, float]:
     """(predicted - measured) / measured under the fit: each module's passes, the optimizer's and the step's."""
     e = predictor(values)
@@ -221,31 +297,45 @@ def adapt(request: AdaptRequest, request_name: str, out: str, profile_out: str) 
     gpus = plan.cluster.num_devices
     profile = fitted_profile(plan, request)
     save_profile(profile, Path(profile_out))  # collectives first: the fit predicts with them
-    predictor = _Predictor(replan_problem(plan, gpus, profile_out), strategy_of(plan))
-    before = predictor({}).step_time_s
-    values = fit(predictor, request.measured)
+    memory = request.memory
+    device_memory = None
+    if memory is not None:
+        device_memory = device_memory_bytes(memory, replan_problem(plan, gpus, profile_out).assumptions)
+    predictor = _Predictor(replan_problem(plan, gpus, profile_out, device_memory), strategy_of(plan))
+    measured_s = request.measured.get("step_time_s")
+    values = fit(predictor, request.measured) if measured_s else {}
+    memory_report = {} if memory is None else fit_memory(predictor, values, plan, memory)
     at_bound = [n for n, v in values.items() if n in ADAPTED_ASSUMPTIONS
-                and v in (ADAPTED_ASSUMPTIONS[n].low, ADAPTED_ASSUMPTIONS[n].high)]
-    left = residuals(predictor, values, request.measured)
-    if values["step_overhead_s"] == 0 and left["step"] > 1e-6:  # the spans sum to more than the step
-        at_bound.append("step_overhead_s")
-    measured_s = request.measured["step_time_s"]
-    after = predictor(values).step_time_s
+                and v in (ADAPTED_ASSUMPTIONS[n].low, ADAPTED_ASSUMPTIONS[n].high)
+                and not (n.endswith("_activation_memory_scale") and v == 1.0)]
+    left, runs, errors = {}, [], (None, None)
+    if measured_s:
+        left = residuals(predictor, values, request.measured)
+        if values["step_overhead_s"] == 0 and left["step"] > 1e-6:  # the spans sum to more than the step
+            at_bound.append("step_overhead_s")
+        before, after = predictor({}).step_time_s, predictor(values).step_time_s
+        runs = [CalibratedRun(name=request_name, measured_s=measured_s, before_s=before, after_s=after)]
+        errors = (abs(before / measured_s - 1), abs(after / measured_s - 1))
     calibration = Calibration(
-        values=values, at_bound=at_bound, runs=[CalibratedRun(name=request_name, measured_s=measured_s, before_s=before,
-                                                              after_s=after)],
-        rms_error_before=abs(before / measured_s - 1), rms_error_after=abs(after / measured_s - 1),
+        values=values, at_bound=at_bound, runs=runs, rms_error_before=errors[0], rms_error_after=errors[1],
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), sources=[request_name])
     save_profile(profile.model_copy(update={"calibration": calibration}), Path(profile_out))
-    problem = replan_problem(plan, gpus, profile_out)
+    problem = replan_problem(plan, gpus, profile_out, device_memory)
     new, note = replan(plan, gpus, problem)
     write_output(out, new.to_json(), flag="--out")
-    current = _Predictor(problem, strategy_of(plan))({}).step_time_s
-    return {"measured_step_s": measured_s, "planned_step_s": plan.predicted.step_time_s,
-            "current_fitted_s": current, "new_fitted_s": new.predicted.step_time_s,
-            "current_layout": layout_of(plan), "new_layout": layout_of(new), "same_layout": layout_of(new) == layout_of(plan),
-            "fitted": values, "at_bound": at_bound, "residuals": left, "new_plan": out, "profile": profile_out,
-            "note": note}
+    current = _Predictor(problem, strategy_of(plan))({})
+    answer = {"measured_step_s": measured_s, "planned_step_s": plan.predicted.step_time_s,
+              "current_fitted_s": current.step_time_s, "new_fitted_s": new.predicted.step_time_s,
+              "current_layout": layout_of(plan), "new_layout": layout_of(new),
+              "same_layout": layout_of(new) == layout_of(plan), "fitted": values, "at_bound": at_bound,
+              "residuals": left, "new_plan": out, "profile": profile_out, "note": note}
+    if memory is not None:
+        usable = current.usable_memory_bytes - problem.assumptions.framework_overhead_bytes
+        answer["memory"] = {"groups": memory_report, "usable_tensor_bytes": usable,
+                            "device_memory_bytes": device_memory, "current_fits": current.fits,
+                            "new_tensor_bytes": max(predicted_tensor_bytes(_Predictor(problem, strategy_of(new))({}))
+                                                    .values())}
+    return answer
 
 
 def main(argv: Sequence[str] | None = None) -> int:

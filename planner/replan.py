@@ -22,10 +22,11 @@ from planner.problem import Problem
 EXIT_USER_ERROR = 2
 
 
-def replan_problem(plan: Plan, gpus: int, profile: str | None = None) -> Problem:
+def replan_problem(plan: Plan, gpus: int, profile: str | None = None, device_memory_bytes: int | None = None
+                   ) -> Problem:
     """The problem ``plan`` was made for, on ``gpus`` devices of its recorded type (the device's numbers as the plan
-    records them; ``profile``, else its own profile when it named one). A dataset plan is re-planned from its
-    dataset, which the plan only summarises: refused in one line."""
+    records them, its memory ``device_memory_bytes`` when given; ``profile``, else its own profile when it named
+    one). A dataset plan is re-planned from its dataset, which the plan only summarises: refused in one line."""
     if plan.workload.dataset is not None:
         raise ValueError(f"a dataset plan is re-planned from its dataset ({plan.workload.dataset.source}): run "
                          f"`plan --dataset ... --gpus {gpus}`")
@@ -40,7 +41,10 @@ def replan_problem(plan: Plan, gpus: int, profile: str | None = None) -> Problem
     cluster = api.ClusterInputs(gpus=gpus, gpu=plan.cluster.device.name, gpus_per_node=plan.cluster.devices_per_node,
                                 profile=profile or plan.predicted.profile)
     problem = api.make_problem(spec, cluster, workload=workload, search=search)
-    return replace(problem, cluster=replace(problem.cluster, device=plan.cluster.device))
+    device = plan.cluster.device
+    if device_memory_bytes is not None:
+        device = replace(device, memory_bytes=device_memory_bytes)
+    return replace(problem, cluster=replace(problem.cluster, device=device))
 
 
 def replan(plan: Plan, gpus: int, problem: Problem | None = None) -> tuple[Plan, str | None]:

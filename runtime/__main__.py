@@ -18,6 +18,7 @@ import time
 
 from planner.contract.file_io import refuse_shared_paths
 from planner.contract.schema import Plan, PlanError, load_plan
+from planner.contract.units import GIB
 from runtime.run import preflight, run_lock
 from runtime.run.checkpoint_dir import CheckpointOptions, latest_checkpoint
 from runtime.run.stop_signals import name_and_status, stopping_on_signals
@@ -99,6 +100,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--switch-cost", type=float, metavar="SECONDS",
                         help="with --adapt: seconds a switch costs (default: measured: the job's start-up, its first "
                         "step's extra time and a checkpoint's stall)")
+    parser.add_argument("--memory-cap-gib", type=float, metavar="GIB",
+                        help="CPU plans: let each worker hold at most GIB of tensors (torch's MemTracker counts them); "
+                        "a step that needs more fails as out of memory, as a device of that size would (with "
+                        "--adapt the run re-plans on its measured memory and resumes from the last checkpoint)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
@@ -119,6 +124,8 @@ def check_flags(args: argparse.Namespace) -> None:
         if not args.max_failures:
             raise ValueError("--elastic re-plans when a worker is lost: give --max-failures N too (how many times)")
     check_adapt_flags(args)
+    if args.memory_cap_gib is not None and not 0 < args.memory_cap_gib < float("inf"):
+        raise ValueError(f"--memory-cap-gib must be a positive number of GiB, got {args.memory_cap_gib:g}")
     if not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"--seed must be 0 to {MAX_SEED:,} (what torch and numpy seed with), got {args.seed}")
     needs_dir = [f for f in ("checkpoint_every", "keep_last") if getattr(args, f) is not None]
@@ -287,7 +294,8 @@ def _run_options(args: argparse.Namespace):
     return RunOptions(seed=args.seed, data=args.data, tokenizer=args.tokenizer, data_root_only=args.data_root_only,
                       prefetch=args.prefetch,
                       checkpoint=args.checkpoint, resume=args.resume, trace=args.trace,
-                      trace_profiler=args.trace_profiler, balance=args.balance)
+                      trace_profiler=args.trace_profiler, balance=args.balance,
+                      memory_cap_bytes=None if args.memory_cap_gib is None else round(args.memory_cap_gib * GIB))
 
 
 def _dry_run(plan: Plan, args: argparse.Namespace) -> int:

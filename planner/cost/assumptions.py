@@ -104,9 +104,23 @@ class CostAssumptions:
     optimizer_time_scale: float = 1.0
     """Factor on the optimizer step as modelled: 1 until an adaptive run fits it to the measured step."""
 
+    vision_activation_memory_scale: float = 1.0
+    """Factor on the vision tower's step memory as modelled (its layers' saved activations and the transient
+    buffers of their passes and of the loss; not parameters, gradients, optimizer states, ZeRO-3 gathers or gradient
+    buckets, which are sizes, not estimates): 1 until an adaptive run fits it to a measured peak
+    (``planner.adapt``)."""
+    audio_activation_memory_scale: float = 1.0
+    """The same for the audio encoder."""
+    llm_activation_memory_scale: float = 1.0
+    """The same for the LLM."""
+
     def compute_scale(self, module: str) -> float:
         """``<module>_compute_scale``."""
         return getattr(self, f"{module}_compute_scale")
+
+    def activation_memory_scale(self, module: str) -> float:
+        """``<module>_activation_memory_scale``."""
+        return getattr(self, f"{module}_activation_memory_scale")
 
     optimizer_foreach: bool = True
     """Whether the optimizer step is torch's multi-tensor AdamW (its default on CUDA: a fixed number of calls per
@@ -261,7 +275,9 @@ class CostAssumptions:
         if not 0 <= self.step_overhead_s < 3600 or not 0 < self.measured_time_scale <= 100:
             raise ValueError(f"step_overhead_s must be in [0, 3600) s and measured_time_scale in (0, 100], got "
                              f"{self.step_overhead_s} and {self.measured_time_scale}")
-        for name in ("vision_compute_scale", "audio_compute_scale", "llm_compute_scale", "optimizer_time_scale"):
+        for name in ("vision_compute_scale", "audio_compute_scale", "llm_compute_scale", "optimizer_time_scale",
+                     "vision_activation_memory_scale", "audio_activation_memory_scale",
+                     "llm_activation_memory_scale"):
             if not 0 < getattr(self, name) <= 100:
                 raise ValueError(f"{name} must be in (0, 100], got {getattr(self, name)}")
         if not 0 <= self.max_seq_memory_margin < 1:

@@ -287,6 +287,10 @@ def _sum_layers(
         times = replace(times, forward_s=scale * times.forward_s, backward_s=scale * times.backward_s,
                         recompute_s=scale * times.recompute_s)
         weight_grad *= scale
+    memory = static.assumptions.activation_memory_scale(static.spec.name)
+    if memory != 1.0:
+        saved, forward_buffers, backward_buffers = memory * saved, memory * forward_buffers, memory * backward_buffers
+        loss_buffers = tuple(memory * b for b in loss_buffers)
     return LayerSums(**times.terms(), saved_bytes=saved, forward_buffer_bytes=forward_buffers,
                  backward_buffer_bytes=backward_buffers, loss_buffer_bytes=loss_buffers,
                  optimizer_measured_s=optimizer_s, optimizer_call_s=optimizer_call,

@@ -63,6 +63,10 @@ ADAPTED_ASSUMPTIONS: dict[str, PhysicalRange] = {
     "audio_compute_scale": _COMPUTE_SCALE,
     "llm_compute_scale": _COMPUTE_SCALE,
     "optimizer_time_scale": PhysicalRange(low=0.05, high=20.0, prior_width=None, why="as a module's compute"),
+    **{f"{module}_activation_memory_scale": PhysicalRange(
+        low=1.0, high=8.0, prior_width=None, why="only ever raised: a run that measured less than the model predicts "
+        "keeps the model's margin; within 8x, the step memory of a module modelled at all")
+       for module in ("vision", "audio", "llm")},
 }
 """Assumptions an adaptive run fits per module and per term from its own measured spans (``planner.adapt``)."""
 
@@ -97,6 +101,8 @@ def with_values(assumptions: CostAssumptions, values: dict[str, float]) -> CostA
 def describe_calibration(calibration: Calibration) -> str:
     """One line: how many runs, when, the error before and after, and the fitted values."""
     values = ", ".join(f"{k}={v:.3g}" for k, v in sorted(calibration.values.items()))
+    if calibration.rms_error_before is None:
+        return f"fitted to a run's measured memory on {calibration.date[:10]}: {values}"
     loo = "" if calibration.leave_one_out_rms is None else f", leave-one-out {calibration.leave_one_out_rms:.1%}"
     return (f"fitted to {len(calibration.runs)} measured run(s) on {calibration.date[:10]} (RMS error "
             f"{calibration.rms_error_before:.1%} -> {calibration.rms_error_after:.1%}{loo}): {values}")

@@ -192,8 +192,9 @@ class Calibration(_Strict):
     not_identifiable: list[str] = Field(default_factory=list, description="fields the runs do not constrain (their "
                                         "predictions do not depend on them): kept at their defaults")
     runs: list[CalibratedRun]
-    rms_error_before: float = Field(description="relative RMS step-time error before the fit")
-    rms_error_after: float
+    rms_error_before: float | None = Field(description="relative RMS step-time error before the fit (None: no step "
+                                           "time was fitted, only memory)")
+    rms_error_after: float | None
     leave_one_out_rms: float | None = Field(default=None, description="relative RMS error of each run predicted from "
                                             "a fit on the others")
     date: str = Field(description="ISO date-time of the fit")

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState, _UpdateType
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.utils._pytree import tree_map_only
 
 from planner.contract.schema import Plan
 from runtime.dry_run.emulation import DataDependentFakeMode, DryRunTrainer, emulation
 from runtime.models.pipeline import PipelinedLanguageModel
+from runtime.observability.memory import TensorMemory, device_snapshot
 from runtime.parallel.parallel_dims import forget_earlier_worlds
 from runtime.training.trainer import RunOptions, Trainer
 
@@ -78,84 +75,28 @@ def _module_states(trainer: Trainer, name: str) -> tuple[int, int, int]:
     return _storage_bytes(params), _storage_bytes(grads), optimizer
 
 
-def _leaf_inputs_detached(pre_hook):
-    """ModTracker's forward pre-hook, given a module's autograd-leaf inputs detached (the same storages, so the same
-    memory): on the inputs that need a gradient it registers a hook that asks the engine whether each will be
-    reached, which torch refuses for a leaf inside ``autograd.grad`` -- a zero-bubble stage's input-gradient pass
-    over the activations it received. A module whose inputs are all leaves leaves its backward at the end of the
-    backward instead (hierarchy labels only)."""
-    def detached(t: torch.Tensor) -> torch.Tensor:
-        return t.detach() if t.is_leaf and t.requires_grad else t
-
-    return lambda module, inputs: pre_hook(module, tree_map_only(torch.Tensor, detached, inputs))
-
-
-class StepMemTracker(MemTracker):
-    """MemTracker across several steps and micro-batches (it refuses a second call of a root module), which also
-    records, per module, the most memory one forward call left alive, parameters aside (``forward_activations``;
-    of a pipelined module, one model chunk's forward)."""
+class StepMemTracker(TensorMemory):
+    """``TensorMemory`` that also records, per module, the most memory one forward call left alive, parameters aside
+    (``forward_activations``; of a pipelined module, one model chunk's forward)."""
 
     def __init__(self, modules: dict[str, torch.nn.Module]):
         super().__init__()
-        self._mod_tracker._fw_pre_hook = _leaf_inputs_detached(self._mod_tracker._fw_pre_hook)
         self.forward_activations = dict.fromkeys(modules, 0)
-        self.peak_at = "no operation"
         self._before: dict[str, int] = {}
         for name, module in modules.items():
             for called in module.chunks if isinstance(module, PipelinedLanguageModel) else [module]:
                 called.register_forward_pre_hook(lambda *_, name=name: self._before.__setitem__(name, self._kept()))
                 called.register_forward_hook(lambda *_, name=name: self._record(name))
 
-    def forget(self, tensors) -> None:
-        """Stop counting ``tensors``' storages (host-side data; each call forgets only what is still counted). Popping
-        the entry drops its weak reference too, so the storage's deletion subtracts nothing later."""
-        for tensor in tensors:
-            for storage in get_untyped_storages(tensor):
-                winfo, _ = self._WINFO.pop(storage, (None, None))
-                if winfo is not None and winfo.mem_consumed > 0:
-                    self._update_snap(_UpdateType.DEL, winfo)
-
     def _kept(self) -> int:
         """Tracked memory other than parameters (ZeRO-3 gathers and frees them inside a forward)."""
-        snapshot = _device_snapshot(self.get_tracker_snapshot())
+        snapshot = device_snapshot(self.get_tracker_snapshot())
         return snapshot.get("Total", 0) - snapshot.get("Parameter", 0)
 
     def _record(self, name: str) -> None:
         if not self._mod_tracker.is_bw:
             kept = self._kept() - self._before[name]
             self.forward_activations[name] = max(self.forward_activations[name], kept)
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        """Only the global peak: MemTracker's per-module peaks cost a pass over every module per op."""
-        for dev, dev_snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
-                self._peak_mem[dev] = dev_snap["Total"]
-                self._peak_mem_snap[dev] = dict(dev_snap)
-                innermost = max(self._mod_tracker.parents, key=lambda fqn: fqn.count("."), default="Global")
-                self.peak_at = f"{innermost} ({'backward' if self._mod_tracker.is_bw else 'forward'})"
-
-    def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True
-                                         ) -> tuple[int, int]:
-        """MemTracker's, with gradient hooks on trainable parameters only: a frozen module's parameters cannot
-        take one (torch refuses a hook on a tensor that does not require grad)."""
-        def on_grad(grad: torch.Tensor) -> None:
-            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
-
-        memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-        for param in module.parameters() if install_grad_hooks else []:
-            if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
-                self._param_to_grad_hook_handles[param] = (
-                    param.register_hook(on_grad), param.register_post_accumulate_grad_hook(lambda p: on_grad(p.grad)))
-        return memory
-
-    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-        if module in self.memory_tracking and not self._mod_tracker.is_bw:  # a later micro-batch or step
-            stats, snapshot = self.memory_tracking[module], self.get_tracker_snapshot()
-            stats.local_peak = {dev: dev_snap["Total"] for dev, dev_snap in snapshot.items()}
-            stats.snapshots.setdefault(_ModState.PEAK_FW, []).append(snapshot)
-            stats.snapshots.setdefault(_ModState.PRE_FW, []).append(copy.deepcopy(snapshot))
-            return
-        super()._pre_fw_hook(module, inputs)
 
 
 @torch.no_grad()
@@ -191,27 +132,14 @@ def measure_role(plan: Plan, rank: int, options: RunOptions) -> RoleMemory:
             trainer.on_host_data = tracker.forget
             with tracker:
                 trainer.train_step()
-            peak = _device_snapshot(tracker.get_tracker_snapshot("peak"))
+            peak = device_snapshot(tracker.get_tracker_snapshot("peak"))
             modules = {}
             for name, module in trainer.modules.items():
                 weights, grads, optimizer = _module_states(trainer, name)
                 modules[name] = ModuleMemory(weights=weights, gradients=grads, optimizer=optimizer,
                                              activations=tracker.forward_activations[name])
-            startup_peak = _device_snapshot(startup.get_tracker_snapshot("peak")).get("Total", 0)
+            startup_peak = device_snapshot(startup.get_tracker_snapshot("peak")).get("Total", 0)
     finally:
         dist.destroy_process_group()
     return RoleMemory(rank=rank, ranks=[], modules=modules, peak=peak, startup_peak=startup_peak,
                       peak_at=tracker.peak_at, seconds=time.perf_counter() - start)
-
-
-def _device_snapshot(snapshot: dict) -> dict[str, int]:
-    """Sum a MemTracker snapshot over devices but ``meta`` (shapes only: the trainer's meta model), keyed by
-    category name."""
-    out: dict[str, int] = {}
-    for device, dev_snap in snapshot.items():
-        if torch.device(device).type == "meta":
-            continue
-        for key, value in dev_snap.items():
-            name = getattr(key, "value", key)
-            out[name] = out.get(name, 0) + value
-    return out

@@ -15,6 +15,12 @@ their world and join the new plan's, as a ``WorkerPool``'s do), so it costs the 
 load, not new processes. After ``warmup_steps`` measured steps of the new plan the switch is checked: measured slower than
 the plan before measured, the run switches back; either way adapting stops (one switch and its check per run).
 
+Memory: the fit also sees the tensors each rank measured (a GPU's allocator; a CPU run's ``--memory-cap-gib``
+tracker), so the plan it prefers fits them, and a running plan that no longer fits its measured memory is left
+whatever the gain. A step that runs out of memory (``StepOutOfMemory``) ends its job; ``after_out_of_memory`` then
+re-plans on the memory measured, failing step included, and the run resumes from its last checkpoint under the new
+plan (at most ``MAX_MEMORY_REPLANS`` times).
+
 Every decision is one ``runtime: adapt:`` line on stdout and one ``adapt`` event in the metrics file.
 """
 
@@ -31,8 +37,13 @@ from typing import Any
 from planner.contract.file_io import write_output
 from planner.contract.schema import Plan, load_plan
 from planner.contract.strategy import layout_of
+from planner.contract.units import GIB
 from runtime.observability.metrics import TIMED, MetricsLog
 from runtime.run.preflight import is_cpu_plan, num_devices
+
+MAX_MEMORY_REPLANS = 3
+"""Re-plans after running out of memory a run tries before it gives up (each fits the memory terms to one more
+measurement)."""
 
 ADAPT_TIMEOUT_S = 300
 """Longest wait for the planner's fit and re-plan (it takes about a second)."""
@@ -67,6 +78,14 @@ def decide(*, current_s: float, new_s: float, same_layout: bool, steps_left: int
                   f"{gain * steps_left:.3g} s covers the switch's {switch_cost_s:.3g} s")
 
 
+def _memory_words(memory: dict[str, Any]) -> str:
+    """What the planner's memory answer says, in words: measured and fitted tensors against the usable share."""
+    groups = "; ".join(f"{group} measured {g['measured'] / GIB:.4g} GiB of tensors (predicted {g['predicted'] / GIB:.4g})"
+                       for group, g in memory["groups"].items())
+    return (f"{groups}; {memory['usable_tensor_bytes'] / GIB:.4g} GiB usable; the new plan is predicted at "
+            f"{memory['new_tensor_bytes'] / GIB:.4g} GiB")
+
+
 def measured_medians(records: list[dict[str, Any]]) -> dict[str, float]:
     """Medians over step records of ``step_time_s`` and every timer (``metrics.TIMED``) some step ran."""
     keys = ["step_time_s", *(k for k in TIMED if any(r.get(k) for r in records))]
@@ -83,8 +102,11 @@ def collective_group_sizes(plan: Plan) -> tuple[int, ...]:
 class Adapter:
     """The adaptive run's state across its jobs: measuring the first plan, checking a switch, or done."""
 
-    def __init__(self, options: AdaptOptions, *, steps: int, folder: str, log: MetricsLog) -> None:
+    def __init__(self, options: AdaptOptions, *, steps: int, folder: str, log: MetricsLog,
+                 memory_cap_bytes: int | None = None) -> None:
         self.options, self.steps, self.folder, self.log = options, steps, folder, log
+        self.memory_cap_bytes = memory_cap_bytes
+        self.memory_replans = 0
         self.state = "measuring"
         self.before: tuple[Plan, float, float] | None = None
         """The plan switched from, its measured step and the new plan's step predicted under the fit."""
@@ -125,7 +147,7 @@ class Adapter:
     def _fit_and_decide(self, job: Any, saved: dict[str, Any], measured: dict[str, float]) -> Plan | None:
         step, plan = saved["step"], job.plan
         try:
-            answer = self._replan(job, step, measured)
+            answer = self._replan(job, step, measured, self._measured_memory())
         except (ValueError, OSError, subprocess.TimeoutExpired) as e:
             self.state = "done"
             self.log.event("adapt", step=step, decision="keep", why=str(e), measured=measured)
@@ -135,6 +157,9 @@ class Adapter:
         switch, why = decide(current_s=answer["current_fitted_s"], new_s=answer["new_fitted_s"],
                              same_layout=answer["same_layout"], steps_left=self.steps - step, switch_cost_s=cost,
                              min_gain=self.options.min_gain)
+        memory = answer.get("memory")
+        if memory is not None and not memory["current_fits"] and not answer["same_layout"]:
+            switch, why = True, f"{_memory_words(memory)}: the running plan does not fit its measured memory"
         fitted = ", ".join(f"{k}={v:.3g}" for k, v in sorted(answer["fitted"].items()))
         self.log.event("adapt", step=step, decision="switch" if switch else "keep", why=why, measured=measured,
                        fitted=answer["fitted"], at_bound=answer["at_bound"], residuals=answer["residuals"],
@@ -175,14 +200,57 @@ class Adapter:
             return before
         return None
 
-    def _replan(self, job: Any, step: int, measured: dict[str, float]) -> dict[str, Any]:
-        """The planner's fit and re-plan (``planner.adapt``) of ``job``'s plan from ``measured`` and the collectives
-        timed on the job's devices; its files go beside the checkpoints."""
-        base = os.path.join(self.folder, f"adapt-{step:06d}")
+    def _measured_memory(self, out_of_memory: Any = None) -> dict[str, Any] | None:
+        """The tensor memory this job's steps measured (and ``out_of_memory``'s, a ``StepOutOfMemory``): the most
+        per rank, and what a device holds; None where nothing measures tensors (a CPU run without a memory cap)."""
+        records = [r for r in self.log.records if r["step"] >= self.job_first_step and "peak_tensor_bytes" in r]
+        peaks: dict[int, int] = {}
+        for r in records:
+            for rank, held in enumerate(r["peak_tensor_bytes"]):
+                peaks[rank] = max(peaks.get(rank, 0), held)
+        capacity = self.memory_cap_bytes or min((r["device_memory_bytes"] for r in records
+                                                 if "device_memory_bytes" in r), default=None)
+        if out_of_memory is not None:
+            peaks[out_of_memory.rank] = max(peaks.get(out_of_memory.rank, 0), out_of_memory.tensor_bytes)
+            capacity = out_of_memory.capacity_bytes
+        if not peaks or capacity is None:
+            return None
+        return {"peak_tensor_bytes": peaks, "capacity_bytes": capacity, "tensor_cap": self.memory_cap_bytes is not None,
+                "out_of_memory": out_of_memory is not None}
+
+    def after_out_of_memory(self, job: Any, error: Any) -> Plan:
+        """The plan to resume under after ``job`` ran out of memory (``error``, a ``StepOutOfMemory``): its own
+        problem (with its profile: a time fit made earlier stays) re-planned with the memory terms fitted to what it
+        measured. Raises ValueError (one line) when no plan fits or after ``MAX_MEMORY_REPLANS``."""
+        step = job.steps_done
+        if self.memory_replans >= MAX_MEMORY_REPLANS:
+            raise ValueError(f"{error}; {MAX_MEMORY_REPLANS} re-plans on the measured memory did not fit it: plan for "
+                             f"more devices, or shorter samples")
+        self.memory_replans += 1
+        answer = self._replan(job, step, {}, self._measured_memory(error), "memory")  # its workers are gone
+        if answer["same_layout"]:
+            raise ValueError(f"{error}; re-planned on the measured memory, the planner still prefers this plan")
+        why = f"{error}: {_memory_words(answer['memory'])}"
+        self.log.event("adapt", step=step, decision="memory re-plan", why=why, memory=answer["memory"], fitted=answer["fitted"], current_layout=answer["current_layout"],
+                       new_layout=answer["new_layout"], new_fitted_s=answer["new_fitted_s"], plan=answer["new_plan"],
+                       profile=answer["profile"])
+        self.log.say(f"adapt: {why}; resuming from the last checkpoint under {answer['new_layout']}")
+        if self.state == "switched":  # the plan being checked ran out of memory: nothing left to compare
+            self.state = "done"
+        new = load_plan(answer["new_plan"])
+        self.log.plan = new
+        return new
+
+    def _replan(self, job: Any, step: int, measured: dict[str, float], memory: dict[str, Any] | None,
+                prefix: str = "adapt") -> dict[str, Any]:
+        """The planner's fit and re-plan (``planner.adapt``) of ``job``'s plan from ``measured`` (and ``memory``)
+        and the collectives timed on the job's devices (when it is still up); its files go beside the checkpoints."""
+        base = os.path.join(self.folder, f"{prefix}-{step:06d}")
         plan_file = f"{base}-plan.json"
         write_output(plan_file, job.plan.to_json(), flag="--checkpoint-dir")
         request = {"plan": plan_file, "measured": measured, "dtype": "float32" if is_cpu_plan(job.plan) else "bfloat16",
-                   "collectives": job.time_collectives(collective_group_sizes(job.plan))}
+                   "collectives": job.time_collectives(collective_group_sizes(job.plan)) if measured else [],
+                   "memory": memory}
         write_output(f"{base}-measured.json", json.dumps(request), flag="--checkpoint-dir")
         result = subprocess.run([sys.executable, "-m", "planner.adapt", f"{base}-measured.json", "--out",
                                  f"{base}-new-plan.json", "--profile-out", f"{base}-profile.json"],

@@ -20,6 +20,8 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
     """Everything that can be checked before any worker starts; raises ValueError / NotImplementedError in one
     line. The checks that need no torch (``preflight``) run first."""
     preflight.check_plan(plan)
+    if options.memory_cap_bytes is not None and not preflight.is_cpu_plan(plan):
+        raise ValueError("--memory-cap-gib caps a CPU run's workers; a GPU plan's cap is its GPUs' own memory")
     preflight.check_inputs(plan, data=options.data, checkpoint=options.checkpoint, tokenizer=options.tokenizer)
     names = module_names(plan)
     encoder, llm = (plan_dims(plan, name) for name in names)

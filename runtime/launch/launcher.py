@@ -43,6 +43,7 @@ from runtime.training import loop
 from runtime.launch.driver import validate_plan
 from runtime.launch.adapt import Adapter, AdaptOptions
 from runtime.observability.collectives import time_in_world
+from runtime.observability.memory import StepOutOfMemory
 from runtime.observability.metrics import MetricsLog, print_summary
 from runtime.parallel.parallel_dims import forget_earlier_worlds
 from runtime.run.preflight import check_outputs, is_cpu_plan, num_devices, save_with_fallback
@@ -394,7 +395,8 @@ def run(
     log = MetricsLog(plan, steps=steps, path=metrics_path, trace_dir=options.trace)
     try:
         try:
-            adapter = None if adapt is None else Adapter(adapt, steps=steps, folder=checkpoints.directory, log=log)
+            adapter = None if adapt is None else Adapter(adapt, steps=steps, folder=checkpoints.directory, log=log,
+                                                         memory_cap_bytes=options.memory_cap_bytes)
             job = _train_recovering(plan, options, log, steps, checkpoints, adapter)
         except KeyboardInterrupt as stop:  # Ctrl-C or a stop signal (runtime.run.stop_signals): the steps done so far
             print_summary(log, plan, stopped=str(stop))
@@ -417,7 +419,7 @@ def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: i
     (``checkpoints.elastic_wait_s``): a restart runs on the devices left (``_plan_for_the_cluster``), and at a
     checkpoint the run moves back up when devices came back (``_SwitchPlan``); adaptive (``adapter``): at a
     checkpoint the run moves to the plan its measurements prefer, or back (``_SwitchPlan``)."""
-    failures, failed_at, saved_at, first_plan, kept = 0, None, {}, plan, None
+    failures, failed_at, saved_at, first_plan, kept, out_of_memory = 0, None, {}, plan, None, False
     while True:
         if failed_at is not None and checkpoints.elastic_wait_s is not None:
             plan = _plan_for_the_cluster(plan, first_plan, log, checkpoints, step=failed_at[0])
@@ -428,8 +430,11 @@ def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: i
         try:
             if failed_at is not None:
                 _log_recovery(log, job, failed_at, failures, saved_at)
-            elif options.resume is not None:
-                log.event("resume", path=options.resume, step=job.steps_done)
+            else:
+                if out_of_memory:  # the steps after its checkpoint are done again
+                    log.rewind(job.steps_done)
+                if options.resume is not None:
+                    log.event("resume", path=options.resume, step=job.steps_done)
 
             def next_plan(saved: dict[str, Any], job: Job = job) -> Plan | None:
                 grown = None if checkpoints.elastic_wait_s is None else _grown_plan(
@@ -443,12 +448,39 @@ def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: i
             log.rewind(switch.step)  # steps an overlapped checkpoint's run went past it are done again
             options = dataclasses.replace(options, resume=newest_sound(checkpoints.directory, checkpoint_problem)[0])
         except ray.exceptions.RayError as e:
+            error = _out_of_memory(e)
+            out_of_memory = error is not None
+            if out_of_memory:
+                plan, failed_at = _plan_after_out_of_memory(job, error, adapter), None
+                options = dataclasses.replace(options, resume=_resume_point(checkpoints, options))
+                continue
             if not _worker_lost(e) or failures >= checkpoints.max_failures:
                 raise
             failures += 1
             failed_at = (job.steps_done, time.perf_counter(), _first_line(e))
-            resume = newest_sound(checkpoints.directory, checkpoint_problem)[0] if checkpoints.directory else None
-            options = dataclasses.replace(options, resume=resume or options.resume)
+            options = dataclasses.replace(options, resume=_resume_point(checkpoints, options))
+
+
+def _resume_point(checkpoints: CheckpointOptions, options: RunOptions) -> str | None:
+    """Where a restarted job resumes: the newest sound checkpoint of the run, else where the run itself started."""
+    resume = newest_sound(checkpoints.directory, checkpoint_problem)[0] if checkpoints.directory else None
+    return resume or options.resume
+
+
+def _out_of_memory(error: ray.exceptions.RayError) -> StepOutOfMemory | None:
+    """The rank's out-of-memory error when ``error`` is one."""
+    cause = getattr(error, "cause", None)
+    return cause if isinstance(cause, StepOutOfMemory) else None
+
+
+def _plan_after_out_of_memory(job: Job, error: StepOutOfMemory, adapter: Adapter | None) -> Plan:
+    """The plan to resume under after ``job`` ran out of memory: re-planned on the measured memory (``--adapt``);
+    without it, a ValueError naming what ran out and the way on."""
+    if adapter is None:
+        raise ValueError(f"{error} (the plan predicted {job.plan.predicted.peak_memory_gib:.4g} GiB with its framework "
+                         f"overhead): run with --adapt to re-plan on the measured memory and resume from the last "
+                         f"checkpoint")
+    return adapter.after_out_of_memory(job, error)
 
 
 class _SwitchPlan(Exception):
@@ -566,9 +598,10 @@ def _train(job: Job, log: MetricsLog, steps: int, checkpoints: CheckpointOptions
 
 
 def _worker_lost(error: ray.exceptions.RayError) -> bool:
-    """A failure a restart can cure: a worker died, or a rank's collective failed with it; not a user error."""
+    """A failure a restart can cure: a worker died, or a rank's collective failed with it; not a user error, nor a
+    step that ran out of memory (it would again)."""
     if isinstance(error, ray.exceptions.RayTaskError):
-        return not isinstance(error.cause, USER_ERRORS)
+        return not isinstance(error.cause, (*USER_ERRORS, StepOutOfMemory))
     return isinstance(error, ray.exceptions.RayActorError)
 
 

@@ -68,6 +68,10 @@ def step_record(step: int, results: list[dict[str, Any]]) -> dict[str, Any]:
     for key in TIMED:
         record[key] = max(r.get(key, 0.0) for r in results)
     record["peak_memory_gib"] = max(r["peak_memory_bytes"] for r in results) / GIB
+    if all("peak_tensor_bytes" in r for r in results):  # a GPU's allocator, or a CPU run's memory cap
+        record["peak_tensor_bytes"] = [r["peak_tensor_bytes"] for r in sorted(results, key=lambda r: r["rank"])]
+    if any("device_memory_bytes" in r for r in results):
+        record["device_memory_bytes"] = min(r["device_memory_bytes"] for r in results if "device_memory_bytes" in r)
     skipped = [r["data_skipped"] for r in results if r.get("data_skipped")]
     if skipped:  # the rank that skipped most so far (DP replicas read different rows, TP peers the same ones)
         record["data_skipped"] = max(skipped, key=lambda counts: sum(counts.values()))

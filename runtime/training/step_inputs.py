@@ -99,7 +99,7 @@ class StepInputs:
     @staticmethod
     def on_host_data(tensors) -> None:
         """Called with each host-memory sample and batch; a memory measurement on the CPU sets it to
-        ``runtime.dry_run.measure.StepMemTracker.forget`` (host memory is not the device's, though on the CPU it is one)."""
+        ``runtime.observability.memory.TensorMemory.forget`` (host memory is not the device's, though on the CPU it is one)."""
 
     # ---- the step's inputs ----------------------------------------------------------------------------
     def prepare(self, position: int) -> float:

@@ -39,6 +39,7 @@ from runtime.models.loss import cross_entropy_sum
 from runtime.models.model import hf_config_from_dict
 from runtime.models.parallelize import uses_fsdp
 from runtime.models.pipeline import build_schedule
+from runtime.observability.memory import CappedTensorMemory, StepOutOfMemory, requested_bytes
 from runtime.observability.trace import HANDOFF_WAIT, STEP, profiled
 from runtime.parallel.experts import RouterStats, busiest_rank_load, moe_layers
 from runtime.parallel.fsdp import all_reduce_gradients, set_gradient_sync
@@ -80,6 +81,10 @@ class RunOptions:
     """With ``trace``: each rank also writes torch.profiler's trace of every step there (``--trace-profiler``)."""
     balance: str = "modules"
     """How a dataset plan's steps are split over the replicas (``--balance``; ``preflight.BALANCE_POLICIES``)."""
+    memory_cap_bytes: int | None = None
+    """CPU plans: the tensor bytes a rank may hold; an operation of a step that takes its tensors (as torch's
+    ``MemTracker`` counts them) past it fails as out of memory, as a device of that size would
+    (``--memory-cap-gib``; runtime.observability.memory)."""
 
 
 def freeze_startup_heap() -> None:
@@ -114,6 +119,8 @@ class Trainer:
 
     def __init__(self, plan: Plan, *, rank: int, options: RunOptions, weights: TensorSource | None = None):
         self.plan, self.rank, self.options = plan, rank, options
+        self.capped: CappedTensorMemory | None = None
+        """The running step's tracker under a memory cap (``_tensor_memory``)."""
         self.device = device_for(plan)
         self.module_names = module_names(plan)
         self.encoder = self.module_names[0]
@@ -288,8 +295,44 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One optimizer step (under torch.profiler if the run asked for its traces); returns this rank's
         measurements, with ``spans``: (timer, start, end) seconds from the step's start (runtime.observability.trace)."""
-        with profiled(self.options.trace if self.options.trace_profiler else None, self.rank, self.step):
-            return self._train_step()
+        try:
+            with profiled(self.options.trace if self.options.trace_profiler else None, self.rank, self.step):
+                with self._tensor_memory():
+                    result = self._train_step()
+        except torch.OutOfMemoryError as e:
+            raise self._out_of_memory(e) from None
+        if self.capped is not None:
+            result["peak_tensor_bytes"] = self.capped.peak().get("Total", 0)
+        elif self.device.type == "cuda":
+            result["peak_tensor_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            result["device_memory_bytes"] = torch.cuda.mem_get_info(self.device)[1]
+        return result
+
+    @contextlib.contextmanager
+    def _tensor_memory(self):
+        """The step's tensors counted: under the run's memory cap (a CPU run's ``memory_cap_bytes``: ``capped``, its
+        tracker), or on a GPU by its allocator (its peak statistics reset)."""
+        self.capped = None
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.options.memory_cap_bytes is None:
+            yield
+            return
+        self.capped = CappedTensorMemory(self.options.memory_cap_bytes)
+        self.capped.track_external(*self.modules.values(), *(o for o, _ in self.optimizers.values()))
+        with self.capped:
+            yield
+
+    def _out_of_memory(self, error: torch.OutOfMemoryError) -> StepOutOfMemory:
+        """The step's out-of-memory error with what it measured: the tensors when the allocation failed (the CUDA
+        allocator's, with the failed request; the cap's tracker's on a CPU) and what the device holds."""
+        if self.capped is not None:
+            held, capacity = self.capped.peak().get("Total", 0), self.options.memory_cap_bytes
+        else:
+            held = torch.cuda.memory_allocated(self.device) + requested_bytes(str(error))
+            capacity = torch.cuda.mem_get_info(self.device)[1]
+        return StepOutOfMemory(self.rank, sorted(self.modules), self.step + 1, held, capacity,
+                               next(iter(str(error).splitlines()), "out of memory"))
 
     def _train_step(self) -> dict[str, Any]:
         self.timings: dict[str, float] = defaultdict(float)

@@ -110,3 +110,24 @@ def test_a_modules_compute_scale_multiplies_its_compute_only_and_the_optimizer_s
     for name in ("vision", "llm"):
         assert scaled.modules[name].optimizer_s == pytest.approx(2 * base.modules[name].optimizer_s)
     assert scaled.peak_memory_bytes == base.peak_memory_bytes
+
+
+def test_a_modules_activation_memory_scale_multiplies_its_step_memory_only():
+    """``<module>_activation_memory_scale`` (an adaptive run's memory fit) doubles that module's saved activations
+    and its passes' and loss's buffers; its states and gradient bucket (sizes, not estimates), the other module and
+    every time stay."""
+    s = strategy(ModuleStrategy(dp=4, tp=4, zero=1, recompute="none", micro_batch=4, grad_accum=4))
+    base = estimate(MODEL, CLUSTER, WORKLOAD, s)
+    scaled = estimate(MODEL, CLUSTER, WORKLOAD, s, replace(DEFAULT_ASSUMPTIONS, llm_activation_memory_scale=2.0))
+    llm, llm2 = base.modules["llm"], scaled.modules["llm"]
+    assert llm2.activations_per_micro_batch_bytes == pytest.approx(2 * llm.activations_per_micro_batch_bytes, abs=1)
+    assert llm.loss_backward_buffers_bytes > 0
+    assert llm2.loss_backward_buffers_bytes == pytest.approx(2 * llm.loss_backward_buffers_bytes, abs=1)
+    assert llm.forward_buffers_bytes > 0
+    assert llm2.forward_buffers_bytes == pytest.approx(2 * llm.forward_buffers_bytes, abs=1)
+    bucket = 2 * llm.backward_buffers_bytes - llm2.backward_buffers_bytes  # the gradient bucket, counted once
+    assert bucket > 0
+    for term in ("weights_bytes", "gradients_bytes", "optimizer_bytes"):
+        assert getattr(llm2, term) == getattr(llm, term)
+    assert scaled.modules["vision"] == base.modules["vision"] and scaled.step_time_s == base.step_time_s
+    assert scaled.peak_memory_bytes > base.peak_memory_bytes

@@ -108,3 +108,49 @@ def test_a_layout_line_says_when_the_modules_have_gpus_of_their_own():
     colocated = make_plan(dict(dp=1), dict(dp=1))
     disjoint = make_plan(dict(dp=1), dict(dp=1), placement="disjoint")
     assert layout_of(disjoint) == f"disjoint: {layout_of(colocated)}" and not layout_of(colocated).startswith("disj")
+
+
+def _memory_request(tmp_path, peak: int, cap: int, measured: dict | None = None) -> str:
+    """A DP2 plan (micro-batches of 2) whose ranks measured ``peak`` tensor bytes under a CPU run's tensor ``cap``."""
+    plan = make_plan(dict(dp=2, micro_batch=2), dict(dp=2, micro_batch=2))
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    request = {"plan": str(tmp_path / "plan.json"), "dtype": "float32", "measured": measured or {},
+               "memory": {"peak_tensor_bytes": {"0": peak, "1": peak - 1000}, "capacity_bytes": cap,
+                          "tensor_cap": True, "out_of_memory": True}}
+    path = tmp_path / "memory.json"
+    path.write_text(json.dumps(request))
+    return str(path)
+
+
+def _predicted_tensors(tmp_path, values: dict) -> int:
+    """The DP2 plan's predicted tensors per rank under ``values``, with the profile the fit predicts with."""
+    path = _memory_request(tmp_path, 1, 1)
+    plan = load_plan(str(tmp_path / "plan.json"))
+    adapt.save_profile(adapt.fitted_profile(plan, adapt.load_request(path)), tmp_path / "truth-profile.json")
+    e = adapt._Predictor(replan_problem(plan, 2, str(tmp_path / "truth-profile.json")), strategy_of(plan))(values)
+    return adapt.predicted_tensor_bytes(e)["all"]
+
+
+def test_memory_over_the_plan_fits_the_step_memory_and_re_plans_under_the_devices_cap(tmp_path):
+    """Ranks that measured the tensors the model predicts with the step memory 1.6x over its estimate: the fit finds
+    1.6 for both modules (they share the ranks); under a cap the running plan no longer fits, the new plan does, and
+    it records the device the cap stands for."""
+    truth = {"vision_activation_memory_scale": 1.6, "llm_activation_memory_scale": 1.6}
+    peak = _predicted_tensors(tmp_path, truth)
+    cap = int(0.9 * peak)
+    answer = _adapt(tmp_path, _memory_request(tmp_path, peak, cap))
+    assert answer["fitted"] == pytest.approx(truth, rel=1e-6) and answer["at_bound"] == []
+    memory = answer["memory"]
+    assert memory["groups"]["all"]["measured"] == peak == pytest.approx(memory["groups"]["all"]["fitted"], rel=1e-6)
+    assert memory["groups"]["all"]["predicted"] < peak and not memory["current_fits"]
+    assert memory["usable_tensor_bytes"] == pytest.approx(cap, abs=2) and memory["new_tensor_bytes"] <= cap
+    new = load_plan(answer["new_plan"])
+    assert not answer["same_layout"] and new.cluster.device.memory_bytes == memory["device_memory_bytes"]
+    assert load_profile(answer["profile"]).calibration.rms_error_before is None  # memory alone: no step time fitted
+
+
+def test_memory_under_the_model_keeps_its_estimate_and_a_plan_that_fits_stays(tmp_path):
+    predicted = _predicted_tensors(tmp_path, {})
+    answer = _adapt(tmp_path, _memory_request(tmp_path, predicted // 2, 4 * predicted))
+    assert answer["fitted"] == {} and answer["memory"]["current_fits"]
+    assert answer["memory"]["groups"]["all"]["fitted"] == predicted

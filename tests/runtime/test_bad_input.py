@@ -125,6 +125,9 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      "--adapt-min-gain is a share of the step in [0, 1), got 1"),
     ("switch_cost_without_adapt", lambda t: ["--switch-cost", "3"],
      "--switch-cost sets how --adapt decides: give --adapt too"),
+    ("memory_cap_zero", lambda t: ["--memory-cap-gib", "0"], "--memory-cap-gib must be a positive number of GiB, got 0"),
+    ("memory_cap_nan", lambda t: ["--memory-cap-gib", "nan"],
+     "--memory-cap-gib must be a positive number of GiB, got nan"),
     ("tokenizer_without_tokenizer_files", lambda t: ["--data", conversations(t), "--tokenizer", str(t)],
      "--tokenizer {tmp} is not a folder with a tokenizer (no tokenizer_config.json)"),
 ]

@@ -21,10 +21,11 @@ from planner.catalog import get_model
 from planner.contract.schema import Plan
 from planner.contract.units import GIB
 from runtime.dry_run import dry_run
-from runtime.dry_run.measure import StepMemTracker, _device_snapshot, measure_role
+from runtime.dry_run.measure import StepMemTracker, measure_role
 from runtime.dry_run.report import format_report, usable_bytes
 from runtime.dry_run.roles import roles
 from runtime.models.model import RandomInit
+from runtime.observability.memory import device_snapshot
 from runtime.parallel.parallel_dims import forget_earlier_worlds
 from runtime.training.trainer import RunOptions, Trainer, freeze_startup_heap
 from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_qwen3_vl_moe_config
@@ -260,7 +261,7 @@ def test_forget_stops_counting_host_data_once():
     tracker = StepMemTracker({})
     with tracker:
         host = torch.empty(1 << 20)  # 4 MiB
-        total = lambda: _device_snapshot(tracker.get_tracker_snapshot()).get("Total", 0)
+        total = lambda: device_snapshot(tracker.get_tracker_snapshot()).get("Total", 0)
         counted = total()
         tracker.forget([host])
         forgotten = total()

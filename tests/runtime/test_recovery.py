@@ -29,10 +29,15 @@ import sys
 import time
 
 import pytest
+import ray
 
 from planner.contract.schema import load_plan
 from planner.profiles import load_profile
+from planner.contract.strategy import layout_of
 from runtime.launch import launcher
+from runtime.launch.adapt import AdaptOptions
+from runtime.observability.memory import StepOutOfMemory
+from runtime.run.checkpoint_dir import CheckpointOptions
 from runtime.training.trainer import RunOptions
 from tests.runtime.plans import make_plan
 
@@ -283,10 +288,57 @@ def test_an_adaptive_run_switches_to_the_plan_its_measurements_prefer_on_the_sam
     _assert_no_workers_left()
 
 
+MEMORY_CAP = 26 << 20
+"""Tensor bytes a worker may hold in the memory test: a DP2 rank of the tiny model with micro-batches of 2 measures
+25.6 MiB in its first step (Adam's states not yet made) and 26.5 MiB from the second on; ZeRO-3 or recomputation
+fit under it."""
+
+
+@pytest.mark.slow
+def test_a_run_whose_memory_is_over_its_plan_re_plans_and_finishes_on_the_same_loss_curve(tmp_path, ray_cluster):
+    """A DP2 plan (micro-batches of 2) under a 26 MiB cap on each worker's tensors: its second step runs out of
+    memory; with ``--adapt`` the planner fits the step memory to the measured tensors, re-plans for the capped
+    devices, and the run resumes from the checkpoint of step 1 under the new plan (measured under the cap from then
+    on) and finishes on the loss curve of the same plan run without a cap."""
+    steps, plan = 4, make_plan(dict(dp=2, micro_batch=2), dict(dp=2, micro_batch=2))
+    launcher.run(plan, RunOptions(), steps=steps, metrics_path=str(tmp_path / "straight.jsonl"))
+    expected = {r["step"]: r["loss"] for r in _records(tmp_path / "straight.jsonl") if "loss" in r}
+    metrics = tmp_path / "adapt.jsonl"
+    launcher.run(plan, RunOptions(memory_cap_bytes=MEMORY_CAP), steps=steps, metrics_path=str(metrics), adapt=AdaptOptions(),
+                 checkpoints=CheckpointOptions(directory=str(tmp_path / "adapt"), every=1))
+    records = _records(metrics)
+    _assert_on_the_curve(records, expected)
+    (replan,) = [r for r in records if r.get("event") == "adapt"]
+    assert replan["decision"] == "memory re-plan" and replan["step"] == 1
+    (resumed,) = [r for r in records if r.get("event") == "resume"]
+    assert resumed["step"] == 1 and resumed["path"].endswith("step-000001")
+    memory = replan["memory"]
+    assert memory["groups"]["all"]["measured"] > MEMORY_CAP and not memory["current_fits"]
+    assert memory["new_tensor_bytes"] <= memory["usable_tensor_bytes"] == pytest.approx(MEMORY_CAP, abs=2)
+    new = load_plan(replan["plan"])
+    assert layout_of(new) == replan["new_layout"] != layout_of(plan)
+    after = [r for r in records if "loss" in r and r["step"] >= 1]
+    assert len(after) == steps - 1 and all(max(r["peak_tensor_bytes"]) <= MEMORY_CAP for r in after)
+    _assert_no_workers_left()
+
+
+def test_running_out_of_memory_without_adapt_is_one_line_naming_the_way_on():
+    """Never a blind restart (the step would run out again): the rank, what it held, what the plan predicted, and
+    ``--adapt``."""
+    job = launcher.Job(plan=make_plan(dict(dp=2), dict(dp=2)), workers=[], group=None)
+    error = StepOutOfMemory(1, ["llm", "vision"], 2, 27 << 20, MEMORY_CAP, "memory cap: ...")
+    assert not launcher._worker_lost(ray.exceptions.RayTaskError("train_step", "", error))
+    with pytest.raises(ValueError) as raised:
+        launcher._plan_after_out_of_memory(job, error, None)
+    assert str(raised.value) == (
+        "rank 1 (llm+vision) ran out of memory in step 2: 0.02637 GiB of tensors on a device that holds 0.02539 (the "
+        "plan predicted 0.1 GiB with its framework overhead): run with --adapt to re-plan on the measured memory and "
+        "resume from the last checkpoint")
+
+
 def test_a_dead_worker_is_named_even_when_a_peers_collective_error_arrives_first(ray_cluster):
     """One rank's collective fails at once (a peer closed its connection), its peer's process dies a moment later:
     the driver raises the dead actor's error (the root cause), not the collective's."""
-    import ray
 
     @ray.remote(num_cpus=0)
     class Rank:

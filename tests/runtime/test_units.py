@@ -628,3 +628,36 @@ def test_an_adaptive_run_fits_medians_of_the_timers_it_ran_and_times_collectives
     assert collective_group_sizes(make_plan(dict(dp=2, tp=2), dict(tp=4))) == (2, 4)
     assert collective_group_sizes(make_plan(dict(dp=1), dict(dp=1))) == ()
     assert IN_RUN_OPS == COLLECTIVE_OPS  # every collective the cost model prices is timed
+
+
+def test_a_memory_cap_fails_the_operation_that_crosses_it_and_only_that_one():
+    """``CappedTensorMemory``: tensors up to the cap are fine, freed ones make room again; the operation whose output
+    takes them past it raises torch's out-of-memory error (its output counted in the peak), as the allocator's failed
+    request would."""
+    from runtime.observability.memory import CappedTensorMemory
+
+    tracker = CappedTensorMemory(5 << 20)
+    with pytest.raises(torch.OutOfMemoryError, match="over the cap of 0.004883 GiB"):
+        with tracker:
+            kept = torch.ones(1 << 19)  # 2 MiB of fp32
+            for _ in range(3):
+                freed = kept * 0.5  # 4 MiB with it, each time
+                del freed
+            assert tracker.peak()["Total"] == 4 << 20
+            over = torch.cat([kept, kept])  # 6 MiB
+    assert tracker.peak()["Total"] == 6 << 20 and "over" not in locals()
+
+
+def test_a_step_out_of_memory_travels_whole_and_names_what_ran_out():
+    """Ray pickles a worker's error to the driver: the rank, modules, step and bytes arrive (the driver re-plans on
+    them); a CUDA message's request is read from its words."""
+    import pickle
+
+    from runtime.observability.memory import StepOutOfMemory, requested_bytes
+
+    error = pickle.loads(pickle.dumps(StepOutOfMemory(3, ["llm"], 7, 5 << 30, 4 << 30, "CUDA out of memory")))
+    assert (error.rank, error.modules, error.step, error.tensor_bytes, error.capacity_bytes) == (3, ["llm"], 7, 5 << 30,
+                                                                                                4 << 30)
+    assert str(error) == "rank 3 (llm) ran out of memory in step 7: 5 GiB of tensors on a device that holds 4"
+    assert requested_bytes("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has ...") == int(2.5 * (1 << 30))
+    assert requested_bytes("out of memory") == 0
