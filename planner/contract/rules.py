@@ -4,6 +4,11 @@ a one-line reason (or None / []) out. Nothing here imports the cost model, OR-To
 from __future__ import annotations
 
 
+CONTEXT_PARALLEL_MODULES = ("vision", "llm")
+"""Modules that run context parallelism: the LLM (causal ring, or gathered for packed rows) and the vision tower
+(bidirectional, gathered per segment); not the audio encoder."""
+
+
 def heads_rule(degree: int, axis: str, num_heads: int, num_kv_heads: int, layer: str) -> str | None:
     """A TP or Ulysses degree must divide the query heads and divide, or be a multiple of, the KV heads.
 

@@ -388,20 +388,31 @@ def packed_context_parallel(layer: LayerSpec, shard: Shard) -> bool:
     return layer.attention.causal and shard.segments > 1 and shard.cp > 1
 
 
-def packed_context_parallel_terms(kv_block: float, shard: Shard) -> tuple[float, float, float, float, float]:
+def gathered_context_parallel(layer: LayerSpec, shard: Shard) -> bool:
+    """Whether a block's attention over CP takes the all-gather form: a decoder's packed row
+    (``packed_context_parallel``), or a bidirectional block (the vision tower's full attention: each CP rank's
+    queries attend their own image's or temporal group's keys over the gathered sequence, per segment, no mask;
+    runtime.parallel.ring ``gathered_bidirectional_attention``). Window blocks keep whole windows on a rank: no CP
+    exchange."""
+    return packed_context_parallel(layer, shard) or (not layer.attention.causal and shard.cp > 1)
+
+
+def packed_context_parallel_terms(kv_block: float, shard: Shard, masked: bool = True
+                                  ) -> tuple[float, float, float, float, float]:
     """(forward and backward collective seconds, forward and backward transient bytes, saved bytes beyond the
-    rank's own keys and values) of one layer's all-gather CP (``packed_context_parallel``), from its own key/value
+    rank's own keys and values) of one layer's all-gather CP (``gathered_context_parallel``), from its own key/value
     block of ``kv_block`` bytes (as many heads as the queries).
 
     The forward all-gathers ``cp`` blocks, the backward all-reduces their gradient and each rank keeps its part
     (``_GatherSequence``: gloo has no reduce-scatter); neither overlaps the attention, which waits for the whole
     gather. Without recomputation SDPA keeps the gathered blocks for its backward, the ``cp - 1`` other ranks'
     beyond the rank's own; otherwise they are transient in the forward and gathered again in the backward, beside
-    their gradient. The mask (one boolean per (query, key) pair of the rank's ``row / cp`` positions against the
-    row) lives through both passes (``packed_mask_bytes`` of a row, ``1 / cp`` of its queries)."""
+    their gradient. A packed row's mask (``masked``: one boolean per (query, key) pair of the rank's ``row / cp``
+    positions against the row) lives through both passes (``packed_mask_bytes`` of a row, ``1 / cp`` of its
+    queries); a bidirectional block slices its segments instead and builds none."""
     s = shard
     gathered = s.cp * kv_block
-    mask = packed_mask_bytes(s.segment_tokens * s.segments, s.micro_batch) / s.cp
+    mask = packed_mask_bytes(s.segment_tokens * s.segments, s.micro_batch) / s.cp if masked else 0.0
     kept = s.recompute == "none" and s.backward != "none"
     forward_buffers = mask + (0.0 if kept else gathered)
     backward_buffers = mask + gathered * (1 if kept else 2)
@@ -527,9 +538,9 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     (Shoeybi et al. 2019, Megatron-LM, Sec. 3, Fig. 4), plus ``replicated_kv_backward_time`` when TP replicates
     KV heads; a mixture-of-experts layer's router and whole experts are not TP-split (transformers'
     ``base_model_tp_plan`` of Qwen3-VL-MoE splits attention only), so only attention's 1 + 1 remain, and its TP
-    ranks meet in the expert exchange instead (``expert_all_to_all_time``). Ulysses exchanges only around full
+    ranks meet in the expert exchange instead (``expert_all_to_all_time``). Ulysses and CP exchange only around full
     attention; window blocks keep whole windows on a rank. Ring CP passes KV blocks (KV + dKV in backward); a
-    packed row gathers them instead (``packed_context_parallel_terms``).
+    packed row and a bidirectional block gather them instead (``packed_context_parallel_terms``).
     """
     s, e, a = shard, shard.assumptions.activation_bytes, layer.attention
     gemm_s, gemm_fl = _gemms(_block_gemm_shapes(layer, s), s)
@@ -544,10 +555,11 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         q, kv = a.num_heads * a.head_dim, max(a.num_kv_heads, s.sp) * a.head_dim
         sp_fwd = ulysses_all_to_all_time(s.tokens, q, kv, s)
         buffers = max(buffers, s.tokens * 2 * (q + kv) * e)
-    if s.cp > 1:  # the runtime repeats grouped KV heads to the query heads first: the ring's kernels take equal heads
+    if s.cp > 1 and not windowed:  # grouped KV heads repeated to the query heads: the kernels take equal heads
         kv_block = s.tokens * 2 * a.num_heads / s.tp * a.head_dim * e
-        if packed_context_parallel(layer, s):
-            cp_fwd, cp_bwd, cp_buffers, cp_backward_buffers, cp_saved = packed_context_parallel_terms(kv_block, s)
+        if gathered_context_parallel(layer, s):
+            cp_fwd, cp_bwd, cp_buffers, cp_backward_buffers, cp_saved = packed_context_parallel_terms(
+                kv_block, s, masked=a.causal)
             cp_working, cp_overlap = (s.cp - 1) * kv_block, 0.0
         else:
             cp_fwd, cp_buffers = ring_kv_pass_time(kv_block, s), 2 * kv_block

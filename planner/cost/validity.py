@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 from planner.contract.hardware import Cluster
-from planner.contract.models import ENCODER_MODULES, LayerSpec, ModelSpec, ModuleSpec
+from planner.contract.models import LayerSpec, ModelSpec, ModuleSpec
 from planner.contract.rules import (
+    CONTEXT_PARALLEL_MODULES,
     attention_rules,
     balancing_loss_rule,
     expert_parallel_rule,
@@ -32,8 +33,8 @@ def check_strategy(
 
     Rules: TP divides the attention heads (KV heads divided or replicated) and Ulysses SP divides the heads of
     a TP rank (KV heads are repeated as needed); the module fits the cluster; TP stays inside a node unless
-    allowed; SP leaves at least one attention window per rank on window-attention blocks; encoders use no CP
-    (ring attention is priced for the LLM only); dp * micro_batch * grad_accum equals the global batch; experts split
+    allowed; SP (the vision tower: CP x SP) leaves at least one attention window per rank on window-attention
+    blocks; the audio encoder uses no CP (``CONTEXT_PARALLEL_MODULES``); dp * micro_batch * grad_accum equals the global batch; experts split
     over ep x tp ranks as ``expert_parallel_rule`` allows; pipeline parallelism as ``pipeline_reasons`` allows.
     """
     spec = model.module(module)
@@ -58,12 +59,12 @@ def check_strategy(
         reasons += [problem for width, what in _tp_widths(layer) if (problem := width_rule(s.tp, width, what))]
     if problem := expert_parallel_rule(s.ep, s.tp, s.dp, s.sp, s.cp, _num_experts(spec), spec.name):
         reasons.append(problem)
-    if module in ENCODER_MODULES and s.cp > 1:
-        reasons.append(f"{module} uses cp={s.cp}; context parallelism is implemented for the LLM only")
+    if s.cp > 1 and module not in CONTEXT_PARALLEL_MODULES:
+        reasons.append(f"{module} uses cp={s.cp}; context parallelism is run for the LLM and the vision tower only")
     tokens = module_tokens(workload, model)[module]
-    if s.sp > 1 and (problem := _sequence_split_reason(model, module, s, tokens)):
+    if (problem := _sequence_split_reason(model, module, s, tokens)):
         reasons.append(problem)
-    if s.cp > 1 and tokens.tokens < 2 * s.cp:
+    if s.cp > 1 and module == "llm" and tokens.tokens < 2 * s.cp:
         reasons.append(f"cp={s.cp} needs at least {2 * s.cp} tokens per sample, got {tokens.tokens}")
     if s.cp > 1 and s.pp > 1:
         reasons.append(f"cp={s.cp} with pp={s.pp}: the runtime does not run ring context parallelism inside a "
@@ -92,14 +93,18 @@ def _tp_widths(layer: LayerSpec) -> list[tuple[int, str]]:
 
 
 def _sequence_split_reason(model: ModelSpec, module: str, s: ModuleStrategy, tokens: ModuleTokens) -> str | None:
-    """``split_rule`` for ``module``: windows per micro-batch on window-attention blocks, merge units per
-    micro-batch on other vision towers, tokens per sample on the LLM (and audio positions)."""
+    """``split_rule`` for ``module``'s Ulysses split: windows per micro-batch on window-attention blocks, merge units
+    per micro-batch on other vision towers (the tower splits them over cp x sp ranks), tokens per sample on the LLM
+    (and audio positions)."""
     spec = model.module(module)
+    degree = s.sp * s.cp if module == "vision" else s.sp
+    if degree == 1:
+        return None
     if any(layer.attention is not None and layer.attention.window_patches for layer in spec.layers):
-        return split_rule(s.sp, math.floor(tokens.windows * s.micro_batch), "attention windows", "a micro-batch")
+        return split_rule(degree, math.floor(tokens.windows * s.micro_batch), "attention windows", "a micro-batch")
     if module == "vision":
-        return split_rule(s.sp, math.floor(tokens.output_tokens * s.micro_batch), "merged tokens", "a micro-batch")
-    return split_rule(s.sp, math.floor(tokens.tokens), f"{module} tokens", "a sample")
+        return split_rule(degree, math.floor(tokens.output_tokens * s.micro_batch), "merged tokens", "a micro-batch")
+    return split_rule(degree, math.floor(tokens.tokens), f"{module} tokens", "a sample")
 
 
 def pipeline_reasons(model: ModelSpec, spec: ModuleSpec, s: ModuleStrategy) -> list[str]:

@@ -24,7 +24,7 @@ def _slice_lengths(plan: Plan, name: str, layout: SampleLayout, config: Any) -> 
     if name == "llm":
         return [len(held) for held in sequence_positions(layout.seq_len, dims.sp, dims.cp)]
     _, cu_windows = window_layout(torch.tensor(layout.grids() * dims.micro_batch), config.vision_config)
-    bounds = split_windows(cu_windows, dims.sp)
+    bounds = split_windows(cu_windows, dims.sequence_ranks)
     return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
 
 

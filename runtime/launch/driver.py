@@ -48,4 +48,4 @@ def validate_plan(plan: Plan, options: RunOptions) -> None:
         return  # each packed micro-batch's shapes are known once the data is indexed
     layout = family.encoder.layout_from_plan(plan.workload, config)
     split_sequence(layout.seq_len, llm.sp)  # a token per SP rank at least
-    layout.output_positions_per_rank(encoder.micro_batch, config, encoder.sp)  # enough units for the encoder's SP
+    layout.output_positions_per_rank(encoder.micro_batch, config, encoder.sequence_ranks)  # a unit per sequence rank

@@ -37,12 +37,12 @@ BACKWARD_TAG = 2 << 20
 
 @dataclass(kw_only=True, frozen=True)
 class Piece:
-    """The merged tokens one vision SP rank emits for one micro-batch."""
+    """The merged tokens one vision sequence rank (CP x SP) emits for one micro-batch."""
 
     replica: int
     """Vision DP replica d."""
     sp_rank: int
-    """SP index k within the replica."""
+    """Sequence index k within the replica (``ParallelDims.sequence_rank``)."""
     positions: torch.Tensor
     """Global (micro-batch) token index of each row."""
     producer: int
@@ -53,13 +53,13 @@ class Piece:
 
 def build_pieces(vision: ParallelDims, positions: list[list[torch.Tensor]], orders: list[torch.Tensor]
                  ) -> list[Piece]:
-    """Every vision piece of a micro-batch, given each replica's SP ranks' replica-order positions
+    """Every vision piece of a micro-batch, given each replica's sequence ranks' replica-order positions
     (``positions[d][k]``) and the micro-batch index of each of a replica's tokens in replica order (``orders[d]``;
     -1: a filler's, which no LLM rank takes)."""
     pieces = []
     for d in range(vision.dp):
-        for k in range(vision.sp):
-            owners = tuple(vision.ranks_where(dp=d, sp=k))
+        for k in range(vision.sequence_ranks):
+            owners = tuple(vision.ranks_where(dp=d, cp=k // vision.sp, sp=k % vision.sp))
             pieces.append(Piece(replica=d, sp_rank=k, positions=orders[d][positions[d][k]], producer=owners[0],
                                 owners=owners))
     return pieces

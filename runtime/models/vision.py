@@ -20,6 +20,7 @@ from transformers.vision_utils import get_vision_attention_seqlens, get_vision_p
 
 from planner.contract.rules import attention_rules, width_rule
 from runtime.data.samples import SyntheticData, layout_from_plan, visual_inputs
+from runtime.parallel.ring import GatheredSequence, RingGroup
 from runtime.parallel.tensor_parallel import parallelize_vision_tp, qkv_row_order
 from runtime.parallel.ulysses import UlyssesGroup, split_windows
 from runtime.parallel.windows import window_layout
@@ -141,12 +142,12 @@ class VisionEncoder:
         return SyntheticData(layout, seed)
 
     def shard(self, batch: Mapping[str, torch.Tensor], config: Any, *, sp_rank: int, sp_group: Any,
-              sp: int) -> VisionShard:
-        """This SP rank's part of a replica's images and clips (``shard_vision_batch``)."""
+              sp: int, cp_rank: int = 0, ring: RingGroup | None = None) -> VisionShard:
+        """This (CP, SP) rank's part of a replica's images and clips (``shard_vision_batch``)."""
         pixels, grid = visual_inputs(batch)
         grid, vc = grid.cpu(), config.vision_config
-        return shard_vision_batch(pixels, grid, vc, sp_rank=sp_rank, sp_group=sp_group, sp=sp,
-                                  patch_inputs=self.hooks.patch_inputs(grid, vc))
+        return shard_vision_batch(pixels, grid, vc, sp_rank=sp_rank, sp_group=sp_group, sp=sp, cp_rank=cp_rank,
+                                  ring=ring, patch_inputs=self.hooks.patch_inputs(grid, vc))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -162,7 +163,7 @@ class VisionShard:
     cu_full: torch.Tensor
     """Boundaries for full-attention blocks: per image when the rank holds the whole sequence, else [0, n]."""
     ulysses: UlyssesGroup | None
-    """The SP group when the sequence is split, else None."""
+    """The SP group (with the CP group's ring) when the sequence is split, else None."""
     full_blocks: frozenset[int]
     """Indexes of the full-attention blocks."""
     merged_positions: torch.Tensor
@@ -188,31 +189,38 @@ def full_attention_blocks(config: Any) -> frozenset[int]:
 
 def shard_vision_batch(
     pixel_values_NP: torch.Tensor, grid_thw: torch.Tensor, config: Any, *, sp_rank: int, sp_group: Any, sp: int,
-    patch_inputs: Mapping[str, torch.Tensor] | None = None,
+    cp_rank: int = 0, ring: RingGroup | None = None, patch_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> VisionShard:
-    """The part of a replica's packed images that SP rank ``sp_rank`` of ``sp`` processes; ``patch_inputs``: the
-    family's other per-patch inputs of the replica (``VisionHooks.patch_inputs``), in patch order."""
+    """The part of a replica's packed images that SP rank ``sp_rank`` of ``sp`` of CP rank ``cp_rank`` of the
+    ``ring`` processes: the run of attention windows is split in whole windows over the cp x sp sequence ranks (CP
+    outer, ``sequence_rank``); ``patch_inputs``: the family's other per-patch inputs of the replica
+    (``VisionHooks.patch_inputs``), in patch order."""
     unit = config.spatial_merge_size**2
+    cp = 1 if ring is None else ring.degree
     window_index, cu_windows = window_layout(grid_thw, config)
     patch_order = (window_index[:, None] * unit + torch.arange(unit)).flatten()
-    bounds = split_windows(cu_windows, sp)
-    start, end = bounds[sp_rank], bounds[sp_rank + 1]
+    bounds = split_windows(cu_windows, sp * cp)
+    part = cp_rank * sp + sp_rank
+    start, end = bounds[part], bounds[part + 1]
     local = patch_order[start:end]
     positions = get_vision_position_ids(grid_thw, config.spatial_merge_size)
     cu_image, _ = get_vision_attention_seqlens(grid_thw, config)
     local_windows = [c - start for c in cu_windows if start <= c <= end]
     segment_lens = tuple((cu_image[1:] - cu_image[:-1]).tolist())
+    sp_lens = tuple(bounds[cp_rank * sp + j + 1] - bounds[cp_rank * sp + j] for j in range(sp))
     ulysses = None
-    if sp > 1:
-        ulysses = UlyssesGroup(
-            group=sp_group, rank=sp_rank, segment_lens=segment_lens,
-            seq_lens=tuple(b - a for a, b in zip(bounds[:-1], bounds[1:])),
-        )
+    if cp > 1:  # the exchange gives the CP rank's whole part; its attention runs per segment over the gathered sequence
+        gathered = GatheredSequence(part_lens=tuple(bounds[(c + 1) * sp] - bounds[c * sp] for c in range(cp)),
+                                    segment_lens=segment_lens, rank=cp_rank)
+        ulysses = UlyssesGroup(group=sp_group, rank=sp_rank, segment_lens=(sum(sp_lens),), seq_lens=sp_lens,
+                               ring=ring, gathered=gathered)
+    elif sp > 1:
+        ulysses = UlyssesGroup(group=sp_group, rank=sp_rank, segment_lens=segment_lens, seq_lens=sp_lens)
     return VisionShard(
         pixel_values_nP=pixel_values_NP[local],
         position_ids_n2=positions[local],
         cu_windows=torch.tensor(local_windows, dtype=torch.int32),
-        cu_full=cu_image if sp == 1 else torch.tensor([0, end - start], dtype=torch.int32),
+        cu_full=cu_image if sp * cp == 1 else torch.tensor([0, end - start], dtype=torch.int32),
         ulysses=ulysses,
         full_blocks=full_attention_blocks(config),
         merged_positions=window_index[start // unit : end // unit],

@@ -144,7 +144,7 @@ def attention_forward(
     core = attention_core(query, None if sequence_parallel else attention_mask)  # SP runs unmasked segments
     if sequence_parallel and ulysses_group.ring is not None:
         core = functools.partial(ring_attention_forward, ring=ulysses_group.ring,
-                                 segment_mask=ulysses_group.segment_mask)
+                                 segment_mask=ulysses_group.segment_mask, gathered=ulysses_group.gathered)
     return _run(core, module, query, key, value, attention_mask, ulysses_group if sequence_parallel else None,
                 **kwargs)
 

@@ -145,6 +145,16 @@ class ParallelDims:
     def sp_enabled(self) -> bool:
         return self.sp > 1
 
+    @property
+    def sequence_ranks(self) -> int:
+        """Ranks one sequence is split over: cp * sp (CP outer: ``sequence_rank``)."""
+        return self.cp * self.sp
+
+    def sequence_rank(self, rank: int) -> int:
+        """Which of the ``sequence_ranks`` parts of a sequence a global rank of this module holds."""
+        coord = self.coordinate(rank)
+        return coord["cp"] * self.sp + coord["sp"]
+
     def ring_group(self) -> RingGroup | None:
         """The CP group this module's ring attention runs over (runtime.parallel.ring); None without CP."""
         if self.cp == 1:

@@ -1,4 +1,5 @@
-"""Ring context parallelism (Liu et al. 2023, "Ring Attention with Blockwise Transformers") for the LLM decoder.
+"""Ring context parallelism (Liu et al. 2023, "Ring Attention with Blockwise Transformers") for the LLM decoder, and
+its all-gather form for packed rows and the vision tower.
 
 Each of ``cp`` ranks holds two of ``2 cp`` equal chunks of every sequence, chunk ``c`` and chunk ``2 cp - 1 - c``
 (the head-tail, or zig-zag, split: every rank then has an equal share of the causal work, Brandon et al. 2023),
@@ -18,6 +19,14 @@ A packed row (a dataset plan: several samples back to back) is laid out the same
 CP group's keys and values and attends them under each position's sample-and-causal mask in one SDPA call (the
 all-gather form of context parallelism, Llama 3's): torch's ring passes one mask to every block, and a sample
 boundary can fall in any of them. Its gathered keys and values are ``cp`` times a rank's own.
+
+The vision tower's full-attention blocks (bidirectional, one segment per image or temporal group) take the
+all-gather form too, without a mask: the tower's sequence of attention windows is split over the CP ranks (then
+each CP rank's part over its SP ranks) in whole windows, so window blocks stay local; a full block gathers the
+group's keys and values (parts of unequal length, padded for the collective) and attends each of the rank's
+queries to its own segment's keys, one SDPA call per segment the rank's part meets (``GatheredSequence``): no
+query waits on a causal block, so the work is the rank's share of queries, and no mask is built. torch's ring
+(one segment, equal blocks) does neither.
 
 Composed with Ulysses SP (2-D): the sequence is split over CP first, each CP rank's two chunks then over its SP
 ranks; attention exchanges heads within the SP group (runtime.parallel.ulysses), which gives each rank the CP
@@ -132,6 +141,65 @@ class _GatherSequence(torch.autograd.Function):
         return grad.chunk(ctx.ring.degree, dim=SEQ_DIM)[dist.get_rank(ctx.ring.group)], None
 
 
+class _GatherParts(torch.autograd.Function):
+    """[B, H, S_c, Dh] of each CP rank, the parts of lengths ``lens`` -> [B, H, sum(lens), Dh] in rank order (padded
+    to the longest for the collective); backward sums the gradient over the group (an all-reduce) and keeps this
+    rank's part."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ring: RingGroup, lens: tuple[int, ...]) -> torch.Tensor:
+        ctx.ring, ctx.lens = ring, lens
+        longest = max(lens)
+        padded = F.pad(x, (0, 0, 0, longest - x.shape[SEQ_DIM])).contiguous()
+        parts = [torch.empty_like(padded) for _ in lens]
+        dist.all_gather(parts, padded, group=ring.group)
+        return torch.cat([p.narrow(SEQ_DIM, 0, n) for p, n in zip(parts, lens)], dim=SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        longest = max(ctx.lens)
+        parts = [F.pad(g, (0, 0, 0, longest - g.shape[SEQ_DIM])) for g in grad.split(list(ctx.lens), dim=SEQ_DIM)]
+        summed = torch.stack(parts).contiguous()
+        dist.all_reduce(summed, group=ctx.ring.group)
+        rank = dist.get_rank(ctx.ring.group)
+        return summed[rank].narrow(SEQ_DIM, 0, ctx.lens[rank]), None, None
+
+
+@dataclass(frozen=True)
+class GatheredSequence:
+    """How a bidirectional module's sequence lies over its CP group (the vision tower: ``shard_vision_batch``)."""
+
+    part_lens: tuple[int, ...]
+    """Positions each CP rank holds, in rank order (contiguous parts of the sequence)."""
+    segment_lens: tuple[int, ...]
+    """Lengths of the sequence's attention segments (one per image or temporal group), back to back."""
+    rank: int
+    """This rank's index in the CP group."""
+
+    def query_segments(self) -> list[tuple[int, int, int, int]]:
+        """(first query, end of queries) of this rank's part and (first key, end of keys) of the whole sequence,
+        for each segment the rank's part meets, in order."""
+        start = sum(self.part_lens[:self.rank])
+        end = start + self.part_lens[self.rank]
+        spans, a = [], 0
+        for length in self.segment_lens:
+            b = a + length
+            if a < end and b > start:
+                spans.append((max(a, start) - start, min(b, end) - start, a, b))
+            a = b
+        return spans
+
+
+def gathered_bidirectional_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ring: RingGroup,
+                                     layout: GatheredSequence, scaling: float | None) -> torch.Tensor:
+    """Bidirectional attention of this rank's [B, H, S_c, Dh] queries over the CP group's keys and values, each
+    query attending its own segment (module docstring); returns [B, H, S_c, Dh]."""
+    key, value = (_GatherParts.apply(t, ring, layout.part_lens) for t in (key, value))
+    outs = [F.scaled_dot_product_attention(query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], scale=scaling)
+            for q0, q1, k0, k1 in layout.query_segments()]
+    return torch.cat(outs, dim=SEQ_DIM)
+
+
 def segment_causal_mask(positions: list[torch.Tensor], segment_of: torch.Tensor, rank: int) -> torch.Tensor:
     """[S, cp * S] booleans: which positions of the gathered sequence (every CP rank's, in rank order) each of CP rank
     ``rank``'s positions attends to: those of its own sample (``segment_of``: the sample of every position of the
@@ -143,16 +211,20 @@ def segment_causal_mask(positions: list[torch.Tensor], segment_of: torch.Tensor,
 
 def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: None, *, ring: RingGroup, scaling: float | None = None,
-                           segment_mask: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                           segment_mask: torch.Tensor | None = None, gathered: GatheredSequence | None = None,
+                           **kwargs) -> tuple[torch.Tensor, None]:
     """Causal ring attention under SDPA's contract (q/k/v [B, H, S, Dh] in, [B, S, H, Dh] out); grouped-query KV
     heads are repeated to the query heads first. A packed row (``segment_mask``, ``segment_causal_mask``) gathers
     the group's keys and values instead and attends them under the mask in one SDPA call: torch's ring loops pass one
-    mask to every block, and a sample's boundary falls anywhere in them."""
-    if not getattr(module, "is_causal", True):
-        raise NotImplementedError("ring context parallelism runs causal attention (the LLM) only")
+    mask to every block, and a sample's boundary falls anywhere in them. A bidirectional module (the vision tower)
+    attends per segment over the gathered sequence (``gathered``: ``gathered_bidirectional_attention``)."""
     repeats = query.shape[1] // key.shape[1]
     if repeats > 1:
         key, value = (t.repeat_interleave(repeats, dim=1) for t in (key, value))
+    if not getattr(module, "is_causal", True):
+        if gathered is None:
+            raise NotImplementedError("bidirectional attention over CP needs its sequence's layout (GatheredSequence)")
+        return gathered_bidirectional_attention(query, key, value, ring, gathered, scaling).transpose(1, 2), None
     if segment_mask is not None:
         key, value = (_GatherSequence.apply(t, ring) for t in (key, value))
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=segment_mask.to(query.device),

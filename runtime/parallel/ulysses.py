@@ -50,6 +50,9 @@ class UlyssesGroup:
     """The CP group whose ring runs the attention on the exchanged sequence (runtime.parallel.ring), if any."""
     segment_mask: Any = None
     """Under CP, a packed row's sample-and-causal mask over the CP group's positions (``segment_causal_mask``)."""
+    gathered: Any = None
+    """Under CP, a bidirectional module's sequence over the CP group (``GatheredSequence``): ``segment_lens`` is
+    then the CP rank's whole part, one segment for the exchange."""
 
     @property
     def degree(self) -> int:

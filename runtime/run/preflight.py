@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, TypeVar
 
-from planner.contract.rules import balancing_loss_rule
+from planner.contract.rules import CONTEXT_PARALLEL_MODULES, balancing_loss_rule
 from planner.contract.schema import Plan
 from runtime.run.checkpoint_dir import Problem, read_run_state, resolve_resume, run_state_problem
 from planner.contract.file_io import check_output, read_json
@@ -69,8 +69,8 @@ def context_parallel_refusal(module: str, cp: int, *, pp: int = 1, ep: int = 1, 
                              ) -> str | None:
     """Why the runtime does not run a module with ring context parallelism (runtime.parallel.ring), if it does not."""
     name = f"{module}: context parallelism (cp={cp})"
-    if module != "llm":
-        return f"{name} is run for the LLM only (the vision tower's segments are bidirectional): plan it with cp=1"
+    if module not in CONTEXT_PARALLEL_MODULES:
+        return f"{name} is run for the LLM and the vision tower only: plan it with cp=1"
     if pp > 1:
         return f"{name} with pipeline parallelism (pp={pp}) is not run yet: plan one of them"
     if ep > 1:

@@ -163,7 +163,7 @@ class StepInputs:
         key = ("vision", *mine)
         if key not in self.batches:
             batch = vision_items_batch([self._step_samples[i] for i, _ in mine], [k for _, k in mine],
-                                       self.config.vision_config, vision.sp)
+                                       self.config.vision_config, vision.sequence_ranks)
             pin = self.device.type == "cuda"
             self.batches[key] = {k: v.pin_memory() if pin else v for k, v in batch.items()}
             self.on_host_data(self.batches[key].values())
@@ -293,7 +293,7 @@ class StepInputs:
     def _layout_routes(self) -> Routes:
         """The hand-off routes of every micro-batch of a fixed-shape plan (all samples share the layout)."""
         encoder, llm = self.dims[self.encoder], self.receiving_llm
-        positions = self.layout.output_positions_per_rank(encoder.micro_batch, self.config, encoder.sp)
+        positions = self.layout.output_positions_per_rank(encoder.micro_batch, self.config, encoder.sequence_ranks)
         template = self.layout.template_ids()
         row = (len(template), self.layout.handoff_mask(template).nonzero().flatten())
         slots = image_slots_per_rank([row] * llm.micro_batch, llm.sp, llm.cp)
@@ -319,10 +319,10 @@ def packed_routes(index: list[IndexedSample], micro_batch: VisionMicroBatch, llm
     for mine in micro_batch.replicas:
         grids = [index[i].grids[k] for i, k in (micro_batch.items[j] for j in mine)]
         order = [torch.arange(starts[j], starts[j] + tokens[j]) for j in mine]
-        if needs_filler(grids, config, vision.sp):
-            grids.append(filler_grid(config, vision.sp))
+        if needs_filler(grids, config, vision.sequence_ranks):
+            grids.append(filler_grid(config, vision.sequence_ranks))
             order.append(torch.full((math.prod(grids[-1]) // merge,), -1))
-        positions.append(merged_positions_per_rank(torch.tensor(grids), config, vision.sp))
+        positions.append(merged_positions_per_rank(torch.tensor(grids), config, vision.sequence_ranks))
         orders.append(torch.cat(order))
     slots = []
     for row in llm_rows:

@@ -197,8 +197,10 @@ class Trainer:
         dims = self.dims[self.encoder]
         batch = self.inputs.samples(micro, self.encoder)
         sp_group = dims.grid_mesh["sp"].get_group() if dims.sp_enabled else None
-        shard = self.family.encoder.shard(batch, self.inputs.config, sp_rank=dims.coordinate(self.rank)["sp"],
-                                          sp_group=sp_group, sp=dims.sp)
+        coord = dims.coordinate(self.rank)
+        ring = {} if dims.cp == 1 else dict(cp_rank=coord["cp"], ring=dims.ring_group())
+        shard = self.family.encoder.shard(batch, self.inputs.config, sp_rank=coord["sp"], sp_group=sp_group,
+                                          sp=dims.sp, **ring)
         shard = to_device(shard, self.device)
         with self._timed(f"{self.encoder}_forward_s"), self.model.autocast(self.encoder), \
                 torch.set_grad_enabled(not dims.frozen):

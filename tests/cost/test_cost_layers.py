@@ -281,6 +281,27 @@ def test_a_packed_row_over_context_parallelism_gathers_keys_and_values_under_its
     assert selective.saved_bytes == pytest.approx(ring_selective.saved_bytes)
 
 
+def test_the_vision_towers_full_blocks_over_context_parallelism_gather_and_attend_their_own_image():
+    """A vision full block of two 32-patch images over CP2: each rank's 32 queries attend their own image's 32 keys
+    (half the FLOPs of one rank: no query computes against another image, none waits on a causal block); its KV
+    block (32 patches x 2 x 64 x 2 B) is all-gathered forward and its gradient all-reduced backward, unhidden; no
+    mask is built; SDPA keeps the other rank's block for its backward (beyond what an SP2 rank of the same 32
+    patches saves). A window block keeps its windows on the rank: no CP exchange."""
+    e = A.activation_bytes
+    kv_block = 32 * 2 * 64 * e
+
+    def images(**degrees):
+        return layer_terms(FULL, replace(shard(**degrees), segment_tokens=32, segments=2))
+
+    one, cp2, sp2 = images(), images(cp=2), images(sp=2)
+    assert cp2.flops == pytest.approx(one.flops / 2)
+    assert cp2.cp_comm_s == pytest.approx(all_gather_time(2 * kv_block, 2, LINK) + all_reduce_time(2 * kv_block, 2,
+                                                                                                     LINK))
+    assert cp2.buffer_bytes == 0 and cp2.saved_bytes - sp2.saved_bytes == pytest.approx(kv_block)
+    windows = layer_terms(WINDOW, shard(cp=2, windows=4))
+    assert windows.cp_comm_s == 0 and windows.flops == pytest.approx(layer_terms(WINDOW, shard(windows=4)).flops / 2)
+
+
 def test_an_mlps_backward_holds_its_hidden_gradients_beside_the_saved_activations():
     """The toy decoder's SwiGLU (intermediate 256): its backward holds 2.2 tensors of 64 tokens x 256 / tp beside
     what the layer saved (an ungated MLP 1.3); the forward holds none, and a TP rank holds its share."""

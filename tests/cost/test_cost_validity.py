@@ -57,10 +57,12 @@ def test_too_many_gpus():
     assert reasons == ["pp*dp*cp*sp*tp = 16 GPUs but the cluster has 8"]
 
 
-def test_encoder_rules():
-    assert any(
-        "context parallelism is implemented for the LLM only" in r for r in check("vision", dp=4, cp=2, micro_batch=2)
-    )
+def test_the_vision_tower_splits_its_windows_over_cp_and_sp_together():
+    """Vision CP runs (the gathered form); its cp x sp ranks each need an attention window of the micro-batch."""
+    assert check("vision", dp=4, cp=2, micro_batch=2) == []
+    assert check("vision", dp=1, cp=2, sp=2, grad_accum=8) == []  # 4 windows a micro-batch: one per rank
+    (reason,) = check("vision", dp=1, cp=4, sp=2, grad_accum=8)
+    assert "sp=8" in reason and "4 attention windows" in reason
 
 
 def test_ulysses_divides_the_heads_of_a_tp_rank():

@@ -82,9 +82,14 @@ def test_invalid_fix_reports_the_rule():
 
 
 def test_unusable_gpu_count_is_reported():
-    p = replace(problem("qwen-vl-32b", 7, device="h100-80gb", batch=64), allow_ring_cp=True)
-    reason = module_candidates(p, "vision", "colocated", {}).invalid
-    assert reason == "vision uses cp=7; context parallelism is implemented for the LLM only"
+    p = problem("qwen-vl-32b", 7, device="h100-80gb", batch=64)
+    assert module_candidates(p, "vision", "colocated", {}).invalid == ("no vision layout on 7 GPUs consumes the global "
+                                                                      "batch of 64")
+    audio = replace(problem("qwen2-audio-7b", 7, device="h100-80gb", batch=64), allow_ring_cp=True)
+    reason = module_candidates(audio, "audio", "colocated", {}).invalid
+    assert reason == "audio uses cp=7; context parallelism is run for the LLM and the vision tower only"
+    vision = module_candidates(replace(p, allow_ring_cp=True), "vision", "colocated", {})  # 7 GPUs: CP7 alone
+    assert vision.invalid is None and {c.strategy.cp for c in vision.kept} == {7}
 
 
 def test_ring_cp_is_searched_only_when_allowed():

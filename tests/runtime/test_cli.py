@@ -13,7 +13,7 @@ import torch
 
 from runtime.launch import launcher
 from runtime.training.trainer import RunOptions
-from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_qwen3_vl_moe_config
+from tests.runtime.plans import QWEN3_IMAGE_SIZE, make_plan, tiny_qwen2_audio_config, tiny_qwen3_vl_moe_config
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -41,9 +41,10 @@ def test_plan_of_another_schema_version(tmp_path):
 
 
 def test_context_parallel_plan_the_runtime_cannot_run_is_refused_before_ray(tmp_path):
-    (tmp_path / "plan.json").write_text(make_plan(dict(cp=2), dict(cp=2)).to_json())
-    assert_one_line_error(run_cli(str(tmp_path / "plan.json")), "vision: context parallelism (cp=2) is run for the "
-                                                                "LLM only")
+    audio = make_plan(dict(cp=2), dict(cp=2), hf_config=tiny_qwen2_audio_config(), audio_seconds=2.0, text_tokens=12)
+    (tmp_path / "plan.json").write_text(audio.to_json())
+    assert_one_line_error(run_cli(str(tmp_path / "plan.json")), "audio: context parallelism (cp=2) is run for the "
+                                                                "LLM and the vision tower only")
     (tmp_path / "plan.json").write_text(make_plan(dict(dp=4), dict(cp=2, pp=2, pp_layers=[2, 2])).to_json())
     assert_one_line_error(run_cli(str(tmp_path / "plan.json")), "with pipeline parallelism (pp=2) is not run yet")
 

@@ -196,6 +196,9 @@ QWEN3_VL_PLANS = {
     "qwen3_vl_two_images_and_a_clip__vision_sp2__llm_sp2": dict(
         vision=dict(sp=2), llm=dict(sp=2), videos=((4, 64, 96),),
         **{**QWEN3_VL, "image_size": (QWEN3_IMAGE_SIZE, (64, 64))}),
+    # no windows: merge units split over the CP ranks; the clip's temporal groups and the image are the segments
+    "qwen3_vl_image_and_a_clip__vision_cp2xtp2__llm_cp2xtp2": dict(vision=dict(cp=2, tp=2), llm=dict(cp=2, tp=2),
+                                                               videos=((4, 64, 96),), **QWEN3_VL),
     "qwen3_vl_video__zero3_dp2": dict(vision=dict(dp=2, zero=3), llm=dict(dp=2, zero=3), videos=((4, 64, 96),),
                                       **QWEN3_VL),
     "qwen3_vl_video__llm_pp2__vision_tp2": dict(vision=dict(tp=2, grad_accum=2),
@@ -254,8 +257,17 @@ CONTEXT_PARALLEL_PLANS = {
     # ZeRO-3 over dp x cp; TP inside each CP rank
     "llm_cp2_zero3__vision_dp2_zero3": dict(vision=dict(dp=2, zero=3), llm=dict(cp=2, zero=3, micro_batch=2)),
     "llm_cp2xtp2__vision_dp2xtp2": dict(vision=dict(dp=2, tp=2), llm=dict(cp=2, tp=2, micro_batch=2)),
+    # the vision tower over CP2 (the all-gather form, runtime.parallel.ring): its two windows of 64 and 32 patches one
+    # per CP rank, the image's full-attention segment across both
+    "vision_cp2__llm_tp2": dict(vision=dict(cp=2), llm=dict(tp=2)),
+    # two images per sample, windows 64 | 32 + 16: CP rank 1's part meets both segments; ZeRO-3 over dp x cp
+    "two_images__vision_cp2_zero3__llm_tp2": dict(vision=dict(cp=2, zero=3), llm=dict(tp=2),
+                                                  image_size=((112, 168), (56, 56))),
+    # 2-D on both modules: 4 windows of the 16 x 12 image, Ulysses SP2 inside each vision CP rank's two windows
+    "vision_cp2xsp2__llm_cp2xsp2": dict(vision=dict(cp=2, sp=2), llm=dict(cp=2, sp=2), image_size=(224, 168),
+                                        hf_config=four_kv_heads_config()),
 }
-"""LLM ring context-parallel plans."""
+"""Ring context-parallel plans (the LLM's ring, the vision tower's gathered form)."""
 
 
 GRADIENT_FLOOR = 1e-8

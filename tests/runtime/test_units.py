@@ -166,8 +166,9 @@ def test_pipeline_stages_are_the_outermost_blocks_of_ranks():
 def test_parallel_dims_validation():
     with pytest.raises(ValueError, match="4 ranks"):
         _dims(ranks=(0, 1, 2, 3))
-    with pytest.raises(NotImplementedError, match="context parallelism .* LLM only"):
-        _dims(sp=1, cp=2)
+    with pytest.raises(NotImplementedError, match="context parallelism .* LLM and the vision tower only"):
+        _dims(name="audio", sp=1, cp=2)
+    _dims(sp=1, cp=2)  # the vision tower's gathered form runs
     _dims(name="llm")  # LLM sequence parallelism runs
     _dims(name="llm", sp=1, cp=2)  # and ring context parallelism
 

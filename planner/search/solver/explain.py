@@ -11,7 +11,8 @@ from typing import Mapping
 
 from planner.search.candidates import Candidates, Fixes, build_candidates, extend_pipelined, feasible, least_colocated_need
 from planner.search.enumeration import divisors, module_strategies, sp_degrees
-from planner.contract.models import ENCODER_MODULES, ModelSpec
+from planner.contract.models import ModelSpec
+from planner.contract.rules import CONTEXT_PARALLEL_MODULES
 from planner.problem import DEFAULT_SAMPLES_PER_GPU, MAX_VIDEO_FRAMES, MIN_VIDEO_FRAMES, Problem
 from planner.contract.units import GIB
 from planner.contract.strategy import Placement
@@ -60,13 +61,14 @@ def _layout_counts(problem: Problem, module: str) -> set[int]:
 def layout_gpu_counts(problem: Problem, low: int, high: int) -> list[int]:
     """GPU counts in [low, high] that every module could use by arithmetic alone, ascending: a superset of the
     counts ``_usable`` accepts, found from the degrees rather than by trying every count. A module that may use
-    ring context parallelism (the LLM with ``allow_ring_cp``) can use any multiple of its dp * tp * sp; an encoder
-    only dp * tp * sp itself. A model without an encoder allowed CP can use nearly any count: then the nearest
+    context parallelism (the LLM or the vision tower, with ``allow_ring_cp``) can use any multiple of its
+    dp * tp * sp; the audio encoder only dp * tp * sp itself. A model whose every module may use CP can use nearly any
+    count: then the nearest
     multiples of each dp * tp * sp on either side of the range stand in for it."""
     finite, multiples = [], []
     for module in problem.model.module_names:
         counts = _layout_counts(problem, module)
-        cp_allowed = problem.allow_ring_cp and module not in ENCODER_MODULES
+        cp_allowed = problem.allow_ring_cp and module in CONTEXT_PARALLEL_MODULES
         (multiples if cp_allowed else finite).append(counts)
     if finite:
         found = {k for k in set.intersection(*finite) if low <= k <= high}
