@@ -187,12 +187,13 @@ def test_a_long_sequence_plan_dry_runs_within_ten_percent_of_the_planner(tmp_pat
 def test_a_ring_context_parallel_plan_dry_runs_within_ten_percent_of_the_planner(tmp_path):
     """Qwen2.5-VL-32B's widths (2 decoder layers, 2 vision blocks) at 60,256 LLM tokens per sample (a 448 x 448 image
     and 60,000 text tokens: the LLM holds the peak) on 8 H100s: the LLM over ring CP4 x Ulysses SP2 (2-D) under
-    ZeRO-3, the vision tower over SP8. Each role's peak tensor memory is the planner's within 10 % (observed 0.91x:
-    12.46 of 13.65 GiB; the same plan over LLM SP8 measures 0.90x)."""
+    ZeRO-3, the vision tower over CP4 x SP2 too (its gathered form: 16 windows, 2 a rank). Each role's peak tensor
+    memory is the planner's within 10 % (observed 0.91x: 12.46 of 13.65 GiB; the same plan over LLM SP8 measures
+    0.90x)."""
     (tmp_path / "config.json").write_text(json.dumps(_few_layer_32b()))
     fixed = {**{f"{m}.{field}": value for m in ("vision", "llm") for field, value in
                 (("dp", 1), ("zero", 3), ("recompute", "full"), ("micro_batch", 1))},
-             "vision.sp": 8, "llm.sp": 2, "llm.cp": 4, "llm.tp": 1}
+             "vision.sp": 2, "vision.cp": 4, "llm.sp": 2, "llm.cp": 4, "llm.tp": 1}
     plan = planner_api.plan(str(tmp_path / "config.json"), 8, fix=fixed, workload=planner_api.WorkloadInputs(
         precision="bf16_pure", image_sizes=[(448, 448)], text_tokens=60000, global_batch=8))
     assert plan.module("llm").attention == "sdpa"
