@@ -1,4 +1,4 @@
-"""One rank's shard of each Qwen2.5-VL layer type, built from transformers' own layer classes.
+"""One rank's shard of each Qwen2.5-VL and Qwen3.5 layer type, built from transformers' own layer classes.
 
 TP = t divides what Megatron-style tensor parallelism divides: attention heads (kv heads too, replicated when
 there are fewer than t), the MLP's intermediate width, the merger's hidden width and the vocabulary. Ulysses
@@ -6,6 +6,12 @@ SP = s gives a rank 1/s of the tokens for norms and MLPs and, inside attention, 
 the heads. The all-to-all that re-shards between the two is simulated by a local reshape of the same number of
 elements (the data is not the real neighbour's, the shapes and the copy are); its communication is costed from
 the collective profile.
+
+Qwen3.5: its vision block, patch embedding (with the learned position table Qwen3-VL-style towers interpolate) and
+merger, and both decoder layer types: a Gated DeltaNet layer (transformers' torch chunked delta rule and causal conv
+where fla is not installed, one sequence per sample) and a gated full-attention layer, TP-split by building the layer
+from a config with 1/tp of every head kind and of the MLP width. A Gated DeltaNet layer is measured without Ulysses
+SP (the runtime exchanges its projections, not heads of an attention: not simulated here).
 
 Legend: B micro-batch, S tokens per sample (before SP), L local tokens (S/sp), H heads, D head width.
 """
@@ -27,6 +33,14 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VLPatchMerger,
     Qwen2_5_VLRMSNorm,
     Qwen2_5_VLVisionBlock,
+)
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5Config
+from transformers.models.qwen3_5.modeling_qwen3_5 import (
+    Qwen3_5DecoderLayer,
+    Qwen3_5TextRotaryEmbedding,
+    Qwen3_5VisionBlock,
+    Qwen3_5VisionPatchEmbed,
+    Qwen3_5VisionPatchMerger,
 )
 
 from planner.contract.models import LayerSpec
@@ -283,33 +297,129 @@ class LmHeadShard(LayerShard):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels)
 
 
-PROFILED_FAMILIES = ("qwen2_5_vl",)
-"""Model types whose layers the shards here build (transformers' Qwen2.5-VL layer classes)."""
+class Qwen3_5VisionBlockShard(VisionBlockShard):
+    """Qwen3_5VisionBlock (Qwen3-VL's: full attention within each image, an fc1/fc2 MLP), split as Qwen2.5-VL's."""
+
+    def __init__(self, config, *, tp: int, sp: int) -> None:
+        _check_divides("vision heads", config.num_heads, tp * sp)
+        block = Qwen3_5VisionBlock(_with_attention(config, segmented=True))
+        block.attn.qkv = _shrink_linear(block.attn.qkv, out_div=tp)
+        block.attn.proj = _shrink_linear(block.attn.proj, in_div=tp)
+        block.attn.num_heads = config.num_heads // tp
+        block.mlp.linear_fc1 = _shrink_linear(block.mlp.linear_fc1, out_div=tp)
+        block.mlp.linear_fc2 = _shrink_linear(block.mlp.linear_fc2, in_div=tp)
+        LayerShard.__init__(self, block, tp=tp, sp=sp)
+        self.window_patches, self.head_dim = None, config.hidden_size // config.num_heads
 
 
-def hf_config(hf_config_dict) -> Qwen2_5_VLConfig:
+class Qwen3_5PatchEmbedShard(LayerShard):
+    """Qwen3_5VisionPatchEmbed plus the learned position table, looked up at 4 bilinear taps per patch and weighted
+    (as the tower interpolates it to each image's grid); replicated under TP, tokens split under SP."""
+
+    def __init__(self, vision_config, *, tp: int, sp: int) -> None:
+        layer = nn.ModuleDict({"embed": Qwen3_5VisionPatchEmbed(vision_config),
+                               "pos_embed": nn.Embedding(vision_config.num_position_embeddings,
+                                                         vision_config.hidden_size)})
+        super().__init__(layer, tp=tp, sp=sp)
+        self.in_features = vision_config.in_channels * vision_config.temporal_patch_size * vision_config.patch_size**2
+
+    def inputs(self, seq_len, micro_batch, *, dtype, device):
+        local = _local_tokens(seq_len * micro_batch, self.sp)
+        taps = torch.randint(0, self.layer["pos_embed"].num_embeddings, (4, local), device=device)
+        weights = torch.rand(4, local, 1, dtype=dtype, device=device)
+        return ShardInputs(x=torch.randn(local, self.in_features, dtype=dtype, device=device),
+                           kwargs={"taps": taps, "weights": weights})
+
+    def forward(self, x, taps, weights):
+        return self.layer["embed"](x) + (self.layer["pos_embed"](taps) * weights).sum(0)
+
+
+class Qwen3_5PatchMergerShard(PatchMergerShard):
+    """Qwen3_5VisionPatchMerger (norm before the 2 x 2 shuffle), its MLP split Megatron-style."""
+
+    def __init__(self, vision_config, *, tp: int, sp: int) -> None:
+        merger = Qwen3_5VisionPatchMerger(vision_config, use_postshuffle_norm=False)
+        merger.linear_fc1 = _shrink_linear(merger.linear_fc1, out_div=tp)
+        merger.linear_fc2 = _shrink_linear(merger.linear_fc2, in_div=tp)
+        merger.hidden_size = vision_config.hidden_size * vision_config.spatial_merge_size**2
+        LayerShard.__init__(self, merger, tp=tp, sp=sp)
+        self.unit = vision_config.spatial_merge_size**2
+
+    def inputs(self, seq_len, micro_batch, *, dtype, device):
+        local = _local_tokens(seq_len * micro_batch, self.sp * self.unit) * self.unit
+        x = torch.randn(local, self.layer.norm.weight.shape[0], dtype=dtype, device=device, requires_grad=True)
+        return ShardInputs(x=x, kwargs={})
+
+
+def _qwen3_5_text_shard_config(text_config, tp: int, sp: int):
+    """The text config of one TP rank's layers: 1/tp of the query, KV (replicated below tp), linear-attention key and
+    value heads and of the MLP width; the attention as a Ulysses rank runs it."""
+    config = _with_attention(text_config, segmented=sp > 1)
+    config.num_attention_heads = text_config.num_attention_heads // tp
+    config.num_key_value_heads = max(text_config.num_key_value_heads // tp, 1)
+    config.linear_num_key_heads = text_config.linear_num_key_heads // tp
+    config.linear_num_value_heads = text_config.linear_num_value_heads // tp
+    config.intermediate_size = text_config.intermediate_size // tp
+    return config
+
+
+class Qwen3_5DecoderLayerShard(LayerShard):
+    """Qwen3_5DecoderLayer of either type (``linear``: Gated DeltaNet; else gated full attention with partial rotary)
+    on (B, L, hidden), built at 1/tp of its heads and MLP width."""
+
+    def __init__(self, text_config, *, linear: bool, tp: int, sp: int) -> None:
+        kind = "linear_attention" if linear else "full_attention"
+        layer = Qwen3_5DecoderLayer(_qwen3_5_text_shard_config(text_config, tp, sp),
+                                    layer_idx=text_config.layer_types.index(kind))
+        super().__init__(layer, tp=tp, sp=sp)
+        self.hidden = text_config.hidden_size
+        self.rotary = Qwen3_5TextRotaryEmbedding(text_config)
+
+    def inputs(self, seq_len, micro_batch, *, dtype, device):
+        local = _local_tokens(seq_len, self.sp)
+        x = torch.randn(micro_batch, local, self.hidden, dtype=dtype, device=device, requires_grad=True)
+        positions = torch.arange(local, device=device).expand(3, micro_batch, local)
+        cos, sin = self.rotary.to(device)(x, positions)
+        kwargs = {"position_embeddings": (cos.to(dtype), sin.to(dtype))}
+        if self.sp > 1:
+            kwargs["ulysses_degree"] = self.sp
+        return ShardInputs(x=x, kwargs=kwargs)
+
+    def forward(self, x, **kwargs):
+        return self.layer(x, **kwargs)
+
+
+PROFILED_FAMILIES = {"qwen2_5_vl": Qwen2_5_VLConfig, "qwen3_5": Qwen3_5Config}
+"""Model types whose layers the shards here build, and their transformers config classes."""
+
+
+def hf_config(hf_config_dict) -> Qwen2_5_VLConfig | Qwen3_5Config:
     """The transformers config of a ModelSpec's ``hf_config``.
 
     Raises:
-        ValueError: a family whose layers these shards do not build (they would measure Qwen2.5-VL's instead).
+        ValueError: a family whose layers these shards do not build (they would measure another's instead).
     """
     model_type = hf_config_dict.get("model_type")
     if model_type not in PROFILED_FAMILIES:
         raise ValueError(f"the profiler builds the layers of {', '.join(PROFILED_FAMILIES)} models, not "
                          f"{model_type}: plan it with the analytical cost model (no --profile)")
-    return Qwen2_5_VLConfig(**dict(hf_config_dict))
+    return PROFILED_FAMILIES[model_type](**dict(hf_config_dict))
 
 
-def build_shard(config: Qwen2_5_VLConfig, layer: LayerSpec, *, tp: int, sp: int) -> LayerShard:
+def build_shard(config: Qwen2_5_VLConfig | Qwen3_5Config, layer: LayerSpec, *, tp: int, sp: int) -> LayerShard:
     """One rank's shard of ``layer`` at degrees (tp, sp), parameters in the current default device/mode."""
     vision, text = config.vision_config, config.text_config
+    qwen3_5 = isinstance(config, Qwen3_5Config)
     if layer.kind == "vision_block":
+        if qwen3_5:
+            return Qwen3_5VisionBlockShard(vision, tp=tp, sp=sp)
         window = layer.attention.window_patches if layer.attention is not None else None
         return VisionBlockShard(vision, window_patches=window, tp=tp, sp=sp)
     builders = {
-        "patch_embed": lambda: PatchEmbedShard(vision, tp=tp, sp=sp),
-        "patch_merger": lambda: PatchMergerShard(vision, tp=tp, sp=sp),
-        "decoder_layer": lambda: DecoderLayerShard(text, tp=tp, sp=sp),
+        "patch_embed": lambda: (Qwen3_5PatchEmbedShard if qwen3_5 else PatchEmbedShard)(vision, tp=tp, sp=sp),
+        "patch_merger": lambda: (Qwen3_5PatchMergerShard if qwen3_5 else PatchMergerShard)(vision, tp=tp, sp=sp),
+        "decoder_layer": lambda: (Qwen3_5DecoderLayerShard(text, linear=layer.linear_attention is not None, tp=tp,
+                                                           sp=sp) if qwen3_5 else DecoderLayerShard(text, tp=tp, sp=sp)),
         "embedding": lambda: EmbeddingShard(text, tp=tp, sp=sp),
         "final_norm": lambda: FinalNormShard(text, tp=tp, sp=sp),
         "lm_head": lambda: LmHeadShard(text, tp=tp, sp=sp),
@@ -319,13 +429,18 @@ def build_shard(config: Qwen2_5_VLConfig, layer: LayerSpec, *, tp: int, sp: int)
     return builders[layer.kind]()
 
 
-def valid_degree(config: Qwen2_5_VLConfig, layer: LayerSpec, *, tp: int, sp: int) -> bool:
-    """Whether (tp, sp) splits this layer evenly (heads, vocabulary, widths)."""
+def valid_degree(config: Qwen2_5_VLConfig | Qwen3_5Config, layer: LayerSpec, *, tp: int, sp: int) -> bool:
+    """Whether (tp, sp) splits this layer evenly (heads, vocabulary, widths), and is measured here (a Gated DeltaNet
+    layer without SP)."""
     vision, text = config.vision_config, config.text_config
+    decoder = [text.num_attention_heads % (tp * sp), text.intermediate_size % tp]
+    if layer.linear_attention is not None:
+        decoder = [sp - 1, text.linear_num_key_heads % tp, text.linear_num_value_heads % tp,
+                   text.intermediate_size % tp]
     checks = {
         "vision_block": [vision.num_heads % (tp * sp), vision.intermediate_size % tp],
         "patch_merger": [(vision.hidden_size * vision.spatial_merge_size**2) % tp],
-        "decoder_layer": [text.num_attention_heads % (tp * sp), text.intermediate_size % tp],
+        "decoder_layer": decoder,
         "embedding": [text.vocab_size % tp],
         "lm_head": [text.vocab_size % tp],
     }
@@ -337,7 +452,7 @@ def shard_param_bytes(shard: LayerShard) -> int:
     return sum(p.numel() * p.element_size() for p in shard.parameters())
 
 
-def tokens_multiple(config: Qwen2_5_VLConfig, layer: LayerSpec, sp: int) -> int:
+def tokens_multiple(config: Qwen2_5_VLConfig | Qwen3_5Config, layer: LayerSpec, sp: int) -> int:
     """Sequence lengths of this layer must be multiples of this (merge unit and SP)."""
     unit = config.vision_config.spatial_merge_size**2 if layer.kind == "patch_merger" else 1
     return unit * sp

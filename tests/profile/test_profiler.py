@@ -52,6 +52,39 @@ def test_tp_and_ulysses_shards_do_half_the_flops(module, name, tp, sp):
     assert half.backward_flops * 2 == whole.backward_flops
 
 
+QWEN3_5 = get_model("qwen3.5-tiny")
+QWEN3_5_CONFIG = hf_config(QWEN3_5.hf_config)
+
+
+@pytest.mark.parametrize("module, name", [(m.name, l.name) for m in QWEN3_5.modules for l in m.layers])
+def test_qwen3_5_shards_have_the_catalog_parameter_count(module, name):
+    """Qwen3.5's layers are built from its own classes (a Gated DeltaNet layer, a gated full-attention layer, the
+    Qwen3-VL-style tower with its position table), not measured as Qwen2.5-VL's."""
+    shard = build_shard(QWEN3_5_CONFIG, QWEN3_5.module(module).layer(name), tp=1, sp=1)
+    assert sum(p.numel() for p in shard.parameters()) == QWEN3_5.module(module).layer(name).params
+
+
+def _qwen3_5_fake(name: str, *, tp=1, seq=256):
+    layer = QWEN3_5.module("llm").layer(name)
+    return analyze_fake(lambda: build_shard(QWEN3_5_CONFIG, layer, tp=tp, sp=1), seq, 1, dtype=torch.float32)
+
+
+def test_a_linear_attention_layers_work_and_memory_grow_linearly_and_a_full_attention_layers_faster():
+    """The Gated DeltaNet layer's counted FLOPs and saved bytes double with the sequence (chunks of 64 tokens, a
+    state carried between them); the full-attention layer's FLOPs more than double (its scores); TP2 builds half of
+    every head kind."""
+    linear = [_qwen3_5_fake("linear_decoder_layer", seq=seq) for seq in (256, 512)]
+    full = [_qwen3_5_fake("decoder_layer", seq=seq) for seq in (256, 512)]
+    assert linear[1].forward_flops == pytest.approx(2 * linear[0].forward_flops, rel=1e-4)
+    assert linear[1].saved_activation_bytes == pytest.approx(2 * linear[0].saved_activation_bytes, rel=0.01)
+    assert full[1].forward_flops > 2.5 * full[0].forward_flops
+    shard = build_shard(QWEN3_5_CONFIG, QWEN3_5.module("llm").layer("linear_decoder_layer"), tp=2, sp=1).layer
+    text = QWEN3_5_CONFIG.text_config
+    assert (shard.linear_attn.num_k_heads, shard.linear_attn.num_v_heads) == (text.linear_num_key_heads // 2,
+                                                                             text.linear_num_value_heads // 2)
+    assert shard.mlp.gate_proj.out_features == text.intermediate_size // 2
+
+
 def test_window_attention_costs_less_than_full():
     assert fake("vision", "window_block", seq=256).forward_flops < fake("vision", "full_block", seq=256).forward_flops
 
@@ -96,8 +129,8 @@ def test_tiny_profile_run_and_resume(tmp_path, capsys):
 
 @pytest.mark.parametrize(("model", "message"), [
     ("no-such-model", "unknown model"),
-    # its layers are not the Qwen2.5-VL shards the profiler builds: refused, not measured as Qwen2.5-VL's
-    ("qwen3-vl-tiny", "the profiler builds the layers of qwen2_5_vl models, not qwen3_vl"),
+    # its layers are not the shards the profiler builds: refused, not measured as another family's
+    ("qwen3-vl-tiny", "the profiler builds the layers of qwen2_5_vl, qwen3_5 models, not qwen3_vl"),
 ])
 def test_cli_errors_are_one_line(capsys, model, message):
     assert main(["--model", model, "--out", "unused.json"]) == 2
