@@ -43,6 +43,9 @@ class AttentionSpec:
     output_gate: bool = False
     """Gated attention (Qwen3.5's ``Qwen3_5Attention``): q_proj also produces a per-head gate of the query's width,
     and the attention output is multiplied by its sigmoid before o_proj."""
+    qk_norm: bool = False
+    """An RMSNorm of one head's width on every query and key head before the rotary embedding (Qwen3's, Qwen3-VL's
+    and Qwen3.5's ``q_norm`` / ``k_norm``)."""
 
 
 @dataclass(kw_only=True, frozen=True)

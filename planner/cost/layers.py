@@ -33,6 +33,7 @@ from planner.cost.op_counts import LAYER_OPS, NO_OPS, PassOps, layer_pass_ops
 from planner.cost.times import PassTimes
 from planner.cost.memory import (
     block_saved_bytes_per_token,
+    qk_norm_saved_bytes_per_token,
     chunked_loss_logits_bytes,
     expert_dispatch_buffer_bytes,
     expert_saved_bytes_per_token,
@@ -463,6 +464,10 @@ def _block_saved(layer: LayerSpec, shard: Shard, scores: float, recompute: str) 
     )
     if a.output_gate and recompute != "full":  # the gate and the attention output it scales
         per_token += 2 * q_width * s.assumptions.activation_bytes
+    if a.qk_norm and recompute != "full":
+        # on the rank's own heads, before any Ulysses repeat of the KV heads (TP replicates those fewer than tp)
+        per_token += qk_norm_saved_bytes_per_token(q_width, max(a.num_kv_heads, s.tp) / s.tp * a.head_dim,
+                                                   s.assumptions)
     experts = expert_terms(layer, s)[2] if layer.moe is not None and recompute != "full" else 0.0
     return s.tokens * per_token + score_matrix_bytes(scores, recompute, s.assumptions) + experts
 

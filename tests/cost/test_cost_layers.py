@@ -302,6 +302,20 @@ def test_the_vision_towers_full_blocks_over_context_parallelism_gather_and_atten
     assert windows.cp_comm_s == 0 and windows.flops == pytest.approx(layer_terms(WINDOW, shard(windows=4)).flops / 2)
 
 
+def test_per_head_qk_norms_keep_an_fp32_copy_and_the_normalised_heads():
+    """Qwen3's q_norm / k_norm: per element of the rank's q and k widths, the fp32 input copy (4 B) and the
+    normalised bf16 tensor (2 B). The toy decoder over 64 tokens: q 8 heads x 16, k 2 x 16 -> 64 x 160 x 6 B; TP2
+    halves both; under TP4 a rank holds 2 query heads and one KV head, replicated (64 x 48 x 6 B); full
+    recomputation keeps none of it."""
+    normed = replace(DECODER, attention=replace(DECODER.attention, qk_norm=True))
+    assert (DECODER.attention.num_heads, DECODER.attention.num_kv_heads, DECODER.attention.head_dim) == (8, 2, 16)
+    for tp, widths in ((1, 128 + 32), (2, 64 + 16), (4, 32 + 16)):
+        extra = layer_terms(normed, shard(tp=tp)).saved_bytes - layer_terms(DECODER, shard(tp=tp)).saved_bytes
+        assert extra == pytest.approx(64 * widths * 6)
+    full = shard(recompute="full")
+    assert layer_terms(normed, full).saved_bytes == layer_terms(DECODER, full).saved_bytes
+
+
 def test_an_mlps_backward_holds_its_hidden_gradients_beside_the_saved_activations():
     """The toy decoder's SwiGLU (intermediate 256): its backward holds 2.2 tensors of 64 tokens x 256 / tp beside
     what the layer saved (an ungated MLP 1.3); the forward holds none, and a TP rank holds its share."""

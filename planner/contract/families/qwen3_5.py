@@ -93,7 +93,8 @@ def full_attention_spec(text: Mapping[str, Any]) -> AttentionSpec:
     heads, kv_heads, head_dim = ints(text, "num_attention_heads num_key_value_heads head_dim", "text_config")
     if heads % kv_heads:
         raise ValueError(f"text_config: {heads} attention heads are not a multiple of {kv_heads} key/value heads")
-    return AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, causal=True, output_gate=True)
+    return AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, causal=True, output_gate=True,
+                         qk_norm=True)
 
 
 def dense_feed_forward(text: Mapping[str, Any]) -> tuple[dict[str, Any], int]:

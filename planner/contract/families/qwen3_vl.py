@@ -101,7 +101,7 @@ def model_spec(config: Mapping[str, Any], name: str) -> ModelSpec:
     v = encoder_section(config, "vision_config", VISION_DEFAULTS)
     vision = vision_module(v)
     bias = text.get("attention_bias") is True
-    llm = llm_module(text, tied, head_dim_key=True,
+    llm = llm_module(text, tied, head_dim_key=True, qk_norm=True,
                      layer_params=lambda *dims: decoder_layer_params(*dims, bias=bias))
     inputs = vision_input(v, window=False, image_pixels=IMAGE_PIXELS, video=VIDEO)
     check_vision_language(config, text, vision, llm, inputs)

@@ -57,7 +57,7 @@ def moe_llm_module(text: Mapping[str, Any], tied: bool) -> ModuleSpec:
     ``dense_decoder_layer``. transformers' router always renormalises the top-k weights, whatever
     ``norm_topk_prob`` says."""
     bias = text.get("attention_bias") is True
-    dense = llm_module(text, tied, head_dim_key=True,
+    dense = llm_module(text, tied, head_dim_key=True, qk_norm=True,
                        layer_params=lambda *dims: qwen3_vl.decoder_layer_params(*dims, bias=bias))
     block = dense.layer("decoder_layer")
     a, moe = block.attention, moe_spec(text)

@@ -53,12 +53,13 @@ def merger_layer(dim: int, out_dim: int, merge: int, norm_params: int, *, name: 
     )
 
 
-def llm_module(t: Mapping[str, Any], tied: bool, *, head_dim_key: bool, layer_params: Any = None) -> ModuleSpec:
+def llm_module(t: Mapping[str, Any], tied: bool, *, head_dim_key: bool, layer_params: Any = None,
+               qk_norm: bool = False) -> ModuleSpec:
     """The GQA + SwiGLU decoder: embedding, decoder layers, final RMSNorm, lm_head.
 
     ``head_dim_key``: whether the architecture honours a ``head_dim`` key (Qwen2, Qwen3) or always uses
     hidden/heads. ``layer_params(hidden, heads, kv_heads, head_dim, intermediate)``: one decoder layer's parameters
-    (default ``qwen2_decoder_layer_params``).
+    (default ``qwen2_decoder_layer_params``). ``qk_norm``: Qwen3's per-head q / k norms (``AttentionSpec.qk_norm``).
     """
     vocab, hidden, inter, layers, heads = ints(
         t, "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads", "text_config"
@@ -70,7 +71,7 @@ def llm_module(t: Mapping[str, Any], tied: bool, *, head_dim_key: bool, layer_pa
         head_dim = positive_int(t, "head_dim", "text_config")
     else:
         head_dim = heads_divide(hidden, heads, "text_config")
-    attention = AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, causal=True)
+    attention = AttentionSpec(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, causal=True, qk_norm=qk_norm)
     params = (layer_params or qwen2_decoder_layer_params)(hidden, heads, kv_heads, head_dim, inter)
     return ModuleSpec(name="llm", layers=(
         LayerSpec(kind="embedding", name="embedding", count=1, params=embedding_params(vocab, hidden),

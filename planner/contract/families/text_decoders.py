@@ -49,7 +49,8 @@ def model_spec(config: Mapping[str, Any], name: str) -> ModelSpec:
     if model_type == "qwen2":  # q/k/v with bias, o without; head_dim only where the file gives one
         llm = llm_module(text, tied, head_dim_key=True, layer_params=qwen2_decoder_layer_params)
     else:
-        llm = llm_module(text, tied, head_dim_key=True, layer_params=lambda *dims: llama_decoder_layer_params(
+        llm = llm_module(text, tied, head_dim_key=True, qk_norm=model_type == "qwen3",
+                         layer_params=lambda *dims: llama_decoder_layer_params(
             *dims, attention_bias=text.get("attention_bias") is True, mlp_bias=text.get("mlp_bias") is True,
             qk_norm=model_type == "qwen3"))
     return ModelSpec(name=name, family=model_type, hf_config=copy.deepcopy(dict(config)), modules=(llm,),
