@@ -418,7 +418,9 @@ def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: i
     when a worker is lost (at most ``checkpoints.max_failures`` times); the job, still up. Elastic
     (``checkpoints.elastic_wait_s``): a restart runs on the devices left (``_plan_for_the_cluster``), and at a
     checkpoint the run moves back up when devices came back (``_SwitchPlan``); adaptive (``adapter``): at a
-    checkpoint the run moves to the plan its measurements prefer, or back (``_SwitchPlan``)."""
+    checkpoint the run moves to the plan its measurements prefer, or back (``_SwitchPlan``), and a step that ran out
+    of memory re-plans on the memory measured and resumes from the newest checkpoint (without ``adapter``: one line,
+    ``_plan_after_out_of_memory``)."""
     failures, failed_at, saved_at, first_plan, kept, out_of_memory = 0, None, {}, plan, None, False
     while True:
         if failed_at is not None and checkpoints.elastic_wait_s is not None:
@@ -444,7 +446,7 @@ def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: i
             _train(job, log, steps, checkpoints, saved_at, next_plan)
             return job
         except _SwitchPlan as switch:  # the job left its world; go on under the new plan from the checkpoint just made
-            plan, failed_at, kept = switch.plan, None, job
+            plan, failed_at, kept, out_of_memory = switch.plan, None, job, False
             log.rewind(switch.step)  # steps an overlapped checkpoint's run went past it are done again
             options = dataclasses.replace(options, resume=newest_sound(checkpoints.directory, checkpoint_problem)[0])
         except ray.exceptions.RayError as e:
