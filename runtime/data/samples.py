@@ -297,6 +297,8 @@ def visual_inputs(batch: Sample) -> tuple[torch.Tensor, torch.Tensor]:
     (``sample_images``, ``sample_videos``)."""
     if "video_grid_thw" not in batch:
         return batch["pixel_values"], batch["image_grid_thw"]
+    if "image_grid_thw" not in batch:  # clips only, already in sequence order: no copy of a long clip's pixels
+        return batch["pixel_values_videos"], batch["video_grid_thw"]
     samples = batch["input_ids"].shape[0] if "sample_lens" not in batch else len(batch["sample_lens"])
     parts = []
     for kind, grid_key, counts in (("pixel_values", "image_grid_thw", "sample_images"),

@@ -662,3 +662,20 @@ def test_a_step_out_of_memory_travels_whole_and_names_what_ran_out():
     assert str(error) == "rank 3 (llm) ran out of memory in step 7: 5 GiB of tensors on a device that holds 4"
     assert requested_bytes("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has ...") == int(2.5 * (1 << 30))
     assert requested_bytes("out of memory") == 0
+
+
+def test_a_clip_only_micro_batch_hands_the_tower_its_pixels_without_copying_them():
+    """A 768-frame 720p clip is 1.2 GiB of fp32 patches a sample: a micro-batch of clips alone is already in sequence
+    order, so ``visual_inputs`` returns the batch's own tensors (copies of them, kept to the step's end, made the
+    long-clip dry-run 1.30x the planner instead of 1.08x); mixed images and clips are reordered sample by sample."""
+    from runtime.data.samples import visual_inputs
+
+    clips = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "pixel_values_videos": torch.randn(16, 6),
+             "video_grid_thw": torch.tensor([[2, 2, 2], [2, 2, 2]])}
+    pixels, grid = visual_inputs(clips)
+    assert pixels is clips["pixel_values_videos"] and grid is clips["video_grid_thw"]
+    mixed = {**clips, "pixel_values": torch.randn(8, 6), "image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 2]])}
+    pixels, grid = visual_inputs(mixed)
+    expected = torch.cat([mixed["pixel_values"][:4], clips["pixel_values_videos"][:8], mixed["pixel_values"][4:],
+                          clips["pixel_values_videos"][8:]])
+    assert torch.equal(pixels, expected) and grid.tolist() == [[1, 2, 2], [2, 2, 2], [1, 2, 2], [2, 2, 2]]
