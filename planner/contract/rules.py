@@ -87,11 +87,11 @@ def injection_rule(pp_layers: tuple[int, ...] | list[int], injections: int) -> s
 def expert_parallel_rule(ep: int, tp: int, dp: int, sp: int, cp: int, num_experts: int | None,
                          layer: str) -> str | None:
     """Expert parallelism splits the experts of each MoE layer (``num_experts``; None: the module has none) over an
-    EP group of ``ep`` of a stage's dp x sp ranks with all their ``tp`` ranks, ``ep * tp`` ranks holding whole
+    EP group of ``ep`` of a stage's dp x cp x sp ranks with all their ``tp`` ranks, ``ep * tp`` ranks holding whole
     experts (TP ranks take disjoint slices of their tokens; torchtitan's etp=1, transformers ``AllToAllEP``): ``ep *
     tp`` divides the experts whenever the module has experts (so tp alone splits them, with ep=1), and for ep > 1
-    ``ep`` divides dp * sp and ring CP is not combined with it (its ranks sit between SP and DP in the grid, so an EP
-    group would not be one run of ranks). Planner and runtime both apply it."""
+    ``ep`` divides dp * cp * sp, the ranks holding different tokens (an EP group is ``ep`` consecutive of them in the
+    grid's (dp, cp, sp) order, one run of ranks). Planner and runtime both apply it."""
     if num_experts is None:
         if ep > 1:
             return f"ep={ep} but {layer} has no experts (expert parallelism is for mixture-of-experts layers)"
@@ -101,10 +101,9 @@ def expert_parallel_rule(ep: int, tp: int, dp: int, sp: int, cp: int, num_expert
                 f"split over an EP group's ep x tp ranks)")
     if ep == 1:
         return None
-    if (dp * sp) % ep:
-        return f"ep={ep} does not divide dp*sp = {dp}*{sp} = {dp * sp}, the ranks experts are split over"
-    if cp > 1:
-        return f"ep={ep} with cp={cp}: expert parallelism with ring context parallelism is not planned"
+    if (dp * cp * sp) % ep:
+        return (f"ep={ep} does not divide dp*cp*sp = {dp}*{cp}*{sp} = {dp * cp * sp}, the ranks experts are split "
+                f"over")
     return None
 
 

@@ -219,7 +219,7 @@ class LayerSums(PassTimes):
     optimizer_formula_tensors: float
     """... and their parameter tensors (ZeRO shards each tensor, so their count does not shrink)."""
     optimizer_formula_expert_params: float
-    """Of ``optimizer_formula_params``, the routed experts' (ZeRO shards them over dp * sp / ep ranks)."""
+    """Of ``optimizer_formula_params``, the routed experts' (ZeRO shards them over dp * cp * sp / ep ranks)."""
     weight_grad_s: float
     """Of ``backward_s``, the weight-gradient passes (``planner.cost.layers.weight_gradient_time``; a measured
     backward keeps the analytical share)."""
@@ -466,7 +466,7 @@ def rank_cost(
     # inside a step, torch's schedules neither reduce-scatter gradients nor reshard weights after a backward
     pipelined_fsdp = s.pp > 1 and s.zero >= 2 and shards > 1 and static.backward != "none"
     dense_states = _state_bytes(static, s, precision, params - experts, shards, pipelined_fsdp)
-    # the routed experts' states, sharded by ZeRO over the dp * sp / ep ranks that hold the same experts
+    # the routed experts' states, sharded by ZeRO over the dp * cp * sp / ep ranks that hold the same experts
     expert_states = _state_bytes(static, s, precision, experts, expert_zero_shards(shards, s.ep), pipelined_fsdp)
     weights, grads, optim = (dense + expert for dense, expert in zip(dense_states, expert_states))
     if s.zero == 3 and shards > 1 and not pipelined_fsdp:
@@ -558,8 +558,8 @@ def transfer_passes(backward: str) -> int:
 def axes_within_node(s: ModuleStrategy, first_rank: int, devices_per_node: int) -> tuple[bool, ...]:
     """Whether each of the TP, SP, CP, DP-reduce, EP and expert-reduce axes of the (pipeline stage's) grid starting
     at ``first_rank`` stays in a node: what the links of a part cost depend on. An EP group is ``ep`` consecutive
-    ranks of the dp x sp axis with all their TP ranks, ``ep * tp`` consecutive ranks (``layers.expert_group_size``;
-    ring CP is not combined with EP), the experts' reduce group the ranks ``tp * ep`` apart holding the same experts.
+    ranks of the dp x cp x sp axis with all their TP ranks, ``ep * tp`` consecutive ranks
+    (``layers.expert_group_size``), the experts' reduce group the ranks ``tp * ep`` apart holding the same experts.
     Memoised: it depends on ``first_rank`` only through its offset in a node."""
     key = (s.tp, s.sp, s.cp, s.dp, s.ep, first_rank % devices_per_node, devices_per_node)
     found = _WITHIN.get(key)

@@ -7,7 +7,7 @@ Strategy space of one module on ``gpus`` GPUs, for a global batch B:
 * ``tp`` divides the GPUs of a node; ``sp`` divides the attention heads of a TP rank; ``cp`` fills the rest
   (``gpus = pp * dp * tp * sp * cp``) and is searched only with ``Problem.allow_ring_cp`` or a pinned cp; ZeRO 0-3
   (only 0 when nothing is reduced); recompute none/selective/full;
-* ``ep`` (a module with mixture-of-experts layers) divides dp * sp, and ep * tp its experts (``expert_degrees``);
+* ``ep`` (a module with mixture-of-experts layers) divides dp * cp * sp, and ep * tp its experts (``expert_degrees``);
 * ``pp`` (the LLM, with ``Problem.allow_pp`` or a pinned pp) divides its GPUs, with 1F1B, interleaved 1F1B or
   interleaved zero-bubble (``PIPELINE_CHUNKS``); encoders are then candidates twice (costed once), for an LLM that
   is pipelined (they hold every micro-batch's activations across its schedule) and one that is not, and the solver
@@ -168,12 +168,12 @@ valid expert-parallel degrees)."""
 def expert_degrees(problem: Problem, module: str, dp: int, tp: int, sp: int, cp: int,
                    fixed: Mapping[str, int | str], reasons: list[str]) -> list[int]:
     """Expert-parallel degrees of a layout: 1, and on a module with mixture-of-experts layers every divisor of its
-    experts and of dp * sp that ``expert_parallel_rule`` allows (ep * tp divides the experts); only the pinned one
+    experts and of dp * cp * sp that ``expert_parallel_rule`` allows (ep * tp divides the experts); only the pinned one
     when pinned. A refused pinned degree, or a tp that leaves none (it refuses ep=1 too), appends its reason to
     ``reasons``."""
     spec = problem.model.module(module)
     experts = next((layer.moe.num_experts for layer in spec.layers if layer.moe is not None), None)
-    degrees = divisors(math.gcd(experts, dp * sp)) if experts is not None else (1,)
+    degrees = divisors(math.gcd(experts, dp * cp * sp)) if experts is not None else (1,)
     if "ep" not in fixed:
         allowed = [ep for ep in degrees if expert_parallel_rule(ep, tp, dp, sp, cp, experts, module) is None]
         if not allowed:

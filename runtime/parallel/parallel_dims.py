@@ -84,7 +84,7 @@ class ParallelDims:
             raise ValueError(f"{self.name}: {len(self.ranks)} ranks for pp*dp*cp*sp*tp = {self.num_devices}")
         if len(set(self.ranks)) != len(self.ranks):
             raise ValueError(f"{self.name}: a rank appears twice in {self.ranks}")
-        if self.cp > 1 and (problem := context_parallel_refusal(self.name, self.cp, pp=self.pp, ep=self.ep)):
+        if self.cp > 1 and (problem := context_parallel_refusal(self.name, self.cp, pp=self.pp)):
             raise NotImplementedError(problem)
 
     @classmethod

@@ -65,16 +65,13 @@ def num_devices(plan: Plan) -> int:
     return len({r for m in plan.modules for r in m.ranks})
 
 
-def context_parallel_refusal(module: str, cp: int, *, pp: int = 1, ep: int = 1, attention: str = "sdpa"
-                             ) -> str | None:
+def context_parallel_refusal(module: str, cp: int, *, pp: int = 1, attention: str = "sdpa") -> str | None:
     """Why the runtime does not run a module with ring context parallelism (runtime.parallel.ring), if it does not."""
     name = f"{module}: context parallelism (cp={cp})"
     if module not in CONTEXT_PARALLEL_MODULES:
         return f"{name} is run for the LLM and the vision tower only: plan it with cp=1"
     if pp > 1:
         return f"{name} with pipeline parallelism (pp={pp}) is not run yet: plan one of them"
-    if ep > 1:
-        return f"{name} with expert parallelism (ep={ep}) is not run (nor priced): plan one of them"
     if attention == "varlen":
         return f"{name} runs the SDPA ring kernels, not variable-length attention: plan it with --attention sdpa"
     return None
@@ -127,7 +124,7 @@ def check_plan(plan: Plan) -> None:
     tower, llm = plan.module(encoder), plan.module("llm")
     for module in (tower, llm):
         if module.cp > 1 and (problem := context_parallel_refusal(
-                module.name, module.cp, pp=module.pp, ep=module.ep, attention=module.attention)):
+                module.name, module.cp, pp=module.pp, attention=module.attention)):
             raise NotImplementedError(problem)
         if module.pp > 1:
             check_pipeline(plan, module)

@@ -52,8 +52,9 @@ def test_the_rule_splits_experts_over_ep_times_tp_ranks():
     assert expert_parallel_rule(1, 2, 4, 1, 1, 8, "the LLM") is None
     assert expert_parallel_rule(1, 16, 1, 1, 1, 8, "the LLM").startswith("ep*tp = 1*16 = 16 does not divide")
     assert expert_parallel_rule(1, 16, 1, 1, 1, None, "the LLM") is None
-    assert expert_parallel_rule(2, 1, 3, 1, 1, 8, "the LLM").startswith("ep=2 does not divide dp*sp = 3*1 = 3")
-    assert expert_parallel_rule(2, 1, 2, 1, 2, 8, "the LLM").startswith("ep=2 with cp=2")
+    assert expert_parallel_rule(2, 1, 3, 1, 1, 8, "the LLM").startswith("ep=2 does not divide dp*cp*sp = 3*1*1 = 3")
+    assert expert_parallel_rule(2, 1, 1, 1, 2, 8, "the LLM") is None  # the CP ranks hold different tokens
+    assert expert_parallel_rule(4, 1, 1, 1, 2, 8, "the LLM").startswith("ep=4 does not divide dp*cp*sp = 1*2*1")
 
 
 def test_the_space_keeps_ep_times_tp_dividing_the_experts():

@@ -355,7 +355,7 @@ def test_each_pipeline_stage_is_set_beside_its_own_prediction(placement, schedul
     assert all(f"at the {phase}" in text for phase in planned.predicted.stage_peak_phases)
 
 
-@pytest.mark.parametrize("ep, says", [(3, "does not divide the 8 experts"), (4, "ep=4 does not divide dp*sp")])
+@pytest.mark.parametrize("ep, says", [(3, "does not divide the 8 experts"), (4, "ep=4 does not divide dp*cp*sp")])
 def test_a_plan_the_run_refuses_is_refused_by_the_dry_run_in_one_line(ep, says, tmp_path, capsys):
     """A hand-edited MoE plan: the dry-run makes the run's checks (``validate_plan``) before building anything."""
     from runtime.__main__ import main

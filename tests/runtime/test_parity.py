@@ -242,6 +242,9 @@ QWEN3_VL_MOE_PLANS = {
                         **{**QWEN3_VL_MOE, "hf_config": tiny_qwen3_vl_moe_config(balancing=False)}),
     # the vision tower's sequence split beside the LLM's experts split over its 2 data ranks
     "moe_vision_sp2__llm_ep2": dict(vision=dict(sp=2, micro_batch=2), llm=dict(dp=2, ep=2), **QWEN3_VL_MOE),
+    # experts over the 2 CP ranks (each holds the head and tail chunks of the sequence: different tokens); the
+    # balancing loss over the micro-batch's tokens on both
+    "moe_llm_cp2_ep2__vision_cp2": dict(vision=dict(cp=2), llm=dict(cp=2, ep=2), **QWEN3_VL_MOE),
 }
 """Qwen3-VL-MoE plans (runtime.parallel.experts), one micro-batch per rank where the balancing loss is on (the
 reference computes it over the whole batch at once)."""
