@@ -4,10 +4,10 @@ running plan and the new one under the same fitted model: ``python -m planner.ad
 its answer whether a switch pays; so can a user.
 
 MEASURED (JSON, ``AdaptRequest``; the runtime writes it beside its checkpoints): the plan file the run trains, the
-tensor memory its ranks measured (GPU runs, and CPU runs under ``--memory-cap-gib``), the medians of its measured
-steps (none after a step ran out of memory before any was measured: then only memory is fitted) (``step_time_s``; per module its passes' spans, ``<module>_forward_s`` and
-``<module>_backward_s``, or a pipelined LLM's ``llm_pipeline_s``; ``optimizer_s``) and the collectives timed on the
-run's own devices and process groups. The fit, one term at a time:
+medians of its measured steps (``step_time_s``; per module its passes' spans, ``<module>_forward_s`` and
+``<module>_backward_s``, or a pipelined LLM's ``llm_pipeline_s``; ``optimizer_s``; none after a step ran out of
+memory: then only memory is fitted), the collectives timed on the run's own devices and process groups, and the
+tensor memory its ranks measured (GPU runs, and CPU runs under ``--memory-cap-gib``). The fit, one term at a time:
 
 - **collectives**: the run's own timings (every op, on every group size the run's devices allow) replace the link
   model where the profile held none of its own (``with_measured_collectives``): nothing is fitted between them and the
@@ -103,7 +103,6 @@ class MeasuredMemory(BaseModel):
     capacity_bytes: int = Field(ge=1, description="what one device holds: its memory, or a CPU run's tensor cap")
     tensor_cap: bool = Field(description="capacity_bytes caps tensors alone (a CPU run's --memory-cap-gib), not a "
                              "device's memory with its framework overhead")
-    out_of_memory: bool = Field(default=False, description="a step ran out of memory")
 
 
 class AdaptRequest(BaseModel):
@@ -245,7 +244,7 @@ def fit_memory(predictor: _Predictor, values: dict[str, float], plan: Plan, memo
     predicted before and after the fit (bytes)."""
     before = predicted_tensor_bytes(predictor(values))
     report = {}
-    for group, (modules, ranks) in memory_groups(plan, predictor(values).placement).items():
+    for group, (modules, ranks) in memory_groups(plan, plan.placement).items():
         measured = max((memory.peak_tensor_bytes[r] for r in ranks if r in memory.peak_tensor_bytes), default=None)
         if measured is None:
             continue
@@ -298,10 +297,8 @@ def adapt(request: AdaptRequest, request_name: str, out: str, profile_out: str) 
     profile = fitted_profile(plan, request)
     save_profile(profile, Path(profile_out))  # collectives first: the fit predicts with them
     memory = request.memory
-    device_memory = None
-    if memory is not None:
-        device_memory = device_memory_bytes(memory, replan_problem(plan, gpus, profile_out).assumptions)
-    predictor = _Predictor(replan_problem(plan, gpus, profile_out, device_memory), strategy_of(plan))
+    predictor = _Predictor(replan_problem(plan, gpus, profile_out), strategy_of(plan))  # the fit needs no capacity
+    device_memory = None if memory is None else device_memory_bytes(memory, predictor.problem.assumptions)
     measured_s = request.measured.get("step_time_s")
     values = fit(predictor, request.measured) if measured_s else {}
     memory_report = {} if memory is None else fit_memory(predictor, values, plan, memory)

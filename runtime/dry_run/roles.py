@@ -39,8 +39,7 @@ def role_keys(plan: Plan) -> dict[int, tuple]:
         key = []
         for name in module_names(plan):
             if rank in dims[name].ranks:
-                coord = dims[name].coordinate(rank)
-                key.append((name, lengths[name][coord["cp"] * dims[name].sp + coord["sp"]], coord["pp"]))
+                key.append((name, lengths[name][dims[name].sequence_rank(rank)], dims[name].coordinate(rank)["pp"]))
         keys[rank] = tuple(key)
     return keys
 

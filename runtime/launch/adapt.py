@@ -215,8 +215,7 @@ class Adapter:
             capacity = out_of_memory.capacity_bytes
         if not peaks or capacity is None:
             return None
-        return {"peak_tensor_bytes": peaks, "capacity_bytes": capacity, "tensor_cap": self.memory_cap_bytes is not None,
-                "out_of_memory": out_of_memory is not None}
+        return {"peak_tensor_bytes": peaks, "capacity_bytes": capacity, "tensor_cap": self.memory_cap_bytes is not None}
 
     def after_out_of_memory(self, job: Any, error: Any) -> Plan:
         """The plan to resume under after ``job`` ran out of memory (``error``, a ``StepOutOfMemory``): its own

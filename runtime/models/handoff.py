@@ -76,8 +76,8 @@ def llm_needs(llm: ParallelDims, slots: list[list[torch.Tensor]], offsets: list[
     """
     needs = {}
     for rank in llm.ranks:
-        coord = llm.coordinate(rank)
-        needs[rank] = slots[coord["dp"]][coord["cp"] * llm.sp + coord["sp"]] + offsets[coord["dp"]]
+        replica = llm.coordinate(rank)["dp"]
+        needs[rank] = slots[replica][llm.sequence_rank(rank)] + offsets[replica]
     return needs
 
 

@@ -125,14 +125,12 @@ class CappedTensorMemory(TensorMemory):
 
 class StepOutOfMemory(Exception):
     """Rank ``rank`` (holding ``modules``) ran out of memory in step ``step``: ``tensor_bytes`` of tensors when the
-    allocation failed (counting the request), on a device that holds ``capacity_bytes`` of them; ``detail``: the
-    device's own message."""
+    allocation failed (counting the request), on a device that holds ``capacity_bytes`` of them."""
 
-    def __init__(self, rank: int, modules: list[str], step: int, tensor_bytes: int, capacity_bytes: int,
-                 detail: str) -> None:
-        super().__init__(rank, modules, step, tensor_bytes, capacity_bytes, detail)
+    def __init__(self, rank: int, modules: list[str], step: int, tensor_bytes: int, capacity_bytes: int) -> None:
+        super().__init__(rank, modules, step, tensor_bytes, capacity_bytes)
         self.rank, self.modules, self.step = rank, modules, step
-        self.tensor_bytes, self.capacity_bytes, self.detail = tensor_bytes, capacity_bytes, detail
+        self.tensor_bytes, self.capacity_bytes = tensor_bytes, capacity_bytes
 
     def __str__(self) -> str:
         return (f"rank {self.rank} ({'+'.join(self.modules)}) ran out of memory in step {self.step}: "

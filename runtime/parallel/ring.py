@@ -123,24 +123,6 @@ class _RingAttention(torch.autograd.Function):
         return grads[0], grads[1], grads[2], None, None
 
 
-class _GatherSequence(torch.autograd.Function):
-    """[B, H, S, Dh] of each CP rank -> [B, H, cp * S, Dh] in rank order; backward sums the gradient over the group
-    (an all-reduce: gloo has no reduce-scatter) and keeps this rank's part."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, ring: RingGroup) -> torch.Tensor:
-        ctx.ring = ring
-        parts = [torch.empty_like(x) for _ in range(ring.degree)]
-        dist.all_gather(parts, x.contiguous(), group=ring.group)
-        return torch.cat(parts, dim=SEQ_DIM)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.ring.group)
-        return grad.chunk(ctx.ring.degree, dim=SEQ_DIM)[dist.get_rank(ctx.ring.group)], None
-
-
 class _GatherParts(torch.autograd.Function):
     """[B, H, S_c, Dh] of each CP rank, the parts of lengths ``lens`` -> [B, H, sum(lens), Dh] in rank order (padded
     to the longest for the collective); backward sums the gradient over the group (an all-reduce) and keeps this
@@ -226,7 +208,7 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
             raise NotImplementedError("bidirectional attention over CP needs its sequence's layout (GatheredSequence)")
         return gathered_bidirectional_attention(query, key, value, ring, gathered, scaling).transpose(1, 2), None
     if segment_mask is not None:
-        key, value = (_GatherSequence.apply(t, ring) for t in (key, value))
+        key, value = (_GatherParts.apply(t, ring, (t.shape[SEQ_DIM],) * ring.degree) for t in (key, value))
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=segment_mask.to(query.device),
                                              scale=scaling)
         return out.transpose(1, 2), None

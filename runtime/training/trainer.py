@@ -333,8 +333,7 @@ class Trainer:
         else:
             held = torch.cuda.memory_allocated(self.device) + requested_bytes(str(error))
             capacity = torch.cuda.mem_get_info(self.device)[1]
-        return StepOutOfMemory(self.rank, sorted(self.modules), self.step + 1, held, capacity,
-                               next(iter(str(error).splitlines()), "out of memory"))
+        return StepOutOfMemory(self.rank, sorted(self.modules), self.step + 1, held, capacity)
 
     def _train_step(self) -> dict[str, Any]:
         self.timings: dict[str, float] = defaultdict(float)

@@ -116,7 +116,7 @@ def _memory_request(tmp_path, peak: int, cap: int, measured: dict | None = None)
     (tmp_path / "plan.json").write_text(plan.to_json())
     request = {"plan": str(tmp_path / "plan.json"), "dtype": "float32", "measured": measured or {},
                "memory": {"peak_tensor_bytes": {"0": peak, "1": peak - 1000}, "capacity_bytes": cap,
-                          "tensor_cap": True, "out_of_memory": True}}
+                          "tensor_cap": True}}
     path = tmp_path / "memory.json"
     path.write_text(json.dumps(request))
     return str(path)

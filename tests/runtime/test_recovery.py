@@ -326,7 +326,7 @@ def test_running_out_of_memory_without_adapt_is_one_line_naming_the_way_on():
     """Never a blind restart (the step would run out again): the rank, what it held, what the plan predicted, and
     ``--adapt``."""
     job = launcher.Job(plan=make_plan(dict(dp=2), dict(dp=2)), workers=[], group=None)
-    error = StepOutOfMemory(1, ["llm", "vision"], 2, 27 << 20, MEMORY_CAP, "memory cap: ...")
+    error = StepOutOfMemory(1, ["llm", "vision"], 2, 27 << 20, MEMORY_CAP)
     assert not launcher._worker_lost(ray.exceptions.RayTaskError("train_step", "", error))
     with pytest.raises(ValueError) as raised:
         launcher._plan_after_out_of_memory(job, error, None)

@@ -656,7 +656,7 @@ def test_a_step_out_of_memory_travels_whole_and_names_what_ran_out():
 
     from runtime.observability.memory import StepOutOfMemory, requested_bytes
 
-    error = pickle.loads(pickle.dumps(StepOutOfMemory(3, ["llm"], 7, 5 << 30, 4 << 30, "CUDA out of memory")))
+    error = pickle.loads(pickle.dumps(StepOutOfMemory(3, ["llm"], 7, 5 << 30, 4 << 30)))
     assert (error.rank, error.modules, error.step, error.tensor_bytes, error.capacity_bytes) == (3, ["llm"], 7, 5 << 30,
                                                                                                 4 << 30)
     assert str(error) == "rank 3 (llm) ran out of memory in step 7: 5 GiB of tensors on a device that holds 4"
