@@ -11,17 +11,15 @@ os.environ.setdefault("DHPLAN_CACHE_DIR", tempfile.mkdtemp(prefix="dhplan-test-c
 workers inherit (set before Ray starts), not to ~/.cache."""
 
 
-MANY_PROCESS_TESTS = ("tests/runtime/", "tests/profile/", "tests/test_gpu_check.py")
-"""Tests that train on several processes (gloo ranks, Ray workers, torchrun, the runtime's command line)..."""
-IN_PROCESS_TESTS = ("tests/runtime/test_dry_run.py", "tests/runtime/test_units.py",
-                    "tests/runtime/test_hf_config_contract.py", "tests/runtime/test_checkpoint_io.py")
-"""...but for these, which run in the test process (fake process groups; no Ray: the dry-run's comparison with
-real peaks alone spawns 2-4 gloo ranks, a small share left beside the many-process tests; tests/test_test_groups.py
-checks that every file starting Ray is in the many-process share)."""
+RAY_TESTS = ("tests/runtime/test_cli.py", "tests/runtime/test_conversations.py", "tests/runtime/test_packed_data.py",
+             "tests/runtime/test_packed_video.py", "tests/runtime/test_parity.py", "tests/runtime/test_recovery.py",
+             "tests/runtime/test_run_faults.py", "tests/profile/test_fidelity.py")
+"""Test files that start Ray (the session cluster, the warm workers, the launcher, the runtime's command line on the
+session cluster): one test worker runs them all, in turn. tests/test_test_groups.py checks the list."""
 
 
-def _many_processes(nodeid: str) -> bool:
-    return nodeid.startswith(MANY_PROCESS_TESTS) and not nodeid.startswith(IN_PROCESS_TESTS)
+def _starts_ray(nodeid: str) -> bool:
+    return nodeid.startswith(RAY_TESTS)
 
 
 def pytest_collection_finish(session):
@@ -35,19 +33,20 @@ def pytest_collection_finish(session):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Under ``pytest -n 2`` (``make test``): the many-process tests are one unit of work, which runs in turn on one
-    test worker (first: xdist hands out the largest unit first) while the other takes the single-process tests
-    (planner, cost model, dry-runs, notebooks), which use one core each. The many-process tests keep to one worker
-    because they use both cores between them, and because one session must own the Ray cluster whose
-    ``ray::Worker`` processes the recovery tests count. (A scheduler of our own, not ``xdist_group`` marks:
-    ``--dist loadgroup`` stopped grouping under pytest 9.2, pytest-dev/pytest-xdist#1386.)"""
+    """Under ``pytest -n 2`` (``make test``): the Ray tests are one unit of work, which runs in turn on one test worker
+    (first: xdist hands out the unit of most tests first) while the other takes every other test, one at a time
+    (planner, cost model, dry-runs, notebooks, and the gloo-rank and torchrun tests), and the first worker free takes
+    what is left. One session must own the Ray cluster whose ``ray::Worker`` processes the recovery tests count; the
+    Ray tests' 2-4 workers and the other tests' processes share the two cores, so neither worker waits for the other
+    (one unit of every many-process test left the second worker idle for the last 45 % of a run). (A scheduler of our
+    own, not ``xdist_group`` marks: ``--dist loadgroup`` stopped grouping under pytest 9.2, pytest-dev/pytest-xdist#1386.)"""
     from xdist.scheduler import LoadScopeScheduling
 
-    class ManyProcessesAsOne(LoadScopeScheduling):
+    class RayTestsAsOne(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "many-process tests" if _many_processes(nodeid) else nodeid
+            return "Ray tests" if _starts_ray(nodeid) else nodeid
 
-    return ManyProcessesAsOne(config, log)
+    return RayTestsAsOne(config, log)
 
 
 @pytest.fixture(scope="session")

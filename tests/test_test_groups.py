@@ -1,12 +1,12 @@
 """Every test file that starts Ray (its session cluster, the warm workers, the launcher, the runtime's command line
-on a cluster) is in the many-process share that ``tests/conftest.py`` keeps on one test worker: two Ray clusters at
-once would break the recovery tests' count of ``ray::Worker`` processes and overload the two cores."""
+on a cluster) is in the Ray share that ``tests/conftest.py`` keeps on one test worker, and nothing else is: two Ray
+clusters at once would break the recovery tests' count of ``ray::Worker`` processes."""
 
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import _many_processes
+from tests.conftest import RAY_TESTS, _starts_ray
 
 TESTS = Path(__file__).resolve().parent
 STARTS_RAY = ("worker_pool", "ray_cluster", "launcher.", "RAY_ADDRESS")
@@ -22,5 +22,9 @@ def test_the_files_that_start_ray_are_found():
 
 
 @pytest.mark.parametrize("path", _files_starting_ray())
-def test_a_file_that_starts_ray_is_in_the_many_process_share(path):
-    assert _many_processes(f"{path}::test"), f"{path} starts Ray: add it to MANY_PROCESS_TESTS in tests/conftest.py"
+def test_a_file_that_starts_ray_is_in_the_ray_share(path):
+    assert _starts_ray(f"{path}::test"), f"{path} starts Ray: add it to RAY_TESTS in tests/conftest.py"
+
+
+def test_the_ray_share_holds_only_files_that_start_ray():
+    assert sorted(RAY_TESTS) == _files_starting_ray()
