@@ -155,6 +155,23 @@ moe_sweep = pd.DataFrame([moe_row(f"{side} px image", planner.WorkloadInputs(ima
                           for side in SIDES]
                          + [moe_row("64 x 448 px clip", planner.WorkloadInputs(image_sizes=[], videos=[(64, 448, 448)]))])
 moe_sweep.round(2)"""),
+    new_markdown_cell("""\
+## Hybrid linear-attention LLMs
+Qwen3.5 / Qwen3.6 (dense 27B, MoE 35B-A3B): three Gated DeltaNet layers (time and memory linear in the sequence)
+for every gated full-attention layer, priced per layer kind; TP and Ulysses SP split both kinds of heads. The
+planner's plan on 16 H100s against the same baselines."""),
+    new_code_cell("""\
+HYBRID_CASES = [("qwen3.5-27b", 16), ("qwen3.6-35b-a3b", 16)]
+rows = []
+for model, gpus in HYBRID_CASES:
+    p = planner.plan(model, gpus)
+    vision, llm = p.module("vision"), p.module("llm")
+    rows.append({"model": model, "GPUs": gpus, "vision": f"DP{vision.dp} SP{vision.sp} TP{vision.tp} ZeRO{vision.zero}",
+                 "LLM": f"DP{llm.dp} SP{llm.sp} TP{llm.tp} EP{llm.ep} PP{llm.pp} ZeRO{llm.zero}",
+                 "step s": p.predicted.step_time_s, "peak GiB": p.predicted.peak_memory_gib,
+                 **{f"vs {name}": b.speedup for name, b in p.baselines.items()}})
+hybrid = pd.DataFrame(rows)
+hybrid.round(2)"""),
     new_markdown_cell("## Conclusion"),
     new_code_cell("""\
 def speedup_span(n):
@@ -196,13 +213,18 @@ def moe_note():
              f"({int(megatron.isna().sum())} of {len(megatron)} workloads it does not).")
     return "Mixture-of-experts LLMs, the planner's LLM layout: " + "; ".join(parts) + "." + sweep
 
+def hybrid_note():
+    parts = [f"{r.model} on {r.GPUs}: LLM {r.LLM}, {r['vs uniform_tp']:.2f}x uniform TP and {r['vs zero3']:.2f}x ZeRO-3"
+             for _, r in hybrid.iterrows()]
+    return "Hybrid linear-attention LLMs: " + "; ".join(parts) + "."
+
 states = auto[["weights_gib", "gradients_gib", "optimizer_gib"]].sum(axis=1) / auto.peak_memory_gib
 display(Markdown(
     f"Over the best baseline that fits, the planner's plan for Qwen2.5-VL-32B is {speedup_span(16)} on 16 H100s "
     f"and {speedup_span(8)} on 8 H100s. {fit_note(8)} {fit_note(16)} "
     f"The longest square image per sample that fits is, on 16 GPUs: {longest_text(16)} vision tokens; on 8 GPUs: "
     f"{longest_text(8)}. Model states (weights, gradients, optimizer) take {states.min():.0%} to {states.max():.0%} "
-    f"of the planner's peak-GPU memory. " + dataset_note() + " " + moe_note()
+    f"of the planner's peak-GPU memory. " + dataset_note() + " " + moe_note() + " " + hybrid_note()
 ))"""),
 ]
 
