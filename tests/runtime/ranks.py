@@ -7,6 +7,7 @@ own (``runtime.test_*``) that a child cannot import.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import os
 import socket
@@ -134,7 +135,7 @@ def measure_startup(rank: int, init_plan, load_plan, checkpoint: str) -> dict:
     bf16 Hub-format folder, and of building one under ``load_plan`` from that folder."""
     out = {"baseline": _proc_status_bytes("VmRSS")}
     trainer, out["init"] = _measured(lambda: Trainer(init_plan, rank=rank, options=RunOptions(seed=SEED)))
-    _, out["save"] = _measured(lambda: trainer.save_hf_folder(checkpoint, dtype=torch.bfloat16))
+    _, out["save"] = _measured(functools.partial(trainer.save_hf_folder, checkpoint, dtype=torch.bfloat16))
     del trainer
     _, out["load"] = _measured(lambda: Trainer(load_plan, rank=rank, options=RunOptions(checkpoint=checkpoint)))
     return out
