@@ -14,8 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,18 @@ HISTOGRAM_VERSION = 2
 PERCENTILES = (50, 95)
 
 
+@dataclass(frozen=True)
+class DatasetReading:
+    """How ``read_dataset`` read a histogram: what a re-plan reads again (``planner.replan``)."""
+
+    path: str
+    """The file given as the dataset (data, or a histogram file), absolute."""
+    tokenizer: str | None
+    """The folder whose tokenizer.json counted the text, absolute (None: the stated estimate)."""
+    data_root_only: bool
+    """Rows naming a file outside the data file's folder were skipped."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class DatasetHistogram:
     """What a dataset's samples look like before resizing: counts of identical (text tokens, image sizes, videos)."""
@@ -81,6 +94,8 @@ class DatasetHistogram:
     priced), (height, width) of each image in pixels, each video's (frames, height, width, fps; 0 for frames))."""
     skipped: dict[str, int]
     """Rows that cannot be samples, by reason."""
+    reading: DatasetReading | None = field(default=None, compare=False)
+    """How it was read from a file (None: made in memory); not part of what it is."""
 
     @property
     def samples(self) -> int:
@@ -271,7 +286,11 @@ def read_dataset(path: str | Path, tokenizer_dir: str | None = None, *, rescan: 
     Raises:
         ValueError: a missing or unreadable file, a bad histogram, or data with nothing usable; one line.
     """
-    path = Path(path)
+    reading = DatasetReading(os.path.abspath(path), tokenizer_dir and os.path.abspath(tokenizer_dir), data_root_only)
+    return replace(_read_dataset(Path(path), tokenizer_dir, rescan, data_root_only), reading=reading)
+
+
+def _read_dataset(path: Path, tokenizer_dir: str | None, rescan: bool, data_root_only: bool) -> DatasetHistogram:
     if not path.is_file():
         raise ValueError(f"--dataset {path} is not a file")
     text = read_text(path, kind="--dataset", max_bytes=MAX_DATASET_BYTES)

@@ -402,6 +402,8 @@ def dataset_workload_for(
         pack_tokens=packing.packed.pack_tokens, packs_per_epoch=packing.packs,
         samples_per_pack=packing.packed.samples_per_pack, packing_efficiency=packing.efficiency,
         heaviest_pack_tokens={m: t.tokens for m, t in packing.packed.heaviest},
+        **({} if histogram.reading is None else {"read_from": histogram.reading.path, "tokenizer":
+            histogram.reading.tokenizer, "data_root_only": histogram.reading.data_root_only}),
     )
     return workload, info
 

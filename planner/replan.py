@@ -15,8 +15,9 @@ from typing import Sequence
 from planner import api
 from planner.contract.families import model_from_hf_config
 from planner.contract.file_io import check_output, refuse_shared_paths, write_output
-from planner.contract.schema import Plan, PlanError, load_plan
+from planner.contract.schema import DatasetInfo, Plan, PlanError, load_plan
 from planner.contract.strategy import layout_of
+from planner.dataset import read_dataset
 from planner.problem import Problem
 
 EXIT_USER_ERROR = 2
@@ -26,25 +27,44 @@ def replan_problem(plan: Plan, gpus: int, profile: str | None = None, device_mem
                    ) -> Problem:
     """The problem ``plan`` was made for, on ``gpus`` devices of its recorded type (the device's numbers as the plan
     records them, its memory ``device_memory_bytes`` when given; ``profile``, else its own profile when it named
-    one). A dataset plan is re-planned from its dataset, which the plan only summarises: refused in one line."""
-    if plan.workload.dataset is not None:
-        raise ValueError(f"a dataset plan is re-planned from its dataset ({plan.workload.dataset.source}): run "
-                         f"`plan --dataset ... --gpus {gpus}`")
+    one). A dataset plan's dataset is read again as it was read (``dataset_inputs``)."""
     spec = model_from_hf_config(plan.model.hf_config, plan.model.name)
     w = plan.workload
-    workload = api.WorkloadInputs(
-        image_sizes=[tuple(s) for s in w.image_sizes] or None, vision_tokens=w.vision_tokens,
-        videos=[tuple(v) for v in w.videos], text_tokens=w.text_tokens, audio_seconds=w.audio_seconds or None,
-        global_batch=w.global_batch, precision=plan.training.precision,
-        frozen=[m.name for m in plan.modules if m.frozen])
+    training = dict(precision=plan.training.precision, frozen=[m.name for m in plan.modules if m.frozen])
+    if w.dataset is not None:  # a dataset plan's global batch counts packs; the planner is given samples
+        samples = round(w.global_batch * w.dataset.samples_per_pack)
+        workload, dataset = api.WorkloadInputs(global_batch=samples, **training), dataset_inputs(w.dataset)
+    else:
+        workload, dataset = api.WorkloadInputs(
+            image_sizes=[tuple(s) for s in w.image_sizes] or None, vision_tokens=w.vision_tokens,
+            videos=[tuple(v) for v in w.videos], text_tokens=w.text_tokens, audio_seconds=w.audio_seconds or None,
+            global_batch=w.global_batch, **training), None
     search = api.SearchOptions(allow_ring_cp=any(m.cp > 1 for m in plan.modules))
     cluster = api.ClusterInputs(gpus=gpus, gpu=plan.cluster.device.name, gpus_per_node=plan.cluster.devices_per_node,
                                 profile=profile or plan.predicted.profile)
-    problem = api.make_problem(spec, cluster, workload=workload, search=search)
+    problem = api.make_problem(spec, cluster, workload=workload, dataset=dataset, search=search)
     device = plan.cluster.device
     if device_memory_bytes is not None:
         device = replace(device, memory_bytes=device_memory_bytes)
     return replace(problem, cluster=replace(problem.cluster, device=device))
+
+
+def dataset_inputs(info: DatasetInfo) -> api.DatasetInputs:
+    """The dataset a plan was made for: its file read again with the tokenizer and data-root switch it was read with
+    (the cached scan, unless the data changed since), under the plan's pixel bounds, fps and pack budget.
+
+    Raises:
+        ValueError: the plan's histogram was made in memory, or its file cannot be read now; one line.
+    """
+    if info.read_from is None:
+        raise ValueError(f"the plan's dataset ({info.source}) was a histogram made in memory, which a re-plan cannot "
+                         "read again: plan from its file with `plan --dataset FILE`")
+    try:
+        histogram = read_dataset(info.read_from, info.tokenizer, data_root_only=info.data_root_only)
+    except ValueError as e:
+        raise ValueError(f"the plan's dataset cannot be read again: {e}") from None
+    return api.DatasetInputs(source=histogram, min_pixels=info.min_pixels, max_pixels=info.max_pixels,
+                             pack_tokens=info.pack_tokens, pack=info.pack_tokens is not None, fps=info.fps)
 
 
 def replan(plan: Plan, gpus: int, problem: Problem | None = None) -> tuple[Plan, str | None]:

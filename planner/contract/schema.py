@@ -16,13 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from planner.contract.hardware import PLAUSIBLE_RANGES, DeviceSpec, check_plausible, with_host_fields
 from planner.contract.versioned_json import read_versioned, validated
 
-SCHEMA_VERSION = 7
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+SCHEMA_VERSION = 8
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 """Version 2 added ``workload.dataset``, version 3 pipeline parallelism (``pp``, ``pp_schedule``,
 ``virtual_stages``, ``pp_layers``), version 4 video clips (``workload.videos``), version 5 the fps a dataset's video
 files are sampled at (``workload.dataset.fps``), version 6 expert parallelism (a module's ``ep``), version 7 the
-attention kernel and the chunked loss a module was priced with (``attention``, ``loss_chunk_tokens``); an older plan
-reads as one without them (per-segment SDPA, the whole logits at once)."""
+attention kernel and the chunked loss a module was priced with (``attention``, ``loss_chunk_tokens``), version 8 how
+a dataset plan's dataset was read (``workload.dataset.read_from``, ``tokenizer``, ``data_root_only``); an older plan
+reads as one without them (per-segment SDPA, the whole logits at once, a dataset a re-plan cannot read again)."""
 Source = Literal["analytical", "measured", "calibrated"]
 AttentionCalls = Literal["varlen", "sdpa"]
 """How a module calls attention over segmented sequences (windows, images, packed samples): ``varlen`` one
@@ -231,6 +232,12 @@ class DatasetInfo(_Frozen):
     packing_efficiency: float | None = Field(description="real LLM tokens / (packs * pack_tokens)")
     heaviest_pack_tokens: dict[str, float] = Field(description="per module, the tokens of its heaviest pack, "
                                                    "which the plan's memory holds")
+    read_from: str | None = Field(default=None, description="the file given as the dataset (data or histogram), "
+                                  "which a re-plan reads again; None: a histogram made in memory")
+    tokenizer: str | None = Field(default=None, description="the folder whose tokenizer.json counted the text "
+                                  "(None: the estimate text_tokens states)")
+    data_root_only: bool = Field(default=False, description="rows naming a file outside the data file's folder "
+                                 "were skipped")
 
 
 class WorkloadInfo(_Frozen):

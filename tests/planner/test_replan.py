@@ -3,10 +3,15 @@ global batch, precision, training settings, pins); the command's errors are one 
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
+from PIL import Image
 
 from planner import api
 from planner.contract.schema import load_plan
+from planner.dataset import read_dataset
 from planner.replan import main, replan
 
 
@@ -41,12 +46,50 @@ def test_pins_no_plan_on_the_new_count_keeps_are_dropped_with_a_note():
     assert new.cluster.num_devices == 2 and note.startswith("pins llm.tp=4 dropped: ")
 
 
-def test_a_dataset_plan_is_refused_in_one_line():
+def _dataset(folder) -> str:
+    """A caption file in ``folder/data`` of six images there, of three sizes, and one row naming an image outside it."""
+    (folder / "data").mkdir()
+    rows = []
+    for i, (w, h) in enumerate([(112, 84), (224, 168), (336, 224)] * 2 + [(448, 336)]):
+        Image.new("RGB", (w, h)).save(folder / ("outside.png" if i == 6 else f"data/{i}.png"))
+        rows.append({"image": "../outside.png" if i == 6 else f"{i}.png", "conversations": [
+            {"from": "human", "value": "<image>\nWhat is in the picture?"}, {"from": "gpt", "value": "word " * (5 + i)}]})
+    (folder / "data" / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(folder / "data" / "d.jsonl")
+
+
+def test_a_dataset_plan_is_re_planned_on_its_dataset_read_again(tmp_path):
+    """The dataset (its file, as it was read: here without the row outside its folder), the pixel bounds, the pack
+    budget and the global batch (in packs) are the plan's; the new plan is the one ``plan --dataset`` makes for the
+    new device count with them."""
+    histogram = read_dataset(_dataset(tmp_path), data_root_only=True)  # as plan --dataset F --data-root-only reads
+    dataset = api.DatasetInputs(source=histogram, max_pixels=224 * 224, pack_tokens=512)
+    plan = api.plan("qwen2.5-vl-tiny", api.ClusterInputs(gpus=4, gpu="cpu"), dataset=dataset,
+                    workload=api.WorkloadInputs(global_batch=24))
+    d = plan.workload.dataset
+    assert d.read_from == str(tmp_path / "data" / "d.jsonl") and d.data_root_only and d.samples == 6
+    new, note = replan(plan, 2)
+    assert note is None and new.cluster.num_devices == 2
+    assert new.workload.dataset == d and new.workload.global_batch == plan.workload.global_batch  # packs
+    assert plan.workload.global_batch * d.samples_per_pack == 24
+    direct = api.plan("qwen2.5-vl-tiny", api.ClusterInputs(gpus=2, gpu="cpu"), workload=api.WorkloadInputs(
+        global_batch=24), dataset=dataset)
+    assert new.modules == direct.modules and new.predicted == direct.predicted
+
+
+def test_a_dataset_plan_whose_dataset_cannot_be_read_again_is_refused_in_one_line(tmp_path):
     from planner.analysis import mixed_resolution_histogram
 
-    plan = api.plan("qwen2.5-vl-tiny", api.ClusterInputs(gpus=2, gpu="cpu"),
-                    dataset=api.DatasetInputs(source=mixed_resolution_histogram(samples=50), pack_tokens=16384))
-    with pytest.raises(ValueError, match=r"^a dataset plan is re-planned from its dataset .*--gpus 1`$"):
+    in_memory = api.plan("qwen2.5-vl-tiny", api.ClusterInputs(gpus=2, gpu="cpu"),
+                         dataset=api.DatasetInputs(source=mixed_resolution_histogram(samples=50), pack_tokens=16384))
+    with pytest.raises(ValueError, match=r"^the plan's dataset \(.*\) was a histogram made in memory, which a "
+                                         r"re-plan cannot read again: plan from its file with `plan --dataset FILE`$"):
+        replan(in_memory, 1)
+    path = _dataset(tmp_path)
+    plan = api.plan("qwen2.5-vl-tiny", api.ClusterInputs(gpus=2, gpu="cpu"), dataset=api.DatasetInputs(source=path))
+    os.remove(path)
+    with pytest.raises(ValueError, match=r"^the plan's dataset cannot be read again: --dataset .*d.jsonl is not a "
+                                         r"file$"):
         replan(plan, 1)
 
 
