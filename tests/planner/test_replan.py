@@ -114,3 +114,21 @@ def test_the_device_keeps_the_numbers_the_plan_recorded(tmp_path):
     plan = api.plan("qwen2.5-vl-tiny", api.ClusterInputs(gpus=16, cluster_file=str(slow), profile=None))
     new, _ = replan(plan, 8)
     assert new.cluster.device == plan.cluster.device and new.cluster.device.inter_node_bandwidth == 6.25e9
+
+
+def test_a_dataset_plan_made_with_a_relative_path_is_re_planned_from_another_folder(tmp_path, monkeypatch, capsys):
+    """``plan --dataset data/d.jsonl`` in one folder, ``python -m planner.replan`` in another (as the runtime's
+    elastic re-plan may run): the plan records the dataset's absolute path."""
+    from planner.cli import main as plan_main
+
+    _dataset(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert plan_main(["--model", "qwen2.5-vl-tiny", "--gpu", "cpu", "--gpus", "2", "--dataset", "data/d.jsonl",
+                      "--data-root-only", "--global-batch", "12", "--out", "plan.json"]) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main([str(tmp_path / "plan.json"), "--gpus", "1", "--out", "new.json"]) == 0
+    old, new = load_plan(tmp_path / "plan.json"), load_plan(elsewhere / "new.json")
+    assert new.workload.dataset == old.workload.dataset and new.workload.dataset.samples == 6
+    assert new.workload.global_batch == old.workload.global_batch and new.cluster.num_devices == 1
