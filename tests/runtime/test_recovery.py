@@ -208,17 +208,42 @@ def test_a_lost_node_is_replaced_and_the_run_recovers_on_it(tmp_path, uninterrup
     _assert_no_workers_left()
 
 
+@pytest.fixture(scope="module")
+def dataset_plan(tmp_path_factory, ray_cluster):
+    """The planner's plan for a conversation file on 2 CPU devices (``plan --model FOLDER --dataset d.jsonl``: the
+    folder's tokenizer counts the text), the run's data flags, and the loss of each step of its run without failures."""
+    from planner import api
+    from tests.runtime.plans import tiny_hf_config
+    from tests.runtime.test_packed_data import write_dataset
+    from tests.runtime.tokenizer import save_tokenizer
+
+    folder = tmp_path_factory.mktemp("dataset")
+    model = save_tokenizer(folder / "model")
+    (model / "config.json").write_text(json.dumps(tiny_hf_config()))
+    data = write_dataset(folder, rows=16)
+    plan = api.plan(str(model / "config.json"), api.ClusterInputs(gpus=2, gpu="cpu"),
+                    dataset=api.DatasetInputs(source=str(data)), workload=api.WorkloadInputs(global_batch=8))
+    (folder / "plan.json").write_text(plan.to_json())
+    launcher.run(plan, RunOptions(data=str(data), tokenizer=str(model)), steps=STEPS,
+                 metrics_path=str(folder / "straight.jsonl"))
+    _assert_no_workers_left()
+    expected = {r["step"]: r["loss"] for r in _records(folder / "straight.jsonl") if "loss" in r}
+    return folder / "plan.json", ("--data", str(data), "--tokenizer", str(model)), expected
+
+
 @pytest.mark.slow
-def test_an_elastic_run_shrinks_onto_the_devices_left_and_moves_back_up_when_they_return(tmp_path, uninterrupted):
-    """``--elastic 2``, a checkpoint every step: the second of two one-slot "nodes" is removed. After waiting 2 s the
-    run re-plans the DP2 plan for the one device left (``planner.replan``: the same global batch, as one micro-batch
-    of both samples) and resumes from the last checkpoint under it; the node is added back once it has, and at its
-    next checkpoint the run goes back to the first plan. Every step is on the uninterrupted loss curve; each
-    decision is one line on stdout and one metrics event; the re-planned plan stays beside the checkpoints."""
+def test_an_elastic_run_shrinks_onto_the_devices_left_and_moves_back_up_when_they_return(tmp_path, dataset_plan):
+    """``--elastic 2``, a checkpoint every step, a dataset plan: the second of two one-slot "nodes" is removed. After
+    waiting 2 s the run re-plans for the one device left (``planner.replan``: the dataset read again as the plan
+    was made from it, the same pack budget and global batch of packs) and resumes from the last checkpoint under it;
+    the node is added back once it has, and at its next checkpoint the run goes back to the first plan. Every step is
+    on the uninterrupted loss curve; each decision is one line on stdout and one metrics event; the re-planned plan
+    stays beside the checkpoints."""
     from ray.cluster_utils import Cluster
 
-    plan_path, expected = uninterrupted
+    plan_path, data_flags, expected = dataset_plan
     shutil.copy(plan_path, tmp_path / "plan.json")
+    plan = load_plan(plan_path)
     metrics = tmp_path / "elastic.jsonl"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     second = cluster.add_node(num_cpus=1)
@@ -232,7 +257,8 @@ def test_an_elastic_run_shrinks_onto_the_devices_left_and_moves_back_up_when_the
 
     try:
         result, _ = _run_and_kill(tmp_path, "elastic", 1, cluster.address,
-                                  kill=lose_the_second_node_until_the_run_replanned, extra=("--elastic", "2"), every=1)
+                                  kill=lose_the_second_node_until_the_run_replanned,
+                                  extra=("--elastic", "2", *data_flags), every=1)
     finally:
         cluster.shutdown()
     assert result.returncode == 0, result.stderr[-3000:]
@@ -240,12 +266,14 @@ def test_an_elastic_run_shrinks_onto_the_devices_left_and_moves_back_up_when_the
     _assert_on_the_curve(records, expected)
     shrink, grow = [r for r in records if r.get("event") == "replan"]
     (recovery,) = [r for r in records if r.get("event") == "recovery"]
-    assert (shrink["devices_before"], shrink["devices_after"], shrink["global_batch"]) == (2, 1, 2)
+    assert (shrink["devices_before"], shrink["devices_after"]) == (2, 1)
+    assert shrink["global_batch"] == plan.workload.global_batch  # packs
     assert (grow["devices_before"], grow["devices_after"]) == (1, 2) and shrink["step"] <= grow["step"] < STEPS
     said = [line for line in result.stdout.splitlines() if line.startswith("runtime: elastic: ")]
     assert [line.split(" devices")[0] for line in said] == ["runtime: elastic: 2 -> 1", "runtime: elastic: 1 -> 2"]
     assert shrink["plan"] == str(tmp_path / "elastic" / f"plan-{shrink['step']:06d}-1.json") and grow["plan"] is None
-    assert load_plan(shrink["plan"]).cluster.num_devices == 1
+    shrunk = load_plan(shrink["plan"])
+    assert shrunk.cluster.num_devices == 1 and shrunk.workload.dataset == plan.workload.dataset
     assert records[-1]["steps"] == STEPS and recovery["resumed_step"] in (6, 7)
     _assert_no_workers_left()
 
