@@ -291,11 +291,24 @@ class WorkerPool:
             return False
 
 
+TOKEN_AUTH_HINT = ("if the cluster authenticates by token (clusters started by Ray 2.59 or later do by default), "
+                   "set RAY_AUTH_MODE=token with its token in ~/.ray/auth_token or RAY_AUTH_TOKEN, or use "
+                   "RAY_ADDRESS=auto on one of its nodes")
+"""What a failed connection to an explicit RAY_ADDRESS adds: Ray's own error does not say that a client naming the
+address must opt into token authentication (``RAY_ADDRESS=auto`` finds the local cluster's token itself)."""
+
+
 def ensure_ray() -> None:
     """Attach to RAY_ADDRESS (or the cluster of ``ray job submit``), else start Ray on this machine."""
     if not ray.is_initialized():
         previous = signal.getsignal(signal.SIGTERM)
-        ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False, logging_level="ERROR")
+        address = os.environ.get("RAY_ADDRESS")
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        except ConnectionError as e:
+            if address in (None, "auto") or os.environ.get("RAY_AUTH_MODE"):
+                raise
+            raise ConnectionError(f"{e}: {TOKEN_AUTH_HINT}") from None
         keep_handler(previous)  # ray.init's SIGTERM handler would exit mid-step, aborting in Ray's C++ teardown
 
 

@@ -272,3 +272,27 @@ def test_a_worker_failure_that_ends_the_run_is_one_line(tmp_path, monkeypatch, c
     (line,) = err.splitlines()
     assert line.startswith("runtime: error: a worker failed") and "--max-failures 0" in line
     assert f"({type(cause).__name__}: " in line and "pair.cc" not in line  # the message, its C++ location left off
+
+
+@pytest.mark.parametrize("address, auth_mode, hinted", [("10.0.0.1:6379", None, True), ("10.0.0.1:6379", "token", False),
+                                                        ("auto", None, False)])
+def test_a_failed_connection_to_a_named_cluster_says_how_token_authentication_is_turned_on(
+        monkeypatch, address, auth_mode, hinted):
+    """Ray 2.60 clusters authenticate by token by default; a client naming the address must opt in
+    (``RAY_AUTH_MODE=token``), which Ray's "Failed to connect" does not say (seen against ``ray start --head``)."""
+    from runtime.launch import launcher
+
+    def refuse(**kwargs):
+        raise ConnectionError(f"Failed to connect to Ray cluster at {kwargs['address']}")
+
+    monkeypatch.setattr(launcher.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(launcher.ray, "init", refuse)
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    if auth_mode is None:
+        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    else:
+        monkeypatch.setenv("RAY_AUTH_MODE", auth_mode)
+    with pytest.raises(ConnectionError) as e:
+        launcher.ensure_ray()
+    assert str(e.value).startswith(f"Failed to connect to Ray cluster at {address}")
+    assert ("set RAY_AUTH_MODE=token with its token in ~/.ray/auth_token" in str(e.value)) == hinted
