@@ -1,5 +1,6 @@
 """Re-plan a running plan for another number of devices (an elastic run that lost some, or got them back): the same
-model, device, sample shape, global batch, precision, training settings, profile and pins, searched again.
+model, device, sample shape (or dataset, read again), global batch, precision, training settings, profile and pins,
+searched again.
 
 ``python -m planner.replan PLAN --gpus N --out NEW``: the runtime calls it (it never imports the solver), and so
 can a user. Bad input and infeasible requests print one line and exit with status 2.
