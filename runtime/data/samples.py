@@ -300,21 +300,18 @@ def visual_inputs(batch: Sample) -> tuple[torch.Tensor, torch.Tensor]:
     if "image_grid_thw" not in batch:  # clips only, already in sequence order: no copy of a long clip's pixels
         return batch["pixel_values_videos"], batch["video_grid_thw"]
     samples = batch["input_ids"].shape[0] if "sample_lens" not in batch else len(batch["sample_lens"])
-    parts = []
+    per_kind = []
     for kind, grid_key, counts in (("pixel_values", "image_grid_thw", "sample_images"),
                                    ("pixel_values_videos", "video_grid_thw", "sample_videos")):
-        if grid_key not in batch:  # clips only
-            parts.append([(batch["pixel_values_videos"][:0], batch["video_grid_thw"][:0])] * samples)
-            continue
         grids = batch[grid_key]
         per_sample = batch[counts].tolist() if counts in batch else [len(grids) // samples] * samples
-        patches = batch[kind].split(grids.prod(-1).tolist())
-        bounds = [0, *itertools.accumulate(per_sample)]
-        mine = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
-        parts.append([(torch.cat([batch[kind][:0], *patches[own]]), grids[own]) for own in mine])
-    pixels = torch.cat([p for images, clips in zip(*parts) for p in (images[0], clips[0])])
-    grid = torch.cat([g for images, clips in zip(*parts) for g in (images[1], clips[1])])
-    return pixels, grid
+        grid_bounds = [0, *itertools.accumulate(per_sample)]
+        row_bounds = [0, *itertools.accumulate(grids.prod(-1).tolist())]
+        per_kind.append([(batch[kind][row_bounds[a]:row_bounds[b]], grids[a:b])
+                         for a, b in zip(grid_bounds, grid_bounds[1:])])
+    in_order = [part for images, clips in zip(*per_kind) for part in (images, clips)]
+    # one concatenation of views: a single copy of the pixels (a long clip's are GiBs), no per-sample copies first
+    return torch.cat([pixels for pixels, _ in in_order]), torch.cat([grid for _, grid in in_order])
 
 
 class SyntheticData:

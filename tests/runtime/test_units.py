@@ -667,15 +667,21 @@ def test_a_step_out_of_memory_travels_whole_and_names_what_ran_out():
 def test_a_clip_only_micro_batch_hands_the_tower_its_pixels_without_copying_them():
     """A 768-frame 720p clip is 1.2 GiB of fp32 patches a sample: a micro-batch of clips alone is already in sequence
     order, so ``visual_inputs`` returns the batch's own tensors (copies of them, kept to the step's end, made the
-    long-clip dry-run 1.30x the planner instead of 1.08x); mixed images and clips are reordered sample by sample."""
+    long-clip dry-run 1.30x the planner instead of 1.08x); mixed images and clips are reordered sample by sample,
+    in one copy."""
     from runtime.data.samples import visual_inputs
+    from runtime.observability.memory import TensorMemory
 
-    clips = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "pixel_values_videos": torch.randn(16, 6),
+    clips = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "pixel_values_videos": torch.randn(16, 600),
              "video_grid_thw": torch.tensor([[2, 2, 2], [2, 2, 2]])}
     pixels, grid = visual_inputs(clips)
     assert pixels is clips["pixel_values_videos"] and grid is clips["video_grid_thw"]
-    mixed = {**clips, "pixel_values": torch.randn(8, 6), "image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 2]])}
+    mixed = {**clips, "pixel_values": torch.randn(8, 600), "image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 2]])}
     pixels, grid = visual_inputs(mixed)
     expected = torch.cat([mixed["pixel_values"][:4], clips["pixel_values_videos"][:8], mixed["pixel_values"][4:],
                           clips["pixel_values_videos"][8:]])
     assert torch.equal(pixels, expected) and grid.tolist() == [[1, 2, 2], [2, 2, 2], [1, 2, 2], [2, 2, 2]]
+    with TensorMemory() as memory:  # counts the batch's pixels once it sees them (its views), and the copy
+        visual_inputs(mixed)
+    pixel_bytes = (mixed["pixel_values"].numel() + clips["pixel_values_videos"].numel()) * 4
+    assert 2 * pixel_bytes <= memory.peak()["Total"] <= 2 * pixel_bytes + 1024  # one copy, none per sample first
