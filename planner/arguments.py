@@ -154,9 +154,9 @@ SEARCH_FLAGS = (
     _flag("--fix", action="append", default=[], metavar="MODULE.FIELD=VALUE",
           help="pin a degree (fields: dp tp sp cp pp ep virtual_stages pp_schedule zero recompute micro_batch "
                "grad_accum gpus; or placement=...); pinning every field evaluates that exact strategy"),
-    _flag("--allow-cp", dest="allow_ring_cp", action="store_true",
-          help="also search ring context parallelism of the LLM (cp > 1; `python -m runtime` runs it without PP "
-               "or EP)"),
+    _flag("--no-cp", dest="allow_ring_cp", action="store_false",
+          help="do not search ring context parallelism (searched by default: cp > 1 for the vision tower and the "
+               "LLM, not inside a pipeline)"),
     _flag("--no-pp", dest="allow_pp", action="store_false",
           help="do not search pipeline parallelism of the LLM (searched by default: pp > 1 with 1F1B, interleaved "
                "1F1B or interleaved zero-bubble; Ulysses SP inside stages with --fix llm.sp=K)"),

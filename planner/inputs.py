@@ -90,8 +90,8 @@ class SearchOptions:
     """Which strategies the search considers and how it costs them (``plan``'s "search" flags that the problem
     records; placement, fixes, top-k and the time limit are arguments of each search, ``planner.api``)."""
 
-    allow_ring_cp: bool = False
-    """Also search ring context parallelism (cp > 1), which the runtime cannot execute yet."""
+    allow_ring_cp: bool = True
+    """Search ring context parallelism (cp > 1; False: plans without it only)."""
     allow_pp: bool = True
     """Search pipeline parallelism of the LLM (False: plans without it only)."""
     workers: int = 1

@@ -83,9 +83,10 @@ class Problem:
     """Measured per-layer costs (a profile), or None for the analytical model alone."""
     dataset: DatasetInfo | None = None
     """The dataset the workload's packs come from (``planner.dataset``), recorded in the plan."""
-    allow_ring_cp: bool = False
-    """Search ring context parallelism (cp > 1). Off by default: the cost model prices it, but the runtime cannot
-    execute it yet, so a default plan is always one ``python -m runtime`` runs. ``--fix MODULE.cp=N`` pins it."""
+    allow_ring_cp: bool = True
+    """Search ring context parallelism (cp > 1) of the modules the runtime runs it for; ``--no-cp`` turns it off,
+    ``--fix MODULE.cp=N`` pins it. Context-parallel strategies that cannot beat a plan already found are not costed
+    (``candidates.extend_context_parallel``)."""
     allow_pp: bool = True
     """Search pipeline parallelism of the LLM (pp > 1); ``--no-pp`` turns it off, ``--fix llm.pp=N`` pins it.
     Pipelined strategies that cannot beat a plan already found are not costed (``pipeline_floor``)."""

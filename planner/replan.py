@@ -40,10 +40,9 @@ def replan_problem(plan: Plan, gpus: int, profile: str | None = None, device_mem
             image_sizes=[tuple(s) for s in w.image_sizes] or None, vision_tokens=w.vision_tokens,
             videos=[tuple(v) for v in w.videos], text_tokens=w.text_tokens, audio_seconds=w.audio_seconds or None,
             global_batch=w.global_batch, **training), None
-    search = api.SearchOptions(allow_ring_cp=any(m.cp > 1 for m in plan.modules))
     cluster = api.ClusterInputs(gpus=gpus, gpu=plan.cluster.device.name, gpus_per_node=plan.cluster.devices_per_node,
                                 profile=profile or plan.predicted.profile)
-    problem = api.make_problem(spec, cluster, workload=workload, dataset=dataset, search=search)
+    problem = api.make_problem(spec, cluster, workload=workload, dataset=dataset)
     device = plan.cluster.device
     if device_memory_bytes is not None:
         device = replace(device, memory_bytes=device_memory_bytes)

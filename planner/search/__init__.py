@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from planner.search.baselines import BaselineOutcome
-from planner.search.candidates import Candidates, extend_pipelined, pipelined_options
+from planner.search.candidates import (Candidates, extend_context_parallel, extend_pipelined,
+                                      pipelined_floors, pipelined_options)
 from planner.cost import estimate
 from planner.problem import Problem, check_pipelined_dataset
 from planner.search.solver.explain import Infeasible, candidates_or_error, explain_infeasible
@@ -46,11 +47,12 @@ def solve_strategies(problem: Problem, placement: str, pinned: str | None, fixes
     placement, ``fixes`` per module: ``parse_fixes``), and, when pipeline parallelism was in the space, the best
     plan on the other side of it (without PP if the best pipelines, with PP if not: ``pipeline_alternative``).
 
-    When the LLM may or may not be pipelined, the plans without PP are solved first; a pipelined strategy is
-    costed only once its floor (``candidates.pipeline_floor``) is within the ``top_k``-th of them, or, to find the
-    best pipelined plan when none is among the best, within a limit raised until that plan is proven
-    (``_best_pipelined``). Every pipelined strategy left out belongs only to plans slower than one found, so the
-    answer is the full search's."""
+    Context-parallel strategies are solved without first; one is costed only once the lower bound of the plans it
+    could be part of (``candidates.extend_context_parallel``) is within the ``top_k``-th plan found. When the LLM
+    may or may not be pipelined, the plans without PP are solved first; a pipelined strategy is costed only once its
+    floor (``candidates.pipeline_floor``) is within the ``top_k``-th of them, or, to find the best pipelined plan
+    when none is among the best, within a limit raised until that plan is proven (``_best_pipelined``). Every
+    strategy left out belongs only to plans slower than one found, so the answer is the full search's."""
     from planner.search.solver.cp_sat import DEFAULT_SETTINGS
 
     llm_fixes = fixes.get("llm", {})
@@ -58,15 +60,20 @@ def solve_strategies(problem: Problem, placement: str, pinned: str | None, fixes
     placements = placements_to_solve(problem, placement, pinned, fixes)
     settings = DEFAULT_SETTINGS if time_limit_s is None else replace(DEFAULT_SETTINGS, time_limit_s=time_limit_s)
     if pipelined_options(problem, fixes) != (False, True):  # one world: no PP, or PP pinned
-        all_cands = candidates_or_error(problem, placements, fixes)
+        all_cands = candidates_or_error(problem, placements, fixes, defer_cp=True)
         ranked = _ranked(problem, all_cands, top_k, settings)
+        if _extend(problem, all_cands, _limit_s(problem, ranked, top_k)):
+            ranked = _ranked(problem, all_cands, top_k, settings)
         if not ranked:
             raise Infeasible(explain_infeasible(problem, all_cands, fixes))
         return ranked, None
-    all_cands = candidates_or_error(problem, placements, fixes, pipeline_limit_s=0.0)
+    all_cands = candidates_or_error(problem, placements, fixes, pipeline_limit_s=0.0, defer_cp=True)
     flat = _ranked(problem, _world(all_cands, False), top_k, settings)
-    limit_s = _solver_s(problem, flat[-1]) if len(flat) == top_k else math.inf
-    _extend_pipelined(problem, all_cands, limit_s)
+    limit_s = _limit_s(problem, flat, top_k)
+    before = _identities(_world(all_cands, False))
+    _extend(problem, all_cands, limit_s)
+    if _identities(_world(all_cands, False)) != before:  # context-parallel candidates joined the plans without PP
+        flat = _ranked(problem, _world(all_cands, False), top_k, settings)
     piped = _ranked(problem, _world(all_cands, True), top_k, settings)
     ranked = sorted(flat + piped, key=_rank_order)[:top_k]  # of equal steps, the plan without PP first
     if not ranked:
@@ -92,11 +99,11 @@ def _best_pipelined(problem: Problem, all_cands: Mapping[str, Candidates], best:
     while True:
         if best and _solver_s(problem, best[0]) <= limit_s:
             return best
-        floors = [f for cands in all_cands.values() for f, _ in cands.deferred if f < math.inf]
+        floors = [f for cands in all_cands.values() for f in pipelined_floors(problem, cands)]
         if not floors:  # what is left has no encoder candidate to form a plan with
             return best
         limit_s = _solver_s(problem, best[0]) if best else max(limit_s * PIPELINE_LIMIT_STEP, min(floors))
-        if _extend_pipelined(problem, all_cands, limit_s):
+        if _extend(problem, all_cands, limit_s, pipelined=True):
             best = _ranked(problem, _world(all_cands, True), 1, settings)
 
 
@@ -114,10 +121,19 @@ def _world(all_cands: Mapping[str, Candidates], pipelined: bool) -> dict[str, Ca
     return {p: _only_pipelined(c, pipelined) for p, c in all_cands.items()}
 
 
-def _extend_pipelined(problem: Problem, all_cands: Mapping[str, Candidates], limit_s: float) -> int:
-    """Cost the deferred pipelined strategies of plans that could take at most ``limit_s`` (solver seconds);
-    returns how many were costed."""
-    return sum(extend_pipelined(problem, cands, limit_s) for cands in all_cands.values())
+def _limit_s(problem: Problem, ranked: list[Ranked], top_k: int) -> float:
+    """The solver's step of the ``top_k``-th plan (infinite with fewer): no strategy of a slower plan is needed."""
+    return _solver_s(problem, ranked[-1]) if len(ranked) == top_k else math.inf
+
+
+def _extend(problem: Problem, all_cands: Mapping[str, Candidates], limit_s: float, pipelined: bool | None = None
+            ) -> int:
+    """Cost the deferred strategies of plans (whose LLM is ``pipelined``, when given) that could take at most
+    ``limit_s`` (solver seconds): the pipelined LLM's first (the context-parallel bounds take the least of the
+    candidates costed); returns how many were costed."""
+    piped = sum(extend_pipelined(problem, cands, limit_s) for cands in all_cands.values()) if pipelined in (
+        None, True) else 0
+    return piped + sum(extend_context_parallel(problem, cands, limit_s, pipelined) for cands in all_cands.values())
 
 
 def _ranked(problem: Problem, all_cands: Mapping[str, Candidates], top_k: int, settings: Any) -> list[Ranked]:
@@ -133,6 +149,11 @@ def _ranked(problem: Problem, all_cands: Mapping[str, Candidates], top_k: int, s
                                   num_candidates=cands.count))
     ranked.sort(key=_rank_order)
     return ranked[:top_k]
+
+
+def _identities(all_cands: Mapping[str, Candidates]) -> list[int]:
+    """The candidates' identities, to tell whether costing more changed a world."""
+    return [id(c) for cands in all_cands.values() for cs in cands.by_module.values() for c in cs]
 
 
 def _only_pipelined(cands: Candidates, pipelined: bool) -> Candidates:

@@ -19,13 +19,13 @@ import functools
 import itertools
 import math
 import multiprocessing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Callable, Iterable, Mapping, NamedTuple
 
 from planner.cost import ModuleCost, module_cost
 from planner.cost.module import feeding_pipeline
-from planner.cost.pipeline import pipelined_state_floor_bytes, pipelined_step_floor_s
+from planner.cost.pipeline import NUM_PATHS, path_terms, pipelined_state_floor_bytes, pipelined_step_floor_s
 from planner.cost.estimate import module_path_terms
 from planner.cost.phases import alive_bytes, data_flow_order, own_peak_bytes, step_phases
 from planner.search.enumeration import Verdicts, encoder_names, group_sizes, module_strategies, valid_accums
@@ -103,6 +103,9 @@ class Candidates:
     deferred: list[tuple[float, ModuleStrategy]] = field(default_factory=list)
     """Pipelined LLM strategies not costed yet, each with a lower bound on the step of any plan holding it
     (``pipeline_floor``), in enumeration order; ``extend_pipelined`` costs those under a limit."""
+    deferred_cp: list["DeferredGroup"] = field(default_factory=list)
+    """Context-parallel strategies not costed yet, in groups with lower bounds on their terms
+    (``defer_context_parallel``); ``extend_context_parallel`` costs those whose plans could beat a limit."""
 
     @property
     def count(self) -> int:
@@ -260,6 +263,8 @@ class ModuleCandidates(NamedTuple):
     """Strategies costed."""
     deferred: list[tuple[float, ModuleStrategy]]
     """Pipelined strategies left uncosted, with their floors (``Candidates.deferred``)."""
+    deferred_cp: list["DeferredGroup"]
+    """Context-parallel strategies left uncosted (``Candidates.deferred_cp``)."""
 
 
 def module_candidates(
@@ -272,6 +277,7 @@ def module_candidates(
     floor: Callable[[ModuleStrategy], float] | None = None,
     limit_s: float = math.inf,
     verdicts: Verdicts | None = None,
+    defer_cp: bool = False,
 ) -> ModuleCandidates:
     """The module's candidates on the GPU counts ``placement`` gives it.
 
@@ -280,6 +286,7 @@ def module_candidates(
     LLM that is not pipelined, is, or both (``pipelined_options``). ``floor`` (pipelined LLM): a lower bound on
     the step of any plan holding a strategy; those above ``limit_s`` are deferred, not costed. ``verdicts``: the
     module's memoised ``check_strategy`` answers, shared with an earlier enumeration (``valid_accums``).
+    ``defer_cp``: leave its context-parallel strategies uncosted, with lower bounds (``defer_context_parallel``).
     """
     sizes = group_sizes(problem, module, placement)
     if "gpus" in fixed:
@@ -295,17 +302,19 @@ def module_candidates(
     if partners is not None and not series:
         everywhere = [module_strategies(problem, module, g, fixed, verdicts) for g in sizes]
         if any(found for found, _ in everywhere):
-            return ModuleCandidates([], None, None, 0, [])  # valid, but on no size the other group complements
+            return ModuleCandidates([], None, None, 0, [], [])  # valid, but on no size the other group complements
         reason = next((why for _, why in everywhere if why), reason)
     invalid = None if series else reason
     if not series and reason is None:
         invalid = f"no {module} layout on {_sizes_text(sizes)} GPUs consumes the global batch of " \
                   f"{problem.workload.global_batch}" + "".join(f", {k}={v}" for k, v in sorted(fixed.items()))
-    deferred = []
+    deferred, deferred_cp = [], []
     if floor is not None:
         series, deferred = _split_by_floor(series, floor, limit_s)
+    if defer_cp:
+        series, deferred_cp = defer_context_parallel(problem, module, series, placement, feeds)
     kept, smallest, costed = _cost_in_processes(problem, module, series, placement, feeds)
-    return ModuleCandidates(kept, smallest, invalid, costed, deferred)
+    return ModuleCandidates(kept, smallest, invalid, costed, deferred, deferred_cp)
 
 
 FLOOR_SLACK_S = 1e-6
@@ -418,7 +427,7 @@ def pipelined_options(problem: Problem, fixes: Fixes) -> tuple[bool, ...]:
 
 
 def build_candidates(problem: Problem, placement: Placement, fixes: Fixes | None = None, *,
-                     pipeline_limit_s: float = math.inf) -> Candidates:
+                     pipeline_limit_s: float = math.inf, defer_cp: bool = False) -> Candidates:
     """The solver's input for ``placement``: every module's fitting, non-dominated candidates.
 
     Disjoint: the encoder is costed first; the LLM only on GPU counts and grad_accum values that some fitting
@@ -427,6 +436,8 @@ def build_candidates(problem: Problem, placement: Placement, fixes: Fixes | None
 
     ``pipeline_limit_s``: when the LLM may or may not be pipelined, its pipelined strategies whose plans cannot
     take less than this (solver seconds, ``pipeline_floor``) are deferred, not costed (``extend_pipelined``).
+    ``defer_cp``: context-parallel strategies are deferred with lower bounds on their terms
+    (``extend_context_parallel`` costs those whose plans could beat a limit).
 
     Raises:
         NotImplementedError: disjoint placement of a model with more than one encoder.
@@ -440,10 +451,11 @@ def build_candidates(problem: Problem, placement: Placement, fixes: Fixes | None
         bounded = module == "llm" and pipeline_limit_s < math.inf and pipelined_options(problem, fixes) == (False, True)
         found = module_candidates(problem, module, placement, fixes.get(module, {}), partners, feeds,
                                   floor=pipeline_floor(problem, result) if bounded else None,
-                                  limit_s=pipeline_limit_s, verdicts=verdicts[module])
+                                  limit_s=pipeline_limit_s, verdicts=verdicts[module], defer_cp=defer_cp)
         result.by_module[module] = found.kept
         result.num_costed += found.costed
         result.deferred += found.deferred
+        result.deferred_cp += found.deferred_cp
         if found.smallest is not None:
             result.smallest[module] = found.smallest
         if found.invalid is not None:
@@ -456,12 +468,15 @@ def _partners(problem: Problem, module: str, cands: Candidates, fixes: Fixes, ve
               ) -> dict[int, set[int]] | None:
     """Disjoint: GPU count of ``module``'s group -> the grad_accum values the other group can match on the rest.
     The encoder (costed first) is matched with the other module's valid strategies (found without costing them),
-    the other module with the encoder's fitting candidates; None for an encoder alone."""
+    the other module with the encoder's fitting candidates and its deferred context-parallel ones that may fit; None
+    for an encoder alone."""
     n = problem.num_gpus
     others = [m for m in problem.model.module_names if m not in ENCODER_MODULES]
     if module not in ENCODER_MODULES:
         partners: dict[int, set[int]] = {}
-        for c in cands.by_module[encoder_names(problem.model)[0]]:
+        encoder = encoder_names(problem.model)[0]
+        fitting = [g for g in cands.deferred_cp if g.module == encoder and g.step_ns < math.inf]
+        for c in [*cands.by_module[encoder], *fitting]:
             partners.setdefault(n - c.gpus, set()).add(c.grad_accum)
         return partners
     if len(others) != 1:
@@ -476,16 +491,17 @@ def pipeline_floor(problem: Problem, cands: Candidates) -> Callable[[ModuleStrat
     ``pipelined_step_floor_s`` plus the least time the encoders' pipelined-world candidates of its grad_accum (and,
     disjoint, on the other GPUs) add to the objective -- colocated their step terms, disjoint the encoder's longest
     path term, since every path carries the pipelined LLM's whole step (``module_path_terms``); infinite when no
-    encoder candidate fits there. ``cands`` holds the encoders' candidates."""
+    encoder candidate fits there. ``cands`` holds the encoders' candidates (their deferred context-parallel ones
+    by their lower bounds)."""
     encoders = [m for m in cands.by_module if m in ENCODER_MODULES]
     least: dict[tuple[int, int], int] = {}
     for module in encoders:
         fastest: dict[tuple[int, int], int] = {}
-        for c in cands.by_module[module]:
-            if c.pipelined:
-                term = c.step_ns if cands.placement == "colocated" else max(c.path_ns)
-                key = (c.gpus, c.grad_accum)
-                fastest[key] = min(fastest.get(key, term), term)
+        deferred = [g for g in cands.deferred_cp if g.module == module and True in g.feeds]
+        for c in [*(c for c in cands.by_module[module] if c.pipelined), *deferred]:
+            term = c.step_ns if cands.placement == "colocated" else max(c.path_ns)
+            key = (c.gpus, c.grad_accum)
+            fastest[key] = min(fastest.get(key, term), term)
         least = fastest if module == encoders[0] else {k: v + least[k] for k, v in fastest.items() if k in least}
 
     def floor(s: ModuleStrategy) -> float:
@@ -521,14 +537,164 @@ def extend_pipelined(problem: Problem, cands: Candidates, limit_s: float) -> int
     return costed
 
 
-def _may_fit_alone(problem: Problem, s: ModuleStrategy) -> bool:
-    """Whether a pipelined LLM strategy's model states (``pipelined_state_floor_bytes``) leave it a chance to fit a GPU
-    by itself; one that cannot is skipped uncosted (~99 % of the pipelined strategies under a large MoE's floors).
+def _may_fit_alone(problem: Problem, s: ModuleStrategy, module: str = "llm") -> bool:
+    """Whether a strategy's model states (``pipelined_state_floor_bytes``, with pp = 1 a module's whole states) leave
+    it a chance to fit a GPU by itself; a pipelined one that cannot is skipped uncosted (~99 % of the pipelined
+    strategies under a large MoE's floors).
     Left uncosted, it is not offered as the least-memory candidate (``Candidates.smallest``) either: only done when a
     plan exists, so no explanation of infeasibility needs it."""
-    floor = pipelined_state_floor_bytes(problem.model, "llm", problem.cluster, problem.workload, s,
+    floor = pipelined_state_floor_bytes(problem.model, module, problem.cluster, problem.workload, s,
                                         precision=problem.precision, assumptions=problem.assumptions)
     return floor + problem.overhead_bytes <= problem.usable_bytes
+
+
+# --- Context parallelism on demand ---------------------------------------------------------------------------------
+
+
+class DeferredGroup(NamedTuple):
+    """A module's context-parallel strategies that differ only in ZeRO stage and recomputation, left uncosted, with
+    lower bounds on the solver's terms of every one of them (``context_parallel_floor``)."""
+
+    module: str
+    strategies: tuple[ModuleStrategy, ...]
+    feeds: tuple[bool, ...]
+    """The worlds it is a candidate in: feeding an LLM that is not pipelined, is, or both (``pipelined_options``;
+    the LLM's own: not pipelined, since ``check_strategy`` refuses cp with pp)."""
+    step_ns: float
+    """At most the colocated step term of any of them that fits (infinite: none fits)."""
+    path_ns: tuple[float, ...]
+    """At most each disjoint path term of any of them that fits."""
+
+    @property
+    def gpus(self) -> int:
+        return self.strategies[0].gpus
+
+    @property
+    def grad_accum(self) -> int:
+        return self.strategies[0].grad_accum
+
+
+def context_parallel_floor(problem: Problem, module: str, group: list[ModuleStrategy], placement: Placement
+                           ) -> tuple[float, tuple[float, ...]]:
+    """(colocated step term, disjoint path terms), in ns, at most those of any strategy of ``group`` (one layout,
+    experts and grad_accum; ZeRO stages and recomputations) that fits a GPU; infinite when none can. A strategy's
+    model states are least under the group's highest ZeRO stage and its activations under its heaviest
+    recomputation, and ZeRO does not change the micro-batches' time: so a recomputation whose states at the highest
+    stage plus activations do not fit (``cost_series``' test) is never part of a plan, and the least time is
+    ``grad_accum`` micro-batches of the lightest recomputation left (recomputation only adds passes; the step's tail
+    is at least 0), with the path terms of that time at the forward share that makes them least (``path_terms``'
+    ``m P - min(F, P - F)`` is least at ``F = P / 2``)."""
+    zero = max(s.zero for s in group)
+    if not _may_fit_alone(problem, replace(group[0], zero=zero), module):
+        return math.inf, (math.inf,) * NUM_PATHS
+    for recompute in sorted({s.recompute for s in group}, key=_RECOMPUTE_ORDER.get):
+        cost = placed_cost(problem, module, replace(group[0], zero=zero, recompute=recompute), placement)
+        least = cost.weights_bytes + cost.optimizer_bytes + cost.activations_per_micro_batch_bytes
+        if least + problem.overhead_bytes <= problem.usable_bytes:
+            per_micro = cost.per_micro_batch_s
+            paths = path_terms(per_micro, per_micro / 2, cost.strategy.grad_accum,
+                               stage="llm" if module == "llm" else "encoder")
+            return math.floor(cost.micro_batches_s * NS_PER_S), tuple(math.floor(t * NS_PER_S) for t in paths)
+    return math.inf, (math.inf,) * NUM_PATHS
+
+
+def defer_context_parallel(problem: Problem, module: str, series: list[list[ModuleStrategy]], placement: Placement,
+                           feeds: tuple[bool, ...]) -> tuple[list[list[ModuleStrategy]], list[DeferredGroup]]:
+    """(``series`` without its context-parallel strategies, those in groups with their lower bounds): one cost per
+    (layout, experts, grad_accum) instead of one per ZeRO stage and recomputation as well, and none for a layout's
+    micro-batches larger than one that cannot fit (they need more memory: ``cost_series``)."""
+    now, layouts = [], {}
+    for strategies in series:
+        if strategies[0].cp == 1:
+            now.append(strategies)
+            continue
+        for s in strategies:
+            layout = layouts.setdefault((s.gpus, s.dp, s.tp, s.sp, s.cp, s.ep), {})
+            layout.setdefault(s.micro_batch, []).append(s)
+    deferred = []
+    for by_micro_batch in layouts.values():
+        bounds = (math.inf, (math.inf,) * NUM_PATHS)
+        for mb, group in sorted(by_micro_batch.items()):
+            if mb == min(by_micro_batch) or bounds[0] < math.inf:
+                bounds = context_parallel_floor(problem, module, group, placement)
+            deferred.append(DeferredGroup(module, tuple(group), feeds, *bounds))
+    return now, deferred
+
+
+def extend_context_parallel(problem: Problem, cands: Candidates, limit_s: float, pipelined: bool | None = None
+                            ) -> int:
+    """Cost the deferred context-parallel strategies of plans that could take at most ``limit_s`` (solver seconds;
+    of plans whose LLM is ``pipelined`` when given) and add their fitting, non-dominated candidates; returns how many
+    were costed. A group's plans take at least its lower bounds plus the least the other modules' candidates of its
+    world add (``_plan_floor``), so what stays deferred belongs only to plans slower than ``limit_s``."""
+    least = _least_terms(cands)
+    due = [g for g in cands.deferred_cp
+           if _plan_floor(problem, cands.placement, g, least, pipelined) <= limit_s + FLOOR_SLACK_S]
+    if not due:
+        return 0
+    costing = {id(g) for g in due}
+    cands.deferred_cp = [g for g in cands.deferred_cp if id(g) not in costing]
+    costed = 0
+    for module in dict.fromkeys(g.module for g in due):
+        groups = [g for g in due if g.module == module]
+        strategies = [s for g in groups for s in g.strategies]
+        kept, smallest, count = _cost_in_processes(problem, module, _as_series(strategies), cands.placement,
+                                                   groups[0].feeds)
+        cands.by_module[module] = prune(cands.by_module[module] + kept, cands.placement)
+        known = cands.smallest.get(module)
+        if smallest is not None:
+            cands.smallest[module] = smallest if known is None else min(known, smallest, key=_memory_order)
+        costed += count
+    cands.num_costed += costed
+    return costed
+
+
+def pipelined_floors(problem: Problem, cands: Candidates) -> list[float]:
+    """The finite lower bounds, in solver seconds, of the plans with a pipelined LLM that strategies still deferred
+    could be part of."""
+    least = _least_terms(cands)
+    floors = [f for f, _ in cands.deferred] + [_plan_floor(problem, cands.placement, g, least, True)
+                                               for g in cands.deferred_cp]
+    return [f for f in floors if f < math.inf]
+
+
+LeastTerms = dict[str, dict[tuple[int, int, bool], tuple[int, tuple[int, ...]]]]
+"""Module -> (gpus, grad_accum, pipelined world) -> (least step term, least of each path term) over its candidates
+and its deferred groups' lower bounds."""
+
+
+def _least_terms(cands: Candidates) -> LeastTerms:
+    least: LeastTerms = {m: {} for m in cands.by_module}
+    terms = [((c.gpus, c.grad_accum, c.pipelined), c.module, c.step_ns, c.path_ns)
+             for cs in cands.by_module.values() for c in cs]
+    terms += [((g.gpus, g.grad_accum, world), g.module, g.step_ns, g.path_ns) for g in cands.deferred_cp
+              for world in g.feeds]
+    for key, module, step, paths in terms:
+        known = least[module].get(key)
+        least[module][key] = (step, paths) if known is None else (
+            min(known[0], step), tuple(map(min, known[1], paths)))
+    return least
+
+
+def _plan_floor(problem: Problem, placement: Placement, group: DeferredGroup, least: LeastTerms,
+                pipelined: bool | None = None) -> float:
+    """A lower bound, in solver seconds, on the step of any plan holding one of ``group``'s strategies (whose LLM is
+    ``pipelined`` when given): its bounds plus the other modules' least terms in the same world (grad_accum,
+    pipelining and, disjoint, the other GPUs) -- colocated the sum of step terms, disjoint the longest path (the
+    tail is at least 0); infinite with no partner."""
+    best = math.inf
+    others = [m for m in least if m != group.module]
+    partner = problem.num_gpus if placement == "colocated" else problem.num_gpus - group.gpus
+    for world in (w for w in group.feeds if pipelined in (None, w)):
+        found = [least[m].get((partner, group.grad_accum, world)) for m in others]
+        if any(f is None for f in found):
+            continue
+        if placement == "colocated":
+            ns = group.step_ns + sum(step for step, _ in found)
+        else:
+            ns = max(own + sum(paths[k] for _, paths in found) for k, own in enumerate(group.path_ns))
+        best = min(best, ns / NS_PER_S)
+    return best
 
 
 def memory_front(cands: Iterable[Candidate]) -> list[Candidate]:

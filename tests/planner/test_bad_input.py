@@ -84,7 +84,7 @@ CASES = [
     (["--model", "qwen-vl-32b", "--gpus", "100000000000000000000"], {},
      "--gpus must be between 1 and 65,536, got 100000000000000000000"),
     (["--model", "qwen-vl-32b", "--gpus", "10000000"], {}, "--gpus must be between 1 and 65,536, got 10000000"),
-    (["--model", "qwen-vl-32b", "--gpus", "65536", "--global-batch", "4"], {},
+    (["--model", "qwen-vl-32b", "--gpus", "65536", "--global-batch", "4", "--no-cp"], {},
      "no valid llm strategy on 65536 GPUs (no llm layout on 65536 GPUs consumes the global batch of 4); usable GPU "
      "counts nearby: 32 (or a global batch divisible by 65536)"),
     (M32 + ["--images-per-sample", "100000"], {}, "--images-per-sample must be between 1 and 256, got 100000"),
@@ -124,8 +124,10 @@ CASES = [
      "is faster than any link (1e+14 bytes/s): times are seconds, message_bytes bytes"),
     (TINY + ["--profile", "{dir}/profile.json"], _profile(lambda d: d["device"]["concurrency"].update({"2": 0.001})),
      "device.concurrency[2] = 0.001 is not a slowdown factor"),
-    (["--model", "qwen-vl-72b", "--gpus", "1"], {}, "the smallest GPU count that fits is 32 (--gpus 32)"),
-    (["--model", "qwen-vl-72b", "--gpus", "1", "--global-batch", "1", "--fix", "llm.tp=1", "--fix", "llm.sp=1"], {},
+    (["--model", "qwen-vl-72b", "--gpus", "1"], {}, "the smallest GPU count that fits is 24 (--gpus 24)"),
+    (["--model", "qwen-vl-72b", "--gpus", "1", "--no-cp"], {}, "the smallest GPU count that fits is 32 (--gpus 32)"),
+    (["--model", "qwen-vl-72b", "--gpus", "1", "--global-batch", "1", "--fix", "llm.tp=1", "--fix", "llm.sp=1",
+      "--no-cp"], {},
      "no GPU count up to 65,536 fits a global batch of 1 samples, which caps data parallelism"),
     (["--model", "qwen-vl-32b", "--gpus", "64", "--fix", "llm.pp=4", "--fix", "llm.pp_schedule=interleaved_zb",
       "--fix", "llm.zero=3"], {}, "--fix: no valid llm strategy: interleaved_zb with zero=3: torch's weight-gradient"),
@@ -244,7 +246,7 @@ def test_gpu_count_searches_are_logarithmic(monkeypatch):
     monkeypatch.setattr(explain, "_fits", counting("fits", fits))
     with pytest.raises(ValueError, match="usable GPU counts nearby: 32"):
         api.plan("qwen-vl-32b", api.ClusterInputs(gpus=65536, profile=None),
-                 workload=api.WorkloadInputs(global_batch=4))
+                 workload=api.WorkloadInputs(global_batch=4), search=api.SearchOptions(allow_ring_cp=False))
     assert calls["usable"] <= 4
     with pytest.raises(api.Infeasible, match=r"the smallest GPU count that fits is (\d+)") as info:
         api.plan("qwen2.5-vl-72b", api.ClusterInputs(gpus=1, profile=None),

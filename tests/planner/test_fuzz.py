@@ -175,7 +175,7 @@ def plan_argv(draw) -> tuple[list[str], dict[str, object]]:
     if broken == "profile":
         files["profile.json"] = draw(profile_files())
         argv += ["--profile", "{dir}/profile.json"]
-    extra = ["--allow-cp", "--json"] + (["--max-seq"] if "--top-k" not in " ".join(argv) or broken else [])
+    extra = ["--no-cp", "--json"] + (["--max-seq"] if "--top-k" not in " ".join(argv) or broken else [])
     return argv + sorted(draw(st.sets(st.sampled_from(extra), max_size=2))), files
 
 

@@ -225,12 +225,14 @@ def test_infeasible_names_module_need_and_smallest_gpu_count():
 
 def test_unusable_gpu_count_suggests_usable_ones():
     with pytest.raises(ValueError, match=r"no valid vision strategy on 7 GPUs .*usable GPU counts nearby: 4 or 8"):
-        plan(M32, 7, workload=WorkloadInputs(global_batch=64), placement="colocated")
+        plan(M32, 7, workload=WorkloadInputs(global_batch=64), placement="colocated",
+             search=SearchOptions(allow_ring_cp=False))
 
 
 def test_infeasible_suggests_a_sequence_that_fits():
     with pytest.raises(Infeasible) as info:
-        plan(M32, 16, workload=WorkloadInputs(image_sizes=[(8000, 8000)], images_per_sample=4))
+        plan(M32, 16, workload=WorkloadInputs(image_sizes=[(8000, 8000)], images_per_sample=4),
+             search=SearchOptions(allow_ring_cp=False))
     tokens = int(str(info.value).split("--vision-tokens ")[1].split(")")[0])
     assert plan(M32, 16, workload=WorkloadInputs(vision_tokens=tokens)).workload.vision_tokens == tokens
 

@@ -1,6 +1,7 @@
 """CP-SAT (with candidate pruning) finds the same optimum as trying every strategy combination.
 
-Coverage: the tiny model on 2, 4 (with and without ring CP in the space, with pipeline parallelism in it, and on
+Coverage: the tiny model on 2, 4 (with and without ring CP in the space, CP costed on demand as ``plan`` does, with
+pipeline parallelism in it, and on
 packs of a mixed-resolution dataset) and 8 CPU "GPUs" (with and without pipeline parallelism) and Qwen2.5-VL-32B on 4 H200 (bf16 pure) and 8 H100, both
 placements, and the tiny Qwen3-VL-MoE (expert parallelism in the space: on 4 CPU "GPUs", and on 2 nodes of 2 with
 pipeline parallelism; Qwen3-VL-30B-A3B on 8 H100 colocated with the LLM's ep pinned), with the memory limit loose and tightened below the unconstrained optimum's peak (so that memory
@@ -14,6 +15,7 @@ import pytest
 from plan_helpers import brute_force, problem, with_usable_memory
 
 from planner.api import plan
+from planner.search import solve_strategies
 from planner.search.candidates import build_candidates
 from planner.cost import estimate
 from planner.search.solver.cp_sat import solve
@@ -28,6 +30,7 @@ CASES = {
     "tiny-2gpu": dict(TINY, gpus=2, batch=4),
     "tiny-4gpu": dict(TINY, gpus=4, batch=4),
     "tiny-4gpu-cp": dict(TINY, gpus=4, batch=4, allow_ring_cp=True),
+    "tiny-4gpu-cp-long": dict(TINY, gpus=4, batch=2, text=1024, allow_ring_cp=True),
     "tiny-8gpu": dict(TINY, gpus=8, batch=8),
     "tiny-4gpu-packed": dict(TINY, gpus=4, batch=4, packed=True),
     "tiny-4gpu-pp": dict(TINY, gpus=4, batch=8, allow_pp=True),
@@ -144,6 +147,23 @@ def test_pipelined_strategies_costed_on_demand_give_both_sides_of_pp(case, place
         assert other.infeasible and other.step_time_s is None
     else:
         assert other.step_time_s == pytest.approx(expected[0], abs=ROUNDING_S) and expected[0] >= sides[pipelines][0]
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+@pytest.mark.parametrize("fraction", [None, 0.7])
+def test_context_parallel_costed_on_demand_gives_the_optimum(placement, fraction):
+    """``plan`` costs a context-parallel strategy only once the lower bound of the plans it could be part of
+    (``candidates.extend_context_parallel``) is within a plan already found: its plan is brute force's optimum over
+    the space with ring CP, which here uses CP (1,024 text tokens on 4 CPU "GPUs"), with the memory loose and
+    binding."""
+    p, (step, best) = _unconstrained("tiny-4gpu-cp-long", placement)
+    if fraction is not None:
+        peak = estimate(p.model, p.cluster, p.workload, best, p.assumptions).peak_memory_bytes
+        p = with_usable_memory(p, int(peak * fraction))
+        step, best = brute_force(p, placement)
+    assert any(s.cp > 1 for s in best.modules.values())
+    (found,), _ = solve_strategies(p, placement, None, {}, 1, None)
+    assert found.objective_s == pytest.approx(step, abs=ROUNDING_S)
 
 
 @pytest.mark.parametrize("case", ["moe-tiny-4gpu", "moe-30b-h100-8gpu"])

@@ -246,3 +246,24 @@ def test_a_ring_cp_module_is_planned_with_the_rings_sdpa_kernels():
     made = plan("qwen2.5-vl-7b", 8, fix=["llm.cp=2", "llm.tp=2"], search=SearchOptions(allow_ring_cp=True))
     assert made.module("llm").cp == 2 and made.module("llm").attention == "sdpa"
     assert made.module("vision").attention == "varlen"  # a GPU plan's other modules: the variable-length kernel
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+@pytest.mark.parametrize("case", [dict(model="qwen2.5-vl-tiny", gpus=4, batch=2, text=1024, memory_gib=0.02),
+                                  dict(model="qwen-vl-32b", gpus=16, device="h100-80gb", batch=16, image=1344)])
+def test_context_parallel_groups_are_deferred_with_lower_bounds_on_what_fits(case, placement):
+    """Every context-parallel strategy that fits a GPU takes at least its group's bounds (colocated step term,
+    each disjoint path term), and a group bounded at infinity has none that fits; what is deferred is what plain
+    costing would have costed, and fewer strategies are costed up front."""
+    p = replace(problem(**case), allow_ring_cp=True)
+    deferred = build_candidates(p, placement, defer_cp=True)
+    assert deferred.deferred_cp and all(g.module in ("vision", "llm") for g in deferred.deferred_cp)
+    for group in deferred.deferred_cp:
+        fitting = [c for s in group.strategies for c in cost_series(p, group.module, [s], placement, group.feeds)
+                   if fits_alone(p, c)]
+        assert group.step_ns < float("inf") or not fitting
+        for c in fitting:
+            assert c.step_ns >= group.step_ns and all(map(int.__ge__, c.path_ns, group.path_ns))
+    full = build_candidates(p, placement)
+    costed_later = sum(len(g.strategies) for g in deferred.deferred_cp)
+    assert deferred.num_costed < full.num_costed <= deferred.num_costed + costed_later

@@ -165,7 +165,7 @@ def test_help_documents_the_defaults(capsys):
     (["--model", "qwen-vl-23b", "--gpus", "8"], "unknown model 'qwen-vl-23b'; did you mean"),
     (["--model", "qwen-vl-32b", "--gpus", "0"], "--gpus must be between 1 and 65,536"),
     (["--model", "qwen-vl-32b", "--gpus", "-4"], "--gpus must be between 1 and 65,536"),
-    (["--model", "qwen-vl-32b", "--gpus", "7", "--placement", "colocated", "--global-batch", "64"],
+    (["--model", "qwen-vl-32b", "--gpus", "7", "--placement", "colocated", "--global-batch", "64", "--no-cp"],
      "usable GPU counts nearby"),
     (["--model", "qwen-vl-32b", "--gpus", "8", "--gpu", "h300"], "unknown device 'h300'"),
     (["--model", "qwen-vl-32b", "--gpus", "8", "--fix", "llm.tp=8", "--fix", "llm.tp=2"], "contradictory --fix"),
@@ -302,14 +302,14 @@ def test_flags_fill_the_sections():
         "NONE", "--image-size", "448x224", "--images-per-sample", "2", "--video", "16x64x32", "--video-seconds", "8",
         "--fps", "1", "--text-tokens", "40", "--global-batch", "8", "--precision", "bf16_pure", "--frozen", "vision",
         "--dataset", "d.jsonl", "--tokenizer", "t", "--min-pixels", "10", "--max-pixels", "20", "--pack-tokens", "64",
-        "--allow-cp", "--no-pp", "--workers", "3", "--attention", "sdpa"])
+        "--no-cp", "--no-pp", "--workers", "3", "--attention", "sdpa"])
     cluster, sections = arguments.problem_inputs(args)
     assert cluster == ClusterInputs(gpus=4, gpu="cpu", gpus_per_node=2, cluster_file="c.yaml", profile=None)
     assert sections == dict(
         workload=WorkloadInputs(image_sizes=[(224, 448)], images_per_sample=2, videos=((16, 64, 32), (8, 720, 1280)),
                                 text_tokens=40, global_batch=8, precision="bf16_pure", frozen=["vision"]),
         dataset=DatasetInputs(source="d.jsonl", tokenizer="t", min_pixels=10, max_pixels=20, pack_tokens=64, fps=1.0),
-        search=SearchOptions(allow_ring_cp=True, allow_pp=False, workers=3, attention="sdpa"))
+        search=SearchOptions(allow_ring_cp=False, allow_pp=False, workers=3, attention="sdpa"))
     defaults, sections = arguments.problem_inputs(arguments.build_parser().parse_args(["--gpus", "4", "--workers", "1"]))
     assert (defaults, sections) == (ClusterInputs(gpus=4), dict(workload=WorkloadInputs(frozen=[]), dataset=None,
                                                                  search=SearchOptions()))

@@ -68,7 +68,7 @@ def test_pipelined_strategies_that_cannot_fit_are_skipped_and_the_plan_is_the_sa
     skipping = top_plans(p, k=1)
     skipped_costed = sum(costed)
     costed.clear()
-    monkeypatch.setattr(candidates, "_may_fit_alone", lambda problem, s: True)
+    monkeypatch.setattr(candidates, "_may_fit_alone", lambda problem, s, module="llm": True)
     full = top_plans(p, k=1)
     assert skipping == full and "with_pp" in skipping[0].baselines
     assert skipped_costed < sum(costed)

@@ -9,7 +9,8 @@ import math
 from dataclasses import replace
 from typing import Mapping
 
-from planner.search.candidates import Candidates, Fixes, build_candidates, extend_pipelined, feasible, least_colocated_need
+from planner.search.candidates import (Candidates, Fixes, build_candidates, extend_context_parallel, extend_pipelined,
+                                       feasible, least_colocated_need)
 from planner.search.enumeration import divisors, module_strategies, sp_degrees
 from planner.contract.models import ModelSpec
 from planner.contract.rules import CONTEXT_PARALLEL_MODULES
@@ -32,9 +33,10 @@ class Infeasible(ValueError):
 
 
 def candidates_or_error(problem: Problem, placements: list[Placement], fixes: Fixes,
-                        pipeline_limit_s: float = math.inf) -> dict[str, Candidates]:
+                        pipeline_limit_s: float = math.inf, defer_cp: bool = False) -> dict[str, Candidates]:
     """Candidates of each placement (``build_candidates``); a module no fix allows is a one-line error."""
-    result = {p: build_candidates(problem, p, fixes, pipeline_limit_s=pipeline_limit_s) for p in placements}
+    result = {p: build_candidates(problem, p, fixes, pipeline_limit_s=pipeline_limit_s, defer_cp=defer_cp)
+              for p in placements}
     for cands in result.values():
         for module, reason in cands.invalid.items():
             if all(module in c.invalid for c in result.values()):
@@ -62,9 +64,7 @@ def layout_gpu_counts(problem: Problem, low: int, high: int) -> list[int]:
     """GPU counts in [low, high] that every module could use by arithmetic alone, ascending: a superset of the
     counts ``_usable`` accepts, found from the degrees rather than by trying every count. A module that may use
     context parallelism (the LLM or the vision tower, with ``allow_ring_cp``) can use any multiple of its
-    dp * tp * sp; the audio encoder only dp * tp * sp itself. A model whose every module may use CP can use nearly any
-    count: then the nearest
-    multiples of each dp * tp * sp on either side of the range stand in for it."""
+    dp * tp * sp; the audio encoder only dp * tp * sp itself."""
     finite, multiples = [], []
     for module in problem.model.module_names:
         counts = _layout_counts(problem, module)
@@ -73,8 +73,7 @@ def layout_gpu_counts(problem: Problem, low: int, high: int) -> list[int]:
     if finite:
         found = {k for k in set.intersection(*finite) if low <= k <= high}
     else:
-        bases = set.union(*multiples)
-        found = {k for b in bases for k in (b * (low // b), b * -(-high // b)) if low <= k <= high}
+        found = {k for b in set.union(*multiples) for k in range(-(-low // b) * b, high + 1, b)}
     return sorted(k for k in found if all(any(k % b == 0 for b in counts) for counts in multiples))
 
 
@@ -178,15 +177,16 @@ def variant(problem: Problem, *, num_gpus: int | None = None, workload: Workload
 
 
 def _fits(problem: Problem, placements: list[str], fixes: Fixes) -> bool:
-    """Whether some plan of one of ``placements`` fits (no solve: ``candidates.feasible``). Where the LLM may or
-    may not be pipelined, its pipelined strategies are costed only when no plan without them fits (they can only
-    add plans)."""
+    """Whether some plan of one of ``placements`` fits (no solve: ``candidates.feasible``). Context-parallel
+    strategies are costed only when no plan without them fits, and then pipelined LLM strategies only when none
+    fits without those (each can only add plans)."""
     for p in placements:
         try:
-            cands = build_candidates(problem, p, fixes, pipeline_limit_s=-math.inf)
+            cands = build_candidates(problem, p, fixes, pipeline_limit_s=-math.inf, defer_cp=True)
         except NotImplementedError:
             continue
-        if feasible(problem, cands) or (extend_pipelined(problem, cands, math.inf) and feasible(problem, cands)):
+        if feasible(problem, cands) or any(extend(problem, cands, math.inf) and feasible(problem, cands)
+                                           for extend in (extend_context_parallel, extend_pipelined)):
             return True
     return False
 
