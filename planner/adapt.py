@@ -30,7 +30,9 @@ Every factor lies in its ``ADAPTED_ASSUMPTIONS`` range; one that ends on a bound
 its module's predicted passes differ from the measured ones (``residuals``); so is ``step_overhead_s`` when the
 measured spans add up to more than the measured step (one overlapping another). The fit is saved as a profile
 (``--profile-out``: the collectives and a ``Calibration``; ``plan --profile FITTED`` reads it) on top of the plan's own
-profile, if it had one. One JSON line answers; bad input is one line and exit status 2.
+profile, if it had one: the factors of that profile's calibration this fit does not set stay (a memory-only fit keeps
+an earlier time fit; a time fit, an earlier memory fit). One JSON line answers; bad input is one line and exit
+status 2.
 """
 
 from __future__ import annotations
@@ -300,7 +302,8 @@ def adapt(request: AdaptRequest, request_name: str, out: str, profile_out: str) 
     predictor = _Predictor(replan_problem(plan, gpus, profile_out), strategy_of(plan))  # the fit needs no capacity
     device_memory = None if memory is None else device_memory_bytes(memory, predictor.problem.assumptions)
     measured_s = request.measured.get("step_time_s")
-    values = fit(predictor, request.measured) if measured_s else {}
+    earlier = {} if profile.calibration is None else profile.calibration.values  # the predictor's problem has them
+    values = {**earlier, **(fit(predictor, request.measured) if measured_s else {})}
     memory_report = {} if memory is None else fit_memory(predictor, values, plan, memory)
     at_bound = [n for n, v in values.items() if n in ADAPTED_ASSUMPTIONS
                 and v in (ADAPTED_ASSUMPTIONS[n].low, ADAPTED_ASSUMPTIONS[n].high)

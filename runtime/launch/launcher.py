@@ -431,9 +431,9 @@ def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: i
     when a worker is lost (at most ``checkpoints.max_failures`` times); the job, still up. Elastic
     (``checkpoints.elastic_wait_s``): a restart runs on the devices left (``_plan_for_the_cluster``), and at a
     checkpoint the run moves back up when devices came back (``_SwitchPlan``); adaptive (``adapter``): at a
-    checkpoint the run moves to the plan its measurements prefer, or back (``_SwitchPlan``), and a step that ran out
-    of memory re-plans on the memory measured and resumes from the newest checkpoint (without ``adapter``: one line,
-    ``_plan_after_out_of_memory``)."""
+    checkpoint the run moves to the plan its measurements prefer, or back, or to one that fits the memory it
+    measured (``_SwitchPlan``), and a step that ran out of memory re-plans on the memory measured and resumes from
+    the newest checkpoint (without ``adapter``: one line, ``_plan_after_out_of_memory``)."""
     failures, failed_at, saved_at, first_plan, kept, out_of_memory = 0, None, {}, plan, None, False
     while True:
         if failed_at is not None and checkpoints.elastic_wait_s is not None:
@@ -500,7 +500,7 @@ def _plan_after_out_of_memory(job: Job, error: StepOutOfMemory, adapter: Adapter
 
 class _SwitchPlan(Exception):
     """Raised after the checkpoint of ``step`` to go on from it under ``plan`` (elastic: devices came back;
-    adaptive: a plan measured or predicted faster)."""
+    adaptive: a plan measured or predicted faster, or one that fits the memory measured)."""
 
     def __init__(self, plan: Plan, step: int) -> None:
         super().__init__(f"switch to a plan on {num_devices(plan)} devices after step {step}")

@@ -1,7 +1,7 @@
 """The adaptive run's planner half (``python -m planner.adapt``): the fit recovers per-module compute factors, the
 optimizer's and the step's overhead from measurements the cost model itself made under known values; the run's own
-collectives enter the prediction; a factor that cannot explain its module ends on its bound and says so; bad input is
-one line."""
+collectives enter the prediction; a factor that cannot explain its module ends on its bound and says so; a memory
+re-plan keeps an earlier time fit; bad input is one line."""
 
 from __future__ import annotations
 
@@ -154,3 +154,17 @@ def test_memory_under_the_model_keeps_its_estimate_and_a_plan_that_fits_stays(tm
     answer = _adapt(tmp_path, _memory_request(tmp_path, predicted // 2, 4 * predicted))
     assert answer["fitted"] == {} and answer["memory"]["current_fits"]
     assert answer["memory"]["groups"]["all"]["fitted"] == predicted
+
+
+def test_a_memory_re_plan_of_a_fitted_plan_keeps_its_time_fit(tmp_path):
+    """A plan made under a time fit, re-planned on its measured memory alone (no step measured): the fitted profile
+    it writes keeps the time factors, so the running plan is still priced as the run measured it."""
+    path, _ = _request(tmp_path)
+    timed = _adapt(tmp_path, path)
+    request = {"plan": timed["new_plan"], "dtype": "float32", "measured": {},
+               "memory": {"peak_tensor_bytes": {"0": 1}, "capacity_bytes": 1 << 40, "tensor_cap": True}}
+    (tmp_path / "memory.json").write_text(json.dumps(request))
+    answer = adapt.adapt(adapt.load_request(str(tmp_path / "memory.json")), "memory.json",
+                         str(tmp_path / "memory-new.json"), str(tmp_path / "memory-fitted.json"))
+    assert answer["fitted"] == timed["fitted"] == load_profile(answer["profile"]).calibration.values
+    assert answer["current_fitted_s"] == pytest.approx(timed["new_fitted_s"], rel=1e-9)

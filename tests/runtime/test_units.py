@@ -614,9 +614,148 @@ def test_the_chunked_loss_is_the_whole_loss_and_saves_no_logits():
 def test_an_adaptive_run_switches_only_for_a_gain_that_pays_for_the_switch(kwargs, switch, said):
     from runtime.launch.adapt import decide
 
-    args = dict(same_layout=False, steps_left=100, switch_cost_s=0.0, min_gain=0.05) | kwargs
+    args = dict(same_layout=False, steps_left=100, switch_cost_s=0.0, min_gain=0.05, basis="predicted") | kwargs
     decided, why = decide(**args)
     assert decided is switch and said in why
+
+
+class _AdaptiveRun:
+    """An adaptive run's decisions without Ray or the planner: a fake job per plan, a step record per step (its
+    seconds, and with ``peaks`` each rank's tensors, by the plan's layout and the step), a checkpoint after each, a
+    switch resumed from it (as ``launcher._train_recovering`` does). The planner (``Adapter._replan``) answers from
+    ``prefers``: running layout -> (the plan it re-plans to, the running plan's step and the new one's under the fit);
+    with memory measured, the running plan fits it up to ``fits_bytes``, and when it does not the planner re-plans to
+    ``outgrown``. ``calls``: (kind, step) of each planner call."""
+
+    def __init__(self, tmp_path, monkeypatch, *, prefers, seconds, peaks=None, fits_bytes=None, outgrown=None):
+        from runtime.launch.adapt import Adapter, AdaptOptions
+        from runtime.observability.metrics import MetricsLog
+
+        self.tmp_path, self.prefers, self.seconds, self.calls = tmp_path, prefers, seconds, []
+        self.peaks, self.fits_bytes, self.outgrown = peaks or {}, fits_bytes, outgrown
+        self.log = MetricsLog(_TP2, steps=1, path=None)
+        self.adapter = Adapter(AdaptOptions(warmup_steps=2, switch_cost_s=0.0), steps=20, folder=str(tmp_path),
+                               log=self.log, memory_cap_bytes=None if peaks is None else 1 << 40)
+        monkeypatch.setattr(self.adapter, "_replan", self._replan)
+
+    def _replan(self, job, step, measured, memory, prefix="adapt"):
+        from planner.contract.strategy import layout_of
+
+        self.calls.append((prefix, step))
+        current = layout_of(job.plan)
+        new, current_s, new_s = self.prefers[current]
+        fits = memory is None or max(memory["peak_tensor_bytes"].values()) <= self.fits_bytes
+        new = new if fits else self.outgrown
+        path = self.tmp_path / f"{prefix}-{step}.json"
+        path.write_text(new.to_json())
+        answer = dict(current_layout=current, new_layout=layout_of(new), same_layout=layout_of(new) == current,
+                      current_fitted_s=current_s, new_fitted_s=new_s, planned_step_s=0.1, fitted={}, at_bound=[],
+                      residuals={}, new_plan=str(path), profile="fitted")
+        if memory is not None:
+            peak = max(memory["peak_tensor_bytes"].values())
+            answer["memory"] = dict(groups={"all": dict(measured=peak, predicted=peak)}, current_fits=fits,
+                                    usable_tensor_bytes=self.fits_bytes, new_tensor_bytes=peak // 2)
+        return answer
+
+    def run(self, first, steps=20):
+        """Train ``first`` for ``steps`` steps; the adapt events' (decision, step)."""
+        from types import SimpleNamespace
+
+        from planner.contract.strategy import layout_of
+
+        plan, step = first, 0
+        while step < steps:
+            job = SimpleNamespace(plan=plan, steps_done=step, setup_s=0.0)
+            self.adapter.job_started(job)
+            while step < steps:
+                record = {"step": step, "step_time_s": self.seconds[layout_of(plan)]}
+                if layout_of(plan) in self.peaks:
+                    peak = self.peaks[layout_of(plan)](step)
+                    record["peak_tensor_bytes"] = [peak, peak - 1]
+                self.log.records.append(record)
+                step += 1
+                new = self.adapter.at_checkpoint(job, {"step": step, "seconds": 0.0})
+                if new is not None:
+                    plan = new
+                    self.log.rewind(step)
+                    break
+        self.log.close()
+        return [(e["decision"], e["step"]) for e in self.log.events]
+
+
+_TP2 = make_plan(dict(tp=2), dict(tp=2))
+_DP2 = make_plan(dict(dp=2), dict(dp=2))
+_DISJOINT = make_plan(dict(dp=1), dict(dp=1), placement="disjoint")
+
+
+def _layouts(*plans):
+    from planner.contract.strategy import layout_of
+
+    return [layout_of(p) for p in plans]
+
+
+def test_an_adaptive_run_goes_on_adapting_from_a_switch_that_paid(tmp_path, monkeypatch):
+    """TP2 -> DP2 measured faster (kept) -> the DP2 plan fitted on the same steps prefers the disjoint plan
+    (switched, measured faster again, kept) -> its fit prefers it: adapting stops; each decision one event."""
+    tp2, dp2, disjoint = _layouts(_TP2, _DP2, _DISJOINT)
+    run = _AdaptiveRun(tmp_path, monkeypatch, seconds={tp2: 1.0, dp2: 0.5, disjoint: 0.25},
+                       prefers={tp2: (_DP2, 1.0, 0.6), dp2: (_DISJOINT, 0.5, 0.3), disjoint: (_DISJOINT, 0.25, 0.25)})
+    assert run.run(_TP2) == [("switch", 3), ("kept", 6), ("switch", 6), ("kept", 9), ("keep", 9)]
+    assert run.calls == [("adapt", 3), ("adapt", 6), ("adapt", 9)] and run.log.plan.placement == "disjoint"
+    assert run.adapter.tried == {tp2: 1.0, dp2: 0.5, disjoint: 0.25}
+
+
+def test_an_adaptive_run_stops_adapting_after_a_switch_that_did_not_pay(tmp_path, monkeypatch):
+    """The DP2 plan the fit predicts faster measures slower than TP2 did: the run switches back and the planner is
+    not asked again."""
+    tp2, dp2 = _layouts(_TP2, _DP2)
+    run = _AdaptiveRun(tmp_path, monkeypatch, prefers={tp2: (_DP2, 1.0, 0.5), dp2: (_DP2, 2.0, 2.0)},
+                       seconds={tp2: 1.0, dp2: 2.0})
+    assert run.run(_TP2) == [("switch", 3), ("switch back", 6)]
+    assert run.calls == [("adapt", 3)] and run.log.plan is _TP2
+
+
+def test_an_adaptive_run_judges_a_layout_it_ran_by_its_measurement_not_its_prediction(tmp_path, monkeypatch):
+    """TP2 (1 s) -> DP2 (0.9 s, kept); DP2's fit predicts TP2 at 0.3 s, but the run measured it at 1 s: no switch
+    back to it."""
+    tp2, dp2 = _layouts(_TP2, _DP2)
+    run = _AdaptiveRun(tmp_path, monkeypatch, prefers={tp2: (_DP2, 1.0, 0.5), dp2: (_TP2, 0.9, 0.3)},
+                       seconds={tp2: 1.0, dp2: 0.9})
+    assert run.run(_TP2) == [("switch", 3), ("kept", 6), ("keep", 6)]
+    assert run.log.events[-1]["why"] == (f"this run measured {tp2} at 1 s per step: measured gain -11.1% per step is "
+                                         "below the 5% threshold")
+
+
+def test_an_adaptive_run_never_goes_back_to_a_plan_that_outgrew_its_memory(tmp_path, monkeypatch):
+    """TP2's ranks measure its predicted tensors, more than the devices hold: the fit switches to DP2 whatever the
+    gain; DP2 measures slower, but the run does not switch back; DP2's fit predicts TP2 faster: kept."""
+    from runtime.launch.adapt import planned_tensor_bytes
+
+    tp2, dp2 = _layouts(_TP2, _DP2)
+    planned = planned_tensor_bytes(_TP2)
+    run = _AdaptiveRun(tmp_path, monkeypatch, prefers={tp2: (_TP2, 1.0, 1.0), dp2: (_TP2, 2.0, 0.5)},
+                       seconds={tp2: 1.0, dp2: 2.0}, fits_bytes=planned // 2, outgrown=_DP2,
+                       peaks={tp2: lambda step: planned, dp2: lambda step: planned // 4})
+    assert run.run(_TP2) == [("switch", 3), ("keep", 6)]
+    assert run.log.events[-1]["why"] == f"the fitted model prefers {tp2}, which this run left for its memory"
+
+
+def test_an_adaptive_run_re_plans_when_memory_grows_after_adapting_stopped_and_asks_only_then(tmp_path,
+                                                                                             monkeypatch):
+    """TP2's ranks measure twice its predicted tensors: the first checkpoint asks the planner, which finds that they
+    fit, and so does the fit after the warm-up (adapting stops: the planner prefers TP2); while they hold that, no
+    checkpoint asks the planner; after step 8 they grow past what fits, and the checkpoint after it re-plans on the
+    memory (one of ``MAX_MEMORY_REPLANS``) and resumes under DP2, whose tensors stay under its prediction."""
+    from runtime.launch.adapt import planned_tensor_bytes
+
+    tp2, dp2 = _layouts(_TP2, _DP2)
+    planned = planned_tensor_bytes(_TP2)
+    run = _AdaptiveRun(tmp_path, monkeypatch, prefers={tp2: (_TP2, 1.0, 1.0), dp2: (_DP2, 1.0, 1.0)},
+                       seconds={tp2: 1.0, dp2: 1.0}, fits_bytes=5 * planned // 2, outgrown=_DP2,
+                       peaks={tp2: lambda step: (2 if step < 8 else 3) * planned, dp2: lambda step: planned // 2})
+    assert run.run(_TP2) == [("keep", 1), ("keep", 3), ("memory re-plan", 9)]
+    assert run.calls == [("memory", 1), ("adapt", 3), ("memory", 9)] and run.log.plan is not _TP2
+    assert run.adapter.memory_replans == 1 and run.adapter.tried[tp2] is None
 
 
 def test_an_adaptive_run_fits_medians_of_the_timers_it_ran_and_times_collectives_its_devices_can_form():
