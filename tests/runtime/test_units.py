@@ -622,7 +622,7 @@ def test_an_adaptive_run_switches_only_for_a_gain_that_pays_for_the_switch(kwarg
 class _AdaptiveRun:
     """An adaptive run's decisions without Ray or the planner: a fake job per plan, a step record per step (its
     seconds, and with ``peaks`` each rank's tensors, by the plan's layout and the step), a checkpoint after each, a
-    switch resumed from it (as ``launcher._train_recovering`` does). The planner (``Adapter._replan``) answers from
+    switch resumed from it (as the launcher's ``_train_recovering`` does). The planner (``Adapter._replan``) answers from
     ``prefers``: running layout -> (the plan it re-plans to, the running plan's step and the new one's under the fit);
     with memory measured, the running plan fits it up to ``fits_bytes``, and when it does not the planner re-plans to
     ``outgrown``. ``calls``: (kind, step) of each planner call."""
