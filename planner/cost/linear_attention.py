@@ -155,9 +155,9 @@ def fla_chunk_rule_transient_bytes_per_token(w: LinearWidths, chunk: float, acti
     """Bytes per token fla's chunk kernel allocates beside what it saves, at the most of one pass (fla-core 0.6.0,
     ``fla/ops/gated_delta_rule/chunk.py``), every tensor in k's dtype but the decay gradients (fp32):
 
-    * forward (``chunk_gated_delta_rule_fwd``, at ``chunk_fwd_o``): the WY factors ``w`` (``Hv dk``) and ``u``
-      (``Hv dv``), every chunk's state ``h`` (``dk dv / C`` per value head and token) and the corrected values
-      ``v_new`` (``Hv dv``);
+    * forward (``chunk_gated_delta_rule_fwd``, at ``chunk_fwd_o``): ``input_guard``'s contiguous copies of q and
+      k, held for the call (``2 Hk dk``), the WY factors ``w`` (``Hv dk``) and ``u`` (``Hv dv``), every chunk's
+      state ``h`` (``dk dv / C`` per value head and token) and the corrected values ``v_new`` (``Hv dv``);
     * backward (``chunk_gated_delta_rule_bwd``, at ``prepare_wy_repr_bwd``): ``w``, ``u``, ``h`` and ``v_new``
       recomputed, the states' gradients ``dh`` (as ``h``), ``du``, ``dw``, ``dq`` and ``dk`` (at the key heads),
       and ``prepare_wy_repr_bwd``'s ``dk`` (value heads), ``dv``, ``db`` and fp32 ``dg`` beside the first fp32
@@ -165,7 +165,7 @@ def fla_chunk_rule_transient_bytes_per_token(w: LinearWidths, chunk: float, acti
     value_heads, dk, dv = w.value_heads, w.key_head_dim, w.value_head_dim
     states = dk * dv / chunk
     if not backward:
-        return value_heads * (dk + 2 * dv + states) * activation_bytes
+        return (value_heads * (dk + 2 * dv + states) + 2 * w.projected_key_width) * activation_bytes
     per_head = 3 * dk + 4 * dv + 2 * states + 1
     return ((value_heads * per_head + 2 * w.projected_key_width) * activation_bytes
             + 2 * value_heads * FP32_BYTES)

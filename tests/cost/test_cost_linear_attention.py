@@ -90,15 +90,17 @@ def test_torch_fallbacks_saved_tensors_by_hand():
 
 
 def test_fla_kernels_transients_by_hand():
-    """fla's forward holds w (dk), u and v_new (2 dv) and every chunk's state (dk dv / C) per value head; its backward
+    """fla's forward holds w (dk), u and v_new (2 dv) and every chunk's state (dk dv / C) per value head, and the
+    contiguous copies of q and k at the 16 key heads; its backward
     w, u, v_new, du, dw, both dk and dv (3 dk + 4 dv), h and dh, db, dq and dk at the 16 key heads and two fp32 dg;
     the layer's backward buffers are the larger of the kernel's and the MLP's gradients (2.2 x 17408 a token)."""
     w = linear_widths(LINEAR, 1)
-    assert fla_chunk_rule_transient_bytes_per_token(w, 64, E, backward=False) == 48 * (128 + 2 * 128 + 256) * E
+    forward = (48 * (128 + 2 * 128 + 256) + 2 * 2048) * E
+    assert fla_chunk_rule_transient_bytes_per_token(w, 64, E, backward=False) == forward
     backward = fla_chunk_rule_transient_bytes_per_token(w, 64, E, backward=True)
     assert backward == 48 * (3 * 128 + 4 * 128 + 2 * 256 + 1) * E + 2 * 2048 * E + 2 * 48 * 4
     terms = layer_terms(LINEAR, shard(seq=4096))
-    assert terms.buffer_bytes == 4096 * 48 * (128 + 2 * 128 + 256) * E
+    assert terms.buffer_bytes == 4096 * forward
     assert terms.backward_buffer_bytes == pytest.approx(4096 * max(backward, 2.2 * 17408 * E))
 
 
