@@ -211,10 +211,11 @@ sets, each priced from its source (observed 1.014x)."""
 
 @pytest.mark.slow
 def test_an_fla_plans_dry_run_keeps_flas_saved_set_and_a_torch_plans_the_fallbacks():
-    """The tiny Qwen3.5 on 2 H100s without recomputation, a 224 x 224 image and 1,024 text tokens: planned on fla's kernel, the dry-run
-    runs its emulation (runtime.dry_run.emulation: fla's Triton kernels cannot run on fake tensors); planned on
-    torch, transformers' fallback. Each plan's LLM activations are its prediction's within 10 %, and what the torch
-    fallback keeps beyond fla's (its fp32 intermediates against fla's saved set) the planner's within 3 %."""
+    """The tiny Qwen3.5 on 2 H100s without recomputation, a 224 x 224 image and 1,024 text tokens: planned on fla's
+    kernel, the dry-run runs its emulation (runtime.dry_run.emulation: fla's Triton kernels cannot run on fake
+    tensors); planned on torch, transformers' fallback. Each plan's LLM activations are its prediction's within
+    10 %, and what the torch fallback keeps beyond fla's (its fp32 intermediates against fla's saved set) the
+    planner's within 3 %."""
     fix = {f"{m}.{f}": v for m in ("vision", "llm") for f, v in
            (("dp", 2), ("zero", 1), ("recompute", "none"), ("micro_batch", 1))}
     measured, predicted = {}, {}
