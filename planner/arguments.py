@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from planner import api
 from planner.contract.hardware import PLAUSIBLE_RANGES
-from planner.contract.schema import ATTENTION_CALLS
+from planner.contract.schema import ATTENTION_CALLS, LINEAR_ATTENTION_KERNELS
 from planner.inputs import DEFAULT_GPU, ClusterInputs, DatasetInputs, SearchOptions, WorkloadInputs
 
 DESCRIPTION = """\
@@ -168,6 +168,10 @@ SEARCH_FLAGS = (
     _flag("--attention", choices=ATTENTION_CALLS, help="how the runtime calls attention over windows, images and "
           "packed samples: varlen (one variable-length flash call per layer; CUDA) or sdpa (one SDPA call per "
           "segment); default: varlen on GPUs, sdpa on a CPU"),
+    _flag("--linear-attention", choices=LINEAR_ATTENTION_KERNELS, help="which kernel runs linear-attention "
+          "(Gated DeltaNet) layers: fla (flash-linear-attention's, one call per layer over packed samples; CUDA, "
+          "pip install dhplan[gpu]) or torch (transformers' fallback per packed sample); default: fla on GPUs, "
+          "torch on a CPU"),
     _flag("--max-seq", action="store_true", help="find the longest image sequence (vision tokens per sample) any "
           "plan fits (one plan: not with --top-k)"),
     _flag("--time-limit", type=float, default=None, metavar="S",

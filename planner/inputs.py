@@ -99,3 +99,7 @@ class SearchOptions:
     attention: str | None = None
     """How the runtime calls attention (``varlen`` or ``sdpa``, ``planner.contract.schema.AttentionCalls``);
     default: what it runs on the hardware (``planner.problem.attention_calls_for``)."""
+    linear_attention: str | None = None
+    """Which kernel runs linear-attention layers (``fla`` or ``torch``,
+    ``planner.contract.schema.LinearAttentionKernel``); default: what runs on the hardware
+    (``planner.problem.linear_attention_kernel_for``)."""

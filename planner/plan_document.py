@@ -55,6 +55,8 @@ def _module_plan(problem: Problem, strategy: Strategy, name: str, prediction: Mo
         # a ring-CP module runs the ring's SDPA kernels (runtime.parallel.ring), whatever the others call
         attention="sdpa" if s.cp > 1 else problem.assumptions.attention_calls,
         loss_chunk_tokens=loss_chunk_tokens(s.pp, problem.assumptions) if has_loss else 0,
+        linear_attention=(problem.assumptions.linear_attention_kernel
+                          if any(layer.linear_attention is not None for layer in spec.layers) else None),
         zero=s.zero, recompute=s.recompute, micro_batch=s.micro_batch, grad_accum=s.grad_accum, frozen=spec.frozen,
         num_params=spec.num_params, predicted=prediction,
     )

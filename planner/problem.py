@@ -26,7 +26,13 @@ from planner.dataset import (
 )
 from planner.contract.hardware import PLAUSIBLE_RANGES, Cluster, DeviceSpec, get_device, load_cluster_file, make_cluster
 from planner.contract.models import ModelSpec
-from planner.contract.schema import ATTENTION_CALLS, AttentionCalls, DatasetInfo
+from planner.contract.schema import (
+    ATTENTION_CALLS,
+    LINEAR_ATTENTION_KERNELS,
+    AttentionCalls,
+    DatasetInfo,
+    LinearAttentionKernel,
+)
 from planner.contract.strategy import PRECISIONS, Precision
 from planner.contract.workload import DEFAULT_FPS, Workload, module_tokens
 from planner.inputs import ClusterInputs, DatasetInputs, SearchOptions, WorkloadInputs
@@ -321,8 +327,13 @@ def make_problem(
     _check_sample(sample_workload, spec)
     if search.attention is not None and search.attention not in ATTENTION_CALLS:
         raise ValueError(f"--attention must be one of {', '.join(ATTENTION_CALLS)}, got {search.attention!r}")
+    if search.linear_attention is not None and search.linear_attention not in LINEAR_ATTENTION_KERNELS:
+        raise ValueError(f"--linear-attention must be one of {', '.join(LINEAR_ATTENTION_KERNELS)}, got "
+                         f"{search.linear_attention!r}")
     made_cluster, layer_costs, assumptions = _profile_source(spec, made_cluster, cluster.profile, assumptions)
-    assumptions = replace(assumptions, attention_calls=search.attention or attention_calls_for(made_cluster.device))
+    assumptions = replace(
+        assumptions, attention_calls=search.attention or attention_calls_for(made_cluster.device),
+        linear_attention_kernel=search.linear_attention or linear_attention_kernel_for(made_cluster.device))
     return Problem(model=spec, cluster=made_cluster, workload=sample_workload, precision=workload.precision,
                    assumptions=assumptions, layer_costs=layer_costs, allow_ring_cp=search.allow_ring_cp,
                    allow_pp=search.allow_pp, dataset=dataset_info, workers=search.workers)
@@ -342,6 +353,12 @@ def attention_calls_for(device: DeviceSpec) -> AttentionCalls:
     """The attention calls the runtime makes on ``device``: one variable-length flash call per layer on a GPU
     (torch's ``varlen_attn``), one SDPA call per segment on a CPU (no variable-length kernel there)."""
     return "sdpa" if device.name.lower() == "cpu" else "varlen"
+
+
+def linear_attention_kernel_for(device: DeviceSpec) -> LinearAttentionKernel:
+    """The kernel linear-attention layers run on ``device``: flash-linear-attention's on a GPU (its Triton kernels
+    need one), transformers' torch fallback on a CPU."""
+    return "torch" if device.name.lower() == "cpu" else "fla"
 
 
 def model_folder_tokenizer(model: str | ModelSpec) -> str | None:

@@ -28,7 +28,8 @@ def replan_problem(plan: Plan, gpus: int, profile: str | None = None, device_mem
                    ) -> Problem:
     """The problem ``plan`` was made for, on ``gpus`` devices of its recorded type (the device's numbers as the plan
     records them, its memory ``device_memory_bytes`` when given; ``profile``, else its own profile when it named
-    one). A dataset plan's dataset is read again as it was read (``dataset_inputs``)."""
+    one), its linear-attention layers on the kernel it recorded. A dataset plan's dataset is read again as it was
+    read (``dataset_inputs``)."""
     spec = model_from_hf_config(plan.model.hf_config, plan.model.name)
     w = plan.workload
     training = dict(precision=plan.training.precision, frozen=[m.name for m in plan.modules if m.frozen])
@@ -40,9 +41,10 @@ def replan_problem(plan: Plan, gpus: int, profile: str | None = None, device_mem
             image_sizes=[tuple(s) for s in w.image_sizes] or None, vision_tokens=w.vision_tokens,
             videos=[tuple(v) for v in w.videos], text_tokens=w.text_tokens, audio_seconds=w.audio_seconds or None,
             global_batch=w.global_batch, **training), None
+    search = api.SearchOptions(linear_attention=plan.module("llm").linear_attention)
     cluster = api.ClusterInputs(gpus=gpus, gpu=plan.cluster.device.name, gpus_per_node=plan.cluster.devices_per_node,
                                 profile=profile or plan.predicted.profile)
-    problem = api.make_problem(spec, cluster, workload=workload, dataset=dataset)
+    problem = api.make_problem(spec, cluster, workload=workload, dataset=dataset, search=search)
     device = plan.cluster.device
     if device_memory_bytes is not None:
         device = replace(device, memory_bytes=device_memory_bytes)

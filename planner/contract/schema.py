@@ -16,20 +16,27 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from planner.contract.hardware import PLAUSIBLE_RANGES, DeviceSpec, check_plausible, with_host_fields
 from planner.contract.versioned_json import read_versioned, validated
 
-SCHEMA_VERSION = 8
-READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+SCHEMA_VERSION = 9
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 """Version 2 added ``workload.dataset``, version 3 pipeline parallelism (``pp``, ``pp_schedule``,
 ``virtual_stages``, ``pp_layers``), version 4 video clips (``workload.videos``), version 5 the fps a dataset's video
 files are sampled at (``workload.dataset.fps``), version 6 expert parallelism (a module's ``ep``), version 7 the
 attention kernel and the chunked loss a module was priced with (``attention``, ``loss_chunk_tokens``), version 8 how
-a dataset plan's dataset was read (``workload.dataset.read_from``, ``tokenizer``, ``data_root_only``); an older plan
-reads as one without them (per-segment SDPA, the whole logits at once, a dataset a re-plan cannot read again)."""
+a dataset plan's dataset was read (``workload.dataset.read_from``, ``tokenizer``, ``data_root_only``), version 9 the
+kernel a module's linear-attention layers were priced with (``linear_attention``); an older plan reads as one without
+them (per-segment SDPA, the whole logits at once, a dataset a re-plan cannot read again, linear attention on
+transformers' torch fallback)."""
 Source = Literal["analytical", "measured", "calibrated"]
 AttentionCalls = Literal["varlen", "sdpa"]
 """How a module calls attention over segmented sequences (windows, images, packed samples): ``varlen`` one
 variable-length flash call per layer over all segments (torch's ``varlen_attn`` / flash-attn's varlen API, CUDA),
 ``sdpa`` one SDPA call per segment (transformers' loop; the CPU path)."""
 ATTENTION_CALLS: tuple[AttentionCalls, ...] = ("varlen", "sdpa")
+LinearAttentionKernel = Literal["fla", "torch"]
+"""How a module's Gated DeltaNet (linear-attention) layers run: ``fla`` flash-linear-attention's chunked delta rule
+and causal conv, one call each per layer over the packed row's ``cu_seqlens`` (the fla-core package, CUDA),
+``torch`` transformers' torch fallbacks once per packed segment (the CPU path)."""
+LINEAR_ATTENTION_KERNELS: tuple[LinearAttentionKernel, ...] = ("fla", "torch")
 
 
 class _Frozen(BaseModel):
@@ -146,6 +153,10 @@ class ModulePlan(_Frozen):
     loss_chunk_tokens: int = Field(default=0, ge=0, description="the module with lm_head: tokens per chunk of its "
                                    "lm_head + cross-entropy, each chunk's logits recomputed in backward; 0: the "
                                    "whole slice's logits at once (a pipelined LLM, and every plan before version 7)")
+    linear_attention: LinearAttentionKernel | None = Field(
+        default=None, description="the kernel the module's linear-attention layers were priced with and run: fla "
+        "(flash-linear-attention's, one call per layer over the packed row; CUDA) or torch (transformers' fallbacks "
+        "per packed segment); None: the module has none, or a plan before schema version 9 (which ran torch)")
     zero: int = Field(ge=0, le=3)
     recompute: Literal["none", "selective", "full"]
     micro_batch: int = Field(ge=1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from planner.contract.schema import AttentionCalls
+from planner.contract.schema import AttentionCalls, LinearAttentionKernel
 from planner.contract.units import GIB
 
 AttentionImplementation = Literal["flash", "sdpa_mem_efficient", "eager"]
@@ -148,6 +148,9 @@ class CostAssumptions:
     """Fraction of the full s x s attention FLOPs a causal kernel executes (it skips masked blocks)."""
     softmax_stat_bytes: int = 4
     """Bytes per head and token of the fp32 logsumexp flash-style kernels save for backward."""
+    linear_attention_kernel: LinearAttentionKernel = "fla"
+    """Which kernel runs the Gated DeltaNet layers (``LinearAttentionKernel``), whose saved tensors and transients
+    differ (``planner.cost.linear_attention``); ``planner.problem`` sets ``torch`` on a CPU."""
     linear_attention_chunk: int = 64
     """Tokens per chunk of the chunked gated delta rule (flash-linear-attention's ``chunk_gated_delta_rule`` and
     transformers' ``torch_chunk_gated_delta_rule`` both use 64)."""

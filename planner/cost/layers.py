@@ -21,7 +21,9 @@ from planner.cost.compute import (
 )
 from planner.cost.host import pass_time
 from planner.cost.linear_attention import (
+    FP32_BYTES,
     LinearWidths,
+    fla_chunk_rule_transient_bytes_per_token,
     gated_delta_rule_core_flops,
     gated_delta_rule_saved_bytes_per_token,
     linear_mixer_elementwise_elements,
@@ -618,8 +620,8 @@ def linear_attention_block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     ``block_terms``. TP: 2 all-reduces per pass (out_proj, the MLP's down). Ulysses: all-to-alls of the conv's input
     and the a / b gates to head-sharded whole sequences (the conv and the recurrence then run unchanged on each
     sequence) and of the rule's output back, in forward, and again in backward. Ring CP is refused by
-    ``planner.contract.rules.linear_attention_rules`` (nothing priced). The state is a transient of one sequence per
-    sample per rank (``recurrent_state_bytes``, fp32)."""
+    ``planner.contract.rules.linear_attention_rules`` (nothing priced). The kernel's transients
+    (``_linear_kernel_transient_bytes``) come on top of the exchange buffers in each pass."""
     s, asm = shard, shard.assumptions
     e, h, m = asm.activation_bytes, layer.hidden_size, shard.tokens
     w = linear_widths(layer, s.tp)
@@ -628,7 +630,7 @@ def linear_attention_block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     projections = ((m, w.conv_channels, h), (m, value, h), (m, w.value_heads, h), (m, w.value_heads, h),
                    (m, h, value))
     gemm_s, gemm_fl = _gemms(projections + feed_forward_gemm_shapes(layer, s), s)
-    buffers = s.micro_batch * recurrent_state_bytes(w.value_heads / s.sp, w.key_head_dim, w.value_head_dim, 4)
+    buffers = 0.0
     saved_experts = 0.0
     if layer.moe is not None:
         experts_s, experts_fl, saved_experts, dispatch = expert_terms(layer, s)
@@ -641,6 +643,8 @@ def linear_attention_block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         exchanged = m * (w.conv_channels + 2 * w.value_heads)
         sp_fwd = (all_to_all_time(exchanged * e, s.sp, s.sp_link) + all_to_all_time(m * value * e, s.sp, s.sp_link))
         buffers += 2 * m * (w.conv_channels + value) * e
+    backward_buffers = max(buffers + _linear_kernel_transient_bytes(w, s, backward=True), _mlp_backward_bytes(layer, s))
+    buffers += _linear_kernel_transient_bytes(w, s, backward=False)
     return _terms(
         s,
         ops=layer_pass_ops(layer.kind, tp=s.tp, segments=s.micro_batch, ulysses=s.sp > 1),
@@ -653,7 +657,7 @@ def linear_attention_block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         saved=_linear_block_saved(layer, s, w, s.recompute) + (saved_experts if s.recompute != "full" else 0.0),
         working=_linear_block_saved(layer, s, w, "none") + saved_experts,
         buffers=buffers,
-        backward_buffers=max(buffers, _mlp_backward_bytes(layer, s)),
+        backward_buffers=backward_buffers,
         tp_fwd=tp_all_reduces(layer) * all_reduce_time(m * h * e, s.tp, s.tp_link),
         tp_bwd=tp_all_reduces(layer) * all_reduce_time(m * h * e, s.tp, s.tp_link),
         sp_fwd=sp_fwd,
@@ -662,6 +666,19 @@ def linear_attention_block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         ep_bwd=expert_all_to_all_time(m, layer, s),
         recomputable=True,
     )
+
+
+def _linear_kernel_transient_bytes(w: LinearWidths, shard: Shard, *, backward: bool) -> float:
+    """What a linear-attention layer's kernel allocates beside what it saves, in one pass on one rank: fla's WY
+    factors, chunk states and their gradients (``fla_chunk_rule_transient_bytes_per_token``, per token: under
+    Ulysses the rank runs ``sp`` times the tokens of ``1 / sp`` of the heads); the torch fallback's running state, one
+    fp32 ``dk x dv`` per value head of each sequence (``recurrent_state_bytes``; the states it keeps per chunk are
+    saved, ``torch_chunk_rule_saved_bytes_per_token``)."""
+    s, asm = shard, shard.assumptions
+    if asm.linear_attention_kernel == "fla":
+        return s.tokens * fla_chunk_rule_transient_bytes_per_token(w, asm.linear_attention_chunk,
+                                                                   asm.activation_bytes, backward)
+    return s.micro_batch * recurrent_state_bytes(w.value_heads / s.sp, w.key_head_dim, w.value_head_dim, FP32_BYTES)
 
 
 def _linear_block_saved(layer: LayerSpec, shard: Shard, w: LinearWidths, recompute: str) -> float:

@@ -28,6 +28,10 @@ What runs, documented because it is what the numbers mean:
   share of its (token, expert) pairs (``BalancedAllToAllEP``: the mean load; the planner adds its
   ``moe_load_imbalance``); fp32 experts (a CPU plan) run transformers' grouped-GEMM fallback op, whose fake
   implementation takes fp32.
+- Linear-attention layers of a plan on fla's kernel (``linear_attention: fla``, GPU plans): fla's Triton kernels
+  cannot run on fake tensors, so its chunked rule and causal conv are emulated by what they allocate and save
+  (``EmulatedChunkGatedDeltaRule``, ``EmulatedCausalConv1d``, after fla-core 0.6.0's source), computing nothing;
+  a ``torch`` plan runs transformers' fallback as the run does.
 - Window-attention blocks run their windows as one segment (``_windows_as_one_segment``): same memory with a
   flash-style kernel, hundreds of times fewer fake ops.
 - Of a step's micro-batches, ``MICRO_BATCHES_RUN`` run (the first two and the last); every micro-batch's inputs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Any
 from unittest import mock
 
@@ -21,6 +22,7 @@ from transformers.integrations import moe as moe_integration
 
 from planner.contract.schema import Plan
 from runtime.data.samples import Sample, SampleLayout, token_sequence
+from runtime.models import linear_attention as linear_attention_module
 from runtime.models import vision as vision_module
 from runtime.parallel import experts as experts_module
 from runtime.training import trainer as trainer_module
@@ -251,11 +253,111 @@ def _fp32_grouped_mm_by_fallback(can_use_grouped_mm):
     return can_use
 
 
+FLA_CHUNK = 64
+"""Tokens per chunk of fla's gated delta rule and of its conv's backward (their default ``chunk_size``)."""
+
+
+def _chunks(tokens: int, rows: int, cu_seqlens_cpu: torch.Tensor | None) -> int:
+    """Chunks fla's kernels run: each row's, or each packed sample's (``cu_seqlens``), rounded up."""
+    if cu_seqlens_cpu is None:
+        return rows * math.ceil(tokens / FLA_CHUNK)
+    return sum(math.ceil(int(n) / FLA_CHUNK) for n in cu_seqlens_cpu.diff())
+
+
+class EmulatedCausalConv1d(torch.autograd.Function):
+    """fla's ``CausalConv1dFunction`` with SiLU (fla-core 0.6.0, ``fla/modules/causal_conv1d/ops.py``) as the
+    dry-run sees it: its Triton kernels cannot run on fake tensors, so this allocates what they allocate and saves
+    what they save, and computes nothing. Forward: the output ``y``, saving the input ``x`` and the weight.
+    Backward (``causal_conv1d_bwd``): the conv's output recomputed before SiLU, ``dx`` and the weight's fp32
+    gradient per chunk ``[B * NT, D, W]``, summed."""
+
+    @staticmethod
+    def forward(ctx, x_BTD: torch.Tensor, weight_DW: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None):
+        ctx.save_for_backward(x_BTD, weight_DW)
+        ctx.chunks = _chunks(x_BTD.shape[1], x_BTD.shape[0], cu_seqlens_cpu)
+        return torch.empty_like(x_BTD, memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx, dy_BTD: torch.Tensor):
+        x_BTD, weight_DW = ctx.saved_tensors
+        recomputed = torch.empty_like(x_BTD)
+        dx = torch.empty_like(x_BTD)
+        dw = weight_DW.new_empty(ctx.chunks, *weight_DW.shape, dtype=torch.float32)
+        del recomputed
+        return dx, dw.sum(0).to(weight_DW.dtype), None
+
+
+def emulated_causal_conv1d(x, weight, *, activation, cu_seqlens=None, cu_seqlens_cpu=None):
+    """``fla.modules.causal_conv1d.causal_conv1d``'s call as the runtime makes it, on ``EmulatedCausalConv1d``."""
+    assert activation in ("silu", "swish"), activation
+    return EmulatedCausalConv1d.apply(x, weight, cu_seqlens_cpu), None
+
+
+class EmulatedChunkGatedDeltaRule(torch.autograd.Function):
+    """fla's ``ChunkGatedDeltaRuleFunction`` with ``use_qk_l2norm_in_kernel`` (fla-core 0.6.0,
+    ``fla/ops/gated_delta_rule/chunk.py``) as the dry-run sees it: allocates what its Triton kernels allocate,
+    saves what it saves, computes nothing. Shapes: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g and beta
+    ``[B, T, HV]``; every new tensor in k's dtype but the fp32 inverse norms and decays.
+
+    Forward: ``input_guard``'s contiguous copies of q, k, v (held for the call), ``l2norm_fwd``'s normed q and k
+    and fp32 ``rstd`` ``[B, T, H]``, the fp32 cumulative decay, ``chunk_gated_delta_rule_fwd_intra``'s ``A``
+    ``[B, T, HV, C]`` and WY factors ``w`` ``[B, T, HV, K]`` and ``u``, ``chunk_gated_delta_rule_fwd_h``'s chunk
+    states ``h`` ``[B, NT, HV, K, V]`` and ``v_new``, the output ``o``; it saves q, q_rstd, k, k_rstd, v, g, beta
+    and A (``ctx.save_for_backward``). Backward (``chunk_gated_delta_rule_bwd``, at ``prepare_wy_repr_bwd``, where
+    most is alive): ``w``, ``u``, ``h``, ``v_new`` recomputed, ``dh`` (as ``h``), ``du``, ``dw``, ``dq`` and ``dk``
+    summed to the key heads, ``prepare_wy_repr_bwd``'s ``dk`` ``[B, T, HV, K]``, ``dv``, ``db`` and fp32 ``dg``
+    beside the first fp32 ``dg``; then the inputs' gradients (``l2norm_bwd``'s dq and dk, the reverse cumsum's
+    dg)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, cu_seqlens_cpu):
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        batch, tokens, heads, k_dim = k.shape
+        value_heads, v_dim = v.shape[2:]
+        chunks = _chunks(tokens, batch, cu_seqlens_cpu)
+        states = (batch, chunks // batch, value_heads, k_dim, v_dim)
+        q_normed, k_normed = torch.empty_like(q), torch.empty_like(k)
+        q_rstd, k_rstd = (q.new_empty(q.shape[:-1], dtype=torch.float32) for _ in range(2))
+        g_cumsum = torch.empty_like(g, dtype=torch.float32)
+        a = k.new_empty(batch, tokens, value_heads, FLA_CHUNK)
+        w, u, h, v_new = k.new_empty(batch, tokens, value_heads, k_dim), torch.empty_like(v), k.new_empty(states), \
+            torch.empty_like(v)
+        o = torch.empty_like(v)
+        del w, u, h, v_new
+        ctx.save_for_backward(q_normed, q_rstd, k_normed, k_rstd, v, g_cumsum, beta, a)
+        ctx.states = states
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, _, k, _, v, g, beta, _ = ctx.saved_tensors
+        batch, tokens, heads, k_dim = k.shape
+        value_heads = v.shape[2]
+        w, u, h, v_new = k.new_empty(batch, tokens, value_heads, k_dim), torch.empty_like(v), k.new_empty(ctx.states), \
+            torch.empty_like(v)
+        dh, du, dw = torch.empty_like(h), torch.empty_like(v), torch.empty_like(w)
+        dq_keys, dk_keys = torch.empty_like(q), torch.empty_like(k)
+        dk_values, dv, db = torch.empty_like(w), torch.empty_like(v), torch.empty_like(beta)
+        dg, dg_wy = torch.empty_like(g), torch.empty_like(g)
+        del w, u, h, v_new, dh, du, dw, dk_values, dg_wy
+        dq, dk, dg_out = torch.empty_like(dq_keys), torch.empty_like(dk_keys), torch.empty_like(dg)
+        return dq, dk, dv, dg_out, db, None
+
+
+def emulated_chunk_gated_delta_rule(q, k, v, *, g, beta, use_qk_l2norm_in_kernel, cu_seqlens=None,
+                                    cu_seqlens_cpu=None):
+    """``fla.ops.gated_delta_rule.chunk_gated_delta_rule``'s call as the runtime makes it, on
+    ``EmulatedChunkGatedDeltaRule``."""
+    assert use_qk_l2norm_in_kernel
+    return EmulatedChunkGatedDeltaRule.apply(q, k, v, g, beta, cu_seqlens_cpu), None
+
+
 @contextlib.contextmanager
 def emulation():
     """The trainer's tensors on CPU, vision windows as one segment, a pipeline's stages voting alone, experts'
     tokens exchanged as if routed evenly (``BalancedAllToAllEP``), fp32 experts' grouped GEMMs through transformers'
-    fallback op (``_fp32_grouped_mm_by_fallback``); DTensor's
+    fallback op (``_fp32_grouped_mm_by_fallback``), fla's linear-attention kernels (an ``fla`` plan's) by their
+    allocations (``EmulatedCausalConv1d``, ``EmulatedChunkGatedDeltaRule``); DTensor's
     sharding propagation in its own fake mode (it allocates tensors of global shapes, which must neither be real
     nor counted)."""
     propagation = FakeTensorMode()
@@ -266,5 +368,7 @@ def emulation():
             mock.patch.object(_PipelineSchedule, "_warmup_p2p", _vote_alone), \
             mock.patch.object(experts_module, "EP_IMPLEMENTATION", BALANCED_EP), \
             mock.patch.object(moe_integration, "_can_use_grouped_mm",
-                              _fp32_grouped_mm_by_fallback(moe_integration._can_use_grouped_mm)):
+                              _fp32_grouped_mm_by_fallback(moe_integration._can_use_grouped_mm)), \
+            mock.patch.object(linear_attention_module, "fla_functions",
+                              lambda: (emulated_causal_conv1d, emulated_chunk_gated_delta_rule)):
         yield

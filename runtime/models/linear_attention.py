@@ -4,7 +4,10 @@ as the runtime runs it: transformers' own submodules and kernels, with two thing
 - **Packed rows restart at every sample**: a linear-attention layer carries state along the sequence (the short
   causal conv over q/k/v, the delta rule's recurrent state). transformers passes ``cu_seq_lens_q`` to its torch
   fallbacks (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``), which ignore it, so one sample's state would
-  flow into the next. Here both run once per segment of the row, each from a zero state.
+  flow into the next. The plan's kernel (``ModulePlan.linear_attention``) runs them: ``torch``, transformers' torch
+  fallbacks once per segment of the row, each from a zero state (``torch_kernels``); ``fla``, flash-linear-attention's
+  causal conv and chunked rule, one call each over the row's ``cu_seqlens`` (``fla_kernels``: fla-core, CUDA).
+  Selective recomputation re-runs the rule under a checkpoint.
 - **Ulysses SP**: the projections run on the rank's tokens; their outputs are exchanged (all-to-all) so that each
   SP rank runs ``1 / sp`` of the heads over whole sequences, and the gated norm's output goes back the same way.
 - **Tensor parallelism of both head kinds** (``GatedDeltaNetParallel``): each TP rank keeps whole key heads with the
@@ -19,8 +22,11 @@ Shape legend: B rows, L sequence, H value heads (local), Dk/Dv head widths, C co
 
 from __future__ import annotations
 
+import functools
+import inspect
+import itertools
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +34,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.utils.checkpoint import checkpoint
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
+from runtime.parallel.attention import RECOMPUTE_FLAG
 from runtime.parallel.tensor_parallel import ReplicatedWeightSummedGradients
 from runtime.parallel.ulysses import HeadsToSeq, SeqToHeads, UlyssesGroup
 
@@ -41,6 +49,96 @@ PROJECTIONS_TP_PLAN = {"in_proj_qkv": ColwiseParallel(), "in_proj_z": ColwisePar
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+FLA_MISSING = ("the plan runs its linear-attention layers on flash-linear-attention's kernel (linear_attention fla), "
+               "which is not installed here: pip install 'dhplan[gpu]' (fla-core), or re-plan with "
+               "--linear-attention torch")
+"""Why a plan priced with fla's kernel cannot run where fla-core is not importable."""
+
+
+def torch_fallback(dispatcher: nn.Module) -> Callable:
+    """transformers' torch code behind its kernel dispatch: ``hf.causal_conv1d_fn`` and
+    ``hf.torch_chunk_gated_delta_rule`` are modules (``use_kernelized_func``) whose forward calls a wrapper that runs
+    causal-conv1d's or fla's kernel instead when it is installed and the inputs are on CUDA
+    (``use_kernel_func_from_hub_with_fallback``); the wrapper's ``__wrapped__`` is the torch code a ``torch`` plan
+    priced."""
+    return inspect.unwrap(inspect.getclosurevars(type(dispatcher).forward).nonlocals["func"])
+
+
+TORCH_CONV = torch_fallback(hf.causal_conv1d_fn)
+"""transformers' torch causal conv (``F.conv1d`` then the activation)."""
+TORCH_RULE = torch_fallback(hf.torch_chunk_gated_delta_rule)
+"""transformers' torch chunked gated delta rule."""
+
+
+def _torch_conv(x_BLC: torch.Tensor, weight: torch.Tensor, activation: str, segments: list[int]) -> torch.Tensor:
+    """The causal conv once per segment, each from a zero state."""
+    parts = x_BLC.transpose(1, 2).split(segments, dim=2)
+    return torch.cat([TORCH_CONV(part, weight, None, activation=activation) for part in parts], dim=2).transpose(1, 2)
+
+
+def _torch_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                segments: list[int]) -> torch.Tensor:
+    """The chunked rule once per segment, each from a zero state."""
+    parts = zip(*(t.split(segments, dim=1) for t in (query, key, value, g, beta)))
+    return torch.cat([TORCH_RULE(q, k, v, g=gs, beta=bs, initial_state=None, output_final_state=False,
+                                 use_qk_l2norm_in_kernel=True)[0] for q, k, v, gs, bs in parts], dim=1)
+
+
+def torch_kernels() -> tuple[Callable, Callable]:
+    """(conv, rule) of a ``torch`` plan: transformers' torch fallbacks per segment of the row."""
+    return _torch_conv, _torch_rule
+
+
+def fla_functions() -> tuple[Callable, Callable]:
+    """fla-core's causal conv and chunked gated delta rule (0.6: ``fla.modules.causal_conv1d.causal_conv1d``,
+    ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``; the dry-run puts its emulations here).
+
+    Raises:
+        ValueError: fla-core is not installed (``FLA_MISSING``).
+    """
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        raise ValueError(FLA_MISSING) from None
+    return causal_conv1d, chunk_gated_delta_rule
+
+
+def _cu_seqlens(segments: list[int], device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A packed row's cumulative segment lengths (on ``device`` and on the host), None for one segment."""
+    if len(segments) == 1:
+        return None, None
+    cu_cpu = torch.tensor([0, *itertools.accumulate(segments)], dtype=torch.long)
+    return cu_cpu.to(device), cu_cpu
+
+
+def fla_kernels() -> tuple[Callable, Callable]:
+    """(conv, rule) of an ``fla`` plan: fla's, one call each over the row's segments (``cu_seqlens``), q and k at
+    their own heads (fla repeats them to the value heads inside). Untested on a GPU here (this project's CI has
+    none).
+
+    Raises:
+        ValueError: fla-core is not installed (``FLA_MISSING``), before any training.
+    """
+    causal_conv1d, chunk_gated_delta_rule = fla_functions()
+
+    def conv(x_BLC: torch.Tensor, weight: torch.Tensor, activation: str, segments: list[int]) -> torch.Tensor:
+        cu, cu_cpu = _cu_seqlens(segments, x_BLC.device)
+        return causal_conv1d(x_BLC, weight, activation=activation, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)[0]
+
+    def rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             segments: list[int]) -> torch.Tensor:
+        cu, cu_cpu = _cu_seqlens(segments, query.device)
+        return chunk_gated_delta_rule(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
+                                      cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)[0]
+
+    return conv, rule
+
+
+KERNELS = {"torch": torch_kernels, "fla": fla_kernels}
+"""Each plan kernel's (conv, rule), by ``planner.contract.schema.LinearAttentionKernel``."""
 
 
 def _segments(length: int, cu_seq_lens_q: torch.Tensor | None) -> list[int]:
@@ -67,8 +165,9 @@ def _to_sequence(y_BSw: torch.Tensor, ug: UlyssesGroup) -> torch.Tensor:
 def gated_delta_net_forward(self: nn.Module, hidden_states: torch.Tensor, cache: Any = None,
                             attention_mask: torch.Tensor | None = None, cu_seq_lens_q: torch.Tensor | None = None,
                             ulysses_group: UlyssesGroup | None = None, **kwargs) -> torch.Tensor:
-    """``Qwen3_5GatedDeltaNet.forward`` in training (no cache), its conv and delta rule run per segment of the row
-    (``cu_seq_lens_q``: a packed row of one row's samples), on this rank's heads. Under Ulysses SP
+    """``Qwen3_5GatedDeltaNet.forward`` in training (no cache), its conv and delta rule on the plan's kernel
+    (``linear_kernels``), each sample of the row (``cu_seq_lens_q``: a packed row of one row's samples) from a zero
+    state, on this rank's heads. Under Ulysses SP
     (``ulysses_group``) the projections' outputs are exchanged so that each rank runs ``1 / sp`` of the heads over
     the whole sequence (its segments: the group's), and the gated norm's output is exchanged back."""
     if cache is not None:
@@ -90,28 +189,31 @@ def gated_delta_net_forward(self: nn.Module, hidden_states: torch.Tensor, cache:
         value_dim, length, segments = value_dim // sp, mixed_qkv.shape[1], list(ulysses_group.segment_lens)
     if len(segments) > 1 and batch != 1:
         raise ValueError(f"a packed row is one row of samples, got {batch} rows")
-    mixed_qkv_BCL = mixed_qkv.transpose(1, 2)
-    mixed_qkv_BCL = torch.cat([hf.causal_conv1d_fn(part, conv_weight, None, activation=self.activation)
-                               for part in mixed_qkv_BCL.split(segments, dim=2)], dim=2)
-    key_dim = (mixed_qkv_BCL.shape[1] - value_dim) // 2
-    query, key, value = torch.split(mixed_qkv_BCL.transpose(1, 2), [key_dim, key_dim, value_dim], dim=-1)
+    conv, rule = self.linear_kernels
+    mixed_qkv = conv(mixed_qkv, conv_weight, self.activation, segments)
+    key_dim = (mixed_qkv.shape[-1] - value_dim) // 2
+    query, key, value = torch.split(mixed_qkv, [key_dim, key_dim, value_dim], dim=-1)
     query, key = (t.reshape(batch, length, -1, self.head_k_dim) for t in (query, key))
     value = value.reshape(batch, length, -1, self.head_v_dim)
     beta = b.sigmoid()
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
-    parts = zip(*(t.split(segments, dim=1) for t in (query, key, value, g, beta)))
-    core_BLHD = torch.cat([hf.torch_chunk_gated_delta_rule(q, k, v, g=gs, beta=bs, initial_state=None,
-                                                           output_final_state=False, use_qk_l2norm_in_kernel=True)[0]
-                           for q, k, v, gs, bs in parts], dim=1)
+    if getattr(self, RECOMPUTE_FLAG, False):  # selective recomputation: the rule's inputs kept, the rule re-run
+        rule = functools.partial(checkpoint, rule, use_reentrant=False)
+    core_BLHD = rule(query, key, value, g, beta, segments)
     core = self.norm(core_BLHD.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim)).reshape(batch, length, -1)
     if sp > 1:
         core = _to_sequence(core, ulysses_group)
     return self.out_proj(core)
 
 
-def run_by_segments(layer: nn.Module) -> None:
-    """Point a ``Qwen3_5GatedDeltaNet`` at ``gated_delta_net_forward``."""
+def run_by_segments(layer: nn.Module, kernel: str) -> None:
+    """Point a ``Qwen3_5GatedDeltaNet`` at ``gated_delta_net_forward`` on ``kernel``'s conv and rule (``KERNELS``).
+
+    Raises:
+        ValueError: an ``fla`` plan where fla-core is not installed (``FLA_MISSING``).
+    """
     layer.value_dim_local = layer.value_dim
+    layer.linear_kernels = KERNELS[kernel]()
     layer.forward = types.MethodType(gated_delta_net_forward, layer)
 
 

@@ -4,7 +4,8 @@
   ``GradientCheckpointingLayer`` checkpoints the block's ``forward`` (not ``__call__``, so FSDP2's hooks stay
   outside the recomputed region), non-reentrant.
 - "selective": only the attention core (SDPA) is recomputed: the runtime's attention kernel runs it under
-  ``checkpoint`` on modules flagged here (runtime.parallel.attention).
+  ``checkpoint`` on modules flagged here (runtime.parallel.attention); in a Gated DeltaNet layer, its chunked delta
+  rule (runtime.models.linear_attention).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def apply_recompute(model: nn.Module, mode: str) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     elif mode == "selective":
         for module in model.modules():
-            if type(module).__name__.endswith("Attention"):
+            if type(module).__name__.endswith(("Attention", "GatedDeltaNet")):
                 setattr(module, RECOMPUTE_FLAG, True)
     else:
         assert mode == "none", mode

@@ -131,6 +131,9 @@ def check_plan(plan: Plan) -> None:
         if module.attention == "varlen" and is_cpu_plan(plan):
             raise ValueError(f"module {module.name}: attention varlen is torch's variable-length flash kernel, which "
                              "needs CUDA; plan for a CPU with --attention sdpa")
+        if module.linear_attention == "fla" and is_cpu_plan(plan):
+            raise ValueError(f"module {module.name}: linear_attention fla is flash-linear-attention's CUDA kernel; "
+                             "plan for a CPU with --linear-attention torch")
         if module.loss_chunk_tokens and module.pp > 1:
             raise NotImplementedError(f"module {module.name}: a pipelined LLM's loss takes the last stage's whole "
                                       "logits; plan it with loss_chunk_tokens 0")

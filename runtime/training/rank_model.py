@@ -48,7 +48,7 @@ class RankModel:
         encoder = family.encoder.name
         tower, llm, rope_index = split_model(model)
         if family.prepare_llm is not None:
-            family.prepare_llm(llm)
+            family.prepare_llm(llm, self.plan.module("llm"))
         modules = {}
         for name, module in ((encoder, tower), ("llm", llm)):
             module.to(self.precision[name].param_dtype)

@@ -4,13 +4,21 @@ both head kinds; pipeline chunks balanced by the cost of the hybrid layers they 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
-from test_cost_layers import shard
+from test_cost_layers import A, shard
 
 from planner.catalog import get_model
 from planner.contract.rules import linear_attention_rules
 from planner.cost.layers import layer_terms
-from planner.cost.linear_attention import gated_delta_rule_flops_per_token, recurrent_state_bytes
+from planner.cost.linear_attention import (
+    fla_chunk_rule_transient_bytes_per_token,
+    gated_delta_rule_flops_per_token,
+    linear_widths,
+    recurrent_state_bytes,
+    torch_chunk_rule_saved_bytes_per_token,
+)
 from planner.cost.pipeline import balanced_ordered_chunks, rank_layers
 
 LLM = get_model("qwen3.6-27b").module("llm")
@@ -39,17 +47,21 @@ def linear_layer_flops_by_hand(tokens: int) -> float:
 
 
 def linear_layer_saved_by_hand(tokens: int, recompute: str) -> float:
-    """Bytes kept for backward, tp = 1: the block's 4 h inputs (and the two norm inputs' fp32 copies,
-    ``norm_upcast_bytes`` each), the MLP's 4 f, the conv's input and SiLU input (2 x 10240), q and k at 48 heads of 128 and
-    v (3 x 6144), z, output and norm output (3 x 6144), a and b (2 x 48), and without recomputation fla's fp32
-    A (64 per head), inverse norms and gates (4 per head)."""
+    """Bytes kept for backward, tp = 1, on fla's kernel: the block's 4 h inputs (and the two norm inputs' fp32
+    copies, ``norm_upcast_bytes`` each), the MLP's 4 f; the conv's input (10240); beta (48) and softplus's fp32 input
+    and output (2 x 48 x 4); the gated norm's fp32 upcasts of the output and z and SiLU's output (3 x 6144 x 4), its
+    two bf16 products (2 x 6144), its fp32 rms (48 x 4) and out_proj's input (6144); and fla's q and k at 16 key
+    heads of 128 (2 x 2048), v (6144), A (64 per value head) with the fp32 inverse norms (2 x 16) and cumulative
+    decay (48); selective: the conv's output (10240) and the fp32 decay (48) instead of fla's."""
     assumptions = shard().assumptions
     if recompute == "full":
         return tokens * 5120 * E
     block = (4 * 5120 + 4 * 17408) * E + 2 * 5120 * assumptions.norm_upcast_bytes
-    mixer = (2 * 10240 + 3 * 6144 + 3 * 6144 + 2 * 48) * E
-    kernel = 48 * (64 + 4) * 4 if recompute == "none" else 0
-    return tokens * (block + mixer + kernel)
+    around = 10240 * E + 48 * E + 2 * 48 * 4 + 3 * 6144 * 4 + 2 * 6144 * E + 48 * 4 + 6144 * E
+    if recompute == "selective":
+        return tokens * (block + around + 10240 * E + 48 * 4)
+    kernel = (2 * 2048 + 6144 + 48 * 64) * E + (2 * 16 + 48) * 4
+    return tokens * (block + around + kernel)
 
 
 @pytest.mark.parametrize("seq", [4096, 16384])
@@ -59,6 +71,37 @@ def test_linear_layer_flops_and_bytes_by_hand_at_two_lengths(seq):
     for recompute in ("none", "selective", "full"):
         saved = layer_terms(LINEAR, shard(seq=seq, recompute=recompute)).saved_bytes
         assert saved == pytest.approx(linear_layer_saved_by_hand(seq, recompute)), recompute
+
+
+def test_torch_fallbacks_saved_tensors_by_hand():
+    """transformers' torch rule, 48 value heads of 128 (q and k repeated to them), C = 64, all fp32: 8 dk + 3 dv
+    (12 dk with fp32 inputs, whose transposed layout makes four more copies), 5 C, 6 scalars, a state and a decay
+    per chunk; the layer on it keeps the conv's SiLU input too (10240 more in the layer's dtype) and the rule's
+    tensors instead of fla's."""
+    w = linear_widths(LINEAR, 1)
+    per_head = 8 * 128 + 3 * 128 + 5 * 64 + 6 + (128 * 128 + 1) / 64
+    assert torch_chunk_rule_saved_bytes_per_token(w, 64, fp32_inputs=False) == pytest.approx(48 * per_head * 4)
+    assert torch_chunk_rule_saved_bytes_per_token(w, 64, fp32_inputs=True) == pytest.approx(
+        48 * (per_head + 4 * 128) * 4)
+    fla = layer_terms(LINEAR, shard(seq=4096)).saved_bytes
+    torch_kernel = layer_terms(LINEAR, shard(seq=4096, assumptions=replace(A, linear_attention_kernel="torch")))
+    fla_kernel = (2 * 2048 + 6144 + 48 * 64) * E + (2 * 16 + 48) * 4
+    assert torch_kernel.saved_bytes - fla == pytest.approx(4096 * (10240 * E + 48 * per_head * 4 - fla_kernel))
+
+
+def test_fla_kernels_transients_by_hand():
+    """fla's forward holds w (dk), u and v_new (2 dv) and every chunk's state (dk dv / C) per value head, and the
+    contiguous copies of q and k at the 16 key heads; its backward
+    w, u, v_new, du, dw, both dk and dv (3 dk + 4 dv), h and dh, db, dq and dk at the 16 key heads and two fp32 dg;
+    the layer's backward buffers are the larger of the kernel's and the MLP's gradients (2.2 x 17408 a token)."""
+    w = linear_widths(LINEAR, 1)
+    forward = (48 * (128 + 2 * 128 + 256) + 2 * 2048) * E
+    assert fla_chunk_rule_transient_bytes_per_token(w, 64, E, backward=False) == forward
+    backward = fla_chunk_rule_transient_bytes_per_token(w, 64, E, backward=True)
+    assert backward == 48 * (3 * 128 + 4 * 128 + 2 * 256 + 1) * E + 2 * 2048 * E + 2 * 48 * 4
+    terms = layer_terms(LINEAR, shard(seq=4096))
+    assert terms.buffer_bytes == 4096 * forward
+    assert terms.backward_buffer_bytes == pytest.approx(4096 * max(backward, 2.2 * 17408 * E))
 
 
 def test_linear_layer_grows_linearly_and_full_attention_faster():

@@ -376,3 +376,28 @@ def test_pipelined_plan_records_each_stages_gpu_peak(placement):
     group = predicted.memory_breakdown_gib if placement == "colocated" else llm.predicted.memory_gib
     assert max(s.total for s in stages) == pytest.approx(group.total)
     assert len({round(s.total, 6) for s in stages}) > 1
+
+
+def test_the_plan_records_the_linear_attention_kernel_it_priced(tmp_path):
+    """Qwen3.5's LLM runs fla's kernel on GPUs and transformers' torch fallback on a CPU (``--linear-attention``
+    overrides either), priced as it runs (the torch rule keeps more); a module without linear-attention layers
+    records none; a plan from before schema version 9 reads as one without the field (its layers ran torch)."""
+    gpu, cpu = (plan("qwen3.5-tiny", ClusterInputs(gpus=2, gpu=gpu)) for gpu in ("h100-80gb", "cpu"))
+    assert [(m.name, m.linear_attention) for m in gpu.modules] == [("vision", None), ("llm", "fla")]
+    assert cpu.module("llm").linear_attention == "torch"
+    pinned = [f"{m.name}.{field}={getattr(m, field)}" for m in gpu.modules
+              for field in ("dp", "tp", "sp", "cp", "zero", "micro_batch")] + ["llm.recompute=none",
+                                                                            "vision.recompute=none"]
+    fla, on_torch = (plan("qwen3.5-tiny", ClusterInputs(gpus=2, gpu="h100-80gb"), fix=pinned,
+                          search=SearchOptions(linear_attention=kernel)).module("llm") for kernel in ("fla", "torch"))
+    assert (fla.linear_attention, on_torch.linear_attention) == ("fla", "torch")
+    assert on_torch.predicted.memory_gib.activations > fla.predicted.memory_gib.activations
+    with pytest.raises(ValueError, match="^--linear-attention must be one of fla, torch, got 'triton'$"):
+        make_problem("qwen3.5-tiny", 2, search=SearchOptions(linear_attention="triton"))
+    document = json.loads(gpu.to_json())
+    document["schema_version"] = 8
+    for module in document["modules"]:
+        del module["linear_attention"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(document))
+    assert {m.linear_attention for m in load_plan(path).modules} == {None}

@@ -302,14 +302,16 @@ def test_flags_fill_the_sections():
         "NONE", "--image-size", "448x224", "--images-per-sample", "2", "--video", "16x64x32", "--video-seconds", "8",
         "--fps", "1", "--text-tokens", "40", "--global-batch", "8", "--precision", "bf16_pure", "--frozen", "vision",
         "--dataset", "d.jsonl", "--tokenizer", "t", "--min-pixels", "10", "--max-pixels", "20", "--pack-tokens", "64",
-        "--no-cp", "--no-pp", "--workers", "3", "--attention", "sdpa"])
+        "--no-cp", "--no-pp", "--workers", "3", "--attention", "sdpa",
+        "--linear-attention", "torch"])
     cluster, sections = arguments.problem_inputs(args)
     assert cluster == ClusterInputs(gpus=4, gpu="cpu", gpus_per_node=2, cluster_file="c.yaml", profile=None)
     assert sections == dict(
         workload=WorkloadInputs(image_sizes=[(224, 448)], images_per_sample=2, videos=((16, 64, 32), (8, 720, 1280)),
                                 text_tokens=40, global_batch=8, precision="bf16_pure", frozen=["vision"]),
         dataset=DatasetInputs(source="d.jsonl", tokenizer="t", min_pixels=10, max_pixels=20, pack_tokens=64, fps=1.0),
-        search=SearchOptions(allow_ring_cp=False, allow_pp=False, workers=3, attention="sdpa"))
+        search=SearchOptions(allow_ring_cp=False, allow_pp=False, workers=3, attention="sdpa",
+                             linear_attention="torch"))
     defaults, sections = arguments.problem_inputs(arguments.build_parser().parse_args(["--gpus", "4", "--workers", "1"]))
     assert (defaults, sections) == (ClusterInputs(gpus=4), dict(workload=WorkloadInputs(frozen=[]), dataset=None,
                                                                  search=SearchOptions()))

@@ -78,7 +78,7 @@ def test_a_tp_that_does_not_divide_the_experts_is_refused_with_its_reason():
 def test_the_plan_file_carries_ep_and_an_older_one_reads_as_ep_1(tmp_path):
     pinned = plan(MOE, fix=["llm.ep=2"])
     assert {m.name: m.ep for m in pinned.modules} == {"vision": 1, "llm": 2}
-    assert pinned.schema_version == SCHEMA_VERSION == 8
+    assert pinned.schema_version == SCHEMA_VERSION == 9
     document = json.loads(pinned.model_dump_json())
     document["schema_version"] = 5
     for module in document["modules"]:

@@ -116,6 +116,15 @@ def test_the_device_keeps_the_numbers_the_plan_recorded(tmp_path):
     assert new.cluster.device == plan.cluster.device and new.cluster.device.inter_node_bandwidth == 6.25e9
 
 
+def test_a_gpu_plan_on_the_torch_linear_attention_kernel_re_plans_on_it():
+    """A Qwen3.5 plan made with ``--linear-attention torch`` (a GPU cluster without fla-core) keeps it: the GPU
+    default, fla, would stop the restarted run."""
+    plan = api.plan("qwen3.5-tiny", api.ClusterInputs(gpus=4, gpu="h100-80gb", profile=None),
+                    search=api.SearchOptions(linear_attention="torch"))
+    new, _ = replan(plan, 2)
+    assert new.module("llm").linear_attention == "torch"
+
+
 def test_a_dataset_plan_made_with_a_relative_path_is_re_planned_from_another_folder(tmp_path, monkeypatch, capsys):
     """``plan --dataset data/d.jsonl`` in one folder, ``python -m planner.replan`` in another (as the runtime's
     elastic re-plan may run): the plan records the dataset's absolute path."""

@@ -204,6 +204,35 @@ def test_a_ring_context_parallel_plan_dry_runs_within_ten_percent_of_the_planner
         assert measured == pytest.approx(predicted.total - predicted.overhead, rel=LONG_SEQUENCE_TOLERANCE)
 
 
+KERNEL_DIFFERENCE_TOLERANCE = 0.03
+"""The LLM activations a torch plan keeps beyond the same plan on fla, dry-run vs planner: the two kernels' saved
+sets, each priced from its source (observed 1.014x)."""
+
+
+@pytest.mark.slow
+def test_an_fla_plans_dry_run_keeps_flas_saved_set_and_a_torch_plans_the_fallbacks():
+    """The tiny Qwen3.5 on 2 H100s without recomputation, a 224 x 224 image and 1,024 text tokens: planned on fla's
+    kernel, the dry-run runs its emulation (runtime.dry_run.emulation: fla's Triton kernels cannot run on fake
+    tensors); planned on torch, transformers' fallback. Each plan's LLM activations are its prediction's within
+    10 %, and what the torch fallback keeps beyond fla's (its fp32 intermediates against fla's saved set) the
+    planner's within 3 %."""
+    fix = {f"{m}.{f}": v for m in ("vision", "llm") for f, v in
+           (("dp", 2), ("zero", 1), ("recompute", "none"), ("micro_batch", 1))}
+    measured, predicted = {}, {}
+    for kernel in ("fla", "torch"):
+        plan = planner_api.plan("qwen3.5-tiny", planner_api.ClusterInputs(gpus=2, gpu="h100-80gb"), fix=fix,
+                                workload=planner_api.WorkloadInputs(text_tokens=1024, image_sizes=[(224, 224)],
+                                                                    global_batch=2),
+                                search=planner_api.SearchOptions(linear_attention=kernel))
+        assert plan.module("llm").linear_attention == kernel
+        (role,) = dry_run(plan, RunOptions()).roles
+        measured[kernel] = role.modules["llm"].activations / GIB
+        predicted[kernel] = plan.module("llm").predicted.memory_gib.activations
+        assert measured[kernel] == pytest.approx(predicted[kernel], rel=LONG_SEQUENCE_TOLERANCE)
+    assert measured["torch"] - measured["fla"] == pytest.approx(predicted["torch"] - predicted["fla"],
+                                                                rel=KERNEL_DIFFERENCE_TOLERANCE)
+
+
 def _on_gpu(plan: Plan, precision: str) -> Plan:
     """``plan`` made for a GPU (the dry-run only reads the device's name and memory) with ``precision``."""
     device = dataclasses.replace(plan.cluster.device, name="h100-80gb")

@@ -284,6 +284,9 @@ def test_check_resources_says_what_is_missing():
         (dict(dp=2, attention="varlen"), dict(dp=2), "colocated",
          "module vision: attention varlen is torch's variable-length flash kernel, which needs CUDA; plan for a CPU "
          "with --attention sdpa"),
+        (dict(dp=2), dict(dp=2, linear_attention="fla"), "colocated",
+         "module llm: linear_attention fla is flash-linear-attention's CUDA kernel; plan for a CPU with "
+         "--linear-attention torch"),
     ],
 )
 def test_validate_plan_refuses_in_one_line(vision, llm, placement, message):

@@ -69,9 +69,10 @@ class RuntimeFamily:
     layers' outputs)."""
     llm_layer_tp_plan: Mapping[str, ParallelStyle]
     """What a decoder layer adds to the common LLM TP plan (Qwen3's per-head q/k norms); may be empty."""
-    prepare_llm: Callable[[nn.Module], None] | None = None
-    """``prepare_llm(llm)``: what the runtime changes in the split LLM before sharding it (Qwen3.5: its
-    linear-attention layers run by segments); None: nothing. The reference model is left as transformers builds it."""
+    prepare_llm: Callable[[nn.Module, Any], None] | None = None
+    """``prepare_llm(llm, module)``: what the runtime changes in the split LLM before sharding it, as the plan's
+    ``llm`` module (``ModulePlan``) says (Qwen3.5: its linear-attention layers run by segments on the planned
+    kernel); None: nothing. The reference model is left as transformers builds it."""
     llm_row_order: Callable[[str, Any, int], Any] | None = None
     """``llm_row_order(local_name, config, tp)``: transformers' row of each stored row of an LLM parameter TP stores
     in another order (Qwen3.5's fused linear-attention q/k/v), else None; None: the family stores none so."""

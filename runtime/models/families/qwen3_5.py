@@ -40,11 +40,12 @@ def vision_forward(visual: nn.Module, shard: VisionShard) -> torch.Tensor:
     return visual.merger(blocks_forward(visual, shard, hidden))
 
 
-def prepare_llm(llm: nn.Module) -> None:
-    """Every linear-attention layer runs by segments (``run_by_segments``)."""
+def prepare_llm(llm: nn.Module, module: Any) -> None:
+    """Every linear-attention layer runs by segments (``run_by_segments``) on the kernel the plan's ``module``
+    priced (a plan before schema version 9 records none: transformers' torch fallback)."""
     for layer in llm.language_model.layers:
         if hasattr(layer, "linear_attn"):
-            run_by_segments(layer.linear_attn)
+            run_by_segments(layer.linear_attn, module.linear_attention or "torch")
 
 
 VISION_HOOKS = VisionHooks(tp_plans=vision_tp_plans, patch_inputs=qwen3_vl.vision_patch_inputs,
