@@ -21,7 +21,7 @@ import math
 import multiprocessing
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Callable, Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from planner.cost import ModuleCost, module_cost
 from planner.cost.module import feeding_pipeline
@@ -372,7 +372,28 @@ PARALLEL_MIN_STRATEGIES = 1000
 as it saves."""
 
 _SHARED_WORK: tuple | None = None
-"""The work of ``_cost_in_processes``, inherited by its forked workers."""
+"""The work of ``_in_processes``, inherited by its forked workers."""
+
+
+def _in_processes(problem: Problem, work: Callable[[list], Any], items: list, size: int) -> list:
+    """``work`` of every ``workers``-th item (sizes and layouts interleave, balancing the work) in each of
+    ``problem.workers`` forked processes, or of all items here when ``size`` (strategies) is below
+    ``PARALLEL_MIN_STRATEGIES``: the answers, one per share."""
+    global _SHARED_WORK
+    workers = problem.workers if size >= PARALLEL_MIN_STRATEGIES else 1
+    if workers <= 1:
+        return [work(items)]
+    _SHARED_WORK = (work, items, workers)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            return pool.map(_share_of_worker, range(workers))
+    finally:
+        _SHARED_WORK = None
+
+
+def _share_of_worker(index: int) -> Any:
+    work, items, workers = _SHARED_WORK
+    return work(items[index::workers])
 
 
 def _cost_in_processes(problem: Problem, module: str, series: list[list[ModuleStrategy]], placement: Placement,
@@ -380,24 +401,10 @@ def _cost_in_processes(problem: Problem, module: str, series: list[list[ModuleSt
     """``_cost_share`` of all ``series``, split over ``problem.workers`` forked processes (each prunes its share,
     the union of the shares' Pareto fronts is pruned again, which gives the same front: the result equals the
     serial one)."""
-    global _SHARED_WORK
-    workers = problem.workers if sum(map(len, series)) >= PARALLEL_MIN_STRATEGIES else 1
-    if workers <= 1:
-        return _cost_share(problem, module, series, placement, feeds)
-    _SHARED_WORK = (problem, module, series, placement, feeds, workers)
-    try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            shares = pool.map(_cost_share_of_worker, range(workers))
-    finally:
-        _SHARED_WORK = None
+    shares = _in_processes(problem, functools.partial(_cost_share, problem, module, placement=placement,
+                                                      feeds=feeds), series, sum(map(len, series)))
     smallest = min((s for _, s, _ in shares if s is not None), key=_memory_order, default=None)
     return prune([c for kept, _, _ in shares for c in kept], placement), smallest, sum(n for _, _, n in shares)
-
-
-def _cost_share_of_worker(index: int) -> CostedShare:
-    """Worker ``index``'s share: every ``workers``-th series (sizes and layouts interleave, balancing the work)."""
-    problem, module, series, placement, feeds, workers = _SHARED_WORK
-    return _cost_share(problem, module, series[index::workers], placement, feeds)
 
 
 def _read_only(mapping: dict) -> MappingProxyType:
@@ -611,14 +618,22 @@ def defer_context_parallel(problem: Problem, module: str, series: list[list[Modu
         for s in strategies:
             layout = layouts.setdefault((s.gpus, s.dp, s.tp, s.sp, s.cp, s.ep), {})
             layout.setdefault(s.micro_batch, []).append(s)
+    bound = functools.partial(_bounded_layouts, problem, module, placement, feeds)
+    shares = _in_processes(problem, bound, list(layouts.values()), sum(map(len, series)) - sum(map(len, now)))
+    return now, [group for share in shares for group in share]
+
+
+def _bounded_layouts(problem: Problem, module: str, placement: Placement, feeds: tuple[bool, ...],
+                     layouts: list[dict[int, list[ModuleStrategy]]]) -> list[DeferredGroup]:
+    """``defer_context_parallel``'s groups of ``layouts`` (each: micro-batch -> its strategies)."""
     deferred = []
-    for by_micro_batch in layouts.values():
+    for by_micro_batch in layouts:
         bounds = (math.inf, (math.inf,) * NUM_PATHS)
         for mb, group in sorted(by_micro_batch.items()):
             if mb == min(by_micro_batch) or bounds[0] < math.inf:
                 bounds = context_parallel_floor(problem, module, group, placement)
             deferred.append(DeferredGroup(module, tuple(group), feeds, *bounds))
-    return now, deferred
+    return deferred
 
 
 def extend_context_parallel(problem: Problem, cands: Candidates, limit_s: float, pipelined: bool | None = None

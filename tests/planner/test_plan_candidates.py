@@ -219,13 +219,15 @@ def test_costing_in_worker_processes_gives_the_serial_candidates(placement, monk
 
     import planner.search.candidates as candidates
 
-    p = problem("qwen-vl-32b", 32, device="h100-80gb", batch=128, image=1344, text=512, allow_pp=True)
-    serial = build_candidates(p, placement)
-    _WORKER_LOG[:] = [tmp_path, candidates._cost_share_of_worker]
-    monkeypatch.setattr(candidates, "_cost_share_of_worker", _logged_share_of_worker)
+    p = problem("qwen-vl-32b", 32, device="h100-80gb", batch=128, image=1344, text=512, allow_pp=True,
+                allow_ring_cp=True)
+    serial = build_candidates(p, placement, defer_cp=True)
+    _WORKER_LOG[:] = [tmp_path, candidates._share_of_worker]
+    monkeypatch.setattr(candidates, "_share_of_worker", _logged_share_of_worker)
     monkeypatch.setattr(candidates, "PARALLEL_MIN_STRATEGIES", 1)
-    forked = build_candidates(replace(p, workers=3), placement)
+    forked = build_candidates(replace(p, workers=3), placement, defer_cp=True)
     assert _solver_view(forked) == _solver_view(serial)
+    assert sorted(forked.deferred_cp, key=repr) == sorted(serial.deferred_cp, key=repr) and serial.deferred_cp
     ran = {int(f.name.split("-")[0]) for f in tmp_path.iterdir()}
     assert ran and os.getpid() not in ran
     assert any(c.pipelined for cs in serial.by_module.values() for c in cs)
