@@ -29,6 +29,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -38,20 +39,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
+from transformers import AutoModel
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
     Qwen2_5_VisionPatchEmbed,
-    Qwen2_5_VLDecoderLayer,
     Qwen2_5_VLPatchMerger,
-    Qwen2_5_VLRMSNorm,
     Qwen2_5_VLVisionBlock,
 )
 
 from planner.catalog import get_model
 from planner.contract.models import LayerSpec
 from planner.profiles import RECOMPUTED_KINDS, LayerPoint, Spread, load_profile, save_profile
-from planner.contract.rules import heads_rule
+from planner.contract.rules import heads_rule, linear_attention_rules
 from runtime.parallel import attention
-from runtime.models.families import qwen2_5_vl
+from runtime.models.families import FAMILIES, qwen2_5_vl
 from runtime.parallel.tensor_parallel import parallelize_llm_tp, parallelize_vision_tp
 from runtime.profile.device import free_port
 from runtime.profile.layers import GridPoint
@@ -74,13 +75,18 @@ def available_ranks(device: torch.device) -> int:
 
 def can_run_as_run(config, point: GridPoint, max_ranks: int) -> bool:
     """Whether ``point`` is one this module times as run: a sharded degree (tp * sp > 1) the machine has ranks
-    for, TP or SP (not both), and a split the runtime accepts (heads, KV heads, vocabulary, whole windows)."""
+    for, TP or SP (not both), a split the runtime accepts (heads, KV heads, linear-attention heads, vocabulary, whole
+    windows), and a layer it builds (``builds_vision``)."""
     tp, sp, kind = point.tp, point.sp, point.layer.kind
     if tp * sp == 1 or tp * sp > max_ranks or (tp > 1 and sp > 1):
         return False
-    text = config.text_config
+    text, la = config.text_config, point.layer.linear_attention
+    if la is not None and linear_attention_rules(tp, sp, 1, la.num_key_heads, la.num_value_heads, point.layer.name):
+        return False
     if sp > 1 and kind in LLM_KINDS:
         return text.num_attention_heads % sp == 0 and point.seq_len >= sp
+    if kind in VISION_KINDS and not builds_vision(config):
+        return False
     if sp > 1:
         return kind in VISION_KINDS and _vision_splits(config.vision_config, point.seq_len, point.micro_batch, sp)
     if kind in LLM_KINDS:
@@ -105,24 +111,35 @@ class _Visual(nn.Module):
         )
 
 
-class _LanguageModel(nn.Module):
-    """The decoder parts ``parallelize_llm_tp`` shards: ``config``, ``embed_tokens``, ``layers``, ``norm``."""
+LINEAR_ATTENTION_KERNEL = "torch"
+"""The kernel a hybrid decoder's linear-attention layers run on here (``runtime.models.linear_attention.KERNELS``):
+transformers' torch fallback, the one a CPU runs (fla's is CUDA-only)."""
 
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Qwen2_5_VLDecoderLayer(config, layer_idx=0)])
-        self.norm = Qwen2_5_VLRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+def _layer_mixer(layer: LayerSpec) -> str:
+    """The ``layer_types`` entry of a decoder layer: its token mixer."""
+    return "linear_attention" if layer.linear_attention is not None else "full_attention"
 
 
 class _LLM(nn.Module):
-    """What ``parallelize_llm_tp`` shards of the LLM: ``language_model`` and ``lm_head``."""
+    """What ``parallelize_llm_tp`` shards of the LLM: ``language_model``, the model's own text model (transformers'
+    ``AutoModel`` of its text config) with one decoder layer of each token mixer, and ``lm_head``. A hybrid decoder's
+    layers are prepared as the runtime prepares them (its family's ``prepare_llm``: linear attention by segments, on
+    ``LINEAR_ATTENTION_KERNEL``)."""
 
     def __init__(self, config) -> None:
         super().__init__()
-        self.language_model = _LanguageModel(config)
+        mixers = list(dict.fromkeys(getattr(config, "layer_types", None) or ["full_attention"]))
+        config = copy.copy(config)
+        config.layer_types, config.num_hidden_layers = mixers, len(mixers)
+        self.language_model = AutoModel.from_config(config, dtype=torch.get_default_dtype())
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mixers = mixers
+        """Each built layer's token mixer, in order."""
+
+    def layer(self, layer: LayerSpec) -> nn.Module:
+        """The built decoder layer of ``layer``'s token mixer."""
+        return self.language_model.layers[self.mixers.index(_layer_mixer(layer))]
 
 
 class _Call(nn.Module):
@@ -171,7 +188,8 @@ class _Rank:
     tp: int
     sp: int
     rank: int
-    vision: _Visual
+    vision: _Visual | None
+    """None: a tower this module does not build (``builds_vision``)."""
     llm: _LLM
     dtype: torch.dtype
     device: torch.device
@@ -186,11 +204,15 @@ class _Rank:
         return shard_vision_batch(pixels_NP, grid_thw, config, sp_rank=self.rank if self.sp > 1 else 0,
                                   sp_group=group, sp=self.sp)
 
-    def runner(self, layer: LayerSpec, seq_len: int, micro_batch: int) -> tuple[nn.Module, ShardInputs]:
-        """The sharded layer of ``layer.kind`` and its inputs at (seq_len, micro_batch)."""
+    def runner(self, layer: LayerSpec, seq_len: int, micro_batch: int,
+               packed: bool = False) -> tuple[nn.Module, ShardInputs]:
+        """The sharded layer of ``layer.kind`` and its inputs at (seq_len, micro_batch): B images or rows, or
+        (``packed``, a linear-attention layer) one row of B samples."""
         if layer.kind in VISION_KINDS:
+            if self.vision is None:
+                raise NotImplementedError(f"{layer.name}: this module builds Qwen2.5-VL's vision tower only")
             return self._vision_runner(layer, seq_len, micro_batch)
-        return self._llm_runner(layer, seq_len, micro_batch)
+        return self._llm_runner(layer, seq_len, micro_batch, packed)
 
     def _vision_runner(self, layer: LayerSpec, seq_len: int, micro_batch: int) -> tuple[nn.Module, ShardInputs]:
         shard = self.vision_inputs(seq_len, micro_batch)
@@ -211,18 +233,25 @@ class _Rank:
             kwargs.update(cu_seqlens=shard.cu_windows.to(self.device))
         return _Call(self.vision.blocks[0]), ShardInputs(x=x_nD, kwargs=kwargs)
 
-    def llm_inputs(self, seq_len: int, micro_batch: int):
-        """This rank's slice of B sequences of ``seq_len`` tokens, as ``shard_llm_batch`` cuts them."""
+    def llm_inputs(self, seq_len: int, micro_batch: int, packed: bool = False):
+        """This rank's slice of B sequences of ``seq_len`` tokens, as ``shard_llm_batch`` cuts them: B rows, or
+        (``packed``) one row of B samples."""
         vocab = self.llm.language_model.config.vocab_size
-        ids_BL = torch.randint(0, vocab, (micro_batch, seq_len))
-        positions_3BL = torch.arange(seq_len).expand(3, micro_batch, seq_len)
+        rows, length, segments = (1, seq_len * micro_batch, (seq_len,) * micro_batch) if packed else (
+            micro_batch, seq_len, None)
+        ids_BL = torch.randint(0, vocab, (rows, length))
+        positions_3BL = torch.arange(seq_len).repeat(length // seq_len).expand(3, rows, length)
         group = dist.group.WORLD if self.sp > 1 else None
         return shard_llm_batch(ids_BL, positions_3BL, ids_BL, sp_rank=self.rank if self.sp > 1 else 0,
-                               sp_group=group, sp=self.sp)
+                               sp_group=group, sp=self.sp, segment_lens=segments)
 
-    def _llm_runner(self, layer: LayerSpec, seq_len: int, micro_batch: int) -> tuple[nn.Module, ShardInputs]:
+    def _llm_runner(self, layer: LayerSpec, seq_len: int, micro_batch: int,
+                    packed: bool) -> tuple[nn.Module, ShardInputs]:
         lm = self.llm.language_model
-        shard = self.llm_inputs(seq_len, micro_batch)
+        if packed and layer.linear_attention is None:
+            raise NotImplementedError(f"{layer.name}: packed rows are fed to linear-attention layers only (a "
+                                      "full-attention layer's packed mask is not built here)")
+        shard = self.llm_inputs(seq_len, micro_batch, packed)
         ids_Bs = shard.input_ids_Bs.to(self.device)
         if layer.kind == "embedding":
             return _Call(lm.embed_tokens), ShardInputs(x=ids_Bs, kwargs={})
@@ -233,12 +262,13 @@ class _Rank:
         if layer.kind == "lm_head":
             labels = shard.targets_Bs.flatten().clamp(min=0).to(self.device)  # the last position's label too
             return _Call(self.llm.lm_head, loss=True), ShardInputs(x=x_BsD, kwargs={"labels": labels})
-        head_dim = lm.layers[0].self_attn.head_dim
-        rope = torch.randn(*ids_Bs.shape, head_dim, dtype=self.dtype, device=self.device)
-        kwargs = {"position_embeddings": (rope.cos(), rope.sin())}
+        cos, sin = lm.rotary_emb(x_BsD, shard.position_ids_3Bs.to(self.device))
+        kwargs = {"position_embeddings": (cos.to(self.dtype), sin.to(self.dtype))}
         if shard.ulysses is not None:
             kwargs["ulysses_group"] = shard.ulysses
-        return _Call(lm.layers[0]), ShardInputs(x=x_BsD, kwargs=kwargs)
+        elif packed:  # what ``decoder_forward`` hands a linear-attention layer of a packed row
+            kwargs["cu_seq_lens_q"] = torch.arange(micro_batch + 1, device=self.device) * seq_len
+        return _Call(self.llm.layer(layer)), ShardInputs(x=x_BsD, kwargs=kwargs)
 
 
 def _with_runtime_attention(config):
@@ -247,17 +277,29 @@ def _with_runtime_attention(config):
     return config
 
 
+def builds_vision(config) -> bool:
+    """Whether ``_Visual`` builds this model's vision tower (its classes are Qwen2.5-VL's)."""
+    return isinstance(config, Qwen2_5_VLConfig)
+
+
 def build_rank(model_arg: str, *, tp: int, sp: int, rank: int, dtype: torch.dtype, device: torch.device) -> _Rank:
-    """Full-size layers of every type on this rank, TP-sharded by the runtime's functions when tp > 1."""
+    """Full-size layers of every type on this rank (the vision tower's where ``builds_vision``), prepared and
+    TP-sharded by the runtime's functions (the model family's ``prepare_llm`` and TP plan)."""
     config = hf_config(get_model(model_arg).hf_config)
+    family = FAMILIES[config.model_type]
     torch.manual_seed(0)
+    vision = None
     with default_dtype(dtype), device:
-        vision = _Visual(_with_runtime_attention(config.vision_config)).train()
+        if builds_vision(config):
+            vision = _Visual(_with_runtime_attention(config.vision_config)).train()
         llm = _LLM(_with_runtime_attention(config.text_config)).train()
+    if family.prepare_llm is not None:
+        family.prepare_llm(llm, SimpleNamespace(linear_attention=LINEAR_ATTENTION_KERNEL))
     if tp > 1:
         mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
-        parallelize_vision_tp(vision, mesh["tp"], qwen2_5_vl.vision_tp_plans(vision))
-        parallelize_llm_tp(llm, mesh["tp"], qwen2_5_vl.FAMILY)
+        if vision is not None:
+            parallelize_vision_tp(vision, mesh["tp"], qwen2_5_vl.vision_tp_plans(vision))
+        parallelize_llm_tp(llm, mesh["tp"], family)
     return _Rank(tp=tp, sp=sp, rank=rank, vision=vision, llm=llm, dtype=dtype, device=device)
 
 
@@ -361,12 +403,26 @@ def sweep_as_run(model_arg: str, points: list[GridPoint], *, profile_path: str, 
     return measured, len(points) - measured
 
 
-def count_layer_ops(ranked: _Rank, layer: LayerSpec, seq_len: int, micro_batch: int) -> tuple[OpCount, OpCount, int]:
-    """(forward, backward) operator calls of one instance of ``layer`` as this rank runs it, and the attention
-    segments it looped over (0 for layers without attention); every rank of the group must call it."""
-    module, inputs = ranked.runner(layer, seq_len, micro_batch)
-    cu_seqlens = inputs.kwargs.get("cu_seqlens")
-    segments = 0 if cu_seqlens is None else len(cu_seqlens) - 1
+def _segments_run(layer: LayerSpec, kwargs: dict) -> int:
+    """Segments a layer's attention loops over: a vision block's ``cu_seqlens``; a linear-attention layer's
+    conv and rule calls (``gated_delta_net_forward``: one per sample of a packed row, of the Ulysses group's under
+    SP, else one over all the rows); 0 for other layers."""
+    if layer.linear_attention is not None:
+        ulysses, cu_seq_lens = kwargs.get("ulysses_group"), kwargs.get("cu_seq_lens_q")
+        if ulysses is not None:
+            return len(ulysses.segment_lens)
+        return 1 if cu_seq_lens is None else len(cu_seq_lens) - 1
+    cu_seqlens = kwargs.get("cu_seqlens")
+    return 0 if cu_seqlens is None else len(cu_seqlens) - 1
+
+
+def count_layer_ops(ranked: _Rank, layer: LayerSpec, seq_len: int, micro_batch: int,
+                    packed: bool = False) -> tuple[OpCount, OpCount, int]:
+    """(forward, backward) operator calls of one instance of ``layer`` as this rank runs it (``packed``: one row
+    of ``micro_batch`` samples, a linear-attention layer), and the attention segments it looped over
+    (``_segments_run``); every rank of the group must call it."""
+    module, inputs = ranked.runner(layer, seq_len, micro_batch, packed)
+    segments = _segments_run(layer, inputs.kwargs)
     with loss_parallel() if ranked.tp > 1 and layer.kind == "lm_head" else contextlib.nullcontext():
         with OpCounter() as forward:
             out = module(inputs.x, **inputs.kwargs)
