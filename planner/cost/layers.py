@@ -26,12 +26,22 @@ from planner.cost.linear_attention import (
     fla_chunk_rule_transient_bytes_per_token,
     gated_delta_rule_core_flops,
     gated_delta_rule_saved_bytes_per_token,
+    linear_kernel_calls,
+    linear_kernel_chunks,
     linear_mixer_elementwise_elements,
     linear_widths,
     recurrent_state_bytes,
     short_conv_flops_per_token,
 )
-from planner.cost.op_counts import LAYER_OPS, NO_OPS, PassOps, layer_pass_ops
+from planner.cost.op_counts import (
+    LAYER_OPS,
+    NO_OPS,
+    PassOps,
+    layer_pass_ops,
+    linear_attention_pass_ops,
+    linear_kernel_ops,
+    ops_row,
+)
 from planner.cost.times import PassTimes
 from planner.cost.memory import (
     block_saved_bytes_per_token,
@@ -578,8 +588,8 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     calls = attention_calls(layer, s)
     return _terms(
         s,
-        ops=layer_pass_ops(layer.kind, tp=s.tp, segments=calls, ulysses=s.sp > 1 and not windowed),
-        attention_ops=NO_OPS.plus(LAYER_OPS[layer.kind].per_segment_forward, calls),
+        ops=layer_pass_ops(ops_row(layer), tp=s.tp, segments=calls, ulysses=s.sp > 1 and not windowed),
+        attention_ops=NO_OPS.plus(LAYER_OPS[ops_row(layer)].per_segment_forward, calls),
         gemm_s=gemm_s,
         gemm_flops_=gemm_fl,
         attention_s=attn_s,
@@ -621,7 +631,10 @@ def linear_attention_block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     and the a / b gates to head-sharded whole sequences (the conv and the recurrence then run unchanged on each
     sequence) and of the rule's output back, in forward, and again in backward. Ring CP is refused by
     ``planner.contract.rules.linear_attention_rules`` (nothing priced). The kernel's transients
-    (``_linear_kernel_transient_bytes``) come on top of the exchange buffers in each pass."""
+    (``_linear_kernel_transient_bytes``) come on top of the exchange buffers in each pass. Operator calls
+    (``linear_attention_pass_ops``): the layer's fixed calls, and its kernel's: on ``torch``, per conv and rule call
+    (``linear_kernel_calls``) and per iteration of the rule's loop over chunks (``linear_kernel_chunks``); on
+    ``fla``, a fixed number; selective recomputation re-dispatches the kernel's forward calls."""
     s, asm = shard, shard.assumptions
     e, h, m = asm.activation_bytes, layer.hidden_size, shard.tokens
     w = linear_widths(layer, s.tp)
@@ -645,10 +658,13 @@ def linear_attention_block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         buffers += 2 * m * (w.conv_channels + value) * e
     backward_buffers = max(buffers + _linear_kernel_transient_bytes(w, s, backward=True), _mlp_backward_bytes(layer, s))
     buffers += _linear_kernel_transient_bytes(w, s, backward=False)
+    calls = linear_kernel_calls(s.segments, s.micro_batch)
+    chunks = linear_kernel_chunks(calls, s.segment_tokens, chunk)
+    kernel = asm.linear_attention_kernel
     return _terms(
         s,
-        ops=layer_pass_ops(layer.kind, tp=s.tp, segments=s.micro_batch, ulysses=s.sp > 1),
-        attention_ops=NO_OPS.plus(LAYER_OPS[layer.kind].per_segment_forward, s.micro_batch),
+        ops=linear_attention_pass_ops(kernel, tp=s.tp, calls=calls, chunks=chunks, ulysses=s.sp > 1),
+        attention_ops=linear_kernel_ops(kernel, calls=calls, chunks=chunks)[0],
         gemm_s=gemm_s,
         gemm_flops_=gemm_fl,
         attention_s=core_s,
@@ -835,7 +851,7 @@ def audio_projector_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
 
 def _ops(layer: LayerSpec, shard: Shard) -> tuple[PassOps, PassOps]:
     """(forward, backward) operator calls of a layer without an attention loop."""
-    return layer_pass_ops(layer.kind, tp=shard.tp, segments=0, ulysses=False)
+    return layer_pass_ops(ops_row(layer), tp=shard.tp, segments=0, ulysses=False)
 
 
 def _forward_only(shard: Shard) -> Shard:

@@ -14,6 +14,7 @@ transformers repeats them before the kernel (``repeat_interleave`` by ``Hv / Hk`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from planner.cost.assumptions import CostAssumptions
@@ -208,3 +209,19 @@ def linear_mixer_elementwise_elements(tokens: float, w: LinearWidths) -> float:
     key = w.value_heads * w.key_head_dim
     value = w.value_heads * w.value_head_dim
     return tokens * (4 * w.conv_channels + 4 * key + 4 * w.value_heads + 3 * value)
+
+
+def linear_kernel_calls(segments: float, micro_batch: int) -> float:
+    """Calls of the conv and of the rule per micro-batch on the torch kernel (``runtime.models.linear_attention``
+    runs them once per segment of a row, each from a zero state): a packed row (``segments`` > 1 samples per pack,
+    a micro-batch's packs in one row) one per sample, ``micro_batch * segments``; rows of one sequence each (a
+    fixed-shape workload) one call over all the rows. Under Ulysses the rank runs the group's whole sequences, the
+    same segments."""
+    return micro_batch * segments if segments > 1 else 1.0
+
+
+def linear_kernel_chunks(calls: float, segment_tokens: float, chunk: int) -> float:
+    """Iterations of the torch rule's loop over chunks per micro-batch: ``ceil(segment / chunk)`` per call
+    (transformers' ``torch_chunk_gated_delta_rule`` pads each sequence to whole chunks and loops over them; rows
+    batched in one call share the loop), with ``segment_tokens`` the segments' token-weighted mean length."""
+    return calls * math.ceil(segment_tokens / chunk)

@@ -27,7 +27,7 @@ from planner.cost.comm import (
 )
 from planner.cost.layer_costs import ANALYTICAL, MEASURED, LayerCostSource, LayerMeasurement
 from planner.cost.layers import Shard, layer_terms
-from planner.cost.op_counts import LAYER_OPS
+from planner.cost.op_counts import LAYER_OPS, ops_row
 from planner.cost.memory import (
     FSDP_BLOCK_KINDS,
     bucket_bytes,
@@ -268,7 +268,7 @@ def _sum_layers(
         else:
             formula_params += n * layer_params_per_rank(layer, s.tp, s.ep)
             formula_experts += n * expert_params_per_rank(layer, s.tp, s.ep)
-            formula_tensors += n * LAYER_OPS[layer.kind].param_tensors
+            formula_tensors += n * LAYER_OPS[ops_row(layer)].param_tensors
             optimizer_measured = False
         times = times.plus(layer_times, n)
         if t.backward_s > 0:

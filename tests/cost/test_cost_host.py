@@ -1,14 +1,17 @@
-"""Host dispatch vs device work per pass (planner/cost/host.py), by hand."""
+"""Host dispatch vs device work per pass (planner/cost/host.py), and the operator calls a layer pays
+(planner/cost/op_counts.py), by hand."""
 
 from dataclasses import replace
 
 import pytest
 from cost_toys import COMPUTE_ONLY, TOY_DEVICE, toy_model
 
+from planner.catalog import get_model
 from planner.cost.comm import Link
 from planner.cost.host import device_pass_time, host_dispatch_time, pass_time
 from planner.cost.layers import Shard, layer_terms
-from planner.cost.op_counts import LAYER_OPS, PassOps, layer_pass_ops
+from planner.cost.linear_attention import linear_kernel_calls, linear_kernel_chunks
+from planner.cost.op_counts import LAYER_OPS, PassOps, layer_pass_ops, linear_attention_pass_ops, ops_row
 
 OPS = PassOps(ops=100, dtensor_ops=20, kernels=50)
 HOST = replace(COMPUTE_ONLY, host_seconds_per_op=5e-6, dtensor_seconds_per_op=10e-6)
@@ -77,3 +80,68 @@ def test_selective_recompute_redispatches_the_attention_loop(calls, dispatched):
     device_s = terms(COMPUTE_ONLY).recompute_s  # no host cost: the core's work and its kernels' launches
     host_s = dispatched * LAYER_OPS["vision_block"].per_segment_forward.ops * HOST.host_seconds_per_op
     assert terms(HOST).recompute_s == pytest.approx(max(device_s, host_s) + 0.1 * min(device_s, host_s))
+
+
+HYBRID = get_model("qwen3.6-27b").module("llm")
+LINEAR = HYBRID.layer("linear_decoder_layer")
+CPU = replace(GPU, kernel_launch_latency=0.0, host_overlap=0.0)
+
+
+def test_qwen3_5_decoder_layers_take_their_own_rows():
+    assert ops_row(LINEAR) == "linear_decoder_layer"
+    assert ops_row(HYBRID.layer("decoder_layer")) == "gated_decoder_layer"
+    assert ops_row(toy_model().module("llm").layer("decoder_layer")) == "decoder_layer"
+
+
+def test_linear_kernel_calls_per_packed_sample_else_one_over_the_rows():
+    """8 rows of one 2,276-token sequence: one batched call looping over ceil(2276 / 64) = 36 chunks; 2 packs of 3
+    samples of (token-weighted) 1,000 tokens in one row: 6 calls of ceil(1000 / 64) = 16 chunks."""
+    assert linear_kernel_calls(1.0, 8) == 1
+    assert linear_kernel_chunks(1, 2276, 64) == 36
+    assert linear_kernel_calls(3.0, 2) == 6
+    assert linear_kernel_chunks(6, 1000, 64) == 96
+
+
+def test_torch_kernel_calls_grow_with_segments_and_chunks_fla_does_not():
+    """TP2 under Ulysses, 6 calls over 96 chunks. torch: fixed 111 (32 DTensor, 57 kernels) + Ulysses 80 (28) + 6 x
+    103 (54) + 96 x 37 (13) forward, 200 + 80 + 6 x 126 + 96 x 54 backward. fla: the fixed and Ulysses calls plus
+    its conv (3 forward, 9 backward) and rule (27, 42), whatever the segments and chunks."""
+    forward, backward = linear_attention_pass_ops("torch", tp=2, calls=6, chunks=96, ulysses=True)
+    assert (forward.ops, forward.dtensor_ops, forward.kernels) == (
+        111 + 80 + 6 * 103 + 96 * 37, 32, 57 + 28 + 6 * 54 + 96 * 13)
+    assert backward.ops == 200 + 80 + 6 * 126 + 96 * 54
+    fla = linear_attention_pass_ops("fla", tp=2, calls=6, chunks=96, ulysses=True)
+    assert (fla[0].ops, fla[1].ops) == (111 + 80 + 3 + 27, 200 + 80 + 9 + 42)
+    assert linear_attention_pass_ops("fla", tp=2, calls=1, chunks=1, ulysses=True) == fla
+
+
+def _linear_host_s(kernel: str, *, samples: int, sample_tokens: int, recompute: str = "none") -> tuple[float, float]:
+    """(forward, recompute) seconds Qwen3.6-27B's linear layer pays for dispatch at tp 1 on a CPU (nothing hides):
+    the same terms with and without 5 us a call; ``samples`` > 1 are one packed row of that many."""
+    link = Link(bandwidth=GPU.intra_node_bandwidth, latency=GPU.intra_node_latency)
+
+    def terms(assumptions):
+        shard = Shard(tp=1, sp=1, cp=1, micro_batch=1, tokens=samples * sample_tokens, segment_tokens=sample_tokens,
+                      segments=samples, window_tokens=0, windows=0, recompute=recompute, backward="full",
+                      tp_link=link, sp_link=link, cp_link=link, device=CPU,
+                      assumptions=replace(assumptions, linear_attention_kernel=kernel))
+        return layer_terms(LINEAR, shard)
+
+    with_host, without = terms(HOST), terms(COMPUTE_ONLY)
+    return with_host.forward_s - without.forward_s, with_host.recompute_s - without.recompute_s
+
+
+def test_a_torch_kernel_layer_dispatches_every_chunk_of_every_sample():
+    """One row of 4,096 tokens: 87 + 103 + 64 x 37 calls; a row packing 4 samples of 1,000 tokens: 87 + 4 x 103 +
+    4 x 16 x 37; on fla 87 + 3 + 27 either way. Selective recomputation re-dispatches the kernel's forward calls
+    (103 + 64 x 37; fla's 30)."""
+    per_op = HOST.host_seconds_per_op
+    assert _linear_host_s("torch", samples=1, sample_tokens=4096)[0] == pytest.approx((87 + 103 + 64 * 37) * per_op)
+    assert _linear_host_s("torch", samples=4, sample_tokens=1000)[0] == pytest.approx(
+        (87 + 4 * 103 + 4 * 16 * 37) * per_op)
+    for samples, tokens in ((1, 4096), (4, 1000)):
+        assert _linear_host_s("fla", samples=samples, sample_tokens=tokens)[0] == pytest.approx((87 + 30) * per_op)
+    assert _linear_host_s("torch", samples=1, sample_tokens=4096, recompute="selective")[1] == pytest.approx(
+        (103 + 64 * 37) * per_op)
+    assert _linear_host_s("fla", samples=1, sample_tokens=4096, recompute="selective")[1] == pytest.approx(
+        30 * per_op)
