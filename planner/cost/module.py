@@ -13,6 +13,8 @@ from planner.cost.rank_cost import (
     axes_within_node,
     flops_per_sample,
     handoff_per_micro_batch,
+    layer_axes_within_node,
+    layer_sums,
     module_static,
     rank_cost,
     with_measured_collectives,
@@ -81,6 +83,23 @@ def module_cost(
         heavy = _module_cost(model, module, cluster, heaviest, strategy, chunk_layers=cost.chunk_layers, **options)
         cost = _with_heavy_memory(cost, heavy)
     return feeding_pipeline(cost) if feeds_pipeline else cost
+
+
+def per_micro_batch_floor(
+    model: ModelSpec, module: str, cluster: Cluster, workload: Workload, strategy: ModuleStrategy, *,
+    first_rank: int, assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS, layer_costs: LayerCostSource | None = None,
+) -> tuple[float, float]:
+    """(seconds, saved bytes) of one micro-batch of ``strategy`` (pp = 1) through ``module``'s layers: at most
+    ``module_cost``'s ``per_micro_batch_s`` (which adds the hand-off) and ``activations_per_micro_batch_bytes`` (which
+    adds injected features and takes a dataset's heaviest pack) -- the layer sums alone, memoised by the sharding, so
+    that the search bounds a strategy at a fraction of a costing (``candidates.context_parallel_floor``)."""
+    s = strategy
+    balanced, _ = balance.balanced_workload(workload, model, module, s.dp, s.micro_batch, s.grad_accum, cluster.device,
+                                            assumptions)
+    static = with_measured_collectives(module_static(model, module, balanced, cluster, assumptions), s, layer_costs)
+    within = layer_axes_within_node(axes_within_node(s, first_rank, cluster.devices_per_node))
+    sums = layer_sums(static, s, within, layer_costs, static.spec.layers)
+    return sums.total_s, sums.saved_bytes
 
 
 def feeding_pipeline(cost: ModuleCost) -> ModuleCost:

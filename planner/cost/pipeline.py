@@ -474,13 +474,22 @@ def pipelined_state_floor_bytes(
     states (``model_state_bytes`` over the module's ZeRO shards: routed experts shard over fewer ranks, and a
     pipelined FSDP stage keeps whole weights and gradients, both more). Activations, buffers and the reserve come on
     top. The planner skips costing a pipelined strategy whose bound already exceeds a GPU (exact pruning)."""
+    return sum(state_floor_bytes(model, module, cluster, workload, strategy, precision=precision,
+                                 assumptions=assumptions))
+
+
+def state_floor_bytes(
+    model: ModelSpec, module: str, cluster: Cluster, workload: Workload, strategy: ModuleStrategy, *,
+    precision: Precision, assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
+) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer states) of ``pipelined_state_floor_bytes``: at most what a rank of ``strategy``
+    holds of each."""
     s = strategy
     static = module_static(model, module, pipeline_padded(workload), cluster, assumptions)
     params = params_per_rank(static, s.tp, s.ep, static.spec.layers)[0]
     shards = s.dp * s.cp * s.sp if assumptions.zero_shards_over_sequence_ranks else s.dp
-    states = model_state_bytes(params / s.pp, assumptions.bytes_per_param(precision), zero=s.zero, shards=shards,
-                               frozen=static.spec.frozen)
-    return sum(states)
+    return model_state_bytes(params / s.pp, assumptions.bytes_per_param(precision), zero=s.zero, shards=shards,
+                             frozen=static.spec.frozen)
 
 
 def _pipeline_work(static: ModuleStatic, s: ModuleStrategy, layer_costs: LayerCostSource | None) -> tuple[float, float]:

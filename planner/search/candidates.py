@@ -24,8 +24,9 @@ from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from planner.cost import ModuleCost, module_cost
-from planner.cost.module import feeding_pipeline
-from planner.cost.pipeline import NUM_PATHS, path_terms, pipelined_state_floor_bytes, pipelined_step_floor_s
+from planner.cost.module import feeding_pipeline, per_micro_batch_floor
+from planner.cost.pipeline import (NUM_PATHS, path_terms, pipelined_state_floor_bytes, pipelined_step_floor_s,
+                                    state_floor_bytes)
 from planner.cost.estimate import module_path_terms
 from planner.cost.phases import alive_bytes, data_flow_order, own_peak_bytes, step_phases
 from planner.search.enumeration import Verdicts, encoder_names, group_sizes, module_strategies, valid_accums
@@ -585,23 +586,28 @@ def context_parallel_floor(problem: Problem, module: str, group: list[ModuleStra
                            ) -> tuple[float, tuple[float, ...]]:
     """(colocated step term, disjoint path terms), in ns, at most those of any strategy of ``group`` (one layout,
     experts and grad_accum; ZeRO stages and recomputations) that fits a GPU; infinite when none can. A strategy's
-    model states are least under the group's highest ZeRO stage and its activations under its heaviest
-    recomputation, and ZeRO does not change the micro-batches' time: so a recomputation whose states at the highest
-    stage plus activations do not fit (``cost_series``' test) is never part of a plan, and the least time is
-    ``grad_accum`` micro-batches of the lightest recomputation left (recomputation only adds passes; the step's tail
-    is at least 0), with the path terms of that time at the forward share that makes them least (``path_terms``'
+    model states are least under the group's highest ZeRO stage (``state_floor_bytes``) and its activations under its
+    heaviest recomputation, and ZeRO does not change the micro-batches' time: so a recomputation whose weights and
+    optimizer states at the highest stage plus its saved activations do not fit (``cost_series``' test) is never
+    part of a plan, and the least time is ``grad_accum`` micro-batches of the lightest recomputation left
+    (``per_micro_batch_floor``: recomputation only adds passes; the hand-off and the step's tail are at least 0),
+    with the path terms of that time at the forward share that makes them least (``path_terms``'
     ``m P - min(F, P - F)`` is least at ``F = P / 2``)."""
-    zero = max(s.zero for s in group)
-    if not _may_fit_alone(problem, replace(group[0], zero=zero), module):
+    top = replace(group[0], zero=max(s.zero for s in group))
+    weights, gradients, optimizer = state_floor_bytes(problem.model, module, problem.cluster, problem.workload, top,
+                                                      precision=problem.precision, assumptions=problem.assumptions)
+    room = problem.usable_bytes - problem.overhead_bytes
+    if weights + gradients + optimizer > room:
         return math.inf, (math.inf,) * NUM_PATHS
     for recompute in sorted({s.recompute for s in group}, key=_RECOMPUTE_ORDER.get):
-        cost = placed_cost(problem, module, replace(group[0], zero=zero, recompute=recompute), placement)
-        least = cost.weights_bytes + cost.optimizer_bytes + cost.activations_per_micro_batch_bytes
-        if least + problem.overhead_bytes <= problem.usable_bytes:
-            per_micro = cost.per_micro_batch_s
-            paths = path_terms(per_micro, per_micro / 2, cost.strategy.grad_accum,
-                               stage="llm" if module == "llm" else "encoder")
-            return math.floor(cost.micro_batches_s * NS_PER_S), tuple(math.floor(t * NS_PER_S) for t in paths)
+        per_micro, saved = per_micro_batch_floor(
+            problem.model, module, problem.cluster, problem.workload, replace(top, recompute=recompute),
+            first_rank=first_rank(problem, module, top.gpus, placement), assumptions=problem.assumptions,
+            layer_costs=problem.layer_costs)
+        if weights + optimizer + saved <= room:
+            paths = path_terms(per_micro, per_micro / 2, top.grad_accum, stage="llm" if module == "llm" else "encoder")
+            return (math.floor(top.grad_accum * per_micro * NS_PER_S),
+                    tuple(math.floor(t * NS_PER_S) for t in paths))
     return math.inf, (math.inf,) * NUM_PATHS
 
 
