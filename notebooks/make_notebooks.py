@@ -235,13 +235,17 @@ SCALING = [
 **Question:** how do predicted throughput and MFU of the planner's best plan change from 8 to 1024 H100s for
 Qwen2.5-VL 3B, 7B, 32B and 72B (default workload: one 1344x1344 image + 512 text tokens per sample, 4 samples per
 GPU, so the batch grows with the cluster), is it better to run the vision encoder and the LLM on the same GPUs
-(colocated) or on disjoint GPU groups (a two-stage pipeline), and which module binds the step time?"""),
+(colocated) or on disjoint GPU groups (a two-stage pipeline), and which module binds the step time? The plans here
+are searched without ring context parallelism (`SearchOptions(allow_ring_cp=False)`, `plan --no-cp`) to keep the
+1,024-GPU sweeps quick: with it each of those plans takes about 5x longer to find; compare_plans searches it."""),
     new_code_cell(SETUP + """
 from planner.analysis import sweep
+from planner.inputs import SearchOptions
 
 MODELS = ["qwen-vl-3b", "qwen-vl-7b", "qwen-vl-32b", "qwen-vl-72b"]
 GPUS = [8, 64, 1024]
-table = sweep(MODELS, gpus=GPUS, placements=["colocated", "disjoint"])
+NO_CP = SearchOptions(allow_ring_cp=False)
+table = sweep(MODELS, gpus=GPUS, placements=["colocated", "disjoint"], search=NO_CP)
 table["tokens_per_s_per_gpu"] = table.tokens_per_s / table.num_gpus
 table[["model", "num_gpus", "requested_placement", "feasible", "vision_gpus", "llm_gpus", "llm_tp", "llm_cp",
        "llm_zero", "tokens_per_s", "mfu", "binding_module", "peak_memory_gib"]].round(3)"""),
@@ -289,7 +293,7 @@ with open(slow, "w") as f:
     f.write("device: h100-80gb\\ninter_node_bandwidth: 6.25e9\\n")
 pp_rows = []
 for network, extra in (("400 Gb/s", {}), ("50 Gb/s", {"cluster_file": slow})):
-    part = sweep(["qwen-vl-72b", "qwen-vl-32b"], gpus=[64, 256, 1024], **extra)
+    part = sweep(["qwen-vl-72b", "qwen-vl-32b"], gpus=[64, 256, 1024], search=NO_CP, **extra)
     pp_rows.append(part.assign(network=network))
 pp = pd.concat(pp_rows, ignore_index=True)
 pp["pipelined"] = pp.llm_pp > 1
