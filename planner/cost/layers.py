@@ -37,6 +37,7 @@ from planner.cost.op_counts import (
     LAYER_OPS,
     NO_OPS,
     PassOps,
+    context_parallel_ops,
     layer_pass_ops,
     linear_attention_pass_ops,
     linear_kernel_ops,
@@ -410,6 +411,15 @@ def gathered_context_parallel(layer: LayerSpec, shard: Shard) -> bool:
     return packed_context_parallel(layer, shard) or (not layer.attention.causal and shard.cp > 1)
 
 
+def context_parallel_form(layer: LayerSpec, shard: Shard) -> str:
+    """The form a block's attention takes over CP (a row of ``op_counts.CONTEXT_PARALLEL_OPS``): a decoder's packed
+    row gathers under a mask (``gathered_masked``), a bidirectional block gathers per segment (``gathered``), else
+    the causal ring (``ring``)."""
+    if packed_context_parallel(layer, shard):
+        return "gathered_masked"
+    return "gathered" if gathered_context_parallel(layer, shard) else "ring"
+
+
 def packed_context_parallel_terms(kv_block: float, shard: Shard, masked: bool = True
                                   ) -> tuple[float, float, float, float, float]:
     """(forward and backward collective seconds, forward and backward transient bytes, saved bytes beyond the
@@ -586,10 +596,13 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         buffers += packed_mask_bytes(s.segment_tokens * s.segments, s.micro_batch)
     mlp_backward = _mlp_backward_bytes(layer, s)
     calls = attention_calls(layer, s)
+    forward_ops, backward_ops = layer_pass_ops(ops_row(layer), tp=s.tp, segments=calls,
+                                               ulysses=s.sp > 1 and not windowed)
+    cp_forward_ops, cp_backward_ops = context_parallel_ops(context_parallel_form(layer, s), s.cp if not windowed else 1)
     return _terms(
         s,
-        ops=layer_pass_ops(ops_row(layer), tp=s.tp, segments=calls, ulysses=s.sp > 1 and not windowed),
-        attention_ops=NO_OPS.plus(LAYER_OPS[ops_row(layer)].per_segment_forward, calls),
+        ops=(forward_ops.plus(cp_forward_ops), backward_ops.plus(cp_backward_ops)),
+        attention_ops=NO_OPS.plus(LAYER_OPS[ops_row(layer)].per_segment_forward, calls).plus(cp_forward_ops),
         gemm_s=gemm_s,
         gemm_flops_=gemm_fl,
         attention_s=attn_s,

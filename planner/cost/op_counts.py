@@ -114,6 +114,47 @@ LAYER_OPS: dict[str, LayerOps] = {
 """Row (``ops_row``) -> its operator calls (measured at tp = 1 and 2; the TP counts hold for any tp > 1)."""
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ContextParallelOps:
+    """Operator calls a layer's attention adds under ring context parallelism (runtime.parallel.ring), on its
+    busiest rank: ``fixed`` once, ``per_step`` for each of the ``cp - 1`` ring steps (blocks received, or parts
+    gathered, beyond the rank's own)."""
+
+    fixed_forward: PassOps
+    fixed_backward: PassOps
+    step_forward: PassOps
+    step_backward: PassOps
+
+
+CONTEXT_PARALLEL_OPS: dict[str, ContextParallelOps] = {
+    # torch's templated ring (``_RingAttention``) under the head-tail layout, counted on rank 0 (it computes every
+    # step's block in full: rank r makes 5 r forward calls fewer); per step, the block's send/receive, its SDPA with
+    # log-sum-exp and the merge (backward: the SDPA backward and the dK/dV pass).
+    "ring": ContextParallelOps(fixed_forward=_p(25, 0, 10), fixed_backward=_p(32, 0, 21),
+                               step_forward=_p(25, 0, 12), step_backward=_p(29, 0, 11)),
+    # ``gathered_bidirectional_attention``: pad, all-gather, narrow and cat of keys and values (per step, one more
+    # part's buffer and narrow each); backward, the all-reduce of their gradient.
+    "gathered": ContextParallelOps(fixed_forward=_p(26, 0, 13), fixed_backward=_p(18, 0, 9),
+                                   step_forward=_p(4, 0, 2), step_backward=_p(2, 0, 2)),
+    # A packed row's all-gather form: the gather above and one SDPA under the sample-and-causal mask.
+    "gathered_masked": ContextParallelOps(fixed_forward=_p(32, 0, 17), fixed_backward=_p(24, 0, 13),
+                                          step_forward=_p(4, 0, 2), step_backward=_p(2, 0, 2)),
+}
+"""Form of ring CP (``ring``: a decoder's causal ring; ``gathered``: a bidirectional block's all-gather;
+``gathered_masked``: a decoder's packed row) -> the calls it adds to the layer's row, counted with ``OpCounter`` on
+qwen2.5-vl-tiny's full-attention vision block and decoder layer at cp = 2, 3 and 4 on gloo (torch 2.13)."""
+
+
+def context_parallel_ops(form: str, cp: int) -> tuple[PassOps, PassOps]:
+    """(forward, backward) calls ring CP of form ``form`` adds to one layer instance at degree ``cp``:
+    ``fixed + (cp - 1) x per_step`` (none at cp = 1)."""
+    if cp == 1:
+        return NO_OPS, NO_OPS
+    table = CONTEXT_PARALLEL_OPS[form]
+    return (table.fixed_forward.plus(table.step_forward, cp - 1),
+            table.fixed_backward.plus(table.step_backward, cp - 1))
+
+
 def ops_row(layer: LayerSpec) -> str:
     """The table's row of ``layer``: a Gated DeltaNet decoder layer's (``linear_decoder_layer``), a gated
     full-attention decoder layer's (``gated_decoder_layer``), else its kind's."""

@@ -60,6 +60,7 @@ from runtime.profile.measure import TimingConfig, analyze_fake, default_dtype, o
 from runtime.profile.shards import ShardInputs, build_shard, hf_config
 from runtime.profile.ops import OpCount, OpCounter
 from runtime.models.llm import shard_llm_batch
+from runtime.parallel.ring import RingGroup
 from runtime.parallel.ulysses import split_windows
 from runtime.models.vision import shard_vision_batch
 from runtime.parallel.windows import window_layout
@@ -193,6 +194,8 @@ class _Rank:
     llm: _LLM
     dtype: torch.dtype
     device: torch.device
+    ring: RingGroup | None = None
+    """The CP group (ring context parallelism over every rank; ``sp`` is then 1), if any."""
 
     def vision_inputs(self, seq_len: int, micro_batch: int):
         """This rank's part of B images of ``seq_len`` patches, as ``shard_vision_batch`` splits them."""
@@ -202,7 +205,11 @@ class _Rank:
         pixels_NP = torch.randn(seq_len * micro_batch, in_features, dtype=self.dtype)
         group = dist.group.WORLD if self.sp > 1 else None
         return shard_vision_batch(pixels_NP, grid_thw, config, sp_rank=self.rank if self.sp > 1 else 0,
-                                  sp_group=group, sp=self.sp)
+                                  sp_group=group, sp=self.sp, cp_rank=self._cp_rank, ring=self.ring)
+
+    @property
+    def _cp_rank(self) -> int:
+        return self.rank if self.ring is not None else 0
 
     def runner(self, layer: LayerSpec, seq_len: int, micro_batch: int,
                packed: bool = False) -> tuple[nn.Module, ShardInputs]:
@@ -243,14 +250,15 @@ class _Rank:
         positions_3BL = torch.arange(seq_len).repeat(length // seq_len).expand(3, rows, length)
         group = dist.group.WORLD if self.sp > 1 else None
         return shard_llm_batch(ids_BL, positions_3BL, ids_BL, sp_rank=self.rank if self.sp > 1 else 0,
-                               sp_group=group, sp=self.sp, segment_lens=segments)
+                               sp_group=group, sp=self.sp, segment_lens=segments, ring=self.ring,
+                               cp_rank=self._cp_rank)
 
     def _llm_runner(self, layer: LayerSpec, seq_len: int, micro_batch: int,
                     packed: bool) -> tuple[nn.Module, ShardInputs]:
         lm = self.llm.language_model
-        if packed and layer.linear_attention is None:
-            raise NotImplementedError(f"{layer.name}: packed rows are fed to linear-attention layers only (a "
-                                      "full-attention layer's packed mask is not built here)")
+        if packed and layer.linear_attention is None and self.ring is None:
+            raise NotImplementedError(f"{layer.name}: packed rows are fed to linear-attention layers, or under CP "
+                                      "(a full-attention layer's packed mask is not built here)")
         shard = self.llm_inputs(seq_len, micro_batch, packed)
         ids_Bs = shard.input_ids_Bs.to(self.device)
         if layer.kind == "embedding":
@@ -282,9 +290,13 @@ def builds_vision(config) -> bool:
     return isinstance(config, Qwen2_5_VLConfig)
 
 
-def build_rank(model_arg: str, *, tp: int, sp: int, rank: int, dtype: torch.dtype, device: torch.device) -> _Rank:
+def build_rank(model_arg: str, *, tp: int, sp: int, rank: int, dtype: torch.dtype, device: torch.device,
+               cp: int = 1) -> _Rank:
     """Full-size layers of every type on this rank (the vision tower's where ``builds_vision``), prepared and
-    TP-sharded by the runtime's functions (the model family's ``prepare_llm`` and TP plan)."""
+    TP-sharded by the runtime's functions (the model family's ``prepare_llm`` and TP plan); ``cp > 1``: ring context
+    parallelism over all the world's ranks (alone: ``tp = sp = 1``), its inputs split as the runtime splits them."""
+    if cp > 1 and tp * sp > 1:
+        raise NotImplementedError("CP is built alone here (tp = sp = 1)")
     config = hf_config(get_model(model_arg).hf_config)
     family = FAMILIES[config.model_type]
     torch.manual_seed(0)
@@ -300,7 +312,8 @@ def build_rank(model_arg: str, *, tp: int, sp: int, rank: int, dtype: torch.dtyp
         if vision is not None:
             parallelize_vision_tp(vision, mesh["tp"], qwen2_5_vl.vision_tp_plans(vision))
         parallelize_llm_tp(llm, mesh["tp"], family)
-    return _Rank(tp=tp, sp=sp, rank=rank, vision=vision, llm=llm, dtype=dtype, device=device)
+    ring = RingGroup(init_device_mesh(device.type, (cp,), mesh_dim_names=("cp",))) if cp > 1 else None
+    return _Rank(tp=tp, sp=sp, rank=rank, vision=vision, llm=llm, dtype=dtype, device=device, ring=ring)
 
 
 def _spread(samples: list[float]) -> Spread:
@@ -407,6 +420,9 @@ def _segments_run(layer: LayerSpec, kwargs: dict) -> int:
     """Segments a layer's attention loops over: a vision block's ``cu_seqlens``; a linear-attention layer's
     conv and rule calls (``gated_delta_net_forward``: one per sample of a packed row, of the Ulysses group's under
     SP, else one over all the rows); 0 for other layers."""
+    ulysses = kwargs.get("ulysses_group")
+    if ulysses is not None and ulysses.gathered is not None:
+        return len(ulysses.gathered.query_segments())
     if layer.linear_attention is not None:
         ulysses, cu_seq_lens = kwargs.get("ulysses_group"), kwargs.get("cu_seq_lens_q")
         if ulysses is not None:

@@ -11,7 +11,16 @@ from planner.cost.comm import Link
 from planner.cost.host import device_pass_time, host_dispatch_time, pass_time
 from planner.cost.layers import Shard, layer_terms
 from planner.cost.linear_attention import linear_kernel_calls, linear_kernel_chunks
-from planner.cost.op_counts import LAYER_OPS, PassOps, layer_pass_ops, linear_attention_pass_ops, ops_row
+from planner.cost.op_counts import (
+    CONTEXT_PARALLEL_OPS,
+    LAYER_OPS,
+    NO_OPS,
+    PassOps,
+    context_parallel_ops,
+    layer_pass_ops,
+    linear_attention_pass_ops,
+    ops_row,
+)
 
 OPS = PassOps(ops=100, dtensor_ops=20, kernels=50)
 HOST = replace(COMPUTE_ONLY, host_seconds_per_op=5e-6, dtensor_seconds_per_op=10e-6)
@@ -145,3 +154,41 @@ def test_a_torch_kernel_layer_dispatches_every_chunk_of_every_sample():
         (103 + 64 * 37) * per_op)
     assert _linear_host_s("fla", samples=1, sample_tokens=4096, recompute="selective")[1] == pytest.approx(
         30 * per_op)
+
+
+def test_ring_cp_adds_a_fixed_part_and_one_per_ring_step():
+    """cp = 4: the fixed calls plus 3 steps' (ring: 25 + 3 x 25 forward, 32 + 3 x 29 backward); none at cp = 1."""
+    forward, backward = context_parallel_ops("ring", 4)
+    assert (forward.ops, forward.kernels, backward.ops, backward.kernels) == (100, 46, 119, 54)
+    gathered, _ = context_parallel_ops("gathered", 2)
+    assert (gathered.ops, gathered.kernels) == (26 + 4, 13 + 2)
+    assert context_parallel_ops("ring", 1) == (NO_OPS, NO_OPS)
+
+
+CPU = replace(TOY_DEVICE, kernel_launch_latency=0.0, host_overlap=0.0)
+
+
+@pytest.mark.parametrize("module, segments, form", [(1, 1, "ring"), (1, 3, "gathered_masked"), (0, 1, "gathered")])
+def test_a_cp_block_pays_its_context_parallel_calls(module, segments, form):
+    """On a CPU (nothing hides the host) a full-attention block at cp = 2 pays, beyond its device work, the host time
+    of its row's calls plus the CP form's fixed calls and one step's: (row + fixed + step) x 5 us, forward and
+    backward."""
+    block = next(layer for layer in toy_model().modules[module].layers
+                 if layer.attention is not None and not layer.attention.window_patches)
+    link = Link(bandwidth=CPU.intra_node_bandwidth, latency=CPU.intra_node_latency)
+
+    def terms(assumptions):
+        shard = Shard(tp=1, sp=1, cp=2, micro_batch=1, tokens=512, segment_tokens=1024 / segments,
+                      segments=segments, window_tokens=0, windows=0, recompute="none", backward="full",
+                      tp_link=link, sp_link=link, cp_link=link, device=CPU, assumptions=assumptions)
+        return layer_terms(block, shard)
+
+    row = LAYER_OPS[ops_row(block)]
+    cp = CONTEXT_PARALLEL_OPS[form]
+    loop = segments if not block.attention.causal else 0  # a vision block's per-segment calls
+    host, device = terms(HOST), terms(COMPUTE_ONLY)
+    forward_calls = row.forward.ops + loop * row.per_segment_forward.ops + cp.fixed_forward.ops + cp.step_forward.ops
+    backward_calls = (row.backward.ops + loop * row.per_segment_backward.ops + cp.fixed_backward.ops
+                      + cp.step_backward.ops)
+    assert host.forward_s - device.forward_s == pytest.approx(forward_calls * 5e-6)
+    assert host.backward_s - device.backward_s == pytest.approx(backward_calls * 5e-6)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from planner.catalog import get_model
 from planner.cost.linear_attention import linear_kernel_calls, linear_kernel_chunks
-from planner.cost.op_counts import LAYER_OPS, layer_pass_ops, linear_attention_pass_ops, ops_row, optimizer_pass_ops
+from planner.cost.op_counts import LAYER_OPS, context_parallel_ops, layer_pass_ops, linear_attention_pass_ops, ops_row, optimizer_pass_ops
 from runtime.training.optim import adamw, grad_sq_norm, scale_gradients
 from runtime.profile.as_run import build_rank, count_layer_ops
 from runtime.profile.device import free_port
@@ -147,3 +147,46 @@ def test_counter_counts_calls_and_kernels_and_the_probe_times_a_call():
         torch.ones(3).add(1).view(3, 1)
     assert (counter.count.ops, counter.count.kernels) == (3, 2)  # ones, add, view (no kernel)
     assert 0 < host_seconds_per_op(repeats=3) < 1e-3
+
+
+CP_POINTS = (("full_block", 256, 4, False, "gathered"), ("decoder_layer", 64, 1, False, "ring"),
+             ("decoder_layer", 64, 2, True, "gathered_masked"))
+"""(layer, tokens per sample, samples, packed in one row, CP form) recounted at cp = 2: a vision full-attention block
+over two images' parts, a decoder row over the ring, a packed row of two samples."""
+
+
+def _context_parallel_mismatches(rank: int, cp: int) -> list[str]:
+    """Rank 0's (the ring's busiest) recount of each ``CP_POINTS`` layer against its row plus its CP form's calls
+    (``context_parallel_ops``); the vision block's loop runs over the segments its part meets."""
+    ranked = build_rank(MODEL, tp=1, sp=1, rank=rank, dtype=torch.float32, device=torch.device("cpu"), cp=cp)
+    layers = {layer.name: layer for module in get_model(MODEL).modules for layer in module.layers}
+    wrong = []
+    for name, seq_len, samples, packed, form in CP_POINTS:
+        layer = layers[name]
+        forward, backward, segments = count_layer_ops(ranked, layer, seq_len, samples, packed)
+        row = layer_pass_ops(layer.kind, tp=1, segments=segments if layer.kind == "vision_block" else 0,
+                             ulysses=False)
+        extra = context_parallel_ops(form, cp)
+        wrong += _wrong(f"{name} s{seq_len} x{samples} packed={packed} cp{cp}", (forward, backward),
+                        (row[0].plus(extra[0]), row[1].plus(extra[1])))
+    return wrong
+
+
+def _cp_worker(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        wrong = _context_parallel_mismatches(rank, world)
+        if rank == 0:
+            with open(out, "w") as f:
+                f.write("\n".join(wrong))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_context_parallel_layers_match_the_table(tmp_path):
+    out = tmp_path / "mismatches.txt"
+    start_ranks(_cp_worker, (2, free_port(), str(out)), 2)
+    assert out.read_text() == ""
