@@ -4,11 +4,10 @@ the same steps and checkpoints, and their tokens/s over the steps after the adap
 all count):
 
 - ``wrong links``: planned from a cluster file that calls the interconnect 100x faster (and 100x lower latency) than
-  the ``cpu`` entry's gloo numbers, one sample per step on 2 devices: the plan leans on sequence parallelism (ring
-  CP since it is searched by default);
-- ``right numbers``: the same request from the ``cpu`` entry's own numbers (before CP was searched by default the
-  first plan was the one the fit prefers; now it is ring CP too, which the ``cpu`` entry prices well below what the
-  ring measures);
+  the ``cpu`` entry's gloo numbers, one sample per step on 2 devices: the plan leans on sequence parallelism (the
+  vision tower's ring CP, the LLM's Ulysses);
+- ``right numbers``: the same request from the ``cpu`` entry's own numbers (the first plan is already the one the
+  fit prefers: no switch, nothing but the fit's cost);
 - ``hand-made TP2``: a TP2 layout of both modules, 2 samples per step on 2 devices (as a hand sweep would start).
 
     .venv/bin/python benchmarks/adapt.py [--steps 120] [--cases wrong,right,tp2] [--save benchmarks/results/adapt]
