@@ -134,7 +134,7 @@ rows = []
 for model, gpus in MOE_CASES:
     p = planner.plan(model, gpus)
     llm = p.module("llm")
-    rows.append({"model": model, "GPUs": gpus, "LLM": f"DP{llm.dp} TP{llm.tp} EP{llm.ep} PP{llm.pp} ZeRO{llm.zero}",
+    rows.append({"model": model, "GPUs": gpus, "LLM": f"DP{llm.dp} TP{llm.tp} CP{llm.cp} EP{llm.ep} PP{llm.pp} ZeRO{llm.zero}",
                  "step s": p.predicted.step_time_s, "tokens/s": p.predicted.tokens_per_s,
                  "peak GiB": p.predicted.peak_memory_gib,
                  **{f"vs {name}": b.speedup for name, b in p.baselines.items()}})
