@@ -634,9 +634,9 @@ def _bounded_layouts(problem: Problem, module: str, placement: Placement, feeds:
     """``defer_context_parallel``'s groups of ``layouts`` (each: micro-batch -> its strategies)."""
     deferred = []
     for by_micro_batch in layouts:
-        bounds = (math.inf, (math.inf,) * NUM_PATHS)
-        for mb, group in sorted(by_micro_batch.items()):
-            if mb == min(by_micro_batch) or bounds[0] < math.inf:
+        bounds = None
+        for _, group in sorted(by_micro_batch.items()):
+            if bounds is None or bounds[0] < math.inf:  # past a micro-batch that cannot fit, none larger can
                 bounds = context_parallel_floor(problem, module, group, placement)
             deferred.append(DeferredGroup(module, tuple(group), feeds, *bounds))
     return deferred
@@ -679,12 +679,13 @@ def pipelined_floors(problem: Problem, cands: Candidates) -> list[float]:
     return [f for f in floors if f < math.inf]
 
 
-LeastTerms = dict[str, dict[tuple[int, int, bool], tuple[int, tuple[int, ...]]]]
+LeastTerms = dict[str, dict[tuple[int, int, bool], tuple[float, tuple[float, ...]]]]
 """Module -> (gpus, grad_accum, pipelined world) -> (least step term, least of each path term) over its candidates
 and its deferred groups' lower bounds."""
 
 
 def _least_terms(cands: Candidates) -> LeastTerms:
+    """``LeastTerms`` of ``cands``: each deferred group counts in every world it feeds."""
     least: LeastTerms = {m: {} for m in cands.by_module}
     terms = [((c.gpus, c.grad_accum, c.pipelined), c.module, c.step_ns, c.path_ns)
              for cs in cands.by_module.values() for c in cs]
