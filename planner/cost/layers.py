@@ -420,6 +420,38 @@ def context_parallel_form(layer: LayerSpec, shard: Shard) -> str:
     return "gathered" if gathered_context_parallel(layer, shard) else "ring"
 
 
+def _keeps_windows(layer: LayerSpec, shard: Shard) -> bool:
+    """Whether a block attends per window (its windows stay whole on a rank: no CP exchange)."""
+    return bool(layer.attention.window_patches) and shard.windows > 0
+
+
+def ring_kv_block_bytes(layer: LayerSpec, shard: Shard) -> float:
+    """Bytes of one rank's keys and values of a block, of as many heads as the queries (grouped KV heads are
+    repeated to the query heads: the kernels take equal heads)."""
+    a = layer.attention
+    return shard.tokens * 2 * a.num_heads / shard.tp * a.head_dim * shard.assumptions.activation_bytes
+
+
+def ring_calls(layer: LayerSpec, shard: Shard) -> tuple[PassOps, PassOps]:
+    """(forward, backward) operator calls ring CP adds to one instance of a block (``block_terms``) on ``shard``:
+    those of its form (``context_parallel_form``); none on a window-attention block."""
+    return context_parallel_ops(context_parallel_form(layer, shard), 1 if _keeps_windows(layer, shard) else shard.cp)
+
+
+def ring_collective_times(layer: LayerSpec, shard: Shard) -> tuple[float, float]:
+    """(forward, backward) seconds of the collectives ring CP runs in one instance of a block (``block_terms``):
+    the gathered forms' all-gather and all-reduce (``packed_context_parallel_terms``), else the ring's KV passes,
+    twice as many in the backward (KV and dKV); none on a window-attention block or at cp = 1."""
+    if shard.cp == 1 or _keeps_windows(layer, shard):
+        return 0.0, 0.0
+    kv_block = ring_kv_block_bytes(layer, shard)
+    if gathered_context_parallel(layer, shard):
+        forward, backward, *_ = packed_context_parallel_terms(kv_block, shard, masked=layer.attention.causal)
+        return forward, backward
+    forward = ring_kv_pass_time(kv_block, shard)
+    return forward, 2 * forward
+
+
 def packed_context_parallel_terms(kv_block: float, shard: Shard, masked: bool = True
                                   ) -> tuple[float, float, float, float, float]:
     """(forward and backward collective seconds, forward and backward transient bytes, saved bytes beyond the
@@ -454,7 +486,7 @@ def _block_attention(layer: LayerSpec, shard: Shard) -> tuple[float, float, floa
     """
     a, s, asm = layer.attention, shard, shard.assumptions
     heads = a.num_heads / (s.tp * s.sp)
-    windowed = bool(a.window_patches) and s.windows > 0
+    windowed = _keeps_windows(layer, s)
     seg, num_seg = (s.window_tokens, s.windows) if windowed else (s.segment_tokens, s.segments)
     causal = asm.causal_attention_flops_fraction if a.causal and asm.attention_implementation != "eager" else 1.0
     if dense_packed_mask(layer, s) or packed_context_parallel(layer, s):
@@ -582,15 +614,15 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
         q, kv = a.num_heads * a.head_dim, max(a.num_kv_heads, s.sp) * a.head_dim
         sp_fwd = ulysses_all_to_all_time(s.tokens, q, kv, s)
         buffers = max(buffers, s.tokens * 2 * (q + kv) * e)
-    if s.cp > 1 and not windowed:  # grouped KV heads repeated to the query heads: the kernels take equal heads
-        kv_block = s.tokens * 2 * a.num_heads / s.tp * a.head_dim * e
+    if s.cp > 1 and not windowed:
+        kv_block = ring_kv_block_bytes(layer, s)
         if gathered_context_parallel(layer, s):
             cp_fwd, cp_bwd, cp_buffers, cp_backward_buffers, cp_saved = packed_context_parallel_terms(
                 kv_block, s, masked=a.causal)
             cp_working, cp_overlap = (s.cp - 1) * kv_block, 0.0
         else:
-            cp_fwd, cp_buffers = ring_kv_pass_time(kv_block, s), 2 * kv_block
-            cp_bwd, cp_backward_buffers = 2 * cp_fwd, cp_buffers
+            cp_fwd, cp_bwd = ring_collective_times(layer, s)
+            cp_buffers = cp_backward_buffers = 2 * kv_block
         buffers += cp_buffers
     if dense_packed_mask(layer, s):
         buffers += packed_mask_bytes(s.segment_tokens * s.segments, s.micro_batch)
@@ -598,7 +630,7 @@ def block_terms(layer: LayerSpec, shard: Shard) -> LayerTerms:
     calls = attention_calls(layer, s)
     forward_ops, backward_ops = layer_pass_ops(ops_row(layer), tp=s.tp, segments=calls,
                                                ulysses=s.sp > 1 and not windowed)
-    cp_forward_ops, cp_backward_ops = context_parallel_ops(context_parallel_form(layer, s), s.cp if not windowed else 1)
+    cp_forward_ops, cp_backward_ops = ring_calls(layer, s)
     return _terms(
         s,
         ops=(forward_ops.plus(cp_forward_ops), backward_ops.plus(cp_backward_ops)),

@@ -17,6 +17,7 @@ from planner.cost.rank_cost import (
     layer_sums,
     module_static,
     rank_cost,
+    ring_floor_s,
     with_measured_collectives,
 )
 from planner.cost.results import ModuleCost
@@ -100,6 +101,32 @@ def per_micro_batch_floor(
     within = layer_axes_within_node(axes_within_node(s, first_rank, cluster.devices_per_node))
     sums = layer_sums(static, s, within, layer_costs, static.spec.layers)
     return sums.total_s, sums.saved_bytes
+
+
+def ring_share_floor(
+    model: ModelSpec, module: str, cluster: Cluster, workload: Workload, strategy: ModuleStrategy, *,
+    first_rank: int, assumptions: CostAssumptions = DEFAULT_ASSUMPTIONS,
+) -> float:
+    """Seconds, at most ``per_micro_batch_floor``'s, of one micro-batch of a ring context-parallel ``strategy``
+    under the analytical model: the same strategy's layer sums without the ring (cp = 1, the same links for its
+    other axes), divided by cp. A rank's share of every GEMM, attention block and memory-bound op of a sequence split
+    over cp ranks is at least 1/cp of the whole at no higher efficiency (``matmul_efficiency`` and
+    ``attention_efficiency`` rise with the size), its host dispatch at least 1/cp of the same calls, and the ring
+    only adds passes and transfers; and at least what the ring itself takes (``ring_floor_s``: its calls and
+    collectives, which grow with cp). The layer sums drop cp, the axis with the most values (a cheap first bound
+    for the search: ``candidates.ring_share_floor_terms``)."""
+    s = strategy
+    balanced, _ = balance.balanced_workload(workload, model, module, s.dp, s.micro_batch, s.grad_accum, cluster.device,
+                                            assumptions)
+    static = module_static(model, module, balanced, cluster, assumptions)
+    within = layer_axes_within_node(axes_within_node(s, first_rank, cluster.devices_per_node))
+    key = ("ring_share_floor", s.tp, s.sp, s.cp, s.ep, s.micro_batch, s.recompute, within)
+    floor = static.sums.get(key)
+    if floor is None:
+        sums = layer_sums(static, replace(s, cp=1), within[:2] + (True,) + within[3:], None, static.spec.layers)
+        floor = static.sums[key] = max(sums.total_s / s.cp,
+                                       ring_floor_s(static, s, tuple(static.links[not w] for w in within)))
+    return floor
 
 
 def feeding_pipeline(cost: ModuleCost) -> ModuleCost:

@@ -26,8 +26,9 @@ from planner.cost.comm import (
     zero_comm_time,
 )
 from planner.cost.layer_costs import ANALYTICAL, MEASURED, LayerCostSource, LayerMeasurement
-from planner.cost.layers import Shard, layer_terms
-from planner.cost.op_counts import LAYER_OPS, ops_row
+from planner.cost.host import device_pass_time, host_dispatch_time
+from planner.cost.layers import LAYER_TERMS, Shard, block_terms, layer_terms, ring_calls, ring_collective_times
+from planner.cost.op_counts import LAYER_OPS, PassOps, ops_row
 from planner.cost.memory import (
     FSDP_BLOCK_KINDS,
     bucket_bytes,
@@ -320,12 +321,12 @@ def layer_sums(
     layers: tuple[LayerSpec, ...],
 ) -> LayerSums:
     """Sums over ``layers`` (the module's, or one pipeline stage's), memoised for the analytical model by the
-    sharding and the layer counts that determine them. ``within``: whether the TP, SP, CP and EP groups stay in a
-    node (``layer_axes_within_node``)."""
+    sharding (with whether it pipelines: a pipelined loss is not chunked) and the layer counts that determine them.
+    ``within``: whether the TP, SP, CP and EP groups stay in a node (``layer_axes_within_node``)."""
     links = tuple(static.links[not w] for w in within)
     if layer_costs is not None:
         return _sum_layers(static, s, links, layer_costs, layers)
-    key = (s.tp, s.sp, s.cp, s.ep, s.micro_batch, s.recompute, within, _counts(layers))
+    key = (s.tp, s.sp, s.cp, s.ep, s.micro_batch, s.recompute, s.pp > 1, within, _counts(layers))
     sums = static.sums.get(key)
     if sums is None:
         sums = static.sums[key] = _sum_layers(static, s, links, None, layers, key[:-1])
@@ -401,6 +402,36 @@ def flops_per_sample(static: ModuleStatic) -> float:
             for t in (layer_terms(layer, shard),)
         )
     return static.flops_per_sample
+
+
+def ring_floor_s(static: ModuleStatic, s: ModuleStrategy, links: tuple[Link, ...]) -> float:
+    """Seconds of one micro-batch on a rank of ``s`` at least taken by ring CP itself. A block's pass takes at least
+    the host dispatch and at least the kernel launches of its calls (``host.pass_time``), the ring's
+    (``layers.ring_calls``) among them; and the pass with its exposed CP collectives at least those collectives
+    (``layers.ring_collective_times``: ``exposed_time`` hides at most ``cp_comm_overlap <= 1`` of the attention the
+    pass computes) -- forward, backward, and under recomputation the forward's again (selective recomputation
+    re-dispatches the attention core's calls, the ring's among them). ``links``: as ``layer_sums``' (TP, SP, CP,
+    EP)."""
+    shard, a = _shard(static, s, links), static.assumptions
+    device, backward = static.cluster.device, static.backward != "none"
+    scale = a.compute_scale(static.spec.name)  # scales the passes, not the collectives: at least min(scale, 1) of them
+
+    def pass_floor(ops: PassOps, collectives_s: float) -> float:
+        dispatch = max(host_dispatch_time(ops, a), device_pass_time(0.0, ops, device))
+        return max(scale * dispatch, min(scale, 1.0) * collectives_s)
+
+    total = 0.0
+    for layer in static.spec.layers:
+        if layer.linear_attention is not None or LAYER_TERMS[layer.kind] is not block_terms:
+            continue
+        forward_ops, backward_ops = ring_calls(layer, shard)
+        forward_s, backward_s = ring_collective_times(layer, shard)
+        forward = pass_floor(forward_ops, forward_s)
+        passes = forward * (2 if backward and s.recompute != "none" else 1)
+        if backward:
+            passes += pass_floor(backward_ops, backward_s)
+        total += layer.count * passes
+    return total
 
 
 def handoff_per_micro_batch(

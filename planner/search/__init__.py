@@ -49,10 +49,12 @@ def solve_strategies(problem: Problem, placement: str, pinned: str | None, fixes
 
     Context-parallel strategies are solved without first; one is costed only once the lower bound of the plans it
     could be part of (``candidates.extend_context_parallel``) is within the ``top_k``-th plan found. When the LLM
-    may or may not be pipelined, the plans without PP are solved first; a pipelined strategy is costed only once its
-    floor (``candidates.pipeline_floor``) is within the ``top_k``-th of them, or, to find the best pipelined plan
-    when none is among the best, within a limit raised until that plan is proven (``_best_pipelined``). Every
-    strategy left out belongs only to plans slower than one found, so the answer is the full search's."""
+    may or may not be pipelined, the plans without PP and CP are solved first; the pipelined strategies are costed up
+    to their ``top_k``-th plan, and on from there until the best pipelined plan is proven (``_best_pipelined``: a
+    pipelined strategy is costed only once its floor, ``candidates.pipeline_floor``, is within the limit); then both
+    worlds are costed up to the ``top_k``-th plan found in either, and the plans without PP up to their own best
+    when that is the reference row. Every strategy left out belongs only to plans slower than one found, so the
+    answer is the full search's."""
     from planner.search.solver.cp_sat import DEFAULT_SETTINGS
 
     llm_fixes = fixes.get("llm", {})
@@ -69,19 +71,25 @@ def solve_strategies(problem: Problem, placement: str, pinned: str | None, fixes
         return ranked, None
     all_cands = candidates_or_error(problem, placements, fixes, pipeline_limit_s=0.0, defer_cp=True)
     flat = _ranked(problem, _world(all_cands, False), top_k, settings)
-    limit_s = _limit_s(problem, flat, top_k)
+    _extend(problem, all_cands, _limit_s(problem, flat, top_k), pipelined=True)
+    piped = _best_pipelined(problem, all_cands, _ranked(problem, _world(all_cands, True), 1, settings),
+                            _limit_s(problem, flat, top_k), settings)
+    ranked = sorted(flat + piped, key=_rank_order)[:top_k]
+    limit_s = _limit_s(problem, ranked, top_k)  # at least the top_k-th plan's step
+    flat_limit_s = limit_s
+    if not ranked or is_pipelined(ranked[0].strategy):  # the best plan without PP is the reference row: proven
+        flat_limit_s = max(limit_s, _solver_s(problem, flat[0]) if flat else math.inf)
     before = _identities(_world(all_cands, False))
-    _extend(problem, all_cands, limit_s)
+    _extend(problem, all_cands, flat_limit_s, pipelined=False)
     if _identities(_world(all_cands, False)) != before:  # context-parallel candidates joined the plans without PP
         flat = _ranked(problem, _world(all_cands, False), top_k, settings)
-    piped = _ranked(problem, _world(all_cands, True), top_k, settings)
+    if top_k > 1:
+        _extend(problem, all_cands, limit_s, pipelined=True)
+        piped = _ranked(problem, _world(all_cands, True), top_k, settings)
     ranked = sorted(flat + piped, key=_rank_order)[:top_k]  # of equal steps, the plan without PP first
     if not ranked:
         raise Infeasible(explain_infeasible(problem, all_cands, fixes))
-    if is_pipelined(ranked[0].strategy):
-        alternative = flat[:1]
-    else:
-        alternative = _best_pipelined(problem, all_cands, piped[:1], limit_s, settings)
+    alternative = flat[:1] if is_pipelined(ranked[0].strategy) else piped[:1]
     return [replace(r, num_candidates=all_cands[r.strategy.placement].count) for r in ranked], alternative
 
 

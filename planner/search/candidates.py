@@ -24,12 +24,13 @@ from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from planner.cost import ModuleCost, module_cost
-from planner.cost.module import feeding_pipeline, per_micro_batch_floor
+from planner.cost.module import feeding_pipeline, per_micro_batch_floor, ring_share_floor
 from planner.cost.pipeline import (NUM_PATHS, path_terms, pipelined_state_floor_bytes, pipelined_step_floor_s,
                                     state_floor_bytes)
 from planner.cost.estimate import module_path_terms
 from planner.cost.phases import alive_bytes, data_flow_order, own_peak_bytes, step_phases
-from planner.search.enumeration import Verdicts, encoder_names, group_sizes, module_strategies, valid_accums
+from planner.search.enumeration import (SettingsGroup, Verdicts, encoder_names, group_sizes, module_strategies,
+                                        valid_accums)
 from planner.contract.models import ENCODER_MODULES
 from planner.problem import Problem
 from planner.contract.strategy import RECOMPUTE_CHOICES, ModuleStrategy, Placement
@@ -293,27 +294,29 @@ def module_candidates(
     if "gpus" in fixed:
         sizes = [g for g in sizes if g == fixed["gpus"]]
     verdicts = {} if verdicts is None else verdicts
-    series, reason = [], None
+    series, reason, context_parallel = [], None, [] if defer_cp else None
     for g in sizes:
         if partners is not None and g not in partners:
             continue
-        more, why = module_strategies(problem, module, g, fixed, verdicts, None if partners is None else partners[g])
+        more, why = module_strategies(problem, module, g, fixed, verdicts, None if partners is None else partners[g],
+                                      context_parallel)
         series += more
         reason = reason or why
-    if partners is not None and not series:
+    valid = bool(series or context_parallel)
+    if partners is not None and not valid:
         everywhere = [module_strategies(problem, module, g, fixed, verdicts) for g in sizes]
         if any(found for found, _ in everywhere):
             return ModuleCandidates([], None, None, 0, [], [])  # valid, but on no size the other group complements
         reason = next((why for _, why in everywhere if why), reason)
-    invalid = None if series else reason
-    if not series and reason is None:
+    invalid = None if valid else reason
+    if not valid and reason is None:
         invalid = f"no {module} layout on {_sizes_text(sizes)} GPUs consumes the global batch of " \
                   f"{problem.workload.global_batch}" + "".join(f", {k}={v}" for k, v in sorted(fixed.items()))
     deferred, deferred_cp = [], []
     if floor is not None:
         series, deferred = _split_by_floor(series, floor, limit_s)
-    if defer_cp:
-        series, deferred_cp = defer_context_parallel(problem, module, series, placement, feeds)
+    if context_parallel:
+        deferred_cp = defer_context_parallel(problem, module, context_parallel, placement, feeds)
     kept, smallest, costed = _cost_in_processes(problem, module, series, placement, feeds)
     return ModuleCandidates(kept, smallest, invalid, costed, deferred, deferred_cp)
 
@@ -561,10 +564,11 @@ def _may_fit_alone(problem: Problem, s: ModuleStrategy, module: str = "llm") -> 
 
 class DeferredGroup(NamedTuple):
     """A module's context-parallel strategies that differ only in ZeRO stage and recomputation, left uncosted, with
-    lower bounds on the solver's terms of every one of them (``context_parallel_floor``)."""
+    lower bounds on the solver's terms of every one of them: first the rough ``ring_share_floor_terms``, then, once a
+    plan holding one could beat a limit, the tighter ``context_parallel_floor`` (``refined``)."""
 
     module: str
-    strategies: tuple[ModuleStrategy, ...]
+    group: SettingsGroup
     feeds: tuple[bool, ...]
     """The worlds it is a candidate in: feeding an LLM that is not pipelined, is, or both (``pipelined_options``;
     the LLM's own: not pipelined, since ``check_strategy`` refuses cp with pp)."""
@@ -572,17 +576,59 @@ class DeferredGroup(NamedTuple):
     """At most the colocated step term of any of them that fits (infinite: none fits)."""
     path_ns: tuple[float, ...]
     """At most each disjoint path term of any of them that fits."""
+    refined: bool
+    """Whether the bounds are ``context_parallel_floor``'s."""
+
+    @property
+    def strategies(self) -> tuple[ModuleStrategy, ...]:
+        return self.group.strategies()
 
     @property
     def gpus(self) -> int:
-        return self.strategies[0].gpus
+        return self.group.base.gpus
 
     @property
     def grad_accum(self) -> int:
-        return self.strategies[0].grad_accum
+        return self.group.base.grad_accum
 
 
-def context_parallel_floor(problem: Problem, module: str, group: list[ModuleStrategy], placement: Placement
+NO_FIT = (math.inf, (math.inf,) * NUM_PATHS)
+"""The bounds of a group none of whose strategies fits a GPU."""
+
+
+def _floor_terms(per_micro_s: float, module: str, grad_accum: int) -> tuple[float, tuple[float, ...]]:
+    """(colocated step term, disjoint path terms), in ns, at most those of ``grad_accum`` micro-batches of at least
+    ``per_micro_s`` each: the hand-off and the step's tail are at least 0, and ``path_terms``' ``m P - min(F, P - F)``
+    is least at the forward share ``F = P / 2``."""
+    paths = path_terms(per_micro_s, per_micro_s / 2, grad_accum, stage="llm" if module == "llm" else "encoder")
+    return math.floor(grad_accum * per_micro_s * NS_PER_S), tuple(math.floor(t * NS_PER_S) for t in paths)
+
+
+def _least_states(problem: Problem, module: str, top: ModuleStrategy) -> tuple[float, float] | None:
+    """(weights, optimizer) bytes of ``top`` -- a group's ``least_demanding`` strategy, whose model states are the
+    least of its strategies' (``state_floor_bytes``) -- or None when those states alone leave no room in a GPU."""
+    weights, gradients, optimizer = state_floor_bytes(problem.model, module, problem.cluster, problem.workload, top,
+                                                      precision=problem.precision, assumptions=problem.assumptions)
+    if weights + gradients + optimizer > problem.usable_bytes - problem.overhead_bytes:
+        return None
+    return weights, optimizer
+
+
+def ring_share_floor_terms(problem: Problem, module: str, group: SettingsGroup, placement: Placement
+                           ) -> tuple[float, tuple[float, ...]]:
+    """Rough lower bounds, as ``context_parallel_floor``'s, at a fraction of its cost: ``grad_accum`` micro-batches
+    of the group's lightest recomputation at ``ring_share_floor`` (infinite when its model states alone cannot fit).
+    Analytical model only (a measured profile's times need not split as the analytical ones do)."""
+    top = group.least_demanding()
+    if _least_states(problem, module, top) is None:
+        return NO_FIT
+    per_micro = ring_share_floor(problem.model, module, problem.cluster, problem.workload, top,
+                                 first_rank=first_rank(problem, module, top.gpus, placement),
+                                 assumptions=problem.assumptions)
+    return _floor_terms(per_micro, module, top.grad_accum)
+
+
+def context_parallel_floor(problem: Problem, module: str, group: SettingsGroup, placement: Placement
                            ) -> tuple[float, tuple[float, ...]]:
     """(colocated step term, disjoint path terms), in ns, at most those of any strategy of ``group`` (one layout,
     experts and grad_accum; ZeRO stages and recomputations) that fits a GPU; infinite when none can. A strategy's
@@ -590,56 +636,58 @@ def context_parallel_floor(problem: Problem, module: str, group: list[ModuleStra
     heaviest recomputation, and ZeRO does not change the micro-batches' time: so a recomputation whose weights and
     optimizer states at the highest stage plus its saved activations do not fit (``cost_series``' test) is never
     part of a plan, and the least time is ``grad_accum`` micro-batches of the lightest recomputation left
-    (``per_micro_batch_floor``: recomputation only adds passes; the hand-off and the step's tail are at least 0),
-    with the path terms of that time at the forward share that makes them least (``path_terms``'
-    ``m P - min(F, P - F)`` is least at ``F = P / 2``)."""
-    top = replace(group[0], zero=max(s.zero for s in group))
-    weights, gradients, optimizer = state_floor_bytes(problem.model, module, problem.cluster, problem.workload, top,
-                                                      precision=problem.precision, assumptions=problem.assumptions)
+    (``per_micro_batch_floor``: recomputation only adds passes; ``_floor_terms``)."""
+    top = group.least_demanding()
+    least = _least_states(problem, module, top)
+    if least is None:
+        return NO_FIT
+    weights, optimizer = least
     room = problem.usable_bytes - problem.overhead_bytes
-    if weights + gradients + optimizer > room:
-        return math.inf, (math.inf,) * NUM_PATHS
-    for recompute in sorted({s.recompute for s in group}, key=_RECOMPUTE_ORDER.get):
+    for recompute in sorted({rc for _, rc in group.settings}, key=_RECOMPUTE_ORDER.get):
         per_micro, saved = per_micro_batch_floor(
             problem.model, module, problem.cluster, problem.workload, replace(top, recompute=recompute),
             first_rank=first_rank(problem, module, top.gpus, placement), assumptions=problem.assumptions,
             layer_costs=problem.layer_costs)
         if weights + optimizer + saved <= room:
-            paths = path_terms(per_micro, per_micro / 2, top.grad_accum, stage="llm" if module == "llm" else "encoder")
-            return (math.floor(top.grad_accum * per_micro * NS_PER_S),
-                    tuple(math.floor(t * NS_PER_S) for t in paths))
-    return math.inf, (math.inf,) * NUM_PATHS
+            return _floor_terms(per_micro, module, top.grad_accum)
+    return NO_FIT
 
 
-def defer_context_parallel(problem: Problem, module: str, series: list[list[ModuleStrategy]], placement: Placement,
-                           feeds: tuple[bool, ...]) -> tuple[list[list[ModuleStrategy]], list[DeferredGroup]]:
-    """(``series`` without its context-parallel strategies, those in groups with their lower bounds): one cost per
-    (layout, experts, grad_accum) instead of one per ZeRO stage and recomputation as well, and none for a layout's
-    micro-batches larger than one that cannot fit (they need more memory: ``cost_series``)."""
-    now, layouts = [], {}
-    for strategies in series:
-        if strategies[0].cp == 1:
-            now.append(strategies)
-            continue
-        for s in strategies:
-            layout = layouts.setdefault((s.gpus, s.dp, s.tp, s.sp, s.cp, s.ep), {})
-            layout.setdefault(s.micro_batch, []).append(s)
-    bound = functools.partial(_bounded_layouts, problem, module, placement, feeds)
-    shares = _in_processes(problem, bound, list(layouts.values()), sum(map(len, series)) - sum(map(len, now)))
-    return now, [group for share in shares for group in share]
+def defer_context_parallel(problem: Problem, module: str, groups: list[SettingsGroup], placement: Placement,
+                           feeds: tuple[bool, ...]) -> list[DeferredGroup]:
+    """``groups`` (``module_strategies``' context-parallel ones) with rough lower bounds
+    (``ring_share_floor_terms``): one bound per (layout, experts, grad_accum) instead of a cost per ZeRO stage and
+    recomputation as well, from layer sums shared by every ring size of a layout."""
+    unbounded = [DeferredGroup(module, g, feeds, *NO_FIT, refined=False) for g in groups]
+    if problem.layer_costs is not None:  # no rough bounds: context_parallel_floor's at once
+        return refine_groups(problem, placement, unbounded)
+    return _in_order(problem, functools.partial(_roughly_bounded, problem, placement), unbounded)
 
 
-def _bounded_layouts(problem: Problem, module: str, placement: Placement, feeds: tuple[bool, ...],
-                     layouts: list[dict[int, list[ModuleStrategy]]]) -> list[DeferredGroup]:
-    """``defer_context_parallel``'s groups of ``layouts`` (each: micro-batch -> its strategies)."""
-    deferred = []
-    for by_micro_batch in layouts:
-        bounds = None
-        for _, group in sorted(by_micro_batch.items()):
-            if bounds is None or bounds[0] < math.inf:  # past a micro-batch that cannot fit, none larger can
-                bounds = context_parallel_floor(problem, module, group, placement)
-            deferred.append(DeferredGroup(module, tuple(group), feeds, *bounds))
-    return deferred
+def _roughly_bounded(problem: Problem, placement: Placement, groups: list[DeferredGroup]) -> list[DeferredGroup]:
+    return [g._replace(step_ns=step, path_ns=paths) for g in groups
+            for step, paths in (ring_share_floor_terms(problem, g.module, g.group, placement),)]
+
+
+def refine_groups(problem: Problem, placement: Placement, groups: list[DeferredGroup]) -> list[DeferredGroup]:
+    """``groups`` with ``context_parallel_floor``'s bounds (in the worker processes when many)."""
+    return _in_order(problem, functools.partial(_refined, problem, placement), groups)
+
+
+def _in_order(problem: Problem, work: Callable[[list[DeferredGroup]], list[DeferredGroup]],
+              groups: list[DeferredGroup]) -> list[DeferredGroup]:
+    """``work`` of ``groups`` (one answer per group) in the worker processes when they hold many strategies
+    (``_in_processes``), the answers in the groups' order."""
+    shares = _in_processes(problem, work, groups, sum(len(g.group.settings) for g in groups))
+    answers: list[DeferredGroup] = [None] * len(groups)  # type: ignore[list-item]
+    for index, share in enumerate(shares):  # share i holds every len(shares)-th group from the i-th
+        answers[index::len(shares)] = share
+    return answers
+
+
+def _refined(problem: Problem, placement: Placement, groups: list[DeferredGroup]) -> list[DeferredGroup]:
+    return [g._replace(step_ns=step, path_ns=paths, refined=True) for g in groups
+            for step, paths in (context_parallel_floor(problem, g.module, g.group, placement),)]
 
 
 def extend_context_parallel(problem: Problem, cands: Candidates, limit_s: float, pipelined: bool | None = None
@@ -647,14 +695,21 @@ def extend_context_parallel(problem: Problem, cands: Candidates, limit_s: float,
     """Cost the deferred context-parallel strategies of plans that could take at most ``limit_s`` (solver seconds;
     of plans whose LLM is ``pipelined`` when given) and add their fitting, non-dominated candidates; returns how many
     were costed. A group's plans take at least its lower bounds plus the least the other modules' candidates of its
-    world add (``_plan_floor``), so what stays deferred belongs only to plans slower than ``limit_s``."""
-    least = _least_terms(cands)
-    due = [g for g in cands.deferred_cp
-           if _plan_floor(problem, cands.placement, g, least, pipelined) <= limit_s + FLOOR_SLACK_S]
+    world add (``_plan_floor``), so what stays deferred belongs only to plans slower than ``limit_s``; the groups
+    whose rough bounds let them under it are refined first (``refine_groups``), which may leave them out."""
+    if not any(_in_world(g, pipelined) for g in cands.deferred_cp):
+        return 0
+    least = _refine_under(problem, cands, limit_s, pipelined)
+    due = [g for g in cands.deferred_cp if _in_world(g, pipelined)
+           and _plan_floor(problem, cands.placement, g, least, pipelined) <= limit_s + FLOOR_SLACK_S]
     if not due:
         return 0
     costing = {id(g) for g in due}
     cands.deferred_cp = [g for g in cands.deferred_cp if id(g) not in costing]
+    due, later = _split_by_recompute(problem, cands.placement, due, least, limit_s, pipelined)
+    cands.deferred_cp += later
+    if not due:
+        return 0
     costed = 0
     for module in dict.fromkeys(g.module for g in due):
         groups = [g for g in due if g.module == module]
@@ -670,12 +725,59 @@ def extend_context_parallel(problem: Problem, cands: Candidates, limit_s: float,
     return costed
 
 
+def _split_by_recompute(problem: Problem, placement: Placement, groups: list[DeferredGroup], least: LeastTerms,
+                        limit_s: float, pipelined: bool | None) -> tuple[list[DeferredGroup], list[DeferredGroup]]:
+    """(the parts of ``groups`` to cost, the parts left deferred): each group split by recomputation, each part
+    bounded on its own (``context_parallel_floor``: a heavier recomputation adds passes), and costed only when its
+    plans could take at most ``limit_s``."""
+    now, later = [], []
+    for group in groups:
+        by_recompute: dict[str, list[tuple[int, str]]] = {}
+        for zero, rc in group.group.settings:
+            by_recompute.setdefault(rc, []).append((zero, rc))
+        if len(by_recompute) == 1:
+            now.append(group)
+            continue
+        for part in by_recompute.values():
+            settings = SettingsGroup(group.group.base, tuple(part))
+            step, paths = context_parallel_floor(problem, group.module, settings, placement)
+            bounded = group._replace(group=settings, step_ns=step, path_ns=paths, refined=True)
+            fits = _plan_floor(problem, placement, bounded, least, pipelined) <= limit_s + FLOOR_SLACK_S
+            (now if fits else later).append(bounded)
+    return now, later
+
+
+def _refine_under(problem: Problem, cands: Candidates, limit_s: float, pipelined: bool | None) -> LeastTerms:
+    """Refine the deferred groups whose rough bounds let their plans under ``limit_s``, one module at a time, the
+    LLM first (refining one raises the least terms its partners' floors count, which may leave those out; the LLM's
+    leave out more encoder groups than the other way round), until none is left; the least terms after."""
+    least = _least_terms(cands, pipelined)
+    modules = sorted({g.module for g in cands.deferred_cp}, key=lambda m: (m in ENCODER_MODULES, m))
+    idle = 0
+    while modules and idle < len(modules):
+        module = modules[0]
+        modules = modules[1:] + modules[:1]
+        rough = [g for g in cands.deferred_cp if g.module == module and not g.refined and _in_world(g, pipelined)
+                 and _plan_floor(problem, cands.placement, g, least, pipelined) <= limit_s + FLOOR_SLACK_S]
+        idle = 0 if rough else idle + 1
+        if rough:
+            refined = dict(zip(map(id, rough), refine_groups(problem, cands.placement, rough)))
+            cands.deferred_cp = [refined.get(id(g), g) for g in cands.deferred_cp]
+            least = _least_terms(cands, pipelined)
+    return least
+
+
+def _in_world(group: DeferredGroup, pipelined: bool | None) -> bool:
+    """Whether ``group`` is a candidate of plans whose LLM is ``pipelined`` (any plan's, when None)."""
+    return pipelined is None or pipelined in group.feeds
+
+
 def pipelined_floors(problem: Problem, cands: Candidates) -> list[float]:
     """The finite lower bounds, in solver seconds, of the plans with a pipelined LLM that strategies still deferred
     could be part of."""
-    least = _least_terms(cands)
+    least = _least_terms(cands, True)
     floors = [f for f, _ in cands.deferred] + [_plan_floor(problem, cands.placement, g, least, True)
-                                               for g in cands.deferred_cp]
+                                               for g in cands.deferred_cp if True in g.feeds]
     return [f for f in floors if f < math.inf]
 
 
@@ -684,13 +786,14 @@ LeastTerms = dict[str, dict[tuple[int, int, bool], tuple[float, tuple[float, ...
 and its deferred groups' lower bounds."""
 
 
-def _least_terms(cands: Candidates) -> LeastTerms:
-    """``LeastTerms`` of ``cands``: each deferred group counts in every world it feeds."""
+def _least_terms(cands: Candidates, pipelined: bool | None = None) -> LeastTerms:
+    """``LeastTerms`` of ``cands`` (in the world of plans whose LLM is ``pipelined``, when given): each deferred
+    group counts in every world it feeds."""
     least: LeastTerms = {m: {} for m in cands.by_module}
     terms = [((c.gpus, c.grad_accum, c.pipelined), c.module, c.step_ns, c.path_ns)
-             for cs in cands.by_module.values() for c in cs]
+             for cs in cands.by_module.values() for c in cs if pipelined in (None, c.pipelined)]
     terms += [((g.gpus, g.grad_accum, world), g.module, g.step_ns, g.path_ns) for g in cands.deferred_cp
-              for world in g.feeds]
+              for world in g.feeds if pipelined in (None, world)]
     for key, module, step, paths in terms:
         known = least[module].get(key)
         least[module][key] = (step, paths) if known is None else (

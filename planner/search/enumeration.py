@@ -24,7 +24,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import AbstractSet, Iterable, Iterator, Mapping
+from dataclasses import replace
+from typing import AbstractSet, Iterable, Iterator, Mapping, NamedTuple
 
 from planner.cost import check_strategy
 from planner.contract.models import ENCODER_MODULES, ModelSpec
@@ -124,7 +125,8 @@ def _layouts(problem: Problem, module: str, gpus: int, fixed: Mapping[str, int |
     """(pp, dp, tp, sp, cp) grids of ``gpus`` GPUs whose dp divides the global batch, honouring ``fixed``; Ulysses
     SP inside pipeline stages only with ``sp`` pinned (``--fix llm.sp=K``): searched, it nearly doubles the PP
     search (1,024 GPUs: 13.1 s against 6.5 s here) for plans that pay only on long LLM sequences; never on a
-    dataset's packs (``api.check_pipelined_dataset``)."""
+    dataset's packs (``api.check_pipelined_dataset``); ring CP inside pipeline stages only with one of them pinned
+    (``check_strategy`` refuses it, and says why)."""
     batch = problem.workload.global_batch
     sp_in_stages = "sp" in fixed and problem.dataset is None
     grids = [(dp, tp, sp) for dp in _choices(divisors(batch), fixed, "dp")
@@ -137,6 +139,8 @@ def _layouts(problem: Problem, module: str, gpus: int, fixed: Mapping[str, int |
                 continue
             cp = gpus // (pp * dp * tp * sp)
             if cp > 1 and not (problem.allow_ring_cp or "cp" in fixed):
+                continue
+            if cp > 1 and pp > 1 and not ("cp" in fixed or "pp" in fixed):  # refused (check_strategy)
                 continue
             if fixed.get("cp", cp) == cp:
                 layouts.append((pp, dp, tp, sp, cp))
@@ -244,6 +248,29 @@ def _zero_recompute_settings(schedule: str, sharding_ranks: int, fixed: Mapping[
     return settings
 
 
+class SettingsGroup(NamedTuple):
+    """Valid strategies that differ only in ZeRO stage and recomputation: ``base`` under each (zero, recompute) of
+    ``settings``."""
+
+    base: ModuleStrategy
+    settings: tuple[tuple[int, str], ...]
+
+    def strategies(self) -> tuple[ModuleStrategy, ...]:
+        return tuple(replace(self.base, zero=zero, recompute=rc) for zero, rc in self.settings)
+
+    def least_demanding(self) -> ModuleStrategy:
+        """``base`` at the group's highest ZeRO stage (the least model states) and lightest recomputation (the
+        least time)."""
+        zero, rc = _least_demanding(self.settings)
+        return replace(self.base, zero=zero, recompute=rc)
+
+
+@functools.lru_cache(maxsize=64)
+def _least_demanding(settings: tuple[tuple[int, str], ...]) -> tuple[int, str]:
+    """(highest ZeRO stage, lightest recomputation) of ``settings`` (shared by every layout of a module)."""
+    return max(zero for zero, _ in settings), min((rc for _, rc in settings), key=RECOMPUTE_CHOICES.index)
+
+
 def module_strategies(
     problem: Problem,
     module: str,
@@ -251,15 +278,26 @@ def module_strategies(
     fixed: Mapping[str, int | str],
     verdicts: Verdicts,
     accums: set[int] | None = None,
+    context_parallel: list[SettingsGroup] | None = None,
 ) -> tuple[list[list[ModuleStrategy]], str | None]:
     """Every valid strategy of ``module`` on exactly ``gpus`` GPUs that consumes the global batch and honours
     ``fixed`` (and uses one of ``accums`` when given), as series that differ only in micro-batch size (ascending;
     grad_accum = batch / (dp * micro_batch)); and the first reason ``check_strategy`` gave for rejecting one without
-    pipeline parallelism, or with a pinned pipeline (None if none was rejected)."""
+    pipeline parallelism, or with a pinned pipeline (None if none was rejected). With ``context_parallel`` given,
+    the context-parallel strategies are appended to it instead, one ``SettingsGroup`` per layout, expert degree and
+    micro-batch (the search bounds them before it builds them: most never are)."""
     batch = problem.workload.global_batch
     series, reasons = [], []
     for (pp, dp, tp, sp, cp), schedule, chunks, usable_accums, settings, expert_choices in _layout_options(
             problem, module, gpus, fixed, verdicts, accums, reasons):
+        if context_parallel is not None and cp > 1:
+            (zero, rc), settings = settings[0], tuple(settings)
+            context_parallel += [
+                SettingsGroup(ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule,
+                                             virtual_stages=chunks, zero=zero, recompute=rc,
+                                             micro_batch=batch // (dp * ga), grad_accum=ga), settings)
+                for ep in expert_choices for ga in usable_accums]
+            continue
         for (zero, rc), ep in itertools.product(settings, expert_choices):
             series.append([
                 ModuleStrategy(dp=dp, tp=tp, sp=sp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule, virtual_stages=chunks,

@@ -413,3 +413,26 @@ def test_pipelined_step_floor_by_hand(schedule, chunks):
                                    assumptions=assumptions)
     assert floor == pytest.approx((4 - 1 / chunks) * work / 2 + filled / chunks)
     assert floor <= llm_cost(s, model, cluster=cluster).micro_batches_s
+
+
+def test_a_pipelined_cost_does_not_depend_on_what_was_costed_before():
+    """The layer sums' memo tells a pipelined loss (the whole logits at once) from a chunked one: costing a strategy
+    without PP of the same sharding first leaves a pipelined strategy's cost as it is costed alone."""
+    from planner.catalog import get_model
+    from planner.cost import DEFAULT_ASSUMPTIONS
+    from planner.contract.hardware import get_device, make_cluster
+    from planner.contract.workload import Workload
+
+    model, cluster = get_model("qwen-vl-32b"), make_cluster(get_device("h100-80gb"), 16)
+    workload = Workload(image_sizes=((1344, 1344),), text_tokens=512, global_batch=64)
+    piped = ModuleStrategy(dp=2, tp=2, pp=4, micro_batch=1, grad_accum=32)
+    flat = replace(piped, pp=1, dp=8, grad_accum=8)
+
+    def cost(strategy, assumptions):  # a new assumptions object: a memo of its own
+        return module_cost(model, "llm", cluster, workload, strategy, placement="colocated", precision="bf16_mixed",
+                           first_rank=0, assumptions=assumptions)
+
+    alone = cost(piped, replace(DEFAULT_ASSUMPTIONS))
+    after_flat = replace(DEFAULT_ASSUMPTIONS)
+    cost(flat, after_flat)
+    assert cost(piped, after_flat) == alone

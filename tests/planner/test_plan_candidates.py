@@ -14,6 +14,7 @@ from planner.search.candidates import (
     fits_alone,
     module_candidates,
     pareto_front,
+    refine_groups,
 )
 from planner.catalog import get_model
 from planner.cost import check_strategy
@@ -255,17 +256,25 @@ def test_a_ring_cp_module_is_planned_with_the_rings_sdpa_kernels():
                                   dict(model="qwen-vl-32b", gpus=16, device="h100-80gb", batch=16, image=1344)])
 def test_context_parallel_groups_are_deferred_with_lower_bounds_on_what_fits(case, placement):
     """Every context-parallel strategy that fits a GPU takes at least its group's bounds (colocated step term,
-    each disjoint path term), and a group bounded at infinity has none that fits; what is deferred is what plain
-    costing would have costed, and fewer strategies are costed up front."""
+    each disjoint path term), the rough ones it is deferred with and the refined ones, which are tighter; a group
+    bounded at infinity has none that fits; what is deferred is what plain costing would have costed, and fewer
+    strategies are costed up front."""
     p = replace(problem(**case), allow_ring_cp=True)
     deferred = build_candidates(p, placement, defer_cp=True)
     assert deferred.deferred_cp and all(g.module in ("vision", "llm") for g in deferred.deferred_cp)
-    for group in deferred.deferred_cp:
+    assert not any(g.refined for g in deferred.deferred_cp)
+    refined = refine_groups(p, placement, deferred.deferred_cp)
+    assert all(r.refined and r.strategies == g.strategies for g, r in zip(deferred.deferred_cp, refined, strict=True))
+    tighter = 0
+    for group, tight in zip(deferred.deferred_cp, refined):
         fitting = [c for s in group.strategies for c in cost_series(p, group.module, [s], placement, group.feeds)
                    if fits_alone(p, c)]
-        assert group.step_ns < float("inf") or not fitting
+        assert tight.step_ns < float("inf") or not fitting
+        assert tight.step_ns >= group.step_ns and all(map(float.__ge__, map(float, tight.path_ns), group.path_ns))
+        tighter += tight.step_ns > group.step_ns or group.step_ns == float("inf")
         for c in fitting:
-            assert c.step_ns >= group.step_ns and all(map(int.__ge__, c.path_ns, group.path_ns))
+            assert c.step_ns >= tight.step_ns and all(map(int.__ge__, c.path_ns, tight.path_ns))
+    assert tighter > len(refined) / 2
     full = build_candidates(p, placement)
     costed_later = sum(len(g.strategies) for g in deferred.deferred_cp)
     assert deferred.num_costed < full.num_costed <= deferred.num_costed + costed_later

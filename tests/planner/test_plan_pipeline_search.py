@@ -92,6 +92,7 @@ def test_costing_pipelined_strategies_on_demand_gives_the_full_searchs_plans(mod
     p = make_problem(model, ClusterInputs(gpus=64, profile=None, cluster_file=cluster_file and str(cluster_file)))
     bounded = top_plans(p, k=2)
     monkeypatch.setattr(candidates, "pipeline_floor", lambda *args: lambda strategy: 0.0)  # nothing deferred
+    monkeypatch.setattr(candidates, "module_strategies", lambda *args: module_strategies(*args[:6]))  # CP too
     full = top_plans(p, k=2)
     assert (bounded[0].module("llm").pp > 1) == (network == "slow")
     assert [plan.model_copy(update={"solver": None}) for plan in bounded] == \
