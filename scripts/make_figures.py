@@ -26,12 +26,12 @@ SIDES = (448, 896, 1344, 1792, 2688, 3584)
 FIGURE = "compare_plans_32b.png"
 
 
-def compare_plans_figure(path: Path) -> None:
+def compare_plans_figure(path: Path, gpus: tuple[int, ...] = GPUS, sides: tuple[int, ...] = SIDES) -> None:
     """Throughput per strategy at each GPU count, and the longest sequence per strategy, in one row."""
-    table = sweep(MODEL, gpus=list(GPUS), image_sizes=list(SIDES), baselines=True)
-    longest = longest_sequences(MODEL, list(GPUS))
-    fig, axes = plt.subplots(1, len(GPUS) + 1, figsize=(16, 4.2))
-    for ax, n in zip(axes, GPUS):
+    table = sweep(MODEL, gpus=list(gpus), image_sizes=list(sides), baselines=True)
+    longest = longest_sequences(MODEL, list(gpus))
+    fig, axes = plt.subplots(1, len(gpus) + 1, figsize=(16, 4.2))
+    for ax, n in zip(axes, gpus):
         plot_throughput(table[table.num_gpus == n], ax)
         ax.set_title(f"Qwen2.5-VL-32B on {n} x H100 (x: last size that fits)")
     plot_longest_sequences(longest, axes[-1])
@@ -44,9 +44,12 @@ def compare_plans_figure(path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "figures", help="folder to write the PNG to")
+    parser.add_argument("--gpus", type=int, nargs="+", default=list(GPUS), help="GPU counts (default: 8 16)")
+    parser.add_argument("--sides", type=int, nargs="+", default=list(SIDES),
+                        help="square image sides in pixels (default: the README figure's six)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    compare_plans_figure(args.out / FIGURE)
+    compare_plans_figure(args.out / FIGURE, tuple(args.gpus), tuple(args.sides))
     print(f"wrote {args.out / FIGURE}")
     return 0
 

@@ -61,7 +61,9 @@ def test_notebook_runs_draws_its_figures_and_concludes(name):
 @pytest.mark.slow
 def test_readme_figure_script_writes_the_png(tmp_path):
     script = NOTEBOOKS.parent / "scripts" / "make_figures.py"
-    result = subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], capture_output=True, text=True)
+    # one GPU count and two sizes: the notebook plans the figure's whole sweep already
+    result = subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--gpus", "16", "--sides", "448",
+                             "1344"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     png = tmp_path / "compare_plans_32b.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
