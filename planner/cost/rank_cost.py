@@ -320,12 +320,17 @@ def layer_sums(
     static: ModuleStatic, s: ModuleStrategy, within: tuple[bool, ...], layer_costs: LayerCostSource | None,
     layers: tuple[LayerSpec, ...],
 ) -> LayerSums:
-    """Sums over ``layers`` (the module's, or one pipeline stage's), memoised for the analytical model by the
-    sharding (with whether it pipelines: a pipelined loss is not chunked) and the layer counts that determine them.
+    """Sums over ``layers`` (the module's, or one pipeline stage's), memoised by the sharding (with whether it
+    pipelines: a pipelined loss is not chunked) and the layer counts that determine them.
     ``within``: whether the TP, SP, CP and EP groups stay in a node (``layer_axes_within_node``)."""
     links = tuple(static.links[not w] for w in within)
-    if layer_costs is not None:
-        return _sum_layers(static, s, links, layer_costs, layers)
+    if layer_costs is not None:  # by the profile too, and whether its collective curves cover the strategy's groups
+        key = ("measured", id(layer_costs), static.analytical_sources.get("collectives"), s.tp, s.sp, s.cp, s.ep,
+               s.micro_batch, s.recompute, s.pp > 1, within, _counts(layers))
+        known = static.sums.get(key)
+        if known is None or known[0] is not layer_costs:
+            known = static.sums[key] = (layer_costs, _sum_layers(static, s, links, layer_costs, layers))
+        return known[1]
     key = (s.tp, s.sp, s.cp, s.ep, s.micro_batch, s.recompute, s.pp > 1, within, _counts(layers))
     sums = static.sums.get(key)
     if sums is None:

@@ -98,3 +98,27 @@ def test_unreadable_profile_is_a_one_line_error(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="is not JSON"):
         plan(TINY, ClusterInputs(gpus=2, gpu="cpu", profile=str(path)))
+
+
+def test_a_profiled_cost_does_not_depend_on_what_was_costed_before():
+    """With a measured profile the layer sums are memoised too (by the profile, and by whether its collective curves
+    cover the strategy's groups): a strategy costs the same alone as after others of the same sharding."""
+    from dataclasses import replace
+
+    from planner.cost import module_cost
+    from planner.contract.strategy import ModuleStrategy
+    from planner.inputs import ClusterInputs
+    from planner.problem import make_problem
+
+    p = make_problem(TINY, ClusterInputs(gpus=8, gpu="cpu"))
+    assert p.layer_costs is not None
+    strategies = [ModuleStrategy(dp=dp, tp=2, micro_batch=4, grad_accum=8 // dp) for dp in (1, 2, 4)]
+
+    def cost(strategy, assumptions):  # a new assumptions object: a memo of its own
+        return module_cost(p.model, "llm", p.cluster, p.workload, strategy, placement="colocated",
+                           precision=p.precision, first_rank=0, assumptions=assumptions, layer_costs=p.layer_costs)
+
+    alone = [cost(s, replace(p.assumptions)) for s in strategies]
+    shared = replace(p.assumptions)
+    assert [cost(s, shared) for s in strategies] == alone
+    assert len({c.sources.get("collectives") for c in alone}) == 2  # one group the curves cover, one they do not
