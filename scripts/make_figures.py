@@ -1,6 +1,6 @@
 """Regenerate the README figure from the planner's API (the same sweep as notebooks/compare_plans.ipynb).
 
-    .venv/bin/python scripts/make_figures.py [--out docs/figures]
+    .venv/bin/python scripts/make_figures.py [--out docs/figures] [--gpus 8 16] [--sides 448 ... 3584]
 
 Writes ``compare_plans_32b.png``: Qwen2.5-VL-32B on 8 and 16 H100s, LLM tokens/s of the planner's plan, uniform
 TP and ZeRO-3 across image sizes 448x448 to 3584x3584, and the longest image each strategy fits.

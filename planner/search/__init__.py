@@ -50,7 +50,7 @@ def solve_strategies(problem: Problem, placement: str, pinned: str | None, fixes
     Context-parallel strategies are solved without first; one is costed only once the lower bound of the plans it
     could be part of (``candidates.extend_context_parallel``) is within the ``top_k``-th plan found. When the LLM
     may or may not be pipelined, the plans without PP and CP are solved first; the pipelined strategies are costed up
-    to their ``top_k``-th plan, and on from there until the best pipelined plan is proven (``_best_pipelined``: a
+    to the ``top_k``-th of those plans, and on from there until the best pipelined plan is proven (``_best_pipelined``: a
     pipelined strategy is costed only once its floor, ``candidates.pipeline_floor``, is within the limit); then both
     worlds are costed up to the ``top_k``-th plan found in either, and the plans without PP up to their own best
     when that is the reference row. Every strategy left out belongs only to plans slower than one found, so the
@@ -71,9 +71,10 @@ def solve_strategies(problem: Problem, placement: str, pinned: str | None, fixes
         return ranked, None
     all_cands = candidates_or_error(problem, placements, fixes, pipeline_limit_s=0.0, defer_cp=True)
     flat = _ranked(problem, _world(all_cands, False), top_k, settings)
-    _extend(problem, all_cands, _limit_s(problem, flat, top_k), pipelined=True)
+    first_limit_s = _limit_s(problem, flat, top_k)
+    _extend(problem, all_cands, first_limit_s, pipelined=True)
     piped = _best_pipelined(problem, all_cands, _ranked(problem, _world(all_cands, True), 1, settings),
-                            _limit_s(problem, flat, top_k), settings)
+                            first_limit_s, settings)
     ranked = sorted(flat + piped, key=_rank_order)[:top_k]
     limit_s = _limit_s(problem, ranked, top_k)  # at least the top_k-th plan's step
     flat_limit_s = limit_s
