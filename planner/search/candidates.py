@@ -529,13 +529,14 @@ def pipeline_floor(problem: Problem, cands: Candidates) -> Callable[[ModuleStrat
     return floor
 
 
-def extend_pipelined(problem: Problem, cands: Candidates, limit_s: float) -> int:
+def extend_pipelined(problem: Problem, cands: Candidates, limit_s: float, *, fits_only: bool = False) -> int:
     """Cost the deferred pipelined strategies whose floor is at most ``limit_s`` and add their fitting,
     non-dominated candidates (pruning is per group, so the result is what costing them at first would give);
-    returns how many were costed."""
+    returns how many were costed. ``fits_only``: only whether some plan fits is asked, so those that cannot fit
+    are not costed even with no plan yet (``_may_fit_alone``)."""
     due = [s for f, s in cands.deferred if f <= limit_s + FLOOR_SLACK_S]
     cands.deferred = [(f, s) for f, s in cands.deferred if f > limit_s + FLOOR_SLACK_S]
-    if math.isfinite(limit_s):  # a plan exists: those that cannot fit are never part of a better one
+    if math.isfinite(limit_s) or fits_only:  # a plan exists: those that cannot fit are never part of a better one
         due = [s for s in due if _may_fit_alone(problem, s)]
     if not due:
         return 0
@@ -690,23 +691,26 @@ def _refined(problem: Problem, placement: Placement, groups: list[DeferredGroup]
             for step, paths in (context_parallel_floor(problem, g.module, g.group, placement),)]
 
 
-def extend_context_parallel(problem: Problem, cands: Candidates, limit_s: float, pipelined: bool | None = None
-                            ) -> int:
+def extend_context_parallel(problem: Problem, cands: Candidates, limit_s: float, pipelined: bool | None = None, *,
+                            fits_only: bool = False) -> int:
     """Cost the deferred context-parallel strategies of plans that could take at most ``limit_s`` (solver seconds;
     of plans whose LLM is ``pipelined`` when given) and add their fitting, non-dominated candidates; returns how many
     were costed. A group's plans take at least its lower bounds plus the least the other modules' candidates of its
     world add (``_plan_floor``), so what stays deferred belongs only to plans slower than ``limit_s``; the groups
-    whose rough bounds let them under it are refined first (``refine_groups``), which may leave them out."""
+    whose rough bounds let them under it are refined first (``refine_groups``), which may leave them out.
+    ``fits_only``: only whether some plan fits is asked, so a group (or recomputation) whose bounds say none of its
+    strategies fits a GPU (infinite) is not costed, even at an infinite limit; it stays deferred and is not offered
+    as the least-memory candidate (``Candidates.smallest``)."""
     if not any(_in_world(g, pipelined) for g in cands.deferred_cp):
         return 0
     least = _refine_under(problem, cands, limit_s, pipelined)
     due = [g for g in cands.deferred_cp if _in_world(g, pipelined)
-           and _plan_floor(problem, cands.placement, g, least, pipelined) <= limit_s + FLOOR_SLACK_S]
+           and _under(problem, cands.placement, g, least, limit_s, pipelined, fits_only)]
     if not due:
         return 0
     costing = {id(g) for g in due}
     cands.deferred_cp = [g for g in cands.deferred_cp if id(g) not in costing]
-    due, later = _split_by_recompute(problem, cands.placement, due, least, limit_s, pipelined)
+    due, later = _split_by_recompute(problem, cands.placement, due, least, limit_s, pipelined, fits_only)
     cands.deferred_cp += later
     if not due:
         return 0
@@ -726,10 +730,11 @@ def extend_context_parallel(problem: Problem, cands: Candidates, limit_s: float,
 
 
 def _split_by_recompute(problem: Problem, placement: Placement, groups: list[DeferredGroup], least: LeastTerms,
-                        limit_s: float, pipelined: bool | None) -> tuple[list[DeferredGroup], list[DeferredGroup]]:
+                        limit_s: float, pipelined: bool | None, fits_only: bool
+                        ) -> tuple[list[DeferredGroup], list[DeferredGroup]]:
     """(the parts of ``groups`` to cost, the parts left deferred): each group split by recomputation, each part
     bounded on its own (``context_parallel_floor``: a heavier recomputation adds passes), and costed only when its
-    plans could take at most ``limit_s``."""
+    plans could take at most ``limit_s`` (``_under``)."""
     now, later = [], []
     for group in groups:
         by_recompute: dict[str, list[tuple[int, str]]] = {}
@@ -742,9 +747,19 @@ def _split_by_recompute(problem: Problem, placement: Placement, groups: list[Def
             settings = SettingsGroup(group.group.base, tuple(part))
             step, paths = context_parallel_floor(problem, group.module, settings, placement)
             bounded = group._replace(group=settings, step_ns=step, path_ns=paths, refined=True)
-            fits = _plan_floor(problem, placement, bounded, least, pipelined) <= limit_s + FLOOR_SLACK_S
+            fits = _under(problem, placement, bounded, least, limit_s, pipelined, fits_only)
             (now if fits else later).append(bounded)
     return now, later
+
+
+def _under(problem: Problem, placement: Placement, group: DeferredGroup, least: LeastTerms, limit_s: float,
+           pipelined: bool | None, fits_only: bool) -> bool:
+    """Whether plans holding one of ``group``'s strategies could take at most ``limit_s`` (``_plan_floor``); with
+    ``fits_only``, also whether one of them could fit a GPU at all (its own bounds are finite: a group's partners
+    may still come from strategies deferred elsewhere)."""
+    if fits_only and math.isinf(group.step_ns):
+        return False
+    return _plan_floor(problem, placement, group, least, pipelined) <= limit_s + FLOOR_SLACK_S
 
 
 def _refine_under(problem: Problem, cands: Candidates, limit_s: float, pipelined: bool | None) -> LeastTerms:

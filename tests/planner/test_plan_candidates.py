@@ -1,5 +1,6 @@
 """Candidate enumeration, validity, pruning and the direct feasibility check."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -10,6 +11,8 @@ from planner.search.candidates import (
     build_candidates,
     cost_candidate,
     cost_series,
+    extend_context_parallel,
+    extend_pipelined,
     feasible,
     fits_alone,
     module_candidates,
@@ -278,3 +281,23 @@ def test_context_parallel_groups_are_deferred_with_lower_bounds_on_what_fits(cas
     full = build_candidates(p, placement)
     costed_later = sum(len(g.strategies) for g in deferred.deferred_cp)
     assert deferred.num_costed < full.num_costed <= deferred.num_costed + costed_later
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+@pytest.mark.parametrize("case", [dict(model="qwen2.5-vl-tiny", gpus=4, batch=2, text=1024, memory_gib=0.02),
+                                  dict(model="qwen-vl-32b", gpus=16, device="h100-80gb", batch=16, image=16240)])
+def test_a_feasibility_check_costs_only_deferred_strategies_that_could_fit(case, placement):
+    """Asked only whether some plan fits (``fits_only``, as ``--max-seq`` and the infeasibility hints ask), the
+    extensions leave uncosted the deferred groups whose bounds say nothing of theirs fits a GPU, and answer as
+    costing everything does (the 32B's 16,240 px image fits colocated only with CP, and not at all disjoint)."""
+    p = replace(problem(**case), allow_ring_cp=True, allow_pp=True)
+    answers, costed = [], []
+    for fits_only in (False, True):
+        cands = build_candidates(p, placement, defer_cp=True, pipeline_limit_s=-math.inf)
+        n = extend_context_parallel(p, cands, math.inf, fits_only=fits_only)
+        with_cp = feasible(p, cands)
+        n += extend_pipelined(p, cands, math.inf, fits_only=fits_only)
+        answers.append((with_cp, feasible(p, cands)))
+        costed.append(n)
+    assert answers[0] == answers[1] == ((placement == "colocated" and case["model"] == "qwen-vl-32b"),) * 2
+    assert costed[1] < 0.75 * costed[0]

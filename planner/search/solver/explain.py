@@ -179,14 +179,16 @@ def variant(problem: Problem, *, num_gpus: int | None = None, workload: Workload
 def _fits(problem: Problem, placements: list[str], fixes: Fixes) -> bool:
     """Whether some plan of one of ``placements`` fits (no solve: ``candidates.feasible``). Context-parallel
     strategies are costed only when no plan without them fits, and then pipelined LLM strategies only when none
-    fits without those (each can only add plans)."""
+    fits without those (each can only add plans); of either, only those whose bounds leave them a chance to fit a GPU
+    (``fits_only``)."""
     for p in placements:
         try:
             cands = build_candidates(problem, p, fixes, pipeline_limit_s=-math.inf, defer_cp=True)
         except NotImplementedError:
             continue
-        if feasible(problem, cands) or any(extend(problem, cands, math.inf) and feasible(problem, cands)
-                                           for extend in (extend_context_parallel, extend_pipelined)):
+        if feasible(problem, cands) or any(
+                extend(problem, cands, math.inf, fits_only=True) and feasible(problem, cands)
+                for extend in (extend_context_parallel, extend_pipelined)):
             return True
     return False
 
