@@ -394,6 +394,7 @@ def save_checkpoint(job: Job, path: str) -> None:
 def run(
     plan: Plan, options: RunOptions, *, steps: int, metrics_path: str | None = None, save: str | None = None,
     checkpoints: CheckpointOptions = CheckpointOptions(), adapt: AdaptOptions | None = None,
+    pool: WorkerPool | None = None,
 ) -> dict[str, Any]:
     """Train until ``steps`` optimizer steps are done (counting those of a resumed checkpoint), with one JSON line
     per step and per checkpoint / resume / recovery, then save the weights to ``save`` (a folder ``--checkpoint``
@@ -403,6 +404,7 @@ def run(
     folder and ``preflight.SavedElsewhere`` says where. When a worker fails, the job restarts from the latest
     complete checkpoint at most ``checkpoints.max_failures`` times, then the failure is raised. ``adapt``: the run
     re-plans from its own measurements and switches plans at a checkpoint when it pays (``runtime.launch.adapt``).
+    ``pool``: the job runs on a ``WorkerPool``'s warm workers (CPU plans), which stay up after it.
     """
     check_outputs(metrics=metrics_path, save=save)
     log = MetricsLog(plan, steps=steps, path=metrics_path, trace_dir=options.trace)
@@ -410,7 +412,7 @@ def run(
         try:
             adapter = None if adapt is None else Adapter(adapt, steps=steps, folder=checkpoints.directory, log=log,
                                                          memory_cap_bytes=options.memory_cap_bytes)
-            job = _train_recovering(plan, options, log, steps, checkpoints, adapter)
+            job = _train_recovering(plan, options, log, steps, checkpoints, adapter, pool)
         except KeyboardInterrupt as stop:  # Ctrl-C or a stop signal (runtime.run.stop_signals): the steps done so far
             print_summary(log, plan, stopped=str(stop))
             raise
@@ -426,7 +428,7 @@ def run(
 
 
 def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: int, checkpoints: CheckpointOptions,
-                      adapter: Adapter | None = None) -> Job:
+                      adapter: Adapter | None = None, pool: WorkerPool | None = None) -> Job:
     """Start the job and train it until ``steps`` are done, restarting it from the latest complete checkpoint
     when a worker is lost (at most ``checkpoints.max_failures`` times); the job, still up. Elastic
     (``checkpoints.elastic_wait_s``): a restart runs on the devices left (``_plan_for_the_cluster``), and at a
@@ -438,7 +440,7 @@ def _train_recovering(plan: Plan, options: RunOptions, log: MetricsLog, steps: i
     while True:
         if failed_at is not None and checkpoints.elastic_wait_s is not None:
             plan = _plan_for_the_cluster(plan, first_plan, log, checkpoints, step=failed_at[0])
-        job = start(plan, options, resource_wait_s=PLACEMENT_TIMEOUT_S if failures else 0.0, kept=kept)
+        job = start(plan, options, resource_wait_s=PLACEMENT_TIMEOUT_S if failures else 0.0, pool=pool, kept=kept)
         kept = None
         if adapter is not None:
             adapter.job_started(job)

@@ -113,12 +113,13 @@ def _assert_no_workers_left() -> None:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, ray_cluster):
-    """The plan file and the loss of each step of the run without failures."""
+def uninterrupted(tmp_path_factory, worker_pool):
+    """The plan file and the loss of each step of the run without failures (on the session's warm workers)."""
     folder = tmp_path_factory.mktemp("uninterrupted")
     plan = make_plan(dict(dp=2), dict(dp=2))
     (folder / "plan.json").write_text(plan.to_json())
-    summary = launcher.run(plan, RunOptions(), steps=STEPS, metrics_path=str(folder / "straight.jsonl"))
+    summary = launcher.run(plan, RunOptions(), steps=STEPS, metrics_path=str(folder / "straight.jsonl"),
+                           pool=worker_pool)
     assert summary["steps"] == STEPS
     _assert_no_workers_left()
     return folder / "plan.json", {r["step"]: r["loss"] for r in _records(folder / "straight.jsonl") if "step" in r}
@@ -209,9 +210,10 @@ def test_a_lost_node_is_replaced_and_the_run_recovers_on_it(tmp_path, uninterrup
 
 
 @pytest.fixture(scope="module")
-def dataset_plan(tmp_path_factory, ray_cluster):
+def dataset_plan(tmp_path_factory, worker_pool):
     """The planner's plan for a conversation file on 2 CPU devices (``plan --model FOLDER --dataset d.jsonl``: the
-    folder's tokenizer counts the text), the run's data flags, and the loss of each step of its run without failures."""
+    folder's tokenizer counts the text), the run's data flags, and the loss of each step of its run without failures
+    (on the session's warm workers)."""
     from planner import api
     from tests.runtime.plans import tiny_hf_config
     from tests.runtime.test_packed_data import write_dataset
@@ -225,7 +227,7 @@ def dataset_plan(tmp_path_factory, ray_cluster):
                     dataset=api.DatasetInputs(source=str(data)), workload=api.WorkloadInputs(global_batch=8))
     (folder / "plan.json").write_text(plan.to_json())
     launcher.run(plan, RunOptions(data=str(data), tokenizer=str(model)), steps=STEPS,
-                 metrics_path=str(folder / "straight.jsonl"))
+                 metrics_path=str(folder / "straight.jsonl"), pool=worker_pool)
     _assert_no_workers_left()
     expected = {r["step"]: r["loss"] for r in _records(folder / "straight.jsonl") if "loss" in r}
     return folder / "plan.json", ("--data", str(data), "--tokenizer", str(model)), expected
@@ -331,7 +333,7 @@ fit under it."""
 
 
 @pytest.mark.slow
-def test_a_run_whose_memory_is_over_its_plan_re_plans_and_finishes_on_the_same_loss_curve(tmp_path, ray_cluster):
+def test_a_run_whose_memory_is_over_its_plan_re_plans_and_finishes_on_the_same_loss_curve(tmp_path, worker_pool):
     """A DP2 plan (micro-batches of 2) under a 26 MiB cap on each worker's tensors: its second step runs out of
     memory; with ``--adapt`` the planner fits the step memory to the measured tensors, re-plans for the capped
     devices, and the run resumes from the checkpoint of step 1 under the new plan (measured under the cap from then
@@ -339,7 +341,7 @@ def test_a_run_whose_memory_is_over_its_plan_re_plans_and_finishes_on_the_same_l
     predicts: at the next checkpoint the planner checks them on the memory alone (still fits; asked once, as they do
     not grow after)."""
     steps, plan = 4, make_plan(dict(dp=2, micro_batch=2), dict(dp=2, micro_batch=2))
-    launcher.run(plan, RunOptions(), steps=steps, metrics_path=str(tmp_path / "straight.jsonl"))
+    launcher.run(plan, RunOptions(), steps=steps, metrics_path=str(tmp_path / "straight.jsonl"), pool=worker_pool)
     expected = {r["step"]: r["loss"] for r in _records(tmp_path / "straight.jsonl") if "loss" in r}
     metrics = tmp_path / "adapt.jsonl"
     launcher.run(plan, RunOptions(memory_cap_bytes=MEMORY_CAP), steps=steps, metrics_path=str(metrics), adapt=AdaptOptions(),
