@@ -135,12 +135,13 @@ def test_plan_written_by_the_planner_runs_end_to_end(tmp_path, ray_cluster):
 
 
 @pytest.mark.slow
-def test_workers_start_from_and_save_a_checkpoint_folder(tmp_path, ray_cluster):
+def test_workers_start_from_and_save_a_checkpoint_folder(tmp_path, worker_pool):
     from runtime.models.model import build_model
 
     saved = build_model(make_plan({}, {}).model.hf_config, seed=7)
     saved.save_pretrained(tmp_path / "start")
-    job = launcher.start(make_plan(dict(tp=2), dict(tp=2)), RunOptions(seed=0, checkpoint=str(tmp_path / "start")))
+    job = launcher.start(make_plan(dict(tp=2), dict(tp=2)), RunOptions(seed=0, checkpoint=str(tmp_path / "start")),
+                         pool=worker_pool)
     try:
         start = job.gather("param")
         job.step()

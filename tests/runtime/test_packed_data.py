@@ -412,29 +412,25 @@ def test_packed_parity(name, tmp_path, tokenizer_dir, worker_pool):
 
 
 @pytest.mark.slow
-def test_a_model_folder_plans_for_and_trains_on_a_mixed_resolution_dataset(tmp_path, ray_cluster):
+def test_a_model_folder_plans_for_and_trains_on_a_mixed_resolution_dataset(tmp_path, ray_cluster, capsys):
     """``plan --model FOLDER --dataset d.jsonl`` (the folder's own tokenizer counts the text), then
-    ``python -m runtime plan.json --data d.jsonl --tokenizer FOLDER``: packed steps of different token counts,
-    bad rows counted, measured tokens/s and peak memory beside the plan's in the summary."""
-    import subprocess
-    import sys
-
-    from tests.runtime.test_cli import run_cli
+    ``python -m runtime plan.json --data d.jsonl --tokenizer FOLDER`` (both commands' ``main`` in this process, on
+    the session's Ray cluster: the commands' own processes are tested elsewhere): packed steps of different token
+    counts, bad rows counted, measured tokens/s and peak memory beside the plan's in the summary."""
+    from planner import cli
+    from runtime import __main__ as runtime_cli
 
     folder = save_tokenizer(tmp_path / "model")
     (folder / "config.json").write_text(json.dumps(tiny_hf_config()))
     data = write_dataset(tmp_path, rows=16, extra=[_row("missing.png", "Q?", "A."), "{not json"])
     plan = tmp_path / "plan.json"
-    made = subprocess.run([sys.executable, "-m", "planner.cli", "--model", str(folder), "--gpu", "cpu", "--gpus", "2",
-                           "--dataset", str(data), "--global-batch", "8", "--out", str(plan)],
-                          capture_output=True, text=True, timeout=120)
-    assert made.returncode == 0, made.stderr
-    assert f"text counted by {folder}/tokenizer.json" in made.stdout
+    assert cli.main(["--model", str(folder), "--gpu", "cpu", "--gpus", "2", "--dataset", str(data), "--global-batch",
+                     "8", "--out", str(plan)]) == 0
+    assert f"text counted by {folder}/tokenizer.json" in capsys.readouterr().out
     metrics = tmp_path / "m.jsonl"
-    env = {"RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
-    result = run_cli(str(plan), "--data", str(data), "--tokenizer", str(folder), "--steps", "3",
-                     "--metrics", str(metrics), env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert runtime_cli.main([str(plan), "--data", str(data), "--tokenizer", str(folder), "--steps", "3", "--metrics",
+                             str(metrics)]) == 0
+    result = capsys.readouterr()
     *steps, summary = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert all(np.isfinite(s["loss"]) for s in steps)
     budget = json.loads(plan.read_text())["workload"]["dataset"]["pack_tokens"]
@@ -443,7 +439,7 @@ def test_a_model_folder_plans_for_and_trains_on_a_mixed_resolution_dataset(tmp_p
     assert summary["data_skipped"] == {"missing or unreadable image": 1, "malformed row": 1}
     assert summary["tokens_per_s"]["measured"] > 0 and summary["tokens_per_s"]["predicted"] > 0
     assert summary["peak_memory_gib"]["measured"] > 0
-    assert "tokens/s" in result.stdout + result.stderr
+    assert "tokens/s" in result.out + result.err
 
 
 def test_the_index_is_cached_until_the_data_or_the_tokenizer_changes(tmp_path, tokenizer_dir, monkeypatch):

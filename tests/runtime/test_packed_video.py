@@ -225,26 +225,22 @@ def test_a_packed_row_of_clips_and_images_runs_them_in_sequence_order(tmp_path, 
 @pytest.mark.slow
 def test_a_model_folder_plans_for_and_trains_on_video_rows(tmp_path, ray_cluster):
     """``plan --model FOLDER --dataset d.jsonl --fps 2`` on the tiny Qwen3-VL, then two training steps of
-    ``python -m runtime plan.json --data d.jsonl --tokenizer FOLDER``: finite losses, the bad videos counted."""
+    ``python -m runtime plan.json --data d.jsonl --tokenizer FOLDER`` (both commands' ``main`` in this process, on
+    the session's Ray cluster): finite losses, the bad videos counted."""
     import json
-    import subprocess
-    import sys
 
-    from tests.runtime.test_cli import run_cli
+    from planner import cli
+    from runtime import __main__ as runtime_cli
 
     folder = save_tokenizer(tmp_path / "model")
     (folder / "config.json").write_text(json.dumps(tiny_qwen3_vl_config()))
     data = write_video_rows(tmp_path)
     plan = tmp_path / "plan.json"
-    made = subprocess.run([sys.executable, "-m", "planner.cli", "--model", str(folder), "--gpu", "cpu", "--gpus", "2",
-                           "--dataset", str(data), "--fps", str(FPS), "--global-batch", "3", "--out", str(plan)],
-                          capture_output=True, text=True, timeout=120)
-    assert made.returncode == 0, made.stderr
+    assert cli.main(["--model", str(folder), "--gpu", "cpu", "--gpus", "2", "--dataset", str(data), "--fps", str(FPS),
+                     "--global-batch", "3", "--out", str(plan)]) == 0
     metrics = tmp_path / "m.jsonl"
-    env = {"RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
-    result = run_cli(str(plan), "--data", str(data), "--tokenizer", str(folder), "--steps", "2",
-                     "--metrics", str(metrics), env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert runtime_cli.main([str(plan), "--data", str(data), "--tokenizer", str(folder), "--steps", "2", "--metrics",
+                             str(metrics)]) == 0
     *steps, summary = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert len(steps) == 2 and all(np.isfinite(s["loss"]) for s in steps)
     assert summary["data_skipped"] == {MISSING_VIDEO: 1, MIXED_FRAME_SIZES: 1, NO_FRAMES: 1}

@@ -7,10 +7,11 @@ inherits: the worker is the one whose parent is not so titled):
 - with ``--max-failures 1`` the run tears the job down, starts new workers and resumes from the step-6
   checkpoint; it finishes all 12 steps, its loss curve (the last record of each step) is bitwise the
   uninterrupted run's, and its metrics hold one recovery line with at most K-1 = 2 lost steps;
-- with ``--max-failures 0`` the same kill ends the run within 60 s with one error line and a non-zero exit.
+- with ``--max-failures 0`` the same kill ends the run within 60 s with one error line and a non-zero exit. In that
+  run, a worker's prefetch process is killed first (after step 4): that costs no step, the run goes on on the
+  uninterrupted curve without a recovery (it is allowed none).
 
-After each run no worker process of it is left. Killing a worker's prefetch process instead costs no step: the run
-ends on the uninterrupted curve without a recovery, even with ``--max-failures 0``.
+After each run no worker process of it is left.
 
 Two "nodes" (ray.cluster_utils.Cluster: a head and a second raylet on this machine, one CPU slot each, so the
 plan's two workers span both): the second node is removed at step 7 and a new one added, as an autoscaler
@@ -41,7 +42,7 @@ from runtime.run.checkpoint_dir import CheckpointOptions
 from runtime.training.trainer import RunOptions
 from tests.runtime.plans import make_plan
 
-STEPS, EVERY, KILL_AFTER = 12, 3, 7
+STEPS, EVERY, KILL_AFTER, PREFETCH_KILL_AFTER = 12, 3, 7, 4
 WORKER_TITLE = b"ray::Worker"
 
 
@@ -83,9 +84,10 @@ def _records(path) -> list[dict]:
 
 
 def _run_and_kill(tmp_path, name: str, max_failures: int, address: str, kill=None, extra: tuple[str, ...] = (),
-                  every: int = EVERY) -> tuple[subprocess.CompletedProcess, float]:
-    """The CLI run, one worker SIGKILLed (or ``kill()`` called) once step KILL_AFTER's line is written; (result,
-    seconds from the kill to the exit)."""
+                  every: int = EVERY, before=None) -> tuple[subprocess.CompletedProcess, float]:
+    """The CLI run, one worker SIGKILLed (or ``kill()`` called) once step KILL_AFTER's line is written (and, first,
+    ``before = (after, kill)``: ``kill()`` once step ``after``'s line is); (result, seconds from the last kill to the
+    exit)."""
     metrics = tmp_path / f"{name}.jsonl"
     command = [sys.executable, "-m", "runtime", str(tmp_path / "plan.json"), "--steps", str(STEPS), "--metrics",
                str(metrics), "--checkpoint-dir", str(tmp_path / name), "--checkpoint-every", str(every),
@@ -93,9 +95,16 @@ def _run_and_kill(tmp_path, name: str, max_failures: int, address: str, kill=Non
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "RAY_ADDRESS": address})
     deadline = time.monotonic() + 240
-    while not any(r.get("step") == KILL_AFTER - 1 and "loss" in r for r in _records(metrics)):
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
-        time.sleep(0.05)
+
+    def wait_for_step(after: int) -> None:
+        while not any(r.get("step") == after - 1 and "loss" in r for r in _records(metrics)):
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+            time.sleep(0.05)
+
+    if before is not None:
+        wait_for_step(before[0])
+        before[1]()
+    wait_for_step(KILL_AFTER)
     if kill is None:
         os.kill(_worker_pids()[-1], signal.SIGKILL)
     else:
@@ -161,28 +170,19 @@ def test_a_killed_worker_is_recovered_from_the_last_checkpoint_or_ends_the_run_i
     assert recovery["lost_steps"] >= 1  # killed after step 7: step 7 is redone
     _assert_no_workers_left()
 
-    result, seconds = _run_and_kill(tmp_path, "failed", 0, address)
+    # --max-failures 0: first a worker's data-prefetch process is SIGKILLed, which costs no step and no recovery
+    # (that rank builds its samples itself: the run, allowed no recovery, goes on on the uninterrupted curve)
+    result, seconds = _run_and_kill(tmp_path, "failed", 0, address, before=(
+        PREFETCH_KILL_AFTER, lambda: os.kill(_prefetch_pids()[-1], signal.SIGKILL)))
+    records = _records(tmp_path / "failed.jsonl")
+    losses = {r["step"]: r["loss"] for r in records if "step" in r and "loss" in r}
+    assert {step: losses.get(step) for step in range(KILL_AFTER)} == {s: expected[s] for s in range(KILL_AFTER)}
+    assert not [r for r in records if r.get("event") == "recovery"]
+    # ... then the worker itself: the run ends in one line
     assert result.returncode != 0 and seconds < 60
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("runtime: error:")]
     assert len(errors) == 1 and "--max-failures 0" in errors[0], result.stderr[-3000:]
-    _assert_no_workers_left()
-
-
-@pytest.mark.slow
-def test_a_killed_prefetch_process_costs_no_step_and_no_recovery(tmp_path, ray_cluster, uninterrupted):
-    """The data-prefetch process a worker forked is SIGKILLed: that rank builds the step's samples itself, and even
-    with ``--max-failures 0`` the run ends on the uninterrupted loss curve without a recovery."""
-    plan_path, expected = uninterrupted
-    shutil.copy(plan_path, tmp_path / "plan.json")
-    address = ray_cluster.get_runtime_context().gcs_address
-
-    result, _ = _run_and_kill(tmp_path, "prefetch", 0, address,
-                              kill=lambda: os.kill(_prefetch_pids()[-1], signal.SIGKILL))
-    assert result.returncode == 0, result.stderr[-3000:]
-    records = _records(tmp_path / "prefetch.jsonl")
-    assert {r["step"]: r["loss"] for r in records if "step" in r and "loss" in r} == expected
-    assert not [r for r in records if r.get("event") == "recovery"]
     _assert_no_workers_left()
 
 

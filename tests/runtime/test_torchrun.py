@@ -93,12 +93,12 @@ def _ranks_lines(stderr: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["--async-checkpoint"]])
-def test_sigterm_to_torchrun_ends_each_rank_in_one_line_naming_a_complete_checkpoint(tmp_path, extra):
+def test_sigterm_to_torchrun_ends_each_rank_in_one_line_naming_a_complete_checkpoint(tmp_path):
     """A scheduler's SIGTERM to torchrun's agent once the first checkpoint is written: the agent passes it on to
-    every rank; rank 0 alone names a complete checkpoint to resume from (with an async checkpoint in flight too:
-    a partial one is never named) and writes the summary (``"stopped": "SIGTERM"``); no rank prints a stack, and no
-    process is left. The agent itself re-raises the signal as its ``SignalException`` (a traceback of torchrun's
+    every rank; rank 0 alone names a complete checkpoint to resume from (checkpoints written with
+    ``--async-checkpoint``, so that one may be in flight: a partial one is never named; a synchronous checkpoint's
+    stop takes the same path, run on Ray by tests/runtime/test_run_faults.py) and writes the summary
+    (``"stopped": "SIGTERM"``); no rank prints a stack, and no process is left. The agent itself re-raises the signal as its ``SignalException`` (a traceback of torchrun's
     own and exit status 1, docs/runtime.md), so only the ranks' lines are ours to check."""
     from runtime.run.checkpoint_dir import is_complete, latest_checkpoint
     from tests.runtime.test_run_faults import _records
@@ -107,7 +107,7 @@ def test_sigterm_to_torchrun_ends_each_rank_in_one_line_naming_a_complete_checkp
     metrics, folder = tmp_path / "m.jsonl", tmp_path / "ck"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                "runtime", str(tmp_path / "plan.json"), "--steps", "1000", "--metrics", str(metrics),
-               "--checkpoint-dir", str(folder), "--checkpoint-every", "2", *extra]
+               "--checkpoint-dir", str(folder), "--checkpoint-every", "2", "--async-checkpoint"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
