@@ -536,7 +536,7 @@ def extend_pipelined(problem: Problem, cands: Candidates, limit_s: float, *, fit
     are not costed even with no plan yet (``_may_fit_alone``)."""
     due = [s for f, s in cands.deferred if f <= limit_s + FLOOR_SLACK_S]
     cands.deferred = [(f, s) for f, s in cands.deferred if f > limit_s + FLOOR_SLACK_S]
-    if math.isfinite(limit_s) or fits_only:  # a plan exists: those that cannot fit are never part of a better one
+    if math.isfinite(limit_s) or fits_only:  # those that cannot fit are never part of a (better) plan
         due = [s for s in due if _may_fit_alone(problem, s)]
     if not due:
         return 0
