@@ -414,8 +414,15 @@ class PackedConversations:
                              "stale (delete it)")
 
 
+VIDEO_DECODE_THREADS = 1
+"""FFmpeg threads per decoded clip. One, on the calling thread: the prefetch worker decodes in a process forked from
+the rank, where FFmpeg's thread pool (PyAV's default: slice threads on every core) can deadlock on what the fork
+inherited (PyAV-Org/PyAV#1962; NVIDIA-TAO/tao-pytorch#109), and a node's ranks decode side by side anyway."""
+
+
 def decode_frames(path: Path, indices: tuple[int, ...]) -> list[Image.Image]:
-    """The frames at ``indices`` of a video file, decoded in order with PyAV up to the last one needed.
+    """The frames at ``indices`` of a video file, decoded in order with PyAV (``VIDEO_DECODE_THREADS``) up to the last
+    one needed.
 
     Raises:
         ValueError: it does not decode, or decodes fewer frames than its metadata said.
@@ -425,6 +432,8 @@ def decode_frames(path: Path, indices: tuple[int, ...]) -> list[Image.Image]:
     wanted, found = set(indices), {}
     try:
         with av.open(str(path)) as container:
+            for stream in container.streams.video[:1]:
+                stream.thread_count = VIDEO_DECODE_THREADS
             for i, frame in enumerate(container.decode(video=0)):
                 if i in wanted:
                     found[i] = frame.to_image()

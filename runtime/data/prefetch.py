@@ -8,8 +8,11 @@ DataLoader's workers are (the source is already built there, nothing is imported
 back through shared memory (torch's multiprocessing reductions). What the worker skipped (bad rows, images that
 did not decode) is added to the rank's own counts with each step.
 
-A worker that dies (killed, out of memory) costs nothing but time: the rank builds that step's samples itself
-and forks a new worker for the next. Each side holds only its own end of each pipe, so a death is seen as the
+A worker that dies (killed, out of memory) or stalls costs nothing but time: the rank builds that step's samples
+itself and forks a new worker for the next. A forked worker can stall for good where a library's lock was held by
+another of the rank's threads at the fork (Ray's, a decoder's thread pool: PyAV-Org/PyAV#1962, the DataLoader's
+long history of such hangs, pytorch/pytorch#1355); the rank waits for it at most ``stall_factor`` times the longest it
+took to build a step's samples itself (and at least ``stall_min_s``), then kills it. Each side holds only its own end of each pipe, so a death is seen as the
 pipe's end of file. (``concurrent.futures.ProcessPoolExecutor``, used before, keeps the worker's end of its
 result pipe open in the rank: a worker killed in the middle of sending a result left the rank waiting for the
 rest of that message forever.)
@@ -18,6 +21,7 @@ rest of that message forever.)
 from __future__ import annotations
 
 import multiprocessing
+import time
 from collections import Counter
 from multiprocessing.connection import Connection
 from typing import Any
@@ -28,6 +32,13 @@ from runtime.run.stop_signals import ignore_stop_signals
 
 WORKER_EXIT_WAIT_S = 5.0
 """How long ``close`` waits for the worker to leave after its request pipe closed, before killing it."""
+
+STALL_FACTOR = 10.0
+"""A worker that has not sent a step's samples within this many times the longest the rank took to build a step's
+samples itself (the first step's, at least: nothing is prefetched for it) is taken as stuck."""
+
+STALL_MIN_S = 60.0
+"""The least time a worker gets to send a step's samples before it is taken as stuck."""
 
 
 def _serve(source: Any, requests: Connection, results: Connection, rank_ends: tuple[Connection, ...]) -> None:
@@ -52,12 +63,16 @@ def _serve(source: Any, requests: Connection, results: Connection, rank_ends: tu
 class Prefetcher:
     """One worker process building the samples of the step after this one (``submit``, then ``take``)."""
 
-    def __init__(self, source: Any):
+    def __init__(self, source: Any, *, stall_factor: float = STALL_FACTOR, stall_min_s: float = STALL_MIN_S):
         self.source = source
+        self.stall_factor, self.stall_min_s = stall_factor, stall_min_s
         self.restarts = 0
-        """Workers that died and were replaced."""
+        """Workers that died or stalled and were replaced."""
+        self.slowest_build_s = 0.0
+        """The longest the rank took to build a step's samples itself."""
         self._worker: tuple[multiprocessing.process.BaseProcess, Connection, Connection] | None = None
         self._pending: int | None = None
+        self._submitted_at = 0.0
 
     def submit(self, position: int, indexes: list[int]) -> None:
         """Start building the samples ``indexes`` of the step at data position ``position`` (forking a worker if
@@ -70,33 +85,35 @@ class Prefetcher:
             except OSError:  # the worker died since the last step
                 self._lost()
                 continue
-            self._pending = position
+            self._pending, self._submitted_at = position, time.monotonic()
             return
 
     def take(self, position: int, indexes: list[int]) -> dict[int, dict[str, torch.Tensor]]:
         """The samples of the step at ``position``: the worker's, when it was building them, else built here (also
-        when the worker died; another step's samples it built are dropped)."""
+        when the worker died or stalled; another step's samples it built are dropped)."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            try:
-                samples, skipped = self._worker[2].recv()
-            except (EOFError, OSError):  # the worker died (its end closed), or before its shared memory was read
+            answer = self._answer(self._submitted_at + max(self.stall_min_s, self.stall_factor * self.slowest_build_s))
+            if answer is None:
                 self._lost()
-            else:
-                if pending == position:
-                    if skipped:
-                        self.source.skipped.update(skipped)
-                    return samples
-        return {i: self.source.sample(i) for i in indexes}
+            elif pending == position:
+                samples, skipped = answer
+                if skipped:
+                    self.source.skipped.update(skipped)
+                return samples
+        started = time.perf_counter()
+        samples = {i: self.source.sample(i) for i in indexes}
+        self.slowest_build_s = max(self.slowest_build_s, time.perf_counter() - started)
+        return samples
 
-    def close(self) -> None:
-        """Stop the worker: it leaves when its request pipe closes."""
+    def close(self, wait_s: float = WORKER_EXIT_WAIT_S) -> None:
+        """Stop the worker: it leaves when its request pipe closes, or is killed after ``wait_s``."""
         if self._worker is not None:
             process, requests, results = self._worker
             self._worker, self._pending = None, None
             requests.close()
             results.close()
-            process.join(WORKER_EXIT_WAIT_S)
+            process.join(wait_s)
             if process.is_alive():
                 process.kill()  # not SIGTERM: the fork inherited the rank's handler of it (Ray's)
                 process.join()
@@ -112,7 +129,18 @@ class Prefetcher:
         result_writer.close()
         self._worker = (process, request_writer, result_reader)
 
+    def _answer(self, deadline: float) -> tuple[dict, Counter] | None:
+        """The worker's samples and skip counts, or None: it died (its end closed), died before its shared memory was
+        read, or sent nothing by ``deadline`` (``time.monotonic``)."""
+        results = self._worker[2]
+        try:
+            if results.poll(max(0.0, deadline - time.monotonic())):
+                return results.recv()
+        except (EOFError, OSError):
+            pass
+        return None
+
     def _lost(self) -> None:
-        """The worker died: reap it; the next ``submit`` forks a new one."""
+        """The worker died or stalled: reap it (a stalled one at once); the next ``submit`` forks a new one."""
         self.restarts += 1
-        self.close()
+        self.close(wait_s=0.0)

@@ -9,14 +9,14 @@ import numpy as np
 from PIL import Image
 
 
-def write_mp4(path: Path, frames: int, fps: int, width: int, height: int, seed: int = 0) -> str:
-    """An MPEG-4 file of ``frames`` random frames at ``fps``; returns its name (rows name files relative to the
-    dataset file, in the same folder here)."""
+def write_mp4(path: Path, frames: int, fps: int, width: int, height: int, seed: int = 0, codec: str = "mpeg4") -> str:
+    """An MP4 file of ``frames`` random frames at ``fps`` (MPEG-4 Part 2 unless ``codec`` says otherwise); returns its
+    name (rows name files relative to the dataset file, in the same folder here)."""
     import av
 
     rng = np.random.default_rng(seed)
     with av.open(str(path), "w") as container:
-        stream = container.add_stream("mpeg4", rate=fps)
+        stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for _ in range(frames):
             frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8), format="rgb24")

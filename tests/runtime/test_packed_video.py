@@ -19,14 +19,14 @@ from planner.contract.families.qwen3_vl import TIMESTAMP_TOKENS
 from planner.contract.workload import sampled_frames, video_grid
 from planner.dataset import sample_tokens, scan_dataset
 from runtime.data.conversations import conversation_of
-from runtime.data.packed_data import PackedConversations
+from runtime.data.packed_data import VIDEO_DECODE_THREADS, PackedConversations, decode_frames
 from runtime.data.samples import IGNORE_INDEX, layout_image_processor, pack_rows, patchify_clip, visual_inputs
 from runtime.models.families import family_of
 from runtime.models.llm import packed_position_ids
 from runtime.training.step_inputs import vision_items_batch
 from runtime.models.model import build_model, hf_config_from_dict, split_model
 from tests.planner.test_video_rows import _conversation, write_video_rows
-from tests.planner.video_files import write_frames, write_mkv_claiming
+from tests.planner.video_files import write_frames, write_mkv_claiming, write_mp4
 from tests.runtime.plans import dataset_info, sample_layout, sample_work, tiny_hf_config, tiny_qwen3_vl_config
 from tests.runtime.tokenizer import save_tokenizer
 
@@ -220,6 +220,38 @@ def test_a_packed_row_of_clips_and_images_runs_them_in_sequence_order(tmp_path, 
         assert torch.equal(positions[1:, :, at:at + length], alone)
         at += length
     assert at == positions.shape[-1]
+
+
+def test_clips_decode_on_the_calling_thread(tmp_path, monkeypatch):
+    """The prefetch worker, forked from a rank, decodes without FFmpeg's thread pool (``VIDEO_DECODE_THREADS``), which
+    can deadlock in a forked process. H.264, as most users' clips are: FFmpeg decodes it with slice threads on every
+    core unless told otherwise (the tests' MPEG-4 Part 2 clips decode on one thread anyway)."""
+    threads, open_video = [], av.open
+
+    class Recorded:
+        """A container whose decoded frames record their decoder's thread count."""
+
+        def __init__(self, *args, **kwargs):
+            self.container = open_video(*args, **kwargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.container.__exit__(*exc)
+
+        def __getattr__(self, name):
+            return getattr(self.container, name)
+
+        def decode(self, *args, **kwargs):
+            for frame in self.container.decode(*args, **kwargs):
+                threads.append(self.container.streams.video[0].codec_context.thread_count)
+                yield frame
+
+    clip = tmp_path / write_mp4(tmp_path / "clip.mp4", frames=6, fps=4, width=64, height=48, codec="h264")
+    monkeypatch.setattr(av, "open", Recorded)
+    assert len(decode_frames(clip, (1, 4))) == 2
+    assert threads and set(threads) == {VIDEO_DECODE_THREADS} == {1}
 
 
 @pytest.mark.slow

@@ -82,3 +82,50 @@ def test_ctrl_c_reaches_the_rank_and_not_its_prefetch_worker():
         assert _worker_pid() == worker
     finally:
         prefetcher.close()
+
+
+class SlowInWorkerSource:
+    """Samples naming the process that built them: built at once in the rank, after ``worker_s`` in a forked worker
+    (``inf``: never, a worker stuck on a lock it inherited)."""
+
+    skipped: Counter = Counter()
+
+    def __init__(self, worker_s: float, rank_s: float = 0.0):
+        self.rank_pid, self.worker_s, self.rank_s = os.getpid(), worker_s, rank_s
+
+    def sample(self, index: int) -> dict[str, int]:
+        in_worker = os.getpid() != self.rank_pid
+        time.sleep((3600.0 if self.worker_s == float("inf") else self.worker_s) if in_worker else self.rank_s)
+        return {"index": index, "built_by": os.getpid()}
+
+
+def test_a_stalled_worker_is_killed_and_its_samples_built_here():
+    """A worker that never answers (a fork can inherit a lock held by another of the rank's threads) costs the rank
+    ``stall_min_s``, not the run: the samples are built here, the worker killed and replaced."""
+    prefetcher = Prefetcher(SlowInWorkerSource(worker_s=float("inf")), stall_min_s=1.0)
+    try:
+        assert _take_within(prefetcher, 0, [1])[1]["built_by"] == os.getpid()  # nothing prefetched for step 0
+        prefetcher.submit(1, [2])
+        stuck = _worker_pid()
+        assert _take_within(prefetcher, 1, [2], seconds=10.0)[2]["built_by"] == os.getpid()
+        assert prefetcher.restarts == 1 and not multiprocessing.active_children()
+        prefetcher.submit(2, [3])
+        assert _worker_pid() != stuck
+    finally:
+        prefetcher.close(wait_s=0.0)
+
+
+@pytest.mark.parametrize("stall_factor, builder", [(20.0, "worker"), (1.0, "rank")])
+def test_a_worker_gets_a_multiple_of_the_ranks_own_build_time(stall_factor, builder):
+    """The stall limit is ``stall_factor`` times the longest the rank took to build a step's samples itself (0.2 s
+    here): a worker that takes 1 s is waited for at 20x, taken as stuck at 1x."""
+    source = SlowInWorkerSource(worker_s=1.0, rank_s=0.2)
+    prefetcher = Prefetcher(source, stall_factor=stall_factor, stall_min_s=0.0)
+    try:
+        _take_within(prefetcher, 0, [1])
+        prefetcher.submit(1, [2])
+        built_by = _take_within(prefetcher, 1, [2])[2]["built_by"]
+        assert ("rank" if built_by == os.getpid() else "worker") == builder
+        assert prefetcher.restarts == (builder == "rank")
+    finally:
+        prefetcher.close(wait_s=0.0)
