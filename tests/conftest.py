@@ -52,10 +52,11 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.fixture(scope="session")
 def ray_cluster():
     """Ray, started once per test session (~10 s here) with 4 CPU slots, so runtime tests can place up to 4
-    single-CPU workers on this 2-core machine."""
+    single-CPU workers on this 2-core machine. A cluster of the session's own (``address="local"``), also where one
+    started by ``ray start`` runs on this machine (``ray.init()`` would join that one instead)."""
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield ray
     ray.shutdown()
 

@@ -8,14 +8,17 @@ DataLoader's workers are (the source is already built there, nothing is imported
 back through shared memory (torch's multiprocessing reductions). What the worker skipped (bad rows, images that
 did not decode) is added to the rank's own counts with each step.
 
-A worker that dies (killed, out of memory) or stalls costs nothing but time: the rank builds that step's samples
-itself and forks a new worker for the next. A forked worker can stall for good where a library's lock was held by
-another of the rank's threads at the fork (Ray's, a decoder's thread pool: PyAV-Org/PyAV#1962, the DataLoader's
-long history of such hangs, pytorch/pytorch#1355); the rank waits for it at most ``stall_factor`` times the longest it
-took to build a step's samples itself (and at least ``stall_min_s``), then kills it. Each side holds only its own end of each pipe, so a death is seen as the
-pipe's end of file. (``concurrent.futures.ProcessPoolExecutor``, used before, keeps the worker's end of its
-result pipe open in the rank: a worker killed in the middle of sending a result left the rank waiting for the
-rest of that message forever.)
+A worker that dies (killed, out of memory) costs nothing but time: the rank builds that step's samples itself
+and forks a new worker for the next. A worker can also stall for good: a process forked from a threaded one (a Ray
+worker: Ray's, gloo's, a decoder's threads) can block on a lock that another thread held at the fork (the
+DataLoader's long history of such hangs, pytorch/pytorch#1355; PyAV-Org/PyAV#1962). The rank waits for it at most
+``stall_factor`` times the longest it took to build a step's samples itself (``stall_min_s`` at least), then kills
+it and builds the samples in the step from then on (``stalls``): a fork that stalled once may stall again.
+
+Each side holds only its own end of each pipe, so a death is seen as the pipe's end of file.
+(``concurrent.futures.ProcessPoolExecutor``, used before, keeps the worker's end of its result pipe open in the
+rank: a worker killed in the middle of sending a result left the rank waiting for the rest of that message
+forever.)
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ STALL_FACTOR = 10.0
 """A worker that has not sent a step's samples within this many times the longest the rank took to build a step's
 samples itself (the first step's, at least: nothing is prefetched for it) is taken as stuck."""
 
-STALL_MIN_S = 60.0
+STALL_MIN_S = 30.0
 """The least time a worker gets to send a step's samples before it is taken as stuck."""
+
+STALLED = object()
+"""What ``Prefetcher._answer`` returns for a worker that sent nothing in time."""
 
 
 def _serve(source: Any, requests: Connection, results: Connection, rank_ends: tuple[Connection, ...]) -> None:
@@ -67,7 +73,9 @@ class Prefetcher:
         self.source = source
         self.stall_factor, self.stall_min_s = stall_factor, stall_min_s
         self.restarts = 0
-        """Workers that died or stalled and were replaced."""
+        """Workers that died and were replaced."""
+        self.stalls = 0
+        """Workers that stalled and were killed (one at most: prefetching stops)."""
         self.slowest_build_s = 0.0
         """The longest the rank took to build a step's samples itself."""
         self._worker: tuple[multiprocessing.process.BaseProcess, Connection, Connection] | None = None
@@ -76,8 +84,8 @@ class Prefetcher:
 
     def submit(self, position: int, indexes: list[int]) -> None:
         """Start building the samples ``indexes`` of the step at data position ``position`` (forking a worker if
-        there is none, or the last one died)."""
-        for _ in range(2):
+        there is none, or the last one died; nothing once a worker stalled)."""
+        for _ in range(0 if self.stalls else 2):
             if self._worker is None:
                 self._start()
             try:
@@ -96,6 +104,9 @@ class Prefetcher:
             answer = self._answer(self._submitted_at + max(self.stall_min_s, self.stall_factor * self.slowest_build_s))
             if answer is None:
                 self._lost()
+            elif answer is STALLED:
+                self.stalls += 1
+                self.close(wait_s=0.0)
             elif pending == position:
                 samples, skipped = answer
                 if skipped:
@@ -129,18 +140,16 @@ class Prefetcher:
         result_writer.close()
         self._worker = (process, request_writer, result_reader)
 
-    def _answer(self, deadline: float) -> tuple[dict, Counter] | None:
-        """The worker's samples and skip counts, or None: it died (its end closed), died before its shared memory was
-        read, or sent nothing by ``deadline`` (``time.monotonic``)."""
+    def _answer(self, deadline: float) -> tuple[dict, Counter] | object | None:
+        """The worker's samples and skip counts; None when it died (its end closed) or died before its shared
+        memory was read; ``STALLED`` when it sent nothing by ``deadline`` (``time.monotonic``)."""
         results = self._worker[2]
         try:
-            if results.poll(max(0.0, deadline - time.monotonic())):
-                return results.recv()
+            return results.recv() if results.poll(max(0.0, deadline - time.monotonic())) else STALLED
         except (EOFError, OSError):
-            pass
-        return None
+            return None
 
     def _lost(self) -> None:
-        """The worker died or stalled: reap it (a stalled one at once); the next ``submit`` forks a new one."""
+        """The worker died: reap it; the next ``submit`` forks a new one."""
         self.restarts += 1
         self.close(wait_s=0.0)

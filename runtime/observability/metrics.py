@@ -75,6 +75,9 @@ def step_record(step: int, results: list[dict[str, Any]]) -> dict[str, Any]:
     skipped = [r["data_skipped"] for r in results if r.get("data_skipped")]
     if skipped:  # the rank that skipped most so far (DP replicas read different rows, TP peers the same ones)
         record["data_skipped"] = max(skipped, key=lambda counts: sum(counts.values()))
+    stalls = sum(r.get("prefetch_stalls", 0) for r in results)
+    if stalls:  # ranks whose prefetch worker stalled (runtime.data.prefetch): they build their samples in the step
+        record["prefetch_stalls"] = stalls
     experts = next((r for r in results if "expert_tokens" in r), None)
     if experts:  # every LLM rank reports the same sums
         record["expert_tokens"], record["moe_load_imbalance"] = experts["expert_tokens"], experts["moe_load_imbalance"]
@@ -120,6 +123,10 @@ class MetricsLog:
     def log(self, step: int, results: list[dict[str, Any]]) -> dict[str, Any]:
         record = step_record(step, results)
         record["elapsed_s"] = time.perf_counter() - self.started
+        stalled = record.get("prefetch_stalls", 0) - (self.records[-1].get("prefetch_stalls", 0) if self.records else 0)
+        if stalled > 0:
+            self.warn(f"step {step}: the prefetch worker of {stalled} rank(s) sent nothing in time and was killed "
+                      "(runtime.data.prefetch); those ranks build their samples in the step from now on")
         self.records.append(record)
         self._write(record)
         if self.trace_dir is not None:
@@ -205,6 +212,9 @@ class MetricsLog:
         skipped = [r["data_skipped"] for r in self.records if r.get("data_skipped")]
         if skipped:
             result["data_skipped"] = skipped[-1]
+        stalls = [r["prefetch_stalls"] for r in self.records if r.get("prefetch_stalls")]
+        if stalls:
+            result["prefetch_stalls"] = stalls[-1]
         balanced = [r["imbalance"] for r in timed if "imbalance" in r]
         if balanced:  # the median step's, beside the plan's expectation
             result["imbalance"] = {name: {"measured": statistics.median(b[name]["measured"] for b in balanced),

@@ -101,6 +101,10 @@ class StepInputs:
         """Called with each host-memory sample and batch; a memory measurement on the CPU sets it to
         ``runtime.observability.memory.TensorMemory.forget`` (host memory is not the device's, though on the CPU it is one)."""
 
+    def prefetch_stalls(self) -> int:
+        """Prefetch workers of this rank that stalled and were killed (runtime.data.prefetch)."""
+        return self.prefetcher.stalls if self.prefetcher is not None else 0
+
     # ---- the step's inputs ----------------------------------------------------------------------------
     def prepare(self, position: int) -> float:
         """This rank's samples of the step at data position ``position`` (from the prefetch worker, which built

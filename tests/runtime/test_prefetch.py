@@ -99,18 +99,20 @@ class SlowInWorkerSource:
         return {"index": index, "built_by": os.getpid()}
 
 
-def test_a_stalled_worker_is_killed_and_its_samples_built_here():
+def test_a_stalled_worker_is_killed_and_the_rank_builds_its_samples_from_then_on():
     """A worker that never answers (a fork can inherit a lock held by another of the rank's threads) costs the rank
-    ``stall_min_s``, not the run: the samples are built here, the worker killed and replaced."""
+    ``stall_min_s``, not the run: it is killed, the samples are built here, and no worker is forked again (a fork
+    that stalled once may stall again)."""
     prefetcher = Prefetcher(SlowInWorkerSource(worker_s=float("inf")), stall_min_s=1.0)
     try:
         assert _take_within(prefetcher, 0, [1])[1]["built_by"] == os.getpid()  # nothing prefetched for step 0
         prefetcher.submit(1, [2])
-        stuck = _worker_pid()
+        _worker_pid()
         assert _take_within(prefetcher, 1, [2], seconds=10.0)[2]["built_by"] == os.getpid()
-        assert prefetcher.restarts == 1 and not multiprocessing.active_children()
+        assert prefetcher.stalls == 1 and prefetcher.restarts == 0 and not multiprocessing.active_children()
         prefetcher.submit(2, [3])
-        assert _worker_pid() != stuck
+        assert not multiprocessing.active_children()
+        assert _take_within(prefetcher, 2, [3])[3]["built_by"] == os.getpid()
     finally:
         prefetcher.close(wait_s=0.0)
 
@@ -126,6 +128,23 @@ def test_a_worker_gets_a_multiple_of_the_ranks_own_build_time(stall_factor, buil
         prefetcher.submit(1, [2])
         built_by = _take_within(prefetcher, 1, [2])[2]["built_by"]
         assert ("rank" if built_by == os.getpid() else "worker") == builder
-        assert prefetcher.restarts == (builder == "rank")
+        assert prefetcher.stalls == (builder == "rank")
     finally:
         prefetcher.close(wait_s=0.0)
+
+
+def test_a_stall_is_one_warning_and_counted_in_the_metrics(tmp_path, capsys):
+    """The driver says once, when it happens, which step's samples a stalled worker cost; the step records and the
+    summary count the ranks whose worker stalled."""
+    from runtime.observability.metrics import MetricsLog
+    from tests.runtime.plans import make_plan
+
+    rank = dict(step_time_s=1.0, loss=1.0, grad_norm=1.0, lr=1e-3, llm_tokens=8, peak_memory_bytes=1 << 20)
+    log = MetricsLog(make_plan({}, {}), steps=3, path=str(tmp_path / "m.jsonl"))
+    for step, stalls in enumerate([0, 1, 1]):
+        log.log(step, [dict(rank, rank=0), dict(rank, rank=1, **({"prefetch_stalls": stalls} if stalls else {}))])
+    log.close()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "prefetch worker" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("runtime: warning: step 1: the prefetch worker of 1 rank(s)")
+    assert [r.get("prefetch_stalls") for r in log.records] == [None, 1, 1]
+    assert log.summary()["prefetch_stalls"] == 1
