@@ -23,7 +23,11 @@ forever.)
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
+import os
+import signal
+import tempfile
 import time
 from collections import Counter
 from multiprocessing.connection import Connection
@@ -46,12 +50,22 @@ STALL_MIN_S = 30.0
 STALLED = object()
 """What ``Prefetcher._answer`` returns for a worker that sent nothing in time."""
 
+STACK_SIGNAL = signal.SIGQUIT
+"""Asks a worker for its Python stacks (``faulthandler``, which answers even while a thread is blocked in C; the
+JVM's thread-dump signal, and not one of the stop signals the rank handles): where a stalled worker was stuck goes
+into the rank's report before it is killed."""
 
-def _serve(source: Any, requests: Connection, results: Connection, rank_ends: tuple[Connection, ...]) -> None:
+STACK_WAIT_S = 1.0
+"""How long a stalled worker gets to write its stacks."""
+
+
+def _serve(source: Any, requests: Connection, results: Connection, rank_ends: tuple[Connection, ...],
+           stacks: Any) -> None:
     """The worker's loop: build the samples of each requested index list until the rank closes its pipe."""
     for end in rank_ends:  # the rank's ends, inherited by the fork: held here, a dead rank would not be seen
         end.close()
     ignore_stop_signals()  # Ctrl-C, SIGTERM are the rank's to handle; this worker ends with its pipe
+    faulthandler.register(STACK_SIGNAL, file=stacks, all_threads=True)
     torch.set_num_threads(1)
     while True:
         try:
@@ -76,11 +90,14 @@ class Prefetcher:
         """Workers that died and were replaced."""
         self.stalls = 0
         """Workers that stalled and were killed (one at most: prefetching stops)."""
+        self.stalled_at = ""
+        """Where the stalled worker was stuck: its Python stacks (``faulthandler``'s format)."""
         self.slowest_build_s = 0.0
         """The longest the rank took to build a step's samples itself."""
         self._worker: tuple[multiprocessing.process.BaseProcess, Connection, Connection] | None = None
         self._pending: int | None = None
         self._submitted_at = 0.0
+        self._stack_file: Any = None
 
     def submit(self, position: int, indexes: list[int]) -> None:
         """Start building the samples ``indexes`` of the step at data position ``position`` (forking a worker if
@@ -106,6 +123,7 @@ class Prefetcher:
                 self._lost()
             elif answer is STALLED:
                 self.stalls += 1
+                self.stalled_at = self._stacks()
                 self.close(wait_s=0.0)
             elif pending == position:
                 samples, skipped = answer
@@ -128,17 +146,29 @@ class Prefetcher:
             if process.is_alive():
                 process.kill()  # not SIGTERM: the fork inherited the rank's handler of it (Ray's)
                 process.join()
+            self._stack_file.close()
 
     def _start(self) -> None:
         context = multiprocessing.get_context("fork")
         request_reader, request_writer = context.Pipe(duplex=False)
         result_reader, result_writer = context.Pipe(duplex=False)
+        self._stack_file = tempfile.TemporaryFile()
         process = context.Process(target=_serve, args=(self.source, request_reader, result_writer,
-                                                       (request_writer, result_reader)), daemon=True)
+                                                       (request_writer, result_reader), self._stack_file), daemon=True)
         process.start()
         request_reader.close()  # the worker's ends: held here, a dead worker would not be seen
         result_writer.close()
         self._worker = (process, request_writer, result_reader)
+
+    def _stacks(self) -> str:
+        """The worker's Python stacks, written by its ``faulthandler`` when asked (``STACK_SIGNAL``)."""
+        os.kill(self._worker[0].pid, STACK_SIGNAL)
+        deadline = time.monotonic() + STACK_WAIT_S
+        while time.monotonic() < deadline and not os.fstat(self._stack_file.fileno()).st_size:
+            time.sleep(0.05)
+        time.sleep(0.05)  # the rest of the dump
+        self._stack_file.seek(0)
+        return self._stack_file.read().decode(errors="replace")
 
     def _answer(self, deadline: float) -> tuple[dict, Counter] | object | None:
         """The worker's samples and skip counts; None when it died (its end closed) or died before its shared

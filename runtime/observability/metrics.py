@@ -46,6 +46,14 @@ def module_imbalance(results: list[dict[str, Any]]) -> dict[str, dict[str, float
     return out
 
 
+def innermost_frame(stacks: str) -> str:
+    """The most recent call of the thread that took the signal in a ``faulthandler`` dump ("Current thread ...",
+    else the first thread listed): ``File "...", line N in name``; "an unknown place" when there is none."""
+    lines = [line.strip() for line in stacks.splitlines()]
+    start = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), 0)
+    return next((line for line in lines[start:] if line.startswith("File ")), "an unknown place")
+
+
 def max_over_mean(values: list[float]) -> float:
     """max / mean (1 when all are 0)."""
     mean = sum(values) / len(values)
@@ -75,9 +83,10 @@ def step_record(step: int, results: list[dict[str, Any]]) -> dict[str, Any]:
     skipped = [r["data_skipped"] for r in results if r.get("data_skipped")]
     if skipped:  # the rank that skipped most so far (DP replicas read different rows, TP peers the same ones)
         record["data_skipped"] = max(skipped, key=lambda counts: sum(counts.values()))
-    stalls = sum(r.get("prefetch_stalls", 0) for r in results)
-    if stalls:  # ranks whose prefetch worker stalled (runtime.data.prefetch): they build their samples in the step
-        record["prefetch_stalls"] = stalls
+    stalled = [r for r in results if r.get("prefetch_stalls")]
+    if stalled:  # ranks whose prefetch worker stalled (runtime.data.prefetch): they build their samples in the step
+        record["prefetch_stalls"] = sum(r["prefetch_stalls"] for r in stalled)
+        record["prefetch_stalled_at"] = stalled[0]["prefetch_stalled_at"]
     experts = next((r for r in results if "expert_tokens" in r), None)
     if experts:  # every LLM rank reports the same sums
         record["expert_tokens"], record["moe_load_imbalance"] = experts["expert_tokens"], experts["moe_load_imbalance"]
@@ -126,7 +135,8 @@ class MetricsLog:
         stalled = record.get("prefetch_stalls", 0) - (self.records[-1].get("prefetch_stalls", 0) if self.records else 0)
         if stalled > 0:
             self.warn(f"step {step}: the prefetch worker of {stalled} rank(s) sent nothing in time and was killed "
-                      "(runtime.data.prefetch); those ranks build their samples in the step from now on")
+                      f"(runtime.data.prefetch), stuck at {innermost_frame(record['prefetch_stalled_at'])}; those "
+                      "ranks build their samples in the step from now on (the metrics hold its stacks)")
         self.records.append(record)
         self._write(record)
         if self.trace_dir is not None:

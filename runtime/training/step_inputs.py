@@ -101,9 +101,12 @@ class StepInputs:
         """Called with each host-memory sample and batch; a memory measurement on the CPU sets it to
         ``runtime.observability.memory.TensorMemory.forget`` (host memory is not the device's, though on the CPU it is one)."""
 
-    def prefetch_stalls(self) -> int:
-        """Prefetch workers of this rank that stalled and were killed (runtime.data.prefetch)."""
-        return self.prefetcher.stalls if self.prefetcher is not None else 0
+    def prefetch_report(self) -> dict[str, Any]:
+        """When this rank's prefetch worker stalled and was killed (runtime.data.prefetch): how many did, and where
+        the last one was stuck; else nothing."""
+        if self.prefetcher is None or not self.prefetcher.stalls:
+            return {}
+        return {"prefetch_stalls": self.prefetcher.stalls, "prefetch_stalled_at": self.prefetcher.stalled_at}
 
     # ---- the step's inputs ----------------------------------------------------------------------------
     def prepare(self, position: int) -> float:

@@ -373,7 +373,7 @@ class Trainer:
             "peak_memory_bytes": _peak_memory(self.device), **self.timings, **pipeline, **experts,
             **self.inputs.assigned_work(),
             **({"data_skipped": dict(skipped)} if skipped else {}),
-            **({"prefetch_stalls": stalls} if (stalls := self.inputs.prefetch_stalls()) else {}),
+            **self.inputs.prefetch_report(),
         }
 
     def _expert_load(self) -> dict[str, Any]:

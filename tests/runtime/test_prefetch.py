@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 from runtime.data.prefetch import Prefetcher
+from runtime.observability.metrics import innermost_frame
 
 PAYLOAD_BYTES = 16 << 20
 """A sample far larger than a pipe's buffer (64 KiB): the worker blocks in the middle of sending it."""
@@ -110,6 +111,7 @@ def test_a_stalled_worker_is_killed_and_the_rank_builds_its_samples_from_then_on
         _worker_pid()
         assert _take_within(prefetcher, 1, [2], seconds=10.0)[2]["built_by"] == os.getpid()
         assert prefetcher.stalls == 1 and prefetcher.restarts == 0 and not multiprocessing.active_children()
+        assert innermost_frame(prefetcher.stalled_at).endswith("in sample")  # where it was stuck: time.sleep's caller
         prefetcher.submit(2, [3])
         assert not multiprocessing.active_children()
         assert _take_within(prefetcher, 2, [3])[3]["built_by"] == os.getpid()
@@ -134,17 +136,24 @@ def test_a_worker_gets_a_multiple_of_the_ranks_own_build_time(stall_factor, buil
 
 
 def test_a_stall_is_one_warning_and_counted_in_the_metrics(tmp_path, capsys):
-    """The driver says once, when it happens, which step's samples a stalled worker cost; the step records and the
-    summary count the ranks whose worker stalled."""
+    """The driver says once, when it happens, which step a stalled worker cost and where it was stuck (the innermost
+    call of the thread that took the stack signal); the step records and the summary count the ranks whose worker
+    stalled, the records hold its stacks."""
     from runtime.observability.metrics import MetricsLog
     from tests.runtime.plans import make_plan
 
     rank = dict(step_time_s=1.0, loss=1.0, grad_norm=1.0, lr=1e-3, llm_tokens=8, peak_memory_bytes=1 << 20)
     log = MetricsLog(make_plan({}, {}), steps=3, path=str(tmp_path / "m.jsonl"))
+    stacks = ('Thread 0x00007f01 (most recent call first):\n  File "threading.py", line 320 in wait\n\n'
+              'Current thread 0x00007f00 (most recent call first):\n  File "/lib/av/open.py", line 7 in decode\n'
+              '  File "/runtime/data/packed_data.py", line 440 in decode_frames\n')
+    stalled = {"prefetch_stalls": 1, "prefetch_stalled_at": stacks}
     for step, stalls in enumerate([0, 1, 1]):
-        log.log(step, [dict(rank, rank=0), dict(rank, rank=1, **({"prefetch_stalls": stalls} if stalls else {}))])
+        log.log(step, [dict(rank, rank=0), dict(rank, rank=1, **(stalled if stalls else {}))])
     log.close()
     warnings = [line for line in capsys.readouterr().err.splitlines() if "prefetch worker" in line]
     assert len(warnings) == 1 and warnings[0].startswith("runtime: warning: step 1: the prefetch worker of 1 rank(s)")
+    assert 'stuck at File "/lib/av/open.py", line 7 in decode;' in warnings[0]
+    assert log.records[1]["prefetch_stalled_at"] == stacks
     assert [r.get("prefetch_stalls") for r in log.records] == [None, 1, 1]
     assert log.summary()["prefetch_stalls"] == 1
