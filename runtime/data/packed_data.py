@@ -415,8 +415,9 @@ class PackedConversations:
 
 
 VIDEO_DECODE_THREADS = 1
-"""FFmpeg threads per decoded clip. One, on the calling thread: the prefetch worker decodes in a process forked from
-the rank, where FFmpeg's thread pool (PyAV's default: slice threads on every core) can deadlock on what the fork
+"""FFmpeg threads per decoded clip, for decoding and for converting its frames to RGB (swscale). One, on the calling
+thread: the prefetch worker decodes in a process forked from the rank, where FFmpeg's thread pools (PyAV's default:
+threads on every core; its frame converter is kept per thread, pool included) can deadlock on what the fork
 inherited (PyAV-Org/PyAV#1962; NVIDIA-TAO/tao-pytorch#109), and a node's ranks decode side by side anyway."""
 
 
@@ -436,7 +437,7 @@ def decode_frames(path: Path, indices: tuple[int, ...]) -> list[Image.Image]:
                 stream.thread_count = VIDEO_DECODE_THREADS
             for i, frame in enumerate(container.decode(video=0)):
                 if i in wanted:
-                    found[i] = frame.to_image()
+                    found[i] = frame.to_image(threads=VIDEO_DECODE_THREADS)
                 if i >= max(indices):
                     break
     except av.FFmpegError as e:

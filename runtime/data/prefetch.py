@@ -81,7 +81,9 @@ def _serve(source: Any, requests: Connection, results: Connection, rank_ends: tu
 
 
 class Prefetcher:
-    """One worker process building the samples of the step after this one (``submit``, then ``take``)."""
+    """One worker process building the samples of the step after this one (``submit``, then ``take``), forked when
+    the prefetcher is made: before the rank has built any sample itself, so that the worker inherits nothing the
+    rank's decoders set up (FFmpeg's contexts and thread pools, PyAV's per-thread frame converter)."""
 
     def __init__(self, source: Any, *, stall_factor: float = STALL_FACTOR, stall_min_s: float = STALL_MIN_S):
         self.source = source
@@ -98,6 +100,7 @@ class Prefetcher:
         self._pending: int | None = None
         self._submitted_at = 0.0
         self._stack_file: Any = None
+        self._start()  # before the rank builds a sample: the fork inherits no state its decoders made
 
     def submit(self, position: int, indexes: list[int]) -> None:
         """Start building the samples ``indexes`` of the step at data position ``position`` (forking a worker if

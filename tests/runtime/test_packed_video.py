@@ -223,10 +223,11 @@ def test_a_packed_row_of_clips_and_images_runs_them_in_sequence_order(tmp_path, 
 
 
 def test_clips_decode_on_the_calling_thread(tmp_path, monkeypatch):
-    """The prefetch worker, forked from a rank, decodes without FFmpeg's thread pool (``VIDEO_DECODE_THREADS``), which
-    can deadlock in a forked process. H.264, as most users' clips are: FFmpeg decodes it with slice threads on every
-    core unless told otherwise (the tests' MPEG-4 Part 2 clips decode on one thread anyway)."""
-    threads, open_video = [], av.open
+    """The prefetch worker, forked from a rank, decodes and converts frames without FFmpeg's thread pools
+    (``VIDEO_DECODE_THREADS``), which can deadlock in a forked process. H.264, as most users' clips are: FFmpeg
+    decodes it with slice threads on every core unless told otherwise (the tests' MPEG-4 Part 2 clips decode on one
+    thread anyway); PyAV converts frames to RGB on every core unless told otherwise."""
+    threads, converter_threads, open_video = [], [], av.open
 
     class Recorded:
         """A container whose decoded frames record their decoder's thread count."""
@@ -246,12 +247,23 @@ def test_clips_decode_on_the_calling_thread(tmp_path, monkeypatch):
         def decode(self, *args, **kwargs):
             for frame in self.container.decode(*args, **kwargs):
                 threads.append(self.container.streams.video[0].codec_context.thread_count)
-                yield frame
+                yield Converted(frame)
+
+    class Converted:
+        """A decoded frame whose conversion to RGB records the swscale threads it was given (0: every core)."""
+
+        def __init__(self, frame):
+            self.frame = frame
+
+        def to_image(self, **kwargs):
+            converter_threads.append(kwargs.get("threads", 0))
+            return self.frame.to_image(**kwargs)
 
     clip = tmp_path / write_mp4(tmp_path / "clip.mp4", frames=6, fps=4, width=64, height=48, codec="h264")
     monkeypatch.setattr(av, "open", Recorded)
     assert len(decode_frames(clip, (1, 4))) == 2
     assert threads and set(threads) == {VIDEO_DECODE_THREADS} == {1}
+    assert converter_threads == [1, 1]
 
 
 @pytest.mark.slow

@@ -157,3 +157,34 @@ def test_a_stall_is_one_warning_and_counted_in_the_metrics(tmp_path, capsys):
     assert log.records[1]["prefetch_stalled_at"] == stacks
     assert [r.get("prefetch_stalls") for r in log.records] == [None, 1, 1]
     assert log.summary()["prefetch_stalls"] == 1
+
+
+DECODER_STATE: list[int] = []
+"""What a decoder sets up on first use in a process (FFmpeg's contexts and thread pools, PyAV's per-thread frame
+converter): here, the pids of the processes that built a sample."""
+
+
+class StatefulSource:
+    """Samples that tell which processes had built a sample where they were built, fork included."""
+
+    skipped: Counter = Counter()
+
+    def sample(self, index: int) -> dict[str, list[int]]:
+        before = list(DECODER_STATE)
+        DECODER_STATE.append(os.getpid())
+        return {"state_before": before}
+
+
+def test_the_worker_is_forked_before_the_rank_builds_a_sample():
+    """The rank builds the first step's samples itself; its worker, forked when the prefetcher was made, inherits
+    none of the state that set up (the suite's video run stalled in a worker converting a frame with the converter
+    its rank had made)."""
+    DECODER_STATE.clear()
+    prefetcher = Prefetcher(StatefulSource())
+    try:
+        _take_within(prefetcher, 0, [1])
+        assert DECODER_STATE == [os.getpid()]
+        prefetcher.submit(1, [2])
+        assert _take_within(prefetcher, 1, [2])[2]["state_before"] == []
+    finally:
+        prefetcher.close()
