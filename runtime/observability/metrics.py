@@ -137,6 +137,8 @@ class MetricsLog:
             self.warn(f"step {step}: the prefetch worker of {stalled} rank(s) sent nothing in time and was killed "
                       f"(runtime.data.prefetch), stuck at {innermost_frame(record['prefetch_stalled_at'])}; those "
                       "ranks build their samples in the step from now on (the metrics hold its stacks)")
+        else:  # the stacks go into the record of the step that found the stall, not every one after it
+            record.pop("prefetch_stalled_at", None)
         self.records.append(record)
         self._write(record)
         if self.trace_dir is not None:
